@@ -1,0 +1,39 @@
+"""aitraining_pl: PPO, DPO and reward-model training for language models as PyTorch Lightning components.
+
+Public names are imported lazily, so ``import aitraining_pl`` stays cheap and each layer loads on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+#: public name -> module that defines it. Each module adds its own entries here.
+_EXPORTS: dict[str, str] = {
+    # layer 1: maths
+    "AdaptiveKLController": "aitraining_pl.losses",
+    "FixedKLController": "aitraining_pl.losses",
+    # layer 2: models
+    "LoRAConfig": "aitraining_pl.models",
+    "PPOModel": "aitraining_pl.models",
+    "ValueHead": "aitraining_pl.models",
+    "ReferencePolicy": "aitraining_pl.models",
+    "load_causal_lm": "aitraining_pl.models",
+    "load_tokenizer": "aitraining_pl.models",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'aitraining_pl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,63 @@
+"""The maths of preference optimisation and RL fine-tuning as pure tensor functions.
+
+No Lightning or transformers imports here; each function names the paper it follows.
+"""
+
+from aitraining_pl.losses.kl_control import AdaptiveKLController, FixedKLController
+from aitraining_pl.losses.logprobs import (
+    SequenceLogps,
+    entropy_from_logits,
+    explained_variance,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    selective_log_softmax,
+    sequence_logps,
+    token_logps,
+)
+from aitraining_pl.losses.preference import (
+    DPO_LOSSES,
+    LENGTH_NORMALISED,
+    REFERENCE_FREE,
+    DPOOutput,
+    ORPOOutput,
+    bradley_terry_loss,
+    dpo_loss,
+    orpo_loss,
+)
+from aitraining_pl.losses.rl import (
+    gae,
+    group_advantages,
+    kl_penalty,
+    ppo_policy_loss,
+    ppo_value_loss,
+    rloo_advantages,
+)
+
+__all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "SequenceLogps",
+    "entropy_from_logits",
+    "explained_variance",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "selective_log_softmax",
+    "sequence_logps",
+    "token_logps",
+    "DPO_LOSSES",
+    "LENGTH_NORMALISED",
+    "REFERENCE_FREE",
+    "DPOOutput",
+    "ORPOOutput",
+    "bradley_terry_loss",
+    "dpo_loss",
+    "orpo_loss",
+    "gae",
+    "group_advantages",
+    "kl_penalty",
+    "ppo_policy_loss",
+    "ppo_value_loss",
+    "rloo_advantages",
+]

@@ -1,0 +1,31 @@
+"""Models and loaders: causal LMs and tokenizers, LoRA, the reference policy, value heads."""
+
+from aitraining_pl.models.loading import (
+    BYTE_TOKENIZER,
+    build_causal_lm,
+    hidden_size_of,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_dtype,
+    with_padding_side,
+)
+from aitraining_pl.models.lora import LoRAConfig, apply_lora, is_peft_model
+from aitraining_pl.models.reference import ReferencePolicy
+from aitraining_pl.models.value_head import PolicyValueOutput, PPOModel, ValueHead
+
+__all__ = [
+    "BYTE_TOKENIZER",
+    "build_causal_lm",
+    "hidden_size_of",
+    "load_causal_lm",
+    "load_tokenizer",
+    "resolve_dtype",
+    "with_padding_side",
+    "LoRAConfig",
+    "apply_lora",
+    "is_peft_model",
+    "ReferencePolicy",
+    "PolicyValueOutput",
+    "PPOModel",
+    "ValueHead",
+]

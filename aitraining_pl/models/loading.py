@@ -1,0 +1,127 @@
+"""Loading causal LMs and tokenizers: from a local folder, a hub id, or an inline config (random init).
+
+Loading from a hub id and from a folder is the same code path (``from_pretrained``); with
+``HF_HUB_OFFLINE=1`` nothing reaches the network. ``trust_remote_code`` is off unless the caller sets it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+#: The tokenizer name meaning "a byte-level tokenizer that needs no files" (``ByT5Tokenizer``).
+BYTE_TOKENIZER = "byte"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bfloat16"``/``"bf16"``/``torch.bfloat16`` -> ``torch.bfloat16``; ``None`` or ``"auto"`` -> ``None``."""
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return None if dtype == "auto" else dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, padding_side: str = "right"):
+    """A tokenizer from a folder or hub id, or ``"byte"`` for a file-free byte-level tokenizer.
+
+    A missing pad token is set to the EOS token (or a new ``<pad>`` token when there is no EOS either).
+    The returned tokenizer is a fresh object owned by the caller.
+    """
+    from transformers import AutoTokenizer, ByT5Tokenizer
+
+    if name_or_path == BYTE_TOKENIZER:
+        tokenizer = ByT5Tokenizer()
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        else:
+            tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def with_padding_side(tokenizer, side: str):
+    """A shallow copy of ``tokenizer`` that pads on ``side`` ("left" for generation, "right" for
+    training); the tokenizer someone else holds is not mutated."""
+    if tokenizer.padding_side == side:
+        return tokenizer
+    clone = copy.copy(tokenizer)
+    clone.padding_side = side
+    return clone
+
+
+def build_causal_lm(config: Mapping[str, Any], *, seed: int = 0, dtype: str | torch.dtype | None = None) -> nn.Module:
+    """A randomly initialised causal LM from an inline config dict, e.g.
+    ``{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, ...}``.
+
+    Initialisation runs under ``torch.manual_seed(seed)`` inside a forked RNG state, so the same spec always
+    gives the same weights and the caller's RNG stream is untouched.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(config)
+    if "model_type" not in config:
+        raise ValueError("an inline model_config needs a 'model_type' (e.g. 'llama'), got keys: " + ", ".join(config))
+    hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config)
+    torch_dtype = resolve_dtype(dtype)
+    return model.to(torch_dtype) if torch_dtype is not None else model
+
+
+def load_causal_lm(
+    model_name: str | None = None,
+    model_config: Mapping[str, Any] | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    seed: int = 0,
+) -> nn.Module:
+    """A causal LM from ``model_name`` (local folder or hub id) or ``model_config`` (inline, random init).
+
+    Exactly one of the two must be given. Calling this twice with the same arguments gives models with
+    identical weights, which is how the frozen reference policy is built from its source.
+    """
+    if (model_name is None) == (model_config is None):
+        raise ValueError("give exactly one of model_name (folder or hub id) and model_config (inline dict)")
+    if model_config is not None:
+        if attn_implementation is not None:
+            model_config = {**model_config, "attn_implementation": attn_implementation}
+        return build_causal_lm(model_config, seed=seed, dtype=dtype)
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if dtype is not None:
+        kwargs["dtype"] = resolve_dtype(dtype) or "auto"
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    return AutoModelForCausalLM.from_pretrained(model_name, **kwargs)
+
+
+def hidden_size_of(model: nn.Module) -> int:
+    """The hidden size of a transformers model (``config.hidden_size``, or ``d_model``/``n_embd``)."""
+    config = model.config
+    for key in ("hidden_size", "d_model", "n_embd", "dim"):
+        if getattr(config, key, None):
+            return int(getattr(config, key))
+    text = getattr(config, "get_text_config", lambda: None)()
+    if text is not None and getattr(text, "hidden_size", None):
+        return int(text.hidden_size)
+    raise ValueError(f"cannot find the hidden size in the config of {type(model).__name__}")

@@ -1,0 +1,79 @@
+"""The frozen reference policy of KL-regularised RL and DPO.
+
+With LoRA the reference is the policy itself with adapters disabled (no second copy of the weights).
+Without LoRA it is a frozen copy built from the same *source* as the policy (model name or inline
+config), never copied from the live policy, whose weights may already be trained or resumed.
+
+The copy is held outside the ``nn.Module`` tree, so it is never in the owner's ``state_dict``,
+checkpoints, optimizer or DDP/FSDP wrapping; ``to`` moves it explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+from torch import nn
+
+from aitraining_pl.models.lora import is_peft_model
+
+
+class ReferencePolicy:
+    """Computes reference logits for a policy.
+
+    Args:
+        policy: the trained policy (a ``peft`` model when LoRA is on).
+        build_reference: builds a fresh model from the policy's source; called only without LoRA.
+    """
+
+    def __init__(self, policy: nn.Module, build_reference: Callable[[], nn.Module] | None = None):
+        self._policy = [policy]  # a list hides it from nn.Module registration by any owner
+        self._frozen: list[nn.Module] = []
+        self._lora = is_peft_model(policy)
+        if not self._lora:
+            if build_reference is None:
+                raise ValueError("without LoRA the reference policy needs build_reference (a frozen copy's source)")
+            model = build_reference().eval()
+            model.requires_grad_(False)
+            self._frozen.append(model)
+
+    @property
+    def shares_weights(self) -> bool:
+        """True under LoRA: the reference is the policy with adapters disabled."""
+        return self._lora
+
+    @property
+    def model(self) -> nn.Module:
+        """The module that computes reference outputs (inside ``context()`` for LoRA)."""
+        if self._lora:
+            return self._policy[0]
+        if not self._frozen:
+            raise RuntimeError("the frozen reference copy was released (drop()); precomputed log-probs are needed")
+        return self._frozen[0]
+
+    def context(self):
+        """Context manager under which ``model`` acts as the reference (adapters off under LoRA)."""
+        return self._policy[0].disable_adapter() if self._lora else contextlib.nullcontext()
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "ReferencePolicy":
+        """Move the frozen copy (no-op under LoRA, where the policy's own placement applies)."""
+        if self._frozen:
+            self._frozen[0].to(device=device, dtype=dtype)
+        return self
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Reference logits (B, T, V) for ``input_ids``."""
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            with self.context():
+                return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
+        finally:
+            model.train(was_training)
+
+    def drop(self) -> None:
+        """Release the frozen copy (e.g. after reference log-probs were precomputed)."""
+        self._frozen.clear()

@@ -1,0 +1,67 @@
+"""Value head and the policy-with-value model used by PPO."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from aitraining_pl.models.loading import hidden_size_of
+
+
+class ValueHead(nn.Module):
+    """Per-token scalar value: hidden -> Linear -> ReLU -> Linear -> scalar (the seed's architecture).
+
+    The output layer starts at zero so that initial values are 0 and early advantages equal returns.
+    """
+
+    def __init__(self, hidden_size: int, dropout: float = 0.0):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Dropout(dropout), nn.Linear(hidden_size, hidden_size), nn.ReLU(), nn.Linear(hidden_size, 1)
+        )
+        nn.init.zeros_(self.net[-1].weight)
+        nn.init.zeros_(self.net[-1].bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) -> (B, T) values, computed in float32."""
+        return self.net(hidden_states.to(self.net[1].weight.dtype)).squeeze(-1).float()
+
+
+class PolicyValueOutput(NamedTuple):
+    logits: torch.Tensor  #: (B, T, V)
+    values: torch.Tensor  #: (B, T), value of the state after reading token t
+
+
+class PPOModel(nn.Module):
+    """A causal LM with a value head. By default the head reads the policy's last hidden state (shared
+    trunk); pass ``critic`` (a separate transformers model) to give the value function its own trunk.
+
+    Args:
+        base_model: the policy, a transformers causal LM (optionally wrapped by ``peft``).
+        critic: optional separate trunk for the value function.
+        value_head_dropout: dropout before the value head.
+    """
+
+    def __init__(self, base_model: nn.Module, critic: nn.Module | None = None, value_head_dropout: float = 0.0):
+        super().__init__()
+        self.base_model = base_model
+        self.critic = critic
+        self.value_head = ValueHead(hidden_size_of(critic if critic is not None else base_model), value_head_dropout)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> PolicyValueOutput:
+        out = self.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=self.critic is None, use_cache=False
+        )
+        if self.critic is None:
+            hidden = out.hidden_states[-1]
+        else:
+            hidden = self.critic(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+            ).hidden_states[-1]
+        return PolicyValueOutput(out.logits, self.value_head(hidden))
+
+    def generate(self, *args, **kwargs):
+        """Sampling from the policy (the value head plays no part)."""
+        return self.base_model.generate(*args, **kwargs)
