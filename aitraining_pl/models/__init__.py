@@ -10,6 +10,7 @@ from aitraining_pl.models.loading import (
     with_padding_side,
 )
 from aitraining_pl.models.lora import LoRAConfig, apply_lora, is_peft_model
+from aitraining_pl.models.policy import load_policy
 from aitraining_pl.models.reference import ReferencePolicy
 from aitraining_pl.models.value_head import PolicyValueOutput, PPOModel, ValueHead
 
@@ -25,6 +26,7 @@ __all__ = [
     "apply_lora",
     "is_peft_model",
     "ReferencePolicy",
+    "load_policy",
     "PolicyValueOutput",
     "PPOModel",
     "ValueHead",
