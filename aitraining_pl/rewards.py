@@ -1,0 +1,232 @@
+"""Reward sources for PPO: what scores a batch of sampled responses.
+
+**The reward-source protocol.** A reward source is any callable
+
+    source(prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]
+
+(the seed's ``reward_fn(prompts, responses, metadata)`` signature) returning one finite float per response.
+``metadata[i]`` holds the extra columns of prompt ``i`` (e.g. a math problem's answer); it is ``{}`` when
+the prompt data has none. A source may also expose the per-component scores of its *last* call as an
+attribute ``last_components: dict[str, list[float]]`` (each list as long as ``responses``); ``PPOModule``
+then logs each component's mean as ``train/reward/<name>``. RL environments act as reward sources by
+implementing this protocol.
+
+An exception, a result of the wrong length, or a non-finite value stops the run with a ``RewardError``
+saying which (see ``score_responses``).
+
+Reward sources are named in YAML by ``build_reward_source``:
+
+- ``"package.module:function"`` or ``"package.module.function"``: a callable by import path;
+- a folder path: a reward model saved by ``RewardModule`` (``aitraining_pl.models.reward``);
+- ``{"class_path": "package.module.Class", "init_args": {...}}``: an object built from a class, e.g. an
+  RL environment;
+- ``{"components": {name: {"source": <any of the above>, "weight": w, "kwargs": {...}}, ...}}``: the
+  weighted sum of named components (``WeightedRewards``).
+
+``kwargs`` bind keyword arguments of a function source (``functools.partial``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import os
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
+
+
+class RewardError(RuntimeError):
+    """A reward source failed: raised, returned the wrong number of scores, or returned NaN/inf."""
+
+
+@runtime_checkable
+class RewardSource(Protocol):
+    """``(prompts, responses, metadata) -> list[float]``; optional attribute ``last_components``."""
+
+    def __call__(self, prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]: ...
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Built-in reward functions (for the quickstart and tests). Each follows the protocol.
+
+
+def char_fraction_reward(prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
+    """Share of a response's characters that are in ``metadata["target_chars"]`` (default: lowercase vowels).
+
+    Empty responses score 0. Easy for a tiny random model to increase, hence the quickstart's reward.
+    """
+    scores = []
+    for response, meta in zip(responses, metadata):
+        targets = set((meta or {}).get("target_chars") or "aeiou")
+        scores.append(sum(c in targets for c in response) / len(response) if response else 0.0)
+    return scores
+
+
+def length_reward(prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
+    """Response length in characters divided by ``metadata["target_length"]`` (default 100), capped at 1."""
+    return [min(1.0, len(r) / float((m or {}).get("target_length") or 100)) for r, m in zip(responses, metadata)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Combinators and loaders
+
+
+class WeightedRewards:
+    """The weighted sum of named reward sources; the unweighted component scores of the last call are kept
+    in ``last_components`` (logged as ``train/reward/<name>``).
+
+    Args:
+        components: name -> reward source.
+        weights: name -> weight (default 1.0 for each component).
+    """
+
+    def __init__(self, components: Mapping[str, Callable], weights: Optional[Mapping[str, float]] = None):
+        if not components:
+            raise ValueError("WeightedRewards needs at least one component")
+        unknown = set(weights or {}) - set(components)
+        if unknown:
+            raise ValueError(f"weights given for unknown components: {', '.join(sorted(unknown))}")
+        self.components = dict(components)
+        self.weights = {name: float((weights or {}).get(name, 1.0)) for name in self.components}
+        self.last_components: dict[str, list[float]] = {}
+
+    def __call__(self, prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
+        self.last_components = {}
+        total = [0.0] * len(responses)
+        for name, source in self.components.items():
+            scores = _checked_call(source, prompts, responses, metadata, name=name)
+            self.last_components[name] = scores
+            total = [t + self.weights[name] * s for t, s in zip(total, scores)]
+        return total
+
+
+class RewardModelSource:
+    """Scores ``prompt + response`` texts with a reward model folder saved by the reward module.
+
+    The model is held by this object, not by the LightningModule, so it never lands in a checkpoint.
+
+    Args:
+        path: folder with the reward model and its tokenizer.
+        batch_size: texts scored per forward pass.
+        separator: put between prompt and response.
+    """
+
+    def __init__(self, path: str, batch_size: int = 16, separator: str = ""):
+        from aitraining_pl.models import load_tokenizer
+
+        try:
+            from aitraining_pl.models.reward import load_reward_model
+        except ImportError as err:  # pragma: no cover - depends on the reward issue
+            raise RewardError(f"reward-model folder {path!r} given, but reward models are unavailable: {err}") from err
+        self.path = path
+        self.model = load_reward_model(path).eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = load_tokenizer(path)
+        self.batch_size = batch_size
+        self.separator = separator
+
+    def to(self, device=None, dtype=None) -> "RewardModelSource":
+        self.model.to(device=device, dtype=dtype)
+        return self
+
+    def __call__(self, prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
+        texts = [p + self.separator + r for p, r in zip(prompts, responses)]
+        return [float(x) for x in self.model.predict_rewards(texts, self.tokenizer, self.batch_size)]
+
+
+def import_object(path: str) -> Any:
+    """``"pkg.mod:name"`` or ``"pkg.mod.name"`` -> the object."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{path!r} is not an import path like 'package.module:function'")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"cannot import module {module_name!r} of reward source {path!r}: {err}") from err
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"module {module_name!r} has no attribute {attr!r} (reward source {path!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_reward_source(spec: Any, *, kwargs: Optional[Mapping[str, Any]] = None) -> Callable:
+    """A reward source from its YAML/Python description (see the module docstring for the forms).
+
+    A callable is returned as is (with ``kwargs`` bound if given).
+    """
+    kwargs = dict(kwargs or {})
+    if callable(spec):
+        return functools.partial(spec, **kwargs) if kwargs else spec
+    if isinstance(spec, str):
+        if os.path.isdir(os.path.expanduser(spec)):
+            return RewardModelSource(os.path.expanduser(spec), **kwargs)
+        obj = import_object(spec)
+        if isinstance(obj, type):
+            return obj(**kwargs)
+        if not callable(obj):
+            raise ValueError(f"reward source {spec!r} is not callable")
+        return functools.partial(obj, **kwargs) if kwargs else obj
+    if isinstance(spec, Mapping):
+        if "class_path" in spec:
+            cls = import_object(spec["class_path"])
+            return cls(**{**dict(spec.get("init_args") or {}), **kwargs})
+        if "components" in spec:
+            components, weights = {}, {}
+            for name, item in spec["components"].items():
+                item = item if isinstance(item, Mapping) else {"source": item}
+                components[name] = build_reward_source(item["source"], kwargs=item.get("kwargs"))
+                weights[name] = float(item.get("weight", 1.0))
+            return WeightedRewards(components, weights)
+        if "source" in spec:
+            return build_reward_source(spec["source"], kwargs={**dict(spec.get("kwargs") or {}), **kwargs})
+    raise ValueError(
+        f"cannot build a reward source from {spec!r}: give an import path, a reward-model folder, "
+        "{'class_path': ..., 'init_args': ...} or {'components': {name: {'source': ..., 'weight': ...}}}"
+    )
+
+
+def _source_name(source: Any) -> str:
+    inner = getattr(source, "func", source)
+    return getattr(inner, "__qualname__", None) or type(inner).__name__
+
+
+def _checked_call(
+    source: Callable, prompts: Sequence[str], responses: Sequence[str], metadata: Sequence[dict], name: str | None = None
+) -> list[float]:
+    name = name or _source_name(source)
+    try:
+        result = source(list(prompts), list(responses), list(metadata))
+    except Exception as err:
+        raise RewardError(f"reward source {name!r} raised {type(err).__name__}: {err}") from err
+    try:
+        scores = [float(x) for x in result]
+    except (TypeError, ValueError) as err:
+        raise RewardError(f"reward source {name!r} returned {type(result).__name__}, not a list of floats: {err}") from err
+    if len(scores) != len(responses):
+        raise RewardError(f"reward source {name!r} returned {len(scores)} scores for {len(responses)} responses")
+    bad = [i for i, s in enumerate(scores) if not math.isfinite(s)]
+    if bad:
+        raise RewardError(f"reward source {name!r} returned non-finite scores (NaN/inf) at positions {bad[:10]}")
+    return scores
+
+
+def score_responses(
+    source: Callable, prompts: Sequence[str], responses: Sequence[str], metadata: Sequence[dict]
+) -> tuple[list[float], dict[str, list[float]]]:
+    """Call a reward source and check its result.
+
+    Returns:
+        ``(scores, components)``: one float per response, and the source's ``last_components`` (or ``{}``).
+
+    Raises:
+        RewardError: the source raised, returned the wrong number of scores, or a NaN/inf score.
+    """
+    scores = _checked_call(source, prompts, responses, metadata)
+    components = dict(getattr(source, "last_components", None) or {})
+    for name, values in components.items():
+        if len(values) != len(responses):
+            raise RewardError(f"reward component {name!r} has {len(values)} scores for {len(responses)} responses")
+    return scores, components
