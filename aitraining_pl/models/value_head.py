@@ -50,15 +50,29 @@ class PPOModel(nn.Module):
         self.critic = critic
         self.value_head = ValueHead(hidden_size_of(critic if critic is not None else base_model), value_head_dropout)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> PolicyValueOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> PolicyValueOutput:
+        """``position_ids`` (optional, (B, T)) matter for left-padded sequences (as sampled by ``generate``)."""
         out = self.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=self.critic is None, use_cache=False
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=self.critic is None,
+            use_cache=False,
         )
         if self.critic is None:
             hidden = out.hidden_states[-1]
         else:
             hidden = self.critic(
-                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                output_hidden_states=True,
+                use_cache=False,
             ).hidden_states[-1]
         return PolicyValueOutput(out.logits, self.value_head(hidden))
 
