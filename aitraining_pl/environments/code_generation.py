@@ -1,0 +1,228 @@
+"""The code-generation environment: syntax, style and test-case rewards.
+
+Test cases run in a separate Python process (see ``run_test_cases``). That process is *restricted*, not
+*sandboxed*: it runs ``python -I -S`` (isolated mode, no user site, no ``site``) with an empty environment,
+in a fresh temporary directory, with stdin closed, under a wall-clock time limit (the whole process group is
+killed), and on POSIX with CPU-time, address-space (1 GiB), file-size and core-dump limits. Python's socket
+functions are replaced by ones that raise before the candidate runs, so ordinary networking code fails, but
+code that imports ``_socket`` or uses ``ctypes`` can get around that, and the process can read any file the
+user can. Do not run code from an untrusted model outside a container or VM with its network turned off.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+from aitraining_pl.environments.text import MultiObjectiveRewardEnv
+
+#: Built-in tasks: (prompt, test cases). Each test case is a Python statement that raises if it fails.
+DEFAULT_CODE_TASKS = (
+    ("Write a Python function add(a, b) that returns the sum of a and b.\n",
+     ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"]),
+    ("Write a Python function is_even(n) that returns True when n is even.\n",
+     ["assert is_even(4) is True", "assert is_even(7) is False", "assert is_even(0) is True"]),
+    ("Write a Python function reverse_string(s) that returns s reversed.\n",
+     ["assert reverse_string('abc') == 'cba'", "assert reverse_string('') == ''"]),
+    ("Write a Python function maximum(xs) that returns the largest number in the list xs.\n",
+     ["assert maximum([1, 5, 3]) == 5", "assert maximum([-2, -7]) == -2"]),
+    ("Write a Python function factorial(n) that returns n! for n >= 0.\n",
+     ["assert factorial(0) == 1", "assert factorial(5) == 120"]),
+    ("Write a Python function count_vowels(s) that returns how many vowels (aeiou) s contains.\n",
+     ["assert count_vowels('banana') == 3", "assert count_vowels('xyz') == 0"]),
+)
+
+# Runs in the child: disable sockets, run the candidate, then each test; print the nonce and the count.
+_RUNNER = r"""
+import json, socket, sys
+def _no_network(*args, **kwargs):
+    raise OSError("network access is disabled in the code-reward runner")
+for _name in ("socket", "create_connection", "getaddrinfo", "socketpair", "fromfd", "create_server"):
+    setattr(socket, _name, _no_network)
+def _main(spec):
+    nonce, passed = spec.pop("nonce"), 0
+    namespace = {"__name__": "__candidate__"}
+    try:
+        exec(compile(spec["code"], "<candidate>", "exec"), namespace)
+    except BaseException:
+        sys.__stdout__.write("\n" + nonce + json.dumps({"passed": 0, "loaded": False}) + "\n")
+        return
+    for test in spec["tests"]:
+        try:
+            exec(compile(test, "<test>", "exec"), namespace)
+            passed += 1
+        except BaseException:
+            pass
+    sys.__stdout__.write("\n" + nonce + json.dumps({"passed": passed, "loaded": True}) + "\n")
+_main(json.loads(sys.stdin.read()))
+"""
+
+
+@dataclass
+class TestRunResult:
+    """Outcome of ``run_test_cases``: tests passed out of ``total``, and whether the time limit hit."""
+
+    __test__ = False  # not a pytest class
+
+    passed: int
+    total: int
+    timed_out: bool = False
+    error: str = ""
+
+    @property
+    def fraction(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+
+def _limit_resources(cpu_seconds: int) -> None:  # pragma: no cover - runs in the child
+    import resource
+
+    for limit, value in (
+        (resource.RLIMIT_CPU, cpu_seconds),
+        (resource.RLIMIT_AS, 1 << 30),
+        (resource.RLIMIT_FSIZE, 1 << 20),
+        (resource.RLIMIT_CORE, 0),
+    ):
+        try:
+            resource.setrlimit(limit, (value, value))
+        except (ValueError, OSError):
+            pass
+
+
+def run_test_cases(code: str, tests: Sequence[str], timeout: float = 5.0) -> TestRunResult:
+    """Run ``code`` then each test statement in a restricted child Python (see the module docstring)."""
+    if not tests:
+        return TestRunResult(0, 0)
+    nonce = secrets.token_hex(16)
+    payload = json.dumps({"code": code, "tests": list(tests), "nonce": nonce})
+    posix = os.name == "posix"
+    with tempfile.TemporaryDirectory(prefix="aitraining_pl_code_") as workdir:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _RUNNER],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            cwd=workdir, env={}, start_new_session=posix, text=True,
+            preexec_fn=(lambda: _limit_resources(int(timeout) + 1)) if posix else None,
+        )
+        try:
+            out, _ = proc.communicate(payload, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            if posix:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+            proc.communicate()
+            return TestRunResult(0, len(tests), timed_out=True, error="time limit")
+    for line in reversed(out.splitlines()):
+        if line.startswith(nonce):
+            return TestRunResult(int(json.loads(line[len(nonce):])["passed"]), len(tests))
+    return TestRunResult(0, len(tests), error=f"runner exited with code {proc.returncode}")
+
+
+def extract_code(response: str) -> str:
+    """The first fenced code block of ``response`` (```python ... ```), or the whole response."""
+    if "```" in response:
+        body = response.split("```", 2)[1]
+        first, _, rest = body.partition("\n")
+        return rest if first.strip().isidentifier() or not first.strip() else body
+    return response
+
+
+def syntax_reward(prompt: str, generated: str, full_text: str) -> float:
+    """1.0 when the response's code is non-empty and compiles, else 0.0."""
+    code = extract_code(generated)
+    if not code.strip():
+        return 0.0
+    try:
+        compile(code, "<response>", "exec")
+    except (SyntaxError, ValueError):
+        return 0.0
+    return 1.0
+
+
+def style_reward(prompt: str, generated: str, full_text: str) -> float:
+    """Share of PEP 8-like checks passed (0.0 if the code does not parse): lines of at most 79
+    characters, no tab indentation, no trailing whitespace, snake_case function names, and a docstring on
+    every function."""
+    code = extract_code(generated)
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return 0.0
+    if not code.strip():
+        return 0.0
+    lines = code.splitlines()
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    checks = (
+        all(len(line) <= 79 for line in lines),
+        not any(line.startswith("\t") for line in lines),
+        not any(line != line.rstrip() for line in lines),
+        all(f.name == f.name.lower() for f in functions),
+        bool(functions) and all(ast.get_docstring(f) for f in functions),
+    )
+    return sum(checks) / len(checks)
+
+
+def make_tests_reward(timeout: float):
+    """A component scoring the share of ``metadata["tests"]`` passed (0.0 when the prompt has no tests)."""
+
+    def tests_reward(prompt: str, generated: str, full_text: str, metadata: Optional[Dict[str, Any]] = None) -> float:
+        tests = (metadata or {}).get("tests") or []
+        if not tests or not syntax_reward(prompt, generated, full_text):
+            return 0.0
+        return run_test_cases(extract_code(generated), tests, timeout).fraction
+
+    return tests_reward
+
+
+def create_code_generation_env(
+    tokenizer,
+    prompts: Optional[Sequence[str]] = None,
+    test_cases: Optional[Sequence[Sequence[str]]] = None,
+    timeout: float = 5.0,
+    max_length: int = 512,
+    syntax_weight: float = 1.0,
+    style_weight: float = 0.1,
+    tests_weight: float = 1.0,
+    **kwargs: Any,
+) -> MultiObjectiveRewardEnv:
+    """A ``MultiObjectiveRewardEnv`` for writing Python functions.
+
+    Components: ``syntax`` (the code compiles), ``style`` (share of simple PEP 8 checks) and ``tests`` (share
+    of the prompt's test cases passed, run in a restricted subprocess with a time limit; see the module
+    docstring for what that does and does not protect against). The code is the first fenced block of the
+    response, or the whole response.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        prompts: task descriptions; default: the built-in ``DEFAULT_CODE_TASKS``.
+        test_cases: one list of Python assert statements per prompt (default: the built-in tasks' tests).
+        timeout: wall-clock seconds allowed for one response's test run.
+        max_length: maximum tokens of prompt plus response.
+        syntax_weight: weight of the syntax component.
+        style_weight: weight of the style component.
+        tests_weight: weight of the test-case component.
+        **kwargs: other ``TextGenerationEnv`` arguments.
+    """
+    if prompts is None:
+        prompts = [p for p, _ in DEFAULT_CODE_TASKS]
+        test_cases = [t for _, t in DEFAULT_CODE_TASKS] if test_cases is None else test_cases
+    test_cases = list(test_cases) if test_cases is not None else [[] for _ in prompts]
+    if len(test_cases) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(test_cases)} lists of test cases")
+    return MultiObjectiveRewardEnv(
+        tokenizer,
+        list(prompts),
+        reward_components={"syntax": syntax_reward, "style": style_reward, "tests": make_tests_reward(timeout)},
+        reward_weights={"syntax": syntax_weight, "style": style_weight, "tests": tests_weight},
+        prompt_metadata=[{"tests": list(t)} for t in test_cases],
+        max_length=max_length,
+        **kwargs,
+    )
