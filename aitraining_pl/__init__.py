@@ -22,6 +22,11 @@ _EXPORTS: dict[str, str] = {
     "ReferencePolicy": "aitraining_pl.models",
     "load_causal_lm": "aitraining_pl.models",
     "load_tokenizer": "aitraining_pl.models",
+    "RewardModelConfig": "aitraining_pl.models",
+    "RewardModel": "aitraining_pl.models",
+    "PairwiseRewardModel": "aitraining_pl.models",
+    "MultiObjectiveRewardModel": "aitraining_pl.models",
+    "load_reward_model": "aitraining_pl.models",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -25,6 +25,7 @@ from aitraining_pl.losses.preference import (
     dpo_loss,
     orpo_loss,
 )
+from aitraining_pl.losses.reward import POOLING_STRATEGIES, masked_objective_mse, pool_hidden_states, positions_from_mask
 from aitraining_pl.losses.rl import (
     gae,
     group_advantages,
@@ -35,6 +36,10 @@ from aitraining_pl.losses.rl import (
 )
 
 __all__ = [
+    "POOLING_STRATEGIES",
+    "masked_objective_mse",
+    "pool_hidden_states",
+    "positions_from_mask",
     "AdaptiveKLController",
     "FixedKLController",
     "SequenceLogps",

@@ -2,8 +2,10 @@
 
 from aitraining_pl.models.loading import (
     BYTE_TOKENIZER,
+    build_backbone,
     build_causal_lm,
     hidden_size_of,
+    load_backbone,
     load_causal_lm,
     load_tokenizer,
     resolve_dtype,
@@ -12,12 +14,21 @@ from aitraining_pl.models.loading import (
 from aitraining_pl.models.lora import LoRAConfig, apply_lora, is_peft_model
 from aitraining_pl.models.policy import load_policy
 from aitraining_pl.models.reference import ReferencePolicy
+from aitraining_pl.models.reward import (
+    MultiObjectiveRewardModel,
+    PairwiseRewardModel,
+    RewardModel,
+    RewardModelConfig,
+    load_reward_model,
+)
 from aitraining_pl.models.value_head import PolicyValueOutput, PPOModel, ValueHead
 
 __all__ = [
     "BYTE_TOKENIZER",
+    "build_backbone",
     "build_causal_lm",
     "hidden_size_of",
+    "load_backbone",
     "load_causal_lm",
     "load_tokenizer",
     "resolve_dtype",
@@ -30,4 +41,9 @@ __all__ = [
     "PolicyValueOutput",
     "PPOModel",
     "ValueHead",
+    "RewardModelConfig",
+    "RewardModel",
+    "PairwiseRewardModel",
+    "MultiObjectiveRewardModel",
+    "load_reward_model",
 ]

@@ -72,15 +72,25 @@ def build_causal_lm(config: Mapping[str, Any], *, seed: int = 0, dtype: str | to
     Initialisation runs under ``torch.manual_seed(seed)`` inside a forked RNG state, so the same spec always
     gives the same weights and the caller's RNG stream is untouched.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    return _build_from_config(config, "AutoModelForCausalLM", seed=seed, dtype=dtype)
+
+
+def build_backbone(config: Mapping[str, Any], *, seed: int = 0, dtype: str | torch.dtype | None = None) -> nn.Module:
+    """Like ``build_causal_lm`` but the bare trunk (``AutoModel``: hidden states, no LM head), for reward
+    models; works for decoders (``llama``) and encoders (``bert``) alike."""
+    return _build_from_config(config, "AutoModel", seed=seed, dtype=dtype)
+
+
+def _build_from_config(config: Mapping[str, Any], auto_class: str, *, seed: int, dtype) -> nn.Module:
+    import transformers
 
     config = dict(config)
     if "model_type" not in config:
         raise ValueError("an inline model_config needs a 'model_type' (e.g. 'llama'), got keys: " + ", ".join(config))
-    hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
+    hf_config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config)
+        model = getattr(transformers, auto_class).from_config(hf_config)
     torch_dtype = resolve_dtype(dtype)
     return model.to(torch_dtype) if torch_dtype is not None else model
 
@@ -99,20 +109,39 @@ def load_causal_lm(
     Exactly one of the two must be given. Calling this twice with the same arguments gives models with
     identical weights, which is how the frozen reference policy is built from its source.
     """
+    return _load(
+        "AutoModelForCausalLM", model_name, model_config, dtype, attn_implementation, trust_remote_code, seed
+    )
+
+
+def load_backbone(
+    model_name: str | None = None,
+    model_config: Mapping[str, Any] | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    seed: int = 0,
+) -> nn.Module:
+    """Like ``load_causal_lm`` but the bare trunk (``AutoModel``), encoder or decoder, for reward models."""
+    return _load("AutoModel", model_name, model_config, dtype, attn_implementation, trust_remote_code, seed)
+
+
+def _load(auto_class, model_name, model_config, dtype, attn_implementation, trust_remote_code, seed) -> nn.Module:
     if (model_name is None) == (model_config is None):
         raise ValueError("give exactly one of model_name (folder or hub id) and model_config (inline dict)")
     if model_config is not None:
         if attn_implementation is not None:
             model_config = {**model_config, "attn_implementation": attn_implementation}
-        return build_causal_lm(model_config, seed=seed, dtype=dtype)
-    from transformers import AutoModelForCausalLM
+        return _build_from_config(model_config, auto_class, seed=seed, dtype=dtype)
+    import transformers
 
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if dtype is not None:
         kwargs["dtype"] = resolve_dtype(dtype) or "auto"
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    return AutoModelForCausalLM.from_pretrained(model_name, **kwargs)
+    return getattr(transformers, auto_class).from_pretrained(model_name, **kwargs)
 
 
 def hidden_size_of(model: nn.Module) -> int:

@@ -24,8 +24,11 @@ class LoRAConfig:
     """Extra modules trained in full and saved with the adapters."""
 
 
-def apply_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
-    """Wrap ``model`` in a ``peft`` LoRA model (base weights frozen, adapters trainable)."""
+def apply_lora(model: nn.Module, config: LoRAConfig, task_type: str = "CAUSAL_LM") -> nn.Module:
+    """Wrap ``model`` in a ``peft`` LoRA model (base weights frozen, adapters trainable).
+
+    ``task_type`` is a ``peft.TaskType`` name: ``CAUSAL_LM`` for a policy, ``FEATURE_EXTRACTION`` for a bare
+    trunk (``AutoModel``) such as a reward model's."""
     from peft import LoraConfig, TaskType, get_peft_model
 
     peft_config = LoraConfig(
@@ -34,7 +37,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
         lora_dropout=config.dropout,
         target_modules=config.target_modules,
         modules_to_save=config.modules_to_save,
-        task_type=TaskType.CAUSAL_LM,
+        task_type=TaskType[task_type],
     )
     return get_peft_model(model, peft_config)
 

@@ -1,0 +1,359 @@
+"""Reward models: a transformer trunk (encoder or decoder) with a linear head on a pooled hidden state.
+
+``RewardModel`` scores a sequence; ``PairwiseRewardModel`` adds the Bradley-Terry comparison of two inputs;
+``MultiObjectiveRewardModel`` has one head per objective and a weighted combination. All save to and load
+from a Hugging Face style folder (trunk ``config.json``, ``reward_config.json``, ``model.safetensors`` and
+the tokenizer files) that a PPO run can name as its reward model. Loading reads JSON and safetensors only,
+so it never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from aitraining_pl.losses import bradley_terry_loss
+from aitraining_pl.losses.reward import POOLING_STRATEGIES, masked_objective_mse, pool_hidden_states, positions_from_mask
+from aitraining_pl.models.loading import hidden_size_of, load_backbone, load_tokenizer
+from aitraining_pl.models.lora import LoRAConfig, apply_lora, is_peft_model
+
+#: File names inside a saved reward-model folder.
+REWARD_CONFIG_FILE = "reward_config.json"
+WEIGHTS_FILE = "model.safetensors"
+_FORMAT = "aitraining_pl.reward_model"
+
+
+@dataclass
+class RewardModelConfig:
+    """What a reward model is made of and how the seed's trainer trains it."""
+
+    model_name: Optional[str] = None
+    """Trunk to load: local folder or hub id (``AutoModel``: encoder or decoder)."""
+    num_labels: int = 1
+    """Outputs of the head; the reward is output 0."""
+    pooling_strategy: str = "last"
+    """How a sequence becomes one vector: ``last`` (last real token), ``mean`` or ``cls`` (first real token)."""
+    dropout_prob: float = 0.1
+    """Dropout before the head."""
+    temperature: float = 1.0
+    """Rewards are divided by this."""
+    use_lora: bool = False
+    """Train LoRA adapters on the trunk instead of all of its weights (the head is always trained in full)."""
+    lora_rank: int = 8
+    """LoRA rank."""
+    lora_alpha: int = 16
+    """LoRA scaling numerator."""
+    lora_dropout: float = 0.1
+    """Dropout on the LoRA input."""
+    learning_rate: float = 1e-4
+    """Peak learning rate (used by ``RewardModelTrainer``)."""
+    warmup_steps: int = 100
+    """Linear warmup steps (used by ``RewardModelTrainer``)."""
+    gradient_accumulation_steps: int = 1
+    """Batches per optimizer step (used by ``RewardModelTrainer``)."""
+    model_config: Optional[dict] = None
+    """Instead of ``model_name``: an inline trunk config (``{"model_type": "llama", ...}``), randomly initialised."""
+    tokenizer_name: Optional[str] = None
+    """Tokenizer folder / hub id, or ``byte``; defaults to ``model_name``."""
+    lora_target_modules: Union[str, list] = "all-linear"
+    """Trunk modules that get adapters."""
+    seed: int = 0
+    """Seed of the random initialisation (inline trunk and head)."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code from the hub (off unless set)."""
+    dtype: Optional[str] = None
+    """Trunk dtype (``bfloat16``, ``float32``, ...); the head always runs in float32."""
+    extra: dict = field(default_factory=dict)
+    """Model-specific settings (the multi-objective model keeps ``num_objectives`` and its weights here)."""
+
+    def lora(self) -> LoRAConfig | None:
+        if not self.use_lora:
+            return None
+        return LoRAConfig(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_target_modules)
+
+
+class RewardModel(nn.Module):
+    """A scalar reward for each sequence: trunk -> pool -> dropout -> linear head -> / temperature.
+
+    Args:
+        config: a ``RewardModelConfig`` (or a dict of its fields).
+        trunk: an already built trunk to use instead of loading ``config.model_name`` / ``config.model_config``.
+    """
+
+    def __init__(self, config: RewardModelConfig | dict, trunk: nn.Module | None = None):
+        super().__init__()
+        config = RewardModelConfig(**config) if isinstance(config, dict) else config
+        if config.pooling_strategy not in POOLING_STRATEGIES:
+            raise ValueError(f"unknown pooling_strategy {config.pooling_strategy!r}; known: {', '.join(POOLING_STRATEGIES)}")
+        if config.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {config.temperature}")
+        self.config = config
+        if trunk is None:
+            trunk = load_backbone(
+                config.model_name, config.model_config, dtype=config.dtype,
+                trust_remote_code=config.trust_remote_code, seed=config.seed,
+            )  # fmt: skip
+        base = trunk.get_base_model() if is_peft_model(trunk) else trunk
+        self._takes_positions = "position_ids" in inspect.signature(base.forward).parameters
+        lora = config.lora()
+        self.trunk = apply_lora(trunk, lora, task_type="FEATURE_EXTRACTION") if lora and not is_peft_model(trunk) else trunk
+        self.dropout = nn.Dropout(config.dropout_prob)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            self.head = nn.Linear(hidden_size_of(base), self.num_outputs)
+        self.tokenizer = None  # set by from_pretrained / the trainer; see ``get_tokenizer``
+
+    @property
+    def num_outputs(self) -> int:
+        return self.config.num_labels
+
+    # ----------------------------------------------------------------- forward
+    def pooled(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T) token ids -> (B, H) pooled last hidden state, in float32."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self._takes_positions:
+            kwargs["position_ids"] = positions_from_mask(attention_mask)
+        hidden = self.trunk(**kwargs).last_hidden_state
+        return pool_hidden_states(hidden, attention_mask, self.config.pooling_strategy).float()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T) token ids -> (B, num_labels) rewards (divided by ``temperature``)."""
+        pooled = self.pooled(input_ids, attention_mask)
+        return self.head(self.dropout(pooled).to(self.head.weight.dtype)).float() / self.config.temperature
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) the scalar reward of each sequence (what PPO and Bradley-Terry use)."""
+        return self.forward(input_ids, attention_mask)[:, 0]
+
+    def get_tokenizer(self):
+        """The tokenizer set on the model, else one loaded from ``tokenizer_name`` / ``model_name``."""
+        if self.tokenizer is None:
+            name = self.config.tokenizer_name or self.config.model_name
+            if name is None:
+                raise ValueError("no tokenizer: pass one, or set RewardModelConfig.tokenizer_name (e.g. 'byte')")
+            self.tokenizer = load_tokenizer(name, trust_remote_code=self.config.trust_remote_code)
+        return self.tokenizer
+
+    @torch.no_grad()
+    def predict_rewards(
+        self, texts: Sequence[str], tokenizer=None, batch_size: int = 8, max_length: int | None = None
+    ) -> list[float]:
+        """Rewards of raw texts, in eval mode, ``batch_size`` texts per forward pass.
+
+        Args:
+            texts: the sequences to score (prompt and response already joined).
+            tokenizer: defaults to the model's own (``get_tokenizer``).
+            max_length: truncate each text to this many tokens (no truncation when ``None``).
+        """
+        tokenizer = tokenizer if tokenizer is not None else self.get_tokenizer()
+        was_training, device = self.training, self.head.weight.device
+        self.eval()
+        rewards: list[float] = []
+        try:
+            for start in range(0, len(texts), batch_size):
+                enc = tokenizer(
+                    list(texts[start : start + batch_size]), padding=True, truncation=max_length is not None,
+                    max_length=max_length, return_tensors="pt",
+                )  # fmt: skip
+                rewards += self.score(enc["input_ids"].to(device), enc["attention_mask"].to(device)).tolist()
+        finally:
+            self.train(was_training)
+        return rewards
+
+    # ------------------------------------------------------------ save / load
+    def merged_state_dict(self) -> dict[str, torch.Tensor]:
+        """Plain (non-peft) weights, LoRA adapters merged into the trunk; the live model is left as it was."""
+        if not is_peft_model(self.trunk):
+            return {k: v.detach() for k, v in self.state_dict().items()}
+        self.trunk.merge_adapter()
+        try:
+            trunk = {}
+            for key, value in self.trunk.get_base_model().state_dict().items():
+                if "lora_" in key or ".original_module." in key:
+                    continue
+                key = key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+                trunk[f"trunk.{key}"] = value.detach().clone()
+        finally:
+            self.trunk.unmerge_adapter()
+        rest = {k: v.detach() for k, v in self.state_dict().items() if not k.startswith("trunk.")}
+        return {**trunk, **rest}
+
+    def save_pretrained(self, path: str | Path, tokenizer=None) -> Path:
+        """Write the folder: trunk ``config.json``, ``reward_config.json``, ``model.safetensors`` (LoRA merged)
+        and the tokenizer (``tokenizer`` or the model's own). Returns the folder."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        base = self.trunk.get_base_model() if is_peft_model(self.trunk) else self.trunk
+        base.config.save_pretrained(path)
+        meta = {"format": _FORMAT, "version": 1, "class": type(self).__name__, "config": dataclasses.asdict(self.config)}
+        (path / REWARD_CONFIG_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+        state = {k: v.contiguous().cpu() for k, v in self.merged_state_dict().items()}
+        save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+        tokenizer = tokenizer if tokenizer is not None else self.tokenizer
+        if tokenizer is None and (self.config.tokenizer_name or self.config.model_name):
+            tokenizer = self.get_tokenizer()
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(path))
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None) -> "RewardModel":
+        """Load a folder written by ``save_pretrained``. Called on ``RewardModel`` it returns whichever class
+        was saved (``MultiObjectiveRewardModel``, ...); called on a subclass it insists on that subclass."""
+        from safetensors.torch import load_file
+        from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+        path = Path(path)
+        meta_file = path / REWARD_CONFIG_FILE
+        if not meta_file.is_file():
+            raise FileNotFoundError(f"{path} is not a reward-model folder: {REWARD_CONFIG_FILE} is missing")
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"{meta_file}: not a reward-model config (format {meta.get('format')!r})")
+        saved_cls = REWARD_MODEL_CLASSES.get(meta["class"])
+        if saved_cls is None or not issubclass(saved_cls, cls):
+            raise ValueError(f"{path} holds a {meta['class']}, which is not a {cls.__name__}")
+        config = RewardModelConfig(**meta["config"])
+        trunk = AutoModel.from_config(AutoConfig.from_pretrained(path, trust_remote_code=False))
+        model = saved_cls._from_config(config, trunk)
+        state = load_file(str(path / WEIGHTS_FILE))
+        model.load_merged_state_dict(state)
+        if any(path.glob("tokenizer*")) or (path / "special_tokens_map.json").exists():
+            model.tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        return model.to(device) if device is not None else model
+
+    @classmethod
+    def _from_config(cls, config: RewardModelConfig, trunk: nn.Module) -> "RewardModel":
+        return cls(config, trunk=trunk)
+
+    def load_merged_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load plain weights (as ``merged_state_dict`` gives) into this model, LoRA-wrapped or not; fresh
+        adapters start at zero, so the rewards equal the saved model's."""
+        base = self.trunk.get_base_model() if is_peft_model(self.trunk) else self.trunk
+        if is_peft_model(self.trunk):
+            peft_keys = {k.replace(".base_layer.", "."): k for k in base.state_dict() if "lora_" not in k}
+            trunk_state = {peft_keys.get(k[6:], k[6:]): v for k, v in state.items() if k.startswith("trunk.")}
+            missing, unexpected = base.load_state_dict(trunk_state, strict=False)
+            missing = [k for k in missing if "lora_" not in k]
+        else:
+            trunk_state = {k[6:]: v for k, v in state.items() if k.startswith("trunk.")}
+            missing, unexpected = base.load_state_dict(trunk_state, strict=False)
+        rest = {k: v for k, v in state.items() if not k.startswith("trunk.")}
+        rest_missing, rest_unexpected = nn.Module.load_state_dict(self, rest, strict=False)
+        missing += [k for k in rest_missing if not k.startswith("trunk.")]
+        unexpected += list(rest_unexpected)
+        if missing or unexpected:
+            raise ValueError(f"reward-model weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+class PairwiseRewardModel(RewardModel):
+    """A reward model used through direct comparisons (Bradley & Terry 1952): P(A > B) = s(r_A - r_B)."""
+
+    def forward_pair(
+        self,
+        input_ids_a: torch.Tensor,
+        attention_mask_a: torch.Tensor | None,
+        input_ids_b: torch.Tensor,
+        attention_mask_b: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """(B,) probability that A is preferred to B."""
+        return torch.sigmoid(self.score(input_ids_a, attention_mask_a) - self.score(input_ids_b, attention_mask_b))
+
+    def compute_bradley_terry_loss(
+        self,
+        input_ids_a: torch.Tensor,
+        attention_mask_a: torch.Tensor | None,
+        input_ids_b: torch.Tensor,
+        attention_mask_b: torch.Tensor | None,
+        labels: torch.Tensor,
+        margin: torch.Tensor | None = None,
+        center_coef: float = 0.0,
+    ) -> torch.Tensor:
+        """Scalar Bradley-Terry loss (``bradley_terry_loss``); ``labels`` (B,) is 1 where A is preferred, 0 where B is."""
+        reward_a, reward_b = self.score(input_ids_a, attention_mask_a), self.score(input_ids_b, attention_mask_b)
+        a_wins = labels.to(reward_a.device).bool()
+        chosen, rejected = torch.where(a_wins, reward_a, reward_b), torch.where(a_wins, reward_b, reward_a)
+        return bradley_terry_loss(chosen, rejected, margin=margin, center_coef=center_coef)
+
+
+class MultiObjectiveRewardModel(RewardModel):
+    """One reward head per objective (helpfulness, safety, ...) on a shared trunk, combined by fixed weights.
+
+    Args:
+        config: a ``RewardModelConfig``.
+        num_objectives: number of objectives n.
+        objective_weights: n weights of the combined reward (default: equal weights summing to 1).
+        trunk: an already built trunk (see ``RewardModel``).
+    """
+
+    def __init__(
+        self,
+        config: RewardModelConfig | dict,
+        num_objectives: int = 1,
+        objective_weights: Sequence[float] | None = None,
+        trunk: nn.Module | None = None,
+    ):
+        config = RewardModelConfig(**config) if isinstance(config, dict) else dataclasses.replace(config)
+        weights = list(objective_weights) if objective_weights is not None else [1.0 / num_objectives] * num_objectives
+        if num_objectives < 1 or len(weights) != num_objectives:
+            raise ValueError(f"need num_objectives >= 1 and that many objective_weights, got {num_objectives} and {weights}")
+        config.extra = {**config.extra, "num_objectives": num_objectives, "objective_weights": [float(w) for w in weights]}
+        super().__init__(config, trunk=trunk)
+        self.register_buffer("objective_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
+
+    @property
+    def num_outputs(self) -> int:
+        return int(self.config.extra["num_objectives"])
+
+    @classmethod
+    def _from_config(cls, config: RewardModelConfig, trunk: nn.Module) -> "MultiObjectiveRewardModel":
+        extra = config.extra
+        return cls(config, extra["num_objectives"], extra["objective_weights"], trunk=trunk)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, return_all_objectives: bool = False
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The combined reward (B, 1), or with ``return_all_objectives`` a dict with ``rewards`` (B, n) and
+        ``combined_reward`` (B, 1)."""
+        rewards = super().forward(input_ids, attention_mask)
+        combined = rewards @ self.objective_weights.unsqueeze(-1)
+        return {"rewards": rewards, "combined_reward": combined} if return_all_objectives else combined
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) the combined reward."""
+        return self.forward(input_ids, attention_mask)[:, 0]
+
+    def compute_multi_objective_loss(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        target_rewards: torch.Tensor,
+        objective_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(total, per_objective)`` squared-error loss against (B, n) targets (``masked_objective_mse``);
+        ``objective_mask`` (B, n) or (n,) marks known targets, and a masked entry contributes nothing."""
+        rewards = self.forward(input_ids, attention_mask, return_all_objectives=True)["rewards"]
+        return masked_objective_mse(rewards, target_rewards.to(rewards), objective_mask)
+
+
+#: Saved class name -> class, the only classes ``from_pretrained`` will build.
+REWARD_MODEL_CLASSES: dict[str, type[RewardModel]] = {
+    c.__name__: c for c in (RewardModel, PairwiseRewardModel, MultiObjectiveRewardModel)
+}
+
+
+def load_reward_model(path: str | Path, device: str | torch.device | None = None) -> RewardModel:
+    """Any saved reward model (the class is read from ``reward_config.json``), with its tokenizer as
+    ``model.tokenizer``."""
+    return RewardModel.from_pretrained(path, device=device)
