@@ -1,0 +1,193 @@
+"""Direct preference optimisation (Rafailov et al. 2023) and its variants as a LightningModule."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from aitraining_pl.losses import REFERENCE_FREE, SequenceLogps, dpo_loss, selective_log_softmax
+from aitraining_pl.models import LoRAConfig
+from aitraining_pl.modules.base import AlignmentModule
+
+
+def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> SequenceLogps:
+    """Summed completion-token log-probs of every row of ``batch`` (chosen rows, then rejected rows).
+
+    The language-model head runs only on positions whose next token is a completion token, so the
+    (rows, length, vocabulary) logits tensor is never built. Models without a separable decoder and head
+    (``get_decoder`` / ``get_output_embeddings``) fall back to a full forward.
+
+    Args:
+        model: a transformers causal LM (optionally wrapped by ``peft``).
+        batch: ``input_ids``, ``attention_mask``, ``completion_mask``, each (2B, L).
+
+    Returns:
+        ``SequenceLogps(logps (2B,), lengths (2B,))``.
+    """
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    scored = batch["completion_mask"][:, 1:].bool()  # position t scores token t + 1
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    config = getattr(lm, "config", None)
+    if decoder is None or head is None or getattr(config, "logit_scale", None) is not None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+        token = selective_log_softmax(logits[scored], input_ids[:, 1:][scored])
+    else:
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        logits = head(hidden[:, :-1][scored])
+        cap = getattr(config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        token = selective_log_softmax(logits.float(), input_ids[:, 1:][scored])
+    rows = torch.nonzero(scored, as_tuple=True)[0]
+    logps = torch.zeros(input_ids.shape[0], dtype=token.dtype, device=token.device).index_add(0, rows, token)
+    return SequenceLogps(logps, scored.sum(-1).to(token.dtype))
+
+
+class DPOModule(AlignmentModule):
+    """DPO and its variants (IPO, SLiC hinge, robust DPO, conservative DPO, SimPO) on preference batches.
+
+    Args:
+        model_name: folder or hub id of the policy (a causal LM).
+        model_config: inline transformers config for a randomly initialised policy (instead of ``model_name``).
+        tokenizer_name: tokenizer folder, hub id or ``"byte"`` (default: ``model_name``); shared with the data.
+        lora: LoRA adapters on the policy; the reference is then the policy with adapters disabled.
+        beta: temperature of the implicit reward ``beta * log(pi / pi_ref)``.
+        loss_type: one of ``sigmoid`` (DPO), ``robust``, ``hinge``, ``ipo``, ``simpo``.
+        label_smoothing: assumed label-flip rate for ``sigmoid`` (conservative DPO) and ``robust``.
+        reference_free: treat the reference as uniform (no reference model is loaded).
+        simpo_gamma: target reward margin of SimPO.
+        learning_rate: peak AdamW learning rate.
+        warmup_ratio: fraction of the optimizer steps spent in linear warmup.
+        lr_schedule: decay after warmup: ``linear``, ``cosine`` or ``constant``.
+        weight_decay: AdamW weight decay.
+        precompute_ref_logps: compute reference log-probs for every pair in one pass before training, then
+            release the reference model.
+        dtype: weights dtype when loading (``bfloat16``, ``float32``, ...; default: as stored / float32).
+        seed: seed of the random initialisation when ``model_config`` is used.
+        trust_remote_code: allow custom model code from the hub (off by default).
+    """
+
+    def __init__(
+        self,
+        model_name: Optional[str] = None,
+        model_config: Optional[dict[str, Any]] = None,
+        tokenizer_name: Optional[str] = None,
+        lora: Optional[LoRAConfig] = None,
+        beta: float = 0.1,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        reference_free: bool = False,
+        simpo_gamma: float = 0.5,
+        learning_rate: float = 1e-6,
+        warmup_ratio: float = 0.1,
+        lr_schedule: str = "linear",
+        weight_decay: float = 0.0,
+        precompute_ref_logps: bool = False,
+        dtype: Optional[str] = None,
+        seed: int = 0,
+        trust_remote_code: bool = False,
+    ):
+        super().__init__()
+        self.save_hyperparameters(ignore=["lora"])
+        self.store_lora_hparam(lora)
+        from aitraining_pl.losses import DPO_LOSSES
+
+        if loss_type not in DPO_LOSSES:
+            raise ValueError(f"unknown loss_type {loss_type!r}; known: {', '.join(sorted(DPO_LOSSES))}")
+        self.uses_reference = not (reference_free or loss_type in REFERENCE_FREE)
+        self.policy, self.reference = self.load_policy_from_hparams(with_reference=self.uses_reference)
+        self._ref_cache: dict[str, torch.Tensor] = {}  # split -> (N, 2) precomputed reference log-probs
+
+    # ------------------------------------------------------------------ reference log-probs
+    def _place_reference(self) -> None:
+        if self.reference is not None and (self.reference.shares_weights or self.reference._frozen):
+            self.reference.to(self.device, next(self.policy.parameters()).dtype)
+
+    def on_fit_start(self) -> None:
+        self._place_reference()
+        if self.reference is not None and self.hparams.precompute_ref_logps:
+            self.precompute_reference()
+
+    def on_validation_start(self) -> None:
+        self._place_reference()
+
+    def on_test_start(self) -> None:
+        self._place_reference()
+
+    @torch.no_grad()
+    def _reference_forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(2B,) reference log-probs: the frozen copy, or the policy with adapters disabled, in eval mode."""
+        model = self.reference.model
+        was_training = model.training
+        model.eval()
+        try:
+            with self.reference.context():
+                return completion_logps(model, batch).logps
+        finally:
+            model.train(was_training)
+
+    def precompute_reference(self) -> None:
+        """One pass over every split of the data module; afterwards the frozen reference copy is released."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is None or not hasattr(datamodule, "ordered_dataloaders"):
+            raise ValueError("precompute_ref_logps needs a data module with ordered_dataloaders() (PreferenceDataModule)")
+        with self.trainer.precision_plugin.forward_context():
+            for split, loader in datamodule.ordered_dataloaders().items():
+                chunks = []
+                for batch in loader:
+                    batch = {k: v.to(self.device) for k, v in batch.items()}
+                    logps = self._reference_forward(batch)
+                    chunks.append(torch.stack(logps.chunk(2), dim=1))
+                self._ref_cache[split] = torch.cat(chunks)
+        self.reference.drop()
+
+    def reference_logps(self, batch: dict[str, torch.Tensor], split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B,) reference log-probs of chosen and rejected: looked up when precomputed, else one forward."""
+        split = "val" if split == "test" else split  # the test loader is the validation split
+        if split in self._ref_cache:
+            pairs = self._ref_cache[split][batch["index"]]
+            return pairs[:, 0], pairs[:, 1]
+        chosen, rejected = self._reference_forward(batch).chunk(2)
+        return chosen, rejected
+
+    # ------------------------------------------------------------------ steps
+    def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        hp = self.hparams
+        # 1. policy log-probs of chosen and rejected rows in one forward
+        policy = completion_logps(self.policy, batch)
+        chosen, rejected = policy.logps.chunk(2)
+        chosen_len, rejected_len = policy.lengths.chunk(2)
+        # 2. reference log-probs (precomputed, or under no_grad), unless reference-free
+        ref_chosen, ref_rejected = self.reference_logps(batch, stage) if self.uses_reference else (None, None)
+        # 3. the loss
+        out = dpo_loss(
+            chosen, rejected, ref_chosen, ref_rejected, beta=hp.beta, loss_type=hp.loss_type,
+            label_smoothing=hp.label_smoothing, reference_free=hp.reference_free,
+            chosen_lengths=chosen_len, rejected_lengths=rejected_len, gamma=hp.simpo_gamma,
+        )
+        loss = out.losses.mean()
+        # 4. metrics
+        metrics = {
+            "loss": loss,
+            "rewards/chosen": out.chosen_rewards,
+            "rewards/rejected": out.rejected_rewards,
+            "rewards/accuracies": (out.chosen_rewards > out.rejected_rewards).float(),
+            "rewards/margins": out.chosen_rewards - out.rejected_rewards,
+            "logps/chosen": chosen,
+            "logps/rejected": rejected,
+        }
+        self.log_metrics(stage, metrics, batch_size=chosen.shape[0], prog_bar=("loss", "rewards/accuracies"))
+        return loss
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.shared_step(batch, "train")
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.shared_step(batch, "val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.shared_step(batch, "test")
