@@ -129,7 +129,7 @@ def place_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         (B, R) zeros except ``scores[b]`` at index ``mask[b].sum() - 1``.
     """
     placed = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
-    last = (mask.sum(dim=1) - 1).clamp_min(0)
+    last = (mask.sum(dim=1) - 1).clamp_min(0).long()
     placed[torch.arange(mask.shape[0], device=mask.device), last] = scores
     return placed
 
