@@ -48,7 +48,7 @@ class TextGenerationEnv(RLEnvironment):
     Prompts are used in order, cycling, one per ``reset()`` (or pick one with ``reset(index)``).
 
     Args:
-        tokenizer: a Hugging Face tokenizer.
+        tokenizer: a Hugging Face tokenizer, or a name for ``load_tokenizer`` (``"byte"``, folder, hub id).
         prompts: the prompts of the episodes.
         max_length: maximum tokens of prompt plus response (a longer prompt keeps its last tokens).
         reward_fn: ``fn(prompt, generated, full_text) -> float`` (it also gets ``metadata=`` if it takes
@@ -74,6 +74,10 @@ class TextGenerationEnv(RLEnvironment):
             raise ValueError(f"max_length must be at least 2, got {max_length}")
         if prompt_metadata is not None and len(prompt_metadata) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(prompt_metadata)} prompt_metadata entries")
+        if isinstance(tokenizer, str):  # a name, so that YAML can build an environment (e.g. "byte")
+            from aitraining_pl.models import load_tokenizer
+
+            tokenizer = load_tokenizer(tokenizer)
         self.tokenizer = tokenizer
         self.prompts = list(prompts)
         self.prompt_metadata = [dict(m) for m in prompt_metadata] if prompt_metadata else [{} for _ in prompts]

@@ -1,0 +1,118 @@
+"""The pipeline's built-in losses: a registry of small functions over per-token log-probs of label tokens.
+
+Every loss gets a ``LossInputs`` (log-probs of the label tokens, their mask, the logits, and the model's
+values if it has a value head) plus the keyword arguments given to ``forward_backward``, and returns
+``(scalar loss, stats)``. Per-token arguments (``old_logprobs``, ``advantages``, ``values``, ``returns``)
+may be (B, T - 1), aligned with the shifted labels, or (B, T), aligned with ``input_ids`` (the first
+column is then ignored: token 0 is never predicted); ``advantages`` and ``returns`` may also be (B,), one
+per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from aitraining_pl.losses import masked_mean, ppo_policy_loss, ppo_value_loss
+
+
+@dataclass
+class LossInputs:
+    logprobs: torch.Tensor  #: (B, T - 1) log p(label_{t+1} | tokens <= t)
+    mask: torch.Tensor  #: (B, T - 1) float, 1 where the label token counts
+    logits: torch.Tensor  #: (B, T, V)
+    values: Optional[torch.Tensor] = None  #: (B, T - 1) values of the states that predict each label
+
+
+LossFn = Callable[..., Tuple[torch.Tensor, Dict[str, float]]]
+
+#: name -> loss function ``fn(inputs: LossInputs, **kwargs) -> (loss, stats)``.
+PIPELINE_LOSSES: Dict[str, LossFn] = {}
+#: name -> keyword arguments the loss cannot do without (checked before the work is queued).
+REQUIRED_KWARGS: Dict[str, Tuple[str, ...]] = {}
+
+
+def register_loss(name: str, required: Tuple[str, ...] = ()) -> Callable[[LossFn], LossFn]:
+    """Decorator adding a loss to ``PIPELINE_LOSSES`` under ``name``."""
+
+    def add(fn: LossFn) -> LossFn:
+        PIPELINE_LOSSES[name] = fn
+        REQUIRED_KWARGS[name] = tuple(required)
+        return fn
+
+    return add
+
+
+def check_loss_kwargs(name: str, kwargs: Dict[str, Any]) -> None:
+    """Raise a clear error for an unknown loss or a missing required keyword argument."""
+    if name not in PIPELINE_LOSSES:
+        raise ValueError(f"unknown loss_fn {name!r}; built in: {', '.join(PIPELINE_LOSSES)} (or use forward_backward_custom)")
+    missing = [k for k in REQUIRED_KWARGS[name] if kwargs.get(k) is None]
+    if missing:
+        raise ValueError(f"loss_fn {name!r} needs {', '.join(missing)}")
+
+
+def align(value: Any, like: torch.Tensor, name: str) -> torch.Tensor:
+    """``value`` as a float tensor shaped like ``like`` (B, T - 1): from (B, T - 1), (B, T) or (B,)."""
+    tensor = torch.as_tensor(value, dtype=torch.float32, device=like.device)
+    batch, steps = like.shape
+    if tensor.dim() == 1 and tensor.shape[0] == batch:
+        return tensor[:, None].expand(batch, steps)
+    if tensor.dim() == 2 and tensor.shape[0] == batch and tensor.shape[1] in (steps, steps + 1):
+        return tensor[:, -steps:]
+    raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected ({batch},), ({batch}, {steps}) or ({batch}, {steps + 1})")
+
+
+@register_loss("cross_entropy")
+def cross_entropy(inputs: LossInputs, **_: Any) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """Language-modelling loss: mean negative log-likelihood of the label tokens."""
+    loss = -masked_mean(inputs.logprobs, inputs.mask)
+    return loss, {"nll": loss.item()}
+
+
+@register_loss("importance_sampling", required=("old_logprobs", "advantages"))
+def importance_sampling(
+    inputs: LossInputs, old_logprobs: Any, advantages: Any, **_: Any
+) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """Off-policy policy gradient with per-token importance weights, the unclipped surrogate of TRPO
+    (Schulman et al. 2015): ``L = -mean(exp(logp - old_logp) * A)`` over label tokens. Its gradient is the
+    policy gradient for samples drawn from the policy that gave ``old_logprobs``."""
+    old = align(old_logprobs, inputs.logprobs, "old_logprobs")
+    adv = align(advantages, inputs.logprobs, "advantages")
+    ratio = torch.exp(inputs.logprobs - old)
+    loss = -masked_mean(ratio * adv, inputs.mask)
+    return loss, {"ratio": masked_mean(ratio.detach(), inputs.mask).item()}
+
+
+@register_loss("ppo", required=("old_log_probs", "advantages"))
+def ppo(
+    inputs: LossInputs,
+    old_log_probs: Any,
+    advantages: Any,
+    values: Any = None,
+    returns: Any = None,
+    clip_ratio: float = 0.2,
+    value_clip: float = 0.2,
+    value_coef: float = 0.5,
+    **_: Any,
+) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """Clipped PPO surrogate (Schulman et al. 2017), plus ``value_coef`` times the clipped value loss when
+    ``returns`` are given. The new values come from the model's value head (e.g. ``PPOModel``); ``values``
+    are the rollout's old values, used for value clipping (no clipping without them)."""
+    old = align(old_log_probs, inputs.logprobs, "old_log_probs")
+    adv = align(advantages, inputs.logprobs, "advantages")
+    loss, stats = ppo_policy_loss(inputs.logprobs, old, adv, inputs.mask, clip_ratio)
+    out = {"policy_loss": loss.item(), **{k: v.item() for k, v in stats.items()}}
+    if returns is not None:
+        if inputs.values is None:
+            raise ValueError("ppo with returns needs a model with a value head (e.g. PPOModel); this model gives no values")
+        target = align(returns, inputs.logprobs, "returns")
+        old_values = align(values, inputs.logprobs, "values") if values is not None else inputs.values.detach()
+        value_loss = ppo_value_loss(inputs.values, old_values, target, inputs.mask, value_clip)
+        loss = loss + value_coef * value_loss
+        out["value_loss"] = value_loss.item()
+    elif values is not None:
+        raise ValueError("ppo got values but no returns; the value loss needs returns")
+    return loss, out
