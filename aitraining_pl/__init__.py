@@ -27,6 +27,19 @@ _EXPORTS: dict[str, str] = {
     "PairwiseRewardModel": "aitraining_pl.models",
     "MultiObjectiveRewardModel": "aitraining_pl.models",
     "load_reward_model": "aitraining_pl.models",
+    # layer 3: environments
+    "Observation": "aitraining_pl.environments",
+    "StepResult": "aitraining_pl.environments",
+    "Trajectory": "aitraining_pl.environments",
+    "RLEnvironment": "aitraining_pl.environments",
+    "TextGenerationEnv": "aitraining_pl.environments",
+    "MultiObjectiveRewardEnv": "aitraining_pl.environments",
+    "PreferenceComparisonEnv": "aitraining_pl.environments",
+    "create_math_problem_env": "aitraining_pl.environments",
+    "create_code_generation_env": "aitraining_pl.environments",
+    # layer 5: the seed's forward/backward pipeline
+    "ForwardBackwardPipeline": "aitraining_pl.forward_backward",
+    "AsyncTrainingClient": "aitraining_pl.forward_backward",
 }
 
 __all__ = sorted(_EXPORTS)
