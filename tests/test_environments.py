@@ -198,3 +198,17 @@ def test_code_runner_time_limit_network_and_environment(monkeypatch):
     checks = ["assert 'SECRET_TOKEN' not in env", "assert set(env) <= {'LC_CTYPE'}", "assert 'aitraining_pl_code_' in cwd"]
     assert run_test_cases(probe, checks, timeout=5.0).passed == 3
     assert run_test_cases("x = 1", ["assert x == 1", "assert x == 2"], timeout=5.0).passed == 1
+
+
+def test_an_environment_named_by_import_path_is_a_ppo_reward_source():
+    from aitraining_pl.rewards import build_reward_source, score_responses
+
+    source = build_reward_source("aitraining_pl.environments.MathProblemEnv")
+    prompt = source.prompts[0]
+    answer = source.metadata_for(prompt)["answer"]
+    scores, components = score_responses(source, [prompt, prompt], [f"Answer: {answer}", "no idea"], [{}, {}])
+    assert scores == pytest.approx([1.1, 0.0])
+    assert components == {"correctness": [1.0, 0.0], "formatting": [1.0, 0.0]}
+    # with the answer in the prompt data's metadata, any prompt works
+    scores, _ = score_responses(source, ["2+2?"], ["4"], [{"answer": 4}])
+    assert scores == [1.0]

@@ -7,6 +7,7 @@ per-component scores in ``env.last_components``), so ``PPOModule`` can score its
 from aitraining_pl.environments.base import Observation, RLEnvironment, StepResult, Trajectory, call_reward_fn
 from aitraining_pl.environments.code_generation import (
     DEFAULT_CODE_TASKS,
+    CodeGenerationEnv,
     TestRunResult,
     create_code_generation_env,
     extract_code,
@@ -16,6 +17,7 @@ from aitraining_pl.environments.code_generation import (
 )
 from aitraining_pl.environments.math_problems import (
     MathProblem,
+    MathProblemEnv,
     create_math_problem_env,
     generate_math_problems,
     math_correctness_reward,
@@ -36,12 +38,14 @@ __all__ = [
     "PreferenceComparisonEnv",
     "length_reward",
     "MathProblem",
+    "MathProblemEnv",
     "create_math_problem_env",
     "generate_math_problems",
     "math_correctness_reward",
     "math_format_reward",
     "parse_final_number",
     "DEFAULT_CODE_TASKS",
+    "CodeGenerationEnv",
     "TestRunResult",
     "create_code_generation_env",
     "extract_code",

@@ -182,26 +182,16 @@ def make_tests_reward(timeout: float):
     return tests_reward
 
 
-def create_code_generation_env(
-    tokenizer,
-    prompts: Optional[Sequence[str]] = None,
-    test_cases: Optional[Sequence[Sequence[str]]] = None,
-    timeout: float = 5.0,
-    max_length: int = 512,
-    syntax_weight: float = 1.0,
-    style_weight: float = 0.1,
-    tests_weight: float = 1.0,
-    **kwargs: Any,
-) -> MultiObjectiveRewardEnv:
+class CodeGenerationEnv(MultiObjectiveRewardEnv):
     """A ``MultiObjectiveRewardEnv`` for writing Python functions.
 
     Components: ``syntax`` (the code compiles), ``style`` (share of simple PEP 8 checks) and ``tests`` (share
     of the prompt's test cases passed, run in a restricted subprocess with a time limit; see the module
     docstring for what that does and does not protect against). The code is the first fenced block of the
-    response, or the whole response.
+    response, or the whole response. As a class it can be named in YAML as a PPO reward source.
 
     Args:
-        tokenizer: a Hugging Face tokenizer.
+        tokenizer: a Hugging Face tokenizer or a name for ``load_tokenizer`` (only episodes use it).
         prompts: task descriptions; default: the built-in ``DEFAULT_CODE_TASKS``.
         test_cases: one list of Python assert statements per prompt (default: the built-in tasks' tests).
         timeout: wall-clock seconds allowed for one response's test run.
@@ -211,18 +201,36 @@ def create_code_generation_env(
         tests_weight: weight of the test-case component.
         **kwargs: other ``TextGenerationEnv`` arguments.
     """
-    if prompts is None:
-        prompts = [p for p, _ in DEFAULT_CODE_TASKS]
-        test_cases = [t for _, t in DEFAULT_CODE_TASKS] if test_cases is None else test_cases
-    test_cases = list(test_cases) if test_cases is not None else [[] for _ in prompts]
-    if len(test_cases) != len(prompts):
-        raise ValueError(f"got {len(prompts)} prompts but {len(test_cases)} lists of test cases")
-    return MultiObjectiveRewardEnv(
-        tokenizer,
-        list(prompts),
-        reward_components={"syntax": syntax_reward, "style": style_reward, "tests": make_tests_reward(timeout)},
-        reward_weights={"syntax": syntax_weight, "style": style_weight, "tests": tests_weight},
-        prompt_metadata=[{"tests": list(t)} for t in test_cases],
-        max_length=max_length,
-        **kwargs,
-    )
+
+    def __init__(
+        self,
+        tokenizer: Any = "byte",
+        prompts: Optional[Sequence[str]] = None,
+        test_cases: Optional[Sequence[Sequence[str]]] = None,
+        timeout: float = 5.0,
+        max_length: int = 512,
+        syntax_weight: float = 1.0,
+        style_weight: float = 0.1,
+        tests_weight: float = 1.0,
+        **kwargs: Any,
+    ):
+        if prompts is None:
+            prompts = [p for p, _ in DEFAULT_CODE_TASKS]
+            test_cases = [t for _, t in DEFAULT_CODE_TASKS] if test_cases is None else test_cases
+        test_cases = list(test_cases) if test_cases is not None else [[] for _ in prompts]
+        if len(test_cases) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(test_cases)} lists of test cases")
+        super().__init__(
+            tokenizer,
+            list(prompts),
+            reward_components={"syntax": syntax_reward, "style": style_reward, "tests": make_tests_reward(timeout)},
+            reward_weights={"syntax": syntax_weight, "style": style_weight, "tests": tests_weight},
+            prompt_metadata=[{"tests": list(t)} for t in test_cases],
+            max_length=max_length,
+            **kwargs,
+        )
+
+
+def create_code_generation_env(tokenizer: Any, **kwargs: Any) -> CodeGenerationEnv:
+    """The seed's code environment: ``CodeGenerationEnv(tokenizer, **kwargs)`` (syntax, style, tests)."""
+    return CodeGenerationEnv(tokenizer, **kwargs)

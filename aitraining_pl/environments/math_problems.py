@@ -84,24 +84,18 @@ def math_format_reward(prompt: str, generated: str, full_text: str) -> float:
     return float(_ANSWER_LINE.search(generated) is not None)
 
 
-def create_math_problem_env(
-    tokenizer,
-    num_problems: int = 100,
-    seed: int = 0,
-    max_length: int = 256,
-    correctness_weight: float = 1.0,
-    format_weight: float = 0.1,
-    **kwargs: Any,
-) -> MultiObjectiveRewardEnv:
+class MathProblemEnv(MultiObjectiveRewardEnv):
     """A ``MultiObjectiveRewardEnv`` over generated arithmetic word problems.
 
     Components: ``correctness`` (weight 1.0: the final number of the response equals the answer) and
     ``formatting`` (weight 0.1: the response has an ``Answer: <number>`` line). Each prompt's metadata holds
     ``answer``; used as a reward source, prompts the environment generated find their answer themselves,
-    other prompts need ``{"answer": ...}`` in their metadata.
+    other prompts need ``{"answer": ...}`` in their metadata. As a class it can be named in YAML as a PPO
+    reward source: ``reward: aitraining_pl.environments.MathProblemEnv``.
 
     Args:
-        tokenizer: a Hugging Face tokenizer.
+        tokenizer: a Hugging Face tokenizer or a name for ``load_tokenizer`` (only episodes use it; scoring
+            as a reward source does not).
         num_problems: how many problems (prompts) to generate.
         seed: seed of the problem generator.
         max_length: maximum tokens of prompt plus response.
@@ -109,13 +103,29 @@ def create_math_problem_env(
         format_weight: weight of the formatting component.
         **kwargs: other ``TextGenerationEnv`` arguments (``stop_sequences``, ``temperature``).
     """
-    problems = generate_math_problems(num_problems, seed)
-    return MultiObjectiveRewardEnv(
-        tokenizer,
-        [p.prompt for p in problems],
-        reward_components={"correctness": math_correctness_reward, "formatting": math_format_reward},
-        reward_weights={"correctness": correctness_weight, "formatting": format_weight},
-        prompt_metadata=[{"answer": p.answer, "expression": p.expression} for p in problems],
-        max_length=max_length,
-        **kwargs,
-    )
+
+    def __init__(
+        self,
+        tokenizer: Any = "byte",
+        num_problems: int = 100,
+        seed: int = 0,
+        max_length: int = 256,
+        correctness_weight: float = 1.0,
+        format_weight: float = 0.1,
+        **kwargs: Any,
+    ):
+        self.problems = generate_math_problems(num_problems, seed)
+        super().__init__(
+            tokenizer,
+            [p.prompt for p in self.problems],
+            reward_components={"correctness": math_correctness_reward, "formatting": math_format_reward},
+            reward_weights={"correctness": correctness_weight, "formatting": format_weight},
+            prompt_metadata=[{"answer": p.answer, "expression": p.expression} for p in self.problems],
+            max_length=max_length,
+            **kwargs,
+        )
+
+
+def create_math_problem_env(tokenizer: Any, **kwargs: Any) -> MathProblemEnv:
+    """The seed's math environment: ``MathProblemEnv(tokenizer, **kwargs)`` (correctness 1.0, formatting 0.1)."""
+    return MathProblemEnv(tokenizer, **kwargs)
