@@ -1,0 +1,168 @@
+"""PPOModule: one iteration against a hand-written PPO loop; export; bf16 smoke; learning; DDP."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+
+import aitraining_pl.modules.ppo as ppo_module
+from aitraining_pl.datamodules.prompt import PromptDataModule
+from aitraining_pl.models import build_causal_lm
+from aitraining_pl.modules.ppo import PPOModule
+from aitraining_pl.rollout import GenerationConfig
+
+from conftest import TINY_LLAMA
+
+EOS = 1
+
+
+def length_score(prompts, responses, metadata):
+    return [len(r) / 4.0 for r in responses]
+
+
+def _trainer(tmp_path, **kwargs):
+    defaults = dict(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+    )
+    return pl.Trainer(**{**defaults, **kwargs})
+
+
+# ------------------------------------------------------------------------------------------------ reference loop
+def _reference_ppo(model, ref_model, ids, attn, P, scores, hp, n_steps_total):
+    """A plain PPO iteration written out with loops and textbook formulas (no library maths)."""
+    T, R = hp["temperature"], ids.shape[1] - P
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)
+    resp = ids[:, P:]
+    mask = attn[:, P:].float()
+    lengths = mask.sum(1).long()
+
+    def run(m, grad):
+        with torch.set_grad_enabled(grad):
+            out = m.base_model(input_ids=ids, attention_mask=attn, position_ids=pos, output_hidden_states=True)
+            logits = out.logits[:, P - 1 : -1] / T
+            logp = F.log_softmax(logits, -1)
+            lp = logp.gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+            values = m.value_head(out.hidden_states[-1])[:, P - 1 : -1]
+            entropy = -(logp.exp() * logp).sum(-1)
+        return lp, values, entropy
+
+    old_lp, old_v, _ = run(model, False)
+    with torch.no_grad():
+        ref_logits = ref_model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1 : -1] / T
+        ref_lp = F.log_softmax(ref_logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+    adv = torch.zeros(ids.shape[0], R)
+    for b in range(ids.shape[0]):
+        L = int(lengths[b])
+        rewards = [-hp["kl_coef"] * float(old_lp[b, t] - ref_lp[b, t]) for t in range(L)]
+        rewards[L - 1] += float(scores[b])
+        running = 0.0
+        for t in reversed(range(L)):
+            next_v = float(old_v[b, t + 1]) if t + 1 < L else 0.0
+            delta = rewards[t] + hp["gamma"] * next_v - float(old_v[b, t])
+            running = delta + hp["gamma"] * hp["lam"] * running
+            adv[b, t] = running
+    returns = (adv + old_v) * mask
+    n = mask.sum()
+    mean = (adv * mask).sum() / n
+    var = (((adv - mean) ** 2) * mask).sum() / (n - 1)
+    adv = (adv - mean) / torch.sqrt(var + 1e-8) * mask
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=hp["lr"], weight_decay=0.0)
+    losses = []
+    for step in range(hp["ppo_epochs"]):
+        for group in opt.param_groups:
+            group["lr"] = hp["lr"] * max(0.0, 1 - step / n_steps_total)
+        lp, v, ent = run(model, True)
+        ratio = torch.exp(lp - old_lp)
+        pg = torch.max(-adv * ratio, -adv * ratio.clamp(1 - hp["clip"], 1 + hp["clip"]))
+        policy_loss = (pg * mask).sum() / n
+        v_clipped = old_v + (v - old_v).clamp(-hp["vclip"], hp["vclip"])
+        value_loss = 0.5 * (torch.max((v - returns) ** 2, (v_clipped - returns) ** 2) * mask).sum() / n
+        entropy = (ent * mask).sum() / n
+        loss = policy_loss + hp["vcoef"] * value_loss - hp["ecoef"] * entropy
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], hp["max_grad_norm"])
+        opt.step()
+        losses.append((loss.item(), policy_loss.item(), value_loss.item(), entropy.item()))
+    return losses
+
+
+def test_one_iteration_matches_a_hand_written_ppo_loop(tmp_path, monkeypatch, byte_tokenizer):
+    torch.manual_seed(0)
+    hp = dict(temperature=0.7, kl_coef=0.2, gamma=0.9, lam=0.8, lr=1e-2, ppo_epochs=3, clip=0.2, vclip=0.2,
+              vcoef=0.5, ecoef=0.01, max_grad_norm=0.5)
+    module = PPOModule(
+        model_config=TINY_LLAMA, tokenizer_name="byte", reward=length_score,
+        generation=GenerationConfig(max_new_tokens=5, temperature=hp["temperature"]),
+        learning_rate=hp["lr"], mini_batch_size=4, ppo_epochs=hp["ppo_epochs"], gamma=hp["gamma"], lam=hp["lam"],
+        clip_ratio=hp["clip"], value_clip=hp["vclip"], max_grad_norm=hp["max_grad_norm"],
+        kl_penalty_coef=hp["kl_coef"], entropy_coef=hp["ecoef"], value_coef=hp["vcoef"],
+    )
+    # the value head's output layer starts at zero; perturb it so old values and returns are non-trivial
+    torch.nn.init.normal_(module.model.value_head.net[-1].weight, std=0.5)
+    reference_model = copy.deepcopy(module.model)
+    # a fixed "sampled" rollout: EOS mid-sequence, EOS first, no EOS, EOS then garbage
+    fixed = torch.tensor([[40, 41, EOS, 0, 0], [EOS, 0, 0, 0, 0], [50, 51, 52, 53, 54], [60, EOS, 70, 71, 72]])
+    monkeypatch.setattr(ppo_module, "sample_responses", lambda *a, **k: fixed.clone())
+    prompts = ["hello", "hi", "abc", "a longer prompt"]
+    dm = PromptDataModule(prompts=prompts, tokenizer=byte_tokenizer, batch_size=4)
+    monkeypatch.setattr(dm, "train_dataloader", lambda: torch.utils.data.DataLoader(
+        dm.train_dataset, 4, shuffle=False, collate_fn=dm.collate_fn))
+    _trainer(tmp_path, limit_train_batches=1).fit(module, dm)
+
+    # the same iteration by hand
+    dm.setup()
+    batch = dm.collate_fn([dm.train_dataset[i] for i in range(4)])
+    P = batch["input_ids"].shape[1]
+    ids = torch.cat([batch["input_ids"], fixed], 1)
+    resp_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    attn = torch.cat([batch["attention_mask"], resp_mask], 1)
+    texts = [byte_tokenizer.decode(r[: int(m.sum())], skip_special_tokens=True) for r, m in zip(fixed.tolist(), resp_mask)]
+    scores = torch.tensor(length_score(prompts, texts, None))
+    ref_lm = build_causal_lm(TINY_LLAMA, seed=0).eval()
+    expected = _reference_ppo(reference_model, ref_lm, ids, attn, P, scores, hp, n_steps_total=hp["ppo_epochs"])
+
+    got = [(h["loss"].item(), h["policy_loss"].item(), h["value_loss"].item(), h["entropy"].item())
+           for h in module.update_history]
+    assert len(got) == hp["ppo_epochs"]
+    assert torch.allclose(torch.tensor(got), torch.tensor(expected), atol=1e-5, rtol=0)
+    assert expected[0][2] > 0 and abs(expected[1][1] - expected[0][1]) > 1e-4  # non-trivial losses that changed
+    for (name, p), q in zip(module.model.named_parameters(), reference_model.parameters()):
+        assert torch.allclose(p, q, atol=1e-5), name
+    # the frozen reference did not move, and is not part of the module's state
+    for p, q in zip(module.reference.model.parameters(), ref_lm.parameters()):
+        assert torch.equal(p, q)
+    assert all(not k.startswith("reference") for k in module.state_dict())
+
+
+def test_save_pretrained_writes_policy_tokenizer_and_value_head(tmp_path, byte_tokenizer):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    module = PPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", reward=length_score)
+    module.save_pretrained(tmp_path / "export")
+    files = set(os.listdir(tmp_path / "export"))
+    assert {"model.safetensors", "config.json", "value_head.safetensors"} <= files
+    assert any(f.startswith("tokenizer") or f.endswith("special_tokens_map.json") for f in files)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert torch.equal(reloaded.lm_head.weight, module.policy.lm_head.weight)
+    head = load_file(str(tmp_path / "export" / "value_head.safetensors"))
+    assert torch.equal(head["net.1.weight"], module.model.value_head.net[1].weight)
+
+
+def test_reward_errors_stop_the_run(tmp_path, byte_tokenizer):
+    module = PPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", reward=lambda p, r, m: [float("nan")] * len(r),
+                       generation=GenerationConfig(max_new_tokens=2), mini_batch_size=2)
+    dm = PromptDataModule(prompts=["a", "b"], tokenizer=byte_tokenizer, batch_size=2)
+    from aitraining_pl.rewards import RewardError
+
+    with pytest.raises(RewardError, match="non-finite"):
+        _trainer(tmp_path, limit_train_batches=1).fit(module, dm)
