@@ -212,3 +212,14 @@ def test_an_environment_named_by_import_path_is_a_ppo_reward_source():
     # with the answer in the prompt data's metadata, any prompt works
     scores, _ = score_responses(source, ["2+2?"], ["4"], [{"answer": 4}])
     assert scores == [1.0]
+
+
+def test_rollout_plays_an_episode_with_a_model(byte_tokenizer, tiny_config):
+    from aitraining_pl.models import build_causal_lm
+
+    model = build_causal_lm(tiny_config, seed=0)
+    env = MultiObjectiveRewardEnv(byte_tokenizer, ["2+2="], {"len": lambda p, g, f: float(len(g))}, max_length=12)
+    traj = env.rollout(model, generator=torch.Generator().manual_seed(0))
+    assert traj.done and len(traj.actions) == len(traj.logprobs) == len(traj.rewards) >= 1
+    assert all(lp.item() <= 0 for lp in traj.logprobs) and len(traj.actions) <= 8
+    assert traj.total_reward == traj.rewards[-1] == traj.metrics["reward_total"] == traj.metrics["reward_len"]

@@ -201,6 +201,22 @@ class TextGenerationEnv(RLEnvironment):
         probs = torch.softmax(logits / self.temperature, dim=-1)
         return torch.multinomial(probs, 1, generator=generator)[0]
 
+    @torch.no_grad()
+    def rollout(self, model: torch.nn.Module, index: Optional[int] = None, generator: Optional[torch.Generator] = None) -> Trajectory:
+        """Play one episode with a causal LM: token by token, sampled by ``sample_action`` at the environment's
+        temperature, each token's log-probability (at that temperature) kept in the trajectory. Each step
+        re-reads the whole sequence (no KV cache): meant for inspection and tests, not throughput."""
+        obs = self.reset(index)
+        device = next(model.parameters()).device
+        while True:
+            logits = model(input_ids=obs.input_ids.to(device), attention_mask=obs.attention_mask.to(device)).logits[0, -1]
+            action = self.sample_action(logits, generator)
+            scaled = logits.float() / self.temperature if self.temperature > 0 else logits.float()
+            result = self.step(action.cpu(), logprob=torch.log_softmax(scaled, -1)[action].cpu())
+            if result.done:
+                return self.trajectory
+            obs = result.next_observation
+
     @property
     def trajectory(self) -> Trajectory:
         """The current (or last) episode."""
