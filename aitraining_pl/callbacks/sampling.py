@@ -1,0 +1,86 @@
+"""Periodic samples during PPO training: prompt, response and reward, as a W&B table or JSONL."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import WandbLogger
+
+from aitraining_pl.datamodules.prompt import PromptCollator, PromptDataset
+from aitraining_pl.rollout import decode_responses
+
+
+class SamplingCallback(pl.Callback):
+    """Every ``every_n_iterations`` PPO iterations, generate responses for fixed prompts and log
+    ``(iteration, step, prompt, response, reward)`` rows: as a W&B table (key ``samples``) when a
+    ``WandbLogger`` is attached, else appended to ``<log_dir>/samples.jsonl``. Rank zero only (under FSDP
+    every rank generates, since generation needs all shards, and rank zero logs).
+
+    Args:
+        prompts: the prompts to sample for (default: the first ``num_prompts`` of the data module).
+        metadata: per-prompt metadata for the reward source (default: the data module's, or ``{}``).
+        every_n_iterations: sampling period in PPO iterations (training batches).
+        num_prompts: prompts taken from the data module when ``prompts`` is not given.
+        filename: JSONL file name inside the log folder.
+    """
+
+    def __init__(
+        self,
+        prompts: Optional[list[str]] = None,
+        metadata: Optional[list[dict]] = None,
+        every_n_iterations: int = 10,
+        num_prompts: int = 4,
+        filename: str = "samples.jsonl",
+    ):
+        if every_n_iterations < 1:
+            raise ValueError(f"every_n_iterations must be >= 1, got {every_n_iterations}")
+        self.prompts, self.metadata = prompts, metadata
+        self.every_n_iterations, self.num_prompts, self.filename = every_n_iterations, num_prompts, filename
+        self.path: Optional[str] = None
+
+    def _fixed_prompts(self, trainer: pl.Trainer) -> tuple[list[str], list[dict]]:
+        if self.prompts is None:
+            datamodule = trainer.datamodule
+            if datamodule is None or not hasattr(datamodule, "sample_prompts"):
+                raise ValueError("SamplingCallback needs prompts, or a PromptDataModule to take them from")
+            self.prompts, metadata = datamodule.sample_prompts(self.num_prompts)
+            self.metadata = self.metadata or metadata
+        return list(self.prompts), list(self.metadata or [{} for _ in self.prompts])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        iteration = trainer.fit_loop.epoch_loop.batch_progress.total.processed  # this one included
+        if iteration % self.every_n_iterations:
+            return
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if not (trainer.is_global_zero or isinstance(trainer.strategy, FSDPStrategy)):
+            return
+        rows = self.sample(pl_module, *self._fixed_prompts(trainer))
+        if trainer.is_global_zero:
+            self.write(trainer, [{"iteration": iteration, "step": trainer.global_step, **r} for r in rows])
+
+    def sample(self, pl_module: pl.LightningModule, prompts: list[str], metadata: list[dict]) -> list[dict]:
+        """Generate and score one response per prompt with the module's generation settings."""
+        tokenizer = pl_module.tokenizer
+        dataset = PromptDataset(prompts, tokenizer, metadata)
+        batch = PromptCollator(tokenizer.pad_token_id or 0)([dataset[i] for i in range(len(dataset))])
+        response, mask, ended = pl_module.generate(batch["input_ids"].to(pl_module.device), batch["attention_mask"].to(pl_module.device))
+        texts = decode_responses(tokenizer, response, mask)
+        scores, _ = pl_module.score(batch["prompts"], texts, batch["metadata"], ended)
+        return [{"prompt": p, "response": r, "reward": float(s)} for p, r, s in zip(batch["prompts"], texts, scores)]
+
+    def write(self, trainer: pl.Trainer, rows: list[dict]) -> None:
+        wandb_loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+        if wandb_loggers:
+            columns = list(rows[0])
+            wandb_loggers[0].log_table(key="samples", columns=columns, data=[[r[c] for c in columns] for r in rows])
+            return
+        folder = trainer.log_dir or trainer.default_root_dir
+        os.makedirs(folder, exist_ok=True)
+        self.path = os.path.join(folder, self.filename)
+        with open(self.path, "a", encoding="utf-8") as handle:
+            for row in rows:
+                handle.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -1,0 +1,99 @@
+"""AdaptiveKLCallback and SamplingCallback; resuming PPO keeps the KL coefficient and the step."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from aitraining_pl.callbacks.kl import AdaptiveKLCallback
+from aitraining_pl.callbacks.sampling import SamplingCallback
+from aitraining_pl.datamodules.prompt import PromptDataModule
+from aitraining_pl.modules.ppo import PPOModule
+from aitraining_pl.rollout import GenerationConfig
+
+from conftest import TINY_LLAMA
+
+
+def _fake_module(kl):
+    return SimpleNamespace(kl_coef=0.1, last_kl=kl, last_num_samples=100)
+
+
+@pytest.mark.parametrize("kl, direction", [(5.0, 1), (0.5, -1), (1.0, 0)])
+def test_kl_coefficient_moves_towards_the_target(kl, direction):
+    callback = AdaptiveKLCallback(target=1.0, horizon=1000)
+    module = _fake_module(kl)
+    callback.on_train_start(None, module)
+    callback.on_train_batch_end(None, module)
+    change = module.kl_coef - 0.1
+    assert (change > 0) - (change < 0) == direction
+    # proportional control with the error clipped at +/-0.2 (Ziegler et al. 2019)
+    error = max(-0.2, min(0.2, kl / 1.0 - 1))
+    assert module.kl_coef == pytest.approx(0.1 * (1 + error * 100 / 1000))
+
+
+def test_kl_callback_state_round_trips():
+    callback = AdaptiveKLCallback(target=1.0, horizon=10)
+    module = _fake_module(3.0)
+    callback.on_train_start(None, module)
+    callback.on_train_batch_end(None, module)
+    restored = AdaptiveKLCallback(target=1.0, horizon=10)
+    restored.load_state_dict(callback.state_dict())
+    fresh = _fake_module(3.0)
+    restored.on_train_start(None, fresh)
+    assert fresh.kl_coef == module.kl_coef != 0.1
+
+
+def _module(**kwargs):
+    defaults = dict(model_config=TINY_LLAMA, tokenizer_name="byte", reward="aitraining_pl.rewards:char_fraction_reward",
+                    generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0), learning_rate=1e-3,
+                    mini_batch_size=2, ppo_epochs=1, kl_penalty_coef=0.05)
+    return PPOModule(**{**defaults, **kwargs})
+
+
+def _data(byte_tokenizer):
+    return PromptDataModule(prompts=["ab", "cd", "ef", "gh"], tokenizer=byte_tokenizer, batch_size=2)
+
+
+class _Probe(pl.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.start = (pl_module.kl_coef, trainer.global_step)
+
+
+def test_resume_keeps_kl_coefficient_and_step(tmp_path, byte_tokenizer):
+    common = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  default_root_dir=str(tmp_path))
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    first = pl.Trainer(max_epochs=1, callbacks=[AdaptiveKLCallback(target=1e-3, horizon=10), ckpt], **common)
+    module = _module()
+    first.fit(module, _data(byte_tokenizer))
+    saved_coef, saved_step = module.kl_coef, first.global_step
+    assert saved_coef != pytest.approx(0.05) and saved_step == 2  # moved; 2 iterations x 1 update
+    assert not any(k.startswith(("reference", "_reward")) for k in torch.load(ckpt.last_model_path, weights_only=True)["state_dict"])
+
+    probe = _Probe()
+    second = pl.Trainer(max_epochs=2, callbacks=[AdaptiveKLCallback(target=1e-3, horizon=10), probe], **common)
+    resumed = _module()
+    second.fit(resumed, _data(byte_tokenizer), ckpt_path=ckpt.last_model_path)
+    assert probe.start == (pytest.approx(saved_coef), saved_step)
+    assert second.global_step == 4
+
+    # without the callback the module alone restores its coefficient
+    bare = _module()
+    bare.on_load_checkpoint(torch.load(ckpt.last_model_path, weights_only=True))
+    assert bare.kl_coef == pytest.approx(saved_coef)
+
+
+def test_sampling_callback_writes_jsonl_rows(tmp_path, byte_tokenizer):
+    sampler = SamplingCallback(every_n_iterations=1, num_prompts=2)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=pl.loggers.CSVLogger(tmp_path), enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[sampler])
+    trainer.fit(_module(), _data(byte_tokenizer))
+    rows = [json.loads(line) for line in open(sampler.path)]
+    assert len(rows) == 4  # 2 prompts x 2 iterations
+    assert rows[0]["prompt"] == "ab" and rows[-1]["iteration"] == 2
+    assert {"prompt", "response", "reward", "step", "iteration"} <= set(rows[0])
+    assert all(isinstance(r["reward"], float) for r in rows)
