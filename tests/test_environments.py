@@ -223,3 +223,27 @@ def test_rollout_plays_an_episode_with_a_model(byte_tokenizer, tiny_config):
     assert traj.done and len(traj.actions) == len(traj.logprobs) == len(traj.rewards) >= 1
     assert all(lp.item() <= 0 for lp in traj.logprobs) and len(traj.actions) <= 8
     assert traj.total_reward == traj.rewards[-1] == traj.metrics["reward_total"] == traj.metrics["reward_len"]
+
+
+@pytest.mark.slow
+def test_ppo_quickstart_variant_with_the_math_environment_as_reward_source(tmp_path):
+    """configs/quickstart/ppo_math.yaml runs two PPO iterations through the CLI and logs each component."""
+    import csv
+    from pathlib import Path
+
+    from aitraining_pl.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    main([
+        "fit", "--config", str(root / "configs/quickstart/ppo_math.yaml"),
+        "--data.init_args.data_path", str(root / "aitraining_pl/data/math_prompts.jsonl"),
+        "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.limit_train_batches", "2",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    ])  # fmt: skip
+    (metrics_file,) = tmp_path.glob("csv/version_*/metrics.csv")
+    rows = [r for r in csv.DictReader(metrics_file.open()) if r.get("train/reward_mean")]
+    assert len(rows) == 2
+    for row in rows:  # the PPO score is the environment's weighted sum of its components
+        correctness, formatting = float(row["train/reward/correctness"]), float(row["train/reward/formatting"])
+        assert float(row["train/reward_mean"]) == pytest.approx(correctness + 0.1 * formatting, abs=1e-5)
+        assert 0.0 <= correctness <= 1.0 and 0.0 <= formatting <= 1.0
