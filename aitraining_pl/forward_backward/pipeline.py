@@ -157,7 +157,10 @@ class ForwardBackwardPipeline:
         input_ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device)
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        mask = torch.ones_like(input_ids) if attention_mask is None else torch.as_tensor(attention_mask, device=self.device).reshape(input_ids.shape)
+        if attention_mask is None:
+            mask = torch.ones_like(input_ids)
+        else:
+            mask = torch.as_tensor(attention_mask, device=self.device).reshape(input_ids.shape)
         if labels is None:
             labels = input_ids.masked_fill(mask == 0, -100)
         labels = torch.as_tensor(labels, dtype=torch.long, device=self.device).reshape(input_ids.shape)
@@ -249,7 +252,11 @@ class ForwardBackwardPipeline:
 
     # ------------------------------------------------------------------ optimizer
     def optim_step(
-        self, optimizer: torch.optim.Optimizer, scheduler: Any = None, max_grad_norm: Optional[float] = 1.0, force: bool = False
+        self,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        max_grad_norm: Optional[float] = 1.0,
+        force: bool = False,
     ) -> "Future[OptimStepResult]":
         """Queue an optimizer step: clip to ``max_grad_norm`` (``None``/0: no clipping), step, zero the
         gradients, then step ``scheduler``. Skipped (``applied=False``) until ``gradient_accumulation_steps``
@@ -283,7 +290,9 @@ class ForwardBackwardPipeline:
         return OptimStepResult(True, self.step, count, float(norm), float(optimizer.param_groups[0]["lr"]))
 
     # ------------------------------------------------------------------ checkpoints
-    def save_state(self, name: str, optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None) -> Dict[str, Optional[str]]:
+    def save_state(
+        self, name: str, optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None
+    ) -> Dict[str, Optional[str]]:
         """Write ``<checkpoint_dir>/<name>`` (after the queued work): model weights as safetensors, the
         optimizer (the last one given to ``optim_step`` unless passed here) and scheduler state, and a JSON
         state file. The folder is written beside the target, then renamed over it, so a failed save never
@@ -305,10 +314,14 @@ class ForwardBackwardPipeline:
         try:
             save_model(self.model, os.path.join(tmp, MODEL_FILE))
             if optimizer is not None:
-                state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict() if scheduler is not None else None}
+                state = {
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                }
                 torch.save(state, os.path.join(tmp, OPTIMIZER_FILE))
             with open(os.path.join(tmp, STATE_FILE), "w") as handle:
-                json.dump({"step": self.step, "gradient_accumulation_steps": self.gradient_accumulation_steps, "name": name}, handle)
+                state = {"step": self.step, "gradient_accumulation_steps": self.gradient_accumulation_steps, "name": name}
+                json.dump(state, handle)
             if os.path.exists(path):
                 old = path + ".old"
                 shutil.rmtree(old, ignore_errors=True)
@@ -328,7 +341,9 @@ class ForwardBackwardPipeline:
             "state_path": os.path.join(path, STATE_FILE),
         }
 
-    def load_state(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None) -> Dict[str, Any]:
+    def load_state(
+        self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None
+    ) -> Dict[str, Any]:
         """Load a ``save_state`` folder (a path, or a name under ``checkpoint_dir``) after the queued work.
 
         Weights load through safetensors, optimizer state with ``torch.load(weights_only=True)``: into
