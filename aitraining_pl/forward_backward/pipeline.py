@@ -78,13 +78,18 @@ def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
     return torch.device(device)
 
 
+def no_cache_kwargs(model: nn.Module) -> Dict[str, Any]:
+    """``{"use_cache": False}`` when the model's forward takes it (transformers LMs, peft wrappers), else {}."""
+    params = inspect.signature(model.forward).parameters
+    takes = "use_cache" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return {"use_cache": False} if takes else {}
+
+
 def model_outputs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     """``(logits (B, T, V), values (B, T) or None)`` from a transformers LM, a ``PPOModel`` (logits and
     values), a ``ReferencePolicy`` or any callable returning logits."""
     if isinstance(model, nn.Module):
-        params = inspect.signature(model.forward).parameters
-        extra = {"use_cache": False} if "use_cache" in params else {}
-        out = model(input_ids=input_ids, attention_mask=attention_mask, **extra)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, **no_cache_kwargs(model))
     else:
         out = model(input_ids, attention_mask)
     if torch.is_tensor(out):
@@ -213,8 +218,7 @@ class ForwardBackwardPipeline:
     def _forward_backward_custom(self, input_ids, custom_loss_fn, attention_mask, kwargs) -> ForwardBackwardResult:
         input_ids, attention_mask, _ = self._batch(input_ids, attention_mask, None)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        params = inspect.signature(self.model.forward).parameters
-        outputs = self.model(**inputs, **({"use_cache": False} if "use_cache" in params else {}))
+        outputs = self.model(**inputs, **no_cache_kwargs(self.model))
         loss = custom_loss_fn(self.model, inputs, outputs, **kwargs)
         if not torch.is_tensor(loss) or loss.numel() != 1:
             shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
