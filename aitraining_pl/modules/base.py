@@ -72,7 +72,15 @@ class AlignmentModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ models
     def load_policy_from_hparams(self, *, with_reference: bool) -> tuple[nn.Module, ReferencePolicy | None]:
-        """The policy and (if asked) its reference, from ``model_name`` or ``model_config``."""
+        """The policy and (if asked) its reference, from ``model_name`` or ``model_config``.
+
+        Runs in a forked RNG seeded with ``seed``: LoRA initialisation is reproducible and building the
+        module never shifts the caller's random stream (so data order is the same with or without LoRA)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(self.hparam("seed", 0) or 0))
+            return self._load_policy(with_reference)
+
+    def _load_policy(self, with_reference: bool) -> tuple[nn.Module, ReferencePolicy | None]:
         return load_policy(
             self.hparam("model_name"),
             self.hparam("model_config"),
@@ -113,8 +121,16 @@ class AlignmentModule(pl.LightningModule):
     def _epoch_metric(self, key: str, device: torch.device) -> tuple[str, MeanMetric]:
         slot = key.replace("/", "__").replace(".", "_")
         if slot not in self._epoch_metrics:
-            self._epoch_metrics[slot] = MeanMetric().to(device)
-        return f"_epoch_metrics.{slot}", self._epoch_metrics[slot]
+            # created outside inference mode: a metric first made inside ``trainer.validate`` must still
+            # accept updates in a later ``fit`` (inference tensors refuse in-place updates outside it)
+            with torch.inference_mode(False):
+                self._epoch_metrics[slot] = MeanMetric().to(device)
+        metric = self._epoch_metrics[slot]
+        if not torch.is_inference_mode_enabled():  # a reset inside ``trainer.validate`` left inference tensors
+            for name, value in metric.metric_state.items():
+                if isinstance(value, torch.Tensor) and value.is_inference():
+                    setattr(metric, name, value.clone())
+        return f"_epoch_metrics.{slot}", metric
 
     def log_metrics(
         self, stage: str, values: Mapping[str, torch.Tensor], batch_size: int, prog_bar: Iterable[str] = ("loss",)

@@ -47,6 +47,12 @@ def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> Sequen
     return SequenceLogps(logps, scored.sum(-1).to(token.dtype))
 
 
+def preference_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """(B,) 1 where the chosen reward is higher, 0 where lower, 0.5 on ties: an untrained policy (equal to
+    its reference, all rewards 0) scores 0.5, as a coin flip would."""
+    return (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
+
+
 class DPOModule(AlignmentModule):
     """DPO and its variants (IPO, SLiC hinge, robust DPO, conservative DPO, SimPO) on preference batches.
 
@@ -135,7 +141,8 @@ class DPOModule(AlignmentModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is None or not hasattr(datamodule, "ordered_dataloaders"):
             raise ValueError("precompute_ref_logps needs a data module with ordered_dataloaders() (PreferenceDataModule)")
-        with self.trainer.precision_plugin.forward_context():
+        # fork the RNG: creating DataLoader iterators draws from it, and the training order must not change
+        with torch.random.fork_rng(devices=[]), self.trainer.precision_plugin.forward_context():
             for split, loader in datamodule.ordered_dataloaders().items():
                 chunks = []
                 for batch in loader:
@@ -175,7 +182,7 @@ class DPOModule(AlignmentModule):
             "loss": loss,
             "rewards/chosen": out.chosen_rewards,
             "rewards/rejected": out.rejected_rewards,
-            "rewards/accuracies": (out.chosen_rewards > out.rejected_rewards).float(),
+            "rewards/accuracies": preference_accuracy(out.chosen_rewards, out.rejected_rewards),
             "rewards/margins": out.chosen_rewards - out.rejected_rewards,
             "logps/chosen": chosen,
             "logps/rejected": rejected,

@@ -1,0 +1,132 @@
+"""DPOModule through the CLI on a tiny Llama: learning, loss types, precompute / LoRA paths, resume."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from aitraining_pl.cli import build_cli
+from aitraining_pl.datamodules.preference import PreferenceDataModule
+from aitraining_pl.losses import DPO_LOSSES, sequence_logps
+from aitraining_pl.models import LoRAConfig, build_causal_lm
+from aitraining_pl.modules.dpo import DPOModule, completion_logps, preference_accuracy
+from conftest import TINY_LLAMA
+from dpo_utils import preference_rows, read_metrics, series, write_config
+
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0}
+
+
+def fit(config, *extra):
+    return build_cli(["fit", "--config", str(config), *extra])
+
+
+@pytest.mark.parametrize("lora", [None, LoRAConfig(r=4, alpha=8, dropout=0.0)])
+def test_completion_logps_equal_full_logits(byte_tokenizer, lora):
+    rows = preference_rows(4)
+    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", lora=lora)
+    dm = PreferenceDataModule(prompts=[r["prompt"] for r in rows], chosen=[r["chosen"] for r in rows],
+                              rejected=[r["rejected"] for r in rows], tokenizer=byte_tokenizer, val_split=0, batch_size=4)
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    fast = completion_logps(module.policy, batch)
+    logits = module.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    slow = sequence_logps(logits, batch["input_ids"], batch["completion_mask"])
+    torch.testing.assert_close(fast.logps, slow.logps, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(fast.lengths, slow.lengths)
+
+
+def test_preference_accuracy_counts_ties_half():
+    acc = preference_accuracy(torch.tensor([1.0, 0.0, -1.0]), torch.tensor([0.0, 0.0, 0.0]))
+    assert acc.tolist() == [1.0, 0.5, 0.0]
+
+
+@pytest.mark.slow
+def test_dpo_learns_through_the_cli(tmp_path):
+    config = write_config(tmp_path, n_pairs=64, trainer={"max_steps": 24, "val_check_interval": 12})
+    before = build_cli(["validate", "--config", str(config)]).trainer.callback_metrics["val/rewards/accuracies"]
+    cli = fit(config)
+    rows = read_metrics(tmp_path)
+    losses, accuracy = series(rows, "train/loss"), series(rows, "val/rewards/accuracies")
+    assert float(before) == pytest.approx(0.5)  # policy == reference: every reward is 0
+    assert sum(losses[-4:]) / 4 < 0.5 * losses[0]
+    assert accuracy[-1] >= 0.9 > float(before)
+    # the policy moved, the reference did not (it equals a fresh model from the same source)
+    fresh = build_causal_lm(TINY_LLAMA, seed=0).state_dict()
+    policy, reference = cli.model.policy.state_dict(), cli.model.reference.model.state_dict()
+    assert any(not torch.equal(policy[k], fresh[k]) for k in fresh)
+    assert all(torch.equal(reference[k], fresh[k]) for k in fresh)
+    assert not any(k.startswith("reference") for k in cli.model.state_dict())
+
+
+LOSS_RUNS = [{"loss_type": t, **({"label_smoothing": 0.1} if t in ("sigmoid", "robust") else {})}
+             for t in sorted(DPO_LOSSES)] + [{"reference_free": True}]
+
+
+@pytest.mark.parametrize("model", LOSS_RUNS, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+def test_every_loss_type_runs(tmp_path, model):
+    config = write_config(tmp_path, n_pairs=16, model=model, trainer={"max_steps": 2, "limit_val_batches": 1, "val_check_interval": 2})
+    cli = fit(config)
+    metrics = cli.trainer.callback_metrics
+    assert cli.trainer.global_step == 2
+    assert math.isfinite(float(metrics["train/loss"])) and math.isfinite(float(metrics["val/loss"]))
+    assert {"val/rewards/chosen", "val/rewards/margins", "val/logps/rejected"} <= set(metrics)
+    assert (cli.model.reference is None) == (model.get("reference_free", False) or model.get("loss_type") == "simpo")
+
+
+def _first_steps(tmp_path, name, steps=3, **model):
+    run = tmp_path / name
+    run.mkdir()
+    config = write_config(run, n_pairs=32, model=model, trainer={"max_steps": steps, "limit_val_batches": 0})
+    cli = fit(config)
+    rows = read_metrics(run)
+    return cli, series(rows, "train/loss"), series(rows, "train/logps/chosen")
+
+
+def test_precompute_and_lora_give_the_plain_first_step(tmp_path):
+    _, plain_loss, plain_logps = _first_steps(tmp_path, "plain")
+    cli, pre_loss, pre_logps = _first_steps(tmp_path, "pre", precompute_ref_logps=True)
+    assert cli.model.reference._frozen == []  # the frozen copy was released after precomputing
+    assert len(cli.model._ref_cache["train"]) == 24
+    torch.testing.assert_close(torch.tensor(pre_loss), torch.tensor(plain_loss), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(pre_logps), torch.tensor(plain_logps), rtol=1e-4, atol=1e-3)
+    cli, lora_loss, lora_logps = _first_steps(tmp_path, "lora", steps=1, lora=LORA)
+    assert cli.model.reference.shares_weights
+    assert lora_loss[0] == pytest.approx(plain_loss[0], abs=1e-5) and lora_loss[0] == pytest.approx(math.log(2), abs=1e-5)
+    assert lora_logps[0] == pytest.approx(plain_logps[0], rel=1e-5)
+    cli, pre_lora_loss, _ = _first_steps(tmp_path, "pre-lora", steps=1, lora=LORA, precompute_ref_logps=True)
+    assert pre_lora_loss[0] == pytest.approx(plain_loss[0], abs=1e-5)
+
+
+class _Probe(pl.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.step = trainer.global_step
+        self.optimizer = copy.deepcopy(trainer.optimizers[0].state_dict())
+        self.scheduler = trainer.lr_scheduler_configs[0].scheduler.state_dict()
+
+
+@pytest.mark.slow
+def test_resume_continues_at_the_same_step_with_the_same_optimizer_state(tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    trainer = {"max_steps": 4, "limit_val_batches": 0, "enable_checkpointing": True,
+               "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                              "init_args": {"dirpath": str(ckpt_dir), "every_n_train_steps": 2, "save_top_k": -1}}]}
+    config = write_config(tmp_path, n_pairs=16, trainer=trainer)
+    fit(config)
+    ckpt = next(ckpt_dir.glob("*step=2.ckpt"))
+    saved = torch.load(ckpt, weights_only=True)
+    assert not any(k.startswith("_epoch_metrics") or "reference" in k for k in saved["state_dict"])
+    cli = build_cli(["--config", str(config)], run=False)
+    probe = _Probe()
+    cli.trainer.callbacks.append(probe)
+    cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=str(ckpt))
+    assert probe.step == 2 and cli.trainer.global_step == 4
+    want = saved["optimizer_states"][0]
+    assert probe.optimizer["state"].keys() == want["state"].keys() and want["state"]
+    for key, state in want["state"].items():
+        for name, value in state.items():
+            torch.testing.assert_close(probe.optimizer["state"][key][name], value, rtol=0, atol=0)
+    assert probe.scheduler["last_epoch"] == saved["lr_schedulers"][0]["last_epoch"] == 2
