@@ -101,29 +101,25 @@ class WeightedRewards:
 
 
 class RewardModelSource:
-    """Scores ``prompt + response`` texts with a reward model folder saved by the reward module.
+    """Scores ``prompt + separator + response`` with a reward-model folder saved by the reward module
+    (``aitraining_pl.models.reward``; its own tokenizer is in the folder).
 
-    The model is held by this object, not by the LightningModule, so it never lands in a checkpoint.
+    The model is held by this object, not by the LightningModule, so it never lands in a checkpoint;
+    ``PPOModule`` moves it to its device in ``on_fit_start``.
 
     Args:
         path: folder with the reward model and its tokenizer.
         batch_size: texts scored per forward pass.
         separator: put between prompt and response.
+        max_length: keep at most this many tokens of each text (its end); no limit when ``None``.
     """
 
-    def __init__(self, path: str, batch_size: int = 16, separator: str = ""):
-        from aitraining_pl.models import load_tokenizer
+    def __init__(self, path: str, batch_size: int = 16, separator: str = "", max_length: Optional[int] = None):
+        from aitraining_pl.models.reward import load_reward_model
 
-        try:
-            from aitraining_pl.models.reward import load_reward_model
-        except ImportError as err:  # pragma: no cover - depends on the reward issue
-            raise RewardError(f"reward-model folder {path!r} given, but reward models are unavailable: {err}") from err
-        self.path = path
+        self.path, self.batch_size, self.separator, self.max_length = path, batch_size, separator, max_length
         self.model = load_reward_model(path).eval()
         self.model.requires_grad_(False)
-        self.tokenizer = load_tokenizer(path)
-        self.batch_size = batch_size
-        self.separator = separator
 
     def to(self, device=None, dtype=None) -> "RewardModelSource":
         self.model.to(device=device, dtype=dtype)
@@ -131,7 +127,7 @@ class RewardModelSource:
 
     def __call__(self, prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
         texts = [p + self.separator + r for p, r in zip(prompts, responses)]
-        return [float(x) for x in self.model.predict_rewards(texts, self.tokenizer, self.batch_size)]
+        return [float(x) for x in self.model.predict_rewards(texts, None, self.batch_size, self.max_length)]
 
 
 def import_object(path: str) -> Any:

@@ -129,3 +129,16 @@ def test_bad_reward_spec():
         build_reward_source("aitraining_pl.rewards:nope")
     with pytest.raises(ValueError, match="cannot build a reward source"):
         build_reward_source({"weird": 1})
+
+
+def test_reward_model_folder_is_a_reward_source(tmp_path):
+    from aitraining_pl.models.reward import RewardModel, RewardModelConfig
+    from conftest import TINY_LLAMA
+
+    model = RewardModel(RewardModelConfig(model_config=dict(TINY_LLAMA), tokenizer_name="byte", dropout_prob=0.0))
+    torch.nn.init.normal_(model.head.weight)
+    model.save_pretrained(tmp_path / "rm")
+    source = build_reward_source(str(tmp_path / "rm"), kwargs={"batch_size": 2})
+    scores, _ = score_responses(source, ["Q: ", "Q: ", "Q: "], ["yes", "no", "maybe"], [{}, {}, {}])
+    expected = model.eval().predict_rewards(["Q: yes", "Q: no", "Q: maybe"])
+    assert scores == pytest.approx(expected, abs=1e-5) and len(set(scores)) == 3
