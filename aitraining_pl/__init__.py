@@ -27,6 +27,11 @@ _EXPORTS: dict[str, str] = {
     "PairwiseRewardModel": "aitraining_pl.models",
     "MultiObjectiveRewardModel": "aitraining_pl.models",
     "load_reward_model": "aitraining_pl.models",
+    # layers 3-4: reward-model training
+    "ScoresDataModule": "aitraining_pl.datamodules.scores",
+    "RewardModule": "aitraining_pl.modules.reward",
+    "PairwiseRewardModule": "aitraining_pl.modules.reward",
+    "MultiObjectiveRewardModule": "aitraining_pl.modules.reward",
     # layer 3: environments
     "Observation": "aitraining_pl.environments",
     "StepResult": "aitraining_pl.environments",

@@ -79,6 +79,19 @@ class RewardModelConfig:
         return LoRAConfig(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_target_modules)
 
 
+def encode_for_reward(tokenizer, text: str, max_length: int | None = None) -> list[int]:
+    """Token ids of one scored sequence, laid out as the preference data module lays out prompt +
+    completion: BOS (when the tokenizer has one), the text, then EOS, so ``last`` pooling reads the EOS
+    position at training and at scoring time alike. Over ``max_length`` the end is kept."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    bos, eos = getattr(tokenizer, "bos_token_id", None), tokenizer.eos_token_id
+    if bos is not None and (not ids or ids[0] != bos):
+        ids = [bos] + ids
+    if eos is not None:
+        ids.append(eos)
+    return ids[-max_length:] if max_length else ids
+
+
 class RewardModel(nn.Module):
     """A scalar reward for each sequence: trunk -> pool -> dropout -> linear head -> / temperature.
 
@@ -147,12 +160,13 @@ class RewardModel(nn.Module):
     def predict_rewards(
         self, texts: Sequence[str], tokenizer=None, batch_size: int = 8, max_length: int | None = None
     ) -> list[float]:
-        """Rewards of raw texts, in eval mode, ``batch_size`` texts per forward pass.
+        """Rewards of raw texts, in eval mode, ``batch_size`` texts per forward pass. Each text is tokenised
+        as in training (``encode_for_reward``: BOS if the tokenizer has one, the text, EOS).
 
         Args:
             texts: the sequences to score (prompt and response already joined).
             tokenizer: defaults to the model's own (``get_tokenizer``).
-            max_length: truncate each text to this many tokens (no truncation when ``None``).
+            max_length: keep at most this many tokens (the end of the text); no limit when ``None``.
         """
         tokenizer = tokenizer if tokenizer is not None else self.get_tokenizer()
         was_training, device = self.training, self.head.weight.device
@@ -160,10 +174,8 @@ class RewardModel(nn.Module):
         rewards: list[float] = []
         try:
             for start in range(0, len(texts), batch_size):
-                enc = tokenizer(
-                    list(texts[start : start + batch_size]), padding=True, truncation=max_length is not None,
-                    max_length=max_length, return_tensors="pt",
-                )  # fmt: skip
+                ids = [encode_for_reward(tokenizer, t, max_length) for t in texts[start : start + batch_size]]
+                enc = tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
                 rewards += self.score(enc["input_ids"].to(device), enc["attention_mask"].to(device)).tolist()
         finally:
             self.train(was_training)

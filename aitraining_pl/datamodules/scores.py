@@ -1,0 +1,191 @@
+"""Texts with a vector of target scores, for multi-objective reward models: ``ScoresDataModule``.
+
+Each row holds a text (optionally a prompt, joined in front) and a list of ``num_objectives`` scores; a
+``null`` score means "unknown" and is masked out of the loss. Batches are dicts with
+
+- ``input_ids`` (B, L), ``attention_mask`` (B, L): BOS + text + EOS (``encode_for_reward``), right padded
+  to the longest row;
+- ``targets`` (B, n) float (0 where unknown) and ``objective_mask`` (B, n) bool (True where known).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences, read_records
+from aitraining_pl.models.reward import encode_for_reward
+
+IN_MEMORY = "<in-memory>"
+
+
+def check_scores(value: Any, num_objectives: int, source: str, row: int, field: str) -> list[Optional[float]]:
+    """A row's score vector as floats (``None`` for unknown), or a ``DataValidationError`` naming the row."""
+    if not isinstance(value, (list, tuple)):
+        raise DataValidationError(source, f"expected a list of {num_objectives} scores, got {type(value).__name__}", row, field)
+    if len(value) != num_objectives:
+        raise DataValidationError(source, f"expected {num_objectives} scores, got {len(value)}", row, field)
+    scores: list[Optional[float]] = []
+    for j, score in enumerate(value):
+        if score is None or (isinstance(score, float) and math.isnan(score)):
+            scores.append(None)
+        elif isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+            raise DataValidationError(source, f"score {j} is {score!r}; expected a finite number or null", row, field)
+        else:
+            scores.append(float(score))
+    if all(s is None for s in scores):
+        raise DataValidationError(source, "every score is null (the row carries no target)", row, field)
+    return scores
+
+
+class ScoresCollator:
+    """Pads examples into the batch described in the module docstring.
+
+    Args:
+        pad_token_id: id used for padding (masked out).
+    """
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        ids = [e["input_ids"] for e in examples]
+        known = torch.tensor([[s is not None for s in e["scores"]] for e in examples])
+        targets = torch.tensor([[0.0 if s is None else s for s in e["scores"]] for e in examples])
+        return {
+            "input_ids": pad_sequences(ids, self.pad_token_id),
+            "attention_mask": pad_sequences([[1] * len(x) for x in ids], 0),
+            "targets": targets,
+            "objective_mask": known,
+        }
+
+
+class ScoresDataModule(pl.LightningDataModule):
+    """Texts with per-objective target scores, from a file, a hub dataset or in-memory lists, all rows
+    checked before training starts.
+
+    Args:
+        data_path: local JSONL / JSON / Parquet / CSV file, or a ``datasets`` hub name.
+        num_objectives: length of every score vector.
+        split: split to load when ``data_path`` is a hub name.
+        val_data_path: separate validation file / hub name (else ``val_split`` of the training rows).
+        val_split: fraction of the training rows held out for validation (0 for none).
+        text_column: column with the text to score (the response, or the whole conversation).
+        prompt_column: optional column put in front of the text.
+        scores_column: column with the list of scores (``null`` = unknown, masked).
+        texts: in-memory texts (instead of ``data_path``).
+        scores: in-memory score vectors.
+        tokenizer: tokenizer object or name (``"byte"``, a folder or hub id); the CLI links it from the model.
+        max_length: longest sequence kept, in tokens (its end is kept).
+        batch_size: rows per training batch.
+        eval_batch_size: rows per validation batch (default: ``batch_size``).
+        num_workers: DataLoader worker processes.
+        seed: seed of the validation split and the shuffling.
+    """
+
+    def __init__(
+        self,
+        data_path: Optional[str] = None,
+        num_objectives: int = 1,
+        split: str = "train",
+        val_data_path: Optional[str] = None,
+        val_split: float = 0.1,
+        text_column: str = "text",
+        prompt_column: Optional[str] = None,
+        scores_column: str = "scores",
+        texts: Optional[list] = None,
+        scores: Optional[list] = None,
+        tokenizer: Any = None,
+        max_length: int = 512,
+        batch_size: int = 8,
+        eval_batch_size: Optional[int] = None,
+        num_workers: int = 0,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.save_hyperparameters(ignore=["tokenizer", "texts", "scores"])
+        self._in_memory = (texts, scores)
+        self._tokenizer = tokenizer
+        self.train_dataset: Optional[list[dict]] = None
+        self.val_dataset: Optional[list[dict]] = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            raise ValueError("ScoresDataModule needs a tokenizer (the CLI links it from the model)")
+        if isinstance(self._tokenizer, str):
+            from aitraining_pl.models import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self._tokenizer)
+        return self._tokenizer
+
+    def _records(self) -> tuple[list[dict], str]:
+        hp = self.hparams
+        if hp.data_path is not None:
+            return read_records(hp.data_path, hp.split), hp.data_path
+        texts, scores = self._in_memory
+        if texts is None or scores is None or len(texts) != len(scores) or not texts:
+            raise DataValidationError(IN_MEMORY, "give data_path, or non-empty in-memory texts and scores of equal length")
+        return [{hp.text_column: t, hp.scores_column: s} for t, s in zip(texts, scores)], IN_MEMORY
+
+    def _examples(self, records: list[dict], source: str) -> list[dict]:
+        """Check every row (text, optional prompt, score vector) and tokenise it."""
+        hp = self.hparams
+        fields = ([hp.prompt_column] if hp.prompt_column else []) + [hp.text_column]
+        check_columns(records, fields + [hp.scores_column], source)
+        examples = []
+        for row, record in enumerate(records, start=1):
+            for field in fields + [hp.scores_column]:
+                if field not in record:
+                    raise DataValidationError(source, "missing field", row, field)
+            for field in fields:
+                check_text(record[field], source, row, field, allow_messages=False)
+            scores = check_scores(record[hp.scores_column], hp.num_objectives, source, row, hp.scores_column)
+            text = "".join(record[f] for f in fields)
+            examples.append({"input_ids": encode_for_reward(self.tokenizer, text, hp.max_length), "scores": scores})
+        return examples
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        """Read, check and tokenise once (a second call reuses the datasets)."""
+        if self.train_dataset is not None:
+            return
+        hp = self.hparams
+        records, source = self._records()
+        examples = self._examples(records, source)  # row numbers refer to the file
+        if hp.val_data_path is not None:
+            self.val_dataset = self._examples(read_records(hp.val_data_path, hp.split), hp.val_data_path)
+        elif hp.val_split > 0:
+            if not 0 < hp.val_split < 1:
+                raise ValueError(f"val_split must be in [0, 1), got {hp.val_split}")
+            order = list(range(len(examples)))
+            random.Random(hp.seed).shuffle(order)
+            n_val = max(1, int(round(hp.val_split * len(examples))))
+            if n_val >= len(examples):
+                raise DataValidationError(source, f"val_split={hp.val_split} leaves no training rows ({len(examples)} rows)")
+            self.val_dataset = [examples[i] for i in sorted(order[:n_val])]
+            examples = [examples[i] for i in sorted(order[n_val:])]
+        self.train_dataset = examples
+
+    @property
+    def collate_fn(self) -> ScoresCollator:
+        pad = self.tokenizer.pad_token_id
+        return ScoresCollator(pad if pad is not None else 0)
+
+    def train_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        generator = torch.Generator().manual_seed(hp.seed)
+        return DataLoader(
+            self.train_dataset, hp.batch_size, shuffle=True, collate_fn=self.collate_fn,
+            num_workers=hp.num_workers, generator=generator,
+        )  # fmt: skip
+
+    def val_dataloader(self):
+        hp = self.hparams
+        if self.val_dataset is None:
+            return []
+        return DataLoader(self.val_dataset, hp.eval_batch_size or hp.batch_size, collate_fn=self.collate_fn, num_workers=hp.num_workers)

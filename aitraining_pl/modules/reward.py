@@ -1,0 +1,233 @@
+"""Reward-model training as LightningModules.
+
+- ``RewardModule``: Bradley-Terry on preference pairs (Ouyang et al. 2022) from ``PreferenceDataModule``
+  batches, with an optional per-pair margin (Touvron et al. 2023) and reward centring (Eisenstein et al. 2023);
+- ``PairwiseRewardModule``: the same objective on a ``PairwiseRewardModel`` (adds ``val/preference_prob``);
+- ``MultiObjectiveRewardModule``: one head per objective regressed on score vectors (``ScoresDataModule``
+  batches), missing objectives masked.
+
+Each saves its reward model as a Hugging Face style folder (``save_pretrained``) that PPO can load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+import torch
+
+from aitraining_pl.losses import bradley_terry_loss, masked_objective_mse
+from aitraining_pl.models import LoRAConfig
+from aitraining_pl.models.reward import MultiObjectiveRewardModel, PairwiseRewardModel, RewardModel, RewardModelConfig
+from aitraining_pl.modules.base import AlignmentModule, as_lora_config
+
+#: RewardModelConfig fields that mirror a module argument of the same name.
+_SHARED_FIELDS = (
+    "model_name", "model_config", "tokenizer_name", "pooling_strategy", "dropout_prob", "temperature", "dtype",
+    "seed", "trust_remote_code",
+)  # fmt: skip
+
+
+class RewardModule(AlignmentModule):
+    """A scalar reward model trained with the Bradley-Terry loss on preference pairs.
+
+    Args:
+        model_name: folder or hub id of the trunk (``AutoModel``: a decoder such as Llama or an encoder such as BERT).
+        model_config: inline transformers config for a randomly initialised trunk (instead of ``model_name``).
+        tokenizer_name: tokenizer folder, hub id or ``"byte"`` (default: ``model_name``); shared with the data.
+        lora: LoRA adapters on the trunk (the reward head is always trained in full).
+        pooling_strategy: ``last`` (last real token), ``mean`` or ``cls`` (first real token).
+        dropout_prob: dropout before the reward head.
+        temperature: rewards are divided by this.
+        center_rewards_coef: weight of ``mean((r_chosen + r_rejected)^2)``, which keeps rewards centred at 0.
+        learning_rate: peak AdamW learning rate.
+        warmup_ratio: fraction of the optimizer steps spent in linear warmup.
+        lr_schedule: decay after warmup: ``linear``, ``cosine`` or ``constant``.
+        weight_decay: AdamW weight decay.
+        dtype: trunk dtype when loading (``bfloat16``, ``float32``, ...); the head stays float32.
+        seed: seed of the random initialisation of the trunk (inline config) and the head.
+        trust_remote_code: allow custom model code from the hub (off by default).
+        reward_model: an already built reward model to train (Python use); the model arguments above are
+            then read from its config.
+    """
+
+    model_class: type[RewardModel] = RewardModel
+
+    def __init__(
+        self,
+        model_name: Optional[str] = None,
+        model_config: Optional[dict[str, Any]] = None,
+        tokenizer_name: Optional[str] = None,
+        lora: Optional[LoRAConfig] = None,
+        pooling_strategy: str = "last",
+        dropout_prob: float = 0.0,
+        temperature: float = 1.0,
+        center_rewards_coef: float = 0.0,
+        learning_rate: float = 1e-5,
+        warmup_ratio: float = 0.05,
+        lr_schedule: str = "linear",
+        weight_decay: float = 0.0,
+        dtype: Optional[str] = None,
+        seed: int = 0,
+        trust_remote_code: bool = False,
+        reward_model: Optional[RewardModel] = None,
+    ):
+        super().__init__()
+        self.save_hyperparameters(ignore=["lora", "reward_model"])
+        self.store_lora_hparam(lora)
+        if reward_model is not None:
+            self._adopt_hparams(reward_model)
+        self.reward_model = reward_model if reward_model is not None else self.build_reward_model(self.reward_config())
+        if self.reward_model.tokenizer is not None:
+            self._tokenizer = self.reward_model.tokenizer
+
+    # ------------------------------------------------------------------ the model
+    def reward_config(self) -> RewardModelConfig:
+        """The ``RewardModelConfig`` described by this module's hyperparameters."""
+        lora = as_lora_config(self.hparams.get("lora"))
+        config = RewardModelConfig(**{name: self.hparams[name] for name in _SHARED_FIELDS})
+        if lora is not None:
+            config.use_lora, config.lora_rank, config.lora_alpha = True, lora.r, lora.alpha
+            config.lora_dropout, config.lora_target_modules = lora.dropout, lora.target_modules
+        return config
+
+    def _adopt_hparams(self, model: RewardModel) -> None:
+        """Record a given model's settings as hyperparameters, so a checkpoint rebuilds the same model."""
+        if not isinstance(model, self.model_class):
+            raise TypeError(f"{type(self).__name__} trains a {self.model_class.__name__}, got {type(model).__name__}")
+        config = model.config
+        for name in _SHARED_FIELDS:
+            self.hparams[name] = getattr(config, name)
+        lora = config.lora()
+        self.hparams["lora"] = dataclasses.asdict(lora) if lora is not None else None
+
+    def build_reward_model(self, config: RewardModelConfig) -> RewardModel:
+        return self.model_class(config)
+
+    @property
+    def tokenizer(self):
+        tokenizer = super().tokenizer
+        if self.reward_model.tokenizer is None:
+            self.reward_model.tokenizer = tokenizer  # saved with the model, used by predict_rewards
+        return tokenizer
+
+    def save_pretrained(self, path: str | os.PathLike, merge_lora: bool = True) -> None:
+        """Write the reward model folder (trunk config, ``reward_config.json``, safetensors, tokenizer) to
+        ``path``; LoRA adapters are always merged, so PPO loads one plain model."""
+        self.reward_model.save_pretrained(path, tokenizer=self.tokenizer)
+
+    # ------------------------------------------------------------------ steps
+    def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        # 1. one forward over chosen rows (first half) and rejected rows (second half)
+        rewards = self.reward_model.score(batch["input_ids"], batch["attention_mask"])
+        chosen, rejected = rewards.chunk(2)
+        # 2. Bradley-Terry loss with the optional per-pair margin and the centring term
+        loss = bradley_terry_loss(chosen, rejected, batch.get("margin"), self.hparams.center_rewards_coef)
+        # 3. metrics
+        metrics = {
+            "loss": loss,
+            "accuracy": (chosen > rejected).float(),
+            "margin": chosen - rejected,
+            "reward_mean": rewards,
+            "rewards/chosen": chosen,
+            "rewards/rejected": rejected,
+            **self.extra_metrics(chosen, rejected),
+        }
+        self.log_metrics(stage, metrics, batch_size=chosen.shape[0], prog_bar=("loss", "accuracy"))
+        return loss
+
+    def extra_metrics(self, chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {}
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.shared_step(batch, "train")
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.shared_step(batch, "val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.shared_step(batch, "test")
+
+
+class PairwiseRewardModule(RewardModule):
+    """``RewardModule`` on a ``PairwiseRewardModel`` (``forward_pair`` / ``compute_bradley_terry_loss``);
+    also logs ``preference_prob``, the mean P(chosen preferred) = s(r_chosen - r_rejected).
+
+    Args: as ``RewardModule``.
+    """
+
+    model_class = PairwiseRewardModel
+
+    def extra_metrics(self, chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"preference_prob": torch.sigmoid(chosen - rejected)}
+
+
+class MultiObjectiveRewardModule(RewardModule):
+    """One reward head per objective, regressed on score vectors with missing objectives masked
+    (``masked_objective_mse``); trains on ``ScoresDataModule`` batches (``input_ids``, ``attention_mask``,
+    ``targets`` (B, n), ``objective_mask`` (B, n)).
+
+    Args:
+        num_objectives: number of objectives n (the length of every score vector).
+        objective_weights: n weights of the combined reward that PPO receives (default: equal, summing to 1).
+        objective_names: n names used in metric names (``train/loss/<name>``; default ``0``, ``1``, ...).
+        model_name, model_config, tokenizer_name, lora, pooling_strategy, dropout_prob, temperature,
+        learning_rate, warmup_ratio, lr_schedule, weight_decay, dtype, seed, trust_remote_code, reward_model:
+            as in ``RewardModule``.
+    """
+
+    model_class = MultiObjectiveRewardModel
+
+    def __init__(
+        self,
+        num_objectives: int = 1,
+        objective_weights: Optional[list[float]] = None,
+        objective_names: Optional[list[str]] = None,
+        model_name: Optional[str] = None,
+        model_config: Optional[dict[str, Any]] = None,
+        tokenizer_name: Optional[str] = None,
+        lora: Optional[LoRAConfig] = None,
+        pooling_strategy: str = "last",
+        dropout_prob: float = 0.0,
+        temperature: float = 1.0,
+        learning_rate: float = 1e-5,
+        warmup_ratio: float = 0.05,
+        lr_schedule: str = "linear",
+        weight_decay: float = 0.0,
+        dtype: Optional[str] = None,
+        seed: int = 0,
+        trust_remote_code: bool = False,
+        reward_model: Optional[MultiObjectiveRewardModel] = None,
+    ):
+        if objective_names is not None and len(objective_names) != num_objectives:
+            raise ValueError(f"objective_names has {len(objective_names)} names for {num_objectives} objectives")
+        self._objectives = (num_objectives, objective_weights)
+        # the base class records every argument above (its save_hyperparameters sees this frame too)
+        super().__init__(
+            model_name, model_config, tokenizer_name, lora, pooling_strategy, dropout_prob, temperature, 0.0,
+            learning_rate, warmup_ratio, lr_schedule, weight_decay, dtype, seed, trust_remote_code, reward_model,
+        )  # fmt: skip
+        self.objective_names = list(objective_names or map(str, range(num_objectives)))
+
+    def build_reward_model(self, config: RewardModelConfig) -> RewardModel:
+        num_objectives, weights = self._objectives
+        return MultiObjectiveRewardModel(config, num_objectives, weights)
+
+    def _adopt_hparams(self, model: RewardModel) -> None:
+        super()._adopt_hparams(model)
+        if model.num_outputs != self._objectives[0]:
+            raise ValueError(f"the given model has {model.num_outputs} objectives, not {self._objectives[0]}")
+        self.hparams["objective_weights"] = list(model.config.extra["objective_weights"])
+
+    def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        # 1. every objective's reward and the combined reward
+        out = self.reward_model(batch["input_ids"], batch["attention_mask"], return_all_objectives=True)
+        # 2. squared error per objective over the rows that have its score
+        loss, per_objective = masked_objective_mse(out["rewards"], batch["targets"], batch["objective_mask"])
+        # 3. metrics
+        metrics = {"loss": loss, "reward_mean": out["combined_reward"]}
+        metrics.update({f"loss/{name}": value for name, value in zip(self.objective_names, per_objective)})
+        self.log_metrics(stage, metrics, batch_size=batch["input_ids"].shape[0])
+        return loss
+
