@@ -190,7 +190,7 @@ def test_quickstart_task_learns(tmp_path, byte_tokenizer, seed):
             rewards.append(float(trainer.callback_metrics["train/reward_mean"]))
 
     initial = module.policy.lm_head.weight.detach().clone()
-    _trainer(tmp_path, max_epochs=2, callbacks=[Record()]).fit(module, dm)
+    _trainer(tmp_path, max_epochs=2, limit_train_batches=4, callbacks=[Record()]).fit(module, dm)
     assert len(rewards) == 8
     start, end = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     assert end > start + 0.15, rewards
