@@ -206,3 +206,25 @@ def test_reward_model_trainer_seed_api(tmp_path, byte_tokenizer):
     assert fresh.model.predict_rewards(val_chosen, byte_tokenizer) == pytest.approx(expected, abs=1e-6)
     with pytest.raises(DataValidationError, match="as many chosen as rejected"):
         trainer.train_on_preferences(chosen, rejected[:-1])
+
+
+# ------------------------------------------------------------------ the quickstart recipe
+@pytest.mark.slow
+def test_reward_quickstart_accuracy_rises_and_exports_a_loadable_folder(tmp_path, monkeypatch):
+    import csv
+    from pathlib import Path
+
+    from aitraining_pl.cli import build_cli
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    data = root / "aitraining_pl" / "data" / "quickstart_reward.jsonl"
+    build_cli(["fit", "--config", str(root / "configs/quickstart/reward.yaml"), "--data.init_args.data_path", str(data),
+               "--trainer.enable_progress_bar", "false"])  # fmt: skip
+    (metrics_file,) = (tmp_path / "runs/quickstart-reward/csv").glob("version_*/metrics.csv")
+    accuracy = [float(r["val/accuracy"]) for r in csv.DictReader(metrics_file.open()) if r.get("val/accuracy")]
+    assert len(accuracy) >= 5 and accuracy[0] < 0.8 and min(accuracy[-3:]) >= 0.9
+    model = load_reward_model(tmp_path / "runs/quickstart-reward/export/last")
+    good, bad = model.predict_rewards(["Explain gravity.Sure! Gravity is the force that pulls masses toward each other.",
+                                       "Explain gravity.no."])  # fmt: skip
+    assert good > bad
