@@ -231,3 +231,36 @@ def test_quickstart_config_runs_through_the_cli_and_exports(tmp_path):
     assert len(samples.read_text().splitlines()) == 4
     export = tmp_path / "export" / "last"
     assert {"model.safetensors", "config.json", "value_head.safetensors"} <= set(os.listdir(export))
+
+
+@pytest.mark.slow
+def test_lora_policy_under_bf16_mixed(tmp_path, byte_tokenizer):
+    """One PPO iteration with LoRA adapters under bf16-mixed: adapters and value head train, base weights
+    (which are also the reference) stay put, metrics are finite, export writes adapters + value head."""
+    from aitraining_pl.models import LoRAConfig
+
+    module = PPOModule(
+        model_config=TINY_LLAMA, tokenizer_name="byte", lora=LoRAConfig(r=4, alpha=8, dropout=0.0),
+        reward=length_score, generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0),
+        learning_rate=1e-2, mini_batch_size=2, ppo_epochs=2,
+    )
+    assert module.reference.shares_weights and module.uses_lora
+    named = dict(module.model.named_parameters())
+    lora = {n: p.detach().clone() for n, p in named.items() if "lora_B" in n}
+    base = {n: p.detach().clone() for n, p in named.items() if "base_layer" in n}
+    head = module.model.value_head.net[-1].weight.detach().clone()
+    assert lora and base
+    dm = PromptDataModule(prompts=["ab", "cd", "ef", "gh"], tokenizer=byte_tokenizer, batch_size=4)
+    trainer = _trainer(tmp_path, precision="bf16-mixed", limit_train_batches=1)
+    trainer.fit(module, dm)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+    assert {"train/loss", "train/kl", "train/kl_coef", "train/entropy", "train/clipfrac", "train/approx_kl",
+            "train/policy_loss", "train/value_loss", "train/explained_variance", "train/reward_mean",
+            "train/reward_std", "train/response_length"} <= set(metrics)
+    named = dict(module.model.named_parameters())
+    assert any(not torch.equal(named[n], p) for n, p in lora.items())
+    assert all(torch.equal(named[n], p) for n, p in base.items())
+    assert not torch.equal(module.model.value_head.net[-1].weight, head)
+    module.save_pretrained(tmp_path / "export")
+    assert {"adapter_model.safetensors", "adapter_config.json", "value_head.safetensors"} <= set(os.listdir(tmp_path / "export"))
