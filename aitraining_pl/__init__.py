@@ -32,6 +32,17 @@ _EXPORTS: dict[str, str] = {
     "RewardModule": "aitraining_pl.modules.reward",
     "PairwiseRewardModule": "aitraining_pl.modules.reward",
     "MultiObjectiveRewardModule": "aitraining_pl.modules.reward",
+    # layers 3-4: PPO (prompt data, reward sources, rollouts, callbacks, module)
+    "PromptDataset": "aitraining_pl.datamodules.prompt",
+    "PromptDataModule": "aitraining_pl.datamodules.prompt",
+    "RewardSource": "aitraining_pl.rewards",
+    "RewardError": "aitraining_pl.rewards",
+    "WeightedRewards": "aitraining_pl.rewards",
+    "build_reward_source": "aitraining_pl.rewards",
+    "GenerationConfig": "aitraining_pl.rollout",
+    "AdaptiveKLCallback": "aitraining_pl.callbacks.kl",
+    "SamplingCallback": "aitraining_pl.callbacks.sampling",
+    "PPOModule": "aitraining_pl.modules.ppo",
     # layer 3: environments
     "Observation": "aitraining_pl.environments",
     "StepResult": "aitraining_pl.environments",
@@ -45,6 +56,15 @@ _EXPORTS: dict[str, str] = {
     # layer 5: the seed's forward/backward pipeline
     "ForwardBackwardPipeline": "aitraining_pl.forward_backward",
     "AsyncTrainingClient": "aitraining_pl.forward_backward",
+    # layer 5: the seed's trainer facades (RewardModelTrainer lives with the reward models' trainer)
+    "PPOConfig": "aitraining_pl.facades",
+    "PPOTrainer": "aitraining_pl.facades",
+    "DPOConfig": "aitraining_pl.facades",
+    "DPOTrainer": "aitraining_pl.facades",
+    "PreferenceDataset": "aitraining_pl.datamodules.preference",
+    "MathProblemEnv": "aitraining_pl.environments",
+    "CodeGenerationEnv": "aitraining_pl.environments",
+    "RewardModelTrainer": "aitraining_pl.reward_trainer",
 }
 
 __all__ = sorted(_EXPORTS)
