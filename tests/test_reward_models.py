@@ -182,3 +182,14 @@ def test_from_pretrained_refuses_the_wrong_class_and_non_reward_folders(tmp_path
         PairwiseRewardModel.from_pretrained(folder)
     with pytest.raises(FileNotFoundError, match="reward_config.json"):
         RewardModel.from_pretrained(tmp_path)
+
+
+def test_bf16_trunk_gives_float32_rewards_and_round_trips(tmp_path, byte_tokenizer):
+    model = RewardModel(_config(dtype="bfloat16")).eval()
+    assert next(model.trunk.parameters()).dtype == torch.bfloat16 and model.head.weight.dtype == torch.float32
+    rewards = model.score(**_encode(byte_tokenizer, "right"))
+    assert rewards.dtype == torch.float32 and torch.isfinite(rewards).all()
+    folder = model.save_pretrained(tmp_path / "bf16", tokenizer=byte_tokenizer)
+    loaded = load_reward_model(folder).eval()
+    assert next(loaded.trunk.parameters()).dtype == torch.bfloat16
+    assert loaded.predict_rewards(TEXTS) == model.predict_rewards(TEXTS, byte_tokenizer)

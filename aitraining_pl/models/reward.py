@@ -21,7 +21,7 @@ from torch import nn
 
 from aitraining_pl.losses import bradley_terry_loss
 from aitraining_pl.losses.reward import POOLING_STRATEGIES, masked_objective_mse, pool_hidden_states, positions_from_mask
-from aitraining_pl.models.loading import hidden_size_of, load_backbone, load_tokenizer
+from aitraining_pl.models.loading import hidden_size_of, load_backbone, load_tokenizer, resolve_dtype
 from aitraining_pl.models.lora import LoRAConfig, apply_lora, is_peft_model
 
 #: File names inside a saved reward-model folder.
@@ -241,6 +241,8 @@ class RewardModel(nn.Module):
         model = saved_cls._from_config(config, trunk)
         state = load_file(str(path / WEIGHTS_FILE))
         model.load_merged_state_dict(state)
+        if resolve_dtype(config.dtype) is not None:  # the trunk as it was trained; the head stays float32
+            model.trunk.to(resolve_dtype(config.dtype))
         if any(path.glob("tokenizer*")) or (path / "special_tokens_map.json").exists():
             model.tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         return model.to(device) if device is not None else model
