@@ -28,6 +28,241 @@ def encode(tokenizer, text):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+@pytest.fixture(scope="session")
+def local_model_name(tmp_path_factory):
+    """The seed's "google/gemma-2-2b" / "bert-base-uncased" become this folder: a tiny Llama and its tokenizer."""
+    from conftest import TINY_LLAMA
+
+    from aitraining_pl.models import load_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    build_causal_lm(TINY_LLAMA, seed=0).save_pretrained(path)
+    load_tokenizer("byte").save_pretrained(path)
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------- PPO
+
+
+@pytest.mark.slow
+def test_ppo_trainer_example(local_model_name, tokenizer, tmp_path, monkeypatch):
+    from aitraining_pl import PPOConfig, PPOTrainer
+
+    monkeypatch.chdir(tmp_path)  # save_every writes checkpoints under ./ppo_output
+
+    config = PPOConfig(
+        model_name=local_model_name,
+        learning_rate=1e-5,
+        batch_size=16,
+        mini_batch_size=4,
+        gradient_accumulation_steps=1,
+        # PPO hyperparameters
+        ppo_epochs=4,
+        gamma=0.99,  # Discount factor
+        lam=0.95,  # GAE lambda
+        clip_ratio=0.2,  # PPO clip ratio
+        value_clip=0.2,  # Value function clip
+        max_grad_norm=1.0,  # Gradient clipping
+        # KL penalty
+        kl_penalty_coef=0.01,
+        kl_target=0.01,
+        kl_horizon=10000,  # Horizon for adaptive KL
+        # Coefficients
+        entropy_coef=0.01,  # Entropy regularization
+        value_coef=0.5,  # Value function coefficient
+        # Generation
+        max_new_tokens=8,  # seed: 128
+        temperature=0.7,
+        top_p=0.9,
+        # Training loop
+        num_iterations=100,
+        save_every=1,  # seed: 10
+        eval_every=5,
+        device=None,  # Auto-detected
+    )
+
+    def evaluate_response(response):
+        return sum(c in "aeiou" for c in response) / max(len(response), 1)
+
+    # Initialize trainer with custom reward function
+    def my_reward_fn(prompts, responses, metadata=None):
+        rewards = []
+        for response in responses:
+            score = evaluate_response(response)
+            rewards.append(score)
+        return rewards
+
+    trainer = PPOTrainer(
+        config=config,
+        tokenizer=tokenizer,  # Optional, loaded from model if not provided
+        reward_fn=my_reward_fn,
+    )
+
+    before = [p.detach().clone() for p in trainer.module.policy.parameters()]
+    # Train on prompts
+    prompts = ["Write a poem about...", "Explain quantum..."]
+    metrics = trainer.train(prompts, num_iterations=1)  # seed: 100
+
+    for name in ("train/reward_mean", "train/kl", "train/kl_coef", "train/policy_loss", "train/value_loss"):
+        assert len(metrics[name]) == 1, name
+    assert 0.0 <= metrics["train/reward_mean"][0] <= 1.0
+    assert trainer.module.kl_coef != config.kl_penalty_coef  # the adaptive controller moved it
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.module.policy.parameters()))
+    assert [p.name for p in (tmp_path / "ppo_output/checkpoints").iterdir()] == ["step-1.ckpt"]
+
+
+# ---------------------------------------------------------------------------------------------- DPO
+
+
+def test_dpo_trainer_examples(local_model_name, tokenizer, tmp_path, monkeypatch):
+    from aitraining_pl import DPOConfig, DPOTrainer
+    from aitraining_pl.dpo import PreferenceDataset
+
+    monkeypatch.chdir(tmp_path)
+    config = DPOConfig(
+        model_name=local_model_name,
+        learning_rate=1e-6,
+        batch_size=8,
+        gradient_accumulation_steps=2,
+        # DPO hyperparameters
+        beta=0.1,  # Temperature parameter
+        label_smoothing=0.0,  # For robustness
+        reference_free=False,  # Use reference model
+        # Training
+        num_epochs=1,
+        max_grad_norm=1.0,
+        warmup_ratio=0.1,
+        # Sequence lengths
+        max_length=512,
+        max_prompt_length=256,
+        # Checkpointing
+        eval_every=100,
+        save_every=500,
+        device=None,  # Auto-detected
+    )
+
+    # Create dataset from preference pairs
+    dataset = PreferenceDataset(
+        prompts=["What is AI?", "Explain gravity"],
+        chosen=["AI is artificial intelligence...", "Gravity is a force..."],
+        rejected=["idk lol", "its like magnets"],
+        tokenizer=tokenizer,
+        max_length=512,
+        max_prompt_length=256,
+    )
+    eval_dataset = dataset
+
+    # Train
+    trainer = DPOTrainer(config=config, tokenizer=tokenizer)
+    metrics = trainer.train(dataset, eval_dataset=eval_dataset)
+    assert metrics["train/loss"][0] == pytest.approx(0.6931, abs=1e-3)  # log 2: policy equals its reference
+    assert metrics["train/rewards/accuracies"] == [0.5]
+    assert len(metrics["val/loss"]) == 1 and metrics["val/loss"][0] < metrics["train/loss"][0]
+    assert trainer.module.reference is not None
+
+    # Reference-free DPO
+    config = DPOConfig(
+        model_name=local_model_name,
+        reference_free=True,  # No reference model needed
+        beta=0.1,
+    )
+    trainer = DPOTrainer(config=config, tokenizer=tokenizer)
+    assert trainer.module.reference is None
+    metrics = trainer.train(dataset)
+    assert len(metrics["train/loss"]) == 1 and "val/loss" not in metrics
+
+
+# ---------------------------------------------------------------------------------------------- reward models
+
+
+def test_reward_model_examples(local_model_name, tokenizer, tmp_path, monkeypatch):
+    from aitraining_pl import MultiObjectiveRewardModel, PairwiseRewardModel, RewardModel, RewardModelConfig, RewardModelTrainer
+
+    monkeypatch.chdir(tmp_path)
+    config = RewardModelConfig(
+        model_name=local_model_name,
+        num_labels=1,
+        pooling_strategy="last",  # "mean", "last", or "cls"
+        dropout_prob=0.1,
+        temperature=1.0,  # Temperature scaling for rewards
+        # LoRA settings
+        use_lora=True,
+        lora_rank=8,
+        lora_alpha=16,
+        lora_dropout=0.1,
+        # Training
+        learning_rate=1e-4,
+        warmup_steps=100,
+        gradient_accumulation_steps=1,
+    )
+
+    model = RewardModel(config)
+
+    trainer = RewardModelTrainer(
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        device=None,  # Auto-detected
+    )
+
+    trainer.train_on_preferences(
+        chosen_texts=["Good response 1", "Good response 2"],
+        rejected_texts=["Bad response 1", "Bad response 2"],
+        num_epochs=3,
+        batch_size=8,
+    )
+    scores = model.predict_rewards(["Good response 1", "Bad response 1"], tokenizer)
+
+    # Save/load
+    trainer.save_model("reward_model.pt")
+    trainer.load_model("reward_model.pt")
+    reloaded = RewardModel.from_pretrained("reward_model.pt")
+    assert reloaded.predict_rewards(["Good response 1", "Bad response 1"], tokenizer) == pytest.approx(scores, abs=1e-5)
+
+    ids = torch.tensor([encode(tokenizer, "good answer"), encode(tokenizer, "bad answer!")])
+    input_ids_a, attention_mask_a = ids[:1], torch.ones_like(ids[:1])
+    input_ids_b, attention_mask_b = ids[1:], torch.ones_like(ids[1:])
+    labels = torch.tensor([1.0])
+
+    model = PairwiseRewardModel(config)
+
+    # Forward pass compares two inputs
+    preference_score = model.forward_pair(
+        input_ids_a, attention_mask_a,
+        input_ids_b, attention_mask_b,
+    )  # fmt: skip
+
+    # Bradley-Terry loss for training
+    loss = model.compute_bradley_terry_loss(
+        input_ids_a, attention_mask_a,
+        input_ids_b, attention_mask_b,
+        labels,  # 1 if A preferred, 0 if B preferred
+    )  # fmt: skip
+    assert preference_score.shape[0] == 1 and loss.dim() == 0 and loss.item() > 0
+
+    model = MultiObjectiveRewardModel(
+        config=config,
+        num_objectives=3,
+        objective_weights=[0.5, 0.3, 0.2],  # Helpfulness, safety, honesty
+    )
+    input_ids, attention_mask = ids, torch.ones_like(ids)
+    target_rewards = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, 0.5]])
+
+    # Get all objectives
+    outputs = model(input_ids, attention_mask, return_all_objectives=True)
+    # outputs["rewards"] shape: (batch_size, 3)
+    # outputs["combined_reward"] shape: (batch_size, 1)
+    assert outputs["rewards"].shape == (2, 3) and outputs["combined_reward"].shape == (2, 1)
+
+    # Multi-objective loss
+    loss, per_objective_losses = model.compute_multi_objective_loss(
+        input_ids, attention_mask,
+        target_rewards,      # Shape: (batch_size, num_objectives)
+        objective_mask=None, # Optional: which objectives to train
+    )  # fmt: skip
+    assert loss.dim() == 0 and len(per_objective_losses) == 3
+
+
 # ---------------------------------------------------------------------------------------------- PPO model
 
 
@@ -278,3 +513,62 @@ def test_async_training_client_example(model, tiny_config, tokenizer):
 
     # Clean up
     client.shutdown()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="RewardModelTrainer.load_model loads LoRA-merged weights into the trunk while the trained adapters stay "
+    "active, so they count twice (found while testing the seed example; remove this marker once fixed)",
+)
+def test_reward_trainer_load_model_restores_the_rewards_of_a_lora_model(local_model_name, tokenizer, tmp_path):
+    from aitraining_pl import RewardModel, RewardModelConfig, RewardModelTrainer
+
+    config = RewardModelConfig(model_name=local_model_name, use_lora=True, learning_rate=1e-2, warmup_steps=0)
+    model = RewardModel(config)
+    trainer = RewardModelTrainer(model=model, tokenizer=tokenizer, config=config, device="cpu")
+    trainer.train_on_preferences(["Good response 1", "Good response 2"], ["Bad response 1", "Bad response 2"], num_epochs=3)
+    scores = model.predict_rewards(["Good response 1", "Bad response 1"], tokenizer)
+    trainer.save_model(str(tmp_path / "rm"))
+    trainer.load_model(str(tmp_path / "rm"))
+    assert model.predict_rewards(["Good response 1", "Bad response 1"], tokenizer) == pytest.approx(scores, abs=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- beyond the seed
+
+
+@pytest.mark.slow
+def test_ppo_trainer_with_an_environment_as_reward_fn_and_validation(tiny_config, tokenizer, tmp_path):
+    from aitraining_pl import PPOConfig, PPOTrainer, create_math_problem_env
+
+    env = create_math_problem_env(tokenizer, num_problems=8)
+    config = PPOConfig(
+        model_config=tiny_config, tokenizer_name="byte", batch_size=4, mini_batch_size=4, ppo_epochs=1,
+        max_new_tokens=4, save_every=0, eval_every=1, device="cpu", output_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer = PPOTrainer(config, reward_fn=env)
+    metadata = [env.metadata_for(p) for p in env.prompts]
+    metrics = trainer.train(env.prompts, num_iterations=2, metadata=metadata, eval_prompts=env.prompts[:4])
+    assert len(metrics["train/reward/correctness"]) == len(metrics["train/reward/formatting"]) == 2
+    assert len(metrics["val/reward_mean"]) == 2  # validated after each iteration
+    assert not (tmp_path / "checkpoints").exists()  # save_every=0: no checkpoints
+
+
+def test_dpo_trainer_on_pairs_collected_by_the_preference_environment(tiny_config, tokenizer):
+    from aitraining_pl import DPOConfig, DPOTrainer, PreferenceComparisonEnv
+
+    class LongerIsBetter:
+        def predict_rewards(self, texts, tokenizer, batch_size=8):
+            return [float(len(t)) for t in texts]
+
+    env = PreferenceComparisonEnv(tokenizer, ["Q1: ", "Q2: "], preference_model=LongerIsBetter())
+    for i in range(8):
+        env.reset()
+        env.step(encode(tokenizer, "short" if i % 2 else "a much longer answer"))
+        env.step(encode(tokenizer, "a much longer answer" if i % 2 else "short"))
+    pairs = env.preference_pairs()
+    assert pairs["chosen"] == ["a much longer answer"] * 8 and len(pairs["prompts"]) == 8
+    config = DPOConfig(model_config=tiny_config, tokenizer_name="byte", learning_rate=1e-3, batch_size=4,
+                       gradient_accumulation_steps=1, save_every=0, device="cpu")
+    trainer = DPOTrainer(config)
+    metrics = trainer.train(pairs)
+    assert len(metrics["train/loss"]) == 2 and metrics["train/loss"][1] < metrics["train/loss"][0]
