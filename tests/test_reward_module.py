@@ -204,6 +204,14 @@ def test_reward_model_trainer_seed_api(tmp_path, byte_tokenizer):
     assert fresh.model.predict_rewards(val_chosen, byte_tokenizer) != pytest.approx(expected)
     fresh.load_model(str(tmp_path / "reward_model.pt"))
     assert fresh.model.predict_rewards(val_chosen, byte_tokenizer) == pytest.approx(expected, abs=1e-6)
+    # under LoRA the trained adapters must not count twice after load_model
+    lora_config = RewardModelConfig(model_config=TINY_LLAMA, use_lora=True, lora_rank=4, learning_rate=1e-2, warmup_steps=0)
+    lora_trainer = RewardModelTrainer(RewardModel(lora_config), byte_tokenizer, lora_config, device="cpu")
+    lora_trainer.train_on_preferences(chosen[:8], rejected[:8], num_epochs=2, batch_size=4)
+    expected = lora_trainer.model.predict_rewards(val_chosen, byte_tokenizer)
+    lora_trainer.save_model(str(tmp_path / "lora_rm"))
+    lora_trainer.load_model(str(tmp_path / "lora_rm"))
+    assert lora_trainer.model.predict_rewards(val_chosen, byte_tokenizer) == pytest.approx(expected, abs=1e-5)
     with pytest.raises(DataValidationError, match="as many chosen as rejected"):
         trainer.train_on_preferences(chosen, rejected[:-1])
 

@@ -515,11 +515,6 @@ def test_async_training_client_example(model, tiny_config, tokenizer):
     client.shutdown()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RewardModelTrainer.load_model loads LoRA-merged weights into the trunk while the trained adapters stay "
-    "active, so they count twice (found while testing the seed example; remove this marker once fixed)",
-)
 def test_reward_trainer_load_model_restores_the_rewards_of_a_lora_model(local_model_name, tokenizer, tmp_path):
     from aitraining_pl import RewardModel, RewardModelConfig, RewardModelTrainer
 

@@ -252,10 +252,15 @@ class RewardModel(nn.Module):
         return cls(config, trunk=trunk)
 
     def load_merged_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load plain weights (as ``merged_state_dict`` gives) into this model, LoRA-wrapped or not; fresh
-        adapters start at zero, so the rewards equal the saved model's."""
+        """Load plain weights (as ``merged_state_dict`` gives) into this model, LoRA-wrapped or not. The
+        adapters' up-projections (``lora_B``) are zeroed, since the loaded weights already hold whatever the
+        adapters had learnt, so the rewards equal the saved model's."""
         base = self.trunk.get_base_model() if is_peft_model(self.trunk) else self.trunk
         if is_peft_model(self.trunk):
+            with torch.no_grad():
+                for name, param in self.trunk.named_parameters():
+                    if "lora_B" in name or "lora_embedding_B" in name:
+                        param.zero_()
             peft_keys = {k.replace(".base_layer.", "."): k for k in base.state_dict() if "lora_" not in k}
             trunk_state = {peft_keys.get(k[6:], k[6:]): v for k, v in state.items() if k.startswith("trunk.")}
             missing, unexpected = base.load_state_dict(trunk_state, strict=False)
