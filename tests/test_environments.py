@@ -227,7 +227,7 @@ def test_rollout_plays_an_episode_with_a_model(byte_tokenizer, tiny_config):
 
 @pytest.mark.slow
 def test_ppo_quickstart_variant_with_the_math_environment_as_reward_source(tmp_path):
-    """configs/quickstart/ppo_math.yaml runs two PPO iterations through the CLI and logs each component."""
+    """configs/quickstart/ppo_math.yaml runs a PPO iteration through the CLI and logs each reward component."""
     import csv
     from pathlib import Path
 
@@ -237,12 +237,12 @@ def test_ppo_quickstart_variant_with_the_math_environment_as_reward_source(tmp_p
     main([
         "fit", "--config", str(root / "configs/quickstart/ppo_math.yaml"),
         "--data.init_args.data_path", str(root / "aitraining_pl/data/math_prompts.jsonl"),
-        "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.limit_train_batches", "2",
+        "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.limit_train_batches", "1",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
     ])  # fmt: skip
     (metrics_file,) = tmp_path.glob("csv/version_*/metrics.csv")
     rows = [r for r in csv.DictReader(metrics_file.open()) if r.get("train/reward_mean")]
-    assert len(rows) == 2
+    assert len(rows) == 1
     for row in rows:  # the PPO score is the environment's weighted sum of its components
         correctness, formatting = float(row["train/reward/correctness"]), float(row["train/reward/formatting"])
         assert float(row["train/reward_mean"]) == pytest.approx(correctness + 0.1 * formatting, abs=1e-5)
