@@ -56,8 +56,11 @@ class EveryNBatchesCheckpoint(pl.Callback):
 
 
 def _fit(module: pl.LightningModule, train_loader: Any, val_loader: Any, options: Dict[str, Any],
-         callbacks: List[pl.Callback], trainer_kwargs: Mapping[str, Any]) -> tuple[pl.Trainer, Dict[str, List[float]]]:
-    """Run ``Trainer.fit`` with quiet defaults (no logger, no progress bar) that ``trainer_kwargs`` override."""
+         callbacks: List[pl.Callback], trainer_kwargs: Mapping[str, Any],
+         every: int = 0) -> tuple[pl.Trainer, Dict[str, List[float]]]:
+    """Run ``Trainer.fit`` with quiet defaults (no logger, no progress bar) that ``trainer_kwargs`` override;
+    with a ``val_loader`` validated every ``every`` batches, validate once more at the end unless the last
+    batch already was a validation point."""
     history = MetricsHistory()
     kwargs = {
         "logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
@@ -66,6 +69,8 @@ def _fit(module: pl.LightningModule, train_loader: Any, val_loader: Any, options
     kwargs["callbacks"] = [history, *callbacks, *list(kwargs.get("callbacks") or [])]
     trainer = pl.Trainer(**kwargs)
     trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=val_loader)
+    if val_loader is not None and every and len(train_loader) % every:
+        trainer.validate(module, dataloaders=val_loader, verbose=False)
     return trainer, history.history
 
 
@@ -181,7 +186,7 @@ class PPOTrainer:
             prompts: prompt texts (or chat message lists).
             num_iterations: PPO iterations to run.
             metadata: optional dict per prompt, given to the reward function.
-            eval_prompts: optional held-out prompts, scored every ``eval_every`` iterations.
+            eval_prompts: optional held-out prompts, scored every ``eval_every`` iterations and at the end.
             eval_metadata: their metadata.
             **trainer_kwargs: extra ``lightning.Trainer`` arguments (``logger``, ``precision``, ...).
 
@@ -197,12 +202,13 @@ class PPOTrainer:
         options: Dict[str, Any] = {
             "max_epochs": 1, "max_steps": n * self.module.updates_per_iteration(c.batch_size), **_accelerator(c.device),
         }  # fmt: skip
+        every = max(1, min(c.eval_every, n))
         if val_loader is not None:
-            options.update(val_check_interval=max(1, min(c.eval_every, n)), check_val_every_n_epoch=None)
+            options.update(val_check_interval=every, check_val_every_n_epoch=None)
         else:
             options.update(limit_val_batches=0)
         callbacks = [self.kl_callback, EveryNBatchesCheckpoint(os.path.join(c.output_dir, "checkpoints"), c.save_every)]
-        self.trainer, history = _fit(self.module, train_loader, val_loader, options, callbacks, trainer_kwargs)
+        self.trainer, history = _fit(self.module, train_loader, val_loader, options, callbacks, trainer_kwargs, every)
         return history
 
     def save_model(self, path: str) -> None:
@@ -292,7 +298,7 @@ class DPOTrainer:
     def train(self, dataset: Any, eval_dataset: Any = None, **trainer_kwargs: Any) -> Dict[str, List[float]]:
         """Train for ``num_epochs`` on ``dataset`` (a ``PreferenceDataset`` or a dict of ``prompts`` /
         ``chosen`` / ``rejected`` lists), validating on ``eval_dataset`` every ``eval_every`` optimizer steps
-        and at the end.
+        (within each epoch) and at the end.
 
         Returns:
             ``{"train/loss": [...], "train/rewards/accuracies": [...], ..., "val/...": [...]}``: one value per
@@ -306,8 +312,8 @@ class DPOTrainer:
             "max_epochs": c.num_epochs, "accumulate_grad_batches": accumulate,
             "gradient_clip_val": c.max_grad_norm or None, **_accelerator(c.device),
         }  # fmt: skip
+        every = max(1, min(c.eval_every * accumulate, len(train_loader)))
         if val_loader is not None:
-            every = max(1, min(c.eval_every * accumulate, len(train_loader)))
             options.update(val_check_interval=every, check_val_every_n_epoch=1)
         else:
             options.update(limit_val_batches=0)
@@ -318,7 +324,7 @@ class DPOTrainer:
                 filename="step-{step}",
             ))  # fmt: skip
             options["enable_checkpointing"] = True
-        self.trainer, history = _fit(self.module, train_loader, val_loader, options, callbacks, trainer_kwargs)
+        self.trainer, history = _fit(self.module, train_loader, val_loader, options, callbacks, trainer_kwargs, every)
         return history
 
     def save_model(self, path: str) -> None:
