@@ -216,6 +216,7 @@ def test_reward_model_examples(local_model_name, tokenizer, tmp_path, monkeypatc
     # Save/load
     trainer.save_model("reward_model.pt")
     trainer.load_model("reward_model.pt")
+    assert model.predict_rewards(["Good response 1", "Bad response 1"], tokenizer) == pytest.approx(scores, abs=1e-5)
     reloaded = RewardModel.from_pretrained("reward_model.pt")
     assert reloaded.predict_rewards(["Good response 1", "Bad response 1"], tokenizer) == pytest.approx(scores, abs=1e-5)
 
