@@ -217,6 +217,24 @@ class PPOModule(AlignmentModule):
         return logits, out.values[:, prompt_length - 1 : -1]
 
     @torch.no_grad()
+    def old_and_reference(self, input_ids, attention_mask, prompt_length: int):
+        """Log-probs and values of the policy (eval mode) and reference log-probs of the sampled responses,
+        (B, R) each, computed ``mini_batch_size`` rows at a time (bounds the (rows, R, V) logits)."""
+        was_training = self.model.training
+        self.model.eval()
+        parts = []
+        try:
+            for rows in torch.split(torch.arange(input_ids.shape[0], device=input_ids.device), self.hparams.mini_batch_size):
+                ids, mask = input_ids[rows], attention_mask[rows]
+                logits, values = self(ids, mask, prompt_length)
+                logprobs = selective_log_softmax(logits, ids[:, prompt_length:])
+                del logits
+                parts.append((logprobs, values, self.reference_logprobs(ids, mask, prompt_length)))
+        finally:
+            self.model.train(was_training)
+        return tuple(torch.cat(p) for p in zip(*parts))
+
+    @torch.no_grad()
     def reference_logprobs(self, input_ids, attention_mask, prompt_length: int) -> torch.Tensor:
         logits = self.reference(input_ids, attention_mask, position_ids=position_ids_from_mask(attention_mask))
         logits = logits[:, prompt_length - 1 : -1].float() / self.generation.temperature
@@ -236,12 +254,7 @@ class PPOModule(AlignmentModule):
         scores, components = self.score(batch["prompts"], texts, batch["metadata"], ended)
         # 3. old log-probs and values of the policy, log-probs of the reference
         with torch.no_grad():
-            self.model.eval()
-            logits, old_values = self(input_ids, attention_mask, P)
-            self.model.train()
-            old_logprobs = selective_log_softmax(logits, response)
-            del logits
-            ref_logprobs = self.reference_logprobs(input_ids, attention_mask, P)
+            old_logprobs, old_values, ref_logprobs = self.old_and_reference(input_ids, attention_mask, P)
             # 4. per-token rewards: -kl_coef * KL_t, plus the score on the last response token
             rewards, kl = token_rewards(scores, old_logprobs, ref_logprobs, mask, self.kl_coef, hp.kl_estimator)
             # 5. GAE, whitened advantages
