@@ -113,6 +113,11 @@ class PreferenceComparisonEnv(TextGenerationEnv):
         ep["rewards"].append(value)
         return StepResult(value, True, None, info, metrics)
 
+    def rollout(self, model, index=None, generator=None):
+        """Not available: here a step is a whole response. Sample two responses (e.g. with
+        ``ForwardBackwardPipeline.sample``) and pass each to ``step``."""
+        raise NotImplementedError("PreferenceComparisonEnv.step takes whole responses; sample them, then step twice")
+
     def preference_pairs(self) -> Dict[str, List[str]]:
         """The comparisons so far as ``{"prompts", "chosen", "rejected"}`` lists (``PreferenceDataset`` input)."""
         return {
