@@ -97,3 +97,15 @@ def test_sampling_callback_writes_jsonl_rows(tmp_path, byte_tokenizer):
     assert rows[0]["prompt"] == "ab" and rows[-1]["iteration"] == 2
     assert {"prompt", "response", "reward", "step", "iteration"} <= set(rows[0])
     assert all(isinstance(r["reward"], float) for r in rows)
+
+
+def test_sampling_callback_logs_a_wandb_table_when_wandb_is_the_logger(tmp_path):
+    from lightning.pytorch.loggers import WandbLogger
+
+    logger = WandbLogger(offline=True, save_dir=str(tmp_path))
+    tables = []
+    logger.log_table = lambda **kwargs: tables.append(kwargs)  # no wandb run is started
+    rows = [{"iteration": 1, "step": 4, "prompt": "p", "response": "r", "reward": 0.5}]
+    SamplingCallback().write(SimpleNamespace(loggers=[logger]), rows)
+    assert tables == [{"key": "samples", "columns": ["iteration", "step", "prompt", "response", "reward"],
+                       "data": [[1, 4, "p", "r", 0.5]]}]
