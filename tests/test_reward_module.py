@@ -236,3 +236,24 @@ def test_reward_quickstart_accuracy_rises_and_exports_a_loadable_folder(tmp_path
     good, bad = model.predict_rewards(["Explain gravity.Sure! Gravity is the force that pulls masses toward each other.",
                                        "Explain gravity.no."])  # fmt: skip
     assert good > bad
+
+
+@pytest.mark.slow
+def test_multi_objective_quickstart_runs_briefly_and_checks_objective_counts(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from aitraining_pl.cli import build_cli
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", "--config", str(root / "configs/quickstart/reward_multi_objective.yaml"),
+            "--data.init_args.data_path", str(root / "aitraining_pl/data/quickstart_scores.jsonl"),
+            "--trainer.max_steps", "3", "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    cli = build_cli(args)
+    assert cli.trainer.global_step == 3 and "val/loss/polite" in cli.trainer.callback_metrics
+    assert type(load_reward_model(tmp_path / "runs/quickstart-reward-mo/export/last")).__name__ == "MultiObjectiveRewardModel"
+    with pytest.raises(DataValidationError, match="row 1, field 'scores': expected 2 scores, got 3"):
+        build_cli(args + ["--data.init_args.num_objectives", "2"])
+    with pytest.raises(ValueError, match="data module has 3 objectives per row, the model 2"):
+        build_cli(args + ["--model.init_args.num_objectives", "2", "--model.init_args.objective_weights", "null",
+                          "--model.init_args.objective_names", "null"])  # fmt: skip

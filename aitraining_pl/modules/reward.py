@@ -220,6 +220,13 @@ class MultiObjectiveRewardModule(RewardModule):
             raise ValueError(f"the given model has {model.num_outputs} objectives, not {self._objectives[0]}")
         self.hparams["objective_weights"] = list(model.config.extra["objective_weights"])
 
+    def setup(self, stage: str) -> None:
+        """Refuse a data module whose score vectors have another length, before training starts."""
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        data_n = getattr(datamodule, "hparams", {}).get("num_objectives") if datamodule is not None else None
+        if data_n is not None and data_n != self.hparams.num_objectives:
+            raise ValueError(f"the data module has {data_n} objectives per row, the model {self.hparams.num_objectives}")
+
     def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         # 1. every objective's reward and the combined reward
         out = self.reward_model(batch["input_ids"], batch["attention_mask"], return_all_objectives=True)
