@@ -139,7 +139,9 @@ class PPOTrainer:
         )  # fmt: skip
         if tokenizer is not None:
             self.module._tokenizer = tokenizer
+        # kept across train() calls: the KL coefficient and the checkpoint numbering continue
         self.kl_callback = AdaptiveKLCallback(target=c.kl_target, horizon=c.kl_horizon)
+        self.checkpoints = EveryNBatchesCheckpoint(os.path.join(c.output_dir, "checkpoints"), c.save_every)
         self.trainer: Optional[pl.Trainer] = None
 
     @property
@@ -207,7 +209,7 @@ class PPOTrainer:
             options.update(val_check_interval=every, check_val_every_n_epoch=None)
         else:
             options.update(limit_val_batches=0)
-        callbacks = [self.kl_callback, EveryNBatchesCheckpoint(os.path.join(c.output_dir, "checkpoints"), c.save_every)]
+        callbacks = [self.kl_callback, self.checkpoints]
         self.trainer, history = _fit(self.module, train_loader, val_loader, options, callbacks, trainer_kwargs, every)
         return history
 
