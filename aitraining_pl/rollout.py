@@ -101,14 +101,16 @@ def response_mask(
 
 
 def stop_string_ends(tokenizer, response_ids: torch.Tensor, stop_strings: Sequence[str]) -> torch.Tensor:
-    """(B,) index of the token whose decoding first completes one of ``stop_strings``; -1 where none."""
+    """(B,) index of the token whose decoding first completes one of ``stop_strings``; -1 where none.
+
+    Special tokens are decoded as their text, as ``generate``'s stop-string check sees them.
+    """
     ends = torch.full((response_ids.shape[0],), -1, dtype=torch.long, device=response_ids.device)
     for row, ids in enumerate(response_ids.tolist()):
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        if not any(s in text for s in stop_strings):
+        if not any(s in tokenizer.decode(ids) for s in stop_strings):
             continue
         for t in range(1, len(ids) + 1):  # the shortest prefix that contains a stop string
-            if any(s in tokenizer.decode(ids[:t], skip_special_tokens=True) for s in stop_strings):
+            if any(s in tokenizer.decode(ids[:t]) for s in stop_strings):
                 ends[row] = t - 1
                 break
     return ends

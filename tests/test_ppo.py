@@ -264,3 +264,15 @@ def test_lora_policy_under_bf16_mixed(tmp_path, byte_tokenizer):
     assert not torch.equal(module.model.value_head.net[-1].weight, head)
     module.save_pretrained(tmp_path / "export")
     assert {"adapter_model.safetensors", "adapter_config.json", "value_head.safetensors"} <= set(os.listdir(tmp_path / "export"))
+
+
+def test_stop_strings_end_responses_where_generate_stopped():
+    module = PPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", reward=length_score,
+                       generation=GenerationConfig(max_new_tokens=12, temperature=1.0, top_p=1.0, stop_strings=["a", "e", "o"]))
+    ids = torch.tensor([[40, 41, 42]] * 8)
+    torch.manual_seed(0)
+    response, mask, ended = module.generate(ids, torch.ones_like(ids))
+    lengths = mask.sum(1)
+    assert ended.any() and (lengths < response.shape[1]).any()
+    for row, n in zip(response, lengths.tolist()):  # generate pads everything after the stop
+        assert (row[n:] == module.tokenizer.pad_token_id).all()
