@@ -27,6 +27,11 @@ _EXPORTS: dict[str, str] = {
     "PairwiseRewardModel": "aitraining_pl.models",
     "MultiObjectiveRewardModel": "aitraining_pl.models",
     "load_reward_model": "aitraining_pl.models",
+    # layers 3-5: DPO (preference data, module, export callback, shared base, CLI)
+    "PreferenceDataModule": "aitraining_pl.datamodules.preference",
+    "DPOModule": "aitraining_pl.modules.dpo",
+    "AlignmentModule": "aitraining_pl.modules.base",
+    "HFExportCallback": "aitraining_pl.callbacks.export",
     # layers 3-4: reward-model training
     "ScoresDataModule": "aitraining_pl.datamodules.scores",
     "RewardModule": "aitraining_pl.modules.reward",
