@@ -1,0 +1,212 @@
+"""DPO training throughput and peak memory: ``DPOModule`` under ``Trainer.fit`` vs TRL's ``DPOTrainer``.
+
+Same two randomly initialised Llama models (about 3M and 25M parameters, byte-level tokenizer), the same 512
+synthetic pairs (prompt and completions of 20 to 400 characters), batch 8, max_length 512, fp32 on CPU.
+Each measurement runs in its own process (TRL in its own virtual environment, never a dependency of this
+project); sides alternate so load from other processes on a shared machine hits both alike.
+
+    python benchmarks/dpo_vs_trl.py --trl-python /work/trlvenv/bin/python
+
+Prints one JSON line per measurement (``pairs_per_s`` over steady-state steps after warm-up, ``peak_rss_mb``
+of the whole process) and one ``ratio`` line per model size and variant. Variants of this project's side:
+``plain`` (the same work as TRL: 2B rows, reference forward every step, random batches), ``packed`` (the
+module's default ``share_prompt``: one row per pair holding the prompt once, plus length-grouped batches;
+reference forward every step) and ``fast`` (``packed`` plus reference log-probs precomputed in one pass
+before training; the pass is reported as ``precompute_s`` and is not part of the steady state). TRL runs with ``gradient_checkpointing=False`` and
+fp32 (its defaults are checkpointing on and bf16) so that both sides do the same arithmetic; pass
+``--trl-defaults`` to also measure TRL's defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+SIZES = {
+    "3m": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4},
+    "25m": {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8},
+}
+BASE = {"model_type": "llama", "vocab_size": 384, "max_position_embeddings": 1024, "pad_token_id": 0,
+        "eos_token_id": 1, "bos_token_id": None, "tie_word_embeddings": False}
+BATCH, MAX_LENGTH, PAIRS, LR = 8, 512, 512, 1e-6
+WORDS = ("the of and to in is was that for on as with by at from this be or an are not it have which one "
+         "model data train loss reward policy value prompt answer token sample gradient step batch").split()
+
+
+def _text(rng: random.Random, lo: int = 20, hi: int = 400) -> str:
+    n = rng.randint(lo, hi)
+    out = ""
+    while len(out) < n:
+        out += rng.choice(WORDS) + " "
+    return out[:n].strip() or "x"
+
+
+def make_pairs(path: str, n: int = PAIRS, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as handle:
+        for _ in range(n):
+            handle.write(json.dumps({"prompt": _text(rng), "chosen": _text(rng), "rejected": _text(rng)}) + "\n")
+
+
+def _model_config(size: str) -> dict:
+    return {**BASE, **SIZES[size]}
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class _Clock:
+    """Step timestamps; steady state = from the end of warm-up step ``warmup`` to the end of the last step."""
+
+    def __init__(self, warmup: int):
+        self.warmup, self.ends = warmup, []
+
+    def step_end(self) -> None:
+        self.ends.append(time.perf_counter())
+
+    def pairs_per_s(self) -> float:
+        timed = self.ends[self.warmup - 1 :]
+        return BATCH * (len(timed) - 1) / (timed[-1] - timed[0])
+
+
+def run_ours(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import lightning.pytorch as pl
+
+    from aitraining_pl.datamodules.preference import PreferenceDataModule
+    from aitraining_pl.modules.dpo import DPOModule
+
+    share = args.variant in ("packed", "fast")
+    group = args.variant in ("packed", "fast")
+    fast = args.variant == "fast"
+    clock = _Clock(args.warmup)
+
+    class Timer(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            clock.step_end()
+
+    module = DPOModule(model_config=_model_config(args.size), tokenizer_name="byte", learning_rate=LR,
+                       warmup_ratio=0.0, precompute_ref_logps=fast, share_prompt=share)
+    data = PreferenceDataModule(data_path=args.data, val_split=0.0, tokenizer=module.tokenizer, batch_size=BATCH,
+                                max_length=MAX_LENGTH, max_prompt_length=MAX_LENGTH - 1, group_by_length=group, seed=0)
+    timer = Timer()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=args.steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
+    t0 = time.perf_counter()
+    trainer.fit(module, data)
+    n_params = sum(p.numel() for p in module.policy.parameters())
+    return {"precompute_s": round(timer.start - t0, 2), "fit_s": round(time.perf_counter() - t0, 2), "params": n_params,
+            "pairs_per_s": clock.pairs_per_s()}
+
+
+def run_trl(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from datasets import load_dataset
+    from transformers import AutoConfig, AutoModelForCausalLM, ByT5Tokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    clock = _Clock(args.warmup)
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            clock.step_end()
+
+    config = dict(_model_config(args.size))
+    hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    torch.manual_seed(0)  # the reference: the same weights, built again from the config (as on our side)
+    ref_model = AutoModelForCausalLM.from_config(hf_config)
+    tokenizer = ByT5Tokenizer()
+    dataset = load_dataset("json", data_files=args.data, split="train")
+    defaults = args.variant == "defaults"
+    with tempfile.TemporaryDirectory() as out:
+        cfg = DPOConfig(output_dir=out, per_device_train_batch_size=BATCH, max_length=MAX_LENGTH, max_steps=args.steps,
+                        learning_rate=LR, beta=0.1, logging_steps=10_000, save_strategy="no", report_to=[],
+                        use_cpu=True, bf16=defaults, gradient_checkpointing=defaults, dataloader_num_workers=0,
+                        seed=0, disable_tqdm=True)
+        trainer = DPOTrainer(model=model, ref_model=ref_model, args=cfg, train_dataset=dataset, processing_class=tokenizer, callbacks=[Timer()])
+        t0 = time.perf_counter()
+        trainer.train()
+        fit_s = time.perf_counter() - t0
+    return {"fit_s": round(fit_s, 2), "params": sum(p.numel() for p in model.parameters()), "pairs_per_s": clock.pairs_per_s()}
+
+
+def child(args) -> None:
+    result = run_ours(args) if args.side == "ours" else run_trl(args)
+    result.update(side=args.side, variant=args.variant, size=args.size, steps=args.steps, warmup=args.warmup,
+                  threads=args.threads, peak_rss_mb=round(_peak_rss_mb(), 1), pairs_per_s=round(result["pairs_per_s"], 3))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _spawn(python: str, side: str, variant: str, size: str, data: str, args) -> dict:
+    cmd = [python, os.path.abspath(__file__), "--side", side, "--variant", variant, "--size", size, "--data", data,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"{side}/{variant}/{size} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trl-python", default="/work/trlvenv/bin/python", help="python of the venv with TRL")
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--variants", nargs="+", default=["plain", "packed", "fast"], choices=["plain", "packed", "fast"])
+    parser.add_argument("--trl-defaults", action="store_true", help="also run TRL with its defaults (bf16, checkpointing)")
+    parser.add_argument("--steps", type=int, default=24, help="optimizer steps per run (64 = one epoch)")
+    parser.add_argument("--warmup", type=int, default=4, help="steps excluded from the steady state")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="alternating rounds per size")
+    # child-process arguments
+    parser.add_argument("--side", choices=["ours", "trl"])
+    parser.add_argument("--variant", default="plain")
+    parser.add_argument("--size", default="3m")
+    parser.add_argument("--data")
+    args = parser.parse_args()
+    if args.side:
+        return child(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = os.path.join(tmp, "pairs.jsonl")
+        make_pairs(data)
+        for size in args.sizes:
+            results: dict[str, list[dict]] = {}
+            runs = [("trl", "fp32")] + [("ours", v) for v in args.variants] + ([("trl", "defaults")] if args.trl_defaults else [])
+            for _ in range(args.repeats):
+                for side, variant in runs:
+                    python = args.trl_python if side == "trl" else sys.executable
+                    r = _spawn(python, side, variant, size, data, args)
+                    results.setdefault(f"{side}/{variant}", []).append(r)
+                    print(json.dumps(r), flush=True)
+            best = {k: max(v, key=lambda r: r["pairs_per_s"]) for k, v in results.items()}
+            trl = best["trl/fp32"]
+            for variant in args.variants:
+                ours = best[f"ours/{variant}"]
+                print(json.dumps({"ratio": True, "size": size, "variant": variant,
+                                  "speedup": round(ours["pairs_per_s"] / trl["pairs_per_s"], 3),
+                                  "memory_ratio": round(ours["peak_rss_mb"] / trl["peak_rss_mb"], 3),
+                                  "ours_pairs_per_s": ours["pairs_per_s"], "trl_pairs_per_s": trl["pairs_per_s"],
+                                  "ours_peak_rss_mb": ours["peak_rss_mb"], "trl_peak_rss_mb": trl["peak_rss_mb"]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
