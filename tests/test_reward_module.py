@@ -228,7 +228,7 @@ def test_reward_quickstart_accuracy_rises_and_exports_a_loadable_folder(tmp_path
     monkeypatch.chdir(tmp_path)
     data = root / "aitraining_pl" / "data" / "quickstart_reward.jsonl"
     build_cli(["fit", "--config", str(root / "configs/quickstart/reward.yaml"), "--data.init_args.data_path", str(data),
-               "--trainer.enable_progress_bar", "false"])  # fmt: skip
+               "--trainer.max_steps", "24", "--trainer.limit_val_batches", "3", "--trainer.enable_progress_bar", "false"])  # fmt: skip
     (metrics_file,) = (tmp_path / "runs/quickstart-reward/csv").glob("version_*/metrics.csv")
     accuracy = [float(r["val/accuracy"]) for r in csv.DictReader(metrics_file.open()) if r.get("val/accuracy")]
     assert len(accuracy) >= 5 and accuracy[0] < 0.8 and min(accuracy[-3:]) >= 0.9
