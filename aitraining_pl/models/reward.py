@@ -114,7 +114,8 @@ class RewardModel(nn.Module):
                 trust_remote_code=config.trust_remote_code, seed=config.seed,
             )  # fmt: skip
         base = trunk.get_base_model() if is_peft_model(trunk) else trunk
-        self._takes_positions = "position_ids" in inspect.signature(base.forward).parameters
+        accepted = inspect.signature(base.forward).parameters
+        self._takes_positions, self._takes_cache = "position_ids" in accepted, "use_cache" in accepted
         lora = config.lora()
         self.trunk = apply_lora(trunk, lora, task_type="FEATURE_EXTRACTION") if lora and not is_peft_model(trunk) else trunk
         self.dropout = nn.Dropout(config.dropout_prob)
@@ -135,6 +136,8 @@ class RewardModel(nn.Module):
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
         if self._takes_positions:
             kwargs["position_ids"] = positions_from_mask(attention_mask)
+        if self._takes_cache:
+            kwargs["use_cache"] = False  # a decoder trunk would otherwise build a KV cache it never uses
         hidden = self.trunk(**kwargs).last_hidden_state
         return pool_hidden_states(hidden, attention_mask, self.config.pooling_strategy).float()
 
