@@ -103,6 +103,17 @@ def test_pairwise_module_trains_a_pairwise_model_and_logs_preference_prob():
     assert "val/preference_prob" in trainer.callback_metrics
 
 
+def test_bf16_mixed_smoke():
+    module = _module()
+    data = _preference_data(module, n=16, batch_size=8, val_split=0.0)
+    head_before = module.reward_model.head.weight.detach().clone()
+    trainer = _trainer(max_steps=2, precision="bf16-mixed")
+    trainer.fit(module, datamodule=data)
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert module.reward_model.head.weight.dtype == torch.float32
+    assert not torch.equal(module.reward_model.head.weight, head_before)
+
+
 def test_checkpoint_round_trip_with_weights_only(tmp_path):
     module = _module(lora={"r": 4, "alpha": 8, "dropout": 0.0}, pooling_strategy="mean")
     data = _preference_data(module, n=32, batch_size=8, val_split=0.0)
