@@ -161,9 +161,12 @@ class PPOModule(AlignmentModule):
         trainer = self.trainer
         if trainer.max_steps and trainer.max_steps > 0:
             total = trainer.max_steps  # already counted in optimizer steps
-        else:
-            batch_size = getattr(trainer.datamodule, "hparams", {}).get("batch_size", self.hparams.mini_batch_size)
-            total = trainer.estimated_stepping_batches * self.updates_per_iteration(batch_size)
+        else:  # estimated_stepping_batches counts training batches, i.e. PPO iterations
+            iterations = trainer.estimated_stepping_batches
+            batch_size = getattr(trainer.datamodule, "hparams", {}).get("batch_size")
+            batch_size = batch_size or getattr(trainer.train_dataloader, "batch_size", None)
+            per_step = self.hparams.mini_batch_size * self.hparams.gradient_accumulation_steps
+            total = iterations * self.updates_per_iteration(batch_size or per_step)
         return adamw_with_warmup(
             self.trainable_parameters(), learning_rate=self.hparams.learning_rate, total_steps=total,
             warmup_ratio=self.hparams.warmup_ratio,
