@@ -156,6 +156,10 @@ def test_multi_objective_module_learns_and_never_touches_an_unknown_objective(tm
     module.save_pretrained(tmp_path / "multi")
     loaded = load_reward_model(tmp_path / "multi")
     assert type(loaded).__name__ == "MultiObjectiveRewardModel" and loaded.num_outputs == 3
+    trainer.save_checkpoint(tmp_path / "multi.ckpt")
+    restored = MultiObjectiveRewardModule.load_from_checkpoint(tmp_path / "multi.ckpt", weights_only=True)
+    assert restored.objective_names == ["vowels", "length", "unknown"]
+    assert restored.reward_model.predict_rewards(texts[:4]) == pytest.approx(loaded.predict_rewards(texts[:4]), abs=1e-6)
 
 
 def _write_jsonl(path, rows):

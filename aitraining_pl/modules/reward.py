@@ -205,8 +205,11 @@ class MultiObjectiveRewardModule(RewardModule):
         self._objectives = (num_objectives, objective_weights)
         # the base class records every argument above (its save_hyperparameters sees this frame too)
         super().__init__(
-            model_name, model_config, tokenizer_name, lora, pooling_strategy, dropout_prob, temperature, 0.0,
-            learning_rate, warmup_ratio, lr_schedule, weight_decay, dtype, seed, trust_remote_code, reward_model,
+            model_name=model_name, model_config=model_config, tokenizer_name=tokenizer_name, lora=lora,
+            pooling_strategy=pooling_strategy, dropout_prob=dropout_prob, temperature=temperature,
+            learning_rate=learning_rate, warmup_ratio=warmup_ratio, lr_schedule=lr_schedule,
+            weight_decay=weight_decay, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code,
+            reward_model=reward_model,
         )  # fmt: skip
         self.objective_names = list(objective_names or map(str, range(num_objectives)))
 
