@@ -73,7 +73,8 @@ class ScoresDataModule(pl.LightningDataModule):
         data_path: local JSONL / JSON / Parquet / CSV file, or a ``datasets`` hub name.
         num_objectives: length of every score vector.
         split: split to load when ``data_path`` is a hub name.
-        val_data_path: separate validation file / hub name (else ``val_split`` of the training rows).
+        val_data_path: separate validation file / hub name (its ``test`` split when it equals ``data_path``;
+            else ``val_split`` of the training rows).
         val_split: fraction of the training rows held out for validation (0 for none).
         text_column: column with the text to score (the response, or the whole conversation).
         prompt_column: optional column put in front of the text.
@@ -158,7 +159,8 @@ class ScoresDataModule(pl.LightningDataModule):
         records, source = self._records()
         examples = self._examples(records, source)  # row numbers refer to the file
         if hp.val_data_path is not None:
-            self.val_dataset = self._examples(read_records(hp.val_data_path, hp.split), hp.val_data_path)
+            val_split_name = "test" if hp.val_data_path == hp.data_path else hp.split  # one hub dataset, two splits
+            self.val_dataset = self._examples(read_records(hp.val_data_path, val_split_name), hp.val_data_path)
         elif hp.val_split > 0:
             if not 0 < hp.val_split < 1:
                 raise ValueError(f"val_split must be in [0, 1), got {hp.val_split}")

@@ -169,9 +169,12 @@ class RewardModel(nn.Module):
         Args:
             texts: the sequences to score (prompt and response already joined).
             tokenizer: defaults to the model's own (``get_tokenizer``).
-            max_length: keep at most this many tokens (the end of the text); no limit when ``None``.
+            max_length: keep at most this many tokens (the end of the text); default: the tokenizer's
+                ``model_max_length`` when it is a real limit, else none.
         """
         tokenizer = tokenizer if tokenizer is not None else self.get_tokenizer()
+        if max_length is None and 0 < getattr(tokenizer, "model_max_length", 0) < 1_000_000:
+            max_length = int(tokenizer.model_max_length)
         was_training, device = self.training, self.head.weight.device
         self.eval()
         rewards: list[float] = []
