@@ -40,6 +40,17 @@ from aitraining_pl.rollout import (
 )
 
 
+def _primitive(value: Any) -> bool:
+    """Whether ``value`` is made of str/int/float/bool/None, lists and str-keyed dicts only."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_primitive(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _primitive(v) for k, v in value.items())
+    return False
+
+
 @dataclass
 class Experience:
     """One rollout batch with everything the PPO update needs; per-token tensors are (B, R)."""
@@ -118,7 +129,8 @@ class PPOModule(AlignmentModule):
         super().__init__()
         self.automatic_optimization = False
         self.strict_loading = False  # the frozen reference and the reward model are never saved
-        self.save_hyperparameters(ignore=["lora", "generation"] + ([] if isinstance(reward, (str, dict)) else ["reward"]))
+        # a reward given as a Python object (not YAML-describable primitives) is not saved with the hyperparameters
+        self.save_hyperparameters(ignore=["lora", "generation"] + ([] if _primitive(reward) else ["reward"]))
         self.store_lora_hparam(lora)
         self.generation = generation if isinstance(generation, GenerationConfig) else GenerationConfig(**dict(generation))
         self.hparams["generation"] = asdict(self.generation)
