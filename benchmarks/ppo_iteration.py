@@ -4,8 +4,9 @@ model's plain ``generate`` and forward/backward passes timed alone.
     python benchmarks/ppo_iteration.py                      # tiny-ish Llama on CPU
     python benchmarks/ppo_iteration.py --hidden 512 --layers 8 --accelerator gpu --precision bf16-mixed
 
-Prints one JSON line per measurement (median seconds over the measured iterations; the first iteration is
-a warm-up and is not counted):
+Prints one JSON line per measurement (mean seconds over the measured iterations; the first iteration is
+a warm-up and is not counted). A plain round runs right after each PPO iteration, so both see the same machine
+load; the random model rarely samples EOS, so responses (PPO's and plain) mostly run to ``max_new_tokens``:
 
 - ``ppo/<part>``: ``iteration`` (``training_step`` wall time), ``generation`` (``generate`` with KV cache,
   masks), ``scoring`` (decode + reward source), ``old_forward`` (policy log-probs and values, no grad),
@@ -14,7 +15,7 @@ a warm-up and is not counted):
 - ``plain/<part>``: the same model's ``generate`` for the same prompts and length, one no-grad forward of
   the whole batch, and the update's forward/backward/AdamW steps on plain cross-entropy;
 - ``overhead``: PPO iteration minus the plain parts (generation + 2 no-grad forwards + update), absolute
-  and relative.
+  and relative; with the mean response lengths of both (PPO: masked tokens; plain: generated tokens).
 """
 
 from __future__ import annotations
@@ -95,14 +96,9 @@ def main() -> None:
 
     module = PPOModule(
         model_config=model_config(args.hidden, args.layers), tokenizer_name="byte", reward=never_ending_reward,
-        # min_new_tokens is not a GenerationConfig field; EOS is made unreachable instead (see below)
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0),
         learning_rate=1e-5, mini_batch_size=args.mini_batch_size, ppo_epochs=args.ppo_epochs,
     )
-    # every response runs to max_new_tokens, so PPO and the plain baseline process the same lengths
-    with torch.no_grad():
-        module.policy.lm_head.weight[1].fill_(0.0)
-        module.policy.lm_head.weight[1, 0] = -1e4 if module.policy.lm_head.bias is None else 0.0
     prompts = [("x" * (args.prompt_length - 3)) + f"{i:03d}" for i in range(args.batch_size * (args.iterations + 1))]
     data = PromptDataModule(prompts=prompts, tokenizer="byte", batch_size=args.batch_size, max_prompt_length=args.prompt_length)
 
@@ -125,7 +121,7 @@ def main() -> None:
     data.setup()
     batch = data.collate_fn([data.train_dataset[i] for i in range(args.batch_size)])
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    plain = defaultdict(list)
+    plain, lengths = defaultdict(list), defaultdict(list)
 
     def plain_round():
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision.startswith("bf16"))
@@ -134,10 +130,11 @@ def main() -> None:
             with torch.no_grad():
                 plain_model.eval()
                 out = plain_model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-                                           max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
+                                           max_new_tokens=args.max_new_tokens,
                                            pad_token_id=0, eos_token_id=1, use_cache=True)
                 plain_model.train()
             sync(); plain["generation"].append(time.perf_counter() - t)
+            lengths["plain"].append(out.shape[1] - ids.shape[1])
             t = time.perf_counter()
             with torch.no_grad():
                 plain_model(input_ids=out, attention_mask=torch.ones_like(out)).logits.float().sum().item()
@@ -152,8 +149,9 @@ def main() -> None:
             sync(); plain["update"].append(time.perf_counter() - t)
 
     class EndIteration(pl.Callback):
-        def on_train_batch_end(self, *unused):
+        def on_train_batch_end(self, trainer, *unused):
             clock.end_iteration()
+            lengths["ppo"].append(float(trainer.callback_metrics["train/response_length"]))
             plain_round()
 
     trainer = pl.Trainer(
@@ -162,15 +160,16 @@ def main() -> None:
     )
     trainer.fit(module, data)
     measured = clock.iterations[1:]
-    ppo = {k: statistics.median(it.get(k, 0.0) for it in measured) for k in measured[0]}
+    ppo = {k: statistics.mean(it.get(k, 0.0) for it in measured) for k in measured[0]}
     ppo["other"] = ppo["iteration"] - sum(ppo[k] for k in ("generation", "scoring", "old_forward", "reference_forward", "update"))
-    plain = {k: statistics.median(v[1:]) for k, v in plain.items()}
+    plain = {k: statistics.mean(v[1:]) for k, v in plain.items()}
     policy = module.policy
 
     setup = {"hidden": args.hidden, "layers": args.layers, "batch_size": args.batch_size, "mini_batch_size": args.mini_batch_size,
              "ppo_epochs": args.ppo_epochs, "prompt_length": args.prompt_length, "max_new_tokens": args.max_new_tokens,
              "accelerator": args.accelerator, "precision": args.precision, "threads": args.threads,
-             "iterations": len(measured), "params_M": round(sum(p.numel() for p in policy.parameters()) / 1e6, 2)}
+             "iterations": len(measured), "response_length_ppo": round(statistics.mean(lengths["ppo"][1:]), 1),
+             "response_length_plain": round(statistics.mean(lengths["plain"][1:]), 1), "params_M": round(sum(p.numel() for p in policy.parameters()) / 1e6, 2)}
     for part, seconds in ppo.items():
         if part != "update_forward":
             share = seconds / ppo["iteration"]
