@@ -9,10 +9,12 @@ project); sides alternate so load from other processes on a shared machine hits 
 
 Prints one JSON line per measurement (``pairs_per_s`` over steady-state steps after warm-up, ``peak_rss_mb``
 of the whole process) and one ``ratio`` line per model size and variant. Variants of this project's side:
-``plain`` (the same work as TRL: 2B rows, reference forward every step, random batches), ``packed`` (the
-module's default ``share_prompt``: one row per pair holding the prompt once, plus length-grouped batches;
-reference forward every step) and ``fast`` (``packed`` plus reference log-probs precomputed in one pass
-before training; the pass is reported as ``precompute_s`` and is not part of the steady state). TRL runs with ``gradient_checkpointing=False`` and
+``plain`` (the same work as TRL: 2B rows, reference forward every step), ``packed-seq`` (the module's default
+``share_prompt``: one row per pair holding the prompt once), both on the same batches as TRL (file order, TRL
+with ``train_sampling_strategy="sequential"``); ``packed`` (``share_prompt`` plus length-grouped batches) and
+``fast`` (``packed`` plus reference log-probs precomputed in one pass before training; the pass is reported
+as ``precompute_s`` and is not part of the steady state). Grouped batches differ in length by design, so those
+two are timed over a whole epoch (``--grouped-steps``). TRL runs with ``gradient_checkpointing=False`` and
 fp32 (its defaults are checkpointing on and bf16) so that both sides do the same arithmetic; pass
 ``--trl-defaults`` to also measure TRL's defaults.
 """
@@ -36,6 +38,10 @@ SIZES = {
 BASE = {"model_type": "llama", "vocab_size": 384, "max_position_embeddings": 1024, "pad_token_id": 0,
         "eos_token_id": 1, "bos_token_id": None, "tie_word_embeddings": False}
 BATCH, MAX_LENGTH, PAIRS, LR = 8, 512, 512, 1e-6
+#: this project's variants; the grouped ones are timed over ``--grouped-steps`` (a whole epoch by default)
+#: because their batches differ in length by design, so a few steps would be a biased sample
+VARIANTS = ["plain", "packed-seq", "packed", "fast"]
+GROUPED = ("packed", "fast")
 WORDS = ("the of and to in is was that for on as with by at from this be or an are not it have which one "
          "model data train loss reward policy value prompt answer token sample gradient step batch").split()
 
@@ -86,7 +92,7 @@ def run_ours(args) -> dict:
     from aitraining_pl.datamodules.preference import PreferenceDataModule
     from aitraining_pl.modules.dpo import DPOModule
 
-    share = args.variant in ("packed", "fast")
+    share = args.variant in ("packed", "fast", "packed-seq")
     group = args.variant in ("packed", "fast")
     fast = args.variant == "fast"
     clock = _Clock(args.warmup)
@@ -101,7 +107,7 @@ def run_ours(args) -> dict:
     module = DPOModule(model_config=_model_config(args.size), tokenizer_name="byte", learning_rate=LR,
                        warmup_ratio=0.0, precompute_ref_logps=fast, share_prompt=share)
     data = PreferenceDataModule(data_path=args.data, val_split=0.0, tokenizer=module.tokenizer, batch_size=BATCH,
-                                max_length=MAX_LENGTH, max_prompt_length=MAX_LENGTH - 1, group_by_length=group, seed=0)
+                                max_length=MAX_LENGTH, max_prompt_length=MAX_LENGTH - 1, group_by_length=group, shuffle=False, seed=0)
     timer = Timer()
     trainer = pl.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=args.steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -140,6 +146,7 @@ def run_trl(args) -> dict:
         cfg = DPOConfig(output_dir=out, per_device_train_batch_size=BATCH, max_length=MAX_LENGTH, max_steps=args.steps,
                         learning_rate=LR, beta=0.1, logging_steps=10_000, save_strategy="no", report_to=[],
                         use_cpu=True, bf16=defaults, gradient_checkpointing=defaults, dataloader_num_workers=0,
+                        train_sampling_strategy="sequential",
                         seed=0, disable_tqdm=True)
         trainer = DPOTrainer(model=model, ref_model=ref_model, args=cfg, train_dataset=dataset, processing_class=tokenizer, callbacks=[Timer()])
         t0 = time.perf_counter()
@@ -156,8 +163,9 @@ def child(args) -> None:
 
 
 def _spawn(python: str, side: str, variant: str, size: str, data: str, args) -> dict:
+    steps = args.grouped_steps if side == "ours" and variant in GROUPED else args.steps
     cmd = [python, os.path.abspath(__file__), "--side", side, "--variant", variant, "--size", size, "--data", data,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+           "--steps", str(steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -171,9 +179,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trl-python", default="/work/trlvenv/bin/python", help="python of the venv with TRL")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--variants", nargs="+", default=["plain", "packed", "fast"], choices=["plain", "packed", "fast"])
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--trl-defaults", action="store_true", help="also run TRL with its defaults (bf16, checkpointing)")
-    parser.add_argument("--steps", type=int, default=24, help="optimizer steps per run (64 = one epoch)")
+    parser.add_argument("--steps", type=int, default=16, help="optimizer steps per run of TRL and ungrouped variants")
+    parser.add_argument("--grouped-steps", type=int, default=64, help="steps of the grouped variants (64 = one epoch)")
     parser.add_argument("--warmup", type=int, default=4, help="steps excluded from the steady state")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="alternating rounds per size")

@@ -118,8 +118,6 @@ def test_precompute_and_lora_give_the_plain_first_step(tmp_path):
     assert cli.model.reference.shares_weights
     assert lora_loss[0] == pytest.approx(plain_loss[0], abs=1e-5) and lora_loss[0] == pytest.approx(math.log(2), abs=1e-5)
     assert lora_logps[0] == pytest.approx(plain_logps[0], rel=1e-5)
-    cli, pre_lora_loss, _ = _first_steps(tmp_path, "pre-lora", steps=1, lora=LORA, precompute_ref_logps=True)
-    assert pre_lora_loss[0] == pytest.approx(plain_loss[0], abs=1e-5)
 
 
 class _Probe(pl.Callback):
@@ -151,3 +149,30 @@ def test_resume_continues_at_the_same_step_with_the_same_optimizer_state(tmp_pat
         for name, value in state.items():
             torch.testing.assert_close(probe.optimizer["state"][key][name], value, rtol=0, atol=0)
     assert probe.scheduler["last_epoch"] == saved["lr_schedulers"][0]["last_epoch"] == 2
+
+
+def test_bf16_mixed_smoke(tmp_path):
+    config = write_config(tmp_path, n_pairs=8, trainer={"max_steps": 1, "limit_val_batches": 0, "precision": "bf16-mixed"})
+    cli = fit(config)
+    assert cli.trainer.global_step == 1 and math.isfinite(float(cli.trainer.callback_metrics["train/loss"]))
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_ddp_two_cpu_processes(tmp_path):
+    """Two CPU ranks through the CLI: fit completes, rank 0 exports, validation metrics reach the logger."""
+    import subprocess
+    import sys
+
+    config = write_config(tmp_path, n_pairs=16, trainer={
+        "max_steps": 2, "limit_val_batches": 1, "val_check_interval": 2, "devices": 2, "strategy": "ddp",
+        "callbacks": [{"class_path": "aitraining_pl.callbacks.export.HFExportCallback",
+                       "init_args": {"dirpath": str(tmp_path / "export")}}]})
+    script = tmp_path / "run_cli.py"  # DDP relaunches sys.argv, so the entry point must be a file
+    script.write_text("from aitraining_pl.cli import main\nmain()\n")
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script), "fit", "--config", str(config)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "export" / "last" / "model.safetensors").is_file()
+    assert "val/rewards/accuracies" in (tmp_path / "csv" / "v" / "metrics.csv").read_text()

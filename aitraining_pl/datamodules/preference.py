@@ -241,6 +241,7 @@ class PreferenceDataModule(pl.LightningDataModule):
         batch_size: pairs per training batch.
         eval_batch_size: pairs per validation batch (default: ``batch_size``).
         group_by_length: batch pairs of similar length together (less padding, faster).
+        shuffle: shuffle the training pairs each epoch (off: file order, e.g. for benchmarks).
         num_workers: DataLoader worker processes.
         seed: seed of the validation split and the sampling order.
     """
@@ -264,6 +265,7 @@ class PreferenceDataModule(pl.LightningDataModule):
         batch_size: int = 8,
         eval_batch_size: Optional[int] = None,
         group_by_length: bool = False,
+        shuffle: bool = True,
         num_workers: int = 0,
         seed: int = 0,
     ):
@@ -368,7 +370,7 @@ class PreferenceDataModule(pl.LightningDataModule):
         if hp.group_by_length:
             sampler = LengthGroupedSampler(self.train_dataset.lengths(), hp.batch_size, seed=hp.seed)
             return DataLoader(self.train_dataset, hp.batch_size, sampler=sampler, collate_fn=self.collate_fn, num_workers=hp.num_workers)
-        return DataLoader(self.train_dataset, hp.batch_size, shuffle=True, collate_fn=self.collate_fn, num_workers=hp.num_workers)
+        return DataLoader(self.train_dataset, hp.batch_size, shuffle=hp.shuffle, collate_fn=self.collate_fn, num_workers=hp.num_workers)
 
     def _eval_loader(self, dataset: Optional[PreferenceDataset]) -> DataLoader:
         hp = self.hparams
