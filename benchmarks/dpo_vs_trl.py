@@ -9,11 +9,11 @@ project); sides alternate so load from other processes on a shared machine hits 
 
 Prints one JSON line per measurement (``pairs_per_s`` over steady-state steps after warm-up, ``peak_rss_mb``
 of the whole process) and one ``ratio`` line per model size and variant. Variants of this project's side:
-``plain`` (the same work as TRL: 2B rows, reference forward every step), ``packed-seq`` (the module's default
-``share_prompt``: one row per pair holding the prompt once), both on the same batches as TRL (file order, TRL
-with ``train_sampling_strategy="sequential"``); ``packed`` (``share_prompt`` plus length-grouped batches) and
-``fast`` (``packed`` plus reference log-probs precomputed in one pass before training; the pass is reported
-as ``precompute_s`` and is not part of the steady state). Grouped batches differ in length by design, so those
+``plain`` (the same work as TRL: 2B rows, reference forward every step, the module's defaults),
+``packed-seq`` (``share_prompt``: one row per pair holding the prompt once), both on the same batches as TRL
+(file order, TRL with ``train_sampling_strategy="sequential"``); ``packed`` (``share_prompt`` plus
+length-grouped batches) and ``fast`` (2B rows, length-grouped batches and reference log-probs precomputed in
+one pass before training; the pass is reported as ``precompute_s`` and is not part of the steady state). Grouped batches differ in length by design, so those
 two are timed over a whole epoch (``--grouped-steps``). TRL runs with ``gradient_checkpointing=False`` and
 fp32 (its defaults are checkpointing on and bf16) so that both sides do the same arithmetic; pass
 ``--trl-defaults`` to also measure TRL's defaults.
@@ -92,7 +92,7 @@ def run_ours(args) -> dict:
     from aitraining_pl.datamodules.preference import PreferenceDataModule
     from aitraining_pl.modules.dpo import DPOModule
 
-    share = args.variant in ("packed", "fast", "packed-seq")
+    share = args.variant in ("packed", "packed-seq")
     group = args.variant in ("packed", "fast")
     fast = args.variant == "fast"
     clock = _Clock(args.warmup)

@@ -83,7 +83,8 @@ def test_dpo_learns_through_the_cli(tmp_path):
     assert not any(k.startswith("reference") for k in cli.model.state_dict())
 
 
-LOSS_RUNS = [{"loss_type": t, **({"label_smoothing": 0.1} if t in ("sigmoid", "robust") else {})}
+LOSS_RUNS = [{"loss_type": t, **({"label_smoothing": 0.1} if t in ("sigmoid", "robust") else {}),
+              **({"share_prompt": True} if t in ("hinge", "simpo") else {})}
              for t in sorted(DPO_LOSSES)] + [{"reference_free": True}]
 
 
