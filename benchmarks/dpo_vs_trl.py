@@ -180,6 +180,7 @@ def main() -> None:
     parser.add_argument("--trl-python", default="/work/trlvenv/bin/python", help="python of the venv with TRL")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--skip-trl", action="store_true", help="time only this project's variants (no ratios)")
     parser.add_argument("--trl-defaults", action="store_true", help="also run TRL with its defaults (bf16, checkpointing)")
     parser.add_argument("--steps", type=int, default=16, help="optimizer steps per run of TRL and ungrouped variants")
     parser.add_argument("--grouped-steps", type=int, default=64, help="steps of the grouped variants (64 = one epoch)")
@@ -199,7 +200,7 @@ def main() -> None:
         make_pairs(data)
         for size in args.sizes:
             results: dict[str, list[dict]] = {}
-            runs = [("trl", "fp32")] + [("ours", v) for v in args.variants] + ([("trl", "defaults")] if args.trl_defaults else [])
+            runs = ([] if args.skip_trl else [("trl", "fp32")]) + [("ours", v) for v in args.variants] + ([("trl", "defaults")] if args.trl_defaults else [])
             for _ in range(args.repeats):
                 for side, variant in runs:
                     python = args.trl_python if side == "trl" else sys.executable
@@ -207,6 +208,8 @@ def main() -> None:
                     results.setdefault(f"{side}/{variant}", []).append(r)
                     print(json.dumps(r), flush=True)
             best = {k: max(v, key=lambda r: r["pairs_per_s"]) for k, v in results.items()}
+            if args.skip_trl:
+                continue
             trl = best["trl/fp32"]
             for variant in args.variants:
                 ours = best[f"ours/{variant}"]
