@@ -12,15 +12,13 @@ Batch contract (used by ``PPOModule``): a dict with
 from __future__ import annotations
 
 import logging
-import random
 from typing import Any, Optional, Sequence
 
-import lightning.pytorch as pl
-import torch
 from torch.utils.data import DataLoader, Dataset
 
-from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences, read_records
-from aitraining_pl.datamodules.preference import FALLBACK_CHAT_TEMPLATE, IN_MEMORY, _is_messages
+from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
+from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
+from aitraining_pl.datamodules.preference import FALLBACK_CHAT_TEMPLATE, _is_messages
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +90,7 @@ class PromptCollator:
         }
 
 
-class PromptDataModule(pl.LightningDataModule):
+class PromptDataModule(TextDataModule):
     """Prompts from a file, a hub dataset or an in-memory list, checked before training starts.
 
     Training batches have a fixed size (the last incomplete batch is dropped), so every rank runs the same
@@ -117,6 +115,9 @@ class PromptDataModule(pl.LightningDataModule):
         seed: seed of the validation split.
     """
 
+    collator = PromptCollator
+    same_source_val_split = None  # val_data_path is read with ``split`` even when it equals data_path
+
     def __init__(
         self,
         data_path: Optional[str] = None,
@@ -135,31 +136,18 @@ class PromptDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ):
-        super().__init__()
+        super().__init__(tokenizer, (prompts, metadata))
         self.save_hyperparameters(ignore=["tokenizer", "prompts", "metadata"])
-        self._in_memory = (prompts, metadata)
-        self._tokenizer = tokenizer
-        self.train_dataset: Optional[PromptDataset] = None
-        self.val_dataset: Optional[PromptDataset] = None
 
     @property
     def tokenizer(self):
         if self._tokenizer is None and self.trainer is not None and hasattr(self.trainer.lightning_module, "tokenizer"):
             self._tokenizer = self.trainer.lightning_module.tokenizer
-        if self._tokenizer is None:
-            raise ValueError("PromptDataModule needs a tokenizer (the CLI links it from the model)")
-        if isinstance(self._tokenizer, str):
-            from aitraining_pl.models import load_tokenizer
-
-            self._tokenizer = load_tokenizer(self._tokenizer)
-        return self._tokenizer
+        return super().tokenizer
 
     # -- reading and checking
-    def _records(self) -> tuple[list[dict], str]:
-        hp = self.hparams
+    def _in_memory_records(self) -> list[dict]:
         prompts, metadata = self._in_memory
-        if hp.data_path is not None:
-            return read_records(hp.data_path, hp.split), hp.data_path
         if prompts is None:
             raise DataValidationError(IN_MEMORY, "give data_path or an in-memory list of prompts")
         if metadata is not None and len(metadata) != len(prompts):
@@ -169,12 +157,12 @@ class PromptDataModule(pl.LightningDataModule):
             meta = metadata[i] if metadata is not None else {}
             if not isinstance(meta, dict):
                 raise DataValidationError(IN_MEMORY, f"metadata must be a dict, got {type(meta).__name__}", i + 1, "metadata")
-            records.append({**meta, hp.prompt_column: prompt})
+            records.append({**meta, self.hparams.prompt_column: prompt})
         if not records:
             raise DataValidationError(IN_MEMORY, "no rows")
-        return records, IN_MEMORY
+        return records
 
-    def _dataset(self, records: list[dict], source: str) -> PromptDataset:
+    def _rows(self, records: list[dict], source: str) -> list[dict]:
         hp = self.hparams
         check_columns(records, [hp.prompt_column] + list(hp.metadata_columns or []), source)
         for row, record in enumerate(records, start=1):
@@ -184,6 +172,10 @@ class PromptDataModule(pl.LightningDataModule):
             for column in hp.metadata_columns or []:
                 if column not in record:
                     raise DataValidationError(source, "missing field", row, column)
+        return records
+
+    def _dataset(self, records: list[dict], source: str) -> PromptDataset:
+        hp = self.hparams
         columns = hp.metadata_columns
         metadata = [
             {k: v for k, v in r.items() if k != hp.prompt_column and (columns is None or k in columns)} for r in records
@@ -194,45 +186,14 @@ class PromptDataModule(pl.LightningDataModule):
 
     def setup(self, stage: Optional[str] = None) -> None:
         """Read, check and tokenise once (a second call reuses the datasets)."""
-        if self.train_dataset is not None:
-            return
-        hp = self.hparams
-        records, source = self._records()
-        if hp.val_data_path is not None:
-            self.val_dataset = self._dataset(read_records(hp.val_data_path, hp.split), hp.val_data_path)
-        elif hp.val_split > 0:
-            if not 0 < hp.val_split < 1:
-                raise ValueError(f"val_split must be in [0, 1), got {hp.val_split}")
-            self._dataset(records, source)  # check every row first, so row numbers refer to the file
-            order = list(range(len(records)))
-            random.Random(hp.seed).shuffle(order)
-            n_val = max(1, int(round(hp.val_split * len(records))))
-            self.val_dataset = self._dataset([records[i] for i in sorted(order[:n_val])], f"{source} (validation split)")
-            records = [records[i] for i in sorted(order[n_val:])]
-        self.train_dataset = self._dataset(records, source)
-        if len(self.train_dataset) < hp.batch_size:
-            raise DataValidationError(
-                source, f"{len(self.train_dataset)} training prompt(s) is fewer than batch_size={hp.batch_size}"
-            )
-
-    # -- loaders
-    @property
-    def collate_fn(self) -> PromptCollator:
-        pad = self.tokenizer.pad_token_id
-        return PromptCollator(pad if pad is not None else 0)
+        super().setup(stage)
+        hp, n = self.hparams, len(self.train_dataset)
+        if n < hp.batch_size:
+            source = hp.data_path if hp.data_path is not None else IN_MEMORY
+            raise DataValidationError(source, f"{n} training prompt(s) is fewer than batch_size={hp.batch_size}")
 
     def train_dataloader(self) -> DataLoader:
-        hp = self.hparams
-        return DataLoader(
-            self.train_dataset, hp.batch_size, shuffle=True, drop_last=True,
-            collate_fn=self.collate_fn, num_workers=hp.num_workers,
-        )
-
-    def val_dataloader(self):
-        if self.val_dataset is None:
-            return []
-        hp = self.hparams
-        return DataLoader(self.val_dataset, hp.eval_batch_size or hp.batch_size, collate_fn=self.collate_fn, num_workers=hp.num_workers)
+        return self._loader(self.train_dataset, self.hparams.batch_size, shuffle=True, drop_last=True)
 
     def sample_prompts(self, n: int) -> tuple[list[str], list[dict]]:
         """The first ``n`` prompts (validation prompts when there are some) and their metadata, e.g. for

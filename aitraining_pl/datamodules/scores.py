@@ -11,17 +11,14 @@ Each row holds a text (optionally a prompt, joined in front) and a list of ``num
 from __future__ import annotations
 
 import math
-import random
 from typing import Any, Optional, Sequence
 
-import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences, read_records
+from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
+from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
 from aitraining_pl.models.reward import encode_for_reward
-
-IN_MEMORY = "<in-memory>"
 
 
 def check_scores(value: Any, num_objectives: int, source: str, row: int, field: str) -> list[Optional[float]]:
@@ -65,7 +62,7 @@ class ScoresCollator:
         }
 
 
-class ScoresDataModule(pl.LightningDataModule):
+class ScoresDataModule(TextDataModule):
     """Texts with per-objective target scores, from a file, a hub dataset or in-memory lists, all rows
     checked before training starts.
 
@@ -89,6 +86,8 @@ class ScoresDataModule(pl.LightningDataModule):
         seed: seed of the validation split and the shuffling.
     """
 
+    collator = ScoresCollator
+
     def __init__(
         self,
         data_path: Optional[str] = None,
@@ -108,33 +107,17 @@ class ScoresDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ):
-        super().__init__()
+        super().__init__(tokenizer, (texts, scores))
         self.save_hyperparameters(ignore=["tokenizer", "texts", "scores"])
-        self._in_memory = (texts, scores)
-        self._tokenizer = tokenizer
-        self.train_dataset: Optional[list[dict]] = None
-        self.val_dataset: Optional[list[dict]] = None
 
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            raise ValueError("ScoresDataModule needs a tokenizer (the CLI links it from the model)")
-        if isinstance(self._tokenizer, str):
-            from aitraining_pl.models import load_tokenizer
-
-            self._tokenizer = load_tokenizer(self._tokenizer)
-        return self._tokenizer
-
-    def _records(self) -> tuple[list[dict], str]:
+    def _in_memory_records(self) -> list[dict]:
         hp = self.hparams
-        if hp.data_path is not None:
-            return read_records(hp.data_path, hp.split), hp.data_path
         texts, scores = self._in_memory
         if texts is None or scores is None or len(texts) != len(scores) or not texts:
             raise DataValidationError(IN_MEMORY, "give data_path, or non-empty in-memory texts and scores of equal length")
-        return [{hp.text_column: t, hp.scores_column: s} for t, s in zip(texts, scores)], IN_MEMORY
+        return [{hp.text_column: t, hp.scores_column: s} for t, s in zip(texts, scores)]
 
-    def _examples(self, records: list[dict], source: str) -> list[dict]:
+    def _rows(self, records: list[dict], source: str) -> list[dict]:
         """Check every row (text, optional prompt, score vector) and tokenise it."""
         hp = self.hparams
         fields = ([hp.prompt_column] if hp.prompt_column else []) + [hp.text_column]
@@ -151,43 +134,6 @@ class ScoresDataModule(pl.LightningDataModule):
             examples.append({"input_ids": encode_for_reward(self.tokenizer, text, hp.max_length), "scores": scores})
         return examples
 
-    def setup(self, stage: Optional[str] = None) -> None:
-        """Read, check and tokenise once (a second call reuses the datasets)."""
-        if self.train_dataset is not None:
-            return
-        hp = self.hparams
-        records, source = self._records()
-        examples = self._examples(records, source)  # row numbers refer to the file
-        if hp.val_data_path is not None:
-            val_split_name = "test" if hp.val_data_path == hp.data_path else hp.split  # one hub dataset, two splits
-            self.val_dataset = self._examples(read_records(hp.val_data_path, val_split_name), hp.val_data_path)
-        elif hp.val_split > 0:
-            if not 0 < hp.val_split < 1:
-                raise ValueError(f"val_split must be in [0, 1), got {hp.val_split}")
-            order = list(range(len(examples)))
-            random.Random(hp.seed).shuffle(order)
-            n_val = max(1, int(round(hp.val_split * len(examples))))
-            if n_val >= len(examples):
-                raise DataValidationError(source, f"val_split={hp.val_split} leaves no training rows ({len(examples)} rows)")
-            self.val_dataset = [examples[i] for i in sorted(order[:n_val])]
-            examples = [examples[i] for i in sorted(order[n_val:])]
-        self.train_dataset = examples
-
-    @property
-    def collate_fn(self) -> ScoresCollator:
-        pad = self.tokenizer.pad_token_id
-        return ScoresCollator(pad if pad is not None else 0)
-
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
-        generator = torch.Generator().manual_seed(hp.seed)
-        return DataLoader(
-            self.train_dataset, hp.batch_size, shuffle=True, collate_fn=self.collate_fn,
-            num_workers=hp.num_workers, generator=generator,
-        )  # fmt: skip
-
-    def val_dataloader(self):
-        hp = self.hparams
-        if self.val_dataset is None:
-            return []
-        return DataLoader(self.val_dataset, hp.eval_batch_size or hp.batch_size, collate_fn=self.collate_fn, num_workers=hp.num_workers)
+        return self._loader(self.train_dataset, hp.batch_size, shuffle=True, generator=torch.Generator().manual_seed(hp.seed))

@@ -1,0 +1,91 @@
+"""``TextDataModule``: the tokenizer, reading, train/validation split and loaders the text data modules share."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Optional, Sequence
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+from aitraining_pl.datamodules.io import DataValidationError, read_records
+
+#: Source name of in-memory data in error messages.
+IN_MEMORY = "<in-memory>"
+
+
+def holdout(rows: Sequence[Any], fraction: float, seed: int, source: str) -> tuple[list, list]:
+    """Seeded split of ``rows`` into (train, validation), ``fraction`` (at least one row) held out, in order."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"val_split must be in [0, 1), got {fraction}")
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    n_val = max(1, int(round(fraction * len(rows))))
+    if n_val >= len(rows):
+        raise DataValidationError(source, f"val_split={fraction} leaves no training rows ({len(rows)} rows)")
+    return [rows[i] for i in sorted(order[n_val:])], [rows[i] for i in sorted(order[:n_val])]
+
+
+class TextDataModule(pl.LightningDataModule):
+    """Base of the text data modules. It declares no arguments: a subclass declares, documents and saves its
+    own (``data_path``, ``split``, ``val_data_path``, ``val_split``, ``batch_size``, ``eval_batch_size``,
+    ``num_workers``, ``seed``, ...), and provides ``_in_memory_records()``, ``_rows(records, source)`` (check
+    every row; return what is split: records or tokenised examples), optionally ``_dataset(rows, source)``,
+    a ``collator`` class and ``train_dataloader`` (usually ``self._loader(self.train_dataset, batch_size, ...)``).
+    """
+
+    #: split of ``val_data_path`` when it equals ``data_path`` (one hub dataset, two splits); None: ``split``
+    same_source_val_split: Optional[str] = "test"
+
+    def __init__(self, tokenizer: Any, in_memory: tuple):
+        super().__init__()
+        self._tokenizer = tokenizer
+        self._in_memory = in_memory
+        self.train_dataset: Any = None
+        self.val_dataset: Any = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            raise ValueError(f"{type(self).__name__} needs a tokenizer (the CLI links it from the model)")
+        if isinstance(self._tokenizer, str):
+            from aitraining_pl.models import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self._tokenizer)
+        return self._tokenizer
+
+    # -- reading and checking
+    def _dataset(self, rows: list, source: str) -> Any:
+        return rows
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        """Read, check and tokenise once (a second call reuses the datasets)."""
+        if self.train_dataset is not None:
+            return
+        hp = self.hparams
+        source = hp.data_path if hp.data_path is not None else IN_MEMORY
+        records = read_records(hp.data_path, hp.split) if hp.data_path is not None else self._in_memory_records()
+        rows = self._rows(records, source)  # check every row before splitting, so row numbers refer to the file
+        if hp.val_data_path is not None:
+            same_source = self.same_source_val_split if hp.val_data_path == hp.data_path else None
+            val_records = read_records(hp.val_data_path, same_source or hp.split)
+            self.val_dataset = self._dataset(self._rows(val_records, hp.val_data_path), hp.val_data_path)
+        elif hp.val_split > 0:
+            rows, val_rows = holdout(rows, hp.val_split, hp.seed, source)
+            self.val_dataset = self._dataset(val_rows, f"{source} (validation split)")
+        self.train_dataset = self._dataset(rows, source)
+
+    # -- loaders
+    @property
+    def collate_fn(self):
+        pad = self.tokenizer.pad_token_id
+        return self.collator(pad if pad is not None else 0)
+
+    def _loader(self, dataset: Any, batch_size: Optional[int] = None, **kwargs: Any) -> DataLoader:
+        """A loader over ``dataset`` (default batch size: ``eval_batch_size or batch_size``, in order)."""
+        hp = self.hparams
+        batch_size = batch_size or hp.eval_batch_size or hp.batch_size
+        return DataLoader(dataset, batch_size, collate_fn=self.collate_fn, num_workers=hp.num_workers, **kwargs)
+
+    def val_dataloader(self):
+        return self._loader(self.val_dataset) if self.val_dataset is not None else []
