@@ -27,7 +27,7 @@ def _module(byte_tokenizer, **kwargs):
 
 def test_batch_contract(byte_tokenizer):
     dm = _module(byte_tokenizer, prompts=["ab", "abcd"], chosen=["xyz", "x"], rejected=["q", "qrstu"], batch_size=2)
-    batch = next(iter(dm._eval_loader(dm.train_dataset)))
+    batch = next(iter(dm.ordered_dataloaders()["train"]))
     ids = byte_tokenizer("ab", add_special_tokens=False)["input_ids"]
     assert set(batch) == {"input_ids", "attention_mask", "completion_mask", "index"}
     # chosen rows first, then rejected; padded to the longest row (4 + 5 + EOS = 10), not max_length
@@ -45,7 +45,7 @@ def test_batch_contract(byte_tokenizer):
 def test_margin_column(tmp_path, byte_tokenizer):
     rows = [dict(r, margin=float(i)) for i, r in enumerate(preference_rows(4))]
     dm = _module(byte_tokenizer, data_path=str(write_jsonl(tmp_path / "m.jsonl", rows)), margin_column="margin", batch_size=4)
-    batch = next(iter(dm._eval_loader(dm.train_dataset)))
+    batch = next(iter(dm.ordered_dataloaders()["train"]))
     assert batch["margin"].dtype == torch.float32 and batch["margin"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 

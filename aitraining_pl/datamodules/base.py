@@ -34,9 +34,6 @@ class TextDataModule(pl.LightningDataModule):
     a ``collator`` class and ``train_dataloader`` (usually ``self._loader(self.train_dataset, batch_size, ...)``).
     """
 
-    #: split of ``val_data_path`` when it equals ``data_path`` (one hub dataset, two splits); None: ``split``
-    same_source_val_split: Optional[str] = "test"
-
     def __init__(self, tokenizer: Any, in_memory: tuple):
         super().__init__()
         self._tokenizer = tokenizer
@@ -66,14 +63,17 @@ class TextDataModule(pl.LightningDataModule):
         source = hp.data_path if hp.data_path is not None else IN_MEMORY
         records = read_records(hp.data_path, hp.split) if hp.data_path is not None else self._in_memory_records()
         rows = self._rows(records, source)  # check every row before splitting, so row numbers refer to the file
+        val_rows, val_source = None, None
         if hp.val_data_path is not None:
-            same_source = self.same_source_val_split if hp.val_data_path == hp.data_path else None
-            val_records = read_records(hp.val_data_path, same_source or hp.split)
-            self.val_dataset = self._dataset(self._rows(val_records, hp.val_data_path), hp.val_data_path)
+            val_split_name = "test" if hp.val_data_path == hp.data_path else hp.split  # one hub dataset, two splits
+            val_source = hp.val_data_path
+            val_rows = self._rows(read_records(hp.val_data_path, val_split_name), val_source)
         elif hp.val_split > 0:
             rows, val_rows = holdout(rows, hp.val_split, hp.seed, source)
-            self.val_dataset = self._dataset(val_rows, f"{source} (validation split)")
-        self.train_dataset = self._dataset(rows, source)
+            val_source = f"{source} (validation split)"
+        train_dataset = self._dataset(rows, source)  # the training set first: its messages come first
+        val_dataset = self._dataset(val_rows, val_source) if val_rows is not None else None
+        self.train_dataset, self.val_dataset = train_dataset, val_dataset
 
     # -- loaders
     @property

@@ -18,15 +18,13 @@ import math
 import random
 from typing import Any, Iterator, Optional, Sequence
 
-import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences, read_records
+from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
+from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
 
 log = logging.getLogger(__name__)
-
-IN_MEMORY = "<in-memory>"
 
 #: Chat template used for conversational rows when the tokenizer has none (e.g. the byte tokenizer).
 FALLBACK_CHAT_TEMPLATE = (
@@ -219,7 +217,7 @@ class LengthGroupedSampler(Sampler[int]):
         return iter([i for batch in first + rest for i in batch])
 
 
-class PreferenceDataModule(pl.LightningDataModule):
+class PreferenceDataModule(TextDataModule):
     """Preference pairs from a file, a hub dataset or in-memory lists, checked before training starts.
 
     Args:
@@ -246,6 +244,8 @@ class PreferenceDataModule(pl.LightningDataModule):
         seed: seed of the validation split and the sampling order.
     """
 
+    collator = PreferenceCollator
+
     def __init__(
         self,
         data_path: Optional[str] = None,
@@ -269,22 +269,8 @@ class PreferenceDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ):
-        super().__init__()
+        super().__init__(tokenizer, (prompts, chosen, rejected))
         self.save_hyperparameters(ignore=["tokenizer", "prompts", "chosen", "rejected"])
-        self._in_memory = (prompts, chosen, rejected)
-        self._tokenizer = tokenizer
-        self.train_dataset: Optional[PreferenceDataset] = None
-        self.val_dataset: Optional[PreferenceDataset] = None
-
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            raise ValueError("PreferenceDataModule needs a tokenizer (the CLI links it from the model)")
-        if isinstance(self._tokenizer, str):
-            from aitraining_pl.models import load_tokenizer
-
-            self._tokenizer = load_tokenizer(self._tokenizer)
-        return self._tokenizer
 
     # -- reading and checking
     def _columns(self, records: list[dict], source: str) -> tuple[Optional[list], list, list, Optional[list]]:
@@ -307,11 +293,9 @@ class PreferenceDataModule(pl.LightningDataModule):
         margins = [float(r[hp.margin_column]) for r in records] if hp.margin_column else None
         return prompts, [r[hp.chosen_column] for r in records], [r[hp.rejected_column] for r in records], margins
 
-    def _records(self) -> tuple[list[dict], str]:
+    def _in_memory_records(self) -> list[dict]:
         hp = self.hparams
         prompts, chosen, rejected = self._in_memory
-        if hp.data_path is not None:
-            return read_records(hp.data_path, hp.split), hp.data_path
         if chosen is None or rejected is None:
             raise DataValidationError(IN_MEMORY, "give data_path, or in-memory chosen and rejected lists")
         if len(chosen) != len(rejected) or (prompts is not None and len(prompts) != len(chosen)):
@@ -322,7 +306,11 @@ class PreferenceDataModule(pl.LightningDataModule):
         ]
         if not records:
             raise DataValidationError(IN_MEMORY, "no rows")
-        return records, IN_MEMORY
+        return records
+
+    def _rows(self, records: list[dict], source: str) -> list[dict]:
+        self._columns(records, source)
+        return records
 
     def _dataset(self, records: list[dict], source: str) -> PreferenceDataset:
         prompts, chosen, rejected, margins = self._columns(records, source)
@@ -331,53 +319,13 @@ class PreferenceDataModule(pl.LightningDataModule):
             prompts, chosen, rejected, self.tokenizer, hp.max_length, hp.max_prompt_length, margins, source
         )
 
-    def setup(self, stage: Optional[str] = None) -> None:
-        """Read, check and tokenise once (a second call reuses the datasets)."""
-        if self.train_dataset is not None:
-            return
-        hp = self.hparams
-        records, source = self._records()
-        val_records = None
-        if hp.val_data_path is not None:
-            val_records = read_records(hp.val_data_path, "test" if hp.val_data_path == hp.data_path else hp.split)
-        elif hp.val_split > 0:
-            if not 0 < hp.val_split < 1:
-                raise ValueError(f"val_split must be in [0, 1), got {hp.val_split}")
-            # check every row before splitting, so row numbers refer to the file
-            self._columns(records, source)
-            order = list(range(len(records)))
-            random.Random(hp.seed).shuffle(order)
-            n_val = max(1, int(round(hp.val_split * len(records))))
-            if n_val >= len(records):
-                raise DataValidationError(source, f"val_split={hp.val_split} leaves no training rows ({len(records)} rows)")
-            val_records = [records[i] for i in sorted(order[:n_val])]
-            records = [records[i] for i in sorted(order[n_val:])]
-            self.train_dataset = self._dataset(records, source)
-            self.val_dataset = self._dataset(val_records, f"{source} (validation split)")
-            return
-        self.train_dataset = self._dataset(records, source)
-        if val_records is not None:
-            self.val_dataset = self._dataset(val_records, hp.val_data_path)
-
     # -- loaders
-    @property
-    def collate_fn(self) -> PreferenceCollator:
-        pad = self.tokenizer.pad_token_id
-        return PreferenceCollator(pad if pad is not None else 0)
-
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
         if hp.group_by_length:
             sampler = LengthGroupedSampler(self.train_dataset.lengths(), hp.batch_size, seed=hp.seed)
-            return DataLoader(self.train_dataset, hp.batch_size, sampler=sampler, collate_fn=self.collate_fn, num_workers=hp.num_workers)
-        return DataLoader(self.train_dataset, hp.batch_size, shuffle=hp.shuffle, collate_fn=self.collate_fn, num_workers=hp.num_workers)
-
-    def _eval_loader(self, dataset: Optional[PreferenceDataset]) -> DataLoader:
-        hp = self.hparams
-        return DataLoader(dataset, hp.eval_batch_size or hp.batch_size, collate_fn=self.collate_fn, num_workers=hp.num_workers)
-
-    def val_dataloader(self):
-        return self._eval_loader(self.val_dataset) if self.val_dataset is not None else []
+            return self._loader(self.train_dataset, hp.batch_size, sampler=sampler)
+        return self._loader(self.train_dataset, hp.batch_size, shuffle=hp.shuffle)
 
     def test_dataloader(self):
         return self.val_dataloader()
@@ -385,7 +333,7 @@ class PreferenceDataModule(pl.LightningDataModule):
     def ordered_dataloaders(self) -> dict[str, DataLoader]:
         """Unshuffled loaders over every split (``train``, ``val``) for one pass such as precomputing
         reference log-probs; batches carry ``index`` into their split."""
-        loaders = {"train": self._eval_loader(self.train_dataset)}
+        loaders = {"train": self._loader(self.train_dataset)}
         if self.val_dataset is not None:
-            loaders["val"] = self._eval_loader(self.val_dataset)
+            loaders["val"] = self._loader(self.val_dataset)
         return loaders

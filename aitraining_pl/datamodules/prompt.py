@@ -116,7 +116,6 @@ class PromptDataModule(TextDataModule):
     """
 
     collator = PromptCollator
-    same_source_val_split = None  # val_data_path is read with ``split`` even when it equals data_path
 
     def __init__(
         self,
