@@ -175,6 +175,23 @@ class AlignmentModule(pl.LightningModule):
         self.tokenizer.save_pretrained(str(path))
 
 
+class SharedStepModule(AlignmentModule):
+    """An ``AlignmentModule`` whose training, validation and test steps are one ``shared_step(batch, stage)``
+    (DPO and reward models: the same loss and metrics, logged under ``train/``, ``val/`` or ``test/``)."""
+
+    def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.shared_step(batch, "train")
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.shared_step(batch, "val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.shared_step(batch, "test")
+
+
 def _merged_copy(peft_model: nn.Module) -> nn.Module:
     """A copy of ``peft_model`` with adapters merged into the base weights."""
     import copy

@@ -9,7 +9,7 @@ from torch import nn
 
 from aitraining_pl.losses import REFERENCE_FREE, SequenceLogps, dpo_loss, selective_log_softmax
 from aitraining_pl.models import LoRAConfig
-from aitraining_pl.modules.base import AlignmentModule
+from aitraining_pl.modules.base import SharedStepModule
 
 
 class PackedPairs(NamedTuple):
@@ -131,7 +131,7 @@ def preference_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.T
     return (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
 
 
-class DPOModule(AlignmentModule):
+class DPOModule(SharedStepModule):
     """DPO and its variants (IPO, SLiC hinge, robust DPO, conservative DPO, SimPO) on preference batches.
 
     Args:
@@ -273,12 +273,3 @@ class DPOModule(AlignmentModule):
         }
         self.log_metrics(stage, metrics, batch_size=chosen.shape[0], prog_bar=("loss", "rewards/accuracies"))
         return loss
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.shared_step(batch, "train")
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.shared_step(batch, "val")
-
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.shared_step(batch, "test")

@@ -20,7 +20,7 @@ import torch
 from aitraining_pl.losses import bradley_terry_loss, masked_objective_mse
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.reward import MultiObjectiveRewardModel, PairwiseRewardModel, RewardModel, RewardModelConfig
-from aitraining_pl.modules.base import AlignmentModule, as_lora_config
+from aitraining_pl.modules.base import SharedStepModule, as_lora_config
 
 #: RewardModelConfig fields that mirror a module argument of the same name.
 _SHARED_FIELDS = (
@@ -29,7 +29,7 @@ _SHARED_FIELDS = (
 )  # fmt: skip
 
 
-class RewardModule(AlignmentModule):
+class RewardModule(SharedStepModule):
     """A scalar reward model trained with the Bradley-Terry loss on preference pairs.
 
     Args:
@@ -139,15 +139,6 @@ class RewardModule(AlignmentModule):
 
     def extra_metrics(self, chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
         return {}
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.shared_step(batch, "train")
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.shared_step(batch, "val")
-
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.shared_step(batch, "test")
 
 
 class PairwiseRewardModule(RewardModule):
