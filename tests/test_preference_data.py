@@ -73,6 +73,16 @@ def test_empty_completion_dropped_with_one_warning(caplog):
     assert len(drops) == 1 and "dropped 2 of 3 pair(s)" in drops[0].getMessage()
 
 
+def test_pairs_without_prompt_or_bos_start_from_eos(byte_tokenizer):
+    # no shared prefix and a tokenizer without BOS: the pair is kept, conditioned on EOS, and every
+    # completion token (including the first) is scored
+    ds = PreferenceDataset(None, ["yes"], ["no"], byte_tokenizer, max_length=16, max_prompt_length=8)
+    assert len(ds) == 1
+    e = ds[0]
+    assert e["prompt_ids"] == [byte_tokenizer.eos_token_id]
+    assert byte_tokenizer.decode(e["chosen_ids"]) == "yes</s>"
+
+
 def test_chat_rows_use_the_template_and_hh_rows_their_shared_prefix(byte_tokenizer, caplog):
     user = {"role": "user", "content": "hi"}
     dm = _module(

@@ -134,6 +134,10 @@ class PreferenceDataset(Dataset):
         bos = getattr(tok, "bos_token_id", None)
         if bos is not None and (not prompt_ids or prompt_ids[0] != bos):
             prompt_ids = [bos] + prompt_ids
+        if not prompt_ids and tok.eos_token_id is not None:
+            # nothing to condition on (no prompt, no BOS): start from EOS, as GPT-2 style models do, so the
+            # first completion token is scored instead of the pair being dropped
+            prompt_ids = [tok.eos_token_id]
         prompt_ids = prompt_ids[-self.max_prompt_length :]
         room = self.max_length - len(prompt_ids)
         eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
