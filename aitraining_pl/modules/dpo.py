@@ -194,7 +194,7 @@ class DPOModule(SharedStepModule):
 
     # ------------------------------------------------------------------ reference log-probs
     def _place_reference(self) -> None:
-        if self.reference is not None and (self.reference.shares_weights or self.reference._frozen):
+        if self.reference is not None:  # a no-op under LoRA and once the frozen copy was released
             self.reference.to(self.device, next(self.policy.parameters()).dtype)
 
     def on_fit_start(self) -> None:
