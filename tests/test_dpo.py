@@ -13,7 +13,7 @@ from aitraining_pl.cli import build_cli
 from aitraining_pl.datamodules.preference import PreferenceDataModule
 from aitraining_pl.losses import DPO_LOSSES, sequence_logps
 from aitraining_pl.models import LoRAConfig, build_causal_lm
-from aitraining_pl.modules.dpo import DPOModule, can_pack, completion_logps, pack_pairs, preference_accuracy
+from aitraining_pl.modules.dpo import DPOModule, can_pack, completion_logps, pack_batch, preference_accuracy
 from conftest import TINY_LLAMA
 from dpo_utils import preference_rows, read_metrics, series, write_config
 
@@ -24,40 +24,68 @@ def fit(config, *extra):
     return build_cli(["fit", "--config", str(config), *extra])
 
 
-@pytest.mark.parametrize("pack", [False, True], ids=["rows", "packed"])
+LAYOUTS = {"padded": {}, "padding-free": {"padding_free": True}, "shared-prompt": {"share_prompt": True}}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("lora", [None, LoRAConfig(r=4, alpha=8, dropout=0.0)], ids=["full", "lora"])
-def test_completion_logps_equal_full_logits(byte_tokenizer, lora, pack):
+def test_completion_logps_equal_full_logits(byte_tokenizer, lora, layout):
     rows = preference_rows(4)
     module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", lora=lora)
     dm = PreferenceDataModule(prompts=[r["prompt"] for r in rows], chosen=[r["chosen"] for r in rows],
                               rejected=[r["rejected"] for r in rows], tokenizer=byte_tokenizer, val_split=0, batch_size=4)
     dm.setup()
     batch = next(iter(dm.train_dataloader()))
-    assert can_pack(batch)
-    fast = completion_logps(module.policy, batch, pack=pack)
+    assert can_pack(batch, share_prompt=True)
     logits = module.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     slow = sequence_logps(logits, batch["input_ids"], batch["completion_mask"])
+    fast = completion_logps(module.policy, batch, **LAYOUTS[layout])
     torch.testing.assert_close(fast.logps, slow.logps, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(fast.lengths, slow.lengths)
+    # gradients agree too, and the model's own attention implementation is restored afterwards
+    fast.logps.sum().backward()
+    grads = [p.grad.clone() for p in module.policy.parameters() if p.requires_grad]
+    module.policy.zero_grad()
+    sequence_logps(module.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                   batch["input_ids"], batch["completion_mask"]).logps.sum().backward()
+    for got, want in zip(grads, (p.grad for p in module.policy.parameters() if p.requires_grad)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert module.policy.config._attn_implementation == "sdpa"
 
 
-def test_pack_pairs_layout():
-    # pair 0: prompt [5, 6], chosen [7, 1], rejected [8, 9, 1]; pair 1: prompt [4], chosen [3], rejected [2]
-    batch = {
-        "input_ids": torch.tensor([[5, 6, 7, 1, 0], [4, 3, 0, 0, 0], [5, 6, 8, 9, 1], [4, 2, 0, 0, 0]]),
-        "attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]),
-        "completion_mask": torch.tensor([[0, 0, 1, 1, 0], [0, 1, 0, 0, 0], [0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]),
-    }
-    packed = pack_pairs(batch)
-    assert packed.input_ids.tolist() == [[5, 6, 7, 1, 8, 9, 1], [4, 3, 2, 0, 0, 0, 0]]
-    assert packed.position_ids[0].tolist() == [0, 1, 2, 3, 2, 3, 4]
-    assert packed.sources.tolist() == [1, 2, 1, 4, 5, 0, 0]
+# pair 0: prompt [5, 6], chosen [7, 1], rejected [8, 9, 1]; pair 1: prompt [4], chosen [3], rejected [2]
+HAND_BATCH = {
+    "input_ids": torch.tensor([[5, 6, 7, 1, 0], [4, 3, 0, 0, 0], [5, 6, 8, 9, 1], [4, 2, 0, 0, 0]]),
+    "attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]),
+    "completion_mask": torch.tensor([[0, 0, 1, 1, 0], [0, 1, 0, 0, 0], [0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]),
+}
+
+
+def test_pack_batch_layout_padding_free():
+    packed = pack_batch(HAND_BATCH)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 1, 4, 3, 5, 6, 8, 9, 1, 4, 2]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 4, 0, 1]]
+    assert packed.plan.blocks == [(((0, 4),), 4), (((4, 6),), 2), (((6, 11),), 5), (((11, 13),), 2)]
+    assert packed.targets.tolist() == [7, 1, 3, 8, 9, 1, 2]
+    assert packed.sources.tolist() == [1, 2, 4, 7, 8, 9, 11]
+    assert packed.sequences.tolist() == [0, 0, 1, 2, 2, 2, 3]
+
+
+def test_pack_batch_layout_shared_prompt():
+    packed = pack_batch(HAND_BATCH, share_prompt=True)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 1, 8, 9, 1, 4, 3, 2]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 3, 4, 0, 1, 1]]
+    # the rejected completion's block takes the prompt's keys and its own, skipping the chosen tokens
+    assert packed.plan.blocks == [(((0, 4),), 4), (((0, 2), (4, 7)), 3), (((7, 9),), 2), (((7, 8), (9, 10)), 1)]
+    assert packed.sources.tolist() == [1, 2, 1, 4, 5, 7, 7]
     assert packed.targets.tolist() == [7, 1, 8, 9, 1, 3, 2]
     assert packed.sequences.tolist() == [0, 0, 2, 2, 2, 1, 3]
-    mask = packed.attention_mask[0, 0]
-    assert mask[4].tolist() == [True, True, False, False, True, False, False]  # rejected skips chosen
-    assert mask[3].tolist() == [True, True, True, True, False, False, False]
-    assert not can_pack({**batch, "completion_mask": torch.tensor([[1, 1, 1, 1, 0], [0, 1, 0, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 0, 0]])})
+    assert can_pack(HAND_BATCH, share_prompt=True)
+    other_prompt = {**HAND_BATCH, "input_ids": HAND_BATCH["input_ids"].clone()}
+    other_prompt["input_ids"][2, 0] = 9
+    assert can_pack(other_prompt) and not can_pack(other_prompt, share_prompt=True)
+    no_prompt = {**HAND_BATCH, "completion_mask": torch.tensor([[1, 1, 1, 1, 0], [0, 1, 0, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 0, 0]])}
+    assert not can_pack(no_prompt)
 
 
 def test_preference_accuracy_counts_ties_half():

@@ -9,65 +9,81 @@ from torch import nn
 
 from aitraining_pl.losses import REFERENCE_FREE, SequenceLogps, dpo_loss, selective_log_softmax
 from aitraining_pl.models import LoRAConfig
+from aitraining_pl.models.packing import AttentionPlan, packed_attention, supports_packing
 from aitraining_pl.modules.base import SharedStepModule
 
 
-class PackedPairs(NamedTuple):
-    """B rows, each ``prompt + chosen + rejected`` with the prompt held once (see ``pack_pairs``)."""
+class PackedBatch(NamedTuple):
+    """The real tokens of a preference batch in one row (see ``pack_batch``)."""
 
-    input_ids: torch.Tensor  #: (B, T)
-    attention_mask: torch.Tensor  #: (B, 1, T, T) bool: causal, and rejected tokens do not see chosen ones
-    position_ids: torch.Tensor  #: (B, T): the rejected completion restarts right after the prompt
-    rows: torch.Tensor  #: (N,) packed row of each scored token
-    sources: torch.Tensor  #: (N,) position whose output predicts the token
-    targets: torch.Tensor  #: (N,) the scored token
-    sequences: torch.Tensor  #: (N,) output slot: i for the chosen completion of pair i, B + i for its rejected one
+    input_ids: torch.Tensor  #: (1, N)
+    position_ids: torch.Tensor  #: (1, N): positions within each sequence
+    plan: AttentionPlan  #: which tokens attend to which
+    sources: torch.Tensor  #: (M,) packed position whose output predicts a scored token
+    targets: torch.Tensor  #: (M,) the scored token
+    sequences: torch.Tensor  #: (M,) row of the batch the scored token belongs to (chosen 0..B-1, rejected B..2B-1)
 
 
-def pack_pairs(batch: dict[str, torch.Tensor]) -> PackedPairs:
-    """Pack each pair of a preference batch (2B right-padded rows, chosen first) into one row that holds the
-    shared prompt once, so prompt tokens are computed once instead of twice.
+def pack_batch(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> PackedBatch:
+    """Pack the real tokens of a preference batch (2B right-padded rows, chosen first) into one row.
 
-    Row i is ``prompt, chosen, rejected``; positions of the rejected completion continue from the prompt, and a
-    4-D mask keeps it from attending to the chosen tokens, so every token sees exactly what it would see in
-    its own unpacked row. The first completion token of both is predicted from the last prompt position.
+    Each row becomes one causal attention block. With ``share_prompt`` each pair is ``prompt, chosen,
+    rejected`` with the prompt held once: the rejected completion attends to the prompt and to itself, its
+    positions continue from the prompt, and its first token is predicted from the last prompt position, so
+    every token sees exactly what it sees in its own padded row.
     """
-    ids, attention, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
-    b = ids.shape[0] // 2
-    lengths = attention.sum(1)
-    prompt = (completion.cumsum(1) == 0).sum(1)[:b]  # leading non-completion tokens
-    n_chosen, n_rejected = lengths[:b] - prompt, lengths[b:] - prompt
-    total = prompt + n_chosen + n_rejected
-    width = int(total.max())
-    packed = torch.zeros(b, width, dtype=ids.dtype, device=ids.device)
-    position = torch.zeros(b, width, dtype=torch.long, device=ids.device)
-    rows, sources, targets, sequences = [], [], [], []
-    for i, (p, c, r) in enumerate(zip(prompt.tolist(), n_chosen.tolist(), n_rejected.tolist())):
-        packed[i, : p + c] = ids[i, : p + c]
-        packed[i, p + c : p + c + r] = ids[b + i, p : p + r]
-        position[i, : p + c] = torch.arange(p + c)
-        position[i, p + c : p + c + r] = torch.arange(p, p + r)
-        src = torch.cat([torch.arange(p - 1, p + c - 1), torch.tensor([p - 1]), torch.arange(p + c, p + c + r - 1)])
-        rows.append(torch.full((c + r,), i))
-        sources.append(src)
-        targets.append(torch.arange(p, p + c + r))
-        sequences.append(torch.cat([torch.full((c,), i), torch.full((r,), b + i)]))
-    q = torch.arange(width, device=ids.device).view(1, -1, 1)
-    k = torch.arange(width, device=ids.device).view(1, 1, -1)
-    start_r = (prompt + n_chosen).view(-1, 1, 1)
-    mask = (k <= q) & (k < total.view(-1, 1, 1))
-    mask &= ~((q >= start_r) & (k >= prompt.view(-1, 1, 1)) & (k < start_r))
-    mask |= (q >= total.view(-1, 1, 1)) & (k == q)  # padding rows attend to themselves (no all-masked rows)
-    rows, sources = torch.cat(rows).to(ids.device), torch.cat(sources).to(ids.device)
-    return PackedPairs(packed, mask.unsqueeze(1), position, rows, sources,
-                       packed[rows, torch.cat(targets).to(ids.device)], torch.cat(sequences).to(ids.device))
+    ids, completion = batch["input_ids"], batch["completion_mask"]
+    lengths = batch["attention_mask"].sum(1).tolist()
+    prompts = (completion.cumsum(1) == 0).sum(1).tolist()  # leading non-completion tokens
+    b = len(lengths) // 2
+    rows, cols, positions, blocks, sources, targets, sequences = [], [], [], [], [], [], []
+    start = 0
+
+    def take(row: int, lo: int, hi: int, first_position: int) -> None:
+        rows.extend([row] * (hi - lo))
+        cols.extend(range(lo, hi))
+        positions.extend(range(first_position, first_position + hi - lo))
+
+    def score(sequence: int, first: int, last: int, first_source: int) -> None:  # packed targets [first, last)
+        sources.extend([first_source] + list(range(first, last - 1)))
+        targets.extend(range(first, last))
+        sequences.extend([sequence] * (last - first))
+
+    for i in range(b if share_prompt else 2 * b):
+        p = prompts[i]
+        if share_prompt:
+            c, r = lengths[i] - p, lengths[b + i] - p
+            take(i, 0, p + c, 0)
+            take(b + i, p, p + r, p)
+            blocks += [(((start, start + p + c),), p + c), (((start, start + p), (start + p + c, start + p + c + r)), r)]
+            score(i, start + p, start + p + c, start + p - 1)
+            score(b + i, start + p + c, start + p + c + r, start + p - 1)
+            start += p + c + r
+        else:
+            n = lengths[i]
+            take(i, 0, n, 0)
+            blocks.append((((start, start + n),), n))
+            score(i, start + p, start + n, start + p - 1)
+            start += n
+    device = ids.device
+    packed = ids[torch.tensor(rows, device=device), torch.tensor(cols, device=device)].unsqueeze(0)
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    return PackedBatch(packed, as_tensor(positions).unsqueeze(0), AttentionPlan(blocks), as_tensor(sources),
+                       packed[0, as_tensor(targets)], as_tensor(sequences))
 
 
-def can_pack(batch: dict[str, torch.Tensor]) -> bool:
-    """Whether every pair has the same non-empty prompt length in its chosen and rejected rows."""
+def can_pack(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> bool:
+    """Whether every row has a non-empty prompt (its first completion token is predicted from it) and, for
+    ``share_prompt``, each pair's chosen and rejected rows the same prompt."""
     prompt = (batch["completion_mask"].cumsum(1) == 0).sum(1)
+    if not bool((prompt > 0).all()):
+        return False
+    if not share_prompt:
+        return True
     chosen, rejected = prompt.chunk(2)
-    return bool((chosen > 0).all()) and torch.equal(chosen, rejected)
+    width = int(chosen.max())
+    ids, keep = batch["input_ids"][:, :width].chunk(2), torch.arange(width, device=prompt.device) < chosen.view(-1, 1)
+    return torch.equal(chosen, rejected) and torch.equal(ids[0] * keep, ids[1] * keep)
 
 
 def _decoder_and_head(model: nn.Module):
@@ -89,18 +105,22 @@ def _head_logps(head: nn.Module, config: Any, hidden: torch.Tensor, targets: tor
     return selective_log_softmax(logits.float(), targets)
 
 
-def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor], pack: bool = False) -> SequenceLogps:
+def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor], padding_free: bool = False,
+                     share_prompt: bool = False) -> SequenceLogps:
     """Summed completion-token log-probs of every row of ``batch`` (chosen rows, then rejected rows).
 
     The language-model head runs only on positions whose next token is a completion token, so the
-    (rows, length, vocabulary) logits tensor is never built. With ``pack`` each pair is one row holding its
-    prompt once (``pack_pairs``). Models without a separable decoder and head fall back to a full forward
-    over the unpacked rows.
+    (rows, length, vocabulary) logits tensor is never built. ``padding_free`` runs the real tokens packed in
+    one row (``pack_batch``, ``models.packing``): no work on padding. ``share_prompt`` (packed too) holds each
+    pair's prompt once. Both fall back to padded rows for a model that cannot run packed
+    (``supports_packing``) or a batch with an empty prompt; a model without a separable decoder and head
+    runs its full forward.
 
     Args:
         model: a transformers causal LM (optionally wrapped by ``peft``).
         batch: ``input_ids``, ``attention_mask``, ``completion_mask``, each (2B, L).
-        pack: share the prompt between chosen and rejected (needs 4-D attention-mask support, as in Llama).
+        padding_free: pack the rows' real tokens into one row.
+        share_prompt: pack each pair as one sequence holding its prompt once.
 
     Returns:
         ``SequenceLogps(logps (2B,), lengths (2B,))``.
@@ -109,14 +129,17 @@ def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor], pack: boo
     scored = batch["completion_mask"][:, 1:].bool()  # position t scores token t + 1
     lengths = scored.sum(-1).float()
     decoder, head, config = _decoder_and_head(model)
+    packed = None
+    if decoder is not None and (padding_free or share_prompt) and supports_packing(config):
+        packed = pack_batch(batch, share_prompt) if can_pack(batch, share_prompt) else None
     if decoder is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
         token, rows = selective_log_softmax(logits[scored], input_ids[:, 1:][scored]), torch.nonzero(scored, as_tuple=True)[0]
-    elif pack and can_pack(batch):
-        packed = pack_pairs(batch)
-        hidden = decoder(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
-                         position_ids=packed.position_ids, use_cache=False).last_hidden_state
-        token, rows = _head_logps(head, config, hidden[packed.rows, packed.sources], packed.targets), packed.sequences
+    elif packed is not None:
+        with packed_attention(config, packed.plan):
+            hidden = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                             packed_plan=packed.plan).last_hidden_state
+        token, rows = _head_logps(head, config, hidden[0, packed.sources], packed.targets), packed.sequences
     else:
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         token = _head_logps(head, config, hidden[:, :-1][scored], input_ids[:, 1:][scored])
@@ -150,11 +173,11 @@ class DPOModule(SharedStepModule):
         weight_decay: AdamW weight decay.
         precompute_ref_logps: compute reference log-probs for every pair in one pass before training, then
             release the reference model.
-        share_prompt: run each pair as one row holding its prompt once (a 4-D attention mask keeps the
-            rejected completion from seeing the chosen one): fewer tokens, but longer rows and a dense mask, so
-            it pays only when prompts are long and attention is cheap next to the MLPs (measure it; it was
-            slower for a 3M-parameter model on CPU). Needs a model that takes 4-D masks and ``position_ids``
-            (Llama, Qwen2, Mistral, ...).
+        padding_free: run the batch's real tokens packed end to end in one row, attention block by block
+            (no work on padding; the same log-probs as padded rows). Used when the model's attention is SDPA or
+            eager with no sliding window (Llama, Qwen2, Mistral, ...); other models run padded.
+        share_prompt: pack each pair as one sequence holding its prompt once (the rejected completion attends
+            to the prompt and itself): fewer tokens in every linear layer when prompts are long.
         dtype: weights dtype when loading (``bfloat16``, ``float32``, ...; default: as stored / float32).
         seed: seed of the random initialisation when ``model_config`` is used.
         trust_remote_code: allow custom model code from the hub (off by default).
@@ -176,6 +199,7 @@ class DPOModule(SharedStepModule):
         lr_schedule: str = "linear",
         weight_decay: float = 0.0,
         precompute_ref_logps: bool = False,
+        padding_free: bool = True,
         share_prompt: bool = False,
         dtype: Optional[str] = None,
         seed: int = 0,
@@ -216,7 +240,7 @@ class DPOModule(SharedStepModule):
         model.eval()
         try:
             with self.reference.context():
-                return completion_logps(model, batch, pack=self.hparams.share_prompt).logps
+                return completion_logps(model, batch, self.hparams.padding_free, self.hparams.share_prompt).logps
         finally:
             model.train(was_training)
 
@@ -249,7 +273,7 @@ class DPOModule(SharedStepModule):
     def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         hp = self.hparams
         # 1. policy log-probs of chosen and rejected rows in one forward
-        policy = completion_logps(self.policy, batch, pack=hp.share_prompt)
+        policy = completion_logps(self.policy, batch, hp.padding_free, hp.share_prompt)
         chosen, rejected = policy.logps.chunk(2)
         chosen_len, rejected_len = policy.lengths.chunk(2)
         # 2. reference log-probs (precomputed, or under no_grad), unless reference-free
