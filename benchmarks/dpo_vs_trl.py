@@ -8,15 +8,15 @@ project); sides alternate so load from other processes on a shared machine hits 
     python benchmarks/dpo_vs_trl.py --trl-python /work/trlvenv/bin/python
 
 Prints one JSON line per measurement (``pairs_per_s`` over steady-state steps after warm-up, ``peak_rss_mb``
-of the whole process) and one ``ratio`` line per model size and variant. Variants of this project's side:
-``plain`` (the same work as TRL: 2B rows, reference forward every step, the module's defaults),
-``packed-seq`` (``share_prompt``: one row per pair holding the prompt once), both on the same batches as TRL
-(file order, TRL with ``train_sampling_strategy="sequential"``); ``packed`` (``share_prompt`` plus
-length-grouped batches) and ``fast`` (2B rows, length-grouped batches and reference log-probs precomputed in
-one pass before training; the pass is reported as ``precompute_s`` and is not part of the steady state). Grouped batches differ in length by design, so those
-two are timed over a whole epoch (``--grouped-steps``). TRL runs with ``gradient_checkpointing=False`` and
-fp32 (its defaults are checkpointing on and bf16) so that both sides do the same arithmetic; pass
-``--trl-defaults`` to also measure TRL's defaults.
+of the whole process) and one ``ratio`` line per model size and variant. Every variant trains on the same
+batches as TRL (file order; TRL with ``train_sampling_strategy="sequential"``). Variants of this project's
+side: ``padded`` (the same work as TRL: 2B padded rows, a reference forward every step), ``default`` (the
+module's defaults: the real tokens packed in one row with each pair's prompt held once, a reference forward
+every step) and ``precomputed`` (the defaults plus reference log-probs computed in one pass before training;
+the pass is reported as ``precompute_s`` and is not part of the steady state). TRL's variants: ``fp32``
+(``gradient_checkpointing=False`` and fp32, where its defaults are checkpointing on and bf16, so that both
+sides do the same arithmetic), ``precomputed`` (the same with ``precompute_ref_log_probs=True``, the like for
+like of ours) and ``defaults``. Each of our variants gets a ratio against each TRL variant that ran.
 """
 
 from __future__ import annotations
@@ -38,10 +38,18 @@ SIZES = {
 BASE = {"model_type": "llama", "vocab_size": 384, "max_position_embeddings": 1024, "pad_token_id": 0,
         "eos_token_id": 1, "bos_token_id": None, "tie_word_embeddings": False}
 BATCH, MAX_LENGTH, PAIRS, LR = 8, 512, 512, 1e-6
-#: this project's variants; the grouped ones are timed over ``--grouped-steps`` (a whole epoch by default)
-#: because their batches differ in length by design, so a few steps would be a biased sample
-VARIANTS = ["plain", "packed-seq", "packed", "fast"]
-GROUPED = ("packed", "fast")
+#: this project's variants: DPOModule arguments
+VARIANTS = {
+    "padded": {"padding_free": False, "share_prompt": False},
+    "default": {},
+    "precomputed": {"precompute_ref_logps": True},
+}
+#: TRL's variants: DPOConfig arguments
+TRL_VARIANTS = {
+    "fp32": {"bf16": False, "gradient_checkpointing": False},
+    "precomputed": {"bf16": False, "gradient_checkpointing": False, "precompute_ref_log_probs": True},
+    "defaults": {},
+}
 WORDS = ("the of and to in is was that for on as with by at from this be or an are not it have which one "
          "model data train loss reward policy value prompt answer token sample gradient step batch").split()
 
@@ -92,9 +100,6 @@ def run_ours(args) -> dict:
     from aitraining_pl.datamodules.preference import PreferenceDataModule
     from aitraining_pl.modules.dpo import DPOModule
 
-    share = args.variant in ("packed", "packed-seq")
-    group = args.variant in ("packed", "fast")
-    fast = args.variant == "fast"
     clock = _Clock(args.warmup)
 
     class Timer(pl.Callback):
@@ -105,9 +110,9 @@ def run_ours(args) -> dict:
             clock.step_end()
 
     module = DPOModule(model_config=_model_config(args.size), tokenizer_name="byte", learning_rate=LR,
-                       warmup_ratio=0.0, precompute_ref_logps=fast, share_prompt=share)
+                       warmup_ratio=0.0, **VARIANTS[args.variant])
     data = PreferenceDataModule(data_path=args.data, val_split=0.0, tokenizer=module.tokenizer, batch_size=BATCH,
-                                max_length=MAX_LENGTH, max_prompt_length=MAX_LENGTH - 1, group_by_length=group, shuffle=False, seed=0)
+                                max_length=MAX_LENGTH, max_prompt_length=MAX_LENGTH - 1, shuffle=False, seed=0)
     timer = Timer()
     trainer = pl.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=args.steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -141,11 +146,10 @@ def run_trl(args) -> dict:
     ref_model = AutoModelForCausalLM.from_config(hf_config)
     tokenizer = ByT5Tokenizer()
     dataset = load_dataset("json", data_files=args.data, split="train")
-    defaults = args.variant == "defaults"
     with tempfile.TemporaryDirectory() as out:
         cfg = DPOConfig(output_dir=out, per_device_train_batch_size=BATCH, max_length=MAX_LENGTH, max_steps=args.steps,
                         learning_rate=LR, beta=0.1, logging_steps=10_000, save_strategy="no", report_to=[],
-                        use_cpu=True, bf16=defaults, gradient_checkpointing=defaults, dataloader_num_workers=0,
+                        use_cpu=True, dataloader_num_workers=0, **TRL_VARIANTS[args.variant],
                         train_sampling_strategy="sequential",
                         seed=0, disable_tqdm=True)
         trainer = DPOTrainer(model=model, ref_model=ref_model, args=cfg, train_dataset=dataset, processing_class=tokenizer, callbacks=[Timer()])
@@ -163,9 +167,8 @@ def child(args) -> None:
 
 
 def _spawn(python: str, side: str, variant: str, size: str, data: str, args) -> dict:
-    steps = args.grouped_steps if side == "ours" and variant in GROUPED else args.steps
     cmd = [python, os.path.abspath(__file__), "--side", side, "--variant", variant, "--size", size, "--data", data,
-           "--steps", str(steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -179,17 +182,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trl-python", default="/work/trlvenv/bin/python", help="python of the venv with TRL")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--skip-trl", action="store_true", help="time only this project's variants (no ratios)")
-    parser.add_argument("--trl-defaults", action="store_true", help="also run TRL with its defaults (bf16, checkpointing)")
-    parser.add_argument("--steps", type=int, default=16, help="optimizer steps per run of TRL and ungrouped variants")
-    parser.add_argument("--grouped-steps", type=int, default=64, help="steps of the grouped variants (64 = one epoch)")
+    parser.add_argument("--trl-variants", nargs="+", default=["fp32", "precomputed"], choices=list(TRL_VARIANTS))
+    parser.add_argument("--steps", type=int, default=16, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=4, help="steps excluded from the steady state")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="alternating rounds per size")
     # child-process arguments
     parser.add_argument("--side", choices=["ours", "trl"])
-    parser.add_argument("--variant", default="plain")
+    parser.add_argument("--variant", default="default")
     parser.add_argument("--size", default="3m")
     parser.add_argument("--data")
     args = parser.parse_args()
@@ -200,7 +202,7 @@ def main() -> None:
         make_pairs(data)
         for size in args.sizes:
             results: dict[str, list[dict]] = {}
-            runs = ([] if args.skip_trl else [("trl", "fp32")]) + [("ours", v) for v in args.variants] + ([("trl", "defaults")] if args.trl_defaults else [])
+            runs = [("trl", v) for v in ([] if args.skip_trl else args.trl_variants)] + [("ours", v) for v in args.variants]
             for _ in range(args.repeats):
                 for side, variant in runs:
                     python = args.trl_python if side == "trl" else sys.executable
@@ -210,14 +212,15 @@ def main() -> None:
             best = {k: max(v, key=lambda r: r["pairs_per_s"]) for k, v in results.items()}
             if args.skip_trl:
                 continue
-            trl = best["trl/fp32"]
             for variant in args.variants:
                 ours = best[f"ours/{variant}"]
-                print(json.dumps({"ratio": True, "size": size, "variant": variant,
-                                  "speedup": round(ours["pairs_per_s"] / trl["pairs_per_s"], 3),
-                                  "memory_ratio": round(ours["peak_rss_mb"] / trl["peak_rss_mb"], 3),
-                                  "ours_pairs_per_s": ours["pairs_per_s"], "trl_pairs_per_s": trl["pairs_per_s"],
-                                  "ours_peak_rss_mb": ours["peak_rss_mb"], "trl_peak_rss_mb": trl["peak_rss_mb"]}), flush=True)
+                for trl_variant in args.trl_variants:
+                    trl = best[f"trl/{trl_variant}"]
+                    print(json.dumps({"ratio": True, "size": size, "variant": variant, "trl_variant": trl_variant,
+                                      "speedup": round(ours["pairs_per_s"] / trl["pairs_per_s"], 3),
+                                      "memory_ratio": round(ours["peak_rss_mb"] / trl["peak_rss_mb"], 3),
+                                      "ours_pairs_per_s": ours["pairs_per_s"], "trl_pairs_per_s": trl["pairs_per_s"],
+                                      "ours_peak_rss_mb": ours["peak_rss_mb"], "trl_peak_rss_mb": trl["peak_rss_mb"]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -277,7 +277,8 @@ class PreferenceDataModule(TextDataModule):
         self.save_hyperparameters(ignore=["tokenizer", "prompts", "chosen", "rejected"])
 
     # -- reading and checking
-    def _columns(self, records: list[dict], source: str) -> tuple[Optional[list], list, list, Optional[list]]:
+    def _rows(self, records: list[dict], source: str) -> list[dict]:
+        """Check every row (once, before any split); rows without a prompt column are split later."""
         hp = self.hparams
         needed = [hp.chosen_column, hp.rejected_column] + ([hp.margin_column] if hp.margin_column else [])
         check_columns(records, needed, source)
@@ -293,9 +294,7 @@ class PreferenceDataModule(TextDataModule):
                 value = record.get(hp.margin_column)
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                     raise DataValidationError(source, f"expected a finite number, got {value!r}", row, hp.margin_column)
-        prompts = [r[hp.prompt_column] for r in records] if has_prompt else None
-        margins = [float(r[hp.margin_column]) for r in records] if hp.margin_column else None
-        return prompts, [r[hp.chosen_column] for r in records], [r[hp.rejected_column] for r in records], margins
+        return records
 
     def _in_memory_records(self) -> list[dict]:
         hp = self.hparams
@@ -312,15 +311,12 @@ class PreferenceDataModule(TextDataModule):
             raise DataValidationError(IN_MEMORY, "no rows")
         return records
 
-    def _rows(self, records: list[dict], source: str) -> list[dict]:
-        self._columns(records, source)
-        return records
-
     def _dataset(self, records: list[dict], source: str) -> PreferenceDataset:
-        prompts, chosen, rejected, margins = self._columns(records, source)
         hp = self.hparams
+        column = lambda name: [r[name] for r in records] if name and name in records[0] else None  # noqa: E731
         return PreferenceDataset(
-            prompts, chosen, rejected, self.tokenizer, hp.max_length, hp.max_prompt_length, margins, source
+            column(hp.prompt_column), column(hp.chosen_column), column(hp.rejected_column), self.tokenizer,
+            hp.max_length, hp.max_prompt_length, column(hp.margin_column), source
         )
 
     # -- loaders

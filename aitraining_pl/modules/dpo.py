@@ -177,7 +177,7 @@ class DPOModule(SharedStepModule):
             (no work on padding; the same log-probs as padded rows). Used when the model's attention is SDPA or
             eager with no sliding window (Llama, Qwen2, Mistral, ...); other models run padded.
         share_prompt: pack each pair as one sequence holding its prompt once (the rejected completion attends
-            to the prompt and itself): fewer tokens in every linear layer when prompts are long.
+            to the prompt and itself, with the same log-probs as separate rows): fewer tokens in every layer.
         dtype: weights dtype when loading (``bfloat16``, ``float32``, ...; default: as stored / float32).
         seed: seed of the random initialisation when ``model_config`` is used.
         trust_remote_code: allow custom model code from the hub (off by default).
@@ -200,7 +200,7 @@ class DPOModule(SharedStepModule):
         weight_decay: float = 0.0,
         precompute_ref_logps: bool = False,
         padding_free: bool = True,
-        share_prompt: bool = False,
+        share_prompt: bool = True,
         dtype: Optional[str] = None,
         seed: int = 0,
         trust_remote_code: bool = False,
@@ -272,12 +272,13 @@ class DPOModule(SharedStepModule):
     # ------------------------------------------------------------------ steps
     def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         hp = self.hparams
-        # 1. policy log-probs of chosen and rejected rows in one forward
+        # 1. reference log-probs (precomputed, or under no_grad), unless reference-free; first, so that its
+        #    activations are freed before the policy's are built (a lower peak)
+        ref_chosen, ref_rejected = self.reference_logps(batch, stage) if self.uses_reference else (None, None)
+        # 2. policy log-probs of chosen and rejected rows in one forward
         policy = completion_logps(self.policy, batch, hp.padding_free, hp.share_prompt)
         chosen, rejected = policy.logps.chunk(2)
         chosen_len, rejected_len = policy.lengths.chunk(2)
-        # 2. reference log-probs (precomputed, or under no_grad), unless reference-free
-        ref_chosen, ref_rejected = self.reference_logps(batch, stage) if self.uses_reference else (None, None)
         # 3. the loss
         out = dpo_loss(
             chosen, rejected, ref_chosen, ref_rejected, beta=hp.beta, loss_type=hp.loss_type,
