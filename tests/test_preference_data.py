@@ -94,8 +94,11 @@ def test_chat_rows_use_the_template_and_hh_rows_their_shared_prefix(byte_tokeniz
     dec = byte_tokenizer.decode
     assert dec(e["prompt_ids"]) == "<|user|>\nhi\n<|assistant|>\n"
     assert dec(e["chosen_ids"]) == "hello there\n</s>" and dec(e["rejected_ids"]) == "go away\n</s>"
-    # plain-text HH style: the shared prefix becomes the prompt
-    dm = _module(byte_tokenizer, chosen=["\n\nHuman: hi\n\nAssistant: hello"], rejected=["\n\nHuman: hi\n\nAssistant: go"])
+    # plain-text HH style: the shared prefix becomes the prompt, announced once
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        dm = _module(byte_tokenizer, chosen=["\n\nHuman: hi\n\nAssistant: hello"], rejected=["\n\nHuman: hi\n\nAssistant: go"])
+    assert sum("shared prefix" in r.getMessage() for r in caplog.records) == 1
     e = dm.train_dataset[0]
     assert dec(e["prompt_ids"]) == "\n\nHuman: hi\n\nAssistant: " and dec(e["chosen_ids"]) == "hello</s>"
     # explicit prompt column with message lists
