@@ -8,7 +8,7 @@ from transformers import AutoConfig
 
 from aitraining_pl.models import build_causal_lm
 from aitraining_pl.models.packing import AttentionPlan, packed_attention, supports_packing
-from aitraining_pl.modules.dpo import completion_logps
+from aitraining_pl.modules.dpo import completion_logps, pack_batch
 from conftest import TINY_LLAMA
 
 
@@ -76,3 +76,19 @@ def test_unsupported_models_run_padded_with_the_same_logps():
     padded = completion_logps(model, batch)
     packed = completion_logps(model, batch, padding_free=True, share_prompt=True)  # falls back: sliding window
     torch.testing.assert_close(packed.logps, padded.logps)
+
+
+def test_pairs_with_different_prompts_run_packed_one_block_per_row(monkeypatch):
+    import aitraining_pl.modules.dpo as dpo
+
+    calls = []
+    monkeypatch.setattr(dpo, "pack_batch", lambda batch, share_prompt=False: calls.append(share_prompt) or pack_batch(batch, share_prompt))
+    model = build_causal_lm(TINY_LLAMA, seed=0)
+    batch = {  # the pair's chosen row has prompt [5, 6], its rejected row [5, 7]: the prompt cannot be shared
+        "input_ids": torch.tensor([[5, 6, 7, 1, 0], [5, 7, 8, 9, 1]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]),
+        "completion_mask": torch.tensor([[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]),
+    }
+    padded = completion_logps(model, batch)
+    torch.testing.assert_close(completion_logps(model, batch, share_prompt=True).logps, padded.logps, rtol=1e-5, atol=1e-5)
+    assert calls == [False]

@@ -131,7 +131,10 @@ def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor], padding_f
     decoder, head, config = _decoder_and_head(model)
     packed = None
     if decoder is not None and (padding_free or share_prompt) and supports_packing(config):
-        packed = pack_batch(batch, share_prompt) if can_pack(batch, share_prompt) else None
+        if share_prompt and can_pack(batch, share_prompt=True):
+            packed = pack_batch(batch, share_prompt=True)
+        elif can_pack(batch):  # prompts differ within a pair: still packed, one block per row
+            packed = pack_batch(batch)
     if decoder is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
         token, rows = selective_log_softmax(logits[scored], input_ids[:, 1:][scored]), torch.nonzero(scored, as_tuple=True)[0]
