@@ -6,8 +6,10 @@ see each sequence's own positions) and runs attention block by block, so no toke
 and none is computed for padding. A block may also take its keys from several ranges of the row, which lets a
 preference pair hold its prompt once for both completions.
 
-The attention is registered with transformers' ``AttentionInterface`` and switched on only inside
-``packed_attention(model)``; the model's own implementation is restored afterwards.
+This is the variable-length ("unpadded") attention of FlashAttention (Dao 2023) written with one SDPA call
+per block, so it runs on any device SDPA runs on, CPU included. The attention is registered with
+transformers' ``AttentionInterface`` and switched on only inside ``packed_attention(config, plan)``; the
+model's own implementation is restored afterwards.
 """
 
 from __future__ import annotations
