@@ -112,7 +112,7 @@ def test_dpo_learns_through_the_cli(tmp_path):
 
 
 LOSS_RUNS = [{"loss_type": t, **({"label_smoothing": 0.1} if t in ("sigmoid", "robust") else {}),
-              **({"share_prompt": True} if t in ("hinge", "simpo") else {})}
+              **({"padding_free": False, "share_prompt": False} if t in ("hinge", "simpo") else {})}
              for t in sorted(DPO_LOSSES)] + [{"reference_free": True}]
 
 
