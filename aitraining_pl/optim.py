@@ -35,16 +35,8 @@ def adamw_with_warmup(
     schedule: str = "linear",
     weight_decay: float = 0.0,
 ) -> dict:
-    """The ``configure_optimizers`` return value: AdamW and a per-step warmup/decay LambdaLR.
-
-    AdamW uses torch's fused kernel (one pass per step over each tensor, the default of transformers'
-    ``Trainer`` since torch 2.8) where torch accepts the parameters, else its standard implementation.
-    """
-    trainable = [p for p in params if p.requires_grad]
-    try:
-        optimizer = torch.optim.AdamW(trainable, lr=learning_rate, weight_decay=weight_decay, fused=True)
-    except RuntimeError:  # devices or dtypes without a fused kernel
-        optimizer = torch.optim.AdamW(trainable, lr=learning_rate, weight_decay=weight_decay)
+    """The ``configure_optimizers`` return value: AdamW and a per-step warmup/decay LambdaLR."""
+    optimizer = torch.optim.AdamW([p for p in params if p.requires_grad], lr=learning_rate, weight_decay=weight_decay)
     total_steps = max(1, int(total_steps))
     warmup_steps = int(warmup_ratio * total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

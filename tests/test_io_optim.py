@@ -69,12 +69,3 @@ def test_warmup_then_linear_and_cosine_decay():
     conf = adamw_with_warmup([param, frozen], learning_rate=1.0, total_steps=10, warmup_ratio=0.2)
     assert len(conf["optimizer"].param_groups[0]["params"]) == 1
     assert conf["optimizer"].param_groups[0]["lr"] == pytest.approx(1 / 3)
-    assert conf["optimizer"].defaults["fused"]  # torch's fused AdamW kernel on CPU float32
-    # the fused kernel takes the same step as the standard implementation
-    start, grad = torch.randn(4), torch.randn(4)
-    weights = [torch.nn.Parameter(start.clone()) for _ in range(2)]
-    for p, opt in zip(weights, [adamw_with_warmup([weights[0]], learning_rate=0.1, total_steps=1)["optimizer"],
-                                torch.optim.AdamW([weights[1]], lr=0.1, weight_decay=0.0, foreach=False)]):
-        p.grad = grad.clone()
-        opt.step()
-    torch.testing.assert_close(weights[0], weights[1])
