@@ -20,6 +20,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 PACKED_ATTENTION = "aitraining_pl_packed"
 
@@ -87,8 +89,6 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     Without a ``packed_plan`` (e.g. a forward outside ``completion_logps``) it is transformers' SDPA.
     """
     if packed_plan is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}")
@@ -100,10 +100,7 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     return out.transpose(1, 2).contiguous(), None
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
 
 
 def supports_packing(config: Any) -> bool:
@@ -124,7 +121,6 @@ def packed_attention(config: Any, plan: AttentionPlan) -> Iterator[AttentionPlan
     """Switch a model (through its ``config``) to packed attention for the forwards inside the block; pass
     ``packed_plan=plan`` to the decoder. Raises after the block when no attention layer used the plan (a model
     whose attention bypasses ``AttentionInterface`` would otherwise attend across sequences silently)."""
-    _register()
     previous = config._attn_implementation
     config._attn_implementation = PACKED_ATTENTION
     plan.calls = 0

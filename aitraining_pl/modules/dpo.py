@@ -24,6 +24,11 @@ class PackedBatch(NamedTuple):
     sequences: torch.Tensor  #: (M,) row of the batch the scored token belongs to (chosen 0..B-1, rejected B..2B-1)
 
 
+def prompt_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(2B,) leading non-completion tokens of each row."""
+    return (batch["completion_mask"].cumsum(1) == 0).sum(1)
+
+
 def pack_batch(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> PackedBatch:
     """Pack the real tokens of a preference batch (2B right-padded rows, chosen first) into one row.
 
@@ -32,9 +37,8 @@ def pack_batch(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> Pa
     positions continue from the prompt, and its first token is predicted from the last prompt position, so
     every token sees exactly what it sees in its own padded row.
     """
-    ids, completion = batch["input_ids"], batch["completion_mask"]
-    lengths = batch["attention_mask"].sum(1).tolist()
-    prompts = (completion.cumsum(1) == 0).sum(1).tolist()  # leading non-completion tokens
+    ids = batch["input_ids"]
+    lengths, prompts = batch["attention_mask"].sum(1).tolist(), prompt_lengths(batch).tolist()
     b = len(lengths) // 2
     rows, cols, positions, blocks, sources, targets, sequences = [], [], [], [], [], [], []
     start = 0
@@ -75,7 +79,7 @@ def pack_batch(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> Pa
 def can_pack(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> bool:
     """Whether every row has a non-empty prompt (its first completion token is predicted from it) and, for
     ``share_prompt``, each pair's chosen and rejected rows the same prompt."""
-    prompt = (batch["completion_mask"].cumsum(1) == 0).sum(1)
+    prompt = prompt_lengths(batch)
     if not bool((prompt > 0).all()):
         return False
     if not share_prompt:
