@@ -1,0 +1,85 @@
+"""The package's layers (DESIGN.md, CONTRIBUTING.md): a module imports only from its own layer or the layers
+below it, the core never imports the seed-compatibility layer, and ``losses`` is pure tensor code."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "aitraining_pl"
+
+#: first dotted component below ``aitraining_pl`` -> layer number
+LAYERS = {
+    "losses": 1,
+    "models": 2,
+    "optim": 2,
+    "datamodules": 3,
+    "rollout": 3,
+    "rewards": 3,
+    "callbacks": 3,
+    "environments": 3,
+    "data": 3,
+    "modules": 4,
+    "cli": 5,
+    # the seed's API (compatibility layer): on top, nothing below imports it
+    "compat": 6,
+    "facades": 6,
+    "dpo": 6,
+    "reward_trainer": 6,
+    "forward_backward": 6,
+}
+COMPAT = 6
+
+
+def _component(path: Path) -> str:
+    return path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``path`` (relative imports resolved)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = ["aitraining_pl", *path.relative_to(PACKAGE).with_suffix("").parts]
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            found.append((node.lineno, name))
+            if name == "aitraining_pl":  # from aitraining_pl import x: x is the component
+                found[-1:] = [(node.lineno, f"aitraining_pl.{alias.name}") for alias in node.names]
+    return found
+
+
+SOURCES = sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_respect_the_layers(path):
+    component = _component(path)
+    assert component in LAYERS, f"{component} has no layer: add it to LAYERS (and CONTRIBUTING.md)"
+    layer = LAYERS[component]
+    for line, name in _imports(path):
+        parts = name.split(".")
+        if parts[0] != "aitraining_pl" or len(parts) < 2:
+            continue
+        target = LAYERS.get(parts[1])
+        assert target is not None, f"{path.name}:{line} imports unknown component {name}"
+        assert target <= layer, f"{path.relative_to(PACKAGE)}:{line} (layer {layer}) imports {name} (layer {target})"
+        if layer < COMPAT:
+            assert target < COMPAT, f"{path.relative_to(PACKAGE)}:{line}: the core imports the compat layer ({name})"
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "losses").rglob("*.py")), ids=lambda p: p.name)
+def test_losses_are_pure_tensor_code(path):
+    allowed = {"torch", "math", "typing", "dataclasses", "__future__", "collections", "functools", "aitraining_pl"}
+    for line, name in _imports(path):
+        assert name.split(".")[0] in allowed, f"losses/{path.name}:{line} imports {name}"
