@@ -75,8 +75,8 @@ def test_correct_code_gets_full_reward_and_partial_code_partial_reward(byte_toke
 
 def test_objects_methods_and_exceptions_work_through_the_proxies():
     code = (
-        "class Counter:\n    def __init__(self):\n        self.value = 0\n    def bump(self):\n        self.value += 1\n"
-        "        return self\n"
+        "class Counter:\n    def __init__(self):\n        self.value = 0\n"
+        "    def bump(self):\n        self.value += 1\n        return self\n"
         "def safe_div(a, b):\n    if b == 0:\n        raise ZeroDivisionError('b is 0')\n    return a / b\n"
         "table = {'a': [1, 2]}"
     )  # fmt: skip
@@ -179,18 +179,22 @@ def test_a_setsid_grandchild_is_killed_with_the_run():
 def test_an_output_flood_keeps_the_trainers_memory_bounded():
     """200 MB on stdout and stderr: the trainer's peak RSS grows by less than 100 MB (measured in a fresh
     interpreter, so earlier tests' peaks do not hide the growth)."""
-    flood = "import os\nchunk = b'x' * (1 << 20)\nfor fd in (1, 2):\n    for _ in range(100):\n        os.write(fd, chunk)\n"
+    flood = "import os\nchunk = b'x' * (1 << 20)\nfor fd in (1, 2):\n    for _ in range(100):\n"
+    flood += "        os.write(fd, chunk)\n"
     script = (
         "import json, resource, sys\n"
         "from aitraining_pl.environments import run_test_cases\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "r = run_test_cases(sys.argv[1] + 'def add(a, b):\\n    return a + b\\n', sys.argv[2:], timeout=20.0)\n"
         "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        "print(json.dumps({'growth_kb': after - before, 'passed': r.passed, 'output': len(getattr(r, 'output', ''))}))\n"
+        "output = len(getattr(r, 'output', ''))\n"
+        "print(json.dumps({'growth_kb': after - before, 'passed': r.passed, 'output': output}))\n"
     )  # fmt: skip
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root))
-    done = subprocess.run([sys.executable, "-c", script, flood, *ADD_TESTS], capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", script, flood, *ADD_TESTS], capture_output=True, text=True, env=env, check=True
+    )
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     assert measured["growth_kb"] < 100 * 1024, measured
     assert measured["output"] <= 4096 and measured["passed"] == 3  # the output is dropped, not the score
@@ -202,7 +206,8 @@ def test_writes_outside_the_working_directory_fail(tmp_path):
         pytest.skip(f"no filesystem isolation on this platform ({isolation})")
     tmp_path.chmod(0o777)  # even a folder open to every user is not writable from the sandbox
     marker = uuid.uuid4().hex
-    targets = [tmp_path / "escaped.txt", Path("/tmp") / f"escaped-{marker}", Path(__file__).parent / f"escaped-{marker}"]
+    targets = [tmp_path / "escaped.txt", Path("/tmp") / f"escaped-{marker}"]
+    targets.append(Path(__file__).parent / f"escaped-{marker}")
     code = (
         "import os\n"
         f"targets = {[str(t) for t in targets]!r}\n"

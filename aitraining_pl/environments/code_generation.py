@@ -109,8 +109,9 @@ class CodeGenerationEnv(MultiObjectiveRewardEnv):
 
     Components: ``syntax`` (the code compiles), ``style`` (share of simple PEP 8 checks) and ``tests`` (share
     of the prompt's test cases passed, run in the code sandbox with a time limit; see
-    ``aitraining_pl.environments.sandbox`` for what that does and does not protect against). The code is the first fenced block of the
-    response, or the whole response. As a class it can be named in YAML as a PPO reward source.
+    ``aitraining_pl.environments.sandbox`` for what that does and does not protect against). The code is the
+    first fenced block of the response, or the whole response. As a class it can be named in YAML as a PPO
+    reward source.
 
     Args:
         tokenizer: a Hugging Face tokenizer or a name for ``load_tokenizer`` (only episodes use it).

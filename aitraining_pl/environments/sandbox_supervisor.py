@@ -21,63 +21,9 @@ import sys
 import tempfile
 import time
 
-# Runs in the candidate's process: loads the code, then serves calls, attribute and item reads on its objects.
-# It only ever sees call arguments; replies are plain data (a Python literal) or a handle to an object.
-CANDIDATE_SOURCE = r'''
-import ast, json, os, socket, sys
-def _no_network(*args, **kwargs):
-    raise OSError("network access is disabled in the code sandbox")
-for _name in ("socket", "create_connection", "getaddrinfo", "socketpair", "fromfd", "create_server"):
-    setattr(socket, _name, _no_network)
-def _plain(value, depth=0):
-    kind = type(value)
-    if kind in (int, bool, float, complex, str, bytes, type(None)):
-        return True
-    if depth > 50:
-        return False
-    if kind in (list, tuple, set):
-        return all(_plain(v, depth + 1) for v in value)
-    return kind is dict and all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
-def _serve(requests, replies):
-    handles = []
-    def encode(value):
-        try:
-            if _plain(value):
-                text = repr(value)
-                ast.literal_eval(text)
-                return {"value": text}
-        except Exception:
-            pass
-        handles.append(value)
-        return {"ref": len(handles) - 1}
-    def decode(item):
-        return handles[item["ref"]] if "ref" in item else ast.literal_eval(item["value"])
-    def send(message):
-        replies.write(json.dumps(message).encode() + b"\n")
-        replies.flush()
-    namespace = {"__name__": "__candidate__"}
-    try:
-        exec(compile(json.loads(requests.readline()), "<candidate>", "exec"), namespace)
-    except BaseException as exc:
-        send({"raise": type(exc).__name__, "message": str(exc)[:500]})
-        return
-    send({"names": {k: encode(v) for k, v in list(namespace.items()) if not k.startswith("__")}})
-    for line in requests:
-        request = json.loads(line)
-        try:
-            target = handles[request["ref"]]
-            if request["op"] == "call":
-                kwargs = {k: decode(v) for k, v in request["kwargs"].items()}
-                result = target(*[decode(a) for a in request["args"]], **kwargs)
-            elif request["op"] == "getattr":
-                result = getattr(target, request["name"])
-            else:
-                result = target[decode(request["key"])]
-            send({"ok": encode(result)})
-        except BaseException as exc:
-            send({"raise": type(exc).__name__, "message": str(exc)[:500]})
-_serve(os.fdopen(int(sys.argv[1]), "rb"), os.fdopen(int(sys.argv[2]), "wb"))
-'''
+#: Run in the candidate's process (see that file's docstring).
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_candidate.py")) as _source:
+    CANDIDATE_SOURCE = _source.read()
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
@@ -111,7 +57,8 @@ def _expose(path: str) -> bool:
     """Inside a new mount namespace as root: make ``path`` reachable by other users when a parent folder is not
     (e.g. an interpreter under ``/root``) with a tmpfs over the first closed parent and ``path`` bound into it."""
     parts = path.strip("/").split("/")
-    closed = next((p for p in ("/" + "/".join(parts[:i]) for i in range(1, len(parts))) if not os.stat(p).st_mode & 1), None)
+    parents = ("/" + "/".join(parts[:i]) for i in range(1, len(parts)))
+    closed = next((p for p in parents if not os.stat(p).st_mode & 1), None)
     if closed is None:
         return True
     fd = os.open(path, os.O_PATH | os.O_DIRECTORY)
