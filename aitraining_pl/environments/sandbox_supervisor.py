@@ -386,6 +386,9 @@ def _run(spec: dict, workdir: str, root: bool, tags: list, deadline: float) -> d
 def main() -> None:
     spec = json.loads(sys.stdin.buffer.read())
     sys.stdin.close()
+    # only the result line goes to the trainer: a test that prints (perhaps the candidate's data) writes nowhere
+    result_fd = os.dup(1)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     deadline = time.monotonic() + float(spec["limits"]["timeout"])
     tags = ["subreaper"] if _prctl(PR_SET_CHILD_SUBREAPER, 1) else []
     _prctl(PR_SET_DUMPABLE, 0)
@@ -400,8 +403,8 @@ def main() -> None:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     result["isolation"] = tags
-    sys.stdout.write(json.dumps(result) + "\n")
-    sys.stdout.flush()
+    with os.fdopen(result_fd, "w") as channel:
+        channel.write(json.dumps(result) + "\n")
 
 
 if __name__ == "__main__":
