@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -255,3 +256,38 @@ def test_the_trainer_clamps_what_the_supervisor_reports():
     assert _parse_result(b'{"passed": 1000}\n', 3).passed == 3
     assert _parse_result(b'{"passed": -5}\n', 3).passed == 0
     assert _parse_result(b"garbage", 3).passed == 0
+
+
+def _unprivileged_python() -> list:
+    """``setpriv`` to ``nobody`` plus an interpreter that user can run, or [] (then the test is skipped)."""
+    setpriv, python = shutil.which("setpriv"), "/usr/bin/python3"
+    if os.geteuid() != 0 or setpriv is None or not os.path.exists(python):
+        return []
+    command = [setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups", python, "-I", "-S"]
+    probe = subprocess.run([*command, "-c", "import json"], capture_output=True, check=False)
+    return command if probe.returncode == 0 else []
+
+
+def test_the_supervisor_run_by_an_unprivileged_user_still_isolates_and_scores():
+    """The path a non-root CI runner takes: user namespaces where the kernel allows them, else rlimits only."""
+    from dataclasses import asdict
+
+    from aitraining_pl.environments.sandbox import SUPERVISOR_PATH, SandboxLimits, _parse_result
+
+    command = _unprivileged_python()
+    if not command:
+        pytest.skip("needs root, setpriv and a system python3 that nobody can run")
+    marker = uuid.uuid4().hex
+    code = (
+        "def add(a, b):\n    return a + b\n"
+        f"try:\n    open('/tmp/escaped-{marker}', 'w').write('x')\n    wrote = True\nexcept OSError:\n    wrote = False\n"
+    )  # fmt: skip
+    tests = [*ADD_TESTS, "assert wrote is False"]
+    spec = json.dumps({"code": code, "tests": tests, "limits": asdict(SandboxLimits(timeout=5.0))})
+    done = subprocess.run([*command, SUPERVISOR_PATH], input=spec.encode(), capture_output=True, check=False)
+    result = _parse_result(done.stdout, len(tests))
+    escaped = Path(f"/tmp/escaped-{marker}")
+    protected = "read-only-root" in result.isolation
+    escaped.unlink(missing_ok=True)
+    assert result.passed == (4 if protected else 3), result
+    assert "uid-nobody" not in result.isolation and "rlimits" in result.isolation

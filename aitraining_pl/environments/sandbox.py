@@ -1,15 +1,22 @@
 """A sandbox for running model-written Python against test statements (Linux; degraded elsewhere).
 
-``run_tests(code, tests, limits)`` starts a *supervisor* (a fresh ``python -I -S`` running this file, in its
-own session) that starts the *candidate* (another fresh interpreter running ``code``) and runs each test
+``run_tests(code, tests, limits)`` starts a *supervisor* (a fresh ``python -I -S sandbox_supervisor.py`` in
+its own session) that starts the *candidate* (another fresh interpreter running ``code``) and runs each test
 statement itself. Pass/fail is decided only by the supervisor: every name the candidate defines is a proxy
 in the test's namespace, calling it sends the call to the candidate over a pipe, and only plain data (numbers,
 strings, bytes, ``None`` and lists/tuples/sets/dicts of them, parsed with ``ast.literal_eval``) comes back;
 anything else stays an opaque handle that cannot be compared, has no truth value and supports only calls,
 attribute and item access. The test statements and their expected values never enter the candidate's
-process, and nothing the candidate prints is parsed, so a forged result line, replaced ``exec``/builtins or
-frame inspection cannot raise the score: the candidate can only return values. The trainer reads the
-supervisor's one-line result with a byte cap and clamps ``passed`` to ``[0, total]``.
+process, and nothing the candidate prints is parsed, so a forged result line, replaced ``exec``/builtins,
+an object whose ``__eq__`` is always true or frame inspection cannot raise the score: the candidate can only
+return values. Only the supervisor's result line reaches the trainer (the tests' own prints go to
+``/dev/null``); the trainer reads it with a byte cap and clamps ``passed`` to ``[0, total]``.
+
+What tests can do: call the candidate's functions and classes with plain-data arguments or its own objects,
+read attributes and items, compare returned plain data, and catch the built-in exception types it raises
+(other exception types arrive as ``CandidateError``). Test statements share one namespace, in order. A test
+cannot pass a callable of its own to the candidate, use an object of the candidate as a truth value or
+compare two of its objects.
 
 Layers, each applied where the platform allows and reported in ``TestRunResult.isolation``:
 
@@ -25,6 +32,9 @@ Layers, each applied where the platform allows and reported in ``TestRunResult.i
   (``mount_setattr``, Linux >= 5.12).
 - ``uid-nobody`` (when the trainer runs as root): the candidate runs as ``nobody`` with no groups, so it can
   neither write the user's files nor read the trainer's or supervisor's memory, and ``RLIMIT_NPROC`` applies.
+  ``interpreter-exposed``: an interpreter in a folder closed to other users (``/root/.pyenv``) is bound into
+  the candidate's mount namespace; without a mount namespace it must be executable by ``nobody``, otherwise
+  the candidate does not start and every test scores 0 (with a warning) rather than running as root.
   As a non-root user the namespaces come from an unprivileged user namespace (``user-namespace``) where the
   kernel allows it; the candidate keeps the user's uid (no capabilities after ``exec``).
 - ``rlimits``: CPU seconds, address space, file size, open files, no core dumps, and a process count.
@@ -40,8 +50,11 @@ anywhere the user may write, and processes that escape a process-group kill befo
 macOS and other POSIX systems only the rlimits, the process-group kill and the separate process apply; on
 Windows the tests are not run (every test fails with an error). Run untrusted code inside a container or VM
 with its network off where these layers are missing. ``limits.timeout`` covers the whole run.
-"""
 
+Also not prevented (not a sandbox matter): the candidate sees each call's arguments and may hard-code answers
+for them; it can make a run last until the time limit. The tests themselves are trusted code and run in the
+supervisor with only the trainer's backstop limit (``timeout`` + 10 s).
+"""
 
 from __future__ import annotations
 

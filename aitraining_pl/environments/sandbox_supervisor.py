@@ -117,13 +117,19 @@ def _jail(workdir: str, limits: dict, status_fd: int, root: bool, pidns: bool, n
         ):
             tags.append("read-only-root")
     os.chdir(workdir)  # after the bind mount, so the working directory is the writable one
+    missing = []
     for limit, value in (
         (resource.RLIMIT_CPU, int(limits["cpu_seconds"])), (resource.RLIMIT_AS, int(limits["memory_bytes"])),
         (resource.RLIMIT_FSIZE, int(limits["file_bytes"])), (resource.RLIMIT_NOFILE, int(limits["open_files"])),
         (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, nproc),
     ):  # fmt: skip
-        resource.setrlimit(limit, (value, value))
-    tags.append("rlimits")
+        try:
+            hard = resource.getrlimit(limit)[1]
+            value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+            resource.setrlimit(limit, (value, value))
+        except (ValueError, OSError):  # e.g. RLIMIT_AS on macOS
+            missing.append(limit)
+    tags.append("rlimits" if not missing else "rlimits-partial")
     if root:  # raises (and the candidate does not start) rather than running it as root
         os.setgroups([])
         os.setgid(NOBODY)
