@@ -208,7 +208,8 @@ class _Channel:
         if remaining <= 0:
             self.broken = _Timeout
             raise _Timeout()
-        readable, _, _ = select.select([self.output.fd] + ([] if write else [fd]), [fd] if write else [], [], remaining)
+        watched = self.output.watched() + ([] if write else [fd])
+        readable, _, _ = select.select(watched, [fd] if write else [], [], remaining)
         if self.output.fd in readable:
             self.output.pump()
 
@@ -336,7 +337,10 @@ class _Output:
     (No thread: a process that has unshared its PID namespace cannot start one.)"""
 
     def __init__(self, fd: int, cap: int):
-        self.fd, self.cap, self.chunks, self.size = fd, cap, [], 0
+        self.fd, self.cap, self.chunks, self.size, self.closed = fd, cap, [], 0, False
+
+    def watched(self) -> list:
+        return [] if self.closed else [self.fd]
 
     def pump(self) -> bool:
         """Read once (the fd is readable); False at EOF."""
@@ -344,12 +348,13 @@ class _Output:
         if chunk and self.size < self.cap:
             self.chunks.append(chunk[: self.cap - self.size])
             self.size += len(self.chunks[-1])
+        self.closed = not chunk
         return bool(chunk)
 
     def finish(self, seconds: float) -> str:
         """Drain until EOF (every writer is dead) or ``seconds`` pass."""
         end = time.monotonic() + seconds
-        while time.monotonic() < end and select.select([self.fd], [], [], max(0.0, end - time.monotonic()))[0]:
+        while not self.closed and time.monotonic() < end and select.select([self.fd], [], [], end - time.monotonic())[0]:
             if not self.pump():
                 break
         os.close(self.fd)
