@@ -280,7 +280,8 @@ def test_the_supervisor_run_by_an_unprivileged_user_still_isolates_and_scores():
     marker = uuid.uuid4().hex
     code = (
         "def add(a, b):\n    return a + b\n"
-        f"try:\n    open('/tmp/escaped-{marker}', 'w').write('x')\n    wrote = True\nexcept OSError:\n    wrote = False\n"
+        f"try:\n    open('/tmp/escaped-{marker}', 'w').write('x')\n    wrote = True\n"
+        "except OSError:\n    wrote = False\n"
     )  # fmt: skip
     tests = [*ADD_TESTS, "assert wrote is False"]
     spec = json.dumps({"code": code, "tests": tests, "limits": asdict(SandboxLimits(timeout=5.0))})

@@ -354,9 +354,9 @@ class _Output:
     def finish(self, seconds: float) -> str:
         """Drain until EOF (every writer is dead) or ``seconds`` pass."""
         end = time.monotonic() + seconds
-        while not self.closed and time.monotonic() < end and select.select([self.fd], [], [], end - time.monotonic())[0]:
-            if not self.pump():
-                break
+        while not self.closed and time.monotonic() < end:
+            if select.select([self.fd], [], [], max(0.0, end - time.monotonic()))[0]:
+                self.pump()
         os.close(self.fd)
         return b"".join(self.chunks).decode("utf-8", "replace")
 
