@@ -155,6 +155,12 @@ def test_an_always_equal_object_scores_zero():
     assert run_test_cases(code, ADD_TESTS, timeout=5.0).passed == 0
 
 
+def test_shadowing_builtins_that_the_tests_use_scores_zero():
+    code = "def add(a, b):\n    return None\nlen = sorted = lambda *args: 3\nisinstance = lambda *args: True"
+    tests = ["assert len(add(1, 2)) == 3", "assert sorted(add(1, 2)) == 3", "assert isinstance(add(1, 2), int)"]
+    assert run_test_cases(code, tests, timeout=5.0).passed == 0
+
+
 def test_infinite_loops_time_out_with_zero():
     at_import = run_test_cases("def add(a, b):\n    return a + b\nwhile True:\n    pass", ADD_TESTS, timeout=1.0)
     in_call = run_test_cases("def add(a, b):\n    while True:\n        pass", ADD_TESTS, timeout=1.0)

@@ -16,7 +16,8 @@ What tests can do: call the candidate's functions and classes with plain-data ar
 read attributes and items, compare returned plain data, and catch the built-in exception types it raises
 (other exception types arrive as ``CandidateError``). Test statements share one namespace, in order. A test
 cannot pass a callable of its own to the candidate, use an object of the candidate as a truth value or
-compare two of its objects.
+compare two of its objects, and a name of the candidate that is also a built-in (``len``, ``sorted``, ``max``)
+is not visible to the tests: the built-in stays.
 
 Layers, each applied where the platform allows and reported in ``TestRunResult.isolation``:
 
@@ -86,7 +87,7 @@ class SandboxLimits:
         open_files: file descriptors the candidate may hold.
         output_bytes: candidate output kept (stdout and stderr together); the rest is read and dropped.
         reply_bytes: largest reply (one returned value) the supervisor accepts from the candidate.
-        result_bytes: largest result line the trainer reads from the supervisor.
+        result_bytes: largest result line the trainer reads from the supervisor, besides the kept output.
     """
 
     timeout: float = 5.0
@@ -186,7 +187,8 @@ def run_tests(code: str, tests: Sequence[str], limits: SandboxLimits | None = No
             proc.stdin.close()
         except BrokenPipeError:
             pass
-        raw, late = _read_capped(proc.stdout.fileno(), limits.result_bytes, deadline)
+        # the result line holds the kept output, JSON-escaped (at most 6 characters a byte)
+        raw, late = _read_capped(proc.stdout.fileno(), limits.result_bytes + 6 * limits.output_bytes, deadline)
     finally:
         proc.stdout.close()
         if proc.poll() is None:
