@@ -1,27 +1,20 @@
 """The code-generation environment: syntax, style and test-case rewards.
 
-Test cases run in a separate Python process (see ``run_test_cases``). That process is *restricted*, not
-*sandboxed*: it runs ``python -I -S`` (isolated mode, no user site, no ``site``) with an empty environment,
-in a fresh temporary directory, with stdin closed, under a wall-clock time limit (the whole process group is
-killed), and on POSIX with CPU-time, address-space (1 GiB), file-size and core-dump limits. Python's socket
-functions are replaced by ones that raise before the candidate runs, so ordinary networking code fails, but
-code that imports ``_socket`` or uses ``ctypes`` can get around that, and the process can read any file the
-user can. Do not run code from an untrusted model outside a container or VM with its network turned off.
+Test cases run in the code sandbox (``aitraining_pl.environments.sandbox``): the response's code runs in a
+separate, resource-limited process (on Linux in its own PID, network and read-only mount namespaces, as
+``nobody`` when the trainer is root), and each test statement is evaluated by a supervisor process that only
+receives the values the candidate's functions return, so printing a result line, replacing builtins or reading
+the runner's frames cannot raise the score. See that module's docstring for what it does not protect against.
 """
 
 from __future__ import annotations
 
 import ast
-import json
-import os
-import secrets
-import signal
-import subprocess
-import sys
-import tempfile
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+import warnings
+from functools import lru_cache
+from typing import Any, Dict, Optional, Sequence
 
+from aitraining_pl.environments.sandbox import SandboxLimits, TestRunResult, run_tests  # noqa: F401 (re-export)
 from aitraining_pl.environments.text import MultiObjectiveRewardEnv
 
 #: Built-in tasks: (prompt, test cases). Each test case is a Python statement that raises if it fails.
@@ -40,90 +33,19 @@ DEFAULT_CODE_TASKS = (
      ["assert count_vowels('banana') == 3", "assert count_vowels('xyz') == 0"]),
 )
 
-# Runs in the child: disable sockets, run the candidate, then each test; print the nonce and the count.
-_RUNNER = r"""
-import json, socket, sys
-def _no_network(*args, **kwargs):
-    raise OSError("network access is disabled in the code-reward runner")
-for _name in ("socket", "create_connection", "getaddrinfo", "socketpair", "fromfd", "create_server"):
-    setattr(socket, _name, _no_network)
-def _main(spec):
-    nonce, passed = spec.pop("nonce"), 0
-    namespace = {"__name__": "__candidate__"}
-    try:
-        exec(compile(spec["code"], "<candidate>", "exec"), namespace)
-    except BaseException:
-        sys.__stdout__.write("\n" + nonce + json.dumps({"passed": 0, "loaded": False}) + "\n")
-        return
-    for test in spec["tests"]:
-        try:
-            exec(compile(test, "<test>", "exec"), namespace)
-            passed += 1
-        except BaseException:
-            pass
-    sys.__stdout__.write("\n" + nonce + json.dumps({"passed": passed, "loaded": True}) + "\n")
-_main(json.loads(sys.stdin.read()))
-"""
-
-
-@dataclass
-class TestRunResult:
-    """Outcome of ``run_test_cases``: tests passed out of ``total``, and whether the time limit hit."""
-
-    __test__ = False  # not a pytest class
-
-    passed: int
-    total: int
-    timed_out: bool = False
-    error: str = ""
-
-    @property
-    def fraction(self) -> float:
-        return self.passed / self.total if self.total else 0.0
-
-
-def _limit_resources(cpu_seconds: int) -> None:  # pragma: no cover - runs in the child
-    import resource
-
-    for limit, value in (
-        (resource.RLIMIT_CPU, cpu_seconds),
-        (resource.RLIMIT_AS, 1 << 30),
-        (resource.RLIMIT_FSIZE, 1 << 20),
-        (resource.RLIMIT_CORE, 0),
-    ):
-        try:
-            resource.setrlimit(limit, (value, value))
-        except (ValueError, OSError):
-            pass
-
 
 def run_test_cases(code: str, tests: Sequence[str], timeout: float = 5.0) -> TestRunResult:
-    """Run ``code`` then each test statement in a restricted child Python (see the module docstring)."""
-    if not tests:
-        return TestRunResult(0, 0)
-    nonce = secrets.token_hex(16)
-    payload = json.dumps({"code": code, "tests": list(tests), "nonce": nonce})
-    posix = os.name == "posix"
-    with tempfile.TemporaryDirectory(prefix="aitraining_pl_code_") as workdir:
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _RUNNER],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            cwd=workdir, env={}, start_new_session=posix, text=True,
-            preexec_fn=(lambda: _limit_resources(int(timeout) + 1)) if posix else None,
-        )
-        try:
-            out, _ = proc.communicate(payload, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            if posix:
-                os.killpg(proc.pid, signal.SIGKILL)
-            else:
-                proc.kill()
-            proc.communicate()
-            return TestRunResult(0, len(tests), timed_out=True, error="time limit")
-    for line in reversed(out.splitlines()):
-        if line.startswith(nonce):
-            return TestRunResult(int(json.loads(line[len(nonce):])["passed"]), len(tests))
-    return TestRunResult(0, len(tests), error=f"runner exited with code {proc.returncode}")
+    """Run ``code`` then each test statement in the sandbox (see ``aitraining_pl.environments.sandbox``) with
+    ``timeout`` wall-clock seconds for the whole run; ``0 <= passed <= len(tests)``."""
+    result = run_tests(code, tests, SandboxLimits(timeout=timeout))
+    if result.error.startswith(("could not start", "the code sandbox does not run")):
+        _warn_once(result.error)
+    return result
+
+
+@lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(f"code sandbox: {message}; every test of the code environment scores 0", stacklevel=3)
 
 
 def extract_code(response: str) -> str:
@@ -186,9 +108,10 @@ class CodeGenerationEnv(MultiObjectiveRewardEnv):
     """A ``MultiObjectiveRewardEnv`` for writing Python functions.
 
     Components: ``syntax`` (the code compiles), ``style`` (share of simple PEP 8 checks) and ``tests`` (share
-    of the prompt's test cases passed, run in a restricted subprocess with a time limit; see the module
-    docstring for what that does and does not protect against). The code is the first fenced block of the
-    response, or the whole response. As a class it can be named in YAML as a PPO reward source.
+    of the prompt's test cases passed, run in the code sandbox with a time limit; see
+    ``aitraining_pl.environments.sandbox`` for what that does and does not protect against). The code is the
+    first fenced block of the response, or the whole response. As a class it can be named in YAML as a PPO
+    reward source.
 
     Args:
         tokenizer: a Hugging Face tokenizer or a name for ``load_tokenizer`` (only episodes use it).

@@ -1,0 +1,424 @@
+"""The sandbox supervisor (see ``aitraining_pl.environments.sandbox`` for what it does and does not protect).
+
+Run as ``python -I -S sandbox_supervisor.py`` with a JSON spec ``{"code", "tests", "limits"}`` on stdin; prints
+one JSON line ``{"passed", "timed_out", "error", "output", "isolation"}``. Standard library only: it runs in
+isolated mode without the project on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import ctypes
+import json
+import os
+import platform
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+#: Run in the candidate's process (see that file's docstring).
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_candidate.py")) as _source:
+    CANDIDATE_SOURCE = _source.read()
+
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 4, 38, 36
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, AT_RECURSIVE, AT_FDCWD = 0x1, 0x2, 0x8000, -100
+SYS_MOUNT_SETATTR = 442 if platform.machine() in ("x86_64", "aarch64", "arm64") else None
+NOBODY = 65534
+#: The candidate runs the base interpreter (a venv's ``bin/python`` may be a link into a folder closed to others).
+INTERPRETER = os.path.realpath(sys.executable)
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in ("attr_set", "attr_clr", "propagation", "userns_fd")]
+
+
+def _prctl(option: int, value: int) -> bool:
+    return _LIBC is not None and _LIBC.prctl(option, ctypes.c_ulong(value), 0, 0, 0) == 0
+
+
+def _unshare(flags: int) -> bool:
+    return _LIBC is not None and _LIBC.unshare(flags) == 0
+
+
+def _mount(source: bytes, target: bytes, fstype, flags: int, data=None) -> bool:
+    return _LIBC.mount(source, target, fstype, ctypes.c_ulong(flags), data) == 0
+
+
+def _expose(path: str) -> bool:
+    """Inside a new mount namespace as root: make ``path`` reachable by other users when a parent folder is not
+    (e.g. an interpreter under ``/root``) with a tmpfs over the first closed parent and ``path`` bound into it."""
+    parts = path.strip("/").split("/")
+    parents = ("/" + "/".join(parts[:i]) for i in range(1, len(parts)))
+    closed = next((p for p in parents if not os.stat(p).st_mode & 1), None)
+    if closed is None:
+        return True
+    fd = os.open(path, os.O_PATH | os.O_DIRECTORY)
+    try:
+        if not _mount(b"tmpfs", closed.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=0755,size=1m"):
+            return False
+        os.makedirs(path, exist_ok=True)
+        return _mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, MS_BIND | MS_REC)
+    finally:
+        os.close(fd)
+
+
+def _mount_setattr(path: bytes, flags: int, set_: int = 0, clear: int = 0) -> bool:
+    if SYS_MOUNT_SETATTR is None:
+        return False
+    attr = _MountAttr(set_, clear, 0, 0)
+    return _LIBC.syscall(
+        ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), ctypes.c_char_p(path), ctypes.c_uint(flags),
+        ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
+    ) == 0  # fmt: skip
+
+
+def _enter_namespaces(root: bool) -> list:
+    """Put the supervisor in a new PID namespace (its first child is the namespace's init); as a non-root user
+    through a new user namespace that maps only the user's own uid and gid."""
+    if root:
+        return ["pid-namespace"] if _unshare(CLONE_NEWPID) else []
+    uid, gid = os.geteuid(), os.getegid()
+    if not _unshare(CLONE_NEWUSER | CLONE_NEWPID):
+        return []
+    try:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as handle:
+                handle.write(text)
+    except OSError:
+        pass
+    return ["user-namespace", "pid-namespace"]
+
+
+def _jail(workdir: str, limits: dict, status_fd: int, root: bool, pidns: bool, nproc: int) -> None:
+    """Runs in the forked candidate before ``exec``: namespaces, read-only mounts, rlimits, uid, then reports
+    the layers applied on ``status_fd`` (closed before the candidate's code runs)."""
+    import resource
+
+    tags = ["no-network"] if _unshare(CLONE_NEWNET) else []
+    if _unshare(CLONE_NEWNS) and _mount(b"none", b"/", None, MS_REC | MS_PRIVATE):
+        if pidns and _mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC):
+            tags.append("private-proc")
+        if root and _expose(os.path.dirname(INTERPRETER)):
+            tags.append("interpreter-exposed")
+        work = workdir.encode()
+        if (
+            _mount(work, work, None, MS_BIND)
+            and _mount_setattr(b"/", AT_RECURSIVE, set_=MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID)
+            and _mount_setattr(work, 0, clear=MOUNT_ATTR_RDONLY)
+        ):
+            tags.append("read-only-root")
+    os.chdir(workdir)  # after the bind mount, so the working directory is the writable one
+    missing = []
+    for limit, value in (
+        (resource.RLIMIT_CPU, int(limits["cpu_seconds"])), (resource.RLIMIT_AS, int(limits["memory_bytes"])),
+        (resource.RLIMIT_FSIZE, int(limits["file_bytes"])), (resource.RLIMIT_NOFILE, int(limits["open_files"])),
+        (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, nproc),
+    ):  # fmt: skip
+        try:
+            hard = resource.getrlimit(limit)[1]
+            value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+            resource.setrlimit(limit, (value, value))
+        except (ValueError, OSError):  # e.g. RLIMIT_AS on macOS
+            missing.append(limit)
+    tags.append("rlimits" if not missing else "rlimits-partial")
+    if root:  # raises (and the candidate does not start) rather than running it as root
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        tags.append("uid-nobody")
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
+    os.write(status_fd, json.dumps(tags).encode())
+
+
+def _processes_of(uid: int) -> int:
+    count = 0
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        try:
+            count += entry.isdigit() and os.stat(f"/proc/{entry}").st_uid == uid
+        except OSError:
+            pass
+    return count
+
+
+def _children() -> list:
+    me, pids = os.getpid(), []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                if entry.isdigit() and int(handle.read().rsplit(b")", 1)[1].split()[1]) == me:
+                    pids.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            pass
+    return pids
+
+
+def _kill_all(child: subprocess.Popen) -> None:
+    """SIGKILL the candidate's group and every process re-parented to this subreaper, until none is left."""
+    for kill in (lambda: os.killpg(child.pid, signal.SIGKILL), child.kill):
+        try:
+            kill()
+        except OSError:
+            pass
+    give_up = time.monotonic() + 10.0
+    while time.monotonic() < give_up:
+        for pid in _children():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            if os.waitpid(-1, os.WNOHANG) == (0, 0):
+                time.sleep(0.005)
+        except ChildProcessError:
+            return
+
+
+class _Timeout(BaseException):
+    """The wall-clock limit passed (a BaseException so that a test's ``except Exception`` does not hide it)."""
+
+
+class _Gone(BaseException):
+    """The candidate exited or broke the protocol."""
+
+
+class CandidateError(Exception):
+    """The candidate raised an exception that is not a built-in one."""
+
+
+class _Channel:
+    """Requests to the candidate and its replies, under the run's deadline and a reply-size cap."""
+
+    def __init__(self, requests: int, replies: int, output: _Output, deadline: float, cap: int):
+        self.requests, self.replies, self.output, self.deadline, self.cap = requests, replies, output, deadline, cap
+        self.buffer, self.broken = b"", None
+        os.set_blocking(requests, False)
+
+    def _wait(self, fd: int, write: bool) -> None:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            self.broken = _Timeout
+            raise _Timeout()
+        watched = self.output.watched() + ([] if write else [fd])
+        readable, _, _ = select.select(watched, [fd] if write else [], [], remaining)
+        if self.output.fd in readable:
+            self.output.pump()
+
+    def send(self, message) -> None:
+        data = memoryview((json.dumps(message) + "\n").encode())
+        while data:
+            self._wait(self.requests, write=True)
+            try:
+                data = data[os.write(self.requests, data[:65536]):]
+            except BlockingIOError:
+                pass
+            except OSError:
+                self.broken = _Gone
+                raise _Gone("the candidate exited")
+
+    def receive(self) -> dict:
+        while b"\n" not in self.buffer:
+            if len(self.buffer) > self.cap:
+                self.broken = _Gone
+                raise _Gone("the candidate's reply is larger than the cap")
+            self._wait(self.replies, write=False)
+            if select.select([self.replies], [], [], 0)[0]:
+                chunk = os.read(self.replies, 65536)
+                if not chunk:
+                    self.broken = _Gone
+                    raise _Gone("the candidate exited")
+                self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        try:
+            reply = json.loads(line)
+            return reply if isinstance(reply, dict) else {}
+        except ValueError:
+            self.broken = _Gone
+            raise _Gone("the candidate broke the protocol") from None
+
+    def request(self, **message):
+        if self.broken is not None:
+            raise self.broken()
+        self.send(message)
+        reply = self.receive()
+        if "ok" in reply:
+            return self.decode(reply["ok"])
+        cls = getattr(builtins, str(reply.get("raise")), None)
+        detail = f"{reply.get('raise')} from the candidate: {str(reply.get('message', ''))[:500]}"
+        raise cls(detail) if isinstance(cls, type) and issubclass(cls, Exception) else CandidateError(detail)
+
+    def decode(self, item):
+        if isinstance(item, dict) and isinstance(item.get("ref"), int):
+            return _Remote(self, item["ref"])
+        if isinstance(item, dict) and isinstance(item.get("value"), str):
+            return ast.literal_eval(item["value"])
+        raise ValueError("the candidate sent a malformed value")
+
+    def encode(self, value) -> dict:
+        if isinstance(value, _Remote) and value._channel is self:
+            return {"ref": value._ref}
+        text = repr(value)
+        if type(value) in (float, complex) or ast.literal_eval(text) == value:
+            return {"value": text}
+        raise TypeError(f"cannot pass {type(value).__name__} to the candidate")
+
+
+class _Remote:
+    """A trusted proxy for one of the candidate's objects: calls, attribute and item reads; no truth value."""
+
+    __slots__ = ("_channel", "_ref")
+
+    def __init__(self, channel: _Channel, ref: int):
+        self._channel, self._ref = channel, ref
+
+    def __call__(self, *args, **kwargs):
+        encode = self._channel.encode
+        return self._channel.request(
+            op="call", ref=self._ref, args=[encode(a) for a in args], kwargs={k: encode(v) for k, v in kwargs.items()}
+        )
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._channel.request(op="getattr", ref=self._ref, name=name)
+
+    def __getitem__(self, key):
+        return self._channel.request(op="getitem", ref=self._ref, key=self._channel.encode(key))
+
+    def __bool__(self):
+        raise TypeError("an object of the candidate has no truth value in the sandbox")
+
+    def __repr__(self) -> str:
+        return f"<candidate object {self._ref}>"
+
+
+def _evaluate(channel: _Channel, code: str, tests: list) -> dict:
+    """Load the candidate, then run each test statement here, against proxies of the candidate's names."""
+    passed = 0
+    try:
+        channel.send(code)
+        loaded = channel.receive()
+        if not isinstance(loaded.get("names"), dict):
+            return {"passed": 0, "error": f"the candidate raised {loaded.get('raise')} while loading"}
+        namespace = {"__builtins__": builtins, "__name__": "__sandbox_test__"}
+        for name, item in loaded["names"].items():
+            if hasattr(builtins, str(name)):  # the candidate's ``len`` or ``sorted`` must not answer for the tests
+                continue
+            try:
+                namespace[str(name)] = channel.decode(item)
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                pass
+        for test in tests:
+            try:
+                exec(compile(test, "<test>", "exec"), namespace)
+            except (_Timeout, _Gone):
+                raise
+            except BaseException:
+                continue
+            if channel.broken is not None:  # a test that swallowed the candidate's failure does not count
+                raise channel.broken()
+            passed += 1
+    except _Timeout:
+        return {"passed": passed, "timed_out": True, "error": "time limit"}
+    except _Gone as exc:
+        return {"passed": passed, "error": str(exc) or "the candidate exited"}
+    return {"passed": passed}
+
+
+class _Output:
+    """The candidate's stdout and stderr, read whenever the supervisor waits; only ``cap`` bytes are kept.
+    (No thread: a process that has unshared its PID namespace cannot start one.)"""
+
+    def __init__(self, fd: int, cap: int):
+        self.fd, self.cap, self.chunks, self.size, self.closed = fd, cap, [], 0, False
+
+    def watched(self) -> list:
+        return [] if self.closed else [self.fd]
+
+    def pump(self) -> bool:
+        """Read once (the fd is readable); False at EOF."""
+        chunk = os.read(self.fd, 65536)
+        if chunk and self.size < self.cap:
+            self.chunks.append(chunk[: self.cap - self.size])
+            self.size += len(self.chunks[-1])
+        self.closed = not chunk
+        return bool(chunk)
+
+    def finish(self, seconds: float) -> str:
+        """Drain until EOF (every writer is dead) or ``seconds`` pass."""
+        end = time.monotonic() + seconds
+        while not self.closed and time.monotonic() < end:
+            if select.select([self.fd], [], [], max(0.0, end - time.monotonic()))[0]:
+                self.pump()
+        os.close(self.fd)
+        return b"".join(self.chunks).decode("utf-8", "replace")
+
+
+def _run(spec: dict, workdir: str, root: bool, tags: list, deadline: float) -> dict:
+    limits = spec["limits"]
+    req_r, req_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    out_r, out_w = os.pipe()
+    status_r, status_w = os.pipe()
+    nproc = _processes_of(NOBODY if root else os.geteuid()) + int(limits["max_processes"])
+    pidns = "pid-namespace" in tags
+    try:
+        child = subprocess.Popen(
+            [INTERPRETER, "-I", "-S", "-u", "-c", CANDIDATE_SOURCE, str(req_r), str(rep_w)],
+            stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w, pass_fds=(req_r, rep_w), env={},
+            start_new_session=True, preexec_fn=lambda: _jail(workdir, limits, status_w, root, pidns, nproc),
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        for fd in (req_r, req_w, rep_r, rep_w, out_r, out_w, status_r, status_w):
+            os.close(fd)
+        return {"passed": 0, "error": f"could not start the candidate in the sandbox: {exc}"}
+    for fd in (req_r, rep_w, out_w, status_w):
+        os.close(fd)
+    tags += json.loads(os.read(status_r, 4096) or b"[]")
+    os.close(status_r)
+    output = _Output(out_r, int(limits["output_bytes"]))
+    channel = _Channel(req_w, rep_r, output, deadline, int(limits["reply_bytes"]))
+    try:
+        result = _evaluate(channel, spec["code"], spec["tests"])
+    finally:
+        _kill_all(child)
+        os.close(req_w)
+        os.close(rep_r)
+    return dict(result, output=output.finish(1.0))
+
+
+def main() -> None:
+    spec = json.loads(sys.stdin.buffer.read())
+    sys.stdin.close()
+    # only the result line goes to the trainer: a test that prints (perhaps the candidate's data) writes nowhere
+    result_fd = os.dup(1)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    deadline = time.monotonic() + float(spec["limits"]["timeout"])
+    tags = ["subreaper"] if _prctl(PR_SET_CHILD_SUBREAPER, 1) else []
+    _prctl(PR_SET_DUMPABLE, 0)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    root = os.geteuid() == 0
+    tags += _enter_namespaces(root)
+    workdir = tempfile.mkdtemp(prefix="aitraining_pl_code_")
+    try:
+        if root:
+            os.chown(workdir, NOBODY, NOBODY)
+        result = _run(spec, workdir, root, tags, deadline)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    result["isolation"] = tags
+    with os.fdopen(result_fd, "w") as channel:
+        channel.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
