@@ -124,10 +124,15 @@ class StopRule:
         tokenizer: decodes responses for ``stop_strings`` (may be None when there are none).
         stop_strings: texts that end a response.
         stop_sequences: token-id sequences that end a response.
+        skip_special_tokens: look for stop strings in the text without special tokens (default: special tokens
+            are decoded as their text, as transformers' own stop strings see them).
     """
 
-    def __init__(self, tokenizer=None, stop_strings: Sequence[str] | None = None, stop_sequences: Sequence[Sequence[int]] | None = None):
-        self.tokenizer = tokenizer
+    def __init__(
+        self, tokenizer=None, stop_strings: Sequence[str] | None = None,
+        stop_sequences: Sequence[Sequence[int]] | None = None, skip_special_tokens: bool = False,
+    ):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.stop_strings = [s for s in (stop_strings or []) if s]
         self.stop_sequences = [[int(t) for t in s] for s in (stop_sequences or []) if len(s)]
         if self.stop_strings and tokenizer is None:
@@ -143,7 +148,7 @@ class StopRule:
         return bool(self.stop_strings) and self._contains_string(ids)
 
     def _contains_string(self, ids: list[int]) -> bool:
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return any(s in text for s in self.stop_strings)
 
     def ends(self, response_ids: torch.Tensor) -> torch.Tensor:
@@ -317,6 +322,7 @@ class RolloutEngine:
             ``[]``: none, only stops and ``max_new_tokens`` end a response).
         stop_sequences: token-id sequences that end a response, besides ``generation.stop_strings``.
         warn_truncation: warn (once) that ``top_p`` / ``top_k`` make the training log-probs off-policy.
+        skip_special_tokens: match stop strings in the text without special tokens (``StopRule``).
     """
 
     def __init__(
@@ -326,11 +332,12 @@ class RolloutEngine:
         end_token_ids: list[int] | None = None,
         stop_sequences: Sequence[Sequence[int]] | None = None,
         warn_truncation: bool = True,
+        skip_special_tokens: bool = False,
     ):
         generation.validate()
         self.tokenizer, self.generation = tokenizer, generation
         self.end_ids = None if end_token_ids is None else [int(t) for t in end_token_ids]
-        self.stop_rule = StopRule(tokenizer, generation.stop_strings, stop_sequences)
+        self.stop_rule = StopRule(tokenizer, generation.stop_strings, stop_sequences, skip_special_tokens)
         if warn_truncation:
             warn_truncated_sampling(generation)
 
