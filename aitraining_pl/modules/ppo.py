@@ -259,7 +259,8 @@ class PPOModule(AlignmentModule):
         P = prompt_ids.shape[1]
         # 1. rollout: sample responses; each ends at its first end token or stop string (one rule, rollout.py)
         rollout = self.generate(prompt_ids, prompt_mask)
-        input_ids, attention_mask, mask, ended = rollout.input_ids, rollout.attention_mask, rollout.response_mask, rollout.ended
+        input_ids, attention_mask = rollout.input_ids, rollout.attention_mask
+        mask, ended = rollout.response_mask, rollout.ended
         # 2. score with the reward source (errors, wrong lengths and NaNs stop the run)
         scores, components = self.score(batch["prompts"], batch["metadata"], rollout)
         # 3. old log-probs and values of the policy, log-probs of the reference
