@@ -75,7 +75,8 @@ class ResponseStoppingCriteria(StoppingCriteria):
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         response = input_ids[:, self.prompt_length :]
         done = torch.zeros(response.shape[0], dtype=torch.bool, device=input_ids.device)
-        finished = torch.isin(response, torch.tensor(self.end_ids, device=response.device)).any(1).tolist()
+        ends = torch.tensor(self.end_ids, dtype=response.dtype, device=response.device)
+        finished = torch.isin(response, ends).any(1).tolist()
         for row, ids in enumerate(response.tolist()):
             done[row] = not finished[row] and self.rule.stops(ids)
         return done
