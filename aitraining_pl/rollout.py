@@ -24,16 +24,21 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
 
 import torch
-from transformers import GenerationConfig as HFGenerationConfig
 from transformers import StoppingCriteriaList
 
 from aitraining_pl.losses import kl_penalty, selective_log_softmax
+from aitraining_pl.models.generation import (
+    ResponseStoppingCriteria,
+    SampledTokens,
+    StopRule,
+    hf_generation_config,
+    sample_responses,
+)
 from aitraining_pl.rewards import score_responses
-from aitraining_pl.stopping import ResponseStoppingCriteria, StopRule
 
 
 @dataclass
@@ -53,7 +58,7 @@ class GenerationConfig:
     """Nucleus sampling mass (1.0 = off; below 1 the training log-probs are not of the sampled distribution)."""
     top_k: int = 0
     """Sample among the k most likely tokens (0 = off; when on, the same caveat as ``top_p``)."""
-    stop_strings: Optional[list[str]] = None
+    stop_strings: list[str] | None = None
     """Strings that end a response (the response keeps them), besides the end tokens."""
     do_sample: bool = True
     """False: greedy decoding (for evaluation)."""
@@ -83,8 +88,8 @@ class Rollout:
     ended: torch.Tensor  #: (N,) bool: ended by an end token or stop (False: hit max_new_tokens)
     texts: list[str]  #: decoded responses (end/special tokens removed); empty strings without a tokenizer
     group: torch.Tensor  #: (N,) long: index of the prompt each row came from
-    logprobs: Optional[torch.Tensor] = None  #: (N, R) untruncated log-probs at temperature 1 (``with_logprobs``)
-    sampling_logprobs: Optional[torch.Tensor] = None  #: (N, R) log-probs under the distribution sampled from
+    logprobs: torch.Tensor | None = None  #: (N, R) untruncated log-probs at temperature 1 (``with_logprobs``)
+    sampling_logprobs: torch.Tensor | None = None  #: (N, R) log-probs under the distribution sampled from
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -148,72 +153,6 @@ def decode_responses(tokenizer, response_ids: torch.Tensor, mask: torch.Tensor) 
     """Texts of the masked response tokens, special tokens (end tokens) removed."""
     lengths = mask.sum(1).tolist()
     return [tokenizer.decode(ids[: int(n)], skip_special_tokens=True) for ids, n in zip(response_ids.tolist(), lengths)]
-
-
-class SampledTokens(NamedTuple):
-    """What ``generate`` returned: response ids (N, R) and, when asked, the per-step logits (N, R, V) before
-    and after the sampling processors (temperature, top-k, top-p)."""
-
-    response_ids: torch.Tensor
-    logits: Optional[torch.Tensor] = None
-    scores: Optional[torch.Tensor] = None
-
-
-def hf_generation_config(
-    config: GenerationConfig, end_ids: Sequence[int], pad_token_id: int, with_logprobs: bool = False
-) -> HFGenerationConfig:
-    """A complete ``transformers.GenerationConfig`` for ``config``: every logits processor that could change
-    the sampled distribution is set to its neutral value (``top_k=0`` in particular: transformers' default
-    is 50), the end ids are ours."""
-    sampling = (
-        dict(do_sample=True, temperature=float(config.temperature), top_p=float(config.top_p), top_k=int(config.top_k))
-        if config.do_sample else dict(do_sample=False)
-    )
-    return HFGenerationConfig(
-        max_new_tokens=config.max_new_tokens, min_new_tokens=0, eos_token_id=list(end_ids) or None,
-        pad_token_id=pad_token_id, num_beams=1, num_return_sequences=1, repetition_penalty=1.0,
-        encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
-        renormalize_logits=False, use_cache=True, return_dict_in_generate=True, output_logits=with_logprobs,
-        output_scores=with_logprobs, **sampling,
-    )  # fmt: skip
-
-
-def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a peft wrapper (the one whose ``generation_config`` ``generate`` reads)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-@contextlib.contextmanager
-def _blank_generation_config(model: torch.nn.Module):
-    """Swap the model's ``generation_config`` for a blank one: ``generate`` fills every field we leave unset
-    from it, so a checkpoint's settings would otherwise apply."""
-    hf = _hf_model(model)
-    saved = getattr(hf, "generation_config", None)
-    hf.generation_config = HFGenerationConfig()
-    try:
-        yield
-    finally:
-        hf.generation_config = saved
-
-
-@torch.no_grad()
-def sample_responses(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    config: HFGenerationConfig,
-    stopping_criteria: Optional[StoppingCriteriaList] = None,
-    synced_gpus: bool = False,
-) -> SampledTokens:
-    """The one ``model.generate`` call of the project, for left-padded ``prompt_ids`` (N, P), with ``config``
-    (``hf_generation_config``) and nothing from the model's own generation config."""
-    with _blank_generation_config(model):
-        out = model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-            stopping_criteria=stopping_criteria or StoppingCriteriaList(), synced_gpus=synced_gpus,
-        )
-    stacked = (lambda steps: torch.stack(steps, 1).float() if steps else None)
-    return SampledTokens(out.sequences[:, prompt_ids.shape[1] :], stacked(out.logits), stacked(out.scores))
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import TINY_LLAMA
 
 import aitraining_pl.rollout as rollout_module
 from aitraining_pl.models import build_causal_lm, load_causal_lm, load_tokenizer
@@ -21,7 +22,6 @@ from aitraining_pl.rollout import (
     score_rollout,
     token_rewards,
 )
-from conftest import TINY_LLAMA
 
 EOT = "<|im_end|>"
 CHAT_TEMPLATE = (

@@ -1,12 +1,17 @@
-"""When a response stops: stop strings and stop sequences of token ids, looked for in the response tokens only,
-by one rule shared by ``generate`` (``ResponseStoppingCriteria``) and the response mask (``StopRule.ends``)."""
+"""The Hugging Face side of sampling: the one ``generate`` call of the project (``sample_responses``), with a
+complete explicit ``transformers.GenerationConfig`` and the model's own generation config out of the way, and
+the stop rule (stop strings, stop sequences) that ``generate`` and the response mask share. The rollout engine
+(``aitraining_pl.rollout``) is built on these."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
-from transformers import StoppingCriteria
+from transformers import GenerationConfig as HFGenerationConfig
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 
 class StopRule:
@@ -80,3 +85,75 @@ class ResponseStoppingCriteria(StoppingCriteria):
         for row, ids in enumerate(response.tolist()):
             done[row] = not finished[row] and self.rule.stops(ids)
         return done
+
+
+class SampledTokens(NamedTuple):
+    """What ``generate`` returned: response ids (N, R) and, when asked, the per-step logits (N, R, V) before
+    and after the sampling processors (temperature, top-k, top-p)."""
+
+    response_ids: torch.Tensor
+    logits: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+
+
+def hf_generation_config(
+    config: Any, end_ids: Sequence[int], pad_token_id: int, with_logprobs: bool = False
+) -> HFGenerationConfig:
+    """A complete ``transformers.GenerationConfig`` for ``config`` (an ``aitraining_pl.rollout.GenerationConfig``:
+    ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``top_k``): every logits processor that could
+    change the sampled distribution is set to its neutral value (``top_k=0`` in particular: transformers' default
+    is 50), the end ids are ours."""
+    sampling = (
+        dict(do_sample=True, temperature=float(config.temperature), top_p=float(config.top_p), top_k=int(config.top_k))
+        if config.do_sample else dict(do_sample=False)
+    )
+    return HFGenerationConfig(
+        max_new_tokens=config.max_new_tokens, min_new_tokens=0, eos_token_id=list(end_ids) or None,
+        pad_token_id=pad_token_id, num_beams=1, num_return_sequences=1, repetition_penalty=1.0,
+        encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+        renormalize_logits=False, use_cache=True, return_dict_in_generate=True, output_logits=with_logprobs,
+        output_scores=with_logprobs, **sampling,
+    )  # fmt: skip
+
+
+def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (the one whose ``generation_config`` ``generate`` reads)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@contextlib.contextmanager
+def _blank_generation_config(model: torch.nn.Module):
+    """Swap the model's ``generation_config`` for a blank one: ``generate`` fills every field we leave unset
+    from it, so a checkpoint's settings would otherwise apply."""
+    hf = _hf_model(model)
+    saved = getattr(hf, "generation_config", None)
+    hf.generation_config = HFGenerationConfig()
+    try:
+        yield
+    finally:
+        hf.generation_config = saved
+
+
+@torch.no_grad()
+def sample_responses(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    config: HFGenerationConfig,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    synced_gpus: bool = False,
+) -> SampledTokens:
+    """The one ``model.generate`` call of the project, for left-padded ``prompt_ids`` (N, P), with ``config``
+    (``hf_generation_config``) and nothing from the model's own generation config."""
+    with _blank_generation_config(model):
+        out = model.generate(
+            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+            stopping_criteria=stopping_criteria or StoppingCriteriaList(), synced_gpus=synced_gpus,
+        )
+    return SampledTokens(out.sequences[:, prompt_ids.shape[1] :], _stacked(out.logits), _stacked(out.scores))
+
+
+def _stacked(steps: tuple[torch.Tensor, ...] | None) -> torch.Tensor | None:
+    """Per-step (N, V) tensors as one (N, R, V) float tensor."""
+    return torch.stack(steps, 1).float() if steps else None
+
