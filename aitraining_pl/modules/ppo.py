@@ -28,15 +28,15 @@ from aitraining_pl.losses import (
 from aitraining_pl.models import LoRAConfig, PPOModel, is_peft_model
 from aitraining_pl.modules.base import AlignmentModule
 from aitraining_pl.optim import adamw_with_warmup
-from aitraining_pl.rewards import build_reward_source, score_responses
+from aitraining_pl.rewards import build_reward_source
 from aitraining_pl.rollout import (
     GenerationConfig,
-    decode_responses,
+    Rollout,
+    RolloutEngine,
     position_ids_from_mask,
-    response_mask,
-    sample_responses,
-    stop_string_ends,
+    score_rollout,
     token_rewards,
+    warn_truncated_sampling,
 )
 
 
@@ -80,7 +80,10 @@ class PPOModule(AlignmentModule):
             ``{"class_path", "init_args"}`` or ``{"components": {name: {"source", "weight", "kwargs"}}}``
             (see ``aitraining_pl.rewards``); in Python also any callable
             ``(prompts, responses, metadata) -> list[float]``.
-        generation: sampling settings (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop_strings``).
+        generation: sampling settings (``max_new_tokens``, ``temperature``, ``top_p`` (default 1.0), ``top_k``,
+            ``stop_strings``), used as given: the checkpoint's ``generation_config`` never applies. Responses end
+            at the tokenizer's EOS, any of the model's ``generation_config.eos_token_id`` or a stop string
+            (``aitraining_pl.rollout``).
         learning_rate: AdamW learning rate (linear warmup by ``warmup_ratio``, then linear decay).
         mini_batch_size: rollouts per forward/backward pass in the update.
         gradient_accumulation_steps: minibatches per optimizer step.
@@ -134,6 +137,8 @@ class PPOModule(AlignmentModule):
         self.store_lora_hparam(lora)
         self.generation = generation if isinstance(generation, GenerationConfig) else GenerationConfig(**dict(generation))
         self.hparams["generation"] = asdict(self.generation)
+        self.generation.validate()
+        warn_truncated_sampling(self.generation)
         policy, self.reference = self.load_policy_from_hparams(with_reference=True)
         self.model = PPOModel(policy)
         self._reward_source = [build_reward_source(reward)]  # in a list: never a submodule, never saved
@@ -145,6 +150,11 @@ class PPOModule(AlignmentModule):
     def reward_source(self) -> Callable:
         """The reward source (protocol in ``aitraining_pl.rewards``)."""
         return self._reward_source[0]
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The rollout engine for ``generation`` with this module's tokenizer."""
+        return RolloutEngine(self.tokenizer, self.generation)
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -196,34 +206,24 @@ class PPOModule(AlignmentModule):
         return contextlib.nullcontext()
 
     @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: Optional[GenerationConfig] = None):
-        """Sample responses for left-padded prompts: ``(response_ids (B, R), mask (B, R), ended (B,))``."""
-        config = config or self.generation
-        tok = self.tokenizer
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: Optional[GenerationConfig] = None,
+        num_samples: int = 1,
+    ) -> Rollout:
+        """Sample ``num_samples`` responses per left-padded prompt with the rollout engine (``generation``, or
+        ``config``), in eval mode."""
+        engine = self.engine if config is None else RolloutEngine(self.tokenizer, config)
         sharded = self._generation_context()
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with sharded:
-                response = sample_responses(
-                    self.policy, prompt_ids, prompt_mask, config, eos_token_id=tok.eos_token_id,
-                    pad_token_id=tok.pad_token_id, tokenizer=tok,
-                    synced_gpus=not isinstance(sharded, contextlib.nullcontext),
-                )
-        finally:
-            self.model.train(was_training)
-        stops = stop_string_ends(tok, response, config.stop_strings) if config.stop_strings else None
-        mask, ended = response_mask(response, tok.eos_token_id, stops)
-        return response, mask, ended
+        with sharded:
+            return engine.sample(
+                self.policy, prompt_ids, prompt_mask, num_samples,
+                synced_gpus=not isinstance(sharded, contextlib.nullcontext),
+            )
 
-    def score(self, prompts: list[str], responses: list[str], metadata: list[dict], ended: torch.Tensor):
-        """Scores (B,) from the reward source, minus ``missing_eos_penalty`` where a response did not end;
+    def score(self, prompts: list[str], metadata: list[dict], rollout: Rollout):
+        """Scores (N,) from the reward source, minus ``missing_eos_penalty`` where a response did not end;
         and the source's per-component scores."""
-        scores, components = score_responses(self.reward_source, prompts, responses, metadata)
-        scores = torch.tensor(scores, dtype=torch.float32, device=ended.device)
-        if self.hparams.missing_eos_penalty is not None:
-            scores = scores - self.hparams.missing_eos_penalty * (~ended).float()
-        return scores, components
+        return score_rollout(self.reward_source, prompts, metadata, rollout, self.hparams.missing_eos_penalty)
 
     def forward(self, input_ids, attention_mask, prompt_length: int):
         """Response logits (temperature-scaled, (B, R, V)) and values (B, R) of the policy."""
@@ -260,13 +260,12 @@ class PPOModule(AlignmentModule):
         hp = self.hparams
         prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
         P = prompt_ids.shape[1]
-        # 1. rollout: sample responses; the mask ends at the first EOS (or stop string)
-        response, mask, ended = self.generate(prompt_ids, prompt_mask)
-        texts = decode_responses(self.tokenizer, response, mask)
-        input_ids = torch.cat([prompt_ids, response], dim=1)
-        attention_mask = torch.cat([prompt_mask, mask.to(prompt_mask.dtype)], dim=1)
+        # 1. rollout: sample responses; each ends at its first end token or stop string (one rule, rollout.py)
+        rollout = self.generate(prompt_ids, prompt_mask)
+        input_ids, attention_mask = rollout.input_ids, rollout.attention_mask
+        mask, ended = rollout.response_mask, rollout.ended
         # 2. score with the reward source (errors, wrong lengths and NaNs stop the run)
-        scores, components = self.score(batch["prompts"], texts, batch["metadata"], ended)
+        scores, components = self.score(batch["prompts"], batch["metadata"], rollout)
         # 3. old log-probs and values of the policy, log-probs of the reference
         with torch.no_grad():
             old_logprobs, old_values, ref_logprobs = self.old_and_reference(input_ids, attention_mask, P)
@@ -345,10 +344,10 @@ class PPOModule(AlignmentModule):
 
     # ------------------------------------------------------------------ validation: held-out reward
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        response, mask, ended = self.generate(batch["input_ids"], batch["attention_mask"])
-        texts = decode_responses(self.tokenizer, response, mask)
-        scores, _ = self.score(batch["prompts"], texts, batch["metadata"], ended)
-        self.log_metrics("val", {"reward_mean": scores, "response_length": mask.sum(1).float()}, batch_size=len(texts))
+        rollout = self.generate(batch["input_ids"], batch["attention_mask"])
+        scores, _ = self.score(batch["prompts"], batch["metadata"], rollout)
+        lengths = rollout.response_mask.sum(1).float()
+        self.log_metrics("val", {"reward_mean": scores, "response_length": lengths}, batch_size=len(rollout.texts))
 
     # ------------------------------------------------------------------ checkpoints and export
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
