@@ -40,7 +40,8 @@ def preference_batch(rows) -> dict[str, torch.Tensor]:
     """2B right-padded rows (chosen rows, then rejected rows), as ``PreferenceDataModule`` collates them."""
     seqs = [(p, c) for p, c, _ in rows] + [(p, r) for p, _, r in rows]
     width = max(len(p) + len(c) for p, c in seqs)
-    batch = {k: torch.zeros(len(seqs), width, dtype=torch.long) for k in ("input_ids", "attention_mask", "completion_mask")}
+    keys = ("input_ids", "attention_mask", "completion_mask")
+    batch = {k: torch.zeros(len(seqs), width, dtype=torch.long) for k in keys}
     for i, (p, c) in enumerate(seqs):
         batch["input_ids"][i, : len(p) + len(c)] = torch.tensor(p + c)
         batch["attention_mask"][i, : len(p) + len(c)] = 1
@@ -71,9 +72,11 @@ def test_dpo_completion_logps_equal_the_models_own_forward(model_type, models):
     model.train()
     rows = _rows(0)
     got = completion_logps(model, preference_batch(rows), padding_free=True, share_prompt=True).logps
-    want = torch.stack([own_logps(model, p, c).sum() for p, c in [(p, c) for p, c, _ in rows] + [(p, r) for p, _, r in rows]])
+    sequences = [(p, c) for p, c, _ in rows] + [(p, r) for p, _, r in rows]
+    want = torch.stack([own_logps(model, p, c).sum() for p, c in sequences])
     path = scoring_path(model)
-    RESULTS.setdefault(model_type, {}).update(path=path.name, reason=path.reason[:110], dpo=float((got.detach() - want).abs().max()))
+    difference = float((got.detach() - want).abs().max())
+    RESULTS.setdefault(model_type, {}).update(path=path.name, reason=path.reason[:110], dpo=difference)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
@@ -97,6 +100,7 @@ def test_ppo_old_logprobs_equal_the_models_own_forward(model_type):
     for i, (p, c, _) in enumerate(rows):
         want = own_logps(module.policy, p, c, temperature)
         torch.testing.assert_close(old[i, : len(c)], want, rtol=0, atol=1e-4)
-        torch.testing.assert_close(ref[i, : len(c)], own_logps(module.reference.model, p, c, temperature), rtol=0, atol=1e-4)
+        reference = own_logps(module.reference.model, p, c, temperature)
+        torch.testing.assert_close(ref[i, : len(c)], reference, rtol=0, atol=1e-4)
         difference = max(difference, float((old[i, : len(c)] - want).abs().max()))
     RESULTS.setdefault(model_type, {})["ppo"] = difference

@@ -100,7 +100,8 @@ def test_gradient_checkpointing_on_the_packed_path(lora):
     recomputation in backward runs packed too (without it: CheckpointError)."""
     results = []
     for checkpointing in (False, True):
-        module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", lora=lora, gradient_checkpointing=checkpointing)
+        module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", lora=lora,
+                           gradient_checkpointing=checkpointing)
         module.train()
         layers = module.policy.get_base_model().model.layers if lora else module.policy.model.layers
         assert all(layer.gradient_checkpointing == checkpointing for layer in layers)

@@ -200,7 +200,8 @@ def _probe_batch(config: Any, device: torch.device) -> dict[str, torch.Tensor]:
     rows = [(prompt, torch.randint(min(3, vocab - 1), vocab, (n,), generator=generator))
             for k in (1, 2) for prompt, lengths in zip(prompts, pairs) for n in [lengths[k]]]
     width = max(len(p) + len(c) for p, c in rows)
-    batch = {key: torch.zeros(len(rows), width, dtype=torch.long) for key in ("input_ids", "attention_mask", "completion_mask")}
+    keys = ("input_ids", "attention_mask", "completion_mask")
+    batch = {key: torch.zeros(len(rows), width, dtype=torch.long) for key in keys}
     for i, (prompt, completion) in enumerate(rows):
         p, n = len(prompt), len(prompt) + len(completion)
         batch["input_ids"][i, :n] = torch.cat([prompt, completion])

@@ -98,8 +98,8 @@ class PPOModule(AlignmentModule):
         warmup_ratio: share of optimizer steps with linear warmup.
         seed: weight-initialisation seed of an inline ``model_config`` and of the minibatch order.
         dtype: dtype the models are loaded in (default: the checkpoint's).
-        disable_dropout: set every dropout rate to 0 (policy, value head, reference and reward model), as TRL does: training
-            forwards are then deterministic.
+        disable_dropout: set every dropout rate to 0 (policy, value head, reference, reward model), as TRL
+            does: training forwards are then deterministic.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
     """

@@ -50,8 +50,8 @@ class RewardModule(SharedStepModule):
         trust_remote_code: allow custom model code from the hub (off by default).
         reward_model: an already built reward model to train (Python use); the model arguments above are
             then read from its config.
-        disable_dropout: set every dropout rate to 0 (trunk and head; overrides ``dropout_prob``), as TRL does: training
-            forwards are then deterministic.
+        disable_dropout: set every dropout rate to 0 (trunk and head; overrides ``dropout_prob``), as TRL does:
+            training forwards are then deterministic.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
     """
