@@ -159,3 +159,27 @@ def test_probe_keeps_the_fast_path_under_bf16():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert scoring_path(model).name == "packed"
     assert scoring_path(build_causal_lm(TINY_LLAMA, dtype="bfloat16")).name == "packed"
+
+
+def test_gradient_checkpointing_in_reward_and_ppo_modules():
+    """The reward trunk and PPO's policy recompute in backward with the same loss and gradients."""
+    def reward_grads(checkpointing):
+        module = RewardModule(model_config=TINY_LLAMA, tokenizer_name="byte", gradient_checkpointing=checkpointing)
+        module.train()
+        module.reward_model.score(BATCH["input_ids"], BATCH["attention_mask"]).sum().backward()
+        assert module.reward_model.trunk.is_gradient_checkpointing == checkpointing
+        return [p.grad for p in module.parameters() if p.requires_grad]
+
+    def ppo_grads(checkpointing):
+        torch.manual_seed(0)  # the value head's first layer initialises from the global generator
+        module = PPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", gradient_checkpointing=checkpointing)
+        torch.nn.init.normal_(module.model.value_head.net[-1].weight, generator=torch.Generator().manual_seed(0))
+        module.train()
+        logits, values = module(BATCH["input_ids"], BATCH["attention_mask"], 2)
+        (logits.logsumexp(-1).sum() + values.sum()).backward()
+        assert module.policy.is_gradient_checkpointing == checkpointing
+        return [p.grad for p in module.parameters() if p.requires_grad]
+
+    for grads in (reward_grads, ppo_grads):
+        for plain, checkpointed in zip(grads(False), grads(True)):
+            torch.testing.assert_close(plain, checkpointed, rtol=1e-5, atol=1e-6)
