@@ -154,3 +154,58 @@ def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor], padding_f
         rows = torch.nonzero(scored, as_tuple=True)[0]
     logps = torch.zeros(input_ids.shape[0], dtype=token.dtype, device=token.device).index_add(0, rows, token)
     return SequenceLogps(logps, lengths.to(token.dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Any rows, any scored tokens (SFT): each row one causal block, every token whose mask is 1 scored.
+
+
+def pack_rows(batch: dict[str, torch.Tensor]) -> PackedBatch:
+    """Pack the real tokens of B right-padded rows into one row, each row one causal attention block.
+
+    Every token ``t >= 1`` with ``completion_mask[t] == 1`` is scored, predicted from the packed position of
+    token ``t - 1``; the mask may have any pattern (several assistant turns, all tokens), unlike
+    ``pack_batch``, which scores one contiguous completion per row. ``sequences`` holds each scored token's row.
+    """
+    mask, lengths = batch["completion_mask"].bool(), batch["attention_mask"].sum(1)
+    starts = torch.cumsum(lengths, 0) - lengths
+    real = batch["attention_mask"].bool()
+    rows, cols = torch.nonzero(real, as_tuple=True)  # row-major: rows' real tokens end to end
+    scored_rows, scored_cols = torch.nonzero(mask[:, 1:] & real[:, 1:], as_tuple=True)
+    targets_at = starts[scored_rows] + scored_cols + 1  # packed position of each scored token
+    blocks = [(((s, s + n),), n) for s, n in zip(starts.tolist(), lengths.tolist()) if n > 0]
+    packed = batch["input_ids"][rows, cols].unsqueeze(0)
+    return PackedBatch(packed, cols.unsqueeze(0), AttentionPlan(blocks), targets_at - 1, packed[0, targets_at],
+                       scored_rows)
+
+
+def scored_token_logps(model: nn.Module, batch: dict[str, torch.Tensor],
+                       padding_free: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of every scored token of ``batch`` (``completion_mask`` 1, after the first position).
+
+    The head runs only on the positions that predict a scored token; ``padding_free`` packs the rows
+    (``pack_rows``) when the model supports it (``supports_packing``), else rows run padded; a model without
+    a separable decoder and head runs its full forward. Same token log-probs on every path.
+
+    Args:
+        model: a transformers causal LM (optionally wrapped by ``peft``).
+        batch: ``input_ids``, ``attention_mask``, ``completion_mask``, each (B, L), right padded.
+        padding_free: pack the rows' real tokens into one row.
+
+    Returns:
+        ``(logps (M,), rows (M,))``: each scored token's log-prob and row, in row-major order.
+    """
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    scored = batch["completion_mask"][:, 1:].bool() & attention_mask[:, 1:].bool()
+    decoder, head, config = _decoder_and_head(model)
+    if decoder is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+        return selective_log_softmax(logits[scored].float(), input_ids[:, 1:][scored]), torch.nonzero(scored)[:, 0]
+    if padding_free and supports_packing(config):
+        packed = pack_rows(batch)
+        with packed_attention(config, packed.plan):
+            hidden = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                             packed_plan=packed.plan).last_hidden_state
+        return _head_logps(head, config, hidden[0, packed.sources], packed.targets), packed.sequences
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    return _head_logps(head, config, hidden[:, :-1][scored], input_ids[:, 1:][scored]), torch.nonzero(scored)[:, 0]
