@@ -128,15 +128,17 @@ class SFTDataset(Dataset):
         tok = self.tokenizer
         bos, eos = getattr(tok, "bos_token_id", None), tok.eos_token_id
         ids, mask = ([bos], [0]) if bos is not None else ([], [])
+        last_scored = False  # whether the text ends in a scored piece (then so is the EOS)
         for text, scored in segments:
             piece = list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
             if ids and piece and bos is not None and piece[0] == bos and len(ids) == 1:
                 piece = piece[1:]  # a template that writes BOS itself
             ids += piece
             mask += [int(scored or not self.completion_only_loss)] * len(piece)
+            last_scored = scored if piece else last_scored
         if eos is not None and (not ids or ids[-1] != eos):
             ids.append(eos)
-            mask.append(int(segments[-1][1] or not self.completion_only_loss))
+            mask.append(int(last_scored or not self.completion_only_loss))
         ids, mask = ids[: self.max_length], mask[: self.max_length]
         if not any(mask[1:]):  # the first token is never predicted
             return None
