@@ -9,16 +9,15 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
+from conftest import TINY_LLAMA
+from dpo_utils import read_metrics, series, write_config, write_jsonl
 
 from aitraining_pl import SFTDataModule, SFTModule
 from aitraining_pl.cli import build_cli
 from aitraining_pl.datamodules.io import DataValidationError
 from aitraining_pl.losses import sft_loss
 from aitraining_pl.models import LoRAConfig, build_causal_lm, load_tokenizer
-from aitraining_pl.models.scoring import pack_rows, scored_token_logps
-from conftest import TINY_LLAMA
-from dpo_utils import read_metrics, series, write_config, write_jsonl
+from aitraining_pl.models.scoring import pack_rows, scoring_path, token_logps
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -56,10 +55,19 @@ def full_text(tokenizer, batch, row=0):
 
 
 # ------------------------------------------------------------------ the loss
+def scored_logps(model, batch, padding_free=True):
+    """(B, L - 1) log-probs of the scored tokens (0 elsewhere) and the (B, L - 1) mask, as SFTModule scores."""
+    scored = batch["completion_mask"].bool() & batch["attention_mask"].bool()
+    packed = pack_rows(batch) if padding_free else None
+    return token_logps(model, batch["input_ids"], batch["attention_mask"], scored, packed=packed), scored[:, 1:]
+
+
 def test_sft_loss_is_the_mean_token_nll():
-    assert float(sft_loss(torch.tensor([-1.0, -2.0, -6.0]))) == pytest.approx(3.0)
-    empty = torch.zeros(0, requires_grad=True)
-    assert float(sft_loss(empty).detach()) == 0.0 and sft_loss(empty).requires_grad
+    logps = torch.tensor([[-1.0, -2.0, -5.0], [-6.0, -7.0, -9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert float(sft_loss(logps, mask)) == pytest.approx(3.0)  # (1 + 2 + 6) / 3: tokens weigh the same
+    empty = logps.clone().requires_grad_()
+    assert float(sft_loss(empty, torch.zeros(2, 3)).detach()) == 0.0 and sft_loss(empty, torch.zeros(2, 3)).requires_grad
 
 
 # rows of lengths 4, 2 and 5 with scored tokens 7, 1 | 3 | 6 and 9, 1 (row 2: two separate turns)
@@ -78,6 +86,7 @@ def test_pack_rows_layout():
     assert packed.targets.tolist() == [7, 1, 3, 6, 9, 1]  # row 1's first token is never predicted
     assert packed.sources.tolist() == [1, 2, 4, 6, 8, 9]
     assert packed.sequences.tolist() == [0, 0, 1, 2, 2, 2]
+    assert packed.columns.tolist() == [2, 3, 1, 1, 3, 4]
 
 
 ARCHITECTURES = {
@@ -101,10 +110,12 @@ def test_loss_equals_the_model_cross_entropy(arch, padding_free):
     want.backward()
     want_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    logps, rows = scored_token_logps(model, HAND_BATCH, padding_free=padding_free)
-    got = sft_loss(logps)
+    logps, mask = scored_logps(model, HAND_BATCH, padding_free=padding_free)
+    got = sft_loss(logps, mask)
     got.backward()
-    assert rows.tolist() == [0, 0, 1, 2, 2, 2]
+    assert torch.equal(logps != 0, mask.bool())
+    if arch == "llama":
+        assert scoring_path(model).packed  # the packed path is taken where it is exact
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for g, w in zip((p.grad for p in model.parameters()), want_grads):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
@@ -122,8 +133,8 @@ def test_loss_equals_a_hand_loop(byte_tokenizer):
             if batch["completion_mask"][i, t]:
                 terms.append(-torch.log_softmax(logits[i, t - 1], -1)[batch["input_ids"][i, t]])
     assert len(terms) == len("Four.") + len("Hello there!") + 2  # + one EOS each
-    logps, _ = scored_token_logps(module.policy, batch, padding_free=True)
-    torch.testing.assert_close(sft_loss(logps), torch.stack(terms).mean(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sft_loss(*scored_logps(module.policy, batch)), torch.stack(terms).mean(),
+                               rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------ data layouts and masks
@@ -236,9 +247,10 @@ def test_metrics_val_loss_is_token_weighted_and_perplexity_its_exp(tmp_path, byt
     dm, module = cli.datamodule, cli.model
     module.eval()
     with torch.no_grad():
-        logps = torch.cat([scored_token_logps(module.policy, b)[0] for b in dm._loader(dm.val_dataset, 3)])
+        scores = [scored_logps(module.policy, b) for b in dm._loader(dm.val_dataset, 3)]
+    nll = -sum(float(logps.sum()) for logps, _ in scores) / sum(int(mask.sum()) for _, mask in scores)
     val_loss, val_ppl = series(rows, "val/loss")[-1], series(rows, "val/perplexity")[-1]
-    assert val_loss == pytest.approx(float(-logps.mean()), rel=1e-4)
+    assert val_loss == pytest.approx(nll, rel=1e-4)
     assert val_ppl == pytest.approx(math.exp(val_loss), rel=1e-5)
 
 

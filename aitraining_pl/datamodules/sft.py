@@ -19,7 +19,8 @@ Batch contract (used by ``SFTModule``): a dict with
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -124,7 +125,7 @@ class SFTDataset(Dataset):
                                       columns["messages"])
         return segments
 
-    def _tokenize(self, segments: Segments) -> Optional[dict[str, list[int]]]:
+    def _tokenize(self, segments: Segments) -> dict[str, list[int]] | None:
         tok = self.tokenizer
         bos, eos = getattr(tok, "bos_token_id", None), tok.eos_token_id
         ids, mask = ([bos], [0]) if bos is not None else ([], [])
@@ -204,11 +205,11 @@ class SFTDataModule(TextDataModule):
 
     def __init__(
         self,
-        data_path: Optional[str] = None,
+        data_path: str | None = None,
         split: str = "train",
-        val_data_path: Optional[str] = None,
+        val_data_path: str | None = None,
         val_split: float = 0.1,
-        rows: Optional[list[dict]] = None,
+        rows: list[dict] | None = None,
         messages_column: str = "messages",
         prompt_column: str = "prompt",
         completion_column: str = "completion",
@@ -217,7 +218,7 @@ class SFTDataModule(TextDataModule):
         completion_only_loss: bool = True,
         max_length: int = 1024,
         batch_size: int = 8,
-        eval_batch_size: Optional[int] = None,
+        eval_batch_size: int | None = None,
         group_by_length: bool = False,
         shuffle: bool = True,
         num_workers: int = 0,

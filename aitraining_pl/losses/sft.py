@@ -10,16 +10,16 @@ from __future__ import annotations
 import torch
 
 
-def sft_loss(token_logps: torch.Tensor) -> torch.Tensor:
-    """Mean token negative log-likelihood ``-(1/M) sum_i log p(y_i | y_<i)`` over the M scored tokens of a
-    batch (every token weighs the same, however long its sequence, as transformers' causal-LM loss).
+def sft_loss(token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean token negative log-likelihood ``-(1/M) sum_i log p(y_i | y_<i)`` over the M tokens where ``mask``
+    is 1 (every token weighs the same, however long its sequence, as transformers' causal-LM loss).
 
     Args:
-        token_logps: (M,) log-probs of the scored tokens (any shape; all entries count).
+        token_logps: (B, T) log-probs of the tokens.
+        mask: (B, T) 1 on the scored tokens, 0 elsewhere.
 
     Returns:
-        () the loss; 0 (with a gradient path) when there is no scored token.
+        () the loss; 0 (with a gradient path) when no token is scored.
     """
-    if token_logps.numel() == 0:
-        return token_logps.sum() * 0.0
-    return -token_logps.mean()
+    mask = mask.to(token_logps.dtype)
+    return -(token_logps * mask).sum() / mask.sum().clamp(min=1.0)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from aitraining_pl.losses import sft_loss
 from aitraining_pl.models import LoRAConfig
-from aitraining_pl.models.scoring import scored_token_logps
+from aitraining_pl.models.scoring import pack_rows, scoring_path, token_logps
 from aitraining_pl.modules.base import SharedStepModule
 
 
@@ -37,41 +37,51 @@ class SFTModule(SharedStepModule):
         dtype: weights dtype when loading (``bfloat16``, ``float32``, ...; default: as stored / float32).
         seed: seed of the random initialisation when ``model_config`` is used (and of LoRA's).
         trust_remote_code: allow custom model code from the hub (off by default).
+        disable_dropout: set every dropout rate to 0 (off by default: SFT keeps the model's dropout, as
+            transformers' and TRL's SFT trainers do).
+        gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
+            third more compute); works on the packed path.
     """
 
     def __init__(
         self,
-        model_name: Optional[str] = None,
-        model_config: Optional[dict[str, Any]] = None,
-        tokenizer_name: Optional[str] = None,
-        lora: Optional[LoRAConfig] = None,
+        model_name: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        tokenizer_name: str | None = None,
+        lora: LoRAConfig | None = None,
         learning_rate: float = 2e-5,
         warmup_ratio: float = 0.0,
         lr_schedule: str = "linear",
         weight_decay: float = 0.0,
         padding_free: bool = True,
-        dtype: Optional[str] = None,
+        dtype: str | None = None,
         seed: int = 0,
         trust_remote_code: bool = False,
+        disable_dropout: bool = False,
+        gradient_checkpointing: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["lora"])
         self.store_lora_hparam(lora)
         self.policy, _ = self.load_policy_from_hparams(with_reference=False)
+        self.apply_training_options()
         self.num_tokens = 0  #: real tokens trained on, summed over ranks (kept in checkpoints)
 
     def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
-        # 1. log-probs of the scored tokens (packed or padded rows)
-        logps, _ = scored_token_logps(self.policy, batch, self.hparams.padding_free)
+        # 1. log-probs of the scored tokens (packed rows where exact for the model, else padded)
+        scored = batch["completion_mask"].bool() & batch["attention_mask"].bool()
+        packed = pack_rows(batch) if self.hparams.padding_free and scoring_path(self.policy).packed else None
+        logps = token_logps(self.policy, batch["input_ids"], batch["attention_mask"], scored, packed=packed)
         # 2. the loss: mean token NLL
-        loss = sft_loss(logps)
+        n_scored = int(scored[:, 1:].sum())
+        loss = sft_loss(logps, scored[:, 1:])
         # 3. metrics: per step in training; token-weighted over the epoch in validation / test
         if stage == "train":
             self.num_tokens += int(self.trainer.strategy.reduce(batch["attention_mask"].sum(), reduce_op="sum"))
             metrics = {"loss": loss, "num_tokens": torch.tensor(float(self.num_tokens))}
             self.log_metrics(stage, metrics, batch_size=batch["input_ids"].shape[0])
         else:
-            self.log_metrics(stage, {"loss": loss}, batch_size=max(1, logps.numel()))
+            self.log_metrics(stage, {"loss": loss}, batch_size=max(1, n_scored))
         return loss
 
     def _log_perplexity(self, stage: str) -> None:
