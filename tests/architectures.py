@@ -41,6 +41,8 @@ ARCHITECTURES = {
     "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2, "alibi": False, "hidden_dropout": 0.1,
                "attention_dropout": 0.1},
     "starcoder2": {"sliding_window": None},
+    "falcon_h1": {"head_dim": 8, "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_n_groups": 1,
+                  "mamba_d_state": 8, "lm_head_multiplier": 0.3},
 }
 #: architectures whose configs carry dropout (for the dropout tests)
 WITH_DROPOUT = ("gpt2", "opt", "phi")

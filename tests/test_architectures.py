@@ -15,6 +15,8 @@ from aitraining_pl.modules.ppo import PPOModule
 from architectures import ARCHITECTURES, VOCAB, build_sharpened, sharpen, spec
 
 RESULTS: dict[str, dict[str, object]] = {}
+#: FalconH1 runs its Mamba layers on transformers' slow reference kernels on CPU (seconds): marked slow
+MATRIX = [pytest.param(name, marks=pytest.mark.slow) if name == "falcon_h1" else name for name in ARCHITECTURES]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,7 +64,7 @@ def models():
     return {}  # model type -> the sharpened model, built once for this module's tests
 
 
-@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+@pytest.mark.parametrize("model_type", MATRIX)
 def test_dpo_completion_logps_equal_the_models_own_forward(model_type, models):
     model = models.setdefault(model_type, build_sharpened(model_type))
     disable_dropout(model)  # as DPOModule does by default; the policy forward runs in training mode
@@ -71,11 +73,11 @@ def test_dpo_completion_logps_equal_the_models_own_forward(model_type, models):
     got = completion_logps(model, preference_batch(rows), padding_free=True, share_prompt=True).logps
     want = torch.stack([own_logps(model, p, c).sum() for p, c in [(p, c) for p, c, _ in rows] + [(p, r) for p, _, r in rows]])
     path = scoring_path(model)
-    RESULTS.setdefault(model_type, {}).update(path=path.name, reason=path.reason[:90], dpo=float((got.detach() - want).abs().max()))
+    RESULTS.setdefault(model_type, {}).update(path=path.name, reason=path.reason[:110], dpo=float((got.detach() - want).abs().max()))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+@pytest.mark.parametrize("model_type", MATRIX)
 def test_ppo_old_logprobs_equal_the_models_own_forward(model_type):
     module = PPOModule(model_config={"model_type": model_type, **spec(model_type)}, tokenizer_name="byte",
                        mini_batch_size=2)

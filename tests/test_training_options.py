@@ -149,3 +149,12 @@ def test_packing_needs_a_contiguous_completion_mask():
         want = sequence_logps(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
                               batch["input_ids"], batch["completion_mask"]).logps
         torch.testing.assert_close(completion_logps(model, batch, True, True).logps, want, rtol=0, atol=1e-5)
+
+
+def test_probe_keeps_the_fast_path_under_bf16():
+    """The probe compares in the parameters' dtype (autocast off): bf16-mixed training and bf16 weights
+    keep the packed path on a Llama."""
+    model = build_causal_lm(TINY_LLAMA)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert scoring_path(model).name == "packed"
+    assert scoring_path(build_causal_lm(TINY_LLAMA, dtype="bfloat16")).name == "packed"

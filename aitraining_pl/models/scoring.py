@@ -228,14 +228,16 @@ def _probe(model: nn.Module) -> ScoringPath:
     decoder, head, config = _decoder_and_head(model)
     if decoder is None:
         return ScoringPath(False, False, "no separable decoder and LM head")
-    batch = _probe_batch(config, next(model.parameters()).device)
-    with eval_mode(model), torch.no_grad():
+    device = next(model.parameters()).device
+    batch = _probe_batch(config, device)
+    # autocast off: the paths are compared in the parameters' own dtype, not in an enclosing bf16 autocast
+    with eval_mode(model), torch.no_grad(), torch.autocast(device.type, enabled=False):
         scored = batch["completion_mask"][:, 1:].bool()
         want = _run(model, "forward", batch["input_ids"], batch["attention_mask"], scored, None, None, 1.0)
         head_reason = _matches(model, "head", batch, want)
         if not supports_packing(config):
-            packed_reason = (f"attention {getattr(config, '_attn_implementation', None)!r} with sliding window or "
-                             "soft-capping cannot run packed")
+            packed_reason = (f"{type(config).__name__} (attention {getattr(config, '_attn_implementation', None)!r}, "
+                             "sliding windows, soft-capping or non-attention layers) cannot run packed")
         else:
             packed_reason = _matches(model, "packed", batch, want)
     return ScoringPath(not packed_reason, not head_reason, "; ".join(r for r in (packed_reason, head_reason) if r))
