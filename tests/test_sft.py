@@ -67,7 +67,8 @@ def test_sft_loss_is_the_mean_token_nll():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert float(sft_loss(logps, mask)) == pytest.approx(3.0)  # (1 + 2 + 6) / 3: tokens weigh the same
     empty = logps.clone().requires_grad_()
-    assert float(sft_loss(empty, torch.zeros(2, 3)).detach()) == 0.0 and sft_loss(empty, torch.zeros(2, 3)).requires_grad
+    nothing = sft_loss(empty, torch.zeros(2, 3))
+    assert float(nothing.detach()) == 0.0 and nothing.requires_grad
 
 
 # rows of lengths 4, 2 and 5 with scored tokens 7, 1 | 3 | 6 and 9, 1 (row 2: two separate turns)
@@ -149,7 +150,8 @@ def test_masks_of_each_layout(chat_tokenizer, completion_only_loss):
     rendered = chat_tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
     assert full_text(chat_tokenizer, text) == "The sky is blue." + EOS  # EOS appended
     assert full_text(chat_tokenizer, pc) == "The sky is blue." + EOS
-    assert full_text(chat_tokenizer, pc_chat) == "<|im_start|>user\nSky?<|im_end|>\n<|im_start|>assistant\nBlue.<|im_end|>\n" + EOS
+    assert full_text(chat_tokenizer, pc_chat) == ("<|im_start|>user\nSky?<|im_end|>\n"
+                                                  "<|im_start|>assistant\nBlue.<|im_end|>\n" + EOS)
     assert full_text(chat_tokenizer, chat) == rendered + EOS
     if completion_only_loss:
         assert scored_text(chat_tokenizer, text) == "The sky is blue." + EOS  # plain text: every token
@@ -186,7 +188,8 @@ def test_truncation_keeps_the_start_and_drops_rows_with_nothing_to_learn(byte_to
 @pytest.mark.parametrize(
     "rows, expected",
     [
-        ([{"question": "a"}], "no SFT columns: expected 'messages', 'prompt' + 'completion', or 'text'; columns found: question"),
+        ([{"question": "a"}],
+         "no SFT columns: expected 'messages', 'prompt' + 'completion', or 'text'; columns found: question"),
         ([{"prompt": "a"}], "missing column(s) 'completion'"),
         ([{"text": "a"}, {"txt": "b"}], "row 2, field 'text': missing field"),
         ([{"text": "a"}, {"text": "  "}], "row 2, field 'text': empty text"),
@@ -308,6 +311,7 @@ def test_quickstart_config_runs_briefly(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     data = root / "aitraining_pl" / "data" / "quickstart_sft.jsonl"
     build_cli(["fit", "--config", str(root / "configs/quickstart/sft.yaml"), "--data.init_args.data_path", str(data),
-               "--trainer.max_steps", "3", "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false"])
+               "--trainer.max_steps", "3", "--trainer.log_every_n_steps", "1",
+               "--trainer.enable_progress_bar", "false"])
     assert list((tmp_path / "runs/quickstart-sft/csv").glob("version_*/metrics.csv"))
     assert (tmp_path / "runs/quickstart-sft/export/last/model.safetensors").is_file()
