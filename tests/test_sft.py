@@ -175,6 +175,22 @@ def test_a_conversation_ending_with_a_user_turn_leaves_its_eos_unscored(chat_tok
     assert scored_text(chat_tokenizer, batch) == "Hello.<|im_end|>\n"
 
 
+HIDING = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}<|a|>(hidden)\n"
+          "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_turns_a_template_rewrites_are_left_unscored(byte_tokenizer):
+    """A template that hides earlier assistant turns: only the turn it renders as it is learnt is scored."""
+    tokenizer = load_tokenizer("byte")
+    tokenizer.chat_template = HIDING
+    batch = batch_of(tokenizer, [{"messages": CONVERSATION[1:]}])
+    assert full_text(tokenizer, batch) == "<|user|>Hi\n<|a|>(hidden)\n<|user|>Sky?\n<|assistant|>Blue.\n" + EOS
+    assert scored_text(tokenizer, batch) == "Blue.\n" + EOS
+    with pytest.raises(DataValidationError, match="row 1, field 'messages': the chat template renders no assistant"):
+        batch_of(tokenizer, [{"messages": CONVERSATION[1:4]}])
+
+
 def test_truncation_keeps_the_start_and_drops_rows_with_nothing_to_learn(byte_tokenizer, caplog):
     rows = [{"prompt": "p" * 10, "completion": "abcdef"}, {"prompt": "q" * 30, "completion": "x"}]
     batch = batch_of(byte_tokenizer, rows, max_length=13)
@@ -196,7 +212,8 @@ def test_truncation_keeps_the_start_and_drops_rows_with_nothing_to_learn(byte_to
         ([{"text": [{"role": "user", "content": "a"}]}], "row 1, field 'text': expected a non-empty string, got list"),
         ([{"messages": "hello"}], "row 1, field 'messages': expected a list of {role, content} messages"),
         ([{"messages": [{"role": "user"}]}], "row 1, field 'messages': message 0 is not a {role, content} dict"),
-        ([{"messages": [{"role": "user", "content": "a"}]}], "row 1, field 'messages': no assistant turn"),
+        ([{"messages": CONVERSATION}, {"messages": [{"role": "user", "content": "a"}]}],
+         "row 2, field 'messages': no assistant message"),
     ],
 )
 def test_bad_rows_are_named(byte_tokenizer, rows, expected):

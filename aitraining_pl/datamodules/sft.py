@@ -121,8 +121,8 @@ class SFTDataset(Dataset):
             return prompt_completion_segments(self.tokenizer, record[columns["prompt"]], record[columns["completion"]])
         segments = assistant_segments(self.tokenizer, record[columns["messages"]])
         if not segments:
-            raise DataValidationError(source, "no assistant turn found in the rendered conversation", row,
-                                      columns["messages"])
+            raise DataValidationError(source, "the chat template renders no assistant turn of this conversation "
+                                      "consistently (see assistant_segments)", row, columns["messages"])
         return segments
 
     def _tokenize(self, segments: Segments) -> dict[str, list[int]] | None:
@@ -267,6 +267,8 @@ class SFTDataModule(TextDataModule):
                 check_text(record[field], source, row, field, allow_messages=layout != "text")
                 if layout == "messages" and not _is_messages(record[field]):
                     raise DataValidationError(source, "expected a list of {role, content} messages", row, field)
+                if layout == "messages" and not any(m["role"] == "assistant" for m in record[field]):
+                    raise DataValidationError(source, "no assistant message", row, field)
         return records
 
     def _dataset(self, records: list[dict], source: str) -> SFTDataset:
