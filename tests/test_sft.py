@@ -332,3 +332,37 @@ def test_quickstart_config_runs_briefly(tmp_path, monkeypatch):
                "--trainer.enable_progress_bar", "false"])
     assert list((tmp_path / "runs/quickstart-sft/csv").glob("version_*/metrics.csv"))
     assert (tmp_path / "runs/quickstart-sft/export/last/model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_sft_reward_ppo_pipeline_through_the_quickstart_configs(tmp_path, monkeypatch):
+    """The docs' SFT -> reward model -> PPO commands, each stage a few steps: the SFT export is the reward
+    model's trunk and PPO's policy and reference, the reward-model export PPO's reward."""
+    import csv
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    data, quiet = root / "aitraining_pl" / "data", ["--trainer.enable_progress_bar", "false"]
+    short = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
+             "--trainer.val_check_interval", "1.0"]
+    build_cli(["fit", "--config", str(root / "configs/quickstart/sft.yaml"), "--data.init_args.data_path",
+               str(data / "quickstart_sft.jsonl"), *short, *quiet])
+    sft = tmp_path / "runs/quickstart-sft/export/last"
+    from_sft = ["--model.init_args.model_name", str(sft), "--model.init_args.model_config", "null",
+                "--model.init_args.tokenizer_name", "null"]
+    build_cli(["fit", "--config", str(root / "configs/quickstart/reward.yaml"), *from_sft, "--data.init_args.data_path",
+               str(data / "quickstart_reward.jsonl"), *short, *quiet])
+    reward = tmp_path / "runs/quickstart-reward/export/last"
+    ppo = build_cli(["fit", "--config", str(root / "configs/quickstart/ppo.yaml"), *from_sft,
+                     "--model.init_args.reward", str(reward), "--data.init_args.data_path",
+                     str(data / "quickstart_prompts.jsonl"), *short, *quiet])
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(sft).state_dict()
+    reference = ppo.model.reference.model.state_dict()
+    assert all(torch.equal(reference[k], v) for k, v in start.items())  # PPO started from the SFT model
+    (metrics,) = tmp_path.glob("runs/quickstart-ppo/csv/version_*/metrics.csv")
+    rewards = [float(r["train/reward_mean"]) for r in csv.DictReader(metrics.open()) if r.get("train/reward_mean")]
+    assert len(rewards) == 2 and all(math.isfinite(r) for r in rewards)
+    assert (tmp_path / "runs/quickstart-ppo/export/last/model.safetensors").is_file()
