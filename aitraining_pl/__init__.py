@@ -1,4 +1,4 @@
-"""aitraining_pl: PPO, DPO and reward-model training for language models as PyTorch Lightning components.
+"""aitraining_pl: SFT, PPO, DPO and reward-model training for language models as PyTorch Lightning components.
 
 Public names are imported lazily, so ``import aitraining_pl`` stays cheap and each layer loads on first use.
 """
@@ -27,6 +27,9 @@ _EXPORTS: dict[str, str] = {
     "PairwiseRewardModel": "aitraining_pl.models",
     "MultiObjectiveRewardModel": "aitraining_pl.models",
     "load_reward_model": "aitraining_pl.models",
+    # layers 3-4: supervised fine-tuning
+    "SFTDataModule": "aitraining_pl.datamodules.sft",
+    "SFTModule": "aitraining_pl.modules.sft",
     # layers 3-5: DPO (preference data, module, export callback, shared base, CLI)
     "PreferenceDataModule": "aitraining_pl.datamodules.preference",
     "DPOModule": "aitraining_pl.modules.dpo",

@@ -34,6 +34,7 @@ from aitraining_pl.losses.rl import (
     ppo_value_loss,
     rloo_advantages,
 )
+from aitraining_pl.losses.sft import sft_loss
 
 __all__ = [
     "POOLING_STRATEGIES",
@@ -65,4 +66,5 @@ __all__ = [
     "ppo_policy_loss",
     "ppo_value_loss",
     "rloo_advantages",
+    "sft_loss",
 ]

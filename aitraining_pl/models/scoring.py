@@ -311,3 +311,23 @@ def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor], padding_f
     token = token_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], packed=packed)
     lengths = batch["completion_mask"][:, 1:].sum(-1).to(token.dtype)
     return SequenceLogps(token.sum(-1), lengths)
+
+
+def pack_rows(batch: dict[str, torch.Tensor]) -> PackedBatch:
+    """Pack the real tokens of B right-padded rows into one row, each row one causal attention block (SFT).
+
+    Every token ``t >= 1`` with ``completion_mask[t] == 1`` is scored, predicted from the packed position of
+    token ``t - 1``; the mask may have any pattern (several assistant turns, every token), unlike
+    ``pack_batch``, which scores one contiguous completion per row and needs a non-empty prompt. Rows may be
+    any number (not pairs). ``sequences`` holds each scored token's row, ``columns`` its padded column.
+    """
+    real = batch["attention_mask"].bool()
+    lengths = real.sum(1)
+    starts = torch.cumsum(lengths, 0) - lengths
+    rows, cols = torch.nonzero(real, as_tuple=True)  # row-major: the rows' real tokens end to end
+    scored_rows, scored_cols = torch.nonzero(batch["completion_mask"].bool()[:, 1:] & real[:, 1:], as_tuple=True)
+    targets_at = starts[scored_rows] + scored_cols + 1  # packed position of each scored token
+    blocks = [(((s, s + n),), n) for s, n in zip(starts.tolist(), lengths.tolist()) if n > 0]
+    packed = batch["input_ids"][rows, cols].unsqueeze(0)
+    return PackedBatch(packed, cols.unsqueeze(0), AttentionPlan(blocks), targets_at - 1, packed[0, targets_at],
+                       scored_rows, scored_cols + 1)
