@@ -94,7 +94,8 @@ def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> float:
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     diff = max(float((sa[n].float() - sb[n].float()).abs().max()) for n in sa)
-    assert all(torch.equal(sa[n], sb[n]) for n in sa), f"weights differ after resume (max abs diff {diff:.3g})"
+    assert all(torch.equal(sa[n], sb[n]) for n in sa), f"weights differ (max abs diff {diff:.3g})"
+    print(f"max abs weight difference: {diff}")
     return diff
 
 
@@ -213,3 +214,27 @@ def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
     set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True))
     got = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+@pytest.mark.slow
+def test_ppo_validation_and_sampling_callback_do_not_shift_training_randomness(tmp_path, deterministic):
+    """Generation in validation (sanity check included) and in SamplingCallback runs on a forked random stream:
+    the trained weights are those of a run without them."""
+    from aitraining_pl.callbacks.sampling import SamplingCallback
+
+    prompts = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
+
+    def run(name, callbacks, **kw):
+        pl.seed_everything(0)
+        module = PPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, mini_batch_size=2,
+                           ppo_epochs=1, generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0))
+        data = PromptDataModule(prompts=prompts, tokenizer=module.tokenizer, batch_size=2, val_split=0.25)
+        options = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                       default_root_dir=str(tmp_path / name), enable_checkpointing=False, max_epochs=2)
+        pl.Trainer(callbacks=callbacks, **{**options, **kw}).fit(module, data)
+        return module
+
+    plain = run("plain", [], limit_val_batches=0)
+    busy = run("busy", [SamplingCallback(every_n_iterations=1, num_prompts=2)], num_sanity_val_steps=2,
+               val_check_interval=1)
+    _assert_same_weights(plain, busy)
