@@ -135,3 +135,14 @@ def test_infinite_gradient_norm_is_named():
         guard.on_before_optimizer_step(trainer, None, optimizer)
     with pytest.raises(ValueError, match="action"):
         NonFiniteGuard(action="ignore")
+
+
+def test_skip_through_the_cli(tmp_path):
+    from dpo_utils import read_metrics, series
+
+    config = write_config(tmp_path, model={"learning_rate": 1e12}, trainer={"max_steps": 4})
+    cli_args = ["fit", "--config", str(config), "--trainer.callbacks+=aitraining_pl.callbacks.guard.NonFiniteGuard",
+                "--trainer.callbacks.action", "skip"]
+    main(cli_args)  # completes (no SystemExit)
+    skipped = series(read_metrics(tmp_path), "train/skipped_nonfinite")
+    assert len(skipped) == 4 and skipped[-1] >= 1 and skipped == sorted(skipped)
