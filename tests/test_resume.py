@@ -238,3 +238,41 @@ def test_ppo_validation_and_sampling_callback_do_not_shift_training_randomness(t
     busy = run("busy", [SamplingCallback(every_n_iterations=1, num_prompts=2)], num_sanity_val_steps=2,
                val_check_interval=1)
     _assert_same_weights(plain, busy)
+
+
+def _rank_rng_round_trip(rank: int, world: int, folder: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from aitraining_pl.callbacks.resume import ExactResumeCallback
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["RESUME_TEST_PORT"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(100 + rank), random.seed(100 + rank), np.random.seed(100 + rank)
+        state = ExactResumeCallback().state_dict()  # a collective: every rank calls it
+        expected = (torch.rand(2), random.random(), np.random.rand())
+        if rank == 0:
+            torch.save(state, os.path.join(folder, "cb.pt"))
+        dist.barrier()
+        torch.manual_seed(7), random.seed(7), np.random.seed(7)  # the resumed processes start alike
+        restored = ExactResumeCallback()
+        restored.load_state_dict(torch.load(os.path.join(folder, "cb.pt"), weights_only=True))
+        restored.on_train_batch_start(None, None, None, 0)
+        got = (torch.rand(2), random.random(), np.random.rand())
+        assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:], f"rank {rank}"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.ddp
+def test_each_rank_gets_its_own_random_states_back(tmp_path, monkeypatch):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("RESUME_TEST_PORT", str(s.getsockname()[1]))
+    mp.spawn(_rank_rng_round_trip, args=(2, str(tmp_path)), nprocs=2, join=True)

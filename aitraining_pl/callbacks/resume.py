@@ -40,6 +40,11 @@ def set_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in states["cuda"]])
 
 
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 class ExactResumeCallback(pl.Callback):
     """Saves the global random states in every checkpoint and puts them back just before the first training
     batch after a resume; validation runs on a forked random stream, so it never shifts training's.
@@ -51,8 +56,8 @@ class ExactResumeCallback(pl.Callback):
     is in time.
 
     ``AlignmentModule`` adds one to every fit (``configure_callbacks``) unless the trainer has one. Random
-    states are per process: each rank saves its own only where each rank writes its own checkpoint; the
-    restored state is that of the rank that wrote the file (rank 0), which is exact on one device.
+    states are per process: under ``torch.distributed`` every rank's states are gathered into the checkpoint
+    and each rank gets its own back (resumed on another number of ranks, each starts from rank 0's).
     """
 
     def __init__(self) -> None:
@@ -60,12 +65,21 @@ class ExactResumeCallback(pl.Callback):
         self._outside_validation: Optional[dict[str, Any]] = None
 
     def state_dict(self) -> dict[str, Any]:
-        # called while the checkpoint is written: the states the next training batch would start from
+        # called on every rank while the checkpoint is written: the states the next training batch would start from
         states = self._outside_validation or collect_rng_states()
-        return {"rng_states": states}
+        state: dict[str, Any] = {"rng_states": states}
+        if _world_size() > 1:  # rank 0 writes the file: it holds every rank's states
+            per_rank: list[Any] = [None] * _world_size()
+            torch.distributed.all_gather_object(per_rank, states)
+            state["rng_states_per_rank"] = per_rank
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._pending = state_dict.get("rng_states")
+        per_rank = state_dict.get("rng_states_per_rank")
+        if per_rank and len(per_rank) == _world_size():
+            self._pending = per_rank[torch.distributed.get_rank()]
+        else:  # another world size: every rank continues from rank 0's states
+            self._pending = state_dict.get("rng_states")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loop = trainer.fit_loop
