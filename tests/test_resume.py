@@ -106,7 +106,6 @@ def _preference_data(tokenizer, n=24, **kw):
                                 batch_size=3, **kw)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 6, 8])  # mid-epoch 1, end of epoch 1 (6 batches), mid-epoch 2
 def test_dpo_resume_is_bit_identical(tmp_path, deterministic, k):
     def make():
@@ -119,7 +118,6 @@ def test_dpo_resume_is_bit_identical(tmp_path, deterministic, k):
     _assert_same_weights(full.policy, resumed.policy)
 
 
-@pytest.mark.slow
 def test_dpo_resume_with_precomputed_reference_and_length_grouping(tmp_path, deterministic):
     def make():
         module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-2,
@@ -131,7 +129,6 @@ def test_dpo_resume_with_precomputed_reference_and_length_grouping(tmp_path, det
     _assert_same_weights(full.policy, resumed.policy)
 
 
-@pytest.mark.slow
 def test_reward_model_resume_is_bit_identical(tmp_path, deterministic):
     def make():
         module = RewardModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=3e-3)
@@ -142,7 +139,6 @@ def test_reward_model_resume_is_bit_identical(tmp_path, deterministic):
     _assert_same_weights(full, resumed)
 
 
-@pytest.mark.slow
 def test_ppo_resume_is_bit_identical_with_kl_and_prompts(tmp_path, deterministic):
     prompts = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
 
