@@ -80,7 +80,8 @@ def _run_and_resume(tmp_path, make, k, extra_callbacks=lambda: [], **trainer_kw)
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=k, save_top_k=-1,
                                         filename="{step}")
     with pytest.raises(_Killed):
-        _trainer(tmp_path / "first", [first_record, _KillAfter(k), ckpt, *extra_callbacks()], **trainer_kw).fit(first, data)
+        callbacks = [first_record, _KillAfter(k), ckpt, *extra_callbacks()]
+        _trainer(tmp_path / "first", callbacks, **trainer_kw).fit(first, data)
 
     pl.seed_everything(123)  # a resumed process starts from other random states
     resumed, data = make()
@@ -225,8 +226,9 @@ def test_ppo_validation_and_sampling_callback_do_not_shift_training_randomness(t
         module = PPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, mini_batch_size=2,
                            ppo_epochs=1, generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0))
         data = PromptDataModule(prompts=prompts, tokenizer=module.tokenizer, batch_size=2, val_split=0.25)
-        options = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                       default_root_dir=str(tmp_path / name), enable_checkpointing=False, max_epochs=2)
+        options = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                       enable_model_summary=False, default_root_dir=str(tmp_path / name), enable_checkpointing=False,
+                       max_epochs=2)
         pl.Trainer(callbacks=callbacks, **{**options, **kw}).fit(module, data)
         return module
 

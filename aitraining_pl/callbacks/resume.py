@@ -88,7 +88,7 @@ class ExactResumeCallback(pl.Callback):
             loop._combined_loader._load_state_dicts(states)
             loop._combined_loader_states_to_load = []
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._pending is not None:
             set_rng_states(self._pending)
             self._pending = None

@@ -126,7 +126,8 @@ class AlignmentModule(pl.LightningModule):
         from aitraining_pl.callbacks.resume import ExactResumeCallback
 
         present = self.trainer.callbacks if self._trainer is not None else []
-        return [kind() for kind in (ExactResumeCallback, NonFiniteGuard) if not any(isinstance(c, kind) for c in present)]
+        kinds = (ExactResumeCallback, NonFiniteGuard)
+        return [kind() for kind in kinds if not any(isinstance(c, kind) for c in present)]
 
     # ------------------------------------------------------------------ logging
     def _epoch_metric(self, key: str, device: torch.device) -> tuple[str, MeanMetric]:
