@@ -22,10 +22,12 @@ from typing import Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from aitraining_pl.callbacks.guard import NonFiniteError
 from aitraining_pl.datamodules.io import DataValidationError
 
-#: Errors that are the user's to fix: printed as one line, exit status 2.
-USER_ERRORS: tuple[type[BaseException], ...] = (DataValidationError, FileNotFoundError, ValueError)
+#: Errors that are the user's to fix: printed as one line, exit status 2 (a NaN/inf loss or gradient norm
+#: comes from the data or the hyperparameters, e.g. a learning rate that blows up).
+USER_ERRORS: tuple[type[BaseException], ...] = (DataValidationError, FileNotFoundError, ValueError, NonFiniteError)
 
 
 class AlignmentCLI(LightningCLI):

@@ -94,3 +94,90 @@ def test_failed_fit_writes_no_last(tmp_path, byte_tokenizer):
     with pytest.raises(RuntimeError, match="boom"):
         _fit(module, _data(byte_tokenizer), HFExportCallback(tmp_path, every_n_train_steps=1), max_steps=4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2"]
+
+
+# ------------------------------------------------------------------ hygiene (issue 13)
+def test_leftovers_of_killed_runs_are_removed_when_fit_starts(tmp_path, byte_tokenizer):
+    for name in (".step-3.tmp-x1y2", ".last.tmp-abc", ".last.old-1234", ".notes", "step-1"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"partial")
+    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte")
+    _fit(module, _data(byte_tokenizer), HFExportCallback(tmp_path, keep_last_k=None), max_steps=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".notes", "last", "step-1"]  # not ours: kept
+
+
+def test_export_folders_follow_the_umask(tmp_path, byte_tokenizer):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte")
+        callback = HFExportCallback(tmp_path / "export")
+        callback.export(module, "last")
+        callback.export(module, "last")  # replaced: the new folder too
+        callback.export(module, "step-1")
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "export", tmp_path / "export" / "last", tmp_path / "export" / "step-1"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o755, path
+
+
+def test_last_is_loadable_at_every_instant_while_it_is_replaced(tmp_path, monkeypatch):
+    """Every file-system change made by the export (renames, swaps, removals) finds a complete ``last``."""
+    import aitraining_pl.callbacks.export as export
+
+    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte")
+    callback = HFExportCallback(tmp_path)
+    callback.export(module, "last")
+    seen = []
+
+    def complete() -> bool:
+        return (tmp_path / "last" / "config.json").is_file() and (tmp_path / "last" / "model.safetensors").is_file()
+
+    def spy(function):
+        def wrapped(*args, **kwargs):
+            seen.append(complete())
+            result = function(*args, **kwargs)
+            seen.append(complete())
+            return result
+        return wrapped
+
+    monkeypatch.setattr(export.os, "replace", spy(export.os.replace))
+    monkeypatch.setattr(export.shutil, "rmtree", spy(export.shutil.rmtree))
+    monkeypatch.setattr(export, "_exchange", spy(export._exchange))
+    with torch.no_grad():
+        module.policy.lm_head.weight.add_(1.0)
+    callback.export(module, "last")
+    assert seen and all(seen)
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "last")
+    assert torch.equal(loaded.lm_head.weight, module.policy.lm_head.weight)  # the new export is in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]  # the old one removed
+
+
+def test_fallback_replacement_without_atomic_exchange(tmp_path, monkeypatch):
+    import aitraining_pl.callbacks.export as export
+
+    monkeypatch.setattr(export, "_exchange", lambda a, b: False)
+    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte")
+    callback = HFExportCallback(tmp_path)
+    callback.export(module, "last")
+    (tmp_path / "last" / "marker").write_text("old")
+    callback.export(module, "last")
+    assert not (tmp_path / "last" / "marker").exists() and (tmp_path / "last" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
+
+
+def test_fast_dev_run_exports_nothing(tmp_path, byte_tokenizer):
+    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte")
+    callback = HFExportCallback(tmp_path, every_n_train_steps=1)
+    good = callback.export(module, "last")
+    before = (good / "model.safetensors").read_bytes()
+    trainer = pl.Trainer(fast_dev_run=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[callback])
+    trainer.fit(DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-2), _data(byte_tokenizer))
+    assert trainer.global_step == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
+    assert (good / "model.safetensors").read_bytes() == before

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
 import shutil
-import tempfile
+import sys
+import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +18,39 @@ from lightning.pytorch.utilities import rank_zero_only
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+#: temporary folders of an export in progress (``.<name>.tmp-*``) or of a replaced one (``.<name>.old-*``)
+_LEFTOVER = re.compile(r"^\.(last|step-\d+)\.(tmp|old)-")
+_RENAME_EXCHANGE = 2  # renameat2 flag (Linux >= 3.15)
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    platform or file system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Put folder ``new`` at ``target``, which exists at every instant when it existed before: swapped in
+    atomically (Linux), else the old one renamed aside just before the new one is renamed in (a window of
+    two renames where ``target`` is missing). The old folder is removed afterwards."""
+    if not target.exists():
+        os.replace(new, target)
+        return
+    if _exchange(new, target):  # ``new`` now holds the old export
+        shutil.rmtree(new, ignore_errors=True)
+        return
+    old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+    os.replace(target, old)
+    os.replace(new, target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 class HFExportCallback(pl.Callback):
@@ -24,8 +59,11 @@ class HFExportCallback(pl.Callback):
     weights, tokenizer; LoRA adapters, or merged weights with ``merge_lora``).
 
     Each export is written to a temporary folder next to its target and renamed into place only when
-    complete, so an interrupted or failed export never replaces a good one; ``last`` is not written when
-    fit ends with an exception. Only global rank 0 writes. The module must implement
+    complete, so an interrupted or failed export never replaces a good one; an existing export is swapped
+    for the new one atomically (``replace_dir``), so it is loadable at every instant. ``last`` is not
+    written when fit ends with an exception, and nothing is exported under ``fast_dev_run``. Temporary
+    folders left by killed runs are removed when fit starts. Folders get the permissions of a plain
+    ``mkdir`` (the umask). Only global rank 0 writes. The module must implement
     ``save_pretrained(path, merge_lora=...)`` (every ``AlignmentModule`` does).
 
     Args:
@@ -59,23 +97,30 @@ class HFExportCallback(pl.Callback):
         """Write ``pl_module`` to ``<dirpath>/<name>`` atomically; returns the final path."""
         target = self.dirpath / name
         self.dirpath.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=self.dirpath))
+        tmp = self.dirpath / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()  # mode 0777 & ~umask, as any folder the user creates (mkdtemp would make it 0700)
         try:
             pl_module.save_pretrained(tmp, merge_lora=self.merge_lora)
-            old = None
-            if target.exists():
-                old = self.dirpath / f".{name}.old-{os.getpid()}"
-                if old.exists():
-                    shutil.rmtree(old)
-                os.replace(target, old)
-            os.replace(tmp, target)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            replace_dir(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         log.info("exported %s", target)
         return target
+
+    def remove_leftovers(self) -> list[Path]:
+        """Remove the temporary folders of exports that a killed run left behind; returns them."""
+        if not self.dirpath.is_dir():
+            return []
+        found = [p for p in self.dirpath.iterdir() if p.is_dir() and not p.is_symlink() and _LEFTOVER.match(p.name)]
+        for path in found:
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed the leftover export folder %s", path)
+        return found
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and trainer.is_global_zero and not trainer.fast_dev_run:
+            self.remove_leftovers()
 
     def _prune(self) -> None:
         if self.keep_last_k is None:
@@ -97,12 +142,12 @@ class HFExportCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         n = self.every_n_train_steps
-        if n and trainer.global_step > 0 and trainer.global_step % n == 0:
+        if n and not trainer.fast_dev_run and trainer.global_step > 0 and trainer.global_step % n == 0:
             self._export_step(trainer, pl_module)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # on_fit_end runs only when fit finished without an exception
-        if self.save_last and trainer.is_global_zero and not trainer.interrupted:
+        if self.save_last and trainer.is_global_zero and not trainer.interrupted and not trainer.fast_dev_run:
             self.export(pl_module, "last")
 
     def state_dict(self) -> dict:

@@ -7,6 +7,7 @@ import os
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.loggers import WandbLogger
 
 from aitraining_pl.datamodules.prompt import PromptCollator, PromptDataset
@@ -57,7 +58,9 @@ class SamplingCallback(pl.Callback):
 
         if not (trainer.is_global_zero or isinstance(trainer.strategy, FSDPStrategy)):
             return
-        rows = self.sample(pl_module, *self._fixed_prompts(trainer))
+        devices = [pl_module.device] if pl_module.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # training draws the same random numbers with or without it
+            rows = self.sample(pl_module, *self._fixed_prompts(trainer))
         if trainer.is_global_zero:
             self.write(trainer, [{"iteration": iteration, "step": trainer.global_step, **r} for r in rows])
 

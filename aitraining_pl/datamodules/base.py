@@ -6,9 +6,11 @@ import random
 from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import DataLoader
 
 from aitraining_pl.datamodules.io import DataValidationError, read_records
+from aitraining_pl.datamodules.resumable import ResumableDataLoader
 
 #: Source name of in-memory data in error messages.
 IN_MEMORY = "<in-memory>"
@@ -82,10 +84,16 @@ class TextDataModule(pl.LightningDataModule):
         return self.collator(pad if pad is not None else 0)
 
     def _loader(self, dataset: Any, batch_size: Optional[int] = None, **kwargs: Any) -> DataLoader:
-        """A loader over ``dataset`` (default batch size: ``eval_batch_size or batch_size``, in order)."""
+        """A loader over ``dataset`` (default batch size: ``eval_batch_size or batch_size``, in order).
+
+        It resumes mid-epoch (``ResumableDataLoader``) and has its own generator, so creating an iterator never
+        draws from the global random stream."""
         hp = self.hparams
         batch_size = batch_size or hp.eval_batch_size or hp.batch_size
-        return DataLoader(dataset, batch_size, collate_fn=self.collate_fn, num_workers=hp.num_workers, **kwargs)
+        kwargs.setdefault("generator", torch.Generator().manual_seed(int(hp.seed)))
+        return ResumableDataLoader(
+            dataset, batch_size, collate_fn=self.collate_fn, num_workers=hp.num_workers, **kwargs
+        )
 
     def val_dataloader(self):
         return self._loader(self.val_dataset) if self.val_dataset is not None else []

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
 from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
+from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +326,10 @@ class PreferenceDataModule(TextDataModule):
         if hp.group_by_length:
             sampler = LengthGroupedSampler(self.train_dataset.lengths(), hp.batch_size, seed=hp.seed)
             return self._loader(self.train_dataset, hp.batch_size, sampler=sampler)
-        return self._loader(self.train_dataset, hp.batch_size, shuffle=hp.shuffle)
+        if hp.shuffle:  # the order of an epoch depends on (seed, epoch) only: a resumed run sees the same
+            sampler = SeededShuffleSampler(len(self.train_dataset), seed=hp.seed)
+            return self._loader(self.train_dataset, hp.batch_size, sampler=sampler)
+        return self._loader(self.train_dataset, hp.batch_size)
 
     def test_dataloader(self):
         return self.val_dataloader()

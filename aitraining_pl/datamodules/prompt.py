@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
 from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.preference import FALLBACK_CHAT_TEMPLATE, _is_messages
+from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class PromptDataModule(TextDataModule):
         batch_size: prompts per PPO iteration (per device); the seed's ``batch_size``.
         eval_batch_size: prompts per validation batch (default: ``batch_size``).
         num_workers: DataLoader worker processes.
-        seed: seed of the validation split.
+        seed: seed of the validation split and of the prompt order.
     """
 
     collator = PromptCollator
@@ -192,7 +193,8 @@ class PromptDataModule(TextDataModule):
             raise DataValidationError(source, f"{n} training prompt(s) is fewer than batch_size={hp.batch_size}")
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_dataset, self.hparams.batch_size, shuffle=True, drop_last=True)
+        sampler = SeededShuffleSampler(len(self.train_dataset), seed=self.hparams.seed)  # resumable order
+        return self._loader(self.train_dataset, self.hparams.batch_size, sampler=sampler, drop_last=True)
 
     def sample_prompts(self, n: int) -> tuple[list[str], list[dict]]:
         """The first ``n`` prompts (validation prompts when there are some) and their metadata, e.g. for

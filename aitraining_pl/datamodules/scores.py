@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
 from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
+from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 from aitraining_pl.models.reward import encode_for_reward
 
 
@@ -136,4 +137,5 @@ class ScoresDataModule(TextDataModule):
 
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
-        return self._loader(self.train_dataset, hp.batch_size, shuffle=True, generator=torch.Generator().manual_seed(hp.seed))
+        sampler = SeededShuffleSampler(len(self.train_dataset), seed=hp.seed)  # resumable order
+        return self._loader(self.train_dataset, hp.batch_size, sampler=sampler)

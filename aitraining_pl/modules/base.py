@@ -13,6 +13,7 @@ It holds what every module needs and nothing algorithm-specific:
   epoch values are reduced across ranks;
 - ``save_pretrained``: Hugging Face export of the policy and tokenizer (used by ``HFExportCallback``);
 - ``apply_training_options``: the ``disable_dropout`` and ``gradient_checkpointing`` arguments every module has.
+- ``configure_callbacks``: ``ExactResumeCallback`` (exact resume) and ``NonFiniteGuard`` (NaN/inf stops the run).
 
 A subclass calls ``super().__init__()``, then ``self.save_hyperparameters(...)`` and
 ``self.store_lora_hparam(lora)``, and reads its arguments from ``self.hparams``; once its networks are built it
@@ -134,6 +135,17 @@ class AlignmentModule(pl.LightningModule):
             schedule=self.hparam("lr_schedule", "linear"),
             weight_decay=float(self.hparam("weight_decay", 0.0)),
         )
+
+    def configure_callbacks(self):
+        """Callbacks every fit gets unless the trainer already has one of the type: ``ExactResumeCallback``
+        (random states in checkpoints, for an exact resume) and ``NonFiniteGuard`` (stop on a NaN/inf loss or
+        gradient norm)."""
+        from aitraining_pl.callbacks.guard import NonFiniteGuard
+        from aitraining_pl.callbacks.resume import ExactResumeCallback
+
+        present = self.trainer.callbacks if self._trainer is not None else []
+        kinds = (ExactResumeCallback, NonFiniteGuard)
+        return [kind() for kind in kinds if not any(isinstance(c, kind) for c in present)]
 
     # ------------------------------------------------------------------ logging
     def _epoch_metric(self, key: str, device: torch.device) -> tuple[str, MeanMetric]:

@@ -1,0 +1,86 @@
+"""Stop (or skip the batch) when the training loss or the gradient norm is not finite."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+ACTIONS = ("stop", "skip")
+
+
+class NonFiniteError(FloatingPointError):
+    """The training loss or gradient norm became NaN or infinite; the message names the metric and step."""
+
+
+def gradient_norm(parameters: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of the gradients of ``parameters`` (local shards under FSDP2), as a float32 scalar."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
+
+
+class NonFiniteGuard(pl.Callback):
+    """Checks every optimizer step, automatic (DPO, reward models) or manual (PPO): if a loss passed to
+    backward since the previous step, or the gradient norm before clipping, is NaN or infinite, it either
+    stops the run with ``NonFiniteError`` naming the metric and the step (``action="stop"``: nothing is
+    stepped, so no checkpoint or export is written from the bad state, and ``HFExportCallback`` writes no
+    ``last``), or drops the gradients so the optimizer leaves every parameter and its moments as they were
+    (``action="skip"``), counting such steps in ``train/skipped_nonfinite``.
+
+    ``AlignmentModule`` adds one (``stop``) to every fit unless the trainer has one; add
+    ``NonFiniteGuard(action="skip")`` to the trainer's callbacks to skip instead. Under ``16-mixed`` only the
+    loss is checked: the gradient scaler skips steps with infinite gradients itself. All ranks decide together.
+
+    Args:
+        action: ``stop`` (raise) or ``skip`` (drop the step's gradients and go on).
+    """
+
+    def __init__(self, action: str = "stop"):
+        if action not in ACTIONS:
+            raise ValueError(f"action must be one of {ACTIONS}, got {action!r}")
+        self.action = action
+        self.skipped = 0
+        self._bad_loss: float | None = None  # first non-finite loss since the last optimizer step
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._bad_loss is None and not bool(torch.isfinite(loss.detach()).all()):
+            self._bad_loss = float(loss.detach().float().flatten()[0])
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        bad_loss, self._bad_loss = self._bad_loss, None
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        scaled = getattr(trainer.precision_plugin, "scaler", None) is not None
+        norm = float("nan") if scaled else float(gradient_norm(parameters))
+        flags = torch.tensor([bad_loss is not None, not scaled and not math.isfinite(norm)], dtype=torch.float32)
+        if trainer.world_size > 1:  # every rank takes the same decision (a lone raise would hang the others)
+            flags = trainer.strategy.reduce(flags.to(pl_module.device), reduce_op="sum").cpu()
+        if not bool(flags.any()):
+            return
+        metric, value = ("train/loss", bad_loss) if flags[0] else ("grad_norm", norm)
+        where = (
+            f"at global_step {trainer.global_step} (epoch {trainer.current_epoch}, "
+            f"batch {trainer.fit_loop.epoch_loop.batch_idx})"
+        )
+        if self.action == "stop":
+            raise NonFiniteError(
+                f"non-finite {metric} ({value}) {where}; stopped before the optimizer step, nothing saved from this "
+                "state (lower the learning rate, or add NonFiniteGuard(action='skip') to skip such batches)"
+            )
+        for p in parameters:  # AdamW leaves parameters without a gradient (and their moments) untouched
+            p.grad = None
+        self.skipped += 1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self.action == "skip":
+            pl_module.log("train/skipped_nonfinite", float(self.skipped), on_step=True, on_epoch=False, batch_size=1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped": self.skipped}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped = int(state_dict.get("skipped", 0))
