@@ -14,15 +14,16 @@ import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from aitraining_pl.losses import bradley_terry_loss
-from aitraining_pl.losses.reward import POOLING_STRATEGIES, masked_objective_mse, pool_hidden_states, positions_from_mask
+from aitraining_pl.losses.reward import POOLING_STRATEGIES, masked_objective_mse, pool_hidden_states
 from aitraining_pl.models.loading import hidden_size_of, load_backbone, load_tokenizer, resolve_dtype
 from aitraining_pl.models.lora import LoRAConfig, apply_lora, is_peft_model
+from aitraining_pl.models.trunk_positions import POSITION_MODES, choose_position_mode, trunk_hidden
 
 #: File names inside a saved reward-model folder.
 REWARD_CONFIG_FILE = "reward_config.json"
@@ -123,6 +124,24 @@ class RewardModel(nn.Module):
             torch.manual_seed(config.seed)
             self.head = nn.Linear(hidden_size_of(base), self.num_outputs)
         self.tokenizer = None  # set by from_pretrained / the trainer; see ``get_tokenizer``
+        self._position_mode: str | None = None  # decided by probing the trunk at the first forward
+
+    @property
+    def position_mode(self) -> str:
+        """How padded batches get positions (``mask``, ``none`` or ``right_align``; see
+        ``aitraining_pl.models.trunk_positions``), chosen by one probe of the trunk at first use so that every
+        score equals the trunk's own forward on the unpadded sequence, left or right padded."""
+        if self._position_mode is None:
+            self._position_mode, _ = choose_position_mode(
+                self.trunk, takes_positions=self._takes_positions, use_cache=self._takes_cache
+            )
+        return self._position_mode
+
+    @position_mode.setter
+    def position_mode(self, mode: str) -> None:
+        if mode not in POSITION_MODES:
+            raise ValueError(f"unknown position mode {mode!r}; known: {', '.join(POSITION_MODES)}")
+        self._position_mode = mode
 
     @property
     def num_outputs(self) -> int:
@@ -130,15 +149,11 @@ class RewardModel(nn.Module):
 
     # ----------------------------------------------------------------- forward
     def pooled(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T) token ids -> (B, H) pooled last hidden state, in float32."""
+        """(B, T) token ids -> (B, H) pooled last hidden state, in float32. Left or right padding gives the
+        trunk's unpadded result (``position_mode``); pooling reads the mask."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if self._takes_positions:
-            kwargs["position_ids"] = positions_from_mask(attention_mask)
-        if self._takes_cache:
-            kwargs["use_cache"] = False  # a decoder trunk would otherwise build a KV cache it never uses
-        hidden = self.trunk(**kwargs).last_hidden_state
+        hidden = trunk_hidden(self.trunk, input_ids, attention_mask, self.position_mode, use_cache=self._takes_cache)
         return pool_hidden_states(hidden, attention_mask, self.config.pooling_strategy).float()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
