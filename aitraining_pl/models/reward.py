@@ -4,7 +4,11 @@
 ``MultiObjectiveRewardModel`` has one head per objective and a weighted combination. All save to and load
 from a Hugging Face style folder (trunk ``config.json``, ``reward_config.json``, ``model.safetensors`` and
 the tokenizer files) that a PPO run can name as its reward model. Loading reads JSON and safetensors only,
-so it never unpickles anything.
+so it never unpickles anything, and it runs no code of the folder's unless the caller passes
+``trust_remote_code=True`` (a saved ``trust_remote_code`` is ignored).
+
+Padded batches score as each sequence alone, for encoders and decoders alike: how position ids are given to
+the trunk is decided by probing it once (``aitraining_pl.models.trunk_positions``).
 """
 
 from __future__ import annotations
@@ -241,9 +245,15 @@ class RewardModel(nn.Module):
         return path
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None) -> "RewardModel":
+    def from_pretrained(
+        cls, path: str | Path, device: str | torch.device | None = None, trust_remote_code: bool = False
+    ) -> "RewardModel":
         """Load a folder written by ``save_pretrained``. Called on ``RewardModel`` it returns whichever class
-        was saved (``MultiObjectiveRewardModel``, ...); called on a subclass it insists on that subclass."""
+        was saved (``MultiObjectiveRewardModel``, ...); called on a subclass it insists on that subclass.
+
+        Reads JSON and safetensors only. Remote code is allowed only by this call's ``trust_remote_code``:
+        the saved ``trust_remote_code`` of ``reward_config.json`` is replaced by it, so a folder cannot ask
+        for its own code (nor for a remote-code tokenizer through ``tokenizer_name``) to run."""
         from safetensors.torch import load_file
         from transformers import AutoConfig, AutoModel, AutoTokenizer
 
@@ -257,15 +267,20 @@ class RewardModel(nn.Module):
         saved_cls = REWARD_MODEL_CLASSES.get(meta["class"])
         if saved_cls is None or not issubclass(saved_cls, cls):
             raise ValueError(f"{path} holds a {meta['class']}, which is not a {cls.__name__}")
-        config = RewardModelConfig(**meta["config"])
-        trunk = AutoModel.from_config(AutoConfig.from_pretrained(path, trust_remote_code=False))
+        known = {f.name for f in dataclasses.fields(RewardModelConfig)}
+        unknown = sorted(set(meta.get("config") or {}) - known)
+        if unknown:
+            raise ValueError(f"{meta_file}: unknown reward-model config fields {unknown}")
+        config = dataclasses.replace(RewardModelConfig(**meta["config"]), trust_remote_code=trust_remote_code)
+        trunk_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        trunk = AutoModel.from_config(trunk_config, trust_remote_code=trust_remote_code)
         model = saved_cls._from_config(config, trunk)
         state = load_file(str(path / WEIGHTS_FILE))
         model.load_merged_state_dict(state)
         if resolve_dtype(config.dtype) is not None:  # the trunk as it was trained; the head stays float32
             model.trunk.to(resolve_dtype(config.dtype))
         if any(path.glob("tokenizer*")) or (path / "special_tokens_map.json").exists():
-            model.tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+            model.tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         return model.to(device) if device is not None else model
 
     @classmethod
@@ -393,7 +408,9 @@ REWARD_MODEL_CLASSES: dict[str, type[RewardModel]] = {
 }
 
 
-def load_reward_model(path: str | Path, device: str | torch.device | None = None) -> RewardModel:
+def load_reward_model(
+    path: str | Path, device: str | torch.device | None = None, trust_remote_code: bool = False
+) -> RewardModel:
     """Any saved reward model (the class is read from ``reward_config.json``), with its tokenizer as
-    ``model.tokenizer``."""
-    return RewardModel.from_pretrained(path, device=device)
+    ``model.tokenizer``; remote code only if ``trust_remote_code`` is passed here (see ``from_pretrained``)."""
+    return RewardModel.from_pretrained(path, device=device, trust_remote_code=trust_remote_code)
