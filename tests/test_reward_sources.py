@@ -146,10 +146,10 @@ def test_a_folder_asking_for_remote_code_does_not_run_it(tmp_path, monkeypatch):
     loaded = load_reward_model(folder)
     assert loaded.config.trust_remote_code is False
     torch.testing.assert_close(loaded.head.weight, model.head.weight)
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="custom code"):
         loaded.get_tokenizer()  # the tokenizer needs its remote code: refused, not run
-    with pytest.raises(Exception):
-        build_reward_source(str(folder))
+    with pytest.raises(ValueError, match="custom code"):
+        build_reward_source(str(folder))  # refused when the source is built, before any training
     assert not marker.exists()
 
     # control: the same folder with remote code allowed by the caller does run it (so the test can see it)
