@@ -107,6 +107,14 @@ def test_missing_reward_folder_is_named(tmp_path):
         build_reward_source(str(tmp_path / "no" / "such" / "folder"))
 
 
+def test_a_hub_id_is_loaded_from_the_hub(monkeypatch):
+    """``org/name`` goes to the hub loader (offline here, so the hub's own not-found error), never to the
+    import-path loader."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OSError):
+        build_reward_source("no-such-org-aitpl/no-such-reward-model")
+
+
 # ------------------------------------------------------------------------------------------------ remote code
 EVIL = "import os, pathlib\npathlib.Path(os.environ['AITPL_EVIL_MARKER']).write_text('ran')\n"
 

@@ -141,3 +141,12 @@ def test_probe_restores_train_mode():
     model = RewardModel(RewardModelConfig(dropout_prob=0.0), trunk=trunk)
     assert model.position_mode == "mask"
     assert all(m.training for m in trunk.modules())
+
+
+@pytest.mark.parametrize(("arch", "mode"), [("roberta", "none"), ("bert", "mask"), ("llama", "mask")])
+def test_the_probe_decides_the_same_in_bfloat16(arch, mode):
+    from aitraining_pl.models.trunk_positions import choose_position_mode
+
+    trunk = _trunk(arch).to(torch.bfloat16)
+    chosen, errors = choose_position_mode(trunk, takes_positions=True, use_cache=arch == "llama")
+    assert chosen == mode, errors

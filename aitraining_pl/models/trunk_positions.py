@@ -13,8 +13,10 @@ How a trunk turns a padded row into positions differs by architecture:
 ``choose_position_mode`` runs the trunk once (eval mode, no grad, autocast off) on a left-padded and a
 right-padded batch of short random sequences and keeps the first mode, in the order ``mask``, ``none``,
 ``right_align``, whose hidden states at every real token equal the trunk's own forward on each unpadded
-sequence (relative tolerance 1e-4 in float32, 3e-2 in half precision). If no mode is exact the closest is
-kept and a warning gives the difference. Pooling stays mask-based in every mode.
+sequence (relative tolerance 1e-4 in float32, 3e-2 in half precision) and are not clearly further from it
+than the best mode's (at most 4 x the best difference + 1e-6, or + 1e-3 in half precision, so that a wrong
+mode cannot pass on rounding noise in bfloat16). If no mode is exact the closest is kept and a warning gives
+the difference. Pooling stays mask-based in every mode.
 """
 
 from __future__ import annotations
@@ -119,10 +121,11 @@ def choose_position_mode(trunk: nn.Module, *, takes_positions: bool, use_cache: 
     """The position mode for ``trunk`` (module docstring) and the probe's relative error of each mode tried."""
     modes = POSITION_MODES if takes_positions else tuple(m for m in POSITION_MODES if m != "mask")
     errors = probe_position_errors(trunk, modes, use_cache=use_cache)
-    tol = 1e-4 if next(trunk.parameters()).dtype == torch.float32 else 3e-2
-    name = type(trunk).__name__
-    for mode in modes:
-        if errors[mode] <= tol:
+    full = next(trunk.parameters()).dtype == torch.float32
+    tol, noise = (1e-4, 1e-6) if full else (3e-2, 1e-3)
+    best, name = min(errors.values()), type(trunk).__name__
+    for mode in modes:  # exact, and not clearly worse than the best (half precision blurs "exact")
+        if errors[mode] <= tol and errors[mode] <= 4 * best + noise:
             log.info("reward trunk %s: position mode %r (probe differences %s)", name, mode, errors)
             return mode, errors
     mode = min(errors, key=errors.get)
