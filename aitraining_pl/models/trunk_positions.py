@@ -7,8 +7,9 @@ How a trunk turns a padded row into positions differs by architecture:
   tensor, so a left-padded row needs explicit position ids counted over real tokens (``mask`` mode);
 - RoBERTa, XLM-R and every encoder that derives positions from ``input_ids`` (they start at
   ``padding_idx + 1`` and skip pad tokens) compute them correctly themselves and must get none (``none``);
-- trunks that take no ``position_ids`` at all (DistilBERT) are only exact on right-padded rows, so the batch
-  is right-aligned for their forward and the hidden states moved back (``right_align``).
+- trunks that count from the first column but take no ``position_ids`` (DistilBERT before transformers 5,
+  custom trunks) are only exact on right-padded rows, so the batch is right-aligned for their forward and
+  the hidden states moved back (``right_align``).
 
 ``choose_position_mode`` runs the trunk once (eval mode, no grad, autocast off) on a left-padded and a
 right-padded batch of short random sequences and keeps the first mode, in the order ``mask``, ``none``,
@@ -16,7 +17,9 @@ right-padded batch of short random sequences and keeps the first mode, in the or
 sequence (relative tolerance 1e-4 in float32, 3e-2 in half precision) and are not clearly further from it
 than the best mode's (at most 4 x the best difference + 1e-6, or + 1e-3 in half precision, so that a wrong
 mode cannot pass on rounding noise in bfloat16). If no mode is exact the closest is kept and a warning gives
-the difference. Pooling stays mask-based in every mode.
+the difference; a trunk the probe cannot run gets ``mask`` (``none`` if it takes no position ids) and a
+warning. Pooling stays mask-based in every mode. The probe draws its tokens from its own generator, so it
+leaves the global random state untouched.
 """
 
 from __future__ import annotations
@@ -120,7 +123,11 @@ def probe_position_errors(trunk: nn.Module, modes: tuple[str, ...], *, use_cache
 def choose_position_mode(trunk: nn.Module, *, takes_positions: bool, use_cache: bool) -> tuple[str, dict[str, float]]:
     """The position mode for ``trunk`` (module docstring) and the probe's relative error of each mode tried."""
     modes = POSITION_MODES if takes_positions else tuple(m for m in POSITION_MODES if m != "mask")
-    errors = probe_position_errors(trunk, modes, use_cache=use_cache)
+    try:
+        errors = probe_position_errors(trunk, modes, use_cache=use_cache)
+    except Exception as err:  # a trunk the probe cannot drive: positions from the mask where it takes them
+        log.warning("reward trunk %s: position probe failed (%s); using %r", type(trunk).__name__, err, modes[0])
+        return modes[0], {}
     full = next(trunk.parameters()).dtype == torch.float32
     tol, noise = (1e-4, 1e-6) if full else (3e-2, 1e-3)
     best, name = min(errors.values()), type(trunk).__name__
