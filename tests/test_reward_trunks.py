@@ -150,3 +150,16 @@ def test_the_probe_decides_the_same_in_bfloat16(arch, mode):
     trunk = _trunk(arch).to(torch.bfloat16)
     chosen, errors = choose_position_mode(trunk, takes_positions=True, use_cache=arch == "llama")
     assert chosen == mode, errors
+
+
+def test_a_trunk_the_probe_cannot_run_falls_back_to_mask_positions(monkeypatch, caplog):
+    import aitraining_pl.models.trunk_positions as positions
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot probe")
+
+    monkeypatch.setattr(positions, "probe_position_errors", broken)
+    model = RewardModel(RewardModelConfig(dropout_prob=0.0), trunk=_trunk("llama"))
+    with caplog.at_level("WARNING"):
+        assert model.position_mode == "mask"
+    assert "position probe failed" in caplog.text
