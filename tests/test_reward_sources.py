@@ -117,6 +117,14 @@ def test_a_hub_id_is_loaded_from_the_hub(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ remote code
 EVIL = "import os, pathlib\npathlib.Path(os.environ['AITPL_EVIL_MARKER']).write_text('ran')\n"
+# subclasses, not the library's classes re-exported: loading remote code registers the loaded class for its
+# auto class, which must not leak into the real classes (their later save_pretrained would copy code files)
+EVIL_CLASSES = (
+    "import transformers\n"
+    "class EvilTokenizer(transformers.{tok}): pass\n"
+    "class EvilConfig(transformers.{config}): pass\n"
+    "class EvilModel(transformers.{model}):\n    config_class = EvilConfig\n"
+)
 
 
 def _plant_remote_code(folder, tokenizer_dir):
@@ -125,8 +133,7 @@ def _plant_remote_code(folder, tokenizer_dir):
     os.makedirs(tokenizer_dir, exist_ok=True)
     for where in (folder, tokenizer_dir):
         with open(os.path.join(where, "evil.py"), "w") as f:
-            f.write(EVIL + "from transformers import ByT5Tokenizer as EvilTokenizer, LlamaConfig as EvilConfig\n"
-                    "from transformers import LlamaModel as EvilModel\n")  # fmt: skip
+            f.write(EVIL + EVIL_CLASSES.format(tok="ByT5Tokenizer", config="LlamaConfig", model="LlamaModel"))
     with open(os.path.join(tokenizer_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "EvilTokenizer", "auto_map": {"AutoTokenizer": ["evil.EvilTokenizer", None]}}, f)
     meta_file = os.path.join(folder, "reward_config.json")
@@ -173,8 +180,7 @@ def test_a_classifier_folder_asking_for_remote_code_does_not_run_it(tmp_path, mo
     monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
     folder = _bert_reward_folder(tmp_path / "rm")
     with open(os.path.join(folder, "evil.py"), "w") as f:
-        f.write(EVIL + "from transformers import BertConfig as EvilConfig\n"
-                "from transformers import BertForSequenceClassification as EvilModel\n")  # fmt: skip
+        f.write(EVIL + EVIL_CLASSES.format(tok="BertTokenizer", config="BertConfig", model="BertForSequenceClassification"))
     config = json.load(open(os.path.join(folder, "config.json")))
     config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForSequenceClassification": "evil.EvilModel"}
     json.dump(config, open(os.path.join(folder, "config.json"), "w"))
