@@ -272,3 +272,34 @@ def test_multi_objective_quickstart_runs_briefly_and_checks_objective_counts(tmp
     with pytest.raises(ValueError, match="data module has 3 objectives per row, the model 2"):
         build_cli(args + ["--model.init_args.num_objectives", "2", "--model.init_args.objective_weights", "null",
                           "--model.init_args.objective_names", "null"])  # fmt: skip
+
+
+def test_val_objective_losses_are_weighted_by_known_entries():
+    """Two val batches knowing objective 0 in 3 and 1 rows: ``val/loss/<name>`` is the mean squared error over
+    the 4 known entries, not the row-weighted mean of the two batch means; an objective unknown in a batch
+    adds nothing to its epoch value."""
+    module = _module(MultiObjectiveRewardModule, num_objectives=2, objective_names=["a", "b"]).eval()
+    torch.manual_seed(0)
+    batches = []
+    for known_a, known_b in (([1, 1, 1, 0], [1, 0, 0, 0]), ([0, 1, 0, 0], [1, 1, 1, 1])):
+        ids = torch.randint(3, 200, (4, 6))
+        mask = torch.ones_like(ids)
+        targets = torch.randn(4, 2)
+        batches.append({"input_ids": ids, "attention_mask": mask, "targets": targets,
+                        "objective_mask": torch.tensor([known_a, known_b]).T.contiguous()})  # fmt: skip
+    sq_errors = {0: [], 1: []}
+    row_weighted = {0: 0.0, 1: 0.0}
+    with torch.no_grad():
+        for batch in batches:
+            rewards = module.reward_model(batch["input_ids"], batch["attention_mask"], return_all_objectives=True)["rewards"]
+            for j in (0, 1):
+                known = batch["objective_mask"][:, j].bool()
+                errors = ((rewards[:, j] - batch["targets"][:, j]) ** 2)[known].tolist()
+                sq_errors[j] += errors
+                row_weighted[j] += 4 * sum(errors) / len(errors) / 8
+    expected = {j: sum(e) / len(e) for j, e in sq_errors.items()}  # 4 entries of "a", 5 of "b"
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)
+    result = _trainer().validate(module, dataloaders=loader, verbose=False)[0]
+    assert result["val/loss/a"] == pytest.approx(expected[0], rel=1e-5)
+    assert result["val/loss/b"] == pytest.approx(expected[1], rel=1e-5)
+    assert abs(expected[0] - row_weighted[0]) > 1e-3  # the batch-size weighting would give another value

@@ -44,6 +44,14 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.to(torch.long).cumsum(-1) - 1).clamp_min(0)
 
 
+def known_objectives(targets: torch.Tensor, objective_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, n) bool: where a multi-objective target is known (``objective_mask`` (B, n) or (n,) truthy; without a
+    mask, where the target is finite)."""
+    if objective_mask is None:
+        return torch.isfinite(targets)
+    return objective_mask.to(torch.bool).expand_as(targets)
+
+
 def masked_objective_mse(
     predictions: torch.Tensor, targets: torch.Tensor, objective_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +71,7 @@ def masked_objective_mse(
     """
     if predictions.shape != targets.shape:
         raise ValueError(f"predictions {tuple(predictions.shape)} and targets {tuple(targets.shape)} differ in shape")
-    mask = torch.isfinite(targets) if objective_mask is None else objective_mask.to(torch.bool).expand_as(targets)
+    mask = known_objectives(targets, objective_mask)
     safe_targets = torch.where(mask, targets, torch.zeros_like(targets))
     errors = torch.where(mask, (predictions - safe_targets) ** 2, torch.zeros_like(predictions))
     counts = mask.sum(0)

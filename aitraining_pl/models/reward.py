@@ -4,7 +4,11 @@
 ``MultiObjectiveRewardModel`` has one head per objective and a weighted combination. All save to and load
 from a Hugging Face style folder (trunk ``config.json``, ``reward_config.json``, ``model.safetensors`` and
 the tokenizer files) that a PPO run can name as its reward model. Loading reads JSON and safetensors only,
-so it never unpickles anything.
+so it never unpickles anything, and it runs no code of the folder's unless the caller passes
+``trust_remote_code=True`` (a saved ``trust_remote_code`` is ignored).
+
+Padded batches score as each sequence alone, for encoders and decoders alike: how position ids are given to
+the trunk is decided by probing it once (``aitraining_pl.models.trunk_positions``).
 """
 
 from __future__ import annotations
@@ -14,15 +18,16 @@ import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from aitraining_pl.losses import bradley_terry_loss
-from aitraining_pl.losses.reward import POOLING_STRATEGIES, masked_objective_mse, pool_hidden_states, positions_from_mask
+from aitraining_pl.losses.reward import POOLING_STRATEGIES, masked_objective_mse, pool_hidden_states
 from aitraining_pl.models.loading import hidden_size_of, load_backbone, load_tokenizer, resolve_dtype
 from aitraining_pl.models.lora import LoRAConfig, apply_lora, is_peft_model
+from aitraining_pl.models.trunk_positions import POSITION_MODES, choose_position_mode, trunk_hidden
 
 #: File names inside a saved reward-model folder.
 REWARD_CONFIG_FILE = "reward_config.json"
@@ -123,6 +128,24 @@ class RewardModel(nn.Module):
             torch.manual_seed(config.seed)
             self.head = nn.Linear(hidden_size_of(base), self.num_outputs)
         self.tokenizer = None  # set by from_pretrained / the trainer; see ``get_tokenizer``
+        self._position_mode: str | None = None  # decided by probing the trunk at the first forward
+
+    @property
+    def position_mode(self) -> str:
+        """How padded batches get positions (``mask``, ``none`` or ``right_align``; see
+        ``aitraining_pl.models.trunk_positions``), chosen by one probe of the trunk at first use so that every
+        score equals the trunk's own forward on the unpadded sequence, left or right padded."""
+        if self._position_mode is None:
+            self._position_mode, _ = choose_position_mode(
+                self.trunk, takes_positions=self._takes_positions, use_cache=self._takes_cache
+            )
+        return self._position_mode
+
+    @position_mode.setter
+    def position_mode(self, mode: str) -> None:
+        if mode not in POSITION_MODES:
+            raise ValueError(f"unknown position mode {mode!r}; known: {', '.join(POSITION_MODES)}")
+        self._position_mode = mode
 
     @property
     def num_outputs(self) -> int:
@@ -130,15 +153,11 @@ class RewardModel(nn.Module):
 
     # ----------------------------------------------------------------- forward
     def pooled(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T) token ids -> (B, H) pooled last hidden state, in float32."""
+        """(B, T) token ids -> (B, H) pooled last hidden state, in float32. Left or right padding gives the
+        trunk's unpadded result (``position_mode``); pooling reads the mask."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if self._takes_positions:
-            kwargs["position_ids"] = positions_from_mask(attention_mask)
-        if self._takes_cache:
-            kwargs["use_cache"] = False  # a decoder trunk would otherwise build a KV cache it never uses
-        hidden = self.trunk(**kwargs).last_hidden_state
+        hidden = trunk_hidden(self.trunk, input_ids, attention_mask, self.position_mode, use_cache=self._takes_cache)
         return pool_hidden_states(hidden, attention_mask, self.config.pooling_strategy).float()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -226,9 +245,15 @@ class RewardModel(nn.Module):
         return path
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None) -> "RewardModel":
+    def from_pretrained(
+        cls, path: str | Path, device: str | torch.device | None = None, trust_remote_code: bool = False
+    ) -> "RewardModel":
         """Load a folder written by ``save_pretrained``. Called on ``RewardModel`` it returns whichever class
-        was saved (``MultiObjectiveRewardModel``, ...); called on a subclass it insists on that subclass."""
+        was saved (``MultiObjectiveRewardModel``, ...); called on a subclass it insists on that subclass.
+
+        Reads JSON and safetensors only. Remote code is allowed only by this call's ``trust_remote_code``:
+        the saved ``trust_remote_code`` of ``reward_config.json`` is replaced by it, so a folder cannot ask
+        for its own code (nor for a remote-code tokenizer through ``tokenizer_name``) to run."""
         from safetensors.torch import load_file
         from transformers import AutoConfig, AutoModel, AutoTokenizer
 
@@ -242,15 +267,20 @@ class RewardModel(nn.Module):
         saved_cls = REWARD_MODEL_CLASSES.get(meta["class"])
         if saved_cls is None or not issubclass(saved_cls, cls):
             raise ValueError(f"{path} holds a {meta['class']}, which is not a {cls.__name__}")
-        config = RewardModelConfig(**meta["config"])
-        trunk = AutoModel.from_config(AutoConfig.from_pretrained(path, trust_remote_code=False))
+        known = {f.name for f in dataclasses.fields(RewardModelConfig)}
+        unknown = sorted(set(meta.get("config") or {}) - known)
+        if unknown:
+            raise ValueError(f"{meta_file}: unknown reward-model config fields {unknown}")
+        config = dataclasses.replace(RewardModelConfig(**meta["config"]), trust_remote_code=trust_remote_code)
+        trunk_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        trunk = AutoModel.from_config(trunk_config, trust_remote_code=trust_remote_code)
         model = saved_cls._from_config(config, trunk)
         state = load_file(str(path / WEIGHTS_FILE))
         model.load_merged_state_dict(state)
         if resolve_dtype(config.dtype) is not None:  # the trunk as it was trained; the head stays float32
             model.trunk.to(resolve_dtype(config.dtype))
         if any(path.glob("tokenizer*")) or (path / "special_tokens_map.json").exists():
-            model.tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+            model.tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         return model.to(device) if device is not None else model
 
     @classmethod
@@ -378,7 +408,9 @@ REWARD_MODEL_CLASSES: dict[str, type[RewardModel]] = {
 }
 
 
-def load_reward_model(path: str | Path, device: str | torch.device | None = None) -> RewardModel:
+def load_reward_model(
+    path: str | Path, device: str | torch.device | None = None, trust_remote_code: bool = False
+) -> RewardModel:
     """Any saved reward model (the class is read from ``reward_config.json``), with its tokenizer as
-    ``model.tokenizer``."""
-    return RewardModel.from_pretrained(path, device=device)
+    ``model.tokenizer``; remote code only if ``trust_remote_code`` is passed here (see ``from_pretrained``)."""
+    return RewardModel.from_pretrained(path, device=device, trust_remote_code=trust_remote_code)

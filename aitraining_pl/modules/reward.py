@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from aitraining_pl.losses import bradley_terry_loss, masked_objective_mse
+from aitraining_pl.losses.reward import known_objectives
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.reward import MultiObjectiveRewardModel, PairwiseRewardModel, RewardModel, RewardModelConfig
 from aitraining_pl.modules.base import SharedStepModule, as_lora_config
@@ -240,7 +241,18 @@ class MultiObjectiveRewardModule(RewardModule):
         loss, per_objective = masked_objective_mse(out["rewards"], batch["targets"], batch["objective_mask"])
         # 3. metrics
         metrics = {"loss": loss, "reward_mean": out["combined_reward"]}
-        metrics.update({f"loss/{name}": value for name, value in zip(self.objective_names, per_objective)})
+        if stage == "train":
+            metrics.update({f"loss/{name}": value for name, value in zip(self.objective_names, per_objective)})
         self.log_metrics(stage, metrics, batch_size=batch["input_ids"].shape[0])
+        if stage != "train":
+            self.log_objective_losses(stage, per_objective, known_objectives(batch["targets"], batch["objective_mask"]))
         return loss
+
+    def log_objective_losses(self, stage: str, per_objective: torch.Tensor, known: torch.Tensor) -> None:
+        """Epoch-level ``<stage>/loss/<name>``: each batch's mean squared error of an objective weighted by the
+        number of entries of that objective it knows (not by its rows), so the epoch value is the mean over all
+        known entries of the epoch (across ranks too); a batch that knows none of an objective adds nothing."""
+        for name, value, count in zip(self.objective_names, per_objective, known.sum(0).tolist()):
+            if count > 0:
+                self.log_metrics(stage, {f"loss/{name}": value}, batch_size=int(count))
 
