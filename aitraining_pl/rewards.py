@@ -34,9 +34,8 @@ import math
 import os
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
-
-class RewardError(RuntimeError):
-    """A reward source failed: raised, returned the wrong number of scores, or returned NaN/inf."""
+from aitraining_pl.errors import RewardError  # noqa: F401 - re-exported: raised by every check below
+from aitraining_pl.validation import looks_like_path
 
 
 @runtime_checkable
@@ -136,14 +135,14 @@ def import_object(path: str) -> Any:
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"{path!r} is not an import path like 'package.module:function'")
+        raise RewardError(repr(path), "not an import path like 'package.module:function' nor a reward-model folder")
     try:
         obj = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"cannot import module {module_name!r} of reward source {path!r}: {err}") from err
+        raise RewardError(f"reward source {path!r}", f"cannot import module {module_name!r}: {err}") from err
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"module {module_name!r} has no attribute {attr!r} (reward source {path!r})")
+            raise RewardError(f"reward source {path!r}", f"module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
 
@@ -157,7 +156,7 @@ def build_reward_source(spec: Any, *, kwargs: Optional[Mapping[str, Any]] = None
     if callable(spec):
         return functools.partial(spec, **kwargs) if kwargs else spec
     if isinstance(spec, str):
-        if os.path.isdir(os.path.expanduser(spec)):
+        if os.path.isdir(os.path.expanduser(spec)) or looks_like_path(spec):  # a missing folder: named as such
             return RewardModelSource(os.path.expanduser(spec), **kwargs)
         obj = import_object(spec)
         if isinstance(obj, type):
@@ -192,21 +191,49 @@ def _source_name(source: Any) -> str:
 def _checked_call(
     source: Callable, prompts: Sequence[str], responses: Sequence[str], metadata: Sequence[dict], name: str | None = None
 ) -> list[float]:
-    name = name or _source_name(source)
+    where = f"reward source {name or _source_name(source)!r}"
     try:
         result = source(list(prompts), list(responses), list(metadata))
-    except Exception as err:
-        raise RewardError(f"reward source {name!r} raised {type(err).__name__}: {err}") from err
+    except (Exception, SystemExit) as err:  # SystemExit from a reward source is an error, not the end of the run
+        first = _first_failing(source, prompts, responses, metadata)
+        at = f" at index {first}" if first is not None else ""
+        raise RewardError(where, f"raised {_describe(err)}{at}") from err
     try:
-        scores = [float(x) for x in result]
-    except (TypeError, ValueError) as err:
-        raise RewardError(f"reward source {name!r} returned {type(result).__name__}, not a list of floats: {err}") from err
-    if len(scores) != len(responses):
-        raise RewardError(f"reward source {name!r} returned {len(scores)} scores for {len(responses)} responses")
-    bad = [i for i, s in enumerate(scores) if not math.isfinite(s)]
-    if bad:
-        raise RewardError(f"reward source {name!r} returned non-finite scores (NaN/inf) at positions {bad[:10]}")
+        items = list(result)
+    except TypeError:
+        raise RewardError(where, f"returned {type(result).__name__}, not a list of floats") from None
+    if len(items) != len(responses):
+        raise RewardError(where, f"returned {len(items)} scores for {len(responses)} responses")
+    scores = []
+    for i, item in enumerate(items):
+        try:
+            score = float(item) if not isinstance(item, (str, bytes)) else None
+        except (TypeError, ValueError):
+            score = None
+        if score is None:
+            raise RewardError(where, f"returned a {type(item).__name__} ({item!r:.40}) at index {i}, not a float")
+        if not math.isfinite(score):
+            raise RewardError(where, f"returned a non-finite score ({score}) at index {i}")
+        scores.append(score)
     return scores
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, SystemExit):
+        return f"SystemExit (sys.exit({err.code!r}))"
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+
+
+def _first_failing(
+    source: Callable, prompts: Sequence[str], responses: Sequence[str], metadata: Sequence[dict]
+) -> Optional[int]:
+    """The first index whose response alone makes ``source`` raise (None if each passes alone)."""
+    for i in range(len(responses)):
+        try:
+            source([prompts[i]], [responses[i]], [metadata[i]])
+        except (Exception, SystemExit):
+            return i
+    return None
 
 
 def score_responses(
