@@ -29,6 +29,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from aitraining_pl.datamodules.io import DataValidationError  # noqa: F401 - a UserError (``what = "data"``)
 from aitraining_pl.errors import ConfigError, UserError
+from aitraining_pl.validation import check_hparams
 
 #: Errors that are the user's to fix: printed as one line, exit status 2. ``UserError`` (data, config,
 #: hyperparameter, model, reward) carries its own kind; the others are printed as ``input error``.
@@ -45,6 +46,18 @@ class AlignmentCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.tokenizer", "data.init_args.tokenizer", apply_on="instantiate")
 
+    def before_instantiate_classes(self) -> None:
+        """Check the model's and the data module's arguments against the range table before either is built,
+        so a bad data argument fails before any model is loaded (the bases check them again when built from
+        Python)."""
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        for key in ("model", "data"):
+            section = config.get(key) if config is not None else None
+            init_args = getattr(section, "init_args", None)
+            if init_args is not None:
+                owner = str(getattr(section, "class_path", key)).rpartition(".")[2]
+                check_hparams(init_args.as_dict() if hasattr(init_args, "as_dict") else dict(init_args), owner)
+
 
 def _chain(err: Optional[BaseException]):
     seen = set()
@@ -57,13 +70,13 @@ def _chain(err: Optional[BaseException]):
 def _user_error(err: BaseException) -> Optional[BaseException]:
     """The user error behind ``err``, or None. jsonargparse and Lightning wrap errors raised while building
     the model or data (a ``ValueError`` with the parser's dump), so a typed ``UserError`` anywhere in the
-    chain wins over the generic errors around it."""
+    chain wins over the generic errors around it, and a generic one counts only as the root cause."""
     chain = list(_chain(err))
     typed = [e for e in chain if isinstance(e, UserError)]
     if typed:
         return typed[-1]
-    generic = [e for e in chain if isinstance(e, USER_ERRORS)]
-    return generic[-1] if generic else None
+    root = chain[-1]  # a generic error counts only as the root cause (not jsonargparse's wrapper of a bug)
+    return root if isinstance(root, USER_ERRORS) else None
 
 
 #: lines of jsonargparse's union/class_path dump that say nothing about the problem.

@@ -73,7 +73,7 @@ def _registry(module: str, name: str, extra: tuple = ()) -> Callable[[], Optiona
         import importlib
 
         table = getattr(importlib.import_module(module), name, None)
-        return None if table is None else sorted(table) + list(extra)
+        return None if table is None else list(table) + list(extra)
 
     return names
 
