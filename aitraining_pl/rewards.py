@@ -35,7 +35,6 @@ import os
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from aitraining_pl.errors import RewardError  # noqa: F401 - re-exported: raised by every check below
-from aitraining_pl.validation import looks_like_path
 
 
 @runtime_checkable
@@ -147,6 +146,29 @@ def import_object(path: str) -> Any:
     return obj
 
 
+def _as_reward_error(build: Callable[..., Callable]) -> Callable[..., Callable]:
+    """Failures of building a source from its description (a missing or corrupt reward-model folder, a bad
+    spec) raised as ``RewardError`` naming the source, or the weights file of a corrupt folder."""
+
+    @functools.wraps(build)
+    def checked(spec: Any, **kwargs: Any) -> Callable:
+        from aitraining_pl.models.loading import is_load_error, one_line, where_load_failed
+
+        try:
+            return build(spec, **kwargs)
+        except RewardError:
+            raise
+        except Exception as err:  # noqa: BLE001 - only load errors (OS, value, safetensors) are converted
+            if not is_load_error(err):
+                raise
+            folder = os.path.expanduser(spec) if isinstance(spec, str) else ""
+            where = where_load_failed(folder, err) if folder else None
+            raise RewardError(where or f"reward source {str(spec)[:80]!r}", f"cannot build: {one_line(err)}") from err
+
+    return checked
+
+
+@_as_reward_error
 def build_reward_source(spec: Any, *, kwargs: Optional[Mapping[str, Any]] = None) -> Callable:
     """A reward source from its YAML/Python description (see the module docstring for the forms).
 
@@ -156,7 +178,7 @@ def build_reward_source(spec: Any, *, kwargs: Optional[Mapping[str, Any]] = None
     if callable(spec):
         return functools.partial(spec, **kwargs) if kwargs else spec
     if isinstance(spec, str):
-        if os.path.isdir(os.path.expanduser(spec)) or looks_like_path(spec):  # a missing folder: named as such
+        if os.path.isdir(os.path.expanduser(spec)):
             return RewardModelSource(os.path.expanduser(spec), **kwargs)
         obj = import_object(spec)
         if isinstance(obj, type):
@@ -211,7 +233,8 @@ def _checked_call(
         except (TypeError, ValueError):
             score = None
         if score is None:
-            raise RewardError(where, f"returned a {type(item).__name__} ({item!r:.40}) at index {i}, not a float")
+            kind = type(item).__name__
+            raise RewardError(where, f"returned a {kind} ({item!r:.40}) at index {i}, not a float")
         if not math.isfinite(score):
             raise RewardError(where, f"returned a non-finite score ({score}) at index {i}")
         scores.append(score)

@@ -43,7 +43,7 @@ class Range:
     def allows(self, value: Any) -> bool:
         if value is None:
             return self.optional
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (self.integer and not isinstance(value, int)):
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
             return False
         if not math.isfinite(value):
             return False
@@ -151,7 +151,8 @@ def check_hparams(hparams: Mapping[str, Any], owner: str) -> None:
             check_hparams(value, f"{owner}.{name}")
         rule = CONSTRAINTS.get(name)
         if rule is not None and not rule.allows(value):
-            raise HyperparameterError(f"{owner}.{name}", f"must be {rule.describe()}, got {value!r}")
+            unknown = f"unknown {name} {value!r}; " if isinstance(rule, OneOf) and value is not None else ""
+            raise HyperparameterError(f"{owner}.{name}", f"{unknown}must be {rule.describe()}, got {value!r}")
     _check_pairs(hparams, owner)
     _check_paths(hparams, owner)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import random
 from typing import Any, Optional, Sequence
 
@@ -10,7 +9,6 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
 from aitraining_pl.datamodules.io import DataValidationError, read_records
-from aitraining_pl.validation import check_hparams
 
 #: Source name of in-memory data in error messages.
 IN_MEMORY = "<in-memory>"
@@ -46,6 +44,10 @@ class TextDataModule(pl.LightningDataModule):
     def save_hyperparameters(self, *args: Any, frame=None, **kwargs: Any) -> None:
         """Lightning's ``save_hyperparameters``, then every value checked against the range table
         (``aitraining_pl.validation``: ``batch_size >= 1``, ``0 <= val_split < 1``, ...) before any reading."""
+        import inspect
+
+        from aitraining_pl.validation import check_hparams
+
         super().save_hyperparameters(*args, frame=frame or inspect.currentframe().f_back, **kwargs)
         check_hparams(self.hparams, type(self).__name__)
 

@@ -49,7 +49,9 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, paddin
     if name_or_path == BYTE_TOKENIZER:
         tokenizer = ByT5Tokenizer()
     else:
-        tokenizer = from_pretrained(AutoTokenizer.from_pretrained, name_or_path, "tokenizer", trust_remote_code=trust_remote_code)
+        tokenizer = from_pretrained(
+            AutoTokenizer.from_pretrained, name_or_path, "tokenizer", trust_remote_code=trust_remote_code
+        )
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is not None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -159,7 +161,8 @@ def from_pretrained(load: Callable[..., Any], name: str, kind: str, **kwargs: An
     except Exception as err:  # noqa: BLE001 - OSError, ValueError, SafetensorError, ...: the user's file or id
         if not is_load_error(err):
             raise
-        raise ModelLoadError(where_load_failed(folder, err) or name, f"cannot load the {kind}: {one_line(err)}") from err
+        where = where_load_failed(folder, err) or name
+        raise ModelLoadError(where, f"cannot load the {kind}: {one_line(err)}") from err
 
 
 def is_load_error(err: Exception) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -382,15 +381,4 @@ REWARD_MODEL_CLASSES: dict[str, type[RewardModel]] = {
 def load_reward_model(path: str | Path, device: str | torch.device | None = None) -> RewardModel:
     """Any saved reward model (the class is read from ``reward_config.json``), with its tokenizer as
     ``model.tokenizer``."""
-    from aitraining_pl.errors import RewardError
-    from aitraining_pl.models.loading import is_load_error, one_line, where_load_failed
-
-    if not os.path.isdir(os.path.expanduser(str(path))):
-        raise RewardError(str(path), "reward-model folder not found")
-    try:
-        return RewardModel.from_pretrained(os.path.expanduser(str(path)), device=device)
-    except Exception as err:  # noqa: BLE001 - a bad folder is the user's to fix; the message names the file
-        if not is_load_error(err):
-            raise
-        where = where_load_failed(os.path.expanduser(str(path)), err) or str(path)
-        raise RewardError(where, f"cannot load the reward model: {one_line(err)}") from err
+    return RewardModel.from_pretrained(path, device=device)
