@@ -130,7 +130,10 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     "max_new_tokens": COUNT,
     "top_p": PROBABILITY_OPEN,
     "top_k": Range(0, integer=True),
-    # models
+    # models and LoRA (``lora.r``, ``lora.alpha``, ``lora.dropout``)
+    "r": COUNT,
+    "alpha": POSITIVE,
+    "dropout": Range(0, 1, high_open=True),
     "dtype": OneOf(_registry("aitraining_pl.models.loading", "_DTYPES", extra=("auto",)), optional=True),
     # data modules
     "batch_size": COUNT,
@@ -147,12 +150,15 @@ def check_hparams(hparams: Mapping[str, Any], owner: str) -> None:
     """Raise ``HyperparameterError`` for the first value in ``hparams`` outside ``CONSTRAINTS`` (nested
     mappings are checked with dotted names); also the cross-field rules below. ``owner`` names the class."""
     for name, value in hparams.items():
-        if isinstance(value, Mapping) and name not in ("model_config", "lora", "reward"):
+        if isinstance(value, Mapping) and name not in ("model_config", "reward"):
             check_hparams(value, f"{owner}.{name}")
         rule = CONSTRAINTS.get(name)
         if rule is not None and not rule.allows(value):
-            unknown = f"unknown {name} {value!r}; " if isinstance(rule, OneOf) and value is not None else ""
-            raise HyperparameterError(f"{owner}.{name}", f"{unknown}must be {rule.describe()}, got {value!r}")
+            if isinstance(rule, OneOf):
+                why = f"unknown {name} {value!r}; must be {rule.describe()}"
+            else:
+                why = f"must be {rule.describe()}, got {value!r}"
+            raise HyperparameterError(f"{owner}.{name}", why)
     _check_pairs(hparams, owner)
     _check_paths(hparams, owner)
 
