@@ -11,8 +11,9 @@ attribute ``last_components: dict[str, list[float]]`` (each list as long as ``re
 then logs each component's mean as ``train/reward/<name>``. RL environments act as reward sources by
 implementing this protocol.
 
-An exception, a result of the wrong length, or a non-finite value stops the run with a ``RewardError``
-saying which (see ``score_responses``).
+An exception (``SystemExit`` included), a result of the wrong length, a value that is not a number, or a
+non-finite value stops the run with a ``RewardError`` naming the source and the first bad index (see
+``score_responses``); the command line prints it as one line.
 
 Reward sources are named in YAML by ``build_reward_source``:
 
@@ -216,6 +217,8 @@ def _checked_call(
     where = f"reward source {name or _source_name(source)!r}"
     try:
         result = source(list(prompts), list(responses), list(metadata))
+    except RewardError:  # a component of a combined source, already named
+        raise
     except (Exception, SystemExit) as err:  # SystemExit from a reward source is an error, not the end of the run
         first = _first_failing(source, prompts, responses, metadata)
         at = f" at index {first}" if first is not None else ""
@@ -268,7 +271,9 @@ def score_responses(
         ``(scores, components)``: one float per response, and the source's ``last_components`` (or ``{}``).
 
     Raises:
-        RewardError: the source raised, returned the wrong number of scores, or a NaN/inf score.
+        RewardError: the source raised or exited, returned the wrong number of scores, a value that is not a
+            number, or a NaN/inf score; named with the first bad index. After an exception the source is
+            called again on one response at a time to find that index.
     """
     scores = _checked_call(source, prompts, responses, metadata)
     components = dict(getattr(source, "last_components", None) or {})

@@ -280,3 +280,45 @@ def test_internal_errors_keep_their_traceback(tmp_path, monkeypatch):
 def test_at_least_25_cases_across_every_kind():
     kinds = {what for _, _, what, _, _ in CASES.values()}
     assert len(CASES) >= 25 and kinds == {"data", "config", "hyperparameter", "model", "reward"}
+
+
+def test_a_failing_component_is_named_once():
+    """A component of a weighted reward that fails is named with its index, not wrapped again."""
+    from aitraining_pl.rewards import RewardError, WeightedRewards, score_responses
+
+    source = WeightedRewards({"ok": lambda p, r, m: [1.0] * len(r), "bad": string_reward})
+    with pytest.raises(RewardError) as info:
+        score_responses(source, ["a", "b"], ["x", "y"], [{}, {}])
+    assert str(info.value) == "reward source 'bad': returned a str ('high') at index 1, not a float"
+
+
+def test_python_construction_is_validated_before_loading(monkeypatch):
+    """The same table guards modules and data modules built in Python (no CLI)."""
+    from aitraining_pl.datamodules.preference import PreferenceDataModule
+    from aitraining_pl.errors import HyperparameterError
+    from aitraining_pl.modules.dpo import DPOModule
+    from aitraining_pl.modules.ppo import PPOModule
+
+    monkeypatch.setattr(base_module, "load_policy", _refuse_loading)
+    monkeypatch.setattr(RewardModule, "build_reward_model", _refuse_loading)
+    with pytest.raises(HyperparameterError, match=r"DPOModule.beta: must be > 0, got 0"):
+        DPOModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", beta=0)
+    with pytest.raises(HyperparameterError, match=r"PPOModule.generation.max_new_tokens: must be >= 1"):
+        PPOModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", generation={"max_new_tokens": 0})
+    with pytest.raises(HyperparameterError, match=r"RewardModule.center_rewards_coef: must be >= 0, got -1"):
+        RewardModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", center_rewards_coef=-1)
+    with pytest.raises(HyperparameterError, match=r"PreferenceDataModule.eval_batch_size: must be >= 1"):
+        PreferenceDataModule(data_path="x.jsonl", tokenizer="byte", eval_batch_size=0)
+
+
+@pytest.mark.parametrize(
+    "name, good, bad",
+    [("beta", 1e-3, 0.0), ("label_smoothing", 0.0, 0.5), ("gamma", 1.0, 0.0), ("lam", 0.0, -0.1),
+     ("top_k", 0, -1), ("max_grad_norm", None, -1.0), ("mini_batch_size", 1, 1.5), ("learning_rate", 1.0, float("nan")),
+     ("num_generations", 2, True), ("epsilon_high", None, 0.0), ("lr_schedule", "cosine", "step")],
+)
+def test_range_table_bounds(name, good, bad):
+    """Each bound is where the table says: inclusive/exclusive ends, integers, null, NaN, booleans."""
+    from aitraining_pl.validation import CONSTRAINTS
+
+    assert CONSTRAINTS[name].allows(good) and not CONSTRAINTS[name].allows(bad)
