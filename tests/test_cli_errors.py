@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -262,6 +265,24 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys, monkeypatch):
         assert part in message, message
     assert len(message) < 500, message
     assert not list(tmp_path.glob("csv/v/metrics.csv")) or what == "reward"  # nothing trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["config-not-a-number", "hp-ppo-epochs", "reward-system-exit"])
+def test_console_command_prints_one_line_and_exits_2(case, tmp_path):
+    """The real command in its own process: exit status 2 and the message as the last line of stderr (Lightning's
+    own log lines, such as "Seed set to 0", may come before it), no usage dump, no traceback."""
+    config, extra, what, expected, _ = CASES[case]
+    tests = str(Path(__file__).resolve().parent)
+    path = os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    cmd = [sys.executable, "-m", "aitraining_pl.cli", *config(tmp_path), *extra(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert lines[-1].startswith(f"aitraining-pl: {what} error: ") and all(part in lines[-1] for part in expected)
+    assert sum(line.startswith("aitraining-pl:") for line in lines) == 1
+    assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr
 
 
 def test_internal_errors_keep_their_traceback(tmp_path, monkeypatch):
