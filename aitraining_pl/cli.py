@@ -84,10 +84,15 @@ _DUMP_LINES = ("Does not validate against", "Subtypes:", "Errors:", "- Problem w
                "- Expected a <class 'NoneType'>", "Given value type:", "Given value:", "tip:", "usage:")
 
 
-def parser_error(err: BaseException) -> ConfigError:
+def parser_error(err: BaseException, args: Optional[list[str]] = None) -> ConfigError:
     """A jsonargparse error (``Parser key "model": ... Parser key "beta": Expected ...``, a 7-line dump) as
-    one ``ConfigError`` naming the option (``--model.init_args.beta``) and the innermost reason."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    one ``ConfigError`` naming the option (``--model.init_args.beta``) and the innermost reason; a config file
+    that is not valid YAML is named by its path (from ``args``, default ``sys.argv``)."""
+    lines = [line.strip() for line in str(err).replace(' in "<unicode string>",', "").splitlines() if line.strip()]
+    if lines and lines[0].startswith("Problems parsing config"):
+        argv = list(sys.argv[1:] if args is None else args)
+        files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
+        return ConfigError(f"--config {files[-1]}" if files else "--config", " ".join(lines)[:400])
     keys, why = [], None
     for line in lines:
         key = re.match(r'Parser key "([^"]+)":?\s*(.*)', line)
@@ -110,7 +115,8 @@ def format_error(err: BaseException) -> str:
         what, text = err.what, str(err)
     else:
         what, text = "input", f"{type(err).__name__}: {err}"
-    return f"aitraining-pl: {what} error: {' '.join(text.split())}"
+    text = " ".join(text.split())
+    return f"aitraining-pl: {what} error: {text if len(text) <= 500 else text[:497] + '...'}"
 
 
 def build_cli(args: Optional[list[str]] = None, run: bool = True) -> AlignmentCLI:
@@ -135,7 +141,7 @@ def main(args: Optional[list[str]] = None) -> None:
     except argparse.ArgumentError as err:  # jsonargparse's errors: a bad option or config value
         if os.environ.get("AITRAINING_PL_DEBUG"):
             raise
-        print(format_error(parser_error(err)), file=sys.stderr)
+        print(format_error(parser_error(err, args)), file=sys.stderr)
         raise SystemExit(2) from None
     except Exception as err:  # noqa: BLE001 - only user errors are turned into a message
         user = _user_error(err)

@@ -93,7 +93,10 @@ def _build_from_config(config: Mapping[str, Any], auto_class: str, *, seed: int,
     config = dict(config)
     if "model_type" not in config:
         raise ValueError("an inline model_config needs a 'model_type' (e.g. 'llama'), got keys: " + ", ".join(config))
-    hf_config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+    model_type = config.pop("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ModelLoadError("model_config.model_type", f"unknown model type {model_type!r} (e.g. 'llama', 'qwen2')")
+    hf_config = transformers.AutoConfig.for_model(model_type, **config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(transformers, auto_class).from_config(hf_config)
