@@ -101,15 +101,16 @@ def _model_folder(tmp: Path, corrupt: bool = False) -> str:
     return str(folder)
 
 
-def _reward_folder(tmp: Path, drop: str) -> str:
+def _reward_folder(tmp: Path, *drop: str) -> str:
+    """A saved reward model with the files ``drop`` deleted (a weights file is overwritten with zeros)."""
     folder = tmp / "rm"
     model = RewardModel(RewardModelConfig(model_config=dict(TINY_LLAMA), tokenizer_name="byte"))
     model.save_pretrained(folder)
-    target = folder / drop
-    if drop.endswith(".safetensors"):
-        target.write_bytes(b"\x00" * 16)
-    else:
-        target.unlink()
+    for name in drop:
+        if name.endswith(".safetensors"):
+            (folder / name).write_bytes(b"\x00" * 16)
+        else:
+            (folder / name).unlink()
     return str(folder)
 
 
@@ -223,8 +224,8 @@ CASES = {
                                 ["reward source 'aitraining_pl.rewards:nope': module 'aitraining_pl.rewards' has no "
                                  "attribute 'nope'"], False),
     "reward-folder-without-config": (_ppo, lambda t: ["--model.init_args.reward",
-                                                      _reward_folder(t, "reward_config.json")], "reward",
-                                     ["rm: cannot build: FileNotFoundError", "reward_config.json is missing"], False),
+                                                      _reward_folder(t, "reward_config.json", "config.json")],
+                                     "reward", ["rm: cannot build:", "reward_config.json"], False),
     "reward-corrupt-weights": (_ppo, lambda t: ["--model.init_args.reward", _reward_folder(t, "model.safetensors")],
                                "reward", ["rm/model.safetensors: cannot build: SafetensorError"], False),
     # reward sources: what they do when called
