@@ -110,8 +110,9 @@ def parser_error(err: BaseException, args: Optional[list[str]] = None) -> Config
 
 
 def format_error(err: BaseException) -> str:
-    """``aitraining-pl: <what> error: <where>: <why>``, on one line."""
-    if isinstance(err, UserError):
+    """``aitraining-pl: <what> error: <where>: <why>``, on one line. ``what`` is the error's ``what`` attribute
+    (every ``UserError``; another class listed in ``USER_ERRORS`` may set one too), else ``input``."""
+    if isinstance(getattr(err, "what", None), str):
         what, text = err.what, str(err)
     else:
         what, text = "input", f"{type(err).__name__}: {err}"
