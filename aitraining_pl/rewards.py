@@ -11,8 +11,9 @@ attribute ``last_components: dict[str, list[float]]`` (each list as long as ``re
 then logs each component's mean as ``train/reward/<name>``. RL environments act as reward sources by
 implementing this protocol.
 
-An exception, a result of the wrong length, or a non-finite value stops the run with a ``RewardError``
-saying which (see ``score_responses``).
+An exception (``SystemExit`` included), a result of the wrong length, a value that is not a number, or a
+non-finite value stops the run with a ``RewardError`` naming the source and the first bad index (see
+``score_responses``); the command line prints it as one line.
 
 Reward sources are named in YAML by ``build_reward_source``:
 
@@ -42,9 +43,7 @@ import os
 import re
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
-
-class RewardError(RuntimeError):
-    """A reward source failed: raised, returned the wrong number of scores, or returned NaN/inf."""
+from aitraining_pl.errors import RewardError  # noqa: F401 - re-exported: raised by every check below
 
 
 @runtime_checkable
@@ -185,18 +184,41 @@ def import_object(path: str) -> Any:
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"{path!r} is not an import path like 'package.module:function'")
+        raise RewardError(repr(path), "not an import path like 'package.module:function' nor a reward-model folder")
     try:
         obj = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"cannot import module {module_name!r} of reward source {path!r}: {err}") from err
+        raise RewardError(f"reward source {path!r}", f"cannot import module {module_name!r}: {err}") from err
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"module {module_name!r} has no attribute {attr!r} (reward source {path!r})")
+            raise RewardError(f"reward source {path!r}", f"module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
 
 
+def _as_reward_error(build: Callable[..., Callable]) -> Callable[..., Callable]:
+    """Failures of building a source from its description (a missing or corrupt reward-model folder, a bad
+    spec) raised as ``RewardError`` naming the source, or the weights file of a corrupt folder."""
+
+    @functools.wraps(build)
+    def checked(spec: Any, **kwargs: Any) -> Callable:
+        from aitraining_pl.models.loading import is_load_error, one_line, where_load_failed
+
+        try:
+            return build(spec, **kwargs)
+        except RewardError:
+            raise
+        except Exception as err:  # noqa: BLE001 - only load errors (OS, value, safetensors) are converted
+            if not is_load_error(err):
+                raise
+            folder = os.path.expanduser(spec) if isinstance(spec, str) else ""
+            where = where_load_failed(folder, err) if folder else None
+            raise RewardError(where or f"reward source {str(spec)[:80]!r}", f"cannot build: {one_line(err)}") from err
+
+    return checked
+
+
+@_as_reward_error
 def build_reward_source(spec: Any, *, kwargs: Optional[Mapping[str, Any]] = None) -> Callable:
     """A reward source from its YAML/Python description (see the module docstring for the forms).
 
@@ -243,21 +265,52 @@ def _source_name(source: Any) -> str:
 def _checked_call(
     source: Callable, prompts: Sequence[str], responses: Sequence[str], metadata: Sequence[dict], name: str | None = None
 ) -> list[float]:
-    name = name or _source_name(source)
+    where = f"reward source {name or _source_name(source)!r}"
     try:
         result = source(list(prompts), list(responses), list(metadata))
-    except Exception as err:
-        raise RewardError(f"reward source {name!r} raised {type(err).__name__}: {err}") from err
+    except RewardError:  # a component of a combined source, already named
+        raise
+    except (Exception, SystemExit) as err:  # SystemExit from a reward source is an error, not the end of the run
+        first = _first_failing(source, prompts, responses, metadata)
+        at = f" at index {first}" if first is not None else ""
+        raise RewardError(where, f"raised {_describe(err)}{at}") from err
     try:
-        scores = [float(x) for x in result]
-    except (TypeError, ValueError) as err:
-        raise RewardError(f"reward source {name!r} returned {type(result).__name__}, not a list of floats: {err}") from err
-    if len(scores) != len(responses):
-        raise RewardError(f"reward source {name!r} returned {len(scores)} scores for {len(responses)} responses")
-    bad = [i for i, s in enumerate(scores) if not math.isfinite(s)]
-    if bad:
-        raise RewardError(f"reward source {name!r} returned non-finite scores (NaN/inf) at positions {bad[:10]}")
+        items = list(result)
+    except TypeError:
+        raise RewardError(where, f"returned {type(result).__name__}, not a list of floats") from None
+    if len(items) != len(responses):
+        raise RewardError(where, f"returned {len(items)} scores for {len(responses)} responses")
+    scores = []
+    for i, item in enumerate(items):
+        try:
+            score = float(item) if not isinstance(item, (str, bytes)) else None
+        except (TypeError, ValueError):
+            score = None
+        if score is None:
+            kind = type(item).__name__
+            raise RewardError(where, f"returned a {kind} ({item!r:.40}) at index {i}, not a float")
+        if not math.isfinite(score):
+            raise RewardError(where, f"returned a non-finite score ({score}) at index {i}")
+        scores.append(score)
     return scores
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, SystemExit):
+        return f"SystemExit (sys.exit({err.code!r}))"
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+
+
+def _first_failing(
+    source: Callable, prompts: Sequence[str], responses: Sequence[str], metadata: Sequence[dict]
+) -> Optional[int]:
+    """The first index whose response alone makes ``source`` raise (None if each passes alone)."""
+    for i in range(len(responses)):
+        try:
+            source([prompts[i]], [responses[i]], [metadata[i]])
+        except (Exception, SystemExit):
+            return i
+    return None
 
 
 def score_responses(
@@ -269,7 +322,9 @@ def score_responses(
         ``(scores, components)``: one float per response, and the source's ``last_components`` (or ``{}``).
 
     Raises:
-        RewardError: the source raised, returned the wrong number of scores, or a NaN/inf score.
+        RewardError: the source raised or exited, returned the wrong number of scores, a value that is not a
+            number, or a NaN/inf score; named with the first bad index. After an exception the source is
+            called again on one response at a time to find that index.
     """
     scores = _checked_call(source, prompts, responses, metadata)
     components = dict(getattr(source, "last_components", None) or {})

@@ -13,8 +13,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "aitraining_pl"
 #: first dotted component below ``aitraining_pl`` -> layer number
 LAYERS = {
     "losses": 1,
+    "errors": 1,  # the typed user errors: no project imports
     "models": 2,
     "optim": 2,
+    "validation": 2,  # the hyperparameter range table
     "datamodules": 3,
     "rollout": 3,
     "rewards": 3,

@@ -72,7 +72,7 @@ def test_learning_rate_that_blows_up_stops_the_run_through_the_cli(tmp_path, cap
         main(args)
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Writing model shards" not in line]
     assert info.value.code == 2
-    assert len(err) == 1 and err[0].startswith("aitraining-pl: NonFiniteError: non-finite "), err
+    assert len(err) == 1 and err[0].startswith("aitraining-pl: training error: non-finite "), err
     assert "at global_step" in err[0] and ("train/loss" in err[0] or "grad_norm" in err[0])
     print(err[0])
     exports = sorted(p.name for p in export.iterdir())

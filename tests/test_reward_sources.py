@@ -111,8 +111,11 @@ def test_a_hub_id_is_loaded_from_the_hub(monkeypatch):
     """``org/name`` goes to the hub loader (offline here, so the hub's own not-found error), never to the
     import-path loader."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(OSError):
+    from aitraining_pl.rewards import RewardError
+
+    with pytest.raises(RewardError) as info:
         build_reward_source("no-such-org-aitpl/no-such-reward-model")
+    assert isinstance(info.value.__cause__, OSError)
 
 
 # ------------------------------------------------------------------------------------------------ remote code

@@ -14,6 +14,8 @@ ACTIONS = ("stop", "skip")
 class NonFiniteError(FloatingPointError):
     """The training loss or gradient norm became NaN or infinite; the message names the metric and step."""
 
+    what = "training"  #: the kind the command line prints: ``aitraining-pl: training error: ...``
+
 
 def gradient_norm(parameters: list[torch.Tensor]) -> torch.Tensor:
     """Global L2 norm of the gradients of ``parameters`` (local shards under FSDP2), as a float32 scalar."""

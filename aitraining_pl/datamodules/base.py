@@ -43,6 +43,16 @@ class TextDataModule(pl.LightningDataModule):
         self.train_dataset: Any = None
         self.val_dataset: Any = None
 
+    def save_hyperparameters(self, *args: Any, frame=None, **kwargs: Any) -> None:
+        """Lightning's ``save_hyperparameters``, then every value checked against the range table
+        (``aitraining_pl.validation``: ``batch_size >= 1``, ``0 <= val_split < 1``, ...) before any reading."""
+        import inspect
+
+        from aitraining_pl.validation import check_hparams
+
+        super().save_hyperparameters(*args, frame=frame or inspect.currentframe().f_back, **kwargs)
+        check_hparams(self.hparams, type(self).__name__)
+
     @property
     def tokenizer(self):
         if self._tokenizer is None:

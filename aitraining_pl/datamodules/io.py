@@ -14,25 +14,50 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from aitraining_pl.errors import UserError
+
 #: Local file suffixes understood by ``read_records``.
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
-class DataValidationError(ValueError):
+class DataValidationError(UserError):
     """Bad input data: the message names the source, row and field."""
+
+    what = "data"
 
     def __init__(self, source: str, message: str, row: int | None = None, field: str | None = None):
         where = source if row is None else f"{source}, row {row}"
         if field is not None:
             where += f", field {field!r}"
-        super().__init__(f"{where}: {message}")
+        super().__init__(where, message)
         self.source, self.row, self.field = source, row, field
+
+
+def _decode(raw: bytes, path: Path, line_no: int) -> str:
+    """``raw`` as UTF-8, or a ``DataValidationError`` naming the row, column and byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        reason = f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})"
+        raise DataValidationError(str(path), reason, line_no, _field_with_bad_byte(raw)) from None
+
+
+def _field_with_bad_byte(raw: bytes) -> str | None:
+    """The first top-level field of a JSON object line whose value holds an undecodable byte, if any."""
+    try:
+        record = json.loads(raw.decode("utf-8", errors="replace"))
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    return next((key for key, value in record.items() if "\ufffd" in json.dumps(value, ensure_ascii=False)), None)
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     records = []
-    with path.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for line_no, raw in enumerate(handle, start=1):
+            line = _decode(raw, path, line_no)
             if not line.strip():
                 continue
             try:
@@ -46,8 +71,10 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _read_json(path: Path) -> list[dict[str, Any]]:
+    raw = path.read_bytes()
+    text = "\n".join(_decode(line, path, n) for n, line in enumerate(raw.split(b"\n"), start=1))
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(text)
     except json.JSONDecodeError as err:
         raise DataValidationError(str(path), f"malformed JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
     if isinstance(data, dict):  # {"column": [values...]} or {"data": [records...]}

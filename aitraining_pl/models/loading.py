@@ -7,10 +7,14 @@ Loading from a hub id and from a folder is the same code path (``from_pretrained
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+import os
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+
+from aitraining_pl.errors import ModelLoadError
+from aitraining_pl.validation import looks_like_path
 
 #: The tokenizer name meaning "a byte-level tokenizer that needs no files" (``ByT5Tokenizer``).
 BYTE_TOKENIZER = "byte"
@@ -45,7 +49,9 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, paddin
     if name_or_path == BYTE_TOKENIZER:
         tokenizer = ByT5Tokenizer()
     else:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        tokenizer = from_pretrained(
+            AutoTokenizer.from_pretrained, name_or_path, "tokenizer", trust_remote_code=trust_remote_code
+        )
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is not None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -87,7 +93,10 @@ def _build_from_config(config: Mapping[str, Any], auto_class: str, *, seed: int,
     config = dict(config)
     if "model_type" not in config:
         raise ValueError("an inline model_config needs a 'model_type' (e.g. 'llama'), got keys: " + ", ".join(config))
-    hf_config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+    model_type = config.pop("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ModelLoadError("model_config.model_type", f"unknown model type {model_type!r} (e.g. 'llama', 'qwen2')")
+    hf_config = transformers.AutoConfig.for_model(model_type, **config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(transformers, auto_class).from_config(hf_config)
@@ -141,7 +150,46 @@ def _load(auto_class, model_name, model_config, dtype, attn_implementation, trus
         kwargs["dtype"] = resolve_dtype(dtype) or "auto"
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    return getattr(transformers, auto_class).from_pretrained(model_name, **kwargs)
+    return from_pretrained(getattr(transformers, auto_class).from_pretrained, model_name, "model", **kwargs)
+
+
+def from_pretrained(load: Callable[..., Any], name: str, kind: str, **kwargs: Any) -> Any:
+    """``load(name, **kwargs)`` (a ``from_pretrained``), with a missing folder, a hub id that cannot be
+    reached and an unreadable or corrupt file raised as ``ModelLoadError`` naming the folder or file."""
+    folder = os.path.expanduser(name)
+    if looks_like_path(name) and not os.path.isdir(folder):
+        raise ModelLoadError(name, f"{kind} folder not found")
+    try:
+        return load(name, **kwargs)
+    except Exception as err:  # noqa: BLE001 - OSError, ValueError, SafetensorError, ...: the user's file or id
+        if not is_load_error(err):
+            raise
+        where = where_load_failed(folder, err) or name
+        raise ModelLoadError(where, f"cannot load the {kind}: {one_line(err)}") from err
+
+
+def is_load_error(err: Exception) -> bool:
+    """Errors of reading a folder or hub id: OS errors, bad config or weights files (safetensors, JSON)."""
+    return isinstance(err, (OSError, ValueError, KeyError)) or type(err).__module__.startswith("safetensors")
+
+
+def one_line(err: BaseException, limit: int = 300) -> str:
+    """``"<Type>: <message>"`` on one line, at most ``limit`` characters of message."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:limit]}"
+
+
+def where_load_failed(folder: str, err: BaseException) -> str | None:
+    """The weights file of ``folder`` when ``err`` is about reading weights (a corrupt safetensors file)."""
+    weights_error = type(err).__module__.startswith("safetensors") or "safetensors" in str(err).lower()
+    return _weights_file(folder) if weights_error else (folder if os.path.isdir(folder) else None)
+
+
+def _weights_file(folder: str) -> str | None:
+    """The single weights file of a local folder (to name it when it is corrupt), if there is exactly one."""
+    if not os.path.isdir(folder):
+        return None
+    files = [f for f in sorted(os.listdir(folder)) if f.endswith((".safetensors", ".bin"))]
+    return os.path.join(folder, files[0]) if len(files) == 1 else None
 
 
 def hidden_size_of(model: nn.Module) -> int:

@@ -23,6 +23,7 @@ calls ``self.apply_training_options(...)``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from typing import Any, Iterable, Mapping
 
@@ -34,6 +35,7 @@ from torchmetrics import MeanMetric
 from aitraining_pl.models import LoRAConfig, ReferencePolicy, is_peft_model, load_policy, load_tokenizer
 from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing
 from aitraining_pl.optim import adamw_with_warmup
+from aitraining_pl.validation import check_hparams
 
 #: stages whose values are averaged over the epoch with torchmetrics (training values are per step).
 EPOCH_STAGES = ("val", "test")
@@ -64,6 +66,16 @@ class AlignmentModule(pl.LightningModule):
         self._epoch_metrics = nn.ModuleDict()
 
     # ------------------------------------------------------------------ hyperparameters
+    def save_hyperparameters(self, *args: Any, frame=None, **kwargs: Any) -> None:
+        """Lightning's ``save_hyperparameters``, then every value checked against the range table
+        (``aitraining_pl.validation``): every module passes here before it loads a model."""
+        super().save_hyperparameters(*args, frame=frame or inspect.currentframe().f_back, **kwargs)
+        self.check_hparams()
+
+    def check_hparams(self) -> None:
+        """Raise ``HyperparameterError`` for a hyperparameter outside its allowed range."""
+        check_hparams(self.hparams, type(self).__name__)
+
     def hparam(self, name: str, default: Any = None) -> Any:
         """``self.hparams[name]`` or ``default`` when the subclass does not have that argument."""
         return self.hparams.get(name, default)
@@ -80,6 +92,7 @@ class AlignmentModule(pl.LightningModule):
 
         Runs in a forked RNG seeded with ``seed``: LoRA initialisation is reproducible and building the
         module never shifts the caller's random stream (so data order is the same with or without LoRA)."""
+        self.check_hparams()  # again: arguments added to hparams after save_hyperparameters (``generation``)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(self.hparam("seed", 0) or 0))
             return self._load_policy(with_reference)

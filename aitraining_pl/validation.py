@@ -1,0 +1,186 @@
+"""Range checks of every hyperparameter, in one declarative table, run before any model or data is loaded.
+
+``CONSTRAINTS`` maps a hyperparameter name to its allowed values. ``check_hparams(hparams, owner)`` checks
+whichever of those names a module or data module has (nested dicts such as ``generation`` included, as
+``generation.temperature``) and raises a ``HyperparameterError`` naming the argument, the value and the
+allowed range. ``AlignmentModule`` and ``TextDataModule`` call it from ``save_hyperparameters``, which every
+module passes through before it loads anything, so a new module argument needs only a row here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from aitraining_pl.errors import HyperparameterError, ModelLoadError, RewardError
+
+
+@dataclass(frozen=True)
+class Range:
+    """``low <(=) value <(=) high`` (either bound optional); ``None`` allowed when ``optional``."""
+
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False  #: ``value > low`` instead of ``>=``
+    high_open: bool = False  #: ``value < high`` instead of ``<=``
+    integer: bool = False
+    optional: bool = False
+
+    def describe(self) -> str:
+        low = None if self.low is None else f"{self.low:g} {'<' if self.low_open else '<='} "
+        high = None if self.high is None else f" {'<' if self.high_open else '<='} {self.high:g}"
+        if low and high:
+            text = f"{low}value{high}"
+        elif low or high:
+            text = f"{'>' if self.low_open else '>='} {self.low:g}" if low else f"{high.strip()}"
+        else:
+            text = "a finite number"
+        text += " (an integer)" if self.integer else ""
+        return text + (" or null" if self.optional else "")
+
+    def allows(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """A name from a registry (a callable returning the known names, or None when that registry does not exist
+    in this version: then anything passes)."""
+
+    names: Callable[[], Optional[list[str]]]
+    optional: bool = False
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(map(repr, self.names() or []))
+
+    def allows(self, value: Any) -> bool:
+        known = self.names()
+        return (value is None and self.optional) or known is None or value in known
+
+
+def _registry(module: str, name: str, extra: tuple = ()) -> Callable[[], Optional[list[str]]]:
+    def names() -> Optional[list[str]]:
+        import importlib
+
+        table = getattr(importlib.import_module(module), name, None)
+        return None if table is None else list(table) + list(extra)
+
+    return names
+
+
+def _fixed(*names: str) -> Callable[[], list[str]]:
+    return lambda: list(names)
+
+
+POSITIVE = Range(0, low_open=True)
+NON_NEGATIVE = Range(0)
+COUNT = Range(1, integer=True)  #: an integer >= 1
+FRACTION = Range(0, 1)  #: 0 <= value <= 1
+PROBABILITY_OPEN = Range(0, 1, low_open=True)  #: 0 < value <= 1
+
+#: hyperparameter name -> allowed values (any module or data module that has the argument is checked).
+CONSTRAINTS: dict[str, Range | OneOf] = {
+    # optimisation
+    "learning_rate": POSITIVE,
+    "warmup_ratio": FRACTION,
+    "weight_decay": NON_NEGATIVE,
+    "lr_schedule": OneOf(_registry("aitraining_pl.optim", "SCHEDULES")),
+    "max_grad_norm": Range(0, optional=True),
+    "gradient_accumulation_steps": COUNT,
+    "mini_batch_size": COUNT,
+    # preference losses (DPO family)
+    "beta": POSITIVE,
+    "label_smoothing": Range(0, 0.5, high_open=True),
+    "simpo_gamma": NON_NEGATIVE,
+    "loss_type": OneOf(_registry("aitraining_pl.losses", "DPO_LOSSES")),
+    # reward models
+    "temperature": POSITIVE,  # reward scaling and sampling temperature (``generation.temperature``)
+    "dropout_prob": Range(0, 1, high_open=True),
+    "center_rewards_coef": NON_NEGATIVE,
+    "num_objectives": COUNT,
+    "pooling_strategy": OneOf(_registry("aitraining_pl.losses", "POOLING_STRATEGIES")),
+    # online RL (PPO, GRPO, RLOO)
+    "ppo_epochs": COUNT,
+    "num_iterations": COUNT,
+    "update_epochs": COUNT,
+    "num_generations": COUNT,
+    "gamma": PROBABILITY_OPEN,
+    "lam": FRACTION,
+    "clip_ratio": POSITIVE,
+    "epsilon": POSITIVE,
+    "epsilon_high": Range(0, low_open=True, optional=True),
+    "value_clip": Range(0, optional=True),
+    "value_coef": NON_NEGATIVE,
+    "kl_penalty_coef": NON_NEGATIVE,
+    "kl_coef": NON_NEGATIVE,
+    "kl_estimator": OneOf(_registry("aitraining_pl.losses.rl", "_KL_ESTIMATORS")),
+    "advantage": OneOf(_registry("aitraining_pl.losses", "ADVANTAGE_ESTIMATORS")),
+    "loss_aggregation": OneOf(_registry("aitraining_pl.losses", "LOSS_AGGREGATIONS")),
+    # sampling (``generation``)
+    "max_new_tokens": COUNT,
+    "top_p": PROBABILITY_OPEN,
+    "top_k": Range(0, integer=True),
+    # models and LoRA (``lora.r``, ``lora.alpha``, ``lora.dropout``)
+    "r": COUNT,
+    "alpha": POSITIVE,
+    "dropout": Range(0, 1, high_open=True),
+    "dtype": OneOf(_registry("aitraining_pl.models.loading", "_DTYPES", extra=("auto",)), optional=True),
+    # data modules
+    "batch_size": COUNT,
+    "eval_batch_size": Range(1, integer=True, optional=True),
+    "val_split": Range(0, 1, high_open=True),
+    "max_length": COUNT,
+    "max_prompt_length": COUNT,
+    "num_workers": Range(0, integer=True),
+    "samples_per_prompt": COUNT,
+}
+
+
+def check_hparams(hparams: Mapping[str, Any], owner: str) -> None:
+    """Raise ``HyperparameterError`` for the first value in ``hparams`` outside ``CONSTRAINTS`` (nested
+    mappings are checked with dotted names); also the cross-field rules below. ``owner`` names the class."""
+    for name, value in hparams.items():
+        if isinstance(value, Mapping) and name not in ("model_config", "reward"):
+            check_hparams(value, f"{owner}.{name}")
+        rule = CONSTRAINTS.get(name)
+        if rule is not None and not rule.allows(value):
+            if isinstance(rule, OneOf):
+                why = f"unknown {name} {value!r}; must be {rule.describe()}"
+            else:
+                why = f"must be {rule.describe()}, got {value!r}"
+            raise HyperparameterError(f"{owner}.{name}", why)
+    _check_pairs(hparams, owner)
+    _check_paths(hparams, owner)
+
+
+def _check_pairs(hparams: Mapping[str, Any], owner: str) -> None:
+    """Rules between two arguments."""
+    prompt, total = hparams.get("max_prompt_length"), hparams.get("max_length")
+    if isinstance(prompt, int) and isinstance(total, int) and prompt >= total:
+        raise HyperparameterError(f"{owner}.max_prompt_length", f"must be < max_length ({total}), got {prompt}")
+    if hparams.get("model_name") is not None and hparams.get("model_config") is not None:
+        raise HyperparameterError(f"{owner}.model_name", "give either model_name or model_config, not both")
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether ``name`` is meant as a local path (not a hub id ``org/name`` or an import path)."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def _check_paths(hparams: Mapping[str, Any], owner: str) -> None:
+    """A local folder named by ``model_name`` / ``tokenizer_name`` (model error) or ``reward`` (reward error)
+    must exist."""
+    for name, error in (("model_name", ModelLoadError), ("tokenizer_name", ModelLoadError), ("reward", RewardError)):
+        value = hparams.get(name)
+        if isinstance(value, str) and looks_like_path(value) and not os.path.isdir(os.path.expanduser(value)):
+            raise error(f"{owner}.{name}", f"folder {value!r} not found")
