@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from transformers import StoppingCriteriaList
@@ -39,6 +39,7 @@ from aitraining_pl.models.generation import (
     sample_responses,
 )
 from aitraining_pl.rewards import score_responses
+from aitraining_pl.validation import check_hparams
 
 
 @dataclass
@@ -68,13 +69,9 @@ class GenerationConfig:
         """Whether sampling is truncated by ``top_p`` / ``top_k``."""
         return self.do_sample and (self.top_p < 1.0 or self.top_k > 0)
 
-    def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.do_sample and not self.temperature > 0:
-            raise ValueError(f"generation.temperature must be > 0 when sampling, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0 or self.top_k < 0:
-            raise ValueError(f"generation.top_p must be in (0, 1] and top_k >= 0, got {self.top_p}, {self.top_k}")
+    def validate(self, owner: str = "GenerationConfig") -> None:
+        """Raise ``HyperparameterError`` for a value outside its range (``aitraining_pl.validation``)."""
+        check_hparams(asdict(self), owner)
 
 
 @dataclass

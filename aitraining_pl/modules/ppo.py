@@ -143,7 +143,7 @@ class PPOModule(AlignmentModule):
         self.store_lora_hparam(lora)
         self.generation = generation if isinstance(generation, GenerationConfig) else GenerationConfig(**dict(generation))
         self.hparams["generation"] = asdict(self.generation)
-        self.generation.validate()
+        self.generation.validate(f"{type(self).__name__}.generation")
         warn_truncated_sampling(self.generation)
         policy, self.reference = self.load_policy_from_hparams(with_reference=True)
         self.model = PPOModel(policy)
