@@ -57,9 +57,9 @@ def test_equals_unchunked_values_and_gradients(post):
     scale, softcap, temperature = POST[post]
     hidden, weight, bias, targets, upstream = _inputs()
     leaves = (hidden, weight, bias)
-    fused = lambda: fused_head_logps(hidden, weight, targets, bias, scale=scale, softcap=softcap,  # noqa: E731
+    fused = lambda: fused_head_logps(hidden, weight, targets, bias, scale=scale, softcap=softcap,
                                      temperature=temperature, with_entropy=True, chunk_size=7)
-    ref = lambda: reference(hidden, weight, targets, bias, scale, softcap, temperature)  # noqa: E731
+    ref = lambda: reference(hidden, weight, targets, bias, scale, softcap, temperature)
     values, grads = _values_and_grads(fused, leaves, upstream)
     ref_values, ref_grads = _values_and_grads(ref, leaves, upstream)
     _assert_close(values, ref_values)

@@ -16,7 +16,7 @@ and Gemma 2/3 (``final_logit_softcapping``).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,7 @@ _TEMPORARIES = 6  # float32 (chunk, V) tensors alive at once in the backward pas
 
 class HeadLogps(NamedTuple):
     logps: torch.Tensor  #: (M,) log-probability of each target, float32 (float64 for float64 inputs)
-    entropy: Optional[torch.Tensor]  #: (M,) entropy of each position's distribution in nats, or None
+    entropy: torch.Tensor | None  #: (M,) entropy of each position's distribution in nats, or None
 
 
 def chunk_rows(vocab_size: int, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> int:
@@ -36,7 +36,7 @@ def chunk_rows(vocab_size: int, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> i
     return max(1, int(memory_budget) // (_TEMPORARIES * 4 * int(vocab_size)))
 
 
-def _logits(z: torch.Tensor, scale: float, softcap: Optional[float], temperature: float) -> torch.Tensor:
+def _logits(z: torch.Tensor, scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
     """Post-processed logits ``l`` from the raw head output ``z`` (float32 or float64)."""
     y = z * scale if scale != 1.0 else z
     if softcap:
@@ -52,7 +52,7 @@ def _chunk_stats(l: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
     return logps, lse, entropy
 
 
-def _entropy(log_p: torch.Tensor, p: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _entropy(log_p: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
     """``-sum p log p`` from log-probabilities (no ``lse - E[l]`` cancellation for large logits)."""
     return -((log_p.exp() if p is None else p) * log_p).sum(-1)
 
@@ -136,13 +136,13 @@ def fused_head_logps(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None = None,
     *,
     scale: float = 1.0,
-    softcap: Optional[float] = None,
+    softcap: float | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
-    chunk_size: Optional[int] = None,
+    chunk_size: int | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> HeadLogps:
     """Log-probabilities of ``targets`` (and entropies) under ``post(hidden @ weight.T + bias) / temperature``.
