@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from aitraining_pl.losses import SequenceLogps, selective_log_softmax
+from aitraining_pl.models.lm_head import head_logps, logit_postprocessing
 from aitraining_pl.models.packing import AttentionPlan, packed_attention, supports_packing
 
 
@@ -97,17 +98,14 @@ def _decoder_and_head(model: nn.Module):
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     config = getattr(lm, "config", None)
-    if getattr(config, "logit_scale", None) is not None:  # heads with extra scaling: use the model's forward
+    if logit_postprocessing(config) is None:  # logits scaled in a way not listed: use the model's forward
         decoder = head = None
     return decoder, head, config
 
 
 def _head_logps(head: nn.Module, config: Any, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden)
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return selective_log_softmax(logits.float(), targets)
+    """(M,) log-probs of ``targets`` from hidden states (M, H), chunked: no (M, V) logits (``models.lm_head``)."""
+    return head_logps(head, config, hidden, targets)
 
 
 def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor], padding_free: bool = False,
