@@ -123,7 +123,9 @@ class _FusedHeadLogps(torch.autograd.Function):
                 grad = grad.to(dtype)
                 if need_h:
                     grad_h[rows] = grad @ w
-                if need_w:
+                if need_w and acc == dtype:
+                    grad_w.addmm_(grad.t(), h)  # no (V, H) temporary per chunk
+                elif need_w:
                     grad_w += (grad.t() @ h).to(acc)
                 if need_b:
                     grad_b += grad.sum(0).to(acc)
