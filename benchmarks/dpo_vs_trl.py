@@ -204,7 +204,8 @@ def _header(args) -> dict:
     trl = None if args.skip_trl else _versions(args.trl_python, ("trl", "torch", "transformers", "accelerate"))
     return {"header": True, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "threads": args.threads,
-            "vocab_size": args.vocab_size, "python": sys.version.split()[0], "ours": ours, "trl": trl,
+            "vocab_size": args.vocab_size, "python": sys.version.split()[0], "trl_python": args.trl_python,
+            "ours": ours, "trl": trl,
             "cpus": os.cpu_count()}
 
 
