@@ -10,8 +10,8 @@ from transformers import AutoConfig
 
 from aitraining_pl.losses import sequence_logps
 from aitraining_pl.models import LoRAConfig, apply_lora, build_causal_lm
-from aitraining_pl.models.lm_head import head_parameters, logit_postprocessing
-from aitraining_pl.models.scoring import _decoder_and_head, completion_logps
+from aitraining_pl.models.lm_head import chunked_head_logps, head_parameters, logit_postprocessing
+from aitraining_pl.models.scoring import _decoder_and_head, completion_logps, scoring_path
 from aitraining_pl.modules.dpo import DPOModule
 
 BATCH = {  # pair: prompt [5, 6], chosen [7, 1], rejected [8, 9, 1]; pair: prompt [4], chosen [3], rejected [2]
@@ -43,7 +43,9 @@ def _grads(model, logps):
 def test_fused_head_equals_the_models_own_forward(arch):
     model = build_causal_lm({**TINY_LLAMA, **ARCHITECTURES[arch]}, seed=0)
     assert head_parameters(model.get_output_embeddings()) is not None
-    assert _decoder_and_head(model)[0] is not None  # the decoder + chunked head path, not the fallback
+    decoder, head, config = _decoder_and_head(model)
+    assert scoring_path(model).head  # the decoder + head path, which runs chunked for this head and config:
+    assert chunked_head_logps(head, config, torch.zeros(3, config.hidden_size), torch.zeros(3, dtype=torch.long))
     fast, slow = completion_logps(model, BATCH).logps, _own_forward(model, BATCH)
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
     for got, want in zip(_grads(model, completion_logps(model, BATCH).logps), _grads(model, _own_forward(model, BATCH))):
@@ -65,7 +67,8 @@ def test_logit_postprocessing_from_config():
     assert logit_postprocessing(unknown) is None
     model = build_causal_lm(TINY_LLAMA, seed=0)
     model.config.output_multiplier = 2.0
-    assert _decoder_and_head(model)[0] is None
+    hidden, targets = torch.zeros(3, 32), torch.zeros(3, dtype=torch.long)
+    assert chunked_head_logps(model.get_output_embeddings(), model.config, hidden, targets) is None
 
 
 def test_lora_on_the_head_merges_and_trains():

@@ -77,26 +77,15 @@ def head_parameters(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
     return None
 
 
-def head_logps(head: nn.Module, config: Any, hidden: torch.Tensor, targets: torch.Tensor,
-               with_entropy: bool = False, chunk_size: int | None = None):
-    """Log-probs (M,) of ``targets`` (and entropies when asked: then a ``HeadLogps``) from hidden states (M, H).
-
-    A linear head runs chunked (``fused_head_logps``): no (M, V) logits are built, in the forward or for the
-    backward. Any other head runs on all positions at once. ``config`` gives the post-processing
-    (``logit_postprocessing``); call this only where that is not None.
-    """
-    post = logit_postprocessing(config)
-    if post is None:
-        raise ValueError(f"{getattr(config, 'model_type', config)!r} scales its logits in a way not listed in "
-                         "LOGIT_SCALES: score it through its own forward")
-    scale, softcap = post
-    params = head_parameters(head)
-    if params is not None:
-        out = fused_head_logps(hidden, params[0], targets, params[1], scale=scale, softcap=softcap,
-                               with_entropy=with_entropy, chunk_size=chunk_size)
-        return out if with_entropy else out.logps
-    logits = head(hidden).float() * scale
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    logps = selective_log_softmax(logits, targets)
-    return HeadLogps(logps, entropy_from_logits(logits)) if with_entropy else logps
+def chunked_head_logps(head: nn.Module, config: Any, hidden: torch.Tensor, targets: torch.Tensor,
+                       temperature: float = 1.0, with_entropy: bool = False,
+                       chunk_size: int | None = None) -> HeadLogps | None:
+    """Log-probs (M,) of ``targets`` (and entropies when asked) from hidden states (M, H) through
+    ``fused_head_logps``: no (M, V) logits are built, in the forward or for the backward. None where the head is
+    not a (LoRA) linear layer or ``config`` scales logits in a way ``logit_postprocessing`` does not know: the
+    caller then runs the head itself."""
+    post, params = logit_postprocessing(config), head_parameters(head)
+    if post is None or params is None:
+        return None
+    return fused_head_logps(hidden, params[0], targets, params[1], scale=post[0], softcap=post[1],
+                            temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size)
