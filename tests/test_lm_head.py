@@ -10,8 +10,16 @@ from transformers import AutoConfig
 
 from aitraining_pl.losses import sequence_logps
 from aitraining_pl.models import LoRAConfig, apply_lora, build_causal_lm
-from aitraining_pl.models.lm_head import chunked_head_logps, head_parameters, logit_postprocessing
-from aitraining_pl.models.scoring import _decoder_and_head, completion_logps, scoring_path
+from aitraining_pl.models.lm_head import (
+    chunked_head_logps,
+    head_parameters,
+    logit_postprocessing,
+)
+from aitraining_pl.models.scoring import (
+    _decoder_and_head,
+    completion_logps,
+    scoring_path,
+)
 from aitraining_pl.modules.dpo import DPOModule
 
 BATCH = {  # pair: prompt [5, 6], chosen [7, 1], rejected [8, 9, 1]; pair: prompt [4], chosen [3], rejected [2]
@@ -43,7 +51,7 @@ def _grads(model, logps):
 def test_fused_head_equals_the_models_own_forward(arch):
     model = build_causal_lm({**TINY_LLAMA, **ARCHITECTURES[arch]}, seed=0)
     assert head_parameters(model.get_output_embeddings()) is not None
-    decoder, head, config = _decoder_and_head(model)
+    _, head, config = _decoder_and_head(model)
     assert scoring_path(model).head  # the decoder + head path, which runs chunked for this head and config:
     assert chunked_head_logps(head, config, torch.zeros(3, config.hidden_size), torch.zeros(3, dtype=torch.long))
     fast, slow = completion_logps(model, BATCH).logps, _own_forward(model, BATCH)

@@ -10,12 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aitraining_pl.losses import (
-    HeadLogps,
-    entropy_from_logits,
-    fused_head_logps,
-    selective_log_softmax,
-)
+from aitraining_pl.losses import HeadLogps, fused_head_logps
 
 #: model_type -> (config attribute, multiply or divide): the scale transformers' ``forward`` applies to the head
 LOGIT_SCALES = {
