@@ -3,6 +3,7 @@
 No Lightning or transformers imports here; each function names the paper it follows.
 """
 
+from aitraining_pl.losses.fused_head import DEFAULT_MEMORY_BUDGET, HeadLogps, chunk_rows, fused_head_logps
 from aitraining_pl.losses.kl_control import AdaptiveKLController, FixedKLController
 from aitraining_pl.losses.logprobs import (
     SequenceLogps,
@@ -37,6 +38,10 @@ from aitraining_pl.losses.rl import (
 from aitraining_pl.losses.sft import sft_loss
 
 __all__ = [
+    "DEFAULT_MEMORY_BUDGET",
+    "HeadLogps",
+    "chunk_rows",
+    "fused_head_logps",
     "POOLING_STRATEGIES",
     "masked_objective_mse",
     "pool_hidden_states",

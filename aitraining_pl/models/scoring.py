@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from aitraining_pl.losses import SequenceLogps, selective_log_softmax
+from aitraining_pl.models.lm_head import chunked_head_logps
 from aitraining_pl.models.packing import AttentionPlan, packed_attention, supports_packing
 from aitraining_pl.models.training import eval_mode
 
@@ -150,7 +151,11 @@ def head_logits(head: nn.Module, config: Any, hidden: torch.Tensor) -> torch.Ten
 
 def _head_logps(head: nn.Module, config: Any, hidden: torch.Tensor, targets: torch.Tensor,
                 temperature: float = 1.0) -> torch.Tensor:
-    """(M,) log-probs of ``targets`` from hidden states (M, H)."""
+    """(M,) log-probs of ``targets`` from hidden states (M, H): chunked for a linear head whose post-processing
+    is known (``models.lm_head``: no (M, V) logits, in the forward or saved for backward), else the head's logits."""
+    chunked = chunked_head_logps(head, config, hidden, targets, temperature=temperature)
+    if chunked is not None:
+        return chunked.logps
     return selective_log_softmax(head_logits(head, config, hidden).float() / temperature, targets)
 
 
