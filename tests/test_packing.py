@@ -8,7 +8,7 @@ from transformers import AutoConfig
 
 from aitraining_pl.models import build_causal_lm
 from aitraining_pl.models.packing import AttentionPlan, packed_attention, supports_packing
-from aitraining_pl.modules.dpo import completion_logps, pack_batch
+from aitraining_pl.models.scoring import completion_logps, pack_batch
 from conftest import TINY_LLAMA
 
 
@@ -79,10 +79,10 @@ def test_unsupported_models_run_padded_with_the_same_logps():
 
 
 def test_pairs_with_different_prompts_run_packed_one_block_per_row(monkeypatch):
-    import aitraining_pl.modules.dpo as dpo
+    import aitraining_pl.models.scoring as scoring
 
     calls = []
-    monkeypatch.setattr(dpo, "pack_batch", lambda batch, share_prompt=False: calls.append(share_prompt) or pack_batch(batch, share_prompt))
+    monkeypatch.setattr(scoring, "pack_batch", lambda batch, share_prompt=False: calls.append(share_prompt) or pack_batch(batch, share_prompt))
     model = build_causal_lm(TINY_LLAMA, seed=0)
     batch = {  # the pair's chosen row has prompt [5, 6], its rejected row [5, 7]: the prompt cannot be shared
         "input_ids": torch.tensor([[5, 6, 7, 1, 0], [5, 7, 8, 9, 1]]),
