@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import aitraining_pl.modules.ppo as ppo_module
+import aitraining_pl.modules.online as online_module
 from aitraining_pl.datamodules.prompt import PromptDataModule
 from aitraining_pl.models import build_causal_lm
 from aitraining_pl.modules.ppo import PPOModule
@@ -111,7 +111,7 @@ def test_one_iteration_matches_a_hand_written_ppo_loop(tmp_path, monkeypatch, by
     reference_model = copy.deepcopy(module.model)
     # a fixed "sampled" rollout: EOS mid-sequence, EOS first, no EOS, EOS then garbage
     fixed = torch.tensor([[40, 41, EOS, 0, 0], [EOS, 0, 0, 0, 0], [50, 51, 52, 53, 54], [60, EOS, 70, 71, 72]])
-    monkeypatch.setattr(ppo_module, "sample_responses", lambda *a, **k: fixed.clone())
+    monkeypatch.setattr(online_module, "sample_responses", lambda *a, **k: fixed.clone())
     prompts = ["hello", "hi", "abc", "a longer prompt"]
     dm = PromptDataModule(prompts=prompts, tokenizer=byte_tokenizer, batch_size=4)
     monkeypatch.setattr(dm, "train_dataloader", lambda: torch.utils.data.DataLoader(
