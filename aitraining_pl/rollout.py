@@ -1,37 +1,420 @@
-"""Rollouts for PPO: sampling responses, response masks, and per-token rewards.
+"""The one rollout engine: prompts in; responses, masks, ended flags and texts out (``G`` samples per prompt).
 
-Shapes: B prompts, P prompt tokens (left padded), R response tokens (right padded after the end).
-A response ends at its first EOS token (included: it is the action that ends the episode), or at the token
-that completes a configured stop string, or at ``max_new_tokens``. The response mask is 1 on tokens up to and
-including the end and 0 after it, so it is always a non-empty prefix.
+Shapes: B prompts, G samples per prompt, N = B * G rows, P prompt tokens (left padded), R response tokens
+(right padded after the end). Prompt ``i``'s samples are rows ``i*G .. i*G+G-1`` (``Rollout.group``).
+
+**End of a response.** A response ends at its first *end token*: every id in the tokenizer's EOS and in the
+model's ``generation_config.eos_token_id`` (chat models end a turn with ids such as ``<|eot_id|>``,
+``<|im_end|>`` or ``<end_of_turn>`` that are not the tokenizer's EOS), or at the token that completes a stop
+string (or a stop sequence of token ids), or at ``max_new_tokens``. The end token is part of the response
+(it is the action that ends the episode, and the score sits on it). One rule (``StopRule``) decides this for
+``generate`` (through ``ResponseStoppingCriteria``) and for the response mask afterwards, and it only ever
+looks at the response tokens: a stop string that spans the prompt/response boundary neither stops
+generation nor ends the mask. ``ended`` is False where a response hit ``max_new_tokens`` instead
+(``missing_eos_penalty``).
+
+**Sampling distribution.** ``generate`` gets a complete, explicit ``transformers.GenerationConfig`` built from
+``GenerationConfig``, and the model's own ``generation_config`` is swapped for a blank one during the call, so
+nothing from a checkpoint's ``generation_config.json`` (``repetition_penalty``, ``top_k``, ``min_p``, ...) nor
+transformers' own defaults (``top_k=50``) apply: responses are sampled from the softmax of the logits divided
+by ``temperature``, truncated only by the ``top_p`` / ``top_k`` given here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
+from transformers import GenerationConfig as HFGenerationConfig
+from transformers import StoppingCriteria, StoppingCriteriaList
 
-from aitraining_pl.losses import kl_penalty
+from aitraining_pl.losses import kl_penalty, selective_log_softmax
+from aitraining_pl.rewards import score_responses
 
 
 @dataclass
 class GenerationConfig:
-    """How responses are sampled (Hugging Face ``generate`` with a KV cache)."""
+    """How responses are sampled (Hugging Face ``generate`` with a KV cache).
+
+    The log-probs that PPO uses for its ratio, KL and entropy are those of the *untruncated* softmax at
+    ``temperature``. With ``top_p < 1`` or ``top_k > 0`` the responses come from a truncated distribution, so
+    those log-probs are not exactly of the distribution sampled from (as in TRL); the rollout engine warns once.
+    """
 
     max_new_tokens: int = 128
     """Longest response, in tokens."""
     temperature: float = 0.7
     """Sampling temperature; log-probs for the PPO ratio use the same temperature."""
-    top_p: float = 0.9
-    """Nucleus sampling mass (1.0 = off)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off; below 1 the training log-probs are not of the sampled distribution)."""
     top_k: int = 0
-    """Sample among the k most likely tokens (0 = off)."""
+    """Sample among the k most likely tokens (0 = off; when on, the same caveat as ``top_p``)."""
     stop_strings: Optional[list[str]] = None
-    """Strings that end a response (the response keeps them), besides the EOS token."""
+    """Strings that end a response (the response keeps them), besides the end tokens."""
     do_sample: bool = True
     """False: greedy decoding (for evaluation)."""
+
+    @property
+    def truncated(self) -> bool:
+        """Whether sampling is truncated by ``top_p`` / ``top_k``."""
+        return self.do_sample and (self.top_p < 1.0 or self.top_k > 0)
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(f"generation.temperature must be > 0 when sampling, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0 or self.top_k < 0:
+            raise ValueError(f"generation.top_p must be in (0, 1] and top_k >= 0, got {self.top_p}, {self.top_k}")
+
+
+@dataclass
+class Rollout:
+    """Sampled responses of N = B * G rows; prompt ``i``'s samples are rows ``i*G .. i*G+G-1``."""
+
+    prompt_ids: torch.Tensor  #: (N, P) left padded
+    prompt_mask: torch.Tensor  #: (N, P)
+    response_ids: torch.Tensor  #: (N, R) right padded after the end
+    response_mask: torch.Tensor  #: (N, R) long, 1 up to and including the end token
+    ended: torch.Tensor  #: (N,) bool: ended by an end token or stop (False: hit max_new_tokens)
+    texts: list[str]  #: decoded responses (end/special tokens removed); empty strings without a tokenizer
+    group: torch.Tensor  #: (N,) long: index of the prompt each row came from
+    logprobs: Optional[torch.Tensor] = None  #: (N, R) untruncated log-probs at temperature 1 (``with_logprobs``)
+    sampling_logprobs: Optional[torch.Tensor] = None  #: (N, R) log-probs under the distribution sampled from
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """(N, P + R) prompt and response."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """(N, P + R): the prompt mask, then the response mask (0 after the end)."""
+        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
+
+    @property
+    def num_samples(self) -> int:
+        """G: samples per prompt."""
+        return self.group.shape[0] // max(1, int(self.group.max()) + 1) if self.group.numel() else 0
+
+
+def end_token_ids(tokenizer, model) -> list[int]:
+    """Ids that end a response: the tokenizer's EOS and the model's ``generation_config.eos_token_id`` (an int
+    or a list), deduplicated, in that order. Either may be missing (``tokenizer``/``model`` may be None)."""
+    ids: list[int] = []
+    candidates = [getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None), "eos_token_id", None)]
+    for item in candidates:
+        for token in (item if isinstance(item, (list, tuple)) else [item]):
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    return ids
+
+
+class StopRule:
+    """Stop strings and stop sequences of token ids, checked on the response tokens only.
+
+    A response prefix ``ids`` stops when its decoding (special tokens decoded as their text) contains one of
+    ``stop_strings``, or when it ends with one of ``stop_sequences``. ``generate`` checks every prefix as it
+    grows (``ResponseStoppingCriteria``) and ``ends`` finds the first stopping prefix afterwards, so both agree.
+
+    Args:
+        tokenizer: decodes responses for ``stop_strings`` (may be None when there are none).
+        stop_strings: texts that end a response.
+        stop_sequences: token-id sequences that end a response.
+        skip_special_tokens: look for stop strings in the text without special tokens (default: special tokens
+            are decoded as their text, as transformers' own stop strings see them).
+    """
+
+    def __init__(
+        self, tokenizer=None, stop_strings: Sequence[str] | None = None,
+        stop_sequences: Sequence[Sequence[int]] | None = None, skip_special_tokens: bool = False,
+    ):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.stop_strings = [s for s in (stop_strings or []) if s]
+        self.stop_sequences = [[int(t) for t in s] for s in (stop_sequences or []) if len(s)]
+        if self.stop_strings and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+
+    def __bool__(self) -> bool:
+        return bool(self.stop_strings or self.stop_sequences)
+
+    def stops(self, ids: list[int]) -> bool:
+        """Whether the response prefix ``ids`` has reached a stop."""
+        if any(len(ids) >= len(s) and ids[-len(s):] == s for s in self.stop_sequences):
+            return True
+        return bool(self.stop_strings) and self._contains_string(ids)
+
+    def _contains_string(self, ids: list[int]) -> bool:
+        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return any(s in text for s in self.stop_strings)
+
+    def ends(self, response_ids: torch.Tensor) -> torch.Tensor:
+        """(N,) index of the token at which a response first stops; -1 where it never does."""
+        ends = torch.full((response_ids.shape[0],), -1, dtype=torch.long, device=response_ids.device)
+        if not self:
+            return ends
+        for row, ids in enumerate(response_ids.tolist()):
+            seq_hit = any(_find(ids, s) >= 0 for s in self.stop_sequences)
+            if not (seq_hit or (self.stop_strings and self._contains_string(ids))):
+                continue  # no prefix can stop if the whole response does not
+            ends[row] = next(t for t in range(len(ids)) if self.stops(ids[: t + 1]))
+        return ends
+
+
+def _find(ids: list[int], seq: list[int]) -> int:
+    """Start of the first occurrence of ``seq`` in ``ids``; -1 where none."""
+    return next((i for i in range(len(ids) - len(seq) + 1) if ids[i : i + len(seq)] == seq), -1)
+
+
+class ResponseStoppingCriteria(StoppingCriteria):
+    """``generate``'s view of a ``StopRule``: rows whose response (tokens after the first ``prompt_length``)
+    stops; rows that already hold an end token are finished and not decoded again."""
+
+    def __init__(self, rule: StopRule, prompt_length: int, end_ids: Sequence[int]):
+        self.rule, self.prompt_length, self.end_ids = rule, prompt_length, list(end_ids)
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        response = input_ids[:, self.prompt_length :]
+        done = torch.zeros(response.shape[0], dtype=torch.bool, device=input_ids.device)
+        finished = torch.isin(response, torch.tensor(self.end_ids, device=response.device)).any(1).tolist()
+        for row, ids in enumerate(response.tolist()):
+            done[row] = not finished[row] and self.rule.stops(ids)
+        return done
+
+
+def response_mask(
+    response_ids: torch.Tensor, eos_token_id: int | Sequence[int], stop_ends: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of response tokens up to and including the first end token (or the stop end, if earlier).
+
+    Args:
+        response_ids: (N, R).
+        eos_token_id: one end id or several.
+        stop_ends: optional (N,) index of the token that completes a stop, -1 where none (``StopRule.ends``).
+
+    Returns:
+        ``(mask, ended)``: (N, R) long mask; (N,) bool, True where the response ended by an end token or a stop
+        (False: truncated at ``max_new_tokens``).
+    """
+    eos = torch.as_tensor(eos_token_id, device=response_ids.device).view(-1)
+    is_end = torch.isin(response_ids, eos)
+    positions = torch.arange(response_ids.shape[1], device=response_ids.device)
+    if stop_ends is not None:
+        is_end = is_end | ((positions[None, :] == stop_ends[:, None]) & (stop_ends[:, None] >= 0))
+    ended = is_end.any(dim=1)
+    last = torch.where(ended, is_end.long().argmax(dim=1), torch.full_like(ended, response_ids.shape[1] - 1, dtype=torch.long))
+    return (positions[None, :] <= last[:, None]).long(), ended
+
+
+def stop_string_ends(tokenizer, response_ids: torch.Tensor, stop_strings: Sequence[str]) -> torch.Tensor:
+    """(N,) index of the token whose decoding first completes one of ``stop_strings``; -1 where none."""
+    return StopRule(tokenizer, stop_strings).ends(response_ids)
+
+
+def decode_responses(tokenizer, response_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """Texts of the masked response tokens, special tokens (end tokens) removed."""
+    return [tokenizer.decode(ids[: int(n)], skip_special_tokens=True) for ids, n in zip(response_ids.tolist(), mask.sum(1))]
+
+
+class SampledTokens(NamedTuple):
+    """What ``generate`` returned: response ids (N, R) and, when asked, the per-step logits (N, R, V) before
+    and after the sampling processors (temperature, top-k, top-p)."""
+
+    response_ids: torch.Tensor
+    logits: Optional[torch.Tensor] = None
+    scores: Optional[torch.Tensor] = None
+
+
+def hf_generation_config(
+    config: GenerationConfig, end_ids: Sequence[int], pad_token_id: int, with_logprobs: bool = False
+) -> HFGenerationConfig:
+    """A complete ``transformers.GenerationConfig`` for ``config``: every logits processor that could change
+    the sampled distribution is set to its neutral value (``top_k=0`` in particular: transformers' default
+    is 50), the end ids are ours."""
+    sampling = (
+        dict(do_sample=True, temperature=float(config.temperature), top_p=float(config.top_p), top_k=int(config.top_k))
+        if config.do_sample else dict(do_sample=False)
+    )
+    return HFGenerationConfig(
+        max_new_tokens=config.max_new_tokens, min_new_tokens=0, eos_token_id=list(end_ids) or None,
+        pad_token_id=pad_token_id, num_beams=1, num_return_sequences=1, repetition_penalty=1.0,
+        encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+        renormalize_logits=False, use_cache=True, return_dict_in_generate=True, output_logits=with_logprobs,
+        output_scores=with_logprobs, **sampling,
+    )  # fmt: skip
+
+
+def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (the one whose ``generation_config`` ``generate`` reads)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@contextlib.contextmanager
+def _blank_generation_config(model: torch.nn.Module):
+    """Swap the model's ``generation_config`` for a blank one: ``generate`` fills every field we leave unset
+    from it, so a checkpoint's settings would otherwise apply."""
+    hf = _hf_model(model)
+    saved = getattr(hf, "generation_config", None)
+    hf.generation_config = HFGenerationConfig()
+    try:
+        yield
+    finally:
+        hf.generation_config = saved
+
+
+@torch.no_grad()
+def sample_responses(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    config: HFGenerationConfig,
+    stopping_criteria: Optional[StoppingCriteriaList] = None,
+    synced_gpus: bool = False,
+) -> SampledTokens:
+    """The one ``model.generate`` call of the project, for left-padded ``prompt_ids`` (N, P), with ``config``
+    (``hf_generation_config``) and nothing from the model's own generation config."""
+    with _blank_generation_config(model):
+        out = model.generate(
+            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+            stopping_criteria=stopping_criteria or StoppingCriteriaList(), synced_gpus=synced_gpus,
+        )
+    stacked = (lambda steps: torch.stack(steps, 1).float() if steps else None)
+    return SampledTokens(out.sequences[:, prompt_ids.shape[1] :], stacked(out.logits), stacked(out.scores))
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+_TRUNCATION_WARNED: set[tuple[float, int]] = set()
+
+
+def warn_truncated_sampling(config: GenerationConfig) -> None:
+    """One warning per process and setting: training log-probs are not of the truncated sampling distribution."""
+    key = (float(config.top_p), int(config.top_k))
+    if config.truncated and key not in _TRUNCATION_WARNED:
+        _TRUNCATION_WARNED.add(key)
+        warnings.warn(
+            f"generation.top_p={config.top_p} / top_k={config.top_k} truncate sampling, but the log-probs used for "
+            "the policy ratio, KL and entropy are of the untruncated softmax at the temperature, so the responses "
+            "do not come from the distribution that is trained on. Set top_p: 1.0 and top_k: 0 for on-policy "
+            "sampling.", UserWarning, stacklevel=3,
+        )
+
+
+class RolloutEngine:
+    """Samples ``num_samples`` responses per prompt and returns a ``Rollout`` (see the module docstring).
+
+    Args:
+        tokenizer: decodes responses (texts, stop strings); gives the EOS and pad ids. May be None when there
+            are no stop strings (texts are then empty strings).
+        generation: sampling settings.
+        end_token_ids: ids that end a response (default: ``end_token_ids(tokenizer, model)`` at each call;
+            ``[]``: none, only stops and ``max_new_tokens`` end a response).
+        stop_sequences: token-id sequences that end a response, besides ``generation.stop_strings``.
+        warn_truncation: warn (once) that ``top_p`` / ``top_k`` make the training log-probs off-policy.
+        skip_special_tokens: match stop strings in the text without special tokens (``StopRule``).
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        generation: GenerationConfig,
+        end_token_ids: list[int] | None = None,
+        stop_sequences: Sequence[Sequence[int]] | None = None,
+        warn_truncation: bool = True,
+        skip_special_tokens: bool = False,
+    ):
+        generation.validate()
+        self.tokenizer, self.generation = tokenizer, generation
+        self.end_ids = None if end_token_ids is None else [int(t) for t in end_token_ids]
+        self.stop_rule = StopRule(tokenizer, generation.stop_strings, stop_sequences, skip_special_tokens)
+        if warn_truncation:
+            warn_truncated_sampling(generation)
+
+    def end_token_ids(self, model: torch.nn.Module) -> list[int]:
+        """The ids that end a response of ``model``."""
+        return list(self.end_ids) if self.end_ids is not None else end_token_ids(self.tokenizer, model)
+
+    def pad_token_id(self, model: torch.nn.Module, end_ids: Sequence[int]) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+        return int(pad if pad is not None else (end_ids[0] if end_ids else 0))
+
+    @torch.no_grad()
+    def sample(
+        self,
+        model: torch.nn.Module,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        num_samples: int = 1,
+        synced_gpus: bool = False,
+        *,
+        with_logprobs: bool = False,
+        seed: int | None = None,
+    ) -> Rollout:
+        """Sample ``num_samples`` responses for each left-padded prompt (B, P), in eval mode.
+
+        Args:
+            model: the plain (unwrapped) transformers or peft causal LM.
+            synced_gpus: keep ranks stepping together (FSDP / ZeRO-3).
+            with_logprobs: also return ``logprobs`` and ``sampling_logprobs`` (from ``generate``'s logits).
+            seed: sample in a forked RNG seeded with this (the global RNG is then left untouched).
+        """
+        end_ids = self.end_token_ids(model)
+        group = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(num_samples)
+        prompt_ids, prompt_mask = prompt_ids[group], prompt_mask[group]
+        config = hf_generation_config(self.generation, end_ids, self.pad_token_id(model, end_ids), with_logprobs)
+        criteria = StoppingCriteriaList([ResponseStoppingCriteria(self.stop_rule, prompt_ids.shape[1], end_ids)] if self.stop_rule else [])
+        devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
+        seeded = torch.random.fork_rng(devices=devices) if seed is not None else contextlib.nullcontext()
+        with seeded, _eval_mode(model):
+            if seed is not None:
+                torch.manual_seed(seed)
+            sampled = sample_responses(model, prompt_ids, prompt_mask, config, criteria, synced_gpus)
+        return self.rollout(prompt_ids, prompt_mask, sampled, group, end_ids)
+
+    def rollout(self, prompt_ids, prompt_mask, sampled: SampledTokens, group: torch.Tensor, end_ids) -> Rollout:
+        """The ``Rollout`` of sampled tokens: masks and ``ended`` by the same rule as generation, texts."""
+        response = sampled.response_ids
+        stop_ends = self.stop_rule.ends(response) if self.stop_rule else None
+        mask, ended = response_mask(response, end_ids, stop_ends)
+        texts = decode_responses(self.tokenizer, response, mask) if self.tokenizer is not None else [""] * len(response)
+        logprobs = sampling = None
+        if sampled.logits is not None:
+            logprobs = selective_log_softmax(sampled.logits, response)
+            sampling = selective_log_softmax(sampled.scores, response)
+        return Rollout(prompt_ids, prompt_mask, response, mask, ended, texts, group, logprobs, sampling)
+
+
+def score_rollout(
+    reward_source, prompts: Sequence[str], metadata: Sequence[dict] | None, rollout: Rollout,
+    missing_eos_penalty: float | None = None,
+) -> tuple[torch.Tensor, dict[str, list[float]]]:
+    """Score every row of ``rollout`` with a reward source (through ``rewards.score_responses``, which raises
+    ``RewardError`` on failures); each row gets its prompt's text and metadata.
+
+    Returns:
+        ``(scores, components)``: (N,) float32 on the rollout's device, minus ``missing_eos_penalty`` where a
+        response did not end; the source's per-component scores (lists of N).
+    """
+    rows = rollout.group.tolist()
+    metadata = list(metadata) if metadata is not None else [{} for _ in prompts]
+    scores, components = score_responses(reward_source, [prompts[i] for i in rows], rollout.texts, [metadata[i] for i in rows])
+    scores = torch.tensor(scores, dtype=torch.float32, device=rollout.ended.device)
+    if missing_eos_penalty is not None:
+        scores = scores - missing_eos_penalty * (~rollout.ended).float()
+    return scores, components
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -40,89 +423,8 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-@torch.no_grad()
-def sample_responses(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    config: GenerationConfig,
-    *,
-    eos_token_id: int,
-    pad_token_id: int,
-    tokenizer=None,
-    synced_gpus: bool = False,
-) -> torch.Tensor:
-    """Response tokens (B, R) sampled by ``model.generate`` for left-padded ``prompt_ids`` (B, P).
-
-    ``model`` must be the plain (unwrapped) transformers or peft model. ``tokenizer`` is needed for
-    ``stop_strings``; ``synced_gpus`` keeps ranks stepping together under FSDP / ZeRO-3.
-    """
-    kwargs = dict(
-        max_new_tokens=config.max_new_tokens,
-        do_sample=config.do_sample,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        use_cache=True,
-        synced_gpus=synced_gpus,
-    )
-    if config.do_sample:
-        kwargs.update(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k or None)
-    else:  # silence generation-config warnings about sampling options under greedy decoding
-        kwargs.update(temperature=None, top_p=None, top_k=None)
-    if config.stop_strings:
-        kwargs.update(stop_strings=list(config.stop_strings), tokenizer=tokenizer)
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
-    return out[:, prompt_ids.shape[1] :]
-
-
-def response_mask(
-    response_ids: torch.Tensor, eos_token_id: int | Sequence[int], stop_ends: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask of response tokens up to and including the first EOS (or the stop-string end, if earlier).
-
-    Args:
-        response_ids: (B, R).
-        eos_token_id: one id or several.
-        stop_ends: optional (B,) index of the token that completes a stop string, -1 where none.
-
-    Returns:
-        ``(mask, ended)``: (B, R) long mask; (B,) bool, True where the response ended by EOS or stop string
-        (False: truncated at ``max_new_tokens``).
-    """
-    eos = torch.as_tensor(eos_token_id, device=response_ids.device).view(-1)
-    is_end = torch.isin(response_ids, eos)
-    if stop_ends is not None:
-        positions = torch.arange(response_ids.shape[1], device=response_ids.device)
-        is_end = is_end | ((positions[None, :] == stop_ends[:, None]) & (stop_ends[:, None] >= 0))
-    ended = is_end.any(dim=1)
-    last = torch.where(ended, is_end.long().argmax(dim=1), torch.full_like(ended, response_ids.shape[1] - 1, dtype=torch.long))
-    mask = torch.arange(response_ids.shape[1], device=response_ids.device)[None, :] <= last[:, None]
-    return mask.long(), ended
-
-
-def stop_string_ends(tokenizer, response_ids: torch.Tensor, stop_strings: Sequence[str]) -> torch.Tensor:
-    """(B,) index of the token whose decoding first completes one of ``stop_strings``; -1 where none.
-
-    Special tokens are decoded as their text, as ``generate``'s stop-string check sees them.
-    """
-    ends = torch.full((response_ids.shape[0],), -1, dtype=torch.long, device=response_ids.device)
-    for row, ids in enumerate(response_ids.tolist()):
-        if not any(s in tokenizer.decode(ids) for s in stop_strings):
-            continue
-        for t in range(1, len(ids) + 1):  # the shortest prefix that contains a stop string
-            if any(s in tokenizer.decode(ids[:t]) for s in stop_strings):
-                ends[row] = t - 1
-                break
-    return ends
-
-
-def decode_responses(tokenizer, response_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
-    """Texts of the masked response tokens, special tokens (EOS) removed."""
-    return [tokenizer.decode(ids[: int(n)], skip_special_tokens=True) for ids, n in zip(response_ids.tolist(), mask.sum(1))]
-
-
 def place_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Put each sequence score on its response's last token (the EOS itself when there is one).
+    """Put each sequence score on its response's last token (the end token itself when there is one).
 
     Args:
         scores: (B,). mask: (B, R) prefix mask.

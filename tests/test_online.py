@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-import aitraining_pl.modules.online as online_module
+import aitraining_pl.rollout as rollout_module
 from aitraining_pl.datamodules.prompt import PromptDataModule
 from aitraining_pl.models import build_causal_lm
 from aitraining_pl.models.rollout_scoring import response_logps
@@ -108,7 +108,7 @@ def _fixed_rollout_module(monkeypatch, scores, fixed, **kwargs):
         model_config=TINY_LLAMA, tokenizer_name="byte", reward=lambda p, r, m: list(scores),
         generation=GenerationConfig(max_new_tokens=fixed.shape[1], temperature=1.0, top_p=1.0), **kwargs,
     )
-    monkeypatch.setattr(online_module, "sample_responses", lambda *a, **k: fixed.clone())
+    monkeypatch.setattr(rollout_module, "sample_responses", lambda *a, **k: rollout_module.SampledTokens(fixed.clone()))
     return module
 
 
@@ -176,7 +176,7 @@ def test_algorithm_learns_and_reference_stays(tmp_path, byte_tokenizer, name):
     pl.seed_everything(0)
     spec = dict(ALGORITHMS[name])
     cls = spec.pop("cls")
-    kwargs = dict(learning_rate=1e-2, mini_batch_size=16, num_generations=4, **spec)
+    kwargs = {"learning_rate": 1e-2, "mini_batch_size": 16, "num_generations": 4, **spec}
     module = cls(model_config=TINY_LLAMA, tokenizer_name="byte", reward="aitraining_pl.rewards:char_fraction_reward",
                  generation=GenerationConfig(max_new_tokens=8, temperature=1.0, top_p=1.0), **kwargs)
     dm = PromptDataModule(data_path=QUICKSTART_PROMPTS, tokenizer=byte_tokenizer, batch_size=8, val_split=0.2)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import aitraining_pl.modules.online as online_module
+import aitraining_pl.rollout as rollout_module
 from aitraining_pl.datamodules.prompt import PromptDataModule
 from aitraining_pl.models import build_causal_lm
 from aitraining_pl.modules.ppo import PPOModule
@@ -111,7 +111,7 @@ def test_one_iteration_matches_a_hand_written_ppo_loop(tmp_path, monkeypatch, by
     reference_model = copy.deepcopy(module.model)
     # a fixed "sampled" rollout: EOS mid-sequence, EOS first, no EOS, EOS then garbage
     fixed = torch.tensor([[40, 41, EOS, 0, 0], [EOS, 0, 0, 0, 0], [50, 51, 52, 53, 54], [60, EOS, 70, 71, 72]])
-    monkeypatch.setattr(online_module, "sample_responses", lambda *a, **k: fixed.clone())
+    monkeypatch.setattr(rollout_module, "sample_responses", lambda *a, **k: rollout_module.SampledTokens(fixed.clone()))
     prompts = ["hello", "hi", "abc", "a longer prompt"]
     dm = PromptDataModule(prompts=prompts, tokenizer=byte_tokenizer, batch_size=4)
     monkeypatch.setattr(dm, "train_dataloader", lambda: torch.utils.data.DataLoader(
@@ -277,7 +277,8 @@ def test_stop_strings_end_responses_where_generate_stopped():
                        generation=GenerationConfig(max_new_tokens=12, temperature=1.0, top_p=1.0, stop_strings=["a", "e", "o"]))
     ids = torch.tensor([[40, 41, 42]] * 8)
     torch.manual_seed(0)
-    response, mask, ended = module.generate(ids, torch.ones_like(ids))
+    rollout = module.generate(ids, torch.ones_like(ids))
+    response, mask, ended = rollout.response_ids, rollout.response_mask, rollout.ended
     lengths = mask.sum(1)
     assert ended.any() and (lengths < response.shape[1]).any()
     for row, n in zip(response, lengths.tolist()):  # generate pads everything after the stop

@@ -10,7 +10,6 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import WandbLogger
 
 from aitraining_pl.datamodules.prompt import PromptCollator, PromptDataset
-from aitraining_pl.rollout import decode_responses
 
 
 class SamplingCallback(pl.Callback):
@@ -67,10 +66,9 @@ class SamplingCallback(pl.Callback):
         tokenizer = pl_module.tokenizer
         dataset = PromptDataset(prompts, tokenizer, metadata)
         batch = PromptCollator(tokenizer.pad_token_id or 0)([dataset[i] for i in range(len(dataset))])
-        response, mask, ended = pl_module.generate(batch["input_ids"].to(pl_module.device), batch["attention_mask"].to(pl_module.device))
-        texts = decode_responses(tokenizer, response, mask)
-        scores, _ = pl_module.score(batch["prompts"], texts, batch["metadata"], ended)
-        return [{"prompt": p, "response": r, "reward": float(s)} for p, r, s in zip(batch["prompts"], texts, scores)]
+        rollout = pl_module.generate(batch["input_ids"].to(pl_module.device), batch["attention_mask"].to(pl_module.device))
+        scores, _ = pl_module.score(batch["prompts"], batch["metadata"], rollout)
+        return [{"prompt": p, "response": r, "reward": float(s)} for p, r, s in zip(batch["prompts"], rollout.texts, scores)]
 
     def write(self, trainer: pl.Trainer, rows: list[dict]) -> None:
         wandb_loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]

@@ -15,6 +15,7 @@ from aitraining_pl.environments.base import (
     Trajectory,
     call_reward_fn,
 )
+from aitraining_pl.rollout import GenerationConfig, RolloutEngine, end_token_ids
 
 #: the word count at which the default reward saturates.
 DEFAULT_TARGET_WORDS = 50
@@ -41,7 +42,8 @@ def as_token_list(action: Any) -> List[int]:
 class TextGenerationEnv(RLEnvironment):
     """Generate a response to a prompt; the reward arrives when the episode ends.
 
-    ``step`` takes one token or a chunk of tokens. The episode ends at the first EOS token (tokens after it
+    ``step`` takes one token or a chunk of tokens. The episode ends at the first end token (the tokenizer's EOS;
+    in ``rollout`` also the model's ``generation_config.eos_token_id``; tokens after it
     in a chunk are dropped), when a stop sequence appears in the *generated* text (the prompt is never
     searched), or when prompt plus response reach ``max_length`` tokens (a chunk is cut to fit). The text
     that is scored is the decoded response without special tokens, cut before the first stop sequence.
@@ -129,6 +131,7 @@ class TextGenerationEnv(RLEnvironment):
             "prompt": prompt,
             "metadata": dict(self.prompt_metadata[index]),
             "tokens": [],
+            "end_ids": [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id],
             "text": "",
             "done": False,
             "observations": [],
@@ -152,16 +155,17 @@ class TextGenerationEnv(RLEnvironment):
         """Add tokens to the response; the stop reason if the episode ends."""
         ep = self._episode
         room = self.max_length - len(self._prompt_ids) - len(ep["tokens"])
-        eos = self.tokenizer.eos_token_id
+        ends = ep["end_ids"]
         reason = None
-        if eos is not None and eos in tokens:
-            tokens, reason = tokens[: tokens.index(eos) + 1], "eos"
+        first_end = next((i for i, t in enumerate(tokens) if t in ends), None)
+        if first_end is not None:
+            tokens, reason = tokens[: first_end + 1], "eos"
         if len(tokens) > room:
             tokens, reason = tokens[:room], "max_length"  # an EOS beyond the room was cut away too
         elif len(tokens) == room and reason is None:
             reason = "max_length"
         ep["tokens"].extend(tokens)
-        body = [t for t in ep["tokens"] if t != eos]
+        body = [t for t in ep["tokens"] if t not in ends]
         text, stopped = self.truncate_at_stop(self.tokenizer.decode(body, skip_special_tokens=True))
         ep["text"] = text
         if stopped:
@@ -203,19 +207,27 @@ class TextGenerationEnv(RLEnvironment):
 
     @torch.no_grad()
     def rollout(self, model: torch.nn.Module, index: Optional[int] = None, generator: Optional[torch.Generator] = None) -> Trajectory:
-        """Play one episode with a causal LM: token by token, sampled by ``sample_action`` at the environment's
-        temperature, each token's log-probability (at that temperature) kept in the trajectory. Each step
-        re-reads the whole sequence (no KV cache): meant for inspection and tests, not throughput."""
+        """Play one episode with a causal LM through the rollout engine (``aitraining_pl.rollout``): the response
+        is sampled with a KV cache at the environment's temperature (greedy at 0) and ends at an end token (the
+        tokenizer's EOS or one of the model's ``generation_config.eos_token_id``), a stop sequence or
+        ``max_length``; each token is then stepped through the environment with its log-probability at that
+        temperature. ``generator`` seeds the sampling (the global RNG is then left untouched)."""
         obs = self.reset(index)
+        self._episode["end_ids"] = end_token_ids(self.tokenizer, model)
+        greedy = self.temperature <= 0
+        config = GenerationConfig(
+            max_new_tokens=self.max_length - len(self._prompt_ids), temperature=1.0 if greedy else self.temperature,
+            do_sample=not greedy, stop_strings=self.stop_sequences or None,
+        )
+        engine = RolloutEngine(self.tokenizer, config, end_token_ids=self._episode["end_ids"], skip_special_tokens=True)
         device = next(model.parameters()).device
-        while True:
-            logits = model(input_ids=obs.input_ids.to(device), attention_mask=obs.attention_mask.to(device)).logits[0, -1]
-            action = self.sample_action(logits, generator)
-            scaled = logits.float() / self.temperature if self.temperature > 0 else logits.float()
-            result = self.step(action.cpu(), logprob=torch.log_softmax(scaled, -1)[action].cpu())
-            if result.done:
-                return self.trajectory
-            obs = result.next_observation
+        seed = None if generator is None else int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+        sampled = engine.sample(model, obs.input_ids.to(device), obs.attention_mask.to(device), with_logprobs=True, seed=seed)
+        logprobs = sampled.logprobs if greedy else sampled.sampling_logprobs  # at the environment's temperature
+        for t in range(int(sampled.response_mask[0].sum())):
+            if self.step(sampled.response_ids[0, t].cpu(), logprob=logprobs[0, t].cpu()).done:
+                break
+        return self.trajectory
 
     @property
     def trajectory(self) -> Trajectory:

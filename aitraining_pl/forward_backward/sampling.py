@@ -1,10 +1,13 @@
-"""Token-by-token sampling of one sequence with a KV cache, returning per-token log-probs."""
+"""Sampling of one sequence for the forward/backward pipeline (through the rollout engine), returning per-token
+log-probs; ``filter_logits`` is the top-k / top-p rule of ``generate``, written out (tests compare with it)."""
 
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
+
+from aitraining_pl.rollout import GenerationConfig, RolloutEngine
 
 #: temperatures at or below this sample greedily (argmax).
 GREEDY_TEMPERATURE = 1e-4
@@ -36,21 +39,11 @@ def _stop_sequences(stop: Optional[Sequence[Union[int, Sequence[int]]]]) -> List
     return [[int(s)] if isinstance(s, int) or (torch.is_tensor(s) and s.dim() == 0) else [int(t) for t in s] for s in (stop or [])]
 
 
-def _cache_argument(model: Any) -> str:
-    """The KV-cache keyword of the model's forward: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-
-
-def _lm_step(model: Any, input_ids: torch.Tensor, cache: Any, cache_arg: str) -> tuple[torch.Tensor, Any]:
-    """Next-token logits (V,) after ``input_ids`` (1, n) and the updated cache."""
-    out = model(input_ids=input_ids, use_cache=True, **({cache_arg: cache} if cache is not None else {}))
-    new_cache = getattr(out, "cache", None)
-    if new_cache is None:
-        new_cache = getattr(out, "past_key_values", None)
-    return out.logits[0, -1].float(), new_cache
+def _seed_from(generator: Optional[torch.Generator]) -> Optional[int]:
+    """A seed drawn from ``generator`` (the engine samples in an RNG forked and seeded with it)."""
+    if generator is None:
+        return None
+    return int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
 
 
 @torch.no_grad()
@@ -65,10 +58,11 @@ def sample_with_cache(
     generator: Optional[torch.Generator] = None,
     device: Optional[torch.device] = None,
 ) -> Dict[str, Any]:
-    """Sample up to ``max_tokens`` after ``prompt`` from a transformers causal LM, reusing its KV cache.
+    """Sample up to ``max_tokens`` after ``prompt`` from a transformers causal LM with the rollout engine
+    (``aitraining_pl.rollout.RolloutEngine``: ``generate`` with a KV cache and an explicit sampling config).
 
-    The prompt is read in one forward pass, then each new token costs one forward pass of length 1.
-    Sampling stops after a token (or token sequence) in ``stop``; the stop tokens are included.
+    Sampling stops after a token (or token sequence) in ``stop``; the stop tokens are included. Temperatures at
+    or below ``GREEDY_TEMPERATURE`` decode greedily.
 
     Returns:
         ``tokens`` (new token ids), ``logprobs`` (log-prob of each new token under the model itself, i.e.
@@ -76,35 +70,29 @@ def sample_with_cache(
         distribution actually sampled from; 0.0 for greedy steps), ``prompt`` (the prompt ids) and
         ``stop_reason`` (``"stop"`` or ``"length"``).
     """
-    stops = _stop_sequences(stop)
-    device = device or next(model.parameters()).device
-    ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-    if ids.shape[1] == 0:
+    prompt = [int(t) for t in prompt]
+    if not prompt:
         raise ValueError("sample() needs a non-empty prompt")
-    cache_arg = _cache_argument(model)
-    logits, cache = _lm_step(model, ids, None, cache_arg)
-    tokens: List[int] = []
-    logprobs: List[float] = []
-    sampling_logprobs: List[float] = []
-    reason = "length"
-    for _ in range(max_tokens):
-        if temperature <= GREEDY_TEMPERATURE:
-            token, sampled_logp = int(logits.argmax()), 0.0
-        else:
-            dist = torch.log_softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
-            token = int(torch.multinomial(dist.exp(), 1, generator=generator))
-            sampled_logp = float(dist[token])
-        tokens.append(token)
-        logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
-        sampling_logprobs.append(sampled_logp)
-        if any(tokens[-len(s):] == s for s in stops if s):
-            reason = "stop"
-            break
-        logits, cache = _lm_step(model, torch.tensor([[token]], device=device), cache, cache_arg)
+    if max_tokens < 1:
+        return {"tokens": [], "logprobs": [], "sampling_logprobs": [], "prompt": prompt, "stop_reason": "length"}
+    stops = _stop_sequences(stop)
+    greedy = temperature <= GREEDY_TEMPERATURE
+    config = GenerationConfig(
+        max_new_tokens=max_tokens, temperature=1.0 if greedy else temperature, top_k=top_k, top_p=top_p,
+        do_sample=not greedy,
+    )
+    engine = RolloutEngine(
+        None, config, end_token_ids=[s[0] for s in stops if len(s) == 1],
+        stop_sequences=[s for s in stops if len(s) > 1], warn_truncation=False,  # sampling_logprobs are exact
+    )
+    ids = torch.tensor([prompt], dtype=torch.long, device=device or next(model.parameters()).device)
+    rollout = engine.sample(model, ids, torch.ones_like(ids), with_logprobs=True, seed=_seed_from(generator))
+    n = int(rollout.response_mask[0].sum())
+    sampling = [0.0] * n if greedy else rollout.sampling_logprobs[0, :n].tolist()
     return {
-        "tokens": tokens,
-        "logprobs": logprobs,
-        "sampling_logprobs": sampling_logprobs,
-        "prompt": list(int(t) for t in prompt),
-        "stop_reason": reason,
+        "tokens": rollout.response_ids[0, :n].tolist(),
+        "logprobs": rollout.logprobs[0, :n].tolist(),
+        "sampling_logprobs": sampling,
+        "prompt": prompt,
+        "stop_reason": "stop" if bool(rollout.ended[0]) else "length",
     }

@@ -26,14 +26,8 @@ import torch
 from aitraining_pl.losses import group_statistics
 from aitraining_pl.modules.base import AlignmentModule
 from aitraining_pl.optim import adamw_with_warmup
-from aitraining_pl.rewards import build_reward_source, score_responses
-from aitraining_pl.rollout import (
-    GenerationConfig,
-    decode_responses,
-    response_mask,
-    sample_responses,
-    stop_string_ends,
-)
+from aitraining_pl.rewards import build_reward_source
+from aitraining_pl.rollout import GenerationConfig, Rollout, RolloutEngine, score_rollout, warn_truncated_sampling
 
 
 def primitive(value: Any) -> bool:
@@ -82,6 +76,8 @@ class OnlineRLModule(AlignmentModule):
         self.store_lora_hparam(lora)
         self.generation = generation if isinstance(generation, GenerationConfig) else GenerationConfig(**dict(generation))
         self.hparams["generation"] = asdict(self.generation)
+        self.generation.validate()
+        warn_truncated_sampling(self.generation)
         self._reward_source = [build_reward_source(reward)]  # in a list: never a submodule, never saved
         self.kl_coef = float(kl_coef)
         self.last_kl = 0.0  #: batch-mean KL(pi || ref) per response (nats), for the KL callback
@@ -137,49 +133,38 @@ class OnlineRLModule(AlignmentModule):
             return FullyShardedDataParallel.summon_full_params(self.trainer.strategy.model, writeback=False)
         return contextlib.nullcontext()
 
-    @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: Optional[GenerationConfig] = None):
-        """Sample responses for left-padded prompts: ``(response_ids (B, R), mask (B, R), ended (B,))``."""
-        config = config or self.generation
-        tok = self.tokenizer
-        sharded = self._generation_context()
-        was_training = self.policy.training
-        self.policy.eval()
-        try:
-            with sharded:
-                response = sample_responses(
-                    self.policy, prompt_ids, prompt_mask, config, eos_token_id=tok.eos_token_id,
-                    pad_token_id=tok.pad_token_id, tokenizer=tok,
-                    synced_gpus=not isinstance(sharded, contextlib.nullcontext),
-                )
-        finally:
-            self.policy.train(was_training)
-        stops = stop_string_ends(tok, response, config.stop_strings) if config.stop_strings else None
-        mask, ended = response_mask(response, tok.eos_token_id, stops)
-        return response, mask, ended
+    @property
+    def engine(self) -> RolloutEngine:
+        """The rollout engine for ``generation`` with this module's tokenizer."""
+        return RolloutEngine(self.tokenizer, self.generation, warn_truncation=False)
 
-    def score(self, prompts: list[str], responses: list[str], metadata: list[dict], ended: torch.Tensor):
-        """Scores (B,) from the reward source, minus ``missing_eos_penalty`` where a response did not end;
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: Optional[GenerationConfig] = None,
+        num_samples: int = 1,
+    ) -> Rollout:
+        """Sample ``num_samples`` responses per left-padded prompt with the rollout engine (``generation``, or
+        ``config``), in eval mode; rows ``i*G .. i*G+G-1`` answer prompt ``i``."""
+        engine = self.engine if config is None else RolloutEngine(self.tokenizer, config)
+        sharded = self._generation_context()
+        with sharded:
+            return engine.sample(
+                self.policy, prompt_ids, prompt_mask, num_samples,
+                synced_gpus=not isinstance(sharded, contextlib.nullcontext),
+            )
+
+    def score(self, prompts: list[str], metadata: list[dict], rollout: Rollout):
+        """Scores (N,) from the reward source, minus ``missing_eos_penalty`` where a response did not end;
         and the source's per-component scores."""
-        scores, components = score_responses(self.reward_source, prompts, responses, metadata)
-        scores = torch.tensor(scores, dtype=torch.float32, device=ended.device)
-        if self.hparams.missing_eos_penalty is not None:
-            scores = scores - self.hparams.missing_eos_penalty * (~ended).float()
-        return scores, components
+        return score_rollout(self.reward_source, prompts, metadata, rollout, self.hparams.missing_eos_penalty)
 
     def rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
         """Sample ``samples`` responses per prompt of ``batch`` and score them."""
-        prompt_ids = batch["input_ids"].repeat_interleave(samples, 0)
-        prompt_mask = batch["attention_mask"].repeat_interleave(samples, 0)
-        response, mask, ended = self.generate(prompt_ids, prompt_mask)
-        texts = decode_responses(self.tokenizer, response, mask)
-        prompts = [p for p in batch["prompts"] for _ in range(samples)]
-        metadata = [m for m in batch["metadata"] for _ in range(samples)]
-        scores, components = self.score(prompts, texts, metadata, ended)
-        group = torch.arange(batch["input_ids"].shape[0], device=prompt_ids.device).repeat_interleave(samples)
+        rollout = self.generate(batch["input_ids"], batch["attention_mask"], num_samples=samples)
+        scores, components = self.score(batch["prompts"], batch["metadata"], rollout)
         return RolloutBatch(
-            torch.cat([prompt_ids, response], 1), torch.cat([prompt_mask, mask.to(prompt_mask.dtype)], 1),
-            prompt_ids.shape[1], mask, ended, group, texts, scores, components,
+            rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1], rollout.response_mask,
+            rollout.ended, rollout.group, rollout.texts, scores, components,
         )
 
     # ------------------------------------------------------------------ one iteration
@@ -267,10 +252,9 @@ class OnlineRLModule(AlignmentModule):
 
     # ------------------------------------------------------------------ validation: held-out reward
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        response, mask, ended = self.generate(batch["input_ids"], batch["attention_mask"])
-        texts = decode_responses(self.tokenizer, response, mask)
-        scores, _ = self.score(batch["prompts"], texts, batch["metadata"], ended)
-        self.log_metrics("val", {"reward_mean": scores, "response_length": mask.sum(1).float()}, batch_size=len(texts))
+        rollout = self.rollout(batch, 1)
+        lengths = rollout.mask.sum(1).float()
+        self.log_metrics("val", {"reward_mean": rollout.scores, "response_length": lengths}, batch_size=len(rollout.texts))
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
