@@ -197,3 +197,31 @@ def test_algorithm_learns_and_reference_stays(tmp_path, byte_tokenizer, name):
                 "completion_length/max", "clipped_ratio", "entropy", "clip_ratio/low", "clip_ratio/high", "lr"):
         assert f"train/{key}" in metrics, key
     assert ("train/kl" in metrics) == bool(module.kl_coef)
+
+
+def test_quickstart_config_runs_through_the_cli(tmp_path):
+    """configs/quickstart/grpo.yaml: two GRPO iterations through ``aitraining-pl fit``, CSV metrics and export."""
+    import csv
+    from pathlib import Path
+
+    import yaml
+
+    from aitraining_pl.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    config = yaml.safe_load((root / "configs/quickstart/grpo.yaml").read_text())
+    config["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(tmp_path / "export")
+    (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(config))
+    main([
+        "fit", "--config", str(tmp_path / "grpo.yaml"),
+        "--data.init_args.data_path", str(root / "aitraining_pl/data/quickstart_prompts.jsonl"),
+        "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.max_epochs", "1",
+        "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "2",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    ])
+    (metrics,) = list(tmp_path.glob("csv/version_*/metrics.csv"))
+    rows = list(csv.DictReader(metrics.open()))
+    train = [r for r in rows if r.get("train/reward_mean")]
+    assert len(train) == 2 and all(r.get("train/frac_reward_zero_std") for r in train)
+    assert any(r.get("val/reward_mean") for r in rows)
+    assert (tmp_path / "export").exists()
