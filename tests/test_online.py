@@ -159,6 +159,31 @@ def test_dynamic_sampling_drops_groups_without_signal(monkeypatch):
     assert experience.old_logprobs is not None and experience.ref_logprobs is None  # num_iterations > 1, no KL
 
 
+def test_lora_grpo_under_bf16_mixed_with_reference_as_disabled_adapters(tmp_path, byte_tokenizer):
+    """One GRPO iteration (two passes) with LoRA under bf16-mixed: adapters train, base weights (the reference)
+    stay put, the packed passes run under autocast, metrics are finite."""
+    from aitraining_pl.models import LoRAConfig
+
+    module = GRPOModule(
+        model_config=TINY_LLAMA, tokenizer_name="byte", lora=LoRAConfig(r=4, alpha=8, dropout=0.0),
+        reward=lambda p, r, m: [float(sum(map(ord, x)) % 5) for x in r], num_generations=4, num_iterations=2,
+        generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0), learning_rate=1e-2, mini_batch_size=4,
+    )
+    assert module.reference.shares_weights
+    named = dict(module.model.named_parameters())
+    lora = {n: p.detach().clone() for n, p in named.items() if "lora_B" in n}
+    base = {n: p.detach().clone() for n, p in named.items() if "base_layer" in n}
+    dm = PromptDataModule(prompts=["ab", "cd"], tokenizer=byte_tokenizer, batch_size=2)
+    trainer = _trainer(tmp_path, precision="bf16-mixed", limit_train_batches=1)
+    trainer.fit(module, dm)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+    assert trainer.global_step == 4  # 2 passes x 8 rollouts / 4 per minibatch
+    named = dict(module.model.named_parameters())
+    assert any(not torch.equal(named[n], p) for n, p in lora.items())
+    assert all(torch.equal(named[n], p) for n, p in base.items())
+
+
 # ------------------------------------------------------------------------------------------------ learning
 ALGORITHMS = {
     "grpo": dict(cls=GRPOModule),
