@@ -45,6 +45,8 @@ _EXPORTS: dict[str, str] = {
     "WeightedRewards": "aitraining_pl.rewards",
     "build_reward_source": "aitraining_pl.rewards",
     "GenerationConfig": "aitraining_pl.rollout",
+    "Rollout": "aitraining_pl.rollout",
+    "RolloutEngine": "aitraining_pl.rollout",
     "AdaptiveKLCallback": "aitraining_pl.callbacks.kl",
     "SamplingCallback": "aitraining_pl.callbacks.sampling",
     "PPOModule": "aitraining_pl.modules.ppo",

@@ -24,14 +24,20 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
-from transformers import GenerationConfig as HFGenerationConfig
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
 from aitraining_pl.losses import kl_penalty, selective_log_softmax
+from aitraining_pl.models.generation import (
+    ResponseStoppingCriteria,
+    SampledTokens,
+    StopRule,
+    hf_generation_config,
+    sample_responses,
+)
 from aitraining_pl.rewards import score_responses
 
 
@@ -41,7 +47,7 @@ class GenerationConfig:
 
     The log-probs that PPO uses for its ratio, KL and entropy are those of the *untruncated* softmax at
     ``temperature``. With ``top_p < 1`` or ``top_k > 0`` the responses come from a truncated distribution, so
-    those log-probs are not exactly of the distribution sampled from (as in TRL); the rollout engine warns once.
+    those log-probs are not exactly of the distribution sampled from; the rollout engine warns once.
     """
 
     max_new_tokens: int = 128
@@ -52,7 +58,7 @@ class GenerationConfig:
     """Nucleus sampling mass (1.0 = off; below 1 the training log-probs are not of the sampled distribution)."""
     top_k: int = 0
     """Sample among the k most likely tokens (0 = off; when on, the same caveat as ``top_p``)."""
-    stop_strings: Optional[list[str]] = None
+    stop_strings: list[str] | None = None
     """Strings that end a response (the response keeps them), besides the end tokens."""
     do_sample: bool = True
     """False: greedy decoding (for evaluation)."""
@@ -82,8 +88,8 @@ class Rollout:
     ended: torch.Tensor  #: (N,) bool: ended by an end token or stop (False: hit max_new_tokens)
     texts: list[str]  #: decoded responses (end/special tokens removed); empty strings without a tokenizer
     group: torch.Tensor  #: (N,) long: index of the prompt each row came from
-    logprobs: Optional[torch.Tensor] = None  #: (N, R) untruncated log-probs at temperature 1 (``with_logprobs``)
-    sampling_logprobs: Optional[torch.Tensor] = None  #: (N, R) log-probs under the distribution sampled from
+    logprobs: torch.Tensor | None = None  #: (N, R) untruncated log-probs at temperature 1 (``with_logprobs``)
+    sampling_logprobs: torch.Tensor | None = None  #: (N, R) log-probs under the distribution sampled from
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -105,84 +111,12 @@ def end_token_ids(tokenizer, model) -> list[int]:
     """Ids that end a response: the tokenizer's EOS and the model's ``generation_config.eos_token_id`` (an int
     or a list), deduplicated, in that order. Either may be missing (``tokenizer``/``model`` may be None)."""
     ids: list[int] = []
-    candidates = [getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None), "eos_token_id", None)]
-    for item in candidates:
+    model_ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for item in (getattr(tokenizer, "eos_token_id", None), model_ids):
         for token in (item if isinstance(item, (list, tuple)) else [item]):
             if token is not None and int(token) not in ids:
                 ids.append(int(token))
     return ids
-
-
-class StopRule:
-    """Stop strings and stop sequences of token ids, checked on the response tokens only.
-
-    A response prefix ``ids`` stops when its decoding (special tokens decoded as their text) contains one of
-    ``stop_strings``, or when it ends with one of ``stop_sequences``. ``generate`` checks every prefix as it
-    grows (``ResponseStoppingCriteria``) and ``ends`` finds the first stopping prefix afterwards, so both agree.
-
-    Args:
-        tokenizer: decodes responses for ``stop_strings`` (may be None when there are none).
-        stop_strings: texts that end a response.
-        stop_sequences: token-id sequences that end a response.
-        skip_special_tokens: look for stop strings in the text without special tokens (default: special tokens
-            are decoded as their text, as transformers' own stop strings see them).
-    """
-
-    def __init__(
-        self, tokenizer=None, stop_strings: Sequence[str] | None = None,
-        stop_sequences: Sequence[Sequence[int]] | None = None, skip_special_tokens: bool = False,
-    ):
-        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
-        self.stop_strings = [s for s in (stop_strings or []) if s]
-        self.stop_sequences = [[int(t) for t in s] for s in (stop_sequences or []) if len(s)]
-        if self.stop_strings and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
-
-    def __bool__(self) -> bool:
-        return bool(self.stop_strings or self.stop_sequences)
-
-    def stops(self, ids: list[int]) -> bool:
-        """Whether the response prefix ``ids`` has reached a stop."""
-        if any(len(ids) >= len(s) and ids[-len(s):] == s for s in self.stop_sequences):
-            return True
-        return bool(self.stop_strings) and self._contains_string(ids)
-
-    def _contains_string(self, ids: list[int]) -> bool:
-        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-        return any(s in text for s in self.stop_strings)
-
-    def ends(self, response_ids: torch.Tensor) -> torch.Tensor:
-        """(N,) index of the token at which a response first stops; -1 where it never does."""
-        ends = torch.full((response_ids.shape[0],), -1, dtype=torch.long, device=response_ids.device)
-        if not self:
-            return ends
-        for row, ids in enumerate(response_ids.tolist()):
-            seq_hit = any(_find(ids, s) >= 0 for s in self.stop_sequences)
-            if not (seq_hit or (self.stop_strings and self._contains_string(ids))):
-                continue  # no prefix can stop if the whole response does not
-            ends[row] = next(t for t in range(len(ids)) if self.stops(ids[: t + 1]))
-        return ends
-
-
-def _find(ids: list[int], seq: list[int]) -> int:
-    """Start of the first occurrence of ``seq`` in ``ids``; -1 where none."""
-    return next((i for i in range(len(ids) - len(seq) + 1) if ids[i : i + len(seq)] == seq), -1)
-
-
-class ResponseStoppingCriteria(StoppingCriteria):
-    """``generate``'s view of a ``StopRule``: rows whose response (tokens after the first ``prompt_length``)
-    stops; rows that already hold an end token are finished and not decoded again."""
-
-    def __init__(self, rule: StopRule, prompt_length: int, end_ids: Sequence[int]):
-        self.rule, self.prompt_length, self.end_ids = rule, prompt_length, list(end_ids)
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        response = input_ids[:, self.prompt_length :]
-        done = torch.zeros(response.shape[0], dtype=torch.bool, device=input_ids.device)
-        finished = torch.isin(response, torch.tensor(self.end_ids, device=response.device)).any(1).tolist()
-        for row, ids in enumerate(response.tolist()):
-            done[row] = not finished[row] and self.rule.stops(ids)
-        return done
 
 
 def response_mask(
@@ -205,7 +139,8 @@ def response_mask(
     if stop_ends is not None:
         is_end = is_end | ((positions[None, :] == stop_ends[:, None]) & (stop_ends[:, None] >= 0))
     ended = is_end.any(dim=1)
-    last = torch.where(ended, is_end.long().argmax(dim=1), torch.full_like(ended, response_ids.shape[1] - 1, dtype=torch.long))
+    truncated = torch.full_like(ended, response_ids.shape[1] - 1, dtype=torch.long)
+    last = torch.where(ended, is_end.long().argmax(dim=1), truncated)
     return (positions[None, :] <= last[:, None]).long(), ended
 
 
@@ -216,73 +151,8 @@ def stop_string_ends(tokenizer, response_ids: torch.Tensor, stop_strings: Sequen
 
 def decode_responses(tokenizer, response_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     """Texts of the masked response tokens, special tokens (end tokens) removed."""
-    return [tokenizer.decode(ids[: int(n)], skip_special_tokens=True) for ids, n in zip(response_ids.tolist(), mask.sum(1))]
-
-
-class SampledTokens(NamedTuple):
-    """What ``generate`` returned: response ids (N, R) and, when asked, the per-step logits (N, R, V) before
-    and after the sampling processors (temperature, top-k, top-p)."""
-
-    response_ids: torch.Tensor
-    logits: Optional[torch.Tensor] = None
-    scores: Optional[torch.Tensor] = None
-
-
-def hf_generation_config(
-    config: GenerationConfig, end_ids: Sequence[int], pad_token_id: int, with_logprobs: bool = False
-) -> HFGenerationConfig:
-    """A complete ``transformers.GenerationConfig`` for ``config``: every logits processor that could change
-    the sampled distribution is set to its neutral value (``top_k=0`` in particular: transformers' default
-    is 50), the end ids are ours."""
-    sampling = (
-        dict(do_sample=True, temperature=float(config.temperature), top_p=float(config.top_p), top_k=int(config.top_k))
-        if config.do_sample else dict(do_sample=False)
-    )
-    return HFGenerationConfig(
-        max_new_tokens=config.max_new_tokens, min_new_tokens=0, eos_token_id=list(end_ids) or None,
-        pad_token_id=pad_token_id, num_beams=1, num_return_sequences=1, repetition_penalty=1.0,
-        encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
-        renormalize_logits=False, use_cache=True, return_dict_in_generate=True, output_logits=with_logprobs,
-        output_scores=with_logprobs, **sampling,
-    )  # fmt: skip
-
-
-def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a peft wrapper (the one whose ``generation_config`` ``generate`` reads)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-@contextlib.contextmanager
-def _blank_generation_config(model: torch.nn.Module):
-    """Swap the model's ``generation_config`` for a blank one: ``generate`` fills every field we leave unset
-    from it, so a checkpoint's settings would otherwise apply."""
-    hf = _hf_model(model)
-    saved = getattr(hf, "generation_config", None)
-    hf.generation_config = HFGenerationConfig()
-    try:
-        yield
-    finally:
-        hf.generation_config = saved
-
-
-@torch.no_grad()
-def sample_responses(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    config: HFGenerationConfig,
-    stopping_criteria: Optional[StoppingCriteriaList] = None,
-    synced_gpus: bool = False,
-) -> SampledTokens:
-    """The one ``model.generate`` call of the project, for left-padded ``prompt_ids`` (N, P), with ``config``
-    (``hf_generation_config``) and nothing from the model's own generation config."""
-    with _blank_generation_config(model):
-        out = model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-            stopping_criteria=stopping_criteria or StoppingCriteriaList(), synced_gpus=synced_gpus,
-        )
-    stacked = (lambda steps: torch.stack(steps, 1).float() if steps else None)
-    return SampledTokens(out.sequences[:, prompt_ids.shape[1] :], stacked(out.logits), stacked(out.scores))
+    lengths = mask.sum(1).tolist()
+    return [tokenizer.decode(ids[: int(n)], skip_special_tokens=True) for ids, n in zip(response_ids.tolist(), lengths)]
 
 
 @contextlib.contextmanager
@@ -361,7 +231,7 @@ class RolloutEngine:
         synced_gpus: bool = False,
         *,
         with_logprobs: bool = False,
-        seed: int | None = None,
+        seed: int | torch.Generator | None = None,
     ) -> Rollout:
         """Sample ``num_samples`` responses for each left-padded prompt (B, P), in eval mode.
 
@@ -369,14 +239,18 @@ class RolloutEngine:
             model: the plain (unwrapped) transformers or peft causal LM.
             synced_gpus: keep ranks stepping together (FSDP / ZeRO-3).
             with_logprobs: also return ``logprobs`` and ``sampling_logprobs`` (from ``generate``'s logits).
-            seed: sample in a forked RNG seeded with this (the global RNG is then left untouched).
+            seed: sample in a forked RNG seeded with this int, or with a seed drawn from this generator (the
+                global RNG is then left untouched).
         """
         end_ids = self.end_token_ids(model)
         group = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(num_samples)
         prompt_ids, prompt_mask = prompt_ids[group], prompt_mask[group]
         config = hf_generation_config(self.generation, end_ids, self.pad_token_id(model, end_ids), with_logprobs)
-        criteria = StoppingCriteriaList([ResponseStoppingCriteria(self.stop_rule, prompt_ids.shape[1], end_ids)] if self.stop_rule else [])
+        stops = [ResponseStoppingCriteria(self.stop_rule, prompt_ids.shape[1], end_ids)] if self.stop_rule else []
+        criteria = StoppingCriteriaList(stops)
         devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
+        if isinstance(seed, torch.Generator):
+            seed = int(torch.randint(0, 2**62, (1,), generator=seed, device=seed.device))
         seeded = torch.random.fork_rng(devices=devices) if seed is not None else contextlib.nullcontext()
         with seeded, _eval_mode(model):
             if seed is not None:
@@ -410,7 +284,9 @@ def score_rollout(
     """
     rows = rollout.group.tolist()
     metadata = list(metadata) if metadata is not None else [{} for _ in prompts]
-    scores, components = score_responses(reward_source, [prompts[i] for i in rows], rollout.texts, [metadata[i] for i in rows])
+    scores, components = score_responses(
+        reward_source, [prompts[i] for i in rows], rollout.texts, [metadata[i] for i in rows]
+    )
     scores = torch.tensor(scores, dtype=torch.float32, device=rollout.ended.device)
     if missing_eos_penalty is not None:
         scores = scores - missing_eos_penalty * (~rollout.ended).float()

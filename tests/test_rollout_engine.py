@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import TINY_LLAMA
 
 import aitraining_pl.rollout as rollout_module
 from aitraining_pl.models import build_causal_lm, load_causal_lm, load_tokenizer
@@ -21,7 +22,6 @@ from aitraining_pl.rollout import (
     score_rollout,
     token_rewards,
 )
-from conftest import TINY_LLAMA
 
 EOT = "<|im_end|>"
 CHAT_TEMPLATE = (
@@ -32,7 +32,8 @@ CHAT_TEMPLATE = (
 
 def _prompts(texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded byte-level prompt ids and mask."""
-    enc = load_tokenizer("byte", padding_side="left")(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+    tokenizer = load_tokenizer("byte", padding_side="left")
+    enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
     return enc["input_ids"], enc["attention_mask"]
 
 
@@ -125,7 +126,9 @@ def test_environment_rollout_ends_at_the_models_end_of_turn(chat_policy):
 def test_checkpoint_generation_config_does_not_change_what_is_sampled(tmp_path, byte_tokenizer):
     plain = build_causal_lm(TINY_LLAMA, seed=0)
     plain.save_pretrained(tmp_path / "plain")
-    plain.generation_config.update(do_sample=True, repetition_penalty=5.0, top_k=3, temperature=0.1, no_repeat_ngram_size=1)
+    plain.generation_config.update(
+        do_sample=True, repetition_penalty=5.0, top_k=3, temperature=0.1, no_repeat_ngram_size=1
+    )
     plain.save_pretrained(tmp_path / "tuned")
     a, b = load_causal_lm(str(tmp_path / "plain")), load_causal_lm(str(tmp_path / "tuned"))
     assert b.generation_config.repetition_penalty == 5.0 and b.generation_config.top_k == 3
@@ -139,7 +142,8 @@ def test_checkpoint_generation_config_does_not_change_what_is_sampled(tmp_path, 
     outs = []
     for model in (a, b):
         torch.manual_seed(7)
-        outs.append(model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=12, pad_token_id=0))
+        kwargs = dict(do_sample=True, temperature=1.0, max_new_tokens=12, pad_token_id=0)
+        outs.append(model.generate(input_ids=ids, attention_mask=mask, **kwargs))
     assert not torch.equal(outs[0], outs[1])
     # with an untruncated config, the engine samples from softmax(logits / T): its per-step log-probs say so
     ra = engine.sample(a, ids, mask, seed=7, with_logprobs=True)
@@ -207,7 +211,8 @@ def test_samples_per_prompt_are_grouped_and_scored_with_their_prompt(byte_tokeni
 
     metadata = [{"bonus": 0.5}, {"bonus": 1.5}, {"bonus": 2.5}]
     scores, _ = score_rollout(source, texts, metadata, rollout, missing_eos_penalty=10.0)
-    expected = [len(texts[g]) + metadata[g]["bonus"] - 10.0 * (not e) for g, e in zip(rollout.group.tolist(), rollout.ended.tolist())]
+    rows = zip(rollout.group.tolist(), rollout.ended.tolist())
+    expected = [len(texts[g]) + metadata[g]["bonus"] - 10.0 * (not e) for g, e in rows]
     assert scores.tolist() == pytest.approx(expected)
     with pytest.raises(RewardError, match="returned 1 scores for 12"):
         score_rollout(lambda p, r, m: [1.0], texts, metadata, rollout)

@@ -66,9 +66,11 @@ class SamplingCallback(pl.Callback):
         tokenizer = pl_module.tokenizer
         dataset = PromptDataset(prompts, tokenizer, metadata)
         batch = PromptCollator(tokenizer.pad_token_id or 0)([dataset[i] for i in range(len(dataset))])
-        rollout = pl_module.generate(batch["input_ids"].to(pl_module.device), batch["attention_mask"].to(pl_module.device))
+        device = pl_module.device
+        rollout = pl_module.generate(batch["input_ids"].to(device), batch["attention_mask"].to(device))
         scores, _ = pl_module.score(batch["prompts"], batch["metadata"], rollout)
-        return [{"prompt": p, "response": r, "reward": float(s)} for p, r, s in zip(batch["prompts"], rollout.texts, scores)]
+        rows = zip(batch["prompts"], rollout.texts, scores)
+        return [{"prompt": p, "response": r, "reward": float(s)} for p, r, s in rows]
 
     def write(self, trainer: pl.Trainer, rows: list[dict]) -> None:
         wandb_loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]

@@ -206,7 +206,9 @@ class TextGenerationEnv(RLEnvironment):
         return torch.multinomial(probs, 1, generator=generator)[0]
 
     @torch.no_grad()
-    def rollout(self, model: torch.nn.Module, index: Optional[int] = None, generator: Optional[torch.Generator] = None) -> Trajectory:
+    def rollout(
+        self, model: torch.nn.Module, index: Optional[int] = None, generator: Optional[torch.Generator] = None
+    ) -> Trajectory:
         """Play one episode with a causal LM through the rollout engine (``aitraining_pl.rollout``): the response
         is sampled with a KV cache at the environment's temperature (greedy at 0) and ends at an end token (the
         tokenizer's EOS or one of the model's ``generation_config.eos_token_id``), a stop sequence or
@@ -221,8 +223,8 @@ class TextGenerationEnv(RLEnvironment):
         )
         engine = RolloutEngine(self.tokenizer, config, end_token_ids=self._episode["end_ids"], skip_special_tokens=True)
         device = next(model.parameters()).device
-        seed = None if generator is None else int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
-        sampled = engine.sample(model, obs.input_ids.to(device), obs.attention_mask.to(device), with_logprobs=True, seed=seed)
+        ids, mask = obs.input_ids.to(device), obs.attention_mask.to(device)
+        sampled = engine.sample(model, ids, mask, with_logprobs=True, seed=generator)
         logprobs = sampled.logprobs if greedy else sampled.sampling_logprobs  # at the environment's temperature
         for t in range(int(sampled.response_mask[0].sum())):
             if self.step(sampled.response_ids[0, t].cpu(), logprob=logprobs[0, t].cpu()).done:

@@ -39,13 +39,6 @@ def _stop_sequences(stop: Optional[Sequence[Union[int, Sequence[int]]]]) -> List
     return [[int(s)] if isinstance(s, int) or (torch.is_tensor(s) and s.dim() == 0) else [int(t) for t in s] for s in (stop or [])]
 
 
-def _seed_from(generator: Optional[torch.Generator]) -> Optional[int]:
-    """A seed drawn from ``generator`` (the engine samples in an RNG forked and seeded with it)."""
-    if generator is None:
-        return None
-    return int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
-
-
 @torch.no_grad()
 def sample_with_cache(
     model: Any,
@@ -86,7 +79,7 @@ def sample_with_cache(
         stop_sequences=[s for s in stops if len(s) > 1], warn_truncation=False,  # sampling_logprobs are exact
     )
     ids = torch.tensor([prompt], dtype=torch.long, device=device or next(model.parameters()).device)
-    rollout = engine.sample(model, ids, torch.ones_like(ids), with_logprobs=True, seed=_seed_from(generator))
+    rollout = engine.sample(model, ids, torch.ones_like(ids), with_logprobs=True, seed=generator)
     n = int(rollout.response_mask[0].sum())
     sampling = [0.0] * n if greedy else rollout.sampling_logprobs[0, :n].tolist()
     return {

@@ -60,7 +60,10 @@ class PPOModule(OnlineRLModule):
             ``{"class_path", "init_args"}`` or ``{"components": {name: {"source", "weight", "kwargs"}}}``
             (see ``aitraining_pl.rewards``); in Python also any callable
             ``(prompts, responses, metadata) -> list[float]``.
-        generation: sampling settings (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop_strings``).
+        generation: sampling settings (``max_new_tokens``, ``temperature``, ``top_p`` (default 1.0), ``top_k``,
+            ``stop_strings``), used as given: the checkpoint's ``generation_config`` never applies. Responses end
+            at the tokenizer's EOS, any of the model's ``generation_config.eos_token_id`` or a stop string
+            (``aitraining_pl.rollout``).
         learning_rate: AdamW learning rate (linear warmup by ``warmup_ratio``, then linear decay).
         mini_batch_size: rollouts per forward/backward pass in the update.
         gradient_accumulation_steps: minibatches per optimizer step.
