@@ -82,8 +82,10 @@ def test_pairs_with_different_prompts_run_packed_one_block_per_row(monkeypatch):
     import aitraining_pl.models.scoring as scoring
 
     calls = []
-    monkeypatch.setattr(scoring, "pack_batch", lambda batch, share_prompt=False: calls.append(share_prompt) or pack_batch(batch, share_prompt))
     model = build_causal_lm(TINY_LLAMA, seed=0)
+    assert scoring.scoring_path(model).name == "packed"  # the one-time probe (it packs its own batch) runs first
+    monkeypatch.setattr(scoring, "pack_batch",
+                        lambda batch, share_prompt=False: calls.append(share_prompt) or pack_batch(batch, share_prompt))
     batch = {  # the pair's chosen row has prompt [5, 6], its rejected row [5, 7]: the prompt cannot be shared
         "input_ids": torch.tensor([[5, 6, 7, 1, 0], [5, 7, 8, 9, 1]]),
         "attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]),

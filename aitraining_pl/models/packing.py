@@ -14,7 +14,7 @@ model's own implementation is restored afterwards.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -116,18 +116,40 @@ def supports_packing(config: Any) -> bool:
     return not (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))
 
 
+#: configs switched to packed attention by the ``packed_attention`` blocks being run (innermost last)
+_ACTIVE: list[Any] = []
+
+
+@contextmanager
+def _switched(configs: list[Any]) -> Iterator[None]:
+    previous = [config._attn_implementation for config in configs]
+    for config in configs:
+        config._attn_implementation = PACKED_ATTENTION
+    try:
+        yield
+    finally:
+        for config, implementation in zip(configs, previous):
+            config._attn_implementation = implementation
+
+
+def checkpoint_contexts() -> tuple[Any, Any]:
+    """``context_fn`` of ``torch.utils.checkpoint``: the recomputation in backward (outside the
+    ``packed_attention`` block) runs with the attention implementation the checkpointed forward ran with."""
+    return nullcontext(), _switched(list(_ACTIVE))
+
+
 @contextmanager
 def packed_attention(config: Any, plan: AttentionPlan) -> Iterator[AttentionPlan]:
     """Switch a model (through its ``config``) to packed attention for the forwards inside the block; pass
     ``packed_plan=plan`` to the decoder. Raises after the block when no attention layer used the plan (a model
     whose attention bypasses ``AttentionInterface`` would otherwise attend across sequences silently)."""
-    previous = config._attn_implementation
-    config._attn_implementation = PACKED_ATTENTION
     plan.calls = 0
+    _ACTIVE.append(config)
     try:
-        yield plan
+        with _switched([config]):
+            yield plan
     finally:
-        config._attn_implementation = previous
+        _ACTIVE.pop()
     if plan.calls == 0:
         raise RuntimeError(f"{type(config).__name__}: the model's attention did not use the packed plan; "
                            "run it padded (padding_free=False)")

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from aitraining_pl.losses import entropy_from_logits, selective_log_softmax
-from aitraining_pl.models.packing import AttentionPlan, packed_attention, supports_packing
-from aitraining_pl.models.scoring import _decoder_and_head
+from aitraining_pl.models.packing import AttentionPlan, packed_attention
+from aitraining_pl.models.scoring import _decoder_and_head, head_logits, scoring_path
 
 
 class PackedRollout(NamedTuple):
@@ -49,11 +49,7 @@ class ResponseScores(NamedTuple):
 
 
 def _logits(head: nn.Module, config, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = head(hidden)
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits.float() / temperature
+    return head_logits(head, config, hidden).float() / temperature
 
 
 def response_logps(
@@ -66,16 +62,17 @@ def response_logps(
         model: a transformers causal LM (optionally wrapped by ``peft``).
         input_ids, attention_mask: (N, P + R) rollout rows; the response mask is ``attention_mask[:, P:]``.
         prompt_length: P.
-        padding_free: pack the real tokens in one row (falls back to padded rows for a model that cannot
-            run packed, or when some row has an empty prompt).
+        padding_free: pack the real tokens in one row where that is exact for the model
+            (``models.scoring.scoring_path``) and every row has a non-empty prompt; else padded rows (head only
+            on the response positions where that is exact, else the model's own forward).
         with_entropy: also return the per-token entropy of the policy.
     """
     response = attention_mask[:, prompt_length:].bool()
     targets = input_ids[:, prompt_length:][response]
     decoder, head, config = _decoder_and_head(model)
-    packable = (padding_free and decoder is not None and supports_packing(config)
-                and bool((attention_mask[:, :prompt_length].sum(1) > 0).all()))
-    if decoder is None:
+    path = scoring_path(model)
+    packable = padding_free and path.packed and bool((attention_mask[:, :prompt_length].sum(1) > 0).all())
+    if decoder is None or not (path.head or packable):
         positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).logits
         logits = logits[:, prompt_length - 1 : -1][response].float() / temperature

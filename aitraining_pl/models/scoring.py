@@ -1,17 +1,34 @@
 """Sequence scoring: log-probs of given tokens under a causal LM, padded or packed (``models.packing``).
 
-Used by every module that scores sequences (DPO, PPO and the online-RL family).
+Used by every module that scores sequences (DPO, PPO and the online-RL family). ``token_logps`` gives the
+per-token log-probs of the scored tokens, ``completion_logps`` their sums per row. Three paths, fastest first:
+
+- ``packed``: the rows' real tokens in one row, attention block by block, the LM head only on scored positions;
+- ``head``: padded rows through the decoder, the LM head only on scored positions (no (B, L, V) logits);
+- ``forward``: the model's own ``forward`` (full logits), always exact.
+
+A fast path is used for a model only where it is proven exact for that model: ``scoring_path`` runs a small
+probe batch once per model through each fast path and through the model's own forward, and falls back (packed
+-> head -> forward) where they differ beyond a float tolerance or the fast path raises, with one INFO line
+saying which path and why. The logit post-processing transformers models do in ``forward`` (Gemma 2/3
+``final_logit_softcapping``, Granite ``logits_scaling``, Cohere ``logit_scale``, FalconH1
+``lm_head_multiplier``) is applied by ``head_logits``, so those models keep the fast paths.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import logging
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
 
 from aitraining_pl.losses import SequenceLogps, selective_log_softmax
 from aitraining_pl.models.packing import AttentionPlan, packed_attention, supports_packing
+from aitraining_pl.models.training import eval_mode
+
+log = logging.getLogger(__name__)
 
 
 class PackedBatch(NamedTuple):
@@ -23,6 +40,7 @@ class PackedBatch(NamedTuple):
     sources: torch.Tensor  #: (M,) packed position whose output predicts a scored token
     targets: torch.Tensor  #: (M,) the scored token
     sequences: torch.Tensor  #: (M,) row of the batch the scored token belongs to (chosen 0..B-1, rejected B..2B-1)
+    columns: torch.Tensor  #: (M,) column of the scored token in its padded row
 
 
 def prompt_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -41,7 +59,7 @@ def pack_batch(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> Pa
     ids = batch["input_ids"]
     lengths, prompts = batch["attention_mask"].sum(1).tolist(), prompt_lengths(batch).tolist()
     b = len(lengths) // 2
-    rows, cols, positions, blocks, sources, targets, sequences = [], [], [], [], [], [], []
+    rows, cols, positions, blocks, sources, targets, sequences, columns = [], [], [], [], [], [], [], []
     start = 0
 
     def take(row: int, lo: int, hi: int, first_position: int) -> None:
@@ -49,10 +67,11 @@ def pack_batch(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> Pa
         cols.extend(range(lo, hi))
         positions.extend(range(first_position, first_position + hi - lo))
 
-    def score(sequence: int, first: int, last: int, first_source: int) -> None:  # packed targets [first, last)
+    def score(sequence: int, first: int, last: int, first_source: int, column: int) -> None:  # packed [first, last)
         sources.extend([first_source] + list(range(first, last - 1)))
         targets.extend(range(first, last))
         sequences.extend([sequence] * (last - first))
+        columns.extend(range(column, column + last - first))
 
     for i in range(b if share_prompt else 2 * b):
         p = prompts[i]
@@ -61,27 +80,36 @@ def pack_batch(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> Pa
             take(i, 0, p + c, 0)
             take(b + i, p, p + r, p)
             blocks += [(((start, start + p + c),), p + c), (((start, start + p), (start + p + c, start + p + c + r)), r)]
-            score(i, start + p, start + p + c, start + p - 1)
-            score(b + i, start + p + c, start + p + c + r, start + p - 1)
+            score(i, start + p, start + p + c, start + p - 1, p)
+            score(b + i, start + p + c, start + p + c + r, start + p - 1, p)
             start += p + c + r
         else:
             n = lengths[i]
             take(i, 0, n, 0)
             blocks.append((((start, start + n),), n))
-            score(i, start + p, start + n, start + p - 1)
+            score(i, start + p, start + n, start + p - 1, p)
             start += n
     device = ids.device
     packed = ids[torch.tensor(rows, device=device), torch.tensor(cols, device=device)].unsqueeze(0)
     as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
     return PackedBatch(packed, as_tensor(positions).unsqueeze(0), AttentionPlan(blocks), as_tensor(sources),
-                       packed[0, as_tensor(targets)], as_tensor(sequences))
+                       packed[0, as_tensor(targets)], as_tensor(sequences), as_tensor(columns))
+
+
+def is_contiguous(batch: dict[str, torch.Tensor]) -> bool:
+    """Whether every row is ``prompt, completion, padding``: real tokens first, the completion mask one run
+    that ends at the last real token (the layout ``pack_batch`` assumes)."""
+    mask, completion = batch["attention_mask"].bool(), batch["completion_mask"].bool()
+    column = torch.arange(mask.shape[1], device=mask.device)
+    real = column < mask.sum(1, keepdim=True)
+    return torch.equal(mask, real) and torch.equal(completion, real & (column >= prompt_lengths(batch).unsqueeze(1)))
 
 
 def can_pack(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> bool:
-    """Whether every row has a non-empty prompt (its first completion token is predicted from it) and, for
-    ``share_prompt``, each pair's chosen and rejected rows the same prompt."""
+    """Whether every row is contiguous (``is_contiguous``) with a non-empty prompt (its first completion token
+    is predicted from it) and, for ``share_prompt``, each pair's chosen and rejected rows the same prompt."""
     prompt = prompt_lengths(batch)
-    if not bool((prompt > 0).all()):
+    if not bool((prompt > 0).all()) or not is_contiguous(batch):
         return False
     if not share_prompt:
         return True
@@ -93,21 +121,165 @@ def can_pack(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> bool
 
 def _decoder_and_head(model: nn.Module):
     """(decoder, lm head, config) of a transformers causal LM (through a ``peft`` wrapper), or Nones."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = _language_model(model)
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    config = getattr(lm, "config", None)
-    if getattr(config, "logit_scale", None) is not None:  # heads with extra scaling: use the model's forward
+    if decoder is lm or not isinstance(decoder, nn.Module) or not isinstance(head, nn.Module):
         decoder = head = None
-    return decoder, head, config
+    return decoder, head, getattr(lm, "config", None)
 
 
-def _head_logps(head: nn.Module, config: Any, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _language_model(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def head_logits(head: nn.Module, config: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head on ``hidden`` with the post-processing transformers models apply in ``forward``."""
     logits = head(hidden)
-    cap = getattr(config, "final_logit_softcapping", None)
+    if getattr(config, "logits_scaling", None):  # Granite (divides)
+        logits = logits / config.logits_scaling
+    if getattr(config, "logit_scale", None) is not None:  # Cohere (multiplies)
+        logits = logits * config.logit_scale
+    if getattr(config, "lm_head_multiplier", None) is not None:  # FalconH1
+        logits = logits * config.lm_head_multiplier
+    cap = getattr(config, "final_logit_softcapping", None)  # Gemma 2 / 3
     if cap:
         logits = torch.tanh(logits / cap) * cap
-    return selective_log_softmax(logits.float(), targets)
+    return logits
+
+
+def _head_logps(head: nn.Module, config: Any, hidden: torch.Tensor, targets: torch.Tensor,
+                temperature: float = 1.0) -> torch.Tensor:
+    """(M,) log-probs of ``targets`` from hidden states (M, H)."""
+    return selective_log_softmax(head_logits(head, config, hidden).float() / temperature, targets)
+
+
+@dataclass(frozen=True)
+class ScoringPath:
+    """Which paths ``token_logps`` may take for a model (see the module docstring)."""
+
+    packed: bool  #: packed attention is exact for this model
+    head: bool  #: the decoder plus head-only log-probs are exact for this model
+    reason: str  #: why the fastest path is not taken (empty when it is)
+
+    @property
+    def name(self) -> str:
+        return "packed" if self.packed else "head" if self.head else "forward"
+
+
+def _run(model: nn.Module, path: str, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+         scored: torch.Tensor, position_ids: Optional[torch.Tensor], packed: Optional[PackedBatch],
+         temperature: float) -> torch.Tensor:
+    """(B, L - 1) log-probs along ``path``: entry [b, t] is log p(token t + 1) where ``scored[b, t]``, else 0."""
+    decoder, head, config = _decoder_and_head(model)
+    if path == "packed":
+        with packed_attention(config, packed.plan):
+            hidden = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                             packed_plan=packed.plan).last_hidden_state
+        token = _head_logps(head, config, hidden[0, packed.sources], packed.targets, temperature)
+        rows, cols = packed.sequences, packed.columns - 1
+    else:
+        rows, cols = torch.nonzero(scored, as_tuple=True)
+        targets = input_ids[rows, cols + 1]
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
+        if path == "head":
+            token = _head_logps(head, config, decoder(**kwargs).last_hidden_state[rows, cols], targets, temperature)
+        else:
+            token = selective_log_softmax(model(**kwargs).logits[rows, cols].float() / temperature, targets)
+    return token.new_zeros(scored.shape).index_put((rows, cols), token)
+
+
+def _probe_batch(config: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """Two right-padded pairs (prompt lengths 3 and 2, completions of different lengths), chosen rows first."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = int(getattr(config, "vocab_size", 0) or 2)
+    pairs = [(3, 2, 4), (2, 3, 1)]  # (prompt, chosen, rejected) lengths
+    prompts = [torch.randint(min(3, vocab - 1), vocab, (p,), generator=generator) for p, _, _ in pairs]
+    rows = [(prompt, torch.randint(min(3, vocab - 1), vocab, (n,), generator=generator))
+            for k in (1, 2) for prompt, lengths in zip(prompts, pairs) for n in [lengths[k]]]
+    width = max(len(p) + len(c) for p, c in rows)
+    keys = ("input_ids", "attention_mask", "completion_mask")
+    batch = {key: torch.zeros(len(rows), width, dtype=torch.long) for key in keys}
+    for i, (prompt, completion) in enumerate(rows):
+        p, n = len(prompt), len(prompt) + len(completion)
+        batch["input_ids"][i, :n] = torch.cat([prompt, completion])
+        batch["attention_mask"][i, :n] = 1
+        batch["completion_mask"][i, p:n] = 1
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _matches(model: nn.Module, path: str, batch: dict[str, torch.Tensor], want: torch.Tensor) -> str:
+    """'' when ``path`` reproduces ``want`` on the probe batch, else why not."""
+    scored = batch["completion_mask"][:, 1:].bool()
+    packed = pack_batch(batch, share_prompt=True) if path == "packed" else None
+    try:
+        got = _run(model, path, batch["input_ids"], batch["attention_mask"], scored, None, packed, 1.0)
+    except Exception as err:  # noqa: BLE001 - any failure of a fast path means: do not use it
+        return f"the {path} path raised {type(err).__name__}: {err}"
+    tolerance = 5e-2 if next(model.parameters()).dtype in (torch.float16, torch.bfloat16) else 1e-4
+    if want.is_cuda and torch.get_float32_matmul_precision() != "highest":  # TF32 matmuls: ~1e-3 relative
+        tolerance = max(tolerance, 1e-2)
+    difference = float((got - want).abs().max())
+    if not difference <= tolerance * (1 + float(want.abs().max())):
+        return f"the {path} path differs from the model's forward by {difference:.3g}"
+    return ""
+
+
+def _probe(model: nn.Module) -> ScoringPath:
+    decoder, head, config = _decoder_and_head(model)
+    if decoder is None:
+        return ScoringPath(False, False, "no separable decoder and LM head")
+    device = next(model.parameters()).device
+    batch = _probe_batch(config, device)
+    # autocast off: the paths are compared in the parameters' own dtype, not in an enclosing bf16 autocast
+    with eval_mode(model), torch.no_grad(), torch.autocast(device.type, enabled=False):
+        scored = batch["completion_mask"][:, 1:].bool()
+        want = _run(model, "forward", batch["input_ids"], batch["attention_mask"], scored, None, None, 1.0)
+        head_reason = _matches(model, "head", batch, want)
+        if not supports_packing(config):
+            packed_reason = (f"{type(config).__name__} (attention {getattr(config, '_attn_implementation', None)!r}, "
+                             "sliding windows, soft-capping or non-attention layers) cannot run packed")
+        else:
+            packed_reason = _matches(model, "packed", batch, want)
+    return ScoringPath(not packed_reason, not head_reason, "; ".join(r for r in (packed_reason, head_reason) if r))
+
+
+def scoring_path(model: nn.Module) -> ScoringPath:
+    """The paths proven exact for ``model`` (probed once per model, attention implementation and dtype)."""
+    lm = _language_model(model)
+    config = getattr(lm, "config", None)
+    key = (getattr(config, "_attn_implementation", None), next(lm.parameters()).dtype)
+    cache = lm.__dict__.setdefault("_aitraining_scoring_paths", {})
+    if key not in cache:
+        cache[key] = path = _probe(model)
+        log.info("%s: log-probs run on the %s path%s", type(lm).__name__, path.name,
+                 f" ({path.reason})" if path.reason else " (exact on the probe batch)")
+    return cache[key]
+
+
+def token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                scored: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                packed: Optional[PackedBatch] = None, temperature: float = 1.0) -> torch.Tensor:
+    """Per-token log-probs of the scored tokens of each row, through the fastest path exact for ``model``.
+
+    Args:
+        model: a transformers causal LM (optionally wrapped by ``peft``).
+        input_ids: (B, L) tokens.
+        attention_mask: (B, L), right or left padded.
+        scored: (B, L) which tokens to score (token t is predicted from position t - 1; column 0 never is).
+        position_ids: (B, L) positions, e.g. for left-padded rows (default: the model's own).
+        packed: the batch packed by ``pack_batch`` (its scored tokens must be ``scored``'s); used where the
+            packed path is exact for the model, else the rows run padded.
+        temperature: logits are divided by it (the sampling temperature of a rollout).
+
+    Returns:
+        (B, L - 1): entry [b, t] is log p(input_ids[b, t + 1]) where ``scored[b, t + 1]``, else 0.
+    """
+    path = scoring_path(model)
+    name = "packed" if packed is not None and path.packed else "head" if path.head else "forward"
+    return _run(model, name, input_ids, attention_mask, scored[:, 1:].bool(), position_ids, packed, temperature)
 
 
 def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor], padding_free: bool = False,
@@ -117,9 +289,9 @@ def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor], padding_f
     The language-model head runs only on positions whose next token is a completion token, so the
     (rows, length, vocabulary) logits tensor is never built. ``padding_free`` runs the real tokens packed in
     one row (``pack_batch``, ``models.packing``): no work on padding. ``share_prompt`` (packed too) holds each
-    pair's prompt once. Both fall back to padded rows for a model that cannot run packed
-    (``supports_packing``) or a batch with an empty prompt; a model without a separable decoder and head
-    runs its full forward.
+    pair's prompt once. Each falls back (``token_logps``): to padded rows for a model where packing is not
+    exact or a batch that cannot pack (``can_pack``), to the model's own forward where head-only log-probs
+    are not exact.
 
     Args:
         model: a transformers causal LM (optionally wrapped by ``peft``).
@@ -130,27 +302,12 @@ def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor], padding_f
     Returns:
         ``SequenceLogps(logps (2B,), lengths (2B,))``.
     """
-    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
-    scored = batch["completion_mask"][:, 1:].bool()  # position t scores token t + 1
-    lengths = scored.sum(-1).float()
-    decoder, head, config = _decoder_and_head(model)
     packed = None
-    if decoder is not None and (padding_free or share_prompt) and supports_packing(config):
+    if (padding_free or share_prompt) and scoring_path(model).packed:
         if share_prompt and can_pack(batch, share_prompt=True):
             packed = pack_batch(batch, share_prompt=True)
         elif can_pack(batch):  # prompts differ within a pair: still packed, one block per row
             packed = pack_batch(batch)
-    if decoder is None:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
-        token, rows = selective_log_softmax(logits[scored], input_ids[:, 1:][scored]), torch.nonzero(scored, as_tuple=True)[0]
-    elif packed is not None:
-        with packed_attention(config, packed.plan):
-            hidden = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
-                             packed_plan=packed.plan).last_hidden_state
-        token, rows = _head_logps(head, config, hidden[0, packed.sources], packed.targets), packed.sequences
-    else:
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        token = _head_logps(head, config, hidden[:, :-1][scored], input_ids[:, 1:][scored])
-        rows = torch.nonzero(scored, as_tuple=True)[0]
-    logps = torch.zeros(input_ids.shape[0], dtype=token.dtype, device=token.device).index_add(0, rows, token)
-    return SequenceLogps(logps, lengths.to(token.dtype))
+    token = token_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], packed=packed)
+    lengths = batch["completion_mask"][:, 1:].sum(-1).to(token.dtype)
+    return SequenceLogps(token.sum(-1), lengths)

@@ -11,10 +11,12 @@ It holds what every module needs and nothing algorithm-specific:
 - ``log_metrics``: namespaced metrics (``train/loss``, ``val/rewards/accuracies``, ...). Per-step training
   values are logged as they are; validation and test values go through ``torchmetrics.MeanMetric`` so
   epoch values are reduced across ranks;
-- ``save_pretrained``: Hugging Face export of the policy and tokenizer (used by ``HFExportCallback``).
+- ``save_pretrained``: Hugging Face export of the policy and tokenizer (used by ``HFExportCallback``);
+- ``apply_training_options``: the ``disable_dropout`` and ``gradient_checkpointing`` arguments every module has.
 
 A subclass calls ``super().__init__()``, then ``self.save_hyperparameters(...)`` and
-``self.store_lora_hparam(lora)``, and reads its arguments from ``self.hparams``.
+``self.store_lora_hparam(lora)``, and reads its arguments from ``self.hparams``; once its networks are built it
+calls ``self.apply_training_options(...)``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from aitraining_pl.models import LoRAConfig, ReferencePolicy, is_peft_model, load_policy, load_tokenizer
+from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing
 from aitraining_pl.optim import adamw_with_warmup
 
 #: stages whose values are averaged over the epoch with torchmetrics (training values are per step).
@@ -48,7 +51,7 @@ class AlignmentModule(pl.LightningModule):
     Hyperparameters read (with defaults when a subclass does not declare them): ``model_name``,
     ``model_config``, ``tokenizer_name``, ``lora``, ``dtype``, ``seed``, ``trust_remote_code``,
     ``attn_implementation``, ``learning_rate`` (1e-5), ``warmup_ratio`` (0.0), ``lr_schedule`` ("linear"),
-    ``weight_decay`` (0.0).
+    ``weight_decay`` (0.0), ``disable_dropout`` (True), ``gradient_checkpointing`` (False).
     """
 
     #: attribute holding the trained network exported by ``save_pretrained`` (a subclass may change it).
@@ -101,6 +104,21 @@ class AlignmentModule(pl.LightningModule):
                 raise ValueError("set tokenizer_name (e.g. 'byte') when the model comes from an inline model_config")
             self._tokenizer = load_tokenizer(name, trust_remote_code=bool(self.hparam("trust_remote_code", False)))
         return self._tokenizer
+
+    def apply_training_options(self, *outside: Any) -> None:
+        """``disable_dropout``: no dropout in this module's networks (policy, value head, reward model) nor in
+        ``outside`` (networks held out of the module tree: the frozen reference, a reward source's model); TRL
+        does the same, so that PPO's first ratio is 1 and DPO's first rewards are 0. ``gradient_checkpointing``:
+        recompute activations in backward for the networks of ``checkpointed_networks``."""
+        if self.hparam("disable_dropout", True):
+            disable_dropout(self, *(net for net in outside if isinstance(net, nn.Module)))
+        if self.hparam("gradient_checkpointing", False):
+            for network in self.checkpointed_networks():
+                enable_gradient_checkpointing(network)
+
+    def checkpointed_networks(self) -> list[nn.Module]:
+        """The transformers models trained with gradients (the policy; a subclass may change it)."""
+        return [self.policy]
 
     def trainable_parameters(self) -> Iterable[nn.Parameter]:
         """Parameters handed to the optimizer (all with ``requires_grad``)."""

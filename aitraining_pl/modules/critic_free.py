@@ -111,6 +111,9 @@ class CriticFreeModule(OnlineRLModule):
             raise ValueError("num_generations and num_iterations must be >= 1")
         self.setup_online(reward, generation, lora, with_reference=bool(kl_coef), kl_coef=kl_coef)
         self.model, self.reference = self.load_policy_from_hparams(with_reference=bool(kl_coef))
+        # no dropout anywhere (as TRL), gradient checkpointing off: AlignmentModule's defaults for these options
+        reference = self.reference.model if self.reference is not None else None
+        self.apply_training_options(reference, getattr(self.reward_source, "model", self.reward_source))
 
     @property
     def samples_per_prompt(self) -> int:

@@ -8,7 +8,13 @@ import torch
 
 from aitraining_pl.losses import REFERENCE_FREE, dpo_loss
 from aitraining_pl.models import LoRAConfig
-from aitraining_pl.models.scoring import PackedBatch, can_pack, completion_logps, pack_batch, prompt_lengths  # noqa: F401
+from aitraining_pl.models.scoring import (  # noqa: F401 - PackedBatch, can_pack, pack_batch: re-exported
+    PackedBatch,
+    can_pack,
+    completion_logps,
+    pack_batch,
+    prompt_lengths,
+)
 from aitraining_pl.modules.base import SharedStepModule
 
 
@@ -45,6 +51,10 @@ class DPOModule(SharedStepModule):
         dtype: weights dtype when loading (``bfloat16``, ``float32``, ...; default: as stored / float32).
         seed: seed of the random initialisation when ``model_config`` is used.
         trust_remote_code: allow custom model code from the hub (off by default).
+        disable_dropout: set every dropout rate to 0 (policy and reference), as TRL does:
+            training forwards are then deterministic.
+        gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
+            third more compute); works on the packed path.
     """
 
     def __init__(
@@ -68,6 +78,8 @@ class DPOModule(SharedStepModule):
         dtype: Optional[str] = None,
         seed: int = 0,
         trust_remote_code: bool = False,
+        disable_dropout: bool = True,
+        gradient_checkpointing: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["lora"])
@@ -78,6 +90,7 @@ class DPOModule(SharedStepModule):
             raise ValueError(f"unknown loss_type {loss_type!r}; known: {', '.join(sorted(DPO_LOSSES))}")
         self.uses_reference = not (reference_free or loss_type in REFERENCE_FREE)
         self.policy, self.reference = self.load_policy_from_hparams(with_reference=self.uses_reference)
+        self.apply_training_options(self.reference.model if self.reference is not None else None)
         self._ref_cache: dict[str, torch.Tensor] = {}  # split -> (N, 2) precomputed reference log-probs
 
     # ------------------------------------------------------------------ reference log-probs

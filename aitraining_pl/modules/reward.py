@@ -50,6 +50,10 @@ class RewardModule(SharedStepModule):
         trust_remote_code: allow custom model code from the hub (off by default).
         reward_model: an already built reward model to train (Python use); the model arguments above are
             then read from its config.
+        disable_dropout: set every dropout rate to 0 (trunk and head; overrides ``dropout_prob``), as TRL does:
+            training forwards are then deterministic.
+        gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
+            third more compute); works on the packed path.
     """
 
     model_class: type[RewardModel] = RewardModel
@@ -72,6 +76,8 @@ class RewardModule(SharedStepModule):
         seed: int = 0,
         trust_remote_code: bool = False,
         reward_model: Optional[RewardModel] = None,
+        disable_dropout: bool = True,
+        gradient_checkpointing: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["lora", "reward_model"])
@@ -81,6 +87,10 @@ class RewardModule(SharedStepModule):
         self.reward_model = reward_model if reward_model is not None else self.build_reward_model(self.reward_config())
         if self.reward_model.tokenizer is not None:
             self._tokenizer = self.reward_model.tokenizer
+        self.apply_training_options()
+
+    def checkpointed_networks(self) -> list[torch.nn.Module]:
+        return [self.reward_model.trunk]
 
     # ------------------------------------------------------------------ the model
     def reward_config(self) -> RewardModelConfig:
@@ -164,8 +174,8 @@ class MultiObjectiveRewardModule(RewardModule):
         objective_weights: n weights of the combined reward that PPO receives (default: equal, summing to 1).
         objective_names: n names used in metric names (``train/loss/<name>``; default ``0``, ``1``, ...).
         model_name, model_config, tokenizer_name, lora, pooling_strategy, dropout_prob, temperature,
-        learning_rate, warmup_ratio, lr_schedule, weight_decay, dtype, seed, trust_remote_code, reward_model:
-            as in ``RewardModule``.
+        learning_rate, warmup_ratio, lr_schedule, weight_decay, dtype, seed, trust_remote_code, reward_model,
+        disable_dropout, gradient_checkpointing: as in ``RewardModule``.
     """
 
     model_class = MultiObjectiveRewardModel
@@ -190,6 +200,8 @@ class MultiObjectiveRewardModule(RewardModule):
         seed: int = 0,
         trust_remote_code: bool = False,
         reward_model: Optional[MultiObjectiveRewardModel] = None,
+        disable_dropout: bool = True,
+        gradient_checkpointing: bool = False,
     ):
         if objective_names is not None and len(objective_names) != num_objectives:
             raise ValueError(f"objective_names has {len(objective_names)} names for {num_objectives} objectives")
@@ -200,7 +212,7 @@ class MultiObjectiveRewardModule(RewardModule):
             pooling_strategy=pooling_strategy, dropout_prob=dropout_prob, temperature=temperature,
             learning_rate=learning_rate, warmup_ratio=warmup_ratio, lr_schedule=lr_schedule,
             weight_decay=weight_decay, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code,
-            reward_model=reward_model,
+            reward_model=reward_model, disable_dropout=disable_dropout, gradient_checkpointing=gradient_checkpointing,
         )  # fmt: skip
         self.objective_names = list(objective_names or map(str, range(num_objectives)))
 
