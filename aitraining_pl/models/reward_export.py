@@ -111,13 +111,14 @@ def _standard_config(trunk_config, pad_token_id: int | None):
 
 @torch.no_grad()
 def _probe_difference(model: nn.Module, standard: nn.Module, offset: float) -> float:
-    """Max |standard logit + offset - model.score| on right-padded probe batches of random tokens."""
+    """Max |standard logit + offset - model.score| on a right-padded probe batch of random tokens (``model`` on
+    its device, ``standard`` on the CPU)."""
     text = getattr(standard.config, "get_text_config", lambda: standard.config)() or standard.config
     seqs, _ = _probe_ids(text, next(model.parameters()).device, torch.Generator().manual_seed(1))
     pad = text.pad_token_id if text.pad_token_id is not None else 0
     ids, mask = _padded(seqs, pad, "right")
-    ours = model.score(ids, mask).float()
-    theirs = standard(input_ids=ids, attention_mask=mask).logits[:, 0].float() + offset
+    ours = model.score(ids, mask).float().cpu()
+    theirs = standard(input_ids=ids.cpu(), attention_mask=mask.cpu()).logits[:, 0].float() + offset
     return float((ours - theirs).abs().max())
 
 
@@ -131,9 +132,10 @@ def build_standard(model: nn.Module, trunk_state: dict[str, torch.Tensor], token
     base = model.trunk.get_base_model() if hasattr(model.trunk, "get_base_model") else model.trunk
     pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     config = _standard_config(base.config, pad)
-    try:
+    dtype = next(base.parameters()).dtype
+    try:  # on the CPU, in the trunk's dtype: the export does not double the accelerator's memory
         with torch.random.fork_rng(devices=[]):
-            standard = AutoModelForSequenceClassification.from_config(config)
+            standard = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
     except (ValueError, KeyError) as err:  # no sequence-classification class for this trunk
         log.warning("reward model: no AutoModelForSequenceClassification for %s (%s)", type(base).__name__, err)
         return None
@@ -142,8 +144,7 @@ def build_standard(model: nn.Module, trunk_state: dict[str, torch.Tensor], token
         log.warning("reward model: %s pooling on %s has no standard layout; writing the project's format only",
                     model.config.pooling_strategy, type(standard).__name__)  # fmt: skip
         return None
-    dtype = next(base.parameters()).dtype
-    standard.to(device=next(base.parameters()).device, dtype=dtype).eval()
+    standard.to(dtype=dtype).eval()
     missing, unexpected = standard.base_model.load_state_dict(trunk_state, strict=False)
     w, b = score_linear(model)
     offset, replaced = _write_head(standard, layout, w, b)
