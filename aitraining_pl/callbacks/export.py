@@ -180,7 +180,8 @@ class HFExportCallback(pl.Callback):
         api = HfApi()
         repo = api.create_repo(self.hub_model_id, private=self.hub_private, exist_ok=True)
         repo_id = getattr(repo, "repo_id", None) or self.hub_model_id
-        api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=f"aitraining_pl export (step {step})")
+        message = f"aitraining_pl export (step {step})"
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=message)
         log.info("uploaded %s to the hub as %s", folder, repo_id)
         return repo_id
 

@@ -17,7 +17,8 @@ from typing import Any, Mapping
 #: module class name -> algorithm tag on the hub.
 ALGORITHM_TAGS = {
     "SFTModule": "sft", "DPOModule": "dpo", "PPOModule": "ppo", "GRPOModule": "grpo", "RLOOModule": "rloo",
-    "RewardModule": "reward-model", "PairwiseRewardModule": "reward-model", "MultiObjectiveRewardModule": "reward-model",
+    "RewardModule": "reward-model", "PairwiseRewardModule": "reward-model",
+    "MultiObjectiveRewardModule": "reward-model",
 }  # fmt: skip
 _DATA_KEYS = ("data_path", "name", "data_files", "revision", "split", "val_data_path", "val_split")
 _LIBRARIES = ("aitraining_pl", "torch", "transformers", "peft", "lightning", "datasets")

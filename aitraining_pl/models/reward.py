@@ -131,7 +131,7 @@ class RewardModel(nn.Module):
         self.dropout = nn.Dropout(config.dropout_prob)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
-            self.head = nn.Linear(hidden_size_of(base), self.num_outputs, bias=config.head_bias)
+            self.head = nn.Linear(hidden_size_of(base), self.num_outputs, config.head_bias)
         self.tokenizer = None  # set by from_pretrained / the trainer; see ``get_tokenizer``
         self._position_mode: str | None = None  # decided by probing the trunk at the first forward
 
@@ -251,8 +251,10 @@ class RewardModel(nn.Module):
             base = self.trunk.get_base_model() if is_peft_model(self.trunk) else self.trunk
             base.config.save_pretrained(path)
             save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
-        meta = {"format": _FORMAT, "version": 2, "class": type(self).__name__, "config": dataclasses.asdict(self.config),
-                "weights": "sequence_classification" if record else "project", "standard": record}  # fmt: skip
+        meta = {
+            "format": _FORMAT, "version": 2, "class": type(self).__name__, "config": dataclasses.asdict(self.config),
+            "weights": "sequence_classification" if record else "project", "standard": record,
+        }  # fmt: skip
         (path / REWARD_CONFIG_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
         if tokenizer is not None:
             tokenizer.save_pretrained(str(path))

@@ -122,7 +122,9 @@ def _probe_difference(model: nn.Module, standard: nn.Module, offset: float) -> f
     return float((ours - theirs).abs().max())
 
 
-def build_standard(model: nn.Module, trunk_state: dict[str, torch.Tensor], tokenizer=None) -> tuple[nn.Module, dict] | None:
+def build_standard(
+    model: nn.Module, trunk_state: dict[str, torch.Tensor], tokenizer=None
+) -> tuple[nn.Module, dict] | None:
     """The ``AutoModelForSequenceClassification`` equal to ``model``'s reward and its ``standard`` record
     (``reward_config.json``), or ``None`` where the layout cannot represent it (module docstring).
 
@@ -204,7 +206,9 @@ def read_standard_state(path: Path, record: dict[str, Any]) -> dict[str, torch.T
 
     prefix = record["base_model_prefix"] + "."
     index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = ["model.safetensors"]
+    if index.is_file():  # sharded
+        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
     weights = {k: v for name in files for k, v in load_file(str(path / name)).items()}
     state = {f"trunk.{k[len(prefix):]}": v for k, v in weights.items() if k.startswith(prefix)}
     state.update(load_file(str(path / EXTRAS_FILE)))
