@@ -125,7 +125,7 @@ def model_card(folder: str | os.PathLike, module, trainer=None) -> str:
     header += [f"pipeline_tag: {'text-classification' if kind == 'reward' else 'text-generation'}", "---"]
     metrics = _metrics(trainer)
     lines = header + [
-        "", f"# {folder.name} ({ALGORITHM_TAGS.get(algorithm, algorithm)})", "",
+        "", f"# {algorithm} export", "",
         f"Trained with `aitraining_pl` (`{algorithm}`, a PyTorch Lightning module).", "", *_reward_notes(folder),
         "## Training", "", f"- **Base model:** {base_text}",
         f"- **Data:** {', '.join(f'{k}=`{v}`' for k, v in data.items()) or 'unknown'}",
