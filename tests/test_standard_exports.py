@@ -233,6 +233,7 @@ def test_model_card_names_base_data_algorithm_hyperparameters_metrics_and_versio
     assert header["library_name"] == "transformers" and header["pipeline_tag"] == "text-generation"
     assert {"aitraining_pl", "dpo"} <= set(header["tags"]) and "base_model" not in header  # inline: no hub id
     assert "inline `llama` config" in card and str(tmp_path / "prefs.jsonl") in card
+    assert "# DPOModule export" in card and ".tmp-" not in card  # not named after the temporary folder
     assert "aitraining_pl.modules.dpo.DPOModule" in card and "| beta | `0.2` |" in card
     loss = float(trainer.callback_metrics["train/loss"])
     assert f"| train/loss | {loss:.6g} |" in card
