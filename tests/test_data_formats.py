@@ -296,9 +296,12 @@ def test_prepare_data_tokenises_once_for_every_rank(tmp_path, count_calls):
     assert count_calls["n"] == 4
 
 
-def test_another_process_reuses_the_cache(tmp_path, datasets_cache):
+@pytest.mark.slow
+def test_another_process_reuses_the_cache(tmp_path, datasets_cache, count_calls):
     """The fingerprint is stable across processes (a second run, or another rank, loads the cached rows)."""
     path = write(tmp_path / "p.jsonl", [{"chosen": "The sky is blue.", "rejected": "The sky is green."}] * 4)
+    PreferenceDataModule(data_path=path, tokenizer="byte", val_split=0.0).setup()
+    assert count_calls["n"] == 12
     script = textwrap.dedent(f"""
         import datasets, transformers
         datasets.config.HF_DATASETS_CACHE = {str(datasets_cache)!r}
@@ -306,14 +309,13 @@ def test_another_process_reuses_the_cache(tmp_path, datasets_cache):
         original = transformers.ByT5Tokenizer.__call__
         transformers.ByT5Tokenizer.__call__ = lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
         from aitraining_pl.datamodules.preference import PreferenceDataModule
-        PreferenceDataModule(data_path={path!r}, tokenizer="byte", val_split=0.0).setup()
-        print("CALLS", len(calls))
+        dm = PreferenceDataModule(data_path={path!r}, tokenizer="byte", val_split=0.0)
+        dm.setup()
+        print("CALLS", len(calls), len(dm.train_dataset))
     """)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-            for _ in range(2)]
-    counts = [next(line for line in r.stdout.splitlines() if line.startswith("CALLS")) for r in runs]
-    assert counts == ["CALLS 12", "CALLS 0"], [r.stderr[-2000:] for r in runs]
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert "CALLS 0 4" in run.stdout, run.stderr[-2000:]
 
 
 # -- bad input on the new paths

@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 #: Bumped whenever an ``_encode`` rule changes, so caches written by older code are not reused.
 ENCODING_VERSION = 2
 
+#: Row count from which tokenising shows a progress bar.
+PROGRESS_ROWS = 10_000
+
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """A hash of the tokenizer's full state (vocabulary, special tokens, chat template), stable across processes."""
@@ -48,18 +51,27 @@ class CachedDataModule(TextDataModule):
 
     keep_columns = False
 
+    def _data_sources(self) -> tuple[Optional[DataSource], Optional[DataSource]]:
+        """``data_sources`` of the hyperparameters, resolved (and any deprecation announced) once."""
+        if getattr(self, "_sources", None) is None:
+            self._sources = data_sources(self.hparams)
+        return self._sources
+
     def _fingerprint(self, rows: Any) -> str:
         from datasets.fingerprint import Hasher
 
-        return Hasher.hash([rows._fingerprint, tokenizer_fingerprint(self.tokenizer), self._settings(),
-                            type(self).__qualname__, ENCODING_VERSION])
+        tokenizer = self.tokenizer
+        if getattr(self, "_tokenizer_hash", (None, None))[0] is not tokenizer:
+            self._tokenizer_hash = (tokenizer, tokenizer_fingerprint(tokenizer))
+        return Hasher.hash([rows._fingerprint, self._tokenizer_hash[1], self._settings(), type(self).__qualname__,
+                            ENCODING_VERSION])
 
     def _encode_rows(self, rows: Any, source: str) -> Any:
         """``_encode`` over every row: a cached ``Dataset.map`` for a ``Dataset``, a loop for a list."""
         self._check_columns(rows, source)
         if isinstance(rows, list):
             return [({**r} if self.keep_columns else {}) | self._encode(r, i, source) for i, r in enumerate(rows)]
-        with quiet_datasets():
+        with quiet_datasets(progress=len(rows) >= PROGRESS_ROWS):
             return rows.map(
                 lambda record, index: self._encode(record, index, source), with_indices=True,
                 remove_columns=None if self.keep_columns else rows.column_names,
@@ -72,7 +84,7 @@ class CachedDataModule(TextDataModule):
     def prepare_data(self) -> None:
         """Read and tokenise every file / hub source into the ``datasets`` cache (Lightning calls this on local
         rank 0 only, before ``setup`` on every rank)."""
-        for source in data_sources(self.hparams):
+        for source in self._data_sources():
             rows = load_source(source) if source is not None else None
             if rows is not None and not isinstance(rows, list):  # a list is not cached: setup reads it
                 self._encode_rows(rows, source.path)
@@ -82,7 +94,7 @@ class CachedDataModule(TextDataModule):
         if self.train_dataset is not None:
             return
         hp = self.hparams
-        train_source, val_source = data_sources(hp)
+        train_source, val_source = self._data_sources()
         source = train_source.path if train_source is not None else IN_MEMORY
         if train_source is not None:
             rows = self._encoded(train_source)

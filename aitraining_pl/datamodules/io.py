@@ -151,13 +151,15 @@ def data_sources(hp: Any) -> tuple[Union[DataSource, None], Union[DataSource, No
 
 
 @contextmanager
-def quiet_datasets() -> Iterator[None]:
-    """``datasets`` without progress bars or its own log lines (its failures are raised, reworded, by us)."""
+def quiet_datasets(progress: bool = False) -> Iterator[None]:
+    """``datasets`` without its own log lines (its failures are raised, reworded, by us) and, unless
+    ``progress``, without progress bars."""
     import datasets
 
     bars, logger = datasets.is_progress_bar_enabled(), logging.getLogger("datasets")
     level = logger.level
-    datasets.disable_progress_bars()
+    if not progress:
+        datasets.disable_progress_bars()
     logger.setLevel(logging.CRITICAL)
     try:
         yield
@@ -176,6 +178,15 @@ def _load_hub(source: DataSource) -> Any:
                                 revision=source.revision, split=source.split)
     except Exception as err:  # datasets raises many types; the user needs the source named
         raise DataValidationError(source.path, f"not a local file and not loadable as a hub dataset: {err}") from None
+
+
+def _starts_with(path: Path, char: str) -> bool:
+    """Whether the first non-blank character of the file is ``char``."""
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        while chunk := handle.read(4096):
+            if chunk.strip():
+                return chunk.lstrip().startswith(char)
+    return False
 
 
 #: ``datasets`` builder of each local suffix.
@@ -197,7 +208,7 @@ def load_source(source: DataSource) -> Any:
     if path.suffix in _READERS:
         if not path.is_file():
             raise DataValidationError(str(path), "file not found")
-        if path.suffix == ".json" and not path.read_text(encoding="utf-8", errors="replace").lstrip().startswith("["):
+        if path.suffix == ".json" and not _starts_with(path, "["):
             return read_records(str(path))  # {"column": [...]} / {"data": [...]} layouts
         try:
             with quiet_datasets():
