@@ -97,7 +97,8 @@ def test_split_preference_layouts():
     conv_c, conv_r = [user("q"), assistant("a")], [user("q"), assistant("b")]
     assert split_preference("q", conv_c, conv_r) == ([user("q")], [assistant("a")], [assistant("b")])  # UltraFeedback
     assert split_preference([user("q")], conv_c, conv_r) == ([user("q")], [assistant("a")], [assistant("b")])
-    assert split_preference("q", [assistant("a")], [assistant("b")]) == ([user("q")], [assistant("a")], [assistant("b")])
+    only_replies = ([user("q")], [assistant("a")], [assistant("b")])
+    assert split_preference("q", [assistant("a")], [assistant("b")]) == only_replies
     assert split_preference("The sky is", " blue.", " green.") == ("The sky is", " blue.", " green.")
     # Arrow gives messages every key of the column: None values are dropped before rendering
     with_none = [{"role": "user", "content": "q", "name": None}]
@@ -199,8 +200,9 @@ def test_prompt_module_renders_conversations_with_the_generation_prompt(tmp_path
 # -- loading options
 def test_data_files_and_explicit_split_names(tmp_path, tok):
     """A ``datasets`` builder with ``data_files`` per split; ``split`` / ``val_split_name`` pick them."""
-    train = write(tmp_path / "train.parquet", [{"prompt": f"q{i}", "chosen": "yes", "rejected": "no"} for i in range(6)])
-    test = write(tmp_path / "test.parquet", [{"prompt": f"t{i}", "chosen": "yes", "rejected": "no"} for i in range(2)])
+    row = {"chosen": "yes", "rejected": "no"}
+    train = write(tmp_path / "train.parquet", [dict(row, prompt=f"q{i}") for i in range(6)])
+    test = write(tmp_path / "test.parquet", [dict(row, prompt=f"t{i}") for i in range(2)])
     dm = PreferenceDataModule(data_path="parquet", data_files={"train_prefs": train, "test_prefs": test},
                               split="train_prefs", val_split_name="test_prefs", tokenizer=tok)
     dm.setup()

@@ -61,7 +61,9 @@ def encode_pair(tokenizer: Any, prompt: Any, chosen: Any, rejected: Any, max_len
     rejected_ids = (_ids(tokenizer, rejected_text) + end)[:room]
     keep = bool(chosen_ids and rejected_ids and prompt_ids)
     return {
-        "prompt_ids": prompt_ids, "chosen_ids": chosen_ids if keep else [], "rejected_ids": rejected_ids if keep else [],
+        "prompt_ids": prompt_ids,
+        "chosen_ids": chosen_ids if keep else [],
+        "rejected_ids": rejected_ids if keep else [],
         "keep": keep, "identical": chosen_text == rejected_text,
         "length": len(prompt_ids) + max(len(chosen_ids), len(rejected_ids)),
     }
@@ -122,7 +124,8 @@ class PreferenceDataset(Dataset):
         self.max_length, self.max_prompt_length = max_length, max_prompt_length
         keep, identical = _column(rows, "keep"), sum(_column(rows, "identical"))
         if identical:
-            log.warning("%s: %d pair(s) have chosen identical to rejected (they carry no preference signal)", source, identical)
+            log.warning("%s: %d pair(s) have chosen identical to rejected (they carry no preference signal)",
+                        source, identical)
         dropped = len(keep) - sum(keep)
         if dropped:
             log.warning(
@@ -130,7 +133,9 @@ class PreferenceDataset(Dataset):
                 "max_prompt_length=%d", source, dropped, len(keep), max_length, max_prompt_length,
             )
         kept = [i for i, k in enumerate(keep) if k]
-        self.examples = rows if not dropped else rows.select(kept) if hasattr(rows, "select") else [rows[i] for i in kept]
+        if dropped:
+            rows = rows.select(kept) if hasattr(rows, "select") else [rows[i] for i in kept]
+        self.examples = rows
         if not kept:
             raise DataValidationError(source, "no usable pairs left after truncation (raise max_length?)")
 
@@ -292,7 +297,8 @@ class PreferenceDataModule(CachedDataModule):
         check_columns(rows, needed, source)
         implicit = hp.prompt_column not in rows[0]
         if implicit and source not in self._implicit:
-            log.warning("%s: no %r column; using the shared prefix of chosen and rejected as the prompt", source, hp.prompt_column)
+            log.warning("%s: no %r column; using the shared prefix of chosen and rejected as the prompt",
+                        source, hp.prompt_column)
         self._implicit[source] = implicit
 
     def _settings(self) -> dict[str, Any]:

@@ -70,7 +70,8 @@ class PromptDataset(Dataset):
         self._init(rows, exclude=())
 
     @classmethod
-    def from_encoded(cls, rows: Any, exclude: Sequence[str] = (), keep: Optional[Sequence[str]] = None) -> PromptDataset:
+    def from_encoded(cls, rows: Any, exclude: Sequence[str] = (), keep: Optional[Sequence[str]] = None
+                     ) -> PromptDataset:
         """A dataset over rows already through ``encode_prompt`` (a list or a ``datasets.Dataset``); metadata
         is every other column except ``exclude`` (only ``keep`` when given)."""
         self = cls.__new__(cls)
