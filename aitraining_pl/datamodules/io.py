@@ -3,6 +3,10 @@
 Every problem is raised as a ``DataValidationError`` naming the file, the row (1-based line number for
 JSONL) and the field, so a user can fix it without a debugger. The CLI prints these as one message and
 exits non-zero.
+
+``DataSource`` / ``data_sources`` name where training and validation rows come from (a file, a folder or a hub
+dataset with ``split``, ``name``, ``data_files``, ``revision``); ``load_source`` reads them as an Arrow-backed
+``datasets.Dataset`` so that tokenisation can be cached (``aitraining_pl.datamodules.cached``).
 """
 
 from __future__ import annotations

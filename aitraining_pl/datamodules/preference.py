@@ -9,6 +9,10 @@ Batch contract (used by DPO and reward-model training): a dict with
 - ``margin`` (B,) float, only when a margin column is configured;
 
 right padded to the longest sequence in the batch (never to ``max_length``).
+
+How a row's prompt and completions are formed (explicit / implicit prompts, standard / conversational rows, the
+layouts of UltraFeedback, HH-RLHF and Capybara) follows TRL's rules, listed in ``aitraining_pl.datamodules.formats``;
+``encode_pair`` tokenises them as TRL's ``tokenize_row`` does.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ Batch contract (used by ``PPOModule``): a dict with
 - ``prompts``: list of B prompt texts (after the chat template), passed to the reward source;
 - ``metadata``: list of B dicts, the row's extra columns (e.g. a math problem's answer), passed to the
   reward source.
+
+Prompts follow TRL's prompt-only type (``aitraining_pl.datamodules.formats.prompt_text``): strings as they are,
+messages through the chat template with the generation prompt (or left open when the last turn is the assistant's).
 """
 
 from __future__ import annotations
