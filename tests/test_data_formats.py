@@ -298,6 +298,33 @@ def test_prepare_data_tokenises_once_for_every_rank(tmp_path, count_calls):
     assert count_calls["n"] == 4
 
 
+def test_fit_tokenises_once(tmp_path, count_calls):
+    """Under ``Trainer.fit``: ``prepare_data`` tokenises, ``setup`` (every rank, after the barrier) reads the cache."""
+    import lightning.pytorch as pl
+
+    from aitraining_pl import DPOModule
+    from conftest import TINY_LLAMA
+
+    path = write(tmp_path / "p.jsonl", [{"prompt": f"q{i}", "chosen": "yes", "rejected": "no"} for i in range(4)])
+    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte")
+    dm = PreferenceDataModule(data_path=path, tokenizer=module.tokenizer, val_split=0.0, batch_size=2)
+    count_calls["n"] = 0
+    calls = []
+    original_setup = dm.setup
+
+    def setup(stage=None):
+        calls.append(count_calls["n"])
+        original_setup(stage)
+        calls.append(count_calls["n"])
+
+    dm.setup = setup
+    trainer = pl.Trainer(max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, dm)
+    assert calls == [12, 12]  # 4 rows x (prompt, chosen, rejected), all before setup
+    assert len(dm.train_dataset) == 4
+
+
 @pytest.mark.slow
 def test_another_process_reuses_the_cache(tmp_path, datasets_cache, count_calls):
     """The fingerprint is stable across processes (a second run, or another rank, loads the cached rows)."""
