@@ -222,7 +222,8 @@ def test_hub_options_reach_load_dataset_and_old_val_spelling_warns(monkeypatch, 
 
     def fake_load_dataset(path, **kwargs):
         calls.append((path, kwargs))
-        return datasets.Dataset.from_list([{"prompt": "q", "chosen": f"{kwargs['split']} a", "rejected": "b"}] * 2)
+        chosen = f"{kwargs['split']} a" if kwargs["split"] != "broken" else " "
+        return datasets.Dataset.from_list([{"prompt": "q", "chosen": chosen, "rejected": "b"}] * 2)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     dm = PreferenceDataModule(data_path="org/prefs", name="default", revision="v1.0", split="train_prefs",
@@ -235,6 +236,8 @@ def test_hub_options_reach_load_dataset_and_old_val_spelling_warns(monkeypatch, 
     with pytest.warns(FutureWarning, match="val_split_name: test"):
         PreferenceDataModule(data_path="org/prefs", val_data_path="org/prefs", tokenizer=tok).setup()
     assert [kwargs["split"] for _, kwargs in calls] == ["train", "test"]
+    with pytest.raises(DataValidationError, match=r"^org/prefs \[broken\], row 1, field 'chosen': empty text"):
+        PreferenceDataModule(data_path="org/prefs", val_split_name="broken", tokenizer=tok).setup()
 
 
 def test_local_file_as_its_own_validation_source_does_not_warn(tmp_path, tok):

@@ -79,7 +79,7 @@ class CachedDataModule(TextDataModule):
             )
 
     def _encoded(self, source: DataSource) -> Any:
-        return self._encode_rows(load_source(source), source.path)
+        return self._encode_rows(load_source(source), source.label)
 
     def prepare_data(self) -> None:
         """Read and tokenise every file / hub source into the ``datasets`` cache (Lightning calls this on local
@@ -87,7 +87,7 @@ class CachedDataModule(TextDataModule):
         for source in self._data_sources():
             rows = load_source(source) if source is not None else None
             if rows is not None and not isinstance(rows, list):  # a list is not cached: setup reads it
-                self._encode_rows(rows, source.path)
+                self._encode_rows(rows, source.label)
 
     def setup(self, stage: Optional[str] = None) -> None:
         """Read, check and tokenise once (a second call reuses the datasets; cached rows are loaded)."""
@@ -95,14 +95,14 @@ class CachedDataModule(TextDataModule):
             return
         hp = self.hparams
         train_source, val_source = self._data_sources()
-        source = train_source.path if train_source is not None else IN_MEMORY
+        source = train_source.label if train_source is not None else IN_MEMORY
         if train_source is not None:
             rows = self._encoded(train_source)
         else:
             rows = self._encode_rows(self._in_memory_records(), IN_MEMORY)
         val_rows, val_name = None, None
         if val_source is not None:
-            val_rows, val_name = self._encoded(val_source), val_source.path
+            val_rows, val_name = self._encoded(val_source), val_source.label
         elif hp.val_split > 0:  # split after checking every row, so row numbers refer to the file
             train_idx, val_idx = holdout_indices(len(rows), hp.val_split, hp.seed, source)
             rows, val_rows, val_name = take(rows, train_idx), take(rows, val_idx), f"{source} (validation split)"

@@ -120,9 +120,18 @@ class DataSource:
     data_files: Any = None
     revision: Union[str, None] = None
 
+    @property
+    def label(self) -> str:
+        """The source in messages: the path of a local file, else the name and split (``org/data [test]``)."""
+        return self.path if _is_file(self.path) else f"{self.path} [{self.split}]"
+
 
 def _is_local(path: str) -> bool:
     return Path(os.path.expanduser(path)).exists() or Path(path).suffix in _READERS
+
+
+def _is_file(path: str) -> bool:
+    return Path(os.path.expanduser(path)).is_file() or Path(path).suffix in _READERS
 
 
 def data_sources(hp: Any) -> tuple[Union[DataSource, None], Union[DataSource, None]]:
