@@ -11,6 +11,7 @@ dataset with ``split``, ``name``, ``data_files``, ``revision``); ``load_source``
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -202,6 +203,19 @@ def _starts_with(path: Path, char: str) -> bool:
     return False
 
 
+def _is_utf8(path: Path) -> bool:
+    """Whether the file decodes as UTF-8 (read in 1 MiB chunks)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with path.open("rb") as handle:
+            while chunk := handle.read(1 << 20):
+                decoder.decode(chunk)
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 #: ``datasets`` builder of each local suffix.
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -223,6 +237,8 @@ def load_source(source: DataSource) -> Any:
             raise DataValidationError(str(path), "file not found")
         if path.suffix == ".json" and not _starts_with(path, "["):
             return read_records(str(path))  # {"column": [...]} / {"data": [...]} layouts
+        if path.suffix in (".json", ".jsonl") and not _is_utf8(path):
+            return read_records(str(path))  # Arrow would read the bad bytes; our reader names their row
         try:
             with quiet_datasets():
                 rows = load_dataset(_BUILDERS[path.suffix], data_files=str(path), split="train")
