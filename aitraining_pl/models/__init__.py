@@ -21,7 +21,7 @@ from aitraining_pl.models.reward import (
     RewardModelConfig,
     load_reward_model,
 )
-from aitraining_pl.models.value_head import PolicyValueOutput, PPOModel, ValueHead
+from aitraining_pl.models.value_head import PolicyValueOutput, PolicyValueScores, PPOModel, ValueHead
 
 __all__ = [
     "BYTE_TOKENIZER",
@@ -39,6 +39,7 @@ __all__ = [
     "ReferencePolicy",
     "load_policy",
     "PolicyValueOutput",
+    "PolicyValueScores",
     "PPOModel",
     "ValueHead",
     "RewardModelConfig",

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from aitraining_pl.models.loading import hidden_size_of
+from aitraining_pl.models.rollout_scoring import response_logps
 
 
 class ValueHead(nn.Module):
@@ -32,6 +33,12 @@ class ValueHead(nn.Module):
 class PolicyValueOutput(NamedTuple):
     logits: torch.Tensor  #: (B, T, V)
     values: torch.Tensor  #: (B, T), value of the state after reading token t
+
+
+class PolicyValueScores(NamedTuple):
+    logprobs: torch.Tensor  #: (B, R) log-probs of the response tokens, 0 outside the response mask
+    entropy: torch.Tensor | None  #: (B, R) policy entropy at each response token, or None
+    values: torch.Tensor  #: (B, R) value of the state before each response token, 0 outside the response mask
 
 
 class PPOModel(nn.Module):
@@ -75,6 +82,24 @@ class PPOModel(nn.Module):
                 use_cache=False,
             ).hidden_states[-1]
         return PolicyValueOutput(out.logits, self.value_head(hidden))
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+              temperature: float = 1.0, with_entropy: bool = False, padding_free: bool = True) -> PolicyValueScores:
+        """Log-probs (and entropies) of the response tokens of rollout rows (N, P + R) and the values of the states
+        that predict them, from one decoder pass: the value head and the fused LM head read the same hidden
+        states (``models.rollout_scoring.response_logps``, packed or padded), so no (N, R, V) logits are built.
+        With a separate ``critic`` its own trunk runs on the padded rows for the values."""
+        out = response_logps(self.base_model, input_ids, attention_mask, prompt_length, temperature, padding_free,
+                             with_entropy, with_hidden=self.critic is None)
+        response = attention_mask[:, prompt_length:].bool()
+        if self.critic is None:
+            values = out.logprobs.new_zeros(response.shape).masked_scatter(response, self.value_head(out.hidden))
+        else:
+            hidden = self.critic(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=(attention_mask.long().cumsum(-1) - 1).clamp_min(0),
+                                 output_hidden_states=True, use_cache=False).hidden_states[-1]
+            values = self.value_head(hidden[:, prompt_length - 1 : -1]) * response
+        return PolicyValueScores(out.logprobs, out.entropy, values)
 
     def generate(self, *args, **kwargs):
         """Sampling from the policy (the value head plays no part)."""
