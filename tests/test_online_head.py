@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_LLAMA
+from conftest import TINY_LLAMA, saved_for_backward
 
 import aitraining_pl.models.rollout_scoring as rollout_scoring
 from aitraining_pl.models import PPOModel, build_causal_lm
@@ -124,21 +124,10 @@ VOCAB = 32000
 
 
 def _saved_shapes(module, step):
-    """Run ``step()`` (forward) under ``saved_tensors_hooks``, then its backward; the shapes of the tensors saved
-    for backward that are not parameters of ``module``."""
-    parameters = {p.data_ptr() for p in module.parameters()}
-    saved = []
-
-    def pack(tensor):
-        saved.append((tuple(tensor.shape), tensor.data_ptr()))
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = step()
-    loss.backward()
+    """Non-parameter tensors that ``step()`` saves for backward (``conftest.saved_for_backward``)."""
+    saved = saved_for_backward(module, step)
     assert module.policy.get_output_embeddings().weight.grad.abs().sum() > 0
-    assert len(saved) > 10
-    return [shape for shape, ptr in saved if ptr not in parameters]
+    return saved
 
 
 def _rollout(attention: torch.Tensor) -> RolloutBatch:
