@@ -120,14 +120,17 @@ def run_ours(args) -> dict:
     pl.seed_everything(0)
     module = GRPOModule(
         model_config=_model_config(args.size, args.vocab_size), tokenizer_name="byte",
-        reward=lambda p, r, m: lowercase_share(r), num_generations=args.num_generations, learning_rate=LR, kl_coef=BETA,
+        reward=lambda p, r, m: lowercase_share(r), num_generations=args.num_generations, learning_rate=LR,
+        kl_coef=BETA,
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0),
-        mini_batch_size=args.num_prompts * args.num_generations, max_grad_norm=1.0, padding_free=args.variant == "default",
+        mini_batch_size=args.num_prompts * args.num_generations, max_grad_norm=1.0,
+        padding_free=args.variant == "default",
     )
     module.generate = split.timed("generation", module.generate)
     module.score = split.timed("scoring", module.score)
     module.frozen_logprobs = split.timed("logprob_passes", module.frozen_logprobs)
-    data = PromptDataModule(prompts=prompts(args.num_prompts) * args.steps, tokenizer=module.tokenizer, batch_size=args.num_prompts)
+    data = PromptDataModule(prompts=prompts(args.num_prompts) * args.steps, tokenizer=module.tokenizer,
+                            batch_size=args.num_prompts)
     trainer = pl.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=args.steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer()])
@@ -190,8 +193,9 @@ def child(args) -> None:
         byte_decoding_of_any_id()
     result = run_ours(args) if args.side == "ours" else run_trl(args)
     result.update(side=args.side, variant=args.variant, size=args.size, vocab_size=args.vocab_size,
-                  num_prompts=args.num_prompts, num_generations=args.num_generations, steps=args.steps, warmup=args.warmup,
-                  threads=args.threads, max_new_tokens=args.max_new_tokens, peak_rss_mb=round(_peak_rss_mb(), 1))
+                  num_prompts=args.num_prompts, num_generations=args.num_generations, steps=args.steps,
+                  warmup=args.warmup, threads=args.threads, max_new_tokens=args.max_new_tokens,
+                  peak_rss_mb=round(_peak_rss_mb(), 1))
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -85,7 +85,8 @@ def test_response_scores_equal_the_unfused_path(layout, arch):
     torch.testing.assert_close(out.entropy, entropy, rtol=0, atol=1e-5)
     weights = torch.linspace(-1, 1, token.numel()).view_as(token)  # a loss that weighs every token differently
     got = _grads(model, (out.logprobs * weights).sum() + out.entropy.sum())
-    want = _grads(model, (_unfused(model, ids, attention)[0] * weights).sum() + _unfused(model, ids, attention)[1].sum())
+    token, entropy, _ = _unfused(model, ids, attention)
+    want = _grads(model, (token * weights).sum() + entropy.sum())
     assert len(got) == len(want) > 5
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -112,7 +113,9 @@ def test_ppo_model_score_equals_its_full_forward(layout, critic):
     for got, want in zip(out, full()):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert out.values.abs().sum() > 0
-    loss = lambda lp, ent, v: (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum() + ent.sum() + (v**2).sum()  # noqa: E731
+    def loss(lp, ent, v):
+        return (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum() + ent.sum() + (v**2).sum()
+
     got = _grads(model, loss(*model.score(ids, attention, P, TEMPERATURE, with_entropy=True)))
     want = _grads(model, loss(*full()))
     assert len(got) == len(want) and any(g.abs().sum() > 0 for g in got[-4:])  # the value head trains

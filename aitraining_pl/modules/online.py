@@ -186,7 +186,8 @@ class OnlineRLModule(AlignmentModule):
         return [fn(rows) for rows in torch.arange(n, device=self.device).split(self.hparams.mini_batch_size)]
 
     @torch.no_grad()
-    def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           prompt_length: int) -> torch.Tensor:
         """(N, R) log-probs of the frozen reference (eval mode; adapters off under LoRA)."""
         model = self.reference.model
         with eval_mode(model), self.reference.context():
