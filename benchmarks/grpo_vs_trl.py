@@ -11,6 +11,13 @@ is its own process; the sides alternate so load from other processes on a shared
 
     TRL_PYTHON=/path/to/trl-venv/bin/python python benchmarks/grpo_vs_trl.py --sizes 3m --steps 4 --warmup 1
 
+``--vocab-size`` replaces the byte-level 384-token vocabulary of both models by a larger one (32000, 152000; the
+sampled ids beyond 384 decode as bytes ``id % 256`` for the reward); ``--num-prompts`` and ``--num-generations``
+shrink a step. Our peak memory at 152000 against 384 (``--skip-trl``) is the ratio issue 16 bounds by 1.5x:
+
+    python benchmarks/grpo_vs_trl.py --skip-trl --vocab-size 152000 --num-prompts 4 --num-generations 4 \
+        --max-new-tokens 32 --steps 3 --warmup 1
+
 Prints the command, date and versions, one JSON line per measurement (``completions_per_s`` over the
 steady-state steps after warm-up, ``peak_rss_mb`` of the whole process, and the mean seconds per step spent in
 ``generation``, ``scoring``, ``logprob_passes`` (reference / old log-probs, no gradient) and ``update`` (the
@@ -29,16 +36,25 @@ import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dpo_vs_trl import BASE, SIZES, _peak_rss_mb  # noqa: E402
+from dpo_vs_trl import BASE, SIZES, _model_config, _peak_rss_mb  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS_FILE = os.path.join(ROOT, "aitraining_pl", "data", "quickstart_prompts.jsonl")
-NUM_PROMPTS, G, LR, BETA = 8, 8, 1e-6, 0.04
+NUM_PROMPTS, G, LR, BETA = 8, 8, 1e-6, 0.04  # defaults of --num-prompts, --num-generations
 
 
-def prompts() -> list[str]:
+def prompts(n: int = NUM_PROMPTS) -> list[str]:
     with open(PROMPTS_FILE, encoding="utf-8") as handle:
-        return [json.loads(line)["prompt"] for line in handle][:NUM_PROMPTS]
+        return [json.loads(line)["prompt"] for line in handle][:n]
+
+
+def byte_decoding_of_any_id() -> None:
+    """Let the byte-level tokenizer decode ids beyond its 384 (a ``--vocab-size`` model samples them): id ``i``
+    decodes as byte ``i % 256``. Only the texts the reward reads change; the scored token ids are the sampled ones."""
+    from transformers import ByT5Tokenizer
+
+    to_token = ByT5Tokenizer._convert_id_to_token
+    ByT5Tokenizer._convert_id_to_token = lambda self, i: to_token(self, self.offset + i % 256 if i >= 384 else i)
 
 
 def lowercase_share(texts: list[str]) -> list[float]:
@@ -49,8 +65,9 @@ def lowercase_share(texts: list[str]) -> list[float]:
 class Split:
     """Seconds per part of a step; ``step_end`` closes a step (steady state: after ``warmup`` steps)."""
 
-    def __init__(self, warmup: int):
+    def __init__(self, warmup: int, completions: int = NUM_PROMPTS * G):
         self.warmup, self.current, self.steps, self.ends = warmup, defaultdict(float), [], []
+        self.completions = completions  # per step
 
     def timed(self, part: str, fn, when=lambda *a, **k: True):
         def wrapper(*args, **kwargs):
@@ -78,7 +95,7 @@ class Split:
         split = {k: round(sum(s.get(k, 0.0) for s in steady) / len(steady), 3)
                  for k in ("generation", "scoring", "logprob_passes", "update")}
         seconds = sum(sum(s.values()) for s in steady)
-        return {"completions_per_s": round(NUM_PROMPTS * G * len(steady) / seconds, 3), "step_split_s": split}
+        return {"completions_per_s": round(self.completions * len(steady) / seconds, 3), "step_split_s": split}
 
 
 def run_ours(args) -> dict:
@@ -91,7 +108,7 @@ def run_ours(args) -> dict:
     from aitraining_pl.modules.critic_free import GRPOModule
     from aitraining_pl.rollout import GenerationConfig
 
-    split = Split(args.warmup)
+    split = Split(args.warmup, args.num_prompts * args.num_generations)
 
     class Timer(pl.Callback):
         def on_train_batch_start(self, *a):
@@ -102,21 +119,24 @@ def run_ours(args) -> dict:
 
     pl.seed_everything(0)
     module = GRPOModule(
-        model_config={**BASE, **SIZES[args.size]}, tokenizer_name="byte",
-        reward=lambda p, r, m: lowercase_share(r), num_generations=G, learning_rate=LR, kl_coef=BETA,
+        model_config=_model_config(args.size, args.vocab_size), tokenizer_name="byte",
+        reward=lambda p, r, m: lowercase_share(r), num_generations=args.num_generations, learning_rate=LR,
+        kl_coef=BETA,
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0),
-        mini_batch_size=NUM_PROMPTS * G, max_grad_norm=1.0, padding_free=args.variant == "default",
+        mini_batch_size=args.num_prompts * args.num_generations, max_grad_norm=1.0,
+        padding_free=args.variant == "default",
     )
     module.generate = split.timed("generation", module.generate)
     module.score = split.timed("scoring", module.score)
     module.frozen_logprobs = split.timed("logprob_passes", module.frozen_logprobs)
-    data = PromptDataModule(prompts=prompts() * args.steps, tokenizer=module.tokenizer, batch_size=NUM_PROMPTS)
+    data = PromptDataModule(prompts=prompts(args.num_prompts) * args.steps, tokenizer=module.tokenizer,
+                            batch_size=args.num_prompts)
     trainer = pl.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=args.steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer()])
     data.setup("fit")
     data.train_dataloader = lambda: torch.utils.data.DataLoader(  # the prompts in file order, as TRL's side
-        data.train_dataset, NUM_PROMPTS, shuffle=False, collate_fn=data.collate_fn)
+        data.train_dataset, args.num_prompts, shuffle=False, collate_fn=data.collate_fn)
     trainer.fit(module, data)
     return {"params": sum(p.numel() for p in module.policy.parameters()), **split.summary()}
 
@@ -129,7 +149,7 @@ def run_trl(args) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, ByT5Tokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    split = Split(args.warmup)
+    split = Split(args.warmup, args.num_prompts * args.num_generations)
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
@@ -141,16 +161,17 @@ def run_trl(args) -> dict:
     def reward(prompts, completions, **kwargs):
         return lowercase_share(completions)
 
-    config = {**BASE, **SIZES[args.size]}
+    config = dict(_model_config(args.size, args.vocab_size))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
-    dataset = Dataset.from_dict({"prompt": prompts() * args.steps})
+    dataset = Dataset.from_dict({"prompt": prompts(args.num_prompts) * args.steps})
     with tempfile.TemporaryDirectory() as out:
         # TRL builds its reference from the policy's path: save the random model and hand TRL the folder
         model.save_pretrained(os.path.join(out, "policy"))
         model = os.path.join(out, "policy")
         cfg = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=NUM_PROMPTS * G, num_generations=G, steps_per_generation=1,
+            output_dir=out, per_device_train_batch_size=args.num_prompts * args.num_generations,
+            num_generations=args.num_generations, steps_per_generation=1,
             max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, beta=BETA, num_iterations=1,
             loss_type="grpo", scale_rewards="group", learning_rate=LR, max_grad_norm=1.0, max_steps=args.steps,
             logging_steps=10_000, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
@@ -168,16 +189,21 @@ def run_trl(args) -> dict:
 
 
 def child(args) -> None:
+    if args.vocab_size > BASE["vocab_size"]:
+        byte_decoding_of_any_id()
     result = run_ours(args) if args.side == "ours" else run_trl(args)
-    result.update(side=args.side, variant=args.variant, size=args.size, steps=args.steps, warmup=args.warmup,
-                  threads=args.threads, max_new_tokens=args.max_new_tokens, peak_rss_mb=round(_peak_rss_mb(), 1))
+    result.update(side=args.side, variant=args.variant, size=args.size, vocab_size=args.vocab_size,
+                  num_prompts=args.num_prompts, num_generations=args.num_generations, steps=args.steps,
+                  warmup=args.warmup, threads=args.threads, max_new_tokens=args.max_new_tokens,
+                  peak_rss_mb=round(_peak_rss_mb(), 1))
     print("RESULT " + json.dumps(result), flush=True)
 
 
 def _spawn(python: str, side: str, variant: str, size: str, args) -> dict:
     cmd = [python, os.path.abspath(__file__), "--side", side, "--variant", variant, "--size", size,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-           "--max-new-tokens", str(args.max_new_tokens)]
+           "--max-new-tokens", str(args.max_new_tokens), "--vocab-size", str(args.vocab_size),
+           "--num-prompts", str(args.num_prompts), "--num-generations", str(args.num_generations)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "WANDB_MODE": "disabled", "PYTHONPATH": ROOT if side == "ours" else ""}
@@ -204,6 +230,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="steps excluded from the steady state")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--vocab-size", type=int, default=BASE["vocab_size"],
+                        help="vocabulary of both models (384: the byte tokenizer's; 32000, 152000: real models')")
+    parser.add_argument("--num-prompts", type=int, default=NUM_PROMPTS, help="prompts per step")
+    parser.add_argument("--num-generations", type=int, default=G, help="samples per prompt (G)")
     parser.add_argument("--repeats", type=int, default=1, help="alternating rounds per size")
     parser.add_argument("--side", choices=["ours", "trl"])
     parser.add_argument("--variant", default="default")
@@ -231,7 +261,7 @@ def main() -> None:
         trl = best["trl/default"]
         for variant in args.variants:
             ours = best[f"ours/{variant}"]
-            print(json.dumps({"ratio": True, "size": size, "variant": variant,
+            print(json.dumps({"ratio": True, "size": size, "vocab_size": args.vocab_size, "variant": variant,
                               "speedup": round(ours["completions_per_s"] / trl["completions_per_s"], 3),
                               "memory_ratio": round(ours["peak_rss_mb"] / trl["peak_rss_mb"], 3)}), flush=True)
 

@@ -44,3 +44,20 @@ def byte_tokenizer():
     from aitraining_pl.models import load_tokenizer
 
     return load_tokenizer("byte")
+
+
+def saved_for_backward(module, step) -> list[tuple[int, ...]]:
+    """Shapes of the tensors that ``step()`` (a forward returning a loss) saves for backward, parameters of
+    ``module`` left out (``torch.autograd.graph.saved_tensors_hooks``); then runs the backward pass."""
+    parameters = {p.data_ptr() for p in module.parameters()}
+    saved = []
+
+    def pack(tensor):
+        saved.append((tuple(tensor.shape), tensor.data_ptr()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = step()
+    loss.backward()
+    assert len(saved) > 10
+    return [shape for shape, ptr in saved if ptr not in parameters]

@@ -177,8 +177,8 @@ def test_gradient_checkpointing_in_reward_and_ppo_modules():
         module = PPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", gradient_checkpointing=checkpointing)
         torch.nn.init.normal_(module.model.value_head.net[-1].weight, generator=torch.Generator().manual_seed(0))
         module.train()
-        logits, values = module(BATCH["input_ids"], BATCH["attention_mask"], 2)
-        (logits.logsumexp(-1).sum() + values.sum()).backward()
+        out = module(BATCH["input_ids"], BATCH["attention_mask"], 2, with_entropy=True)  # fused head: no logits
+        (out.logprobs.sum() + out.entropy.sum() + out.values.sum()).backward()
         assert module.policy.is_gradient_checkpointing == checkpointing
         return [p.grad for p in module.parameters() if p.requires_grad]
 

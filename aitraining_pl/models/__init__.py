@@ -21,7 +21,13 @@ from aitraining_pl.models.reward import (
     RewardModelConfig,
     load_reward_model,
 )
-from aitraining_pl.models.value_head import PolicyValueOutput, PPOModel, ValueHead, load_value_head
+from aitraining_pl.models.value_head import (
+    PolicyValueOutput,
+    PolicyValueScores,
+    PPOModel,
+    ValueHead,
+    load_value_head,
+)
 
 __all__ = [
     "BYTE_TOKENIZER",
@@ -39,6 +45,7 @@ __all__ = [
     "ReferencePolicy",
     "load_policy",
     "PolicyValueOutput",
+    "PolicyValueScores",
     "PPOModel",
     "ValueHead",
     "load_value_head",

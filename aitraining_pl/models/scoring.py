@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
-from aitraining_pl.losses import SequenceLogps, selective_log_softmax
+from aitraining_pl.losses import HeadLogps, SequenceLogps, entropy_from_logits, selective_log_softmax
 from aitraining_pl.models.lm_head import chunked_head_logps, logit_postprocessing
 from aitraining_pl.models.packing import AttentionPlan, packed_attention, supports_packing
 from aitraining_pl.models.training import eval_mode
@@ -150,14 +150,30 @@ def head_logits(head: nn.Module, config: Any, hidden: torch.Tensor) -> torch.Ten
     return logits
 
 
-def _head_logps(head: nn.Module, config: Any, hidden: torch.Tensor, targets: torch.Tensor,
-                temperature: float = 1.0) -> torch.Tensor:
-    """(M,) log-probs of ``targets`` from hidden states (M, H): chunked for a linear head whose post-processing
-    is known (``models.lm_head``: no (M, V) logits, in the forward or saved for backward), else the head's logits."""
-    chunked = chunked_head_logps(head, config, hidden, targets, temperature=temperature)
+def _logits_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool) -> HeadLogps:
+    """Log-probs (and entropies) of ``targets`` from (M, V) logits (the fallback where the head cannot run fused)."""
+    logits = logits.float() / temperature
+    return HeadLogps(selective_log_softmax(logits, targets), entropy_from_logits(logits) if with_entropy else None)
+
+
+def _head_scores(head: nn.Module, config: Any, hidden: torch.Tensor, targets: torch.Tensor,
+                 temperature: float = 1.0, with_entropy: bool = False) -> HeadLogps:
+    """(M,) log-probs of ``targets`` (and entropies) from hidden states (M, H): chunked for a linear head whose
+    post-processing is known (``models.lm_head``: no (M, V) logits, in the forward or saved for backward), else
+    the head's logits."""
+    chunked = chunked_head_logps(head, config, hidden, targets, temperature=temperature, with_entropy=with_entropy)
     if chunked is not None:
-        return chunked.logps
-    return selective_log_softmax(head_logits(head, config, hidden).float() / temperature, targets)
+        return chunked
+    return _logits_scores(head_logits(head, config, hidden), targets, temperature, with_entropy)
+
+
+class TokenScores(NamedTuple):
+    """What ``token_scores`` returns; per-token tensors are (B, L - 1), entry [b, t] for token t + 1."""
+
+    logps: torch.Tensor  #: log-probs of the scored tokens, 0 elsewhere
+    entropy: Optional[torch.Tensor]  #: entropies of the distributions predicting them (``with_entropy``), or None
+    hidden: Optional[torch.Tensor]  #: (M, H) last hidden states predicting them, in ``index`` order (``with_hidden``)
+    index: tuple[torch.Tensor, torch.Tensor]  #: (rows, columns) (M,) each: where the scored tokens' entries are
 
 
 @dataclass(frozen=True)
@@ -175,15 +191,14 @@ class ScoringPath:
 
 def _run(model: nn.Module, path: str, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
          scored: torch.Tensor, position_ids: Optional[torch.Tensor], packed: Optional[PackedBatch],
-         temperature: float) -> torch.Tensor:
-    """(B, L - 1) log-probs along ``path``: entry [b, t] is log p(token t + 1) where ``scored[b, t]``, else 0."""
+         temperature: float, with_entropy: bool = False, with_hidden: bool = False) -> TokenScores:
+    """Scores along ``path``: entry [b, t] of (B, L - 1) is for token t + 1 where ``scored[b, t]``, else 0."""
     decoder, head, config = _decoder_and_head(model)
     if path == "packed":
         with packed_attention(config, packed.plan):
             hidden = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
-                             packed_plan=packed.plan).last_hidden_state
-        token = _head_logps(head, config, hidden[0, packed.sources], packed.targets, temperature)
-        rows, cols = packed.sequences, packed.columns - 1
+                             packed_plan=packed.plan).last_hidden_state[0, packed.sources]
+        targets, rows, cols = packed.targets, packed.sequences, packed.columns - 1
     else:
         rows, cols = torch.nonzero(scored, as_tuple=True)
         targets = input_ids[rows, cols + 1]
@@ -191,10 +206,16 @@ def _run(model: nn.Module, path: str, input_ids: torch.Tensor, attention_mask: O
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
         if path == "head":
-            token = _head_logps(head, config, decoder(**kwargs).last_hidden_state[rows, cols], targets, temperature)
+            hidden = decoder(**kwargs).last_hidden_state[rows, cols]
         else:
-            token = selective_log_softmax(model(**kwargs).logits[rows, cols].float() / temperature, targets)
-    return token.new_zeros(scored.shape).index_put((rows, cols), token)
+            out = model(**kwargs, output_hidden_states=with_hidden)
+            hidden = out.hidden_states[-1][rows, cols] if with_hidden else None
+            token = _logits_scores(out.logits[rows, cols], targets, temperature, with_entropy)
+    if path != "forward":
+        token = _head_scores(head, config, hidden, targets, temperature, with_entropy)
+    place = lambda values: values.new_zeros(scored.shape).index_put((rows, cols), values)  # noqa: E731
+    entropy = place(token.entropy) if with_entropy else None
+    return TokenScores(place(token.logps), entropy, hidden if with_hidden else None, (rows, cols))
 
 
 def _probe_batch(config: Any, device: torch.device) -> dict[str, torch.Tensor]:
@@ -221,7 +242,7 @@ def _matches(model: nn.Module, path: str, batch: dict[str, torch.Tensor], want: 
     scored = batch["completion_mask"][:, 1:].bool()
     packed = pack_batch(batch, share_prompt=True) if path == "packed" else None
     try:
-        got = _run(model, path, batch["input_ids"], batch["attention_mask"], scored, None, packed, 1.0)
+        got = _run(model, path, batch["input_ids"], batch["attention_mask"], scored, None, packed, 1.0).logps
     except Exception as err:  # noqa: BLE001 - any failure of a fast path means: do not use it
         return f"the {path} path raised {type(err).__name__}: {err}"
     tolerance = 5e-2 if next(model.parameters()).dtype in (torch.float16, torch.bfloat16) else 1e-4
@@ -242,7 +263,7 @@ def _probe(model: nn.Module) -> ScoringPath:
     # autocast off: the paths are compared in the parameters' own dtype, not in an enclosing bf16 autocast
     with eval_mode(model), torch.no_grad(), torch.autocast(device.type, enabled=False):
         scored = batch["completion_mask"][:, 1:].bool()
-        want = _run(model, "forward", batch["input_ids"], batch["attention_mask"], scored, None, None, 1.0)
+        want = _run(model, "forward", batch["input_ids"], batch["attention_mask"], scored, None, None, 1.0).logps
         head_reason = _matches(model, "head", batch, want)
         if not supports_packing(config):
             packed_reason = (f"{type(config).__name__} (attention {getattr(config, '_attn_implementation', None)!r}, "
@@ -265,10 +286,13 @@ def scoring_path(model: nn.Module) -> ScoringPath:
     return cache[key]
 
 
-def token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                scored: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                packed: Optional[PackedBatch] = None, temperature: float = 1.0) -> torch.Tensor:
-    """Per-token log-probs of the scored tokens of each row, through the fastest path exact for ``model``.
+def token_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                 scored: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                 packed: Optional[PackedBatch] = None, temperature: float = 1.0, with_entropy: bool = False,
+                 with_hidden: bool = False) -> TokenScores:
+    """Per-token log-probs (and entropies, hidden states) of the scored tokens of each row, through the fastest
+    path exact for ``model``; the head runs fused (``models.lm_head``), so no (tokens x vocabulary) logits are
+    held where the head allows it.
 
     Args:
         model: a transformers causal LM (optionally wrapped by ``peft``).
@@ -276,16 +300,43 @@ def token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optio
         attention_mask: (B, L), right or left padded.
         scored: (B, L) which tokens to score (token t is predicted from position t - 1; column 0 never is).
         position_ids: (B, L) positions, e.g. for left-padded rows (default: the model's own).
-        packed: the batch packed by ``pack_batch`` (its scored tokens must be ``scored``'s); used where the
-            packed path is exact for the model, else the rows run padded.
+        packed: the batch packed by ``pack_batch`` / ``pack_rows`` (its scored tokens must be ``scored``'s); used
+            where the packed path is exact for the model, else the rows run padded.
         temperature: logits are divided by it (the sampling temperature of a rollout).
+        with_entropy: also the entropy of each scored token's predicting distribution (differentiable).
+        with_hidden: also the last hidden states at the positions predicting the scored tokens (a value head's
+            input).
 
     Returns:
-        (B, L - 1): entry [b, t] is log p(input_ids[b, t + 1]) where ``scored[b, t + 1]``, else 0.
+        ``TokenScores``: (B, L - 1) entries [b, t] for token t + 1 where ``scored[b, t + 1]``, else 0.
     """
     path = scoring_path(model)
     name = "packed" if packed is not None and path.packed else "head" if path.head else "forward"
-    return _run(model, name, input_ids, attention_mask, scored[:, 1:].bool(), position_ids, packed, temperature)
+    return _run(model, name, input_ids, attention_mask, scored[:, 1:].bool(), position_ids, packed, temperature,
+                with_entropy, with_hidden)
+
+
+def token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                scored: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                packed: Optional[PackedBatch] = None, temperature: float = 1.0) -> torch.Tensor:
+    """(B, L - 1) log-probs of ``token_scores``: entry [b, t] is log p(input_ids[b, t + 1]) where
+    ``scored[b, t + 1]``, else 0."""
+    return token_scores(model, input_ids, attention_mask, scored, position_ids, packed, temperature).logps
+
+
+#: pack rows only when their real tokens are fewer than this share of the padded tokens. Packing saves the work
+#: on padding but runs attention one block (sequence) at a time; with little padding the per-block calls cost
+#: more than one batched call: the GRPO benchmark (3M Llama, fp32 CPU, 8 prompts x 8 samples that all ran to 128
+#: new tokens, so the only padding was the prompts') measured the packed passes at about twice the padded ones.
+#: ``benchmarks/packing_threshold.py`` (3M Llama, 16 rollout rows of 32 + 128 tokens, forward + backward, 2 CPU
+#: threads on a loaded machine) measured packed / padded time 0.96-2.2 at 79-90% real tokens and 0.59-0.94 at
+#: 45-71%: the crossover lies between, hence 0.75.
+PACKING_THRESHOLD = 0.75
+
+
+def packing_pays(attention_mask: torch.Tensor, threshold: float = PACKING_THRESHOLD) -> bool:
+    """Whether the rows' real tokens are fewer than ``threshold`` times the padded tokens (``PACKING_THRESHOLD``)."""
+    return float(attention_mask.sum()) < threshold * attention_mask.numel()
 
 
 def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor], padding_free: bool = False,
@@ -320,20 +371,22 @@ def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor], padding_f
 
 
 def pack_rows(batch: dict[str, torch.Tensor]) -> PackedBatch:
-    """Pack the real tokens of B right-padded rows into one row, each row one causal attention block (SFT).
+    """Pack the real tokens of B padded rows into one row, each row one causal attention block (SFT, rollouts).
 
-    Every token ``t >= 1`` with ``completion_mask[t] == 1`` is scored, predicted from the packed position of
-    token ``t - 1``; the mask may have any pattern (several assistant turns, every token), unlike
+    A row's real tokens must be one contiguous run (right padded, or left-padded prompt and right-padded
+    response as a rollout makes them); positions restart at 0 at each row's first real token. Every token
+    ``t >= 1`` with ``completion_mask[t] == 1`` is scored, predicted from the packed position of token ``t - 1``
+    (which must be real); the mask may have any pattern (several assistant turns, every token), unlike
     ``pack_batch``, which scores one contiguous completion per row and needs a non-empty prompt. Rows may be
     any number (not pairs). ``sequences`` holds each scored token's row, ``columns`` its padded column.
     """
     real = batch["attention_mask"].bool()
-    lengths = real.sum(1)
+    lengths, first = real.sum(1), real.long().argmax(1)  # real tokens and first real column of each row
     starts = torch.cumsum(lengths, 0) - lengths
     rows, cols = torch.nonzero(real, as_tuple=True)  # row-major: the rows' real tokens end to end
     scored_rows, scored_cols = torch.nonzero(batch["completion_mask"].bool()[:, 1:] & real[:, 1:], as_tuple=True)
-    targets_at = starts[scored_rows] + scored_cols + 1  # packed position of each scored token
+    targets_at = starts[scored_rows] + scored_cols + 1 - first[scored_rows]  # packed position of each scored token
     blocks = [(((s, s + n),), n) for s, n in zip(starts.tolist(), lengths.tolist()) if n > 0]
     packed = batch["input_ids"][rows, cols].unsqueeze(0)
-    return PackedBatch(packed, cols.unsqueeze(0), AttentionPlan(blocks), targets_at - 1, packed[0, targets_at],
-                       scored_rows, scored_cols + 1)
+    return PackedBatch(packed, (cols - first[rows]).unsqueeze(0), AttentionPlan(blocks), targets_at - 1,
+                       packed[0, targets_at], scored_rows, scored_cols + 1)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from aitraining_pl.models.loading import hidden_size_of
+from aitraining_pl.models.rollout_scoring import response_logps
 
 
 class ValueHead(nn.Module):
@@ -63,6 +64,12 @@ def load_value_head(path: str | os.PathLike, device: str | torch.device | None =
 class PolicyValueOutput(NamedTuple):
     logits: torch.Tensor  #: (B, T, V)
     values: torch.Tensor  #: (B, T), value of the state after reading token t
+
+
+class PolicyValueScores(NamedTuple):
+    logprobs: torch.Tensor  #: (B, R) log-probs of the response tokens, 0 outside the response mask
+    entropy: torch.Tensor | None  #: (B, R) policy entropy at each response token, or None
+    values: torch.Tensor  #: (B, R) value of the state before each response token, 0 outside the response mask
 
 
 class PPOModel(nn.Module):
@@ -123,6 +130,24 @@ class PPOModel(nn.Module):
         model = cls(policy)
         model.value_head = load_value_head(path).to(next(policy.parameters()).device)
         return model.eval()
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+              temperature: float = 1.0, with_entropy: bool = False, padding_free: bool = True) -> PolicyValueScores:
+        """Log-probs (and entropies) of the response tokens of rollout rows (N, P + R) and the values of the states
+        that predict them, from one decoder pass: the value head and the fused LM head read the same hidden
+        states (``models.rollout_scoring.response_logps``, packed or padded), so no (N, R, V) logits are built.
+        With a separate ``critic`` its own trunk runs on the padded rows for the values."""
+        out = response_logps(self.base_model, input_ids, attention_mask, prompt_length, temperature, padding_free,
+                             with_entropy, with_hidden=self.critic is None)
+        response = attention_mask[:, prompt_length:].bool()
+        if self.critic is None:
+            values = out.logprobs.new_zeros(response.shape).masked_scatter(response, self.value_head(out.hidden))
+        else:
+            hidden = self.critic(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=(attention_mask.long().cumsum(-1) - 1).clamp_min(0),
+                                 output_hidden_states=True, use_cache=False).hidden_states[-1]
+            values = self.value_head(hidden[:, prompt_length - 1 : -1]) * response
+        return PolicyValueScores(out.logprobs, out.entropy, values)
 
     def generate(self, *args, **kwargs):
         """Sampling from the policy (the value head plays no part)."""

@@ -4,12 +4,12 @@ online-RL base (``modules/online.py``) that PPO shares; the algorithms differ on
 (``losses.ADVANTAGE_ESTIMATORS``), the loss aggregation (``losses.LOSS_AGGREGATIONS``) and where the KL goes.
 
 Each prompt gets ``num_generations`` responses; rewards are compared within the group, so no value model is
-needed. The old, reference and policy forward passes run on the packed real tokens (``padding_free``).
+needed. The old, reference and policy forward passes run on the packed real tokens (``padding_free``) where the
+batch has enough padding for packing to pay (``models.rollout_scoring.will_pack``), the LM head fused.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -23,7 +23,7 @@ from aitraining_pl.losses import (
     masked_mean,
 )
 from aitraining_pl.models import LoRAConfig
-from aitraining_pl.models.rollout_scoring import response_logps
+from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
 from aitraining_pl.rollout import GenerationConfig, place_scores, token_rewards
 
@@ -69,7 +69,8 @@ class CriticFreeModule(OnlineRLModule):
         dynamic_sampling: DAPO's filter: groups whose rewards are all equal (no signal) leave the loss.
         max_grad_norm: gradient clipping by global norm (0 = off).
         missing_eos_penalty: subtracted from the score of responses that end without EOS or stop string.
-        padding_free: run the old, reference and policy forward passes on the packed real tokens.
+        padding_free: run the old, reference and policy forward passes on the packed real tokens when at least a
+            quarter of the padded batch is padding (``models.scoring.PACKING_THRESHOLD``).
         warmup_ratio: share of optimizer steps with linear warmup.
         seed: weight-initialisation seed of an inline ``model_config`` and of the minibatch order.
         dtype: dtype the models are loaded in (default: the checkpoint's).
@@ -129,26 +130,15 @@ class CriticFreeModule(OnlineRLModule):
         return self.model
 
     # ------------------------------------------------------------------ log-prob passes
-    def logprobs(self, model: torch.nn.Module, rollout: RolloutBatch, rows: torch.Tensor, with_entropy: bool = False):
-        """``response_logps`` of ``model`` on rollout ``rows`` (packed when ``padding_free``)."""
-        return response_logps(
-            model, rollout.input_ids[rows], rollout.attention_mask[rows], rollout.prompt_length,
-            self.generation.temperature, self.hparams.padding_free, with_entropy,
-        )
-
     @torch.no_grad()
     def frozen_logprobs(self, rollout: RolloutBatch, reference: bool) -> torch.Tensor:
         """(N, R) log-probs of the policy (eval mode) or of the reference, ``mini_batch_size`` rows at a time."""
-        model = self.reference.model if reference else self.policy
-        context = self.reference.context() if reference else contextlib.nullcontext()
-        was_training = model.training
-        model.eval()
-        try:
-            with context:
-                rows = torch.arange(rollout.input_ids.shape[0], device=rollout.input_ids.device)
-                return torch.cat([self.logprobs(model, rollout, r).logprobs for r in rows.split(self.hparams.mini_batch_size)])
-        finally:
-            model.train(was_training)
+        ids, attention, P = rollout.input_ids, rollout.attention_mask, rollout.prompt_length
+        if reference:
+            return torch.cat(self.in_minibatches(lambda r: self.reference_logprobs(ids[r], attention[r], P), len(ids)))
+        with eval_mode(self.policy):
+            return torch.cat(self.in_minibatches(
+                lambda r: self.response_scores(self.policy, ids[r], attention[r], P).logprobs, len(ids)))
 
     # ------------------------------------------------------------------ one iteration (steps in OnlineRLModule)
     def make_experience(self, rollout: RolloutBatch) -> tuple[PolicyExperience, dict[str, torch.Tensor]]:
@@ -178,7 +168,8 @@ class CriticFreeModule(OnlineRLModule):
         """Clipped policy-gradient loss on rollouts ``idx`` (plus ``kl_coef`` * k3 when the KL is in the loss)."""
         hp = self.hparams
         mask = exp.mask[idx]
-        out = self.logprobs(self.policy, exp, idx, with_entropy=True)
+        out = self.response_scores(self.policy, exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_length,
+                                   with_entropy=True)
         old = exp.old_logprobs[idx] if exp.old_logprobs is not None else out.logprobs.detach()
         ref = exp.ref_logprobs[idx] if exp.ref_logprobs is not None else None
         loss, stats = clipped_policy_loss(

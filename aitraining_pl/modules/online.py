@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from aitraining_pl.losses import group_statistics
+from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
+from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import AlignmentModule
 from aitraining_pl.optim import adamw_with_warmup
 from aitraining_pl.rewards import build_reward_source
@@ -166,6 +168,30 @@ class OnlineRLModule(AlignmentModule):
             rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1], rollout.response_mask,
             rollout.ended, rollout.group, rollout.texts, scores, components,
         )
+
+    # ------------------------------------------------------------------ log-prob passes
+    @property
+    def padding_free(self) -> bool:
+        """Whether the log-prob passes may run packed (``models.rollout_scoring.will_pack`` decides per batch)."""
+        return bool(self.hparams.get("padding_free", True))
+
+    def response_scores(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        prompt_length: int, with_entropy: bool = False) -> ResponseScores:
+        """``response_logps`` of ``model`` at the sampling temperature (fused head, packed where it pays)."""
+        return response_logps(model, input_ids, attention_mask, prompt_length, self.generation.temperature,
+                              self.padding_free, with_entropy)
+
+    def in_minibatches(self, fn: Callable[[torch.Tensor], Any], n: int) -> list[Any]:
+        """``fn(rows)`` over ``mini_batch_size`` rows at a time (bounds the activations of a no-grad pass)."""
+        return [fn(rows) for rows in torch.arange(n, device=self.device).split(self.hparams.mini_batch_size)]
+
+    @torch.no_grad()
+    def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           prompt_length: int) -> torch.Tensor:
+        """(N, R) log-probs of the frozen reference (eval mode; adapters off under LoRA)."""
+        model = self.reference.model
+        with eval_mode(model), self.reference.context():
+            return self.response_scores(model, input_ids, attention_mask, prompt_length).logprobs
 
     # ------------------------------------------------------------------ one iteration
     def make_experience(self, rollout: RolloutBatch) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -18,17 +18,16 @@ import torch
 
 from aitraining_pl.losses import (
     compute_advantages,
-    entropy_from_logits,
     explained_variance,
     gae,
     masked_mean,
     ppo_policy_loss,
     ppo_value_loss,
-    selective_log_softmax,
 )
-from aitraining_pl.models import LoRAConfig, PPOModel, is_peft_model
+from aitraining_pl.models import LoRAConfig, PolicyValueScores, PPOModel, is_peft_model
+from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
-from aitraining_pl.rollout import GenerationConfig, position_ids_from_mask, token_rewards
+from aitraining_pl.rollout import GenerationConfig, token_rewards
 
 
 @dataclass
@@ -131,35 +130,23 @@ class PPOModule(OnlineRLModule):
         return self.model.base_model
 
     # ------------------------------------------------------------------ forward passes
-    def forward(self, input_ids, attention_mask, prompt_length: int):
-        """Response logits (temperature-scaled, (B, R, V)) and values (B, R) of the policy."""
-        out = self.model(input_ids, attention_mask, position_ids_from_mask(attention_mask))
-        logits = out.logits[:, prompt_length - 1 : -1].float() / self.generation.temperature
-        return logits, out.values[:, prompt_length - 1 : -1]
+    def forward(self, input_ids, attention_mask, prompt_length: int, with_entropy: bool = False) -> PolicyValueScores:
+        """Response log-probs (temperature-scaled), entropies (``with_entropy``) and values, (B, R) each, from one
+        decoder pass with the fused LM head (``PPOModel.score``: no (B, R, V) logits)."""
+        return self.model.score(input_ids, attention_mask, prompt_length, self.generation.temperature, with_entropy)
 
     @torch.no_grad()
     def old_and_reference(self, input_ids, attention_mask, prompt_length: int):
         """Log-probs and values of the policy (eval mode) and reference log-probs of the sampled responses,
-        (B, R) each, computed ``mini_batch_size`` rows at a time (bounds the (rows, R, V) logits)."""
-        was_training = self.model.training
-        self.model.eval()
-        parts = []
-        try:
-            for rows in torch.split(torch.arange(input_ids.shape[0], device=input_ids.device), self.hparams.mini_batch_size):
-                ids, mask = input_ids[rows], attention_mask[rows]
-                logits, values = self(ids, mask, prompt_length)
-                logprobs = selective_log_softmax(logits, ids[:, prompt_length:])
-                del logits
-                parts.append((logprobs, values, self.reference_logprobs(ids, mask, prompt_length)))
-        finally:
-            self.model.train(was_training)
-        return tuple(torch.cat(p) for p in zip(*parts))
+        (B, R) each, computed ``mini_batch_size`` rows at a time."""
 
-    @torch.no_grad()
-    def reference_logprobs(self, input_ids, attention_mask, prompt_length: int) -> torch.Tensor:
-        logits = self.reference(input_ids, attention_mask, position_ids=position_ids_from_mask(attention_mask))
-        logits = logits[:, prompt_length - 1 : -1].float() / self.generation.temperature
-        return selective_log_softmax(logits, input_ids[:, prompt_length:])
+        def rows(r: torch.Tensor):
+            ids, mask = input_ids[r], attention_mask[r]
+            with eval_mode(self.model):
+                scores = self(ids, mask, prompt_length)
+            return scores.logprobs, scores.values, self.reference_logprobs(ids, mask, prompt_length)
+
+        return tuple(torch.cat(p) for p in zip(*self.in_minibatches(rows, input_ids.shape[0])))
 
     # ------------------------------------------------------------------ one PPO iteration (steps in OnlineRLModule)
     def make_experience(self, rollout: RolloutBatch) -> tuple[Experience, dict[str, torch.Tensor]]:
@@ -178,11 +165,10 @@ class PPOModule(OnlineRLModule):
         ``entropy_coef`` * entropy."""
         hp = self.hparams
         mask = exp.mask[idx]
-        logits, values = self(exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_length)
-        logprobs = selective_log_softmax(logits, exp.input_ids[idx, exp.prompt_length :])
-        policy_loss, stats = ppo_policy_loss(logprobs, exp.logprobs[idx], exp.advantages[idx], mask, hp.clip_ratio)
-        value_loss = ppo_value_loss(values, exp.values[idx], exp.returns[idx], mask, hp.value_clip)
-        entropy = masked_mean(entropy_from_logits(logits), mask)
+        out = self(exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_length, with_entropy=True)
+        policy_loss, stats = ppo_policy_loss(out.logprobs, exp.logprobs[idx], exp.advantages[idx], mask, hp.clip_ratio)
+        value_loss = ppo_value_loss(out.values, exp.values[idx], exp.returns[idx], mask, hp.value_clip)
+        entropy = masked_mean(out.entropy, mask)
         loss = policy_loss + hp.value_coef * value_loss - hp.entropy_coef * entropy
         return loss, {
             "loss": loss.detach(), "policy_loss": policy_loss.detach(), "value_loss": value_loss.detach(),
