@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 
 from aitraining_pl.losses import REFERENCE_FREE, dpo_loss
+from aitraining_pl.losses.preference import DPOLossType
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.scoring import (  # noqa: F401 - PackedBatch, can_pack, pack_batch: re-exported
     PackedBatch,
@@ -16,6 +17,7 @@ from aitraining_pl.models.scoring import (  # noqa: F401 - PackedBatch, can_pack
     prompt_lengths,
 )
 from aitraining_pl.modules.base import SharedStepModule
+from aitraining_pl.optim import LRSchedule
 
 
 def preference_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -31,9 +33,10 @@ class DPOModule(SharedStepModule):
         model_name: folder or hub id of the policy (a causal LM).
         model_config: inline transformers config for a randomly initialised policy (instead of ``model_name``).
         tokenizer_name: tokenizer folder, hub id or ``"byte"`` (default: ``model_name``); shared with the data.
-        lora: LoRA adapters on the policy; the reference is then the policy with adapters disabled.
+        lora: LoRA adapters on the policy (``LoRAConfig``, or a ``peft.LoraConfig`` in Python); the reference is
+            then the policy with adapters disabled.
         beta: temperature of the implicit reward ``beta * log(pi / pi_ref)``.
-        loss_type: one of ``sigmoid`` (DPO), ``robust``, ``hinge``, ``ipo``, ``simpo``.
+        loss_type: ``sigmoid`` (DPO), ``robust``, ``hinge`` (SLiC), ``ipo`` or ``simpo``.
         label_smoothing: assumed label-flip rate for ``sigmoid`` (conservative DPO) and ``robust``.
         reference_free: treat the reference as uniform (no reference model is loaded).
         simpo_gamma: target reward margin of SimPO.
@@ -51,6 +54,8 @@ class DPOModule(SharedStepModule):
         dtype: weights dtype when loading (``bfloat16``, ``float32``, ...; default: as stored / float32).
         seed: seed of the random initialisation when ``model_config`` is used.
         trust_remote_code: allow custom model code from the hub (off by default).
+        attn_implementation: attention kernel passed to transformers (``sdpa``, ``eager``, ``flash_attention_2``;
+            default: transformers' choice, SDPA where supported).
         disable_dropout: set every dropout rate to 0 (policy and reference), as TRL does:
             training forwards are then deterministic.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
@@ -64,13 +69,13 @@ class DPOModule(SharedStepModule):
         tokenizer_name: Optional[str] = None,
         lora: Optional[LoRAConfig] = None,
         beta: float = 0.1,
-        loss_type: str = "sigmoid",
+        loss_type: DPOLossType = "sigmoid",
         label_smoothing: float = 0.0,
         reference_free: bool = False,
         simpo_gamma: float = 0.5,
         learning_rate: float = 1e-6,
         warmup_ratio: float = 0.1,
-        lr_schedule: str = "linear",
+        lr_schedule: LRSchedule = "linear",
         weight_decay: float = 0.0,
         precompute_ref_logps: bool = False,
         padding_free: bool = True,
@@ -78,6 +83,7 @@ class DPOModule(SharedStepModule):
         dtype: Optional[str] = None,
         seed: int = 0,
         trust_remote_code: bool = False,
+        attn_implementation: Optional[str] = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
     ):

@@ -18,10 +18,11 @@ from typing import Any, Optional
 import torch
 
 from aitraining_pl.losses import bradley_terry_loss, masked_objective_mse
-from aitraining_pl.losses.reward import known_objectives
+from aitraining_pl.losses.reward import PoolingStrategy, known_objectives
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.reward import MultiObjectiveRewardModel, PairwiseRewardModel, RewardModel, RewardModelConfig
 from aitraining_pl.modules.base import SharedStepModule, as_lora_config
+from aitraining_pl.optim import LRSchedule
 
 #: RewardModelConfig fields that mirror a module argument of the same name.
 _SHARED_FIELDS = (
@@ -37,7 +38,8 @@ class RewardModule(SharedStepModule):
         model_name: folder or hub id of the trunk (``AutoModel``: a decoder such as Llama or an encoder such as BERT).
         model_config: inline transformers config for a randomly initialised trunk (instead of ``model_name``).
         tokenizer_name: tokenizer folder, hub id or ``"byte"`` (default: ``model_name``); shared with the data.
-        lora: LoRA adapters on the trunk (the reward head is always trained in full).
+        lora: LoRA adapters on the trunk (``LoRAConfig``, or a ``peft.LoraConfig`` in Python; the reward head is
+            always trained in full).
         pooling_strategy: ``last`` (last real token), ``mean`` or ``cls`` (first real token).
         dropout_prob: dropout before the reward head.
         temperature: rewards are divided by this.
@@ -65,13 +67,13 @@ class RewardModule(SharedStepModule):
         model_config: Optional[dict[str, Any]] = None,
         tokenizer_name: Optional[str] = None,
         lora: Optional[LoRAConfig] = None,
-        pooling_strategy: str = "last",
+        pooling_strategy: PoolingStrategy = "last",
         dropout_prob: float = 0.0,
         temperature: float = 1.0,
         center_rewards_coef: float = 0.0,
         learning_rate: float = 1e-5,
         warmup_ratio: float = 0.05,
-        lr_schedule: str = "linear",
+        lr_schedule: LRSchedule = "linear",
         weight_decay: float = 0.0,
         dtype: Optional[str] = None,
         seed: int = 0,
@@ -111,7 +113,7 @@ class RewardModule(SharedStepModule):
         for name in _SHARED_FIELDS:
             self.hparams[name] = getattr(config, name)
         lora = config.lora()
-        self.hparams["lora"] = dataclasses.asdict(lora) if lora is not None else None
+        self.set_hparam("lora", dataclasses.asdict(lora) if lora is not None else None)
 
     def build_reward_model(self, config: RewardModelConfig) -> RewardModel:
         return self.model_class(config)
@@ -190,12 +192,12 @@ class MultiObjectiveRewardModule(RewardModule):
         model_config: Optional[dict[str, Any]] = None,
         tokenizer_name: Optional[str] = None,
         lora: Optional[LoRAConfig] = None,
-        pooling_strategy: str = "last",
+        pooling_strategy: PoolingStrategy = "last",
         dropout_prob: float = 0.0,
         temperature: float = 1.0,
         learning_rate: float = 1e-5,
         warmup_ratio: float = 0.05,
-        lr_schedule: str = "linear",
+        lr_schedule: LRSchedule = "linear",
         weight_decay: float = 0.0,
         dtype: Optional[str] = None,
         seed: int = 0,
@@ -225,7 +227,7 @@ class MultiObjectiveRewardModule(RewardModule):
         super()._adopt_hparams(model)
         if model.num_outputs != self._objectives[0]:
             raise ValueError(f"the given model has {model.num_outputs} objectives, not {self._objectives[0]}")
-        self.hparams["objective_weights"] = list(model.config.extra["objective_weights"])
+        self.set_hparam("objective_weights", list(model.config.extra["objective_weights"]))
 
     def setup(self, stage: str) -> None:
         """Refuse a data module whose score vectors have another length, before training starts."""
