@@ -160,7 +160,10 @@ def quiet_known_noise() -> None:
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropRecord) for f in logger.filters):
-            logger.addFilter(_DropRecord("💡 Tip: For seamless cloud logging"))
+            logger.addFilter(_DropRecord(
+                "💡 Tip: For seamless cloud logging",  # the litlogger advertisement
+                "Trainer already configured with model summary callbacks: [<class 'aitraining_pl.callbacks.summary",
+            ))
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", module=r"lightning\..*")
 
 
@@ -197,11 +200,13 @@ class AlignmentCLI(LightningCLI):
 
         config = self.config_init.get(self.subcommand) if self.subcommand else self.config_init
         trainer_config = config.get("trainer", {}) if config is not None else {}
-        named = list(trainer_config.get("callbacks") or []) + list(kwargs.get("callbacks") or [])
+        callbacks = trainer_config.get("callbacks") or []
+        named = list(callbacks if isinstance(callbacks, list) else [callbacks])
+        named += list(kwargs.get("callbacks") or [])  # ``kwargs`` replace the config's keys
         if trainer_config.get("enable_model_summary", True) is not False and not any(
             isinstance(c, ModelSummary) for c in named
         ):
-            kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [CompactModelSummary()]
+            kwargs["callbacks"] = named + [CompactModelSummary()]
         return super().instantiate_trainer(**kwargs)
 
     def after_fit(self) -> None:
@@ -284,8 +289,10 @@ def apply_run_arguments(config: Any) -> None:
 
 
 def closing_line(trainer: Any) -> str:
-    """``aitraining-pl: done: <k>=<v> ...; export: <path>; checkpoint: <path>`` after a fit."""
-    metrics = {k: v for k, v in trainer.callback_metrics.items() if not k.startswith("_")}
+    """``aitraining-pl: done after N steps: <k>=<v> ...; export: <path>; checkpoint: <path>`` after a fit: the
+    last ``train/loss`` and validation metrics (all ``train/`` metrics when there is no validation)."""
+    metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val/") or k == "train/loss"}
+    metrics = metrics or {k: v for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
     shown = " ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items()) if getattr(v, "numel", lambda: 1)() == 1)
     parts = [f"aitraining-pl: done after {trainer.global_step} steps: {shown or 'no metrics logged'}"]
     for callback in trainer.callbacks:

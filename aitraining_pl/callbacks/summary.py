@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import lightning.pytorch as pl
@@ -38,3 +39,16 @@ class CompactModelSummary(ModelSummary):
                 data, summary.total_parameters, summary.trainable_parameters, summary.model_size,
                 summary.total_training_modes, total_flops=total_flops, **kwargs,
             )
+
+    @staticmethod
+    def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
+                  total_flops, **summarize_kwargs: Any) -> None:
+        """Lightning's plain-text table, without its "Total Flops" line when no FLOPs were counted."""
+        from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
+
+        table = _format_summary_table(
+            total_parameters, trainable_parameters, model_size, total_training_modes, total_flops, *summary_data
+        )
+        if not total_flops:
+            table = "\n".join(line for line in table.splitlines() if not line.rstrip().endswith("Total Flops"))
+        logging.getLogger("lightning.pytorch.callbacks.model_summary").info("\n" + table)  # as Lightning logs it
