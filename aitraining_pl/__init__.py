@@ -53,6 +53,10 @@ _EXPORTS: dict[str, str] = {
     "AdaptiveKLCallback": "aitraining_pl.callbacks.kl",
     "SamplingCallback": "aitraining_pl.callbacks.sampling",
     "PPOModule": "aitraining_pl.modules.ppo",
+    "OnlineRLModule": "aitraining_pl.modules.online",
+    "CriticFreeModule": "aitraining_pl.modules.critic_free",
+    "GRPOModule": "aitraining_pl.modules.critic_free",
+    "RLOOModule": "aitraining_pl.modules.critic_free",
     # layer 3: environments
     "Observation": "aitraining_pl.environments",
     "StepResult": "aitraining_pl.environments",

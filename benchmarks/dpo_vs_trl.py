@@ -5,7 +5,13 @@ synthetic pairs (prompt and completions of 20 to 400 characters), batch 8, max_l
 Each measurement runs in its own process (TRL in its own virtual environment, never a dependency of this
 project); sides alternate so load from other processes on a shared machine hits both alike.
 
-    python benchmarks/dpo_vs_trl.py --trl-python /work/trlvenv/bin/python
+    python benchmarks/dpo_vs_trl.py --trl-python PATH/TO/trl-venv/bin/python   # or TRL_PYTHON=... in the environment
+    python benchmarks/dpo_vs_trl.py --vocab-size 32000 --sizes 3m --variants default --trl-variants fp32 --steps 6
+
+``--vocab-size`` replaces the byte-level 384-token vocabulary of both models by a larger one (32000 as Llama 2,
+152000 as Qwen) while the data stays bytes: the head and embeddings, not the blocks, then decide memory and much
+of the time. The first line printed is a header: the command, the date, the thread count and the versions of
+both sides.
 
 Prints one JSON line per measurement (``pairs_per_s`` over steady-state steps after warm-up, ``peak_rss_mb``
 of the whole process) and one ``ratio`` line per model size and variant. Every variant trains on the same
@@ -69,8 +75,8 @@ def make_pairs(path: str, n: int = PAIRS, seed: int = 0) -> None:
             handle.write(json.dumps({"prompt": _text(rng), "chosen": _text(rng), "rejected": _text(rng)}) + "\n")
 
 
-def _model_config(size: str) -> dict:
-    return {**BASE, **SIZES[size]}
+def _model_config(size: str, vocab_size: int = BASE["vocab_size"]) -> dict:
+    return {**BASE, **SIZES[size], "vocab_size": vocab_size}
 
 
 def _peak_rss_mb() -> float:
@@ -109,7 +115,7 @@ def run_ours(args) -> dict:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             clock.step_end()
 
-    module = DPOModule(model_config=_model_config(args.size), tokenizer_name="byte", learning_rate=LR,
+    module = DPOModule(model_config=_model_config(args.size, args.vocab_size), tokenizer_name="byte", learning_rate=LR,
                        warmup_ratio=0.0, **VARIANTS[args.variant])
     data = PreferenceDataModule(data_path=args.data, val_split=0.0, tokenizer=module.tokenizer, batch_size=BATCH,
                                 max_length=MAX_LENGTH, max_prompt_length=MAX_LENGTH - 1, shuffle=False, seed=0)
@@ -138,7 +144,7 @@ def run_trl(args) -> dict:
         def on_step_end(self, *a, **k):
             clock.step_end()
 
-    config = dict(_model_config(args.size))
+    config = dict(_model_config(args.size, args.vocab_size))
     hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_config)
@@ -161,14 +167,16 @@ def run_trl(args) -> dict:
 
 def child(args) -> None:
     result = run_ours(args) if args.side == "ours" else run_trl(args)
-    result.update(side=args.side, variant=args.variant, size=args.size, steps=args.steps, warmup=args.warmup,
+    result.update(side=args.side, variant=args.variant, size=args.size, vocab_size=args.vocab_size, steps=args.steps,
+                  warmup=args.warmup,
                   threads=args.threads, peak_rss_mb=round(_peak_rss_mb(), 1), pairs_per_s=round(result["pairs_per_s"], 3))
     print("RESULT " + json.dumps(result), flush=True)
 
 
 def _spawn(python: str, side: str, variant: str, size: str, data: str, args) -> dict:
     cmd = [python, os.path.abspath(__file__), "--side", side, "--variant", variant, "--size", size, "--data", data,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+           "--vocab-size", str(args.vocab_size)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -178,9 +186,35 @@ def _spawn(python: str, side: str, variant: str, size: str, data: str, args) -> 
     raise RuntimeError(f"{side}/{variant}/{size} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
+_VERSIONS = ("import json, sys, importlib.metadata as m; v = {}\n"
+             "for name in sys.argv[1:]:\n"
+             "    try: v[name] = m.version(name)\n"
+             "    except m.PackageNotFoundError: pass\n"
+             "print(json.dumps(v))")
+
+
+def _versions(python: str, names: tuple[str, ...]) -> dict:
+    out = subprocess.run([python, "-c", _VERSIONS, *names], capture_output=True, text=True)
+    return json.loads(out.stdout) if out.returncode == 0 else {"error": out.stderr[-300:]}
+
+
+def _header(args) -> dict:
+    """What the figures were measured with: command, date (UTC), threads, versions of both sides."""
+    ours = _versions(sys.executable, ("torch", "transformers", "lightning", "peft"))
+    trl = None if args.skip_trl else _versions(args.trl_python, ("trl", "torch", "transformers", "accelerate"))
+    return {"header": True, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "threads": args.threads,
+            "vocab_size": args.vocab_size, "python": sys.version.split()[0], "trl_python": args.trl_python,
+            "ours": ours, "trl": trl,
+            "cpus": os.cpu_count()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trl-python", default="/work/trlvenv/bin/python", help="python of the venv with TRL")
+    parser.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON"),
+                        help="python of the virtual environment with TRL (default: $TRL_PYTHON)")
+    parser.add_argument("--vocab-size", type=int, default=BASE["vocab_size"],
+                        help="vocabulary of both models (384: the byte tokenizer's; 32000, 152000: real models')")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--skip-trl", action="store_true", help="time only this project's variants (no ratios)")
@@ -197,6 +231,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.side:
         return child(args)
+    if not args.skip_trl and not args.trl_python:
+        parser.error("give TRL's interpreter with --trl-python or TRL_PYTHON (or pass --skip-trl)")
+    print(json.dumps(_header(args)), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "pairs.jsonl")
         make_pairs(data)
@@ -216,7 +253,8 @@ def main() -> None:
                 ours = best[f"ours/{variant}"]
                 for trl_variant in args.trl_variants:
                     trl = best[f"trl/{trl_variant}"]
-                    print(json.dumps({"ratio": True, "size": size, "variant": variant, "trl_variant": trl_variant,
+                    print(json.dumps({"ratio": True, "size": size, "vocab_size": args.vocab_size, "variant": variant,
+                                      "trl_variant": trl_variant,
                                       "speedup": round(ours["pairs_per_s"] / trl["pairs_per_s"], 3),
                                       "memory_ratio": round(ours["peak_rss_mb"] / trl["peak_rss_mb"], 3),
                                       "ours_pairs_per_s": ours["pairs_per_s"], "trl_pairs_per_s": trl["pairs_per_s"],

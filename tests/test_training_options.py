@@ -6,6 +6,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+import aitraining_pl.models.lm_head as lm_head
 import aitraining_pl.models.scoring as scoring
 from aitraining_pl.datamodules.prompt import PromptDataModule
 from aitraining_pl.losses import sequence_logps
@@ -118,6 +119,7 @@ def test_unknown_logit_post_processing_falls_back_to_the_models_forward(monkeypa
     """A model whose forward changes logits in a way the head-only path does not know (Granite's scaling,
     with the explicit handling removed) is caught by the probe: its log-probs run through its own forward."""
     monkeypatch.setattr(scoring, "head_logits", lambda head, config, hidden: head(hidden))
+    monkeypatch.delitem(lm_head.LOGIT_SCALES, "granite")  # the chunked head's handling too
     model = build_sharpened("granite")
     with caplog.at_level("INFO", logger="aitraining_pl.models.scoring"):
         path = scoring_path(model)

@@ -15,6 +15,8 @@ from typing import Optional
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_only
 
+from aitraining_pl.models.lora import link_adapter_base
+
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -64,7 +66,14 @@ class HFExportCallback(pl.Callback):
     written when fit ends with an exception, and nothing is exported under ``fast_dev_run``. Temporary
     folders left by killed runs are removed when fit starts. Folders get the permissions of a plain
     ``mkdir`` (the umask). Only global rank 0 writes. The module must implement
-    ``save_pretrained(path, merge_lora=...)`` (every ``AlignmentModule`` does).
+    ``save_pretrained(path, merge_lora=...)`` (every ``AlignmentModule`` does; it also writes the model card
+    ``README.md``). A LoRA export whose base was saved beside it (``base/``, for an inline-config model) has its
+    ``adapter_config.json`` pointed at the final folder's ``base/`` before it is renamed into place.
+
+    With ``push_to_hub``, the ``last`` export is uploaded after it is written (global rank 0 only):
+    ``huggingface_hub.HfApi().create_repo(hub_model_id, private=hub_private, exist_ok=True)`` then
+    ``upload_folder``; the token is the usual one (``HF_TOKEN`` or ``huggingface-cli login``). An upload error
+    ends the fit with that error, after the local export is complete.
 
     Args:
         dirpath: folder that receives the exports.
@@ -72,6 +81,9 @@ class HFExportCallback(pl.Callback):
         keep_last_k: how many ``step-<N>`` folders to keep (oldest removed first; ``None`` keeps all).
         merge_lora: write LoRA adapters merged into the base weights instead of the adapters alone.
         save_last: write ``<dirpath>/last`` when fit ends.
+        push_to_hub: upload ``last`` to the Hugging Face Hub after it is written.
+        hub_model_id: the hub repository (``user/name``); required with ``push_to_hub``.
+        hub_private: create the repository private.
     """
 
     def __init__(
@@ -81,11 +93,19 @@ class HFExportCallback(pl.Callback):
         keep_last_k: Optional[int] = 2,
         merge_lora: bool = False,
         save_last: bool = True,
+        push_to_hub: bool = False,
+        hub_model_id: Optional[str] = None,
+        hub_private: bool = False,
     ):
         if every_n_train_steps is not None and every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be >= 1 or None, got {every_n_train_steps}")
         if keep_last_k is not None and keep_last_k < 1:
             raise ValueError(f"keep_last_k must be >= 1 or None, got {keep_last_k}")
+        if push_to_hub and not hub_model_id:
+            raise ValueError("push_to_hub needs hub_model_id (the hub repository, e.g. 'user/my-model')")
+        if push_to_hub and not save_last:
+            raise ValueError("push_to_hub uploads the 'last' export: it needs save_last=True")
+        self.push_to_hub, self.hub_model_id, self.hub_private = push_to_hub, hub_model_id, hub_private
         self.dirpath = Path(dirpath)
         self.every_n_train_steps = every_n_train_steps
         self.keep_last_k = keep_last_k
@@ -101,6 +121,7 @@ class HFExportCallback(pl.Callback):
         tmp.mkdir()  # mode 0777 & ~umask, as any folder the user creates (mkdtemp would make it 0700)
         try:
             pl_module.save_pretrained(tmp, merge_lora=self.merge_lora)
+            link_adapter_base(tmp, target)  # a base saved beside the adapters: named at its final place
             replace_dir(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -148,7 +169,21 @@ class HFExportCallback(pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # on_fit_end runs only when fit finished without an exception
         if self.save_last and trainer.is_global_zero and not trainer.interrupted and not trainer.fast_dev_run:
-            self.export(pl_module, "last")
+            last = self.export(pl_module, "last")
+            if self.push_to_hub:
+                self.upload(last, trainer.global_step)
+
+    def upload(self, folder: Path, step: int) -> str:
+        """Upload ``folder`` to ``hub_model_id`` (created if missing); returns the repository id."""
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        repo = api.create_repo(self.hub_model_id, private=self.hub_private, exist_ok=True)
+        repo_id = getattr(repo, "repo_id", None) or self.hub_model_id
+        message = f"aitraining_pl export (step {step})"
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=message)
+        log.info("uploaded %s to the hub as %s", folder, repo_id)
+        return repo_id
 
     def state_dict(self) -> dict:
         return {"last_exported_step": self._last_exported_step}

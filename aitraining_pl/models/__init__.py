@@ -11,7 +11,7 @@ from aitraining_pl.models.loading import (
     resolve_dtype,
     with_padding_side,
 )
-from aitraining_pl.models.lora import LoRAConfig, apply_lora, is_peft_model
+from aitraining_pl.models.lora import LoRAConfig, apply_lora, is_peft_model, link_adapter_base, save_adapter_base
 from aitraining_pl.models.policy import load_policy
 from aitraining_pl.models.reference import ReferencePolicy
 from aitraining_pl.models.reward import (
@@ -21,7 +21,7 @@ from aitraining_pl.models.reward import (
     RewardModelConfig,
     load_reward_model,
 )
-from aitraining_pl.models.value_head import PolicyValueOutput, PPOModel, ValueHead
+from aitraining_pl.models.value_head import PolicyValueOutput, PPOModel, ValueHead, load_value_head
 
 __all__ = [
     "BYTE_TOKENIZER",
@@ -41,6 +41,9 @@ __all__ = [
     "PolicyValueOutput",
     "PPOModel",
     "ValueHead",
+    "load_value_head",
+    "link_adapter_base",
+    "save_adapter_base",
     "RewardModelConfig",
     "RewardModel",
     "PairwiseRewardModel",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Union
 
 from torch import nn
@@ -49,3 +51,52 @@ def is_peft_model(model: nn.Module) -> bool:
     except ImportError:  # pragma: no cover - peft is a dependency
         return False
     return isinstance(model, PeftModel)
+
+
+#: subfolder of a LoRA export holding the base weights when the base has no folder or hub id of its own.
+ADAPTER_BASE_DIR = "base"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+
+
+def save_adapter_base(peft_model: nn.Module, folder: str | Path, model_name: str | None, tokenizer=None) -> str:
+    """Make the LoRA export in ``folder`` name a loadable base in ``adapter_config.json``'s
+    ``base_model_name_or_path``, so ``peft.AutoPeftModelForCausalLM.from_pretrained(folder)`` works offline.
+
+    The base is ``model_name`` (a hub id as given; a local folder as its absolute path), or, for a model built
+    from an inline config (no folder, no hub id), its base weights (adapters removed, not merged) and
+    ``tokenizer`` written to ``<folder>/base/`` and named by that folder's absolute path: peft resolves a
+    relative ``base_model_name_or_path`` against the current directory, not the adapter folder. After moving
+    the export, ``link_adapter_base(new_folder)`` points it at its ``base/`` again. Returns the name written."""
+    folder = Path(folder)
+    if model_name is not None:
+        base = str(Path(model_name).resolve()) if Path(model_name).is_dir() else model_name
+    else:
+        import copy
+
+        plain = copy.deepcopy(peft_model).unload()
+        plain.save_pretrained(str(folder / ADAPTER_BASE_DIR), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(folder / ADAPTER_BASE_DIR))
+        base = str((folder / ADAPTER_BASE_DIR).resolve())
+    _set_adapter_base(folder, base)
+    return base
+
+
+def link_adapter_base(folder: str | Path, final_folder: str | Path | None = None) -> str | None:
+    """Point the ``adapter_config.json`` of ``folder`` at ``<final_folder>/base`` (default ``final_folder``:
+    ``folder``) when ``folder`` has a ``base/`` subfolder (written by ``save_adapter_base``); returns the name
+    written, or ``None`` when there is no such base. Call it after moving an export, or (as the export callback
+    does) before renaming a finished export into ``final_folder``."""
+    folder = Path(folder)
+    if not (folder / ADAPTER_CONFIG_FILE).is_file() or not (folder / ADAPTER_BASE_DIR).is_dir():
+        return None
+    final = Path(final_folder) if final_folder is not None else folder
+    return _set_adapter_base(folder, str((final / ADAPTER_BASE_DIR).resolve()))
+
+
+def _set_adapter_base(folder: Path, base: str) -> str:
+    config_file = folder / ADAPTER_CONFIG_FILE
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["base_model_name_or_path"] = base
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return base

@@ -2,8 +2,10 @@
 
 ``RewardModel`` scores a sequence; ``PairwiseRewardModel`` adds the Bradley-Terry comparison of two inputs;
 ``MultiObjectiveRewardModel`` has one head per objective and a weighted combination. All save to and load
-from a Hugging Face style folder (trunk ``config.json``, ``reward_config.json``, ``model.safetensors`` and
-the tokenizer files) that a PPO run can name as its reward model. Loading reads JSON and safetensors only,
+from a Hugging Face folder that a PPO run can name as its reward model: where the trunk allows, a standard
+``AutoModelForSequenceClassification`` folder whose one logit is the reward, with ``reward_config.json`` and
+``reward_head.safetensors`` beside (``aitraining_pl.models.reward_export`` says which settings are exact), else
+the trunk's ``config.json`` and ``trunk.*`` / ``head.*`` weights. Loading reads JSON and safetensors only,
 so it never unpickles anything, and it runs no code of the folder's unless the caller passes
 ``trust_remote_code=True`` (a saved ``trust_remote_code`` is ignored).
 
@@ -75,6 +77,9 @@ class RewardModelConfig:
     """Allow custom modelling code from the hub (off unless set)."""
     dtype: Optional[str] = None
     """Trunk dtype (``bfloat16``, ``float32``, ...); the head always runs in float32."""
+    head_bias: bool = True
+    """Give the reward head a bias. Without one, decoder reward models export exactly to the standard
+    ``<Arch>ForSequenceClassification`` layout (whose ``score`` head has none; see ``reward_export``)."""
     extra: dict = field(default_factory=dict)
     """Model-specific settings (the multi-objective model keeps ``num_objectives`` and its weights here)."""
 
@@ -126,7 +131,7 @@ class RewardModel(nn.Module):
         self.dropout = nn.Dropout(config.dropout_prob)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
-            self.head = nn.Linear(hidden_size_of(base), self.num_outputs)
+            self.head = nn.Linear(hidden_size_of(base), self.num_outputs, config.head_bias)
         self.tokenizer = None  # set by from_pretrained / the trainer; see ``get_tokenizer``
         self._position_mode: str | None = None  # decided by probing the trunk at the first forward
 
@@ -224,22 +229,33 @@ class RewardModel(nn.Module):
         rest = {k: v.detach() for k, v in self.state_dict().items() if not k.startswith("trunk.")}
         return {**trunk, **rest}
 
-    def save_pretrained(self, path: str | Path, tokenizer=None) -> Path:
-        """Write the folder: trunk ``config.json``, ``reward_config.json``, ``model.safetensors`` (LoRA merged)
-        and the tokenizer (``tokenizer`` or the model's own). Returns the folder."""
+    def save_pretrained(self, path: str | Path, tokenizer=None, standard: bool = True) -> Path:
+        """Write the folder and return it: the tokenizer (``tokenizer`` or the model's own), ``reward_config.json``
+        and the weights (LoRA merged). With ``standard`` (default) and a trunk whose
+        ``AutoModelForSequenceClassification`` layout can represent the model, ``config.json`` +
+        ``model.safetensors`` are that class with the reward as its one logit, and ``reward_head.safetensors``
+        holds the rest (``aitraining_pl.models.reward_export``); otherwise the trunk's ``config.json`` and
+        one ``model.safetensors`` with ``trunk.*`` / ``head.*`` keys (the project's own format)."""
         from safetensors.torch import save_file
+
+        from aitraining_pl.models.reward_export import save_standard
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        base = self.trunk.get_base_model() if is_peft_model(self.trunk) else self.trunk
-        base.config.save_pretrained(path)
-        meta = {"format": _FORMAT, "version": 1, "class": type(self).__name__, "config": dataclasses.asdict(self.config)}
-        (path / REWARD_CONFIG_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-        state = {k: v.contiguous().cpu() for k, v in self.merged_state_dict().items()}
-        save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
         tokenizer = tokenizer if tokenizer is not None else self.tokenizer
         if tokenizer is None and (self.config.tokenizer_name or self.config.model_name):
             tokenizer = self.get_tokenizer()
+        state = {k: v.contiguous().cpu() for k, v in self.merged_state_dict().items()}
+        record = save_standard(self, path, state, tokenizer) if standard else None
+        if record is None:
+            base = self.trunk.get_base_model() if is_peft_model(self.trunk) else self.trunk
+            base.config.save_pretrained(path)
+            save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+        meta = {
+            "format": _FORMAT, "version": 2, "class": type(self).__name__, "config": dataclasses.asdict(self.config),
+            "weights": "sequence_classification" if record else "project", "standard": record,
+        }  # fmt: skip
+        (path / REWARD_CONFIG_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
         if tokenizer is not None:
             tokenizer.save_pretrained(str(path))
         return path
@@ -250,6 +266,8 @@ class RewardModel(nn.Module):
     ) -> "RewardModel":
         """Load a folder written by ``save_pretrained``. Called on ``RewardModel`` it returns whichever class
         was saved (``MultiObjectiveRewardModel``, ...); called on a subclass it insists on that subclass.
+        Reads both layouts: the standard one (``reward_config.json`` version 2, ``"weights":
+        "sequence_classification"``) and the project's own (version 1 folders, or trunks without a standard layout).
 
         Reads JSON and safetensors only. Remote code is allowed only by this call's ``trust_remote_code``:
         the saved ``trust_remote_code`` of ``reward_config.json`` is replaced by it, so a folder cannot ask
@@ -267,7 +285,7 @@ class RewardModel(nn.Module):
         saved_cls = REWARD_MODEL_CLASSES.get(meta["class"])
         if saved_cls is None or not issubclass(saved_cls, cls):
             raise ValueError(f"{path} holds a {meta['class']}, which is not a {cls.__name__}")
-        known = {f.name for f in dataclasses.fields(RewardModelConfig)}
+        known = {f.name for f in dataclasses.fields(RewardModelConfig)}  # version 1 lacks head_bias: True
         unknown = sorted(set(meta.get("config") or {}) - known)
         if unknown:
             raise ValueError(f"{meta_file}: unknown reward-model config fields {unknown}")
@@ -275,7 +293,12 @@ class RewardModel(nn.Module):
         trunk_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         trunk = AutoModel.from_config(trunk_config, trust_remote_code=trust_remote_code)
         model = saved_cls._from_config(config, trunk)
-        state = load_file(str(path / WEIGHTS_FILE))
+        if meta.get("weights") == "sequence_classification":  # the standard layout (version 2)
+            from aitraining_pl.models.reward_export import read_standard_state
+
+            state = read_standard_state(path, meta["standard"])
+        else:
+            state = load_file(str(path / WEIGHTS_FILE))
         model.load_merged_state_dict(state)
         if resolve_dtype(config.dtype) is not None:  # the trunk as it was trained; the head stays float32
             model.trunk.to(resolve_dtype(config.dtype))

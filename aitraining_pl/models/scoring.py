@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from aitraining_pl.losses import SequenceLogps, selective_log_softmax
+from aitraining_pl.models.lm_head import chunked_head_logps, logit_postprocessing
 from aitraining_pl.models.packing import AttentionPlan, packed_attention, supports_packing
 from aitraining_pl.models.training import eval_mode
 
@@ -134,15 +135,16 @@ def _language_model(model: nn.Module) -> nn.Module:
 
 
 def head_logits(head: nn.Module, config: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """The LM head on ``hidden`` with the post-processing transformers models apply in ``forward``."""
+    """The LM head on ``hidden`` with the post-processing transformers models apply in ``forward``
+    (``models.lm_head.logit_postprocessing``: Granite, Cohere, FalconH1 scales, Gemma 2/3 soft-cap). A scaling
+    not listed there is left out here, so the probe (``scoring_path``) sends that model to its own forward."""
     logits = head(hidden)
-    if getattr(config, "logits_scaling", None):  # Granite (divides)
-        logits = logits / config.logits_scaling
-    if getattr(config, "logit_scale", None) is not None:  # Cohere (multiplies)
-        logits = logits * config.logit_scale
-    if getattr(config, "lm_head_multiplier", None) is not None:  # FalconH1
-        logits = logits * config.lm_head_multiplier
-    cap = getattr(config, "final_logit_softcapping", None)  # Gemma 2 / 3
+    post = logit_postprocessing(config)
+    if post is None:
+        return logits
+    scale, cap = post
+    if scale != 1.0:
+        logits = logits * scale
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits
@@ -150,7 +152,11 @@ def head_logits(head: nn.Module, config: Any, hidden: torch.Tensor) -> torch.Ten
 
 def _head_logps(head: nn.Module, config: Any, hidden: torch.Tensor, targets: torch.Tensor,
                 temperature: float = 1.0) -> torch.Tensor:
-    """(M,) log-probs of ``targets`` from hidden states (M, H)."""
+    """(M,) log-probs of ``targets`` from hidden states (M, H): chunked for a linear head whose post-processing
+    is known (``models.lm_head``: no (M, V) logits, in the forward or saved for backward), else the head's logits."""
+    chunked = chunked_head_logps(head, config, hidden, targets, temperature=temperature)
+    if chunked is not None:
+        return chunked.logps
     return selective_log_softmax(head_logits(head, config, hidden).float() / temperature, targets)
 
 

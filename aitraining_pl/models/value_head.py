@@ -1,7 +1,15 @@
-"""Value head and the policy-with-value model used by PPO."""
+"""Value head and the policy-with-value model used by PPO, and the loaders of a PPO export.
+
+A PPO export (``PPOModule.save_pretrained`` / ``HFExportCallback``) is the policy's Hugging Face folder (or LoRA
+adapters) with ``value_head.safetensors`` beside it: the ``ValueHead`` weights (``net.1.*``: hidden -> hidden,
+``net.3.*``: hidden -> 1), which read the policy's last hidden state. ``load_value_head(folder)`` returns that
+head; ``PPOModel.from_pretrained(folder)`` returns the policy with its head, ready to compute values.
+"""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -27,6 +35,29 @@ class ValueHead(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(B, T, H) -> (B, T) values, computed in float32."""
         return self.net(hidden_states.to(self.net[1].weight.dtype)).squeeze(-1).float()
+
+
+#: file of the value head inside a PPO export.
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def load_value_head(path: str | os.PathLike, device: str | torch.device | None = None) -> ValueHead:
+    """The ``ValueHead`` saved in ``path`` (a PPO export folder, or the ``value_head.safetensors`` file itself),
+    in eval mode; its hidden size is read from the weights. Reads safetensors only.
+
+    Usage: ``values = head(policy(ids, output_hidden_states=True).hidden_states[-1])`` -> (B, T)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    file = path / VALUE_HEAD_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"no value head at {path}: {VALUE_HEAD_FILE} is missing")
+    state = load_file(str(file))
+    if "net.1.weight" not in state:
+        raise ValueError(f"{file}: not a value head (keys {sorted(state)[:4]})")
+    head = ValueHead(int(state["net.1.weight"].shape[1]))
+    head.load_state_dict(state)
+    return head.to(device).eval() if device is not None else head.eval()
 
 
 class PolicyValueOutput(NamedTuple):
@@ -75,6 +106,23 @@ class PPOModel(nn.Module):
                 use_cache=False,
             ).hidden_states[-1]
         return PolicyValueOutput(out.logits, self.value_head(hidden))
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, trust_remote_code: bool = False, **kwargs
+    ) -> "PPOModel":
+        """A PPO export as a ``PPOModel`` (eval mode): the policy through ``AutoModelForCausalLM`` (or, for a
+        LoRA export, ``peft.AutoPeftModelForCausalLM``, whose ``adapter_config.json`` names the base) and the
+        value head from ``value_head.safetensors``. ``kwargs`` go to ``from_pretrained`` (``dtype``, ...)."""
+        path = Path(path)
+        if (path / "adapter_config.json").is_file():
+            from peft import AutoPeftModelForCausalLM as auto_class
+        else:
+            from transformers import AutoModelForCausalLM as auto_class
+        policy = auto_class.from_pretrained(str(path), trust_remote_code=trust_remote_code, **kwargs)
+        model = cls(policy)
+        model.value_head = load_value_head(path).to(next(policy.parameters()).device)
+        return model.eval()
 
     def generate(self, *args, **kwargs):
         """Sampling from the policy (the value head plays no part)."""

@@ -33,6 +33,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from aitraining_pl.models import LoRAConfig, ReferencePolicy, is_peft_model, load_policy, load_tokenizer
+from aitraining_pl.models.lora import save_adapter_base
 from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing
 from aitraining_pl.optim import adamw_with_warmup
 from aitraining_pl.validation import check_hparams
@@ -249,16 +250,25 @@ class AlignmentModule(pl.LightningModule):
         return state
 
     def save_pretrained(self, path: str | os.PathLike, merge_lora: bool = False) -> None:
-        """Write the policy as a Hugging Face folder (config + safetensors) and the tokenizer to ``path``.
+        """Write the policy as a Hugging Face folder (config + safetensors), the tokenizer and a model card
+        (``README.md``, ``aitraining_pl.callbacks.model_card``) to ``path``.
 
         Under LoRA the adapters are written (``adapter_config.json`` + ``adapter_model.safetensors``), or,
         with ``merge_lora=True``, the base weights with the adapters merged in (the live model is untouched).
+        The adapters name a loadable base (``base_model_name_or_path``): ``model_name``, or for an inline
+        ``model_config`` the base weights written to ``<path>/base/`` (``models.lora.save_adapter_base``), so
+        ``peft.AutoPeftModelForCausalLM.from_pretrained(path)`` loads the export offline.
         """
+        from aitraining_pl.callbacks.model_card import write_model_card
+
         model = self.policy
         if is_peft_model(model) and merge_lora:
             model = _merged_copy(model)
         model.save_pretrained(str(path), safe_serialization=True)
         self.tokenizer.save_pretrained(str(path))
+        if is_peft_model(model):
+            save_adapter_base(model, path, self.hparam("model_name"), self.tokenizer)
+        write_model_card(path, self)
 
 
 class SharedStepModule(AlignmentModule):

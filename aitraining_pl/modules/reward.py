@@ -126,9 +126,15 @@ class RewardModule(SharedStepModule):
         return tokenizer
 
     def save_pretrained(self, path: str | os.PathLike, merge_lora: bool = True) -> None:
-        """Write the reward model folder (trunk config, ``reward_config.json``, safetensors, tokenizer) to
-        ``path``; LoRA adapters are always merged, so PPO loads one plain model."""
+        """Write the reward model folder to ``path``: where the trunk allows, a standard
+        ``AutoModelForSequenceClassification`` folder whose one logit is the reward, with ``reward_config.json``
+        and ``reward_head.safetensors`` beside (``aitraining_pl.models.reward_export``), the tokenizer and a
+        model card (``README.md``). LoRA adapters are always merged, so PPO, transformers and TRL load one
+        plain model."""
+        from aitraining_pl.callbacks.model_card import write_model_card
+
         self.reward_model.save_pretrained(path, tokenizer=self.tokenizer)
+        write_model_card(path, self)
 
     # ------------------------------------------------------------------ steps
     def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:

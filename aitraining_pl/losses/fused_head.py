@@ -1,0 +1,182 @@
+"""Token log-probs (and entropy) through the language-model head without ever holding vocabulary-sized logits.
+
+The head (``hidden @ weight.T + bias``), the model's logit post-processing and the log-softmax run over chunks of
+positions; the backward pass recomputes each chunk's logits instead of storing them, so the extra memory is one
+chunk's logits whatever the number of positions. This is the method of fused linear cross-entropy kernels
+(Liger Kernel's ``FusedLinearCrossEntropy``, Hsu et al. 2024, https://arxiv.org/abs/2410.10989; Wijmans et al.
+2024, "Cut Your Losses in Large-Vocabulary Language Models", https://arxiv.org/abs/2411.09009), written here in
+plain PyTorch. Pure tensor code: no Lightning or transformers imports. Shapes: M positions, H hidden size, V
+vocabulary.
+
+The logits of one position are ``l = post(hidden @ weight.T + bias) / temperature`` with
+``post(z) = cap * tanh(scale * z / cap)`` when a soft-cap is given, else ``scale * z``. That covers Granite
+(``logits_scaling``: ``scale = 1 / logits_scaling``), Cohere (``logit_scale``), FalconH1 (``lm_head_multiplier``)
+and Gemma 2/3 (``final_logit_softcapping``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+#: default extra memory for one chunk (bytes): the float32 temporaries of one chunk's logits
+DEFAULT_MEMORY_BUDGET = 256 * 2**20
+_TEMPORARIES = 6  # float32 (chunk, V) tensors alive at once in the backward pass (raw, logits, log-probs, probs, grad)
+
+
+class HeadLogps(NamedTuple):
+    logps: torch.Tensor  #: (M,) log-probability of each target, float32 (float64 for float64 inputs)
+    entropy: torch.Tensor | None  #: (M,) entropy of each position's distribution in nats, or None
+
+
+def chunk_rows(vocab_size: int, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> int:
+    """Positions per chunk so that one chunk's float32 temporaries fit ``memory_budget`` bytes (at least 1)."""
+    return max(1, int(memory_budget) // (_TEMPORARIES * 4 * int(vocab_size)))
+
+
+def _logits(z: torch.Tensor, scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
+    """Post-processed logits ``l`` from the raw head output ``z`` (float32 or float64)."""
+    y = z * scale if scale != 1.0 else z
+    if softcap:
+        y = torch.tanh(y / softcap) * softcap
+    return y / temperature if temperature != 1.0 else y
+
+
+def _chunk_stats(l: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
+    """(logps, logsumexp, entropy or None) of one chunk's post-processed logits ``l`` (C, V)."""
+    lse = torch.logsumexp(l, dim=-1)
+    logps = l.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = _entropy(l - lse.unsqueeze(-1)) if with_entropy else None
+    return logps, lse, entropy
+
+
+def _entropy(log_p: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
+    """``-sum p log p`` from log-probabilities (no ``lse - E[l]`` cancellation for large logits)."""
+    return -((log_p.exp() if p is None else p) * log_p).sum(-1)
+
+
+def _grad_raw(l, z, targets, lse, g_logp, g_ent, scale, softcap, temperature):
+    """d(loss)/dz of one chunk: chain rule through log-softmax / entropy, temperature, soft-cap and scale."""
+    log_p = l - lse.unsqueeze(-1)
+    p = log_p.exp()
+    grad = -p * g_logp.unsqueeze(-1) if g_logp is not None else torch.zeros_like(p)
+    if g_logp is not None:
+        grad.scatter_add_(-1, targets.unsqueeze(-1), g_logp.unsqueeze(-1))  # d logp_t / dl = onehot(t) - p
+    if g_ent is not None:  # dH/dl = -p * (log p + H)
+        grad -= p * (log_p + _entropy(log_p, p).unsqueeze(-1)) * g_ent.unsqueeze(-1)
+    if temperature != 1.0:
+        grad /= temperature
+    if softcap:  # d(cap tanh(y / cap))/dy = 1 - tanh^2
+        grad *= 1 - torch.tanh(z * scale / softcap) ** 2
+    if scale != 1.0:
+        grad *= scale
+    return grad
+
+
+class _FusedHeadLogps(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, scale, softcap, temperature, chunk, with_entropy):
+        logps, lses, entropies = [], [], []
+        compute_dtype = hidden.dtype
+        for start in range(0, hidden.shape[0], chunk):
+            raw = F.linear(hidden[start:start + chunk], weight, bias)  # autocast picks the matmul dtype
+            compute_dtype = raw.dtype
+            z = raw.to(torch.promote_types(raw.dtype, torch.float32))  # logsumexp in float32 at least
+            del raw
+            lp, lse, ent = _chunk_stats(_logits(z, scale, softcap, temperature), targets[start:start + chunk],
+                                        with_entropy)
+            logps.append(lp), lses.append(lse), entropies.append(ent)
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        logps = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=acc)
+        lse = torch.cat(lses) if lses else hidden.new_zeros(0, dtype=acc)
+        entropy = torch.cat(entropies) if with_entropy and entropies else hidden.new_zeros(0, dtype=acc)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.config = (scale, softcap, temperature, chunk, with_entropy, compute_dtype)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, g_logps, g_entropy):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        scale, softcap, temperature, chunk, with_entropy, dtype = ctx.config
+        if not with_entropy:
+            g_entropy = None
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
+            for start in range(0, hidden.shape[0], chunk):
+                rows = slice(start, start + chunk)
+                h = hidden[rows].to(dtype)
+                z = F.linear(h, w, b).to(torch.promote_types(dtype, torch.float32))
+                l = _logits(z, scale, softcap, temperature)
+                grad = _grad_raw(l, z, targets[rows], lse[rows],
+                                 None if g_logps is None else g_logps[rows],
+                                 None if g_entropy is None else g_entropy[rows], scale, softcap, temperature)
+                del l
+                grad = grad.to(dtype)
+                if need_h:
+                    grad_h[rows] = grad @ w
+                if need_w and acc == dtype:
+                    grad_w.addmm_(grad.t(), h)  # no (V, H) temporary per chunk
+                elif need_w:
+                    grad_w += (grad.t() @ h).to(acc)
+                if need_b:
+                    grad_b += grad.sum(0).to(acc)
+        grad_w = grad_w.to(weight.dtype) if need_w else None
+        grad_b = grad_b.to(bias.dtype) if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def fused_head_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> HeadLogps:
+    """Log-probabilities of ``targets`` (and entropies) under ``post(hidden @ weight.T + bias) / temperature``.
+
+    Equal to ``log_softmax(logits)[target]`` on the full logits, but computed ``chunk_size`` positions at a time
+    with a backward pass that recomputes each chunk's logits: no (M, V) tensor is ever stored. Gradients flow to
+    ``hidden``, ``weight`` and ``bias`` and through them to whatever produced them (tied embeddings, a LoRA-merged
+    head ``W + s * B @ A``). Under autocast the matmul runs in the autocast dtype and each chunk's logsumexp in
+    float32.
+
+    Args:
+        hidden: (M, H) hidden states of the scored positions.
+        weight: (V, H) head weight.
+        targets: (M,) token ids to score.
+        bias: (V,) head bias, or None.
+        scale: multiplier applied to the raw logits (Cohere ``logit_scale``, FalconH1 ``lm_head_multiplier``,
+            ``1 / logits_scaling`` for Granite).
+        softcap: ``cap`` of the ``cap * tanh(logits / cap)`` soft-cap (Gemma 2/3 ``final_logit_softcapping``).
+        temperature: sampling temperature dividing the post-processed logits.
+        with_entropy: also return each position's entropy (differentiable).
+        chunk_size: positions per chunk; default from ``memory_budget`` (``chunk_rows``).
+        memory_budget: bytes allowed for one chunk's temporaries when ``chunk_size`` is not given.
+
+    Returns:
+        ``HeadLogps(logps (M,), entropy (M,) or None)``, float32 (float64 for float64 inputs).
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden must be (M, H) and targets (M,), got {tuple(hidden.shape)} and "
+                         f"{tuple(targets.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    chunk = int(chunk_size) if chunk_size else chunk_rows(weight.shape[0], memory_budget)
+    logps, entropy = _FusedHeadLogps.apply(hidden, weight, bias, targets, float(scale), softcap and float(softcap),
+                                           float(temperature), max(1, chunk), with_entropy)
+    return HeadLogps(logps, entropy if with_entropy else None)
