@@ -145,11 +145,11 @@ def test_ppo_resume_is_bit_identical_with_kl_and_prompts(tmp_path, deterministic
 
     def make():
         module = PPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, mini_batch_size=2,
-                           ppo_epochs=1, kl_penalty_coef=0.05,
+                           ppo_epochs=1, kl_coef=0.05,
                            generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0))
         return module, PromptDataModule(prompts=prompts, tokenizer=module.tokenizer, batch_size=2)
 
-    kl = lambda: [AdaptiveKLCallback(target=1e-3, horizon=10)]  # noqa: E731
+    kl = lambda: [AdaptiveKLCallback(kl_target=1e-3, kl_horizon=10)]  # noqa: E731
     full, resumed, (a, first, b), (full_cbs, resumed_cbs) = _run_and_resume(tmp_path, make, 3, kl, max_epochs=2)
     assert first.batches[:3] + b.batches == a.batches  # the prompts seen, iteration by iteration
     assert sorted(p for batch in a.batches[:4] for p in batch) == sorted(prompts)
