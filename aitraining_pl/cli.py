@@ -37,7 +37,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from aitraining_pl.callbacks.guard import NonFiniteError
 from aitraining_pl.datamodules.io import DataValidationError  # noqa: F401 - a UserError (``what = "data"``)
-from aitraining_pl.errors import ConfigError, UserError
+from aitraining_pl.errors import ConfigError, HyperparameterError, UserError
 from aitraining_pl.validation import check_hparams
 
 #: Errors that are the user's to fix: printed as one line, exit status 2. ``UserError`` (data, config,
@@ -331,10 +331,11 @@ _DUMP_LINES = ("Does not validate against", "Subtypes:", "Errors:", "- Problem w
                "- Expected a <class 'NoneType'>", "Given value type:", "Given value:", "tip:", "usage:")
 
 
-def parser_error(err: BaseException, args: Optional[list[str]] = None) -> ConfigError:
+def parser_error(err: BaseException, args: Optional[list[str]] = None) -> UserError:
     """A jsonargparse error (``Parser key "model": ... Parser key "beta": Expected ...``, a 7-line dump) as
     one ``ConfigError`` naming the option (``--model.init_args.beta``) and the innermost reason; a config file
-    that is not valid YAML is named by its path (from ``args``, default ``sys.argv``)."""
+    that is not valid YAML is named by its path (from ``args``, default ``sys.argv``). A value outside a
+    ``Literal`` argument's choices is a ``HyperparameterError`` worded as the range table words it."""
     lines = [line.strip() for line in str(err).replace(' in "<unicode string>",', "").splitlines() if line.strip()]
     if lines and lines[0].startswith("Problems parsing config"):
         argv = list(sys.argv[1:] if args is None else args)
@@ -353,6 +354,12 @@ def parser_error(err: BaseException, args: Optional[list[str]] = None) -> Config
     nested = len(keys) > 1 and any(line.startswith("- Problem with given class_path") for line in lines)
     option = keys[0] + (".init_args." if nested else ".") + ".".join(keys[1:]) if len(keys) > 1 else "".join(keys)
     why = (why or (lines[0] if lines else type(err).__name__)).lstrip("- ")
+    choice = re.match(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", why)
+    owner = re.search(r"class_path '([\w.]+)'", " ".join(lines))
+    if choice and keys:  # a choice outside a Literal: worded as the range table words it
+        name, value = keys[-1], choice.group(2).strip()
+        where = f"{owner.group(1).rpartition('.')[2]}.{name}" if owner else f"--{option}"
+        return HyperparameterError(where, f"unknown {name} {value!r}; must be one of {choice.group(1)}")
     return ConfigError(f"--{option}" if option else "command line", why[:400])
 
 

@@ -155,7 +155,7 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     "value_coef": NON_NEGATIVE,
     "kl_penalty_coef": Range(0, optional=True),  # deprecated spelling of kl_coef
     "init_kl_coef": Range(0, optional=True),  # deprecated spelling of kl_coef (AdaptiveKLCallback)
-    "kl_coef": Range(0, optional=True),  # None: AdaptiveKLCallback starts from the module's kl_coef
+    "kl_coef": NON_NEGATIVE,
     "kl_target": POSITIVE,
     "kl_horizon": POSITIVE,
     "kl_estimator": OneOf(_registry("aitraining_pl.losses.rl", "_KL_ESTIMATORS")),
