@@ -38,7 +38,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from aitraining_pl.callbacks.guard import NonFiniteError
 from aitraining_pl.datamodules.io import DataValidationError  # noqa: F401 - a UserError (``what = "data"``)
 from aitraining_pl.errors import ConfigError, HyperparameterError, UserError
-from aitraining_pl.validation import check_hparams
+from aitraining_pl.validation import RenamedArgumentWarning, check_hparams
 
 #: Errors that are the user's to fix: printed as one line, exit status 2. ``UserError`` (data, config,
 #: hyperparameter, model, reward) carries its own kind; the others are printed as ``input error`` (a NaN/inf
@@ -165,6 +165,7 @@ def quiet_known_noise() -> None:
                 "Trainer already configured with model summary callbacks: [<class 'aitraining_pl.callbacks.summary",
             ))
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", module=r"lightning\..*")
+    warnings.simplefilter("default", RenamedArgumentWarning)  # a DeprecationWarning, hidden outside __main__
 
 
 class AlignmentCLI(LightningCLI):
@@ -291,7 +292,8 @@ def apply_run_arguments(config: Any) -> None:
 def closing_line(trainer: Any) -> str:
     """``aitraining-pl: done after N steps: <k>=<v> ...; export: <path>; checkpoint: <path>`` after a fit: the
     last ``train/loss`` and validation metrics (all ``train/`` metrics when there is no validation)."""
-    metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val/") or k == "train/loss"}
+    headline = ("train/loss", "train/reward_mean", "train/kl", "train/rewards/accuracies", "train/accuracy")
+    metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val/") or k in headline}
     metrics = metrics or {k: v for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
     shown = " ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items()) if getattr(v, "numel", lambda: 1)() == 1)
     parts = [f"aitraining-pl: done after {trainer.global_step} steps: {shown or 'no metrics logged'}"]

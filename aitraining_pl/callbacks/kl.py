@@ -7,7 +7,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 
 from aitraining_pl.losses import AdaptiveKLController
-from aitraining_pl.validation import renamed
+from aitraining_pl.validation import check_hparams, renamed
 
 
 class AdaptiveKLCallback(pl.Callback):
@@ -41,6 +41,8 @@ class AdaptiveKLCallback(pl.Callback):
         self.kl_target = float(renamed(owner, "kl_target", kl_target, 0.01, target=target))
         self.kl_horizon = float(renamed(owner, "kl_horizon", kl_horizon, 10000, horizon=horizon))
         self.kl_coef = renamed(owner, "kl_coef", kl_coef, None, init_kl_coef=init_kl_coef)
+        values = {"kl_target": self.kl_target, "kl_horizon": self.kl_horizon, "kl_coef": self.kl_coef}
+        check_hparams({k: v for k, v in values.items() if v is not None}, owner)
         self.controller: Optional[AdaptiveKLController] = None
 
     def _controller(self, pl_module: pl.LightningModule) -> AdaptiveKLController:

@@ -36,7 +36,7 @@ from aitraining_pl.models import LoRAConfig, ReferencePolicy, is_peft_model, loa
 from aitraining_pl.models.lora import save_adapter_base
 from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing
 from aitraining_pl.optim import adamw_with_warmup
-from aitraining_pl.validation import check_hparams
+from aitraining_pl.validation import RENAMED, check_hparams
 
 #: stages whose values are averaged over the epoch with torchmetrics (training values are per step).
 EPOCH_STAGES = ("val", "test")
@@ -122,6 +122,15 @@ class AlignmentModule(pl.LightningModule):
         initial = getattr(self, "_hparams_initial", None)
         if initial is not None:
             initial[name] = value
+
+    def drop_renamed_hparams(self, **resolved: Any) -> None:
+        """Remove the old spellings (``validation.RENAMED``) from the hyperparameters and set the resolved values
+        of their new names: under the CLI, Lightning stores the given arguments as they were spelled."""
+        for old in RENAMED:
+            self.hparams.pop(old, None)
+            getattr(self, "_hparams_initial", {}).pop(old, None)
+        for name, value in resolved.items():
+            self.set_hparam(name, value)
 
     def store_lora_hparam(self, lora: Any) -> LoRAConfig | None:
         """Keep ``lora`` (``LoRAConfig``, ``peft.LoraConfig`` or dict) in hparams as a plain dict (checkpoints
