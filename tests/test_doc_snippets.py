@@ -2,7 +2,7 @@
 
 A snippet is executed as written except for three substitutions, so the docs can show real usage:
 hub ids (``"Org/Name"``) become a tiny random Llama saved with a byte-level tokenizer and a chat template;
-data file names become the package's shipped data; ``pl.Trainer(`` runs 2 steps without loggers or
+data file names and hub datasets become the package's shipped data; ``pl.Trainer(`` runs 2 steps without loggers or
 checkpoints. ``docs/from_the_seed.md`` shows the seed's own code beside ours; its examples are tests in
 ``tests/test_seed_examples.py``, so it is not run here.
 """
@@ -25,6 +25,10 @@ DATA_FILES = {
     "math.jsonl": DATA / "math_prompts.jsonl",
     "prompts.jsonl": DATA / "quickstart_prompts.jsonl",
     "sft.jsonl": DATA / "quickstart_sft.jsonl",
+    # hub datasets named in the docs
+    "trl-lib/Capybara": DATA / "quickstart_sft.jsonl",
+    "trl-lib/ultrafeedback_binarized": DATA / "quickstart_preferences.jsonl",
+    "openai/gsm8k": DATA / "math_prompts.jsonl",
 }
 HUB_ID = re.compile(r"""(["'])(?!\.)[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+\1""")
 FAST_TRAINER = ("pl.Trainer(max_steps=2, limit_val_batches=1, num_sanity_val_steps=0, logger=False, "
@@ -61,9 +65,9 @@ def tiny_hub_model(tmp_path_factory) -> Path:
 
 
 def substitute(code: str, model_path: Path) -> str:
-    code = HUB_ID.sub(lambda m: repr(str(model_path)), code)
     for name, path in DATA_FILES.items():
         code = code.replace(f'"{name}"', repr(str(path)))
+    code = HUB_ID.sub(lambda m: repr(str(model_path)), code)
     return code.replace("pl.Trainer(", FAST_TRAINER)
 
 
