@@ -26,6 +26,7 @@ RENAMED: dict[str, str] = {
     "init_kl_coef": "kl_coef",  # AdaptiveKLCallback
     "target": "kl_target",  # AdaptiveKLCallback (the seed's PPOConfig.kl_target)
     "horizon": "kl_horizon",  # AdaptiveKLCallback (the seed's PPOConfig.kl_horizon)
+    "precompute_ref_logps": "precompute_ref_log_probs",  # DPOModule (TRL's DPOConfig name)
 }
 
 

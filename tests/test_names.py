@@ -59,10 +59,10 @@ def test_every_module_has_the_shared_arguments(name, path):
 
 
 def test_new_and_renamed_arguments_have_range_rows():
-    module_args = [name for name in RENAMED if name not in ("target", "horizon")]  # callback-only old names
+    module_args = ["kl_penalty_coef", "init_kl_coef"]  # numeric old names (the others are callback-only or flags)
     for name in ("kl_coef", "kl_target", "kl_horizon", "lr_schedule", "weight_decay", *module_args):
         assert name in CONSTRAINTS, name
-    assert set(RENAMED.values()) <= set(CONSTRAINTS)
+    assert set(RENAMED.values()) - {"precompute_ref_log_probs"} <= set(CONSTRAINTS)  # a flag has no range
 
 
 def test_peft_lora_config_is_accepted():
@@ -110,6 +110,12 @@ def test_ppo_logs_generation_and_optimiser_arguments():
     assert module.hparams_initial["generation"]["max_new_tokens"] == 5
     optimizer = module.configure_optimizers  # the schedule and decay reach the optimizer
     assert module.hparams.lr_schedule == "cosine" and module.hparams.weight_decay == 0.1 and callable(optimizer)
+
+
+def test_dpo_precompute_ref_log_probs_and_its_old_name():
+    with pytest.warns(RenamedArgumentWarning, match="'precompute_ref_logps' is renamed 'precompute_ref_log_probs'"):
+        module = DPOModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", precompute_ref_logps=True)
+    assert module.hparams.precompute_ref_log_probs is True and "precompute_ref_logps" not in module.hparams
 
 
 def test_kl_callback_names_and_old_names():

@@ -124,7 +124,7 @@ def test_dpo_resume_is_bit_identical(tmp_path, deterministic, k):
 def test_dpo_resume_with_precomputed_reference_and_length_grouping(tmp_path, deterministic):
     def make():
         module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-2,
-                           precompute_ref_logps=True)
+                           precompute_ref_log_probs=True)
         return module, _preference_data(module.tokenizer, group_by_length=True)
 
     full, resumed, (a, first, b), _ = _run_and_resume(tmp_path, make, 3, max_steps=8)

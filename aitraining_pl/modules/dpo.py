@@ -18,6 +18,7 @@ from aitraining_pl.models.scoring import (  # noqa: F401 - PackedBatch, can_pack
 )
 from aitraining_pl.modules.base import SharedStepModule
 from aitraining_pl.optim import LRSchedule
+from aitraining_pl.validation import RENAMED, renamed
 
 
 def preference_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -44,7 +45,7 @@ class DPOModule(SharedStepModule):
         warmup_ratio: fraction of the optimizer steps spent in linear warmup.
         lr_schedule: decay after warmup: ``linear``, ``cosine`` or ``constant``.
         weight_decay: AdamW weight decay.
-        precompute_ref_logps: compute reference log-probs for every pair in one pass before training, then
+        precompute_ref_log_probs: compute reference log-probs for every pair in one pass before training, then
             release the reference model.
         padding_free: run the batch's real tokens packed end to end in one row, attention block by block
             (no work on padding; the same log-probs as padded rows). Used when the model's attention is SDPA or
@@ -60,6 +61,8 @@ class DPOModule(SharedStepModule):
             training forwards are then deterministic.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
+        precompute_ref_logps: deprecated spelling of ``precompute_ref_log_probs`` (TRL's name; accepted with a
+            warning until the next release).
     """
 
     def __init__(
@@ -77,7 +80,7 @@ class DPOModule(SharedStepModule):
         warmup_ratio: float = 0.1,
         lr_schedule: LRSchedule = "linear",
         weight_decay: float = 0.0,
-        precompute_ref_logps: bool = False,
+        precompute_ref_log_probs: bool = False,
         padding_free: bool = True,
         share_prompt: bool = True,
         dtype: Optional[str] = None,
@@ -86,9 +89,13 @@ class DPOModule(SharedStepModule):
         attn_implementation: Optional[str] = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        precompute_ref_logps: Optional[bool] = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["lora"])
+        precompute_ref_log_probs = renamed(type(self).__name__, "precompute_ref_log_probs", precompute_ref_log_probs,
+                                           False, precompute_ref_logps=precompute_ref_logps)
+        self.save_hyperparameters(ignore=["lora", *RENAMED])
+        self.drop_renamed_hparams(precompute_ref_log_probs=bool(precompute_ref_log_probs))
         self.store_lora_hparam(lora)
         from aitraining_pl.losses import DPO_LOSSES
 
@@ -106,7 +113,7 @@ class DPOModule(SharedStepModule):
 
     def on_fit_start(self) -> None:
         self._place_reference()
-        if self.reference is not None and self.hparams.precompute_ref_logps:
+        if self.reference is not None and self.hparams.precompute_ref_log_probs:
             self.precompute_reference()
 
     def on_validation_start(self) -> None:
@@ -131,7 +138,7 @@ class DPOModule(SharedStepModule):
         """One pass over every split of the data module; afterwards the frozen reference copy is released."""
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is None or not hasattr(datamodule, "ordered_dataloaders"):
-            raise ValueError("precompute_ref_logps needs a data module with ordered_dataloaders() (PreferenceDataModule)")
+            raise ValueError("precompute_ref_log_probs needs a data module with ordered_dataloaders() (PreferenceDataModule)")
         # fork the RNG: creating DataLoader iterators draws from it, and the training order must not change
         with torch.random.fork_rng(devices=[]), self.trainer.precision_plugin.forward_context():
             for split, loader in datamodule.ordered_dataloaders().items():
