@@ -27,6 +27,7 @@ RENAMED: dict[str, str] = {
     "target": "kl_target",  # AdaptiveKLCallback (the seed's PPOConfig.kl_target)
     "horizon": "kl_horizon",  # AdaptiveKLCallback (the seed's PPOConfig.kl_horizon)
     "precompute_ref_logps": "precompute_ref_log_probs",  # DPOModule (TRL's DPOConfig name)
+    "center_rewards_coef": "center_rewards_coefficient",  # RewardModule (TRL's RewardConfig name)
 }
 
 
@@ -139,7 +140,8 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     # reward models
     "temperature": POSITIVE,  # reward scaling and sampling temperature (``generation.temperature``)
     "dropout_prob": Range(0, 1, high_open=True),
-    "center_rewards_coef": NON_NEGATIVE,
+    "center_rewards_coefficient": NON_NEGATIVE,
+    "center_rewards_coef": Range(0, optional=True),  # deprecated spelling of center_rewards_coefficient
     "num_objectives": COUNT,
     "pooling_strategy": OneOf(_registry("aitraining_pl.losses", "POOLING_STRATEGIES")),
     # online RL (PPO, GRPO, RLOO)

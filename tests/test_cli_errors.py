@@ -336,8 +336,8 @@ def test_python_construction_is_validated_before_loading(monkeypatch):
     with pytest.raises(HyperparameterError, match=r"PPOModule.generation.max_new_tokens: must be >= 1"):
         PPOModule(reward=TOY_REWARD,
                   model_config=dict(TINY_LLAMA), tokenizer_name="byte", generation={"max_new_tokens": 0})
-    with pytest.raises(HyperparameterError, match=r"RewardModule.center_rewards_coef: must be >= 0, got -1"):
-        RewardModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", center_rewards_coef=-1)
+    with pytest.raises(HyperparameterError, match=r"RewardModule.center_rewards_coefficient: must be >= 0, got -1"):
+        RewardModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", center_rewards_coefficient=-1)
     with pytest.raises(HyperparameterError, match=r"PreferenceDataModule.eval_batch_size: must be >= 1"):
         PreferenceDataModule(data_path="x.jsonl", tokenizer="byte", eval_batch_size=0)
 

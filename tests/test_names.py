@@ -59,8 +59,9 @@ def test_every_module_has_the_shared_arguments(name, path):
 
 
 def test_new_and_renamed_arguments_have_range_rows():
-    module_args = ["kl_penalty_coef", "init_kl_coef"]  # numeric old names (the others are callback-only or flags)
-    for name in ("kl_coef", "kl_target", "kl_horizon", "lr_schedule", "weight_decay", *module_args):
+    module_args = ["kl_penalty_coef", "init_kl_coef", "center_rewards_coef"]  # numeric old names
+    for name in ("kl_coef", "kl_target", "kl_horizon", "lr_schedule", "weight_decay", "center_rewards_coefficient",
+                 *module_args):
         assert name in CONSTRAINTS, name
     assert set(RENAMED.values()) - {"precompute_ref_log_probs"} <= set(CONSTRAINTS)  # a flag has no range
 
@@ -116,6 +117,14 @@ def test_dpo_precompute_ref_log_probs_and_its_old_name():
     with pytest.warns(RenamedArgumentWarning, match="'precompute_ref_logps' is renamed 'precompute_ref_log_probs'"):
         module = DPOModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", precompute_ref_logps=True)
     assert module.hparams.precompute_ref_log_probs is True and "precompute_ref_logps" not in module.hparams
+
+
+def test_reward_center_rewards_coefficient_and_its_old_name(monkeypatch):
+    from aitraining_pl.modules.reward import RewardModule
+
+    with pytest.warns(RenamedArgumentWarning, match="'center_rewards_coef' is renamed 'center_rewards_coefficient'"):
+        module = RewardModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", center_rewards_coef=0.25)
+    assert module.hparams.center_rewards_coefficient == 0.25 and "center_rewards_coef" not in module.hparams
 
 
 def test_kl_callback_names_and_old_names():

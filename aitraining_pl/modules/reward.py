@@ -23,6 +23,7 @@ from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.reward import MultiObjectiveRewardModel, PairwiseRewardModel, RewardModel, RewardModelConfig
 from aitraining_pl.modules.base import SharedStepModule, as_lora_config
 from aitraining_pl.optim import LRSchedule
+from aitraining_pl.validation import RENAMED, renamed
 
 #: RewardModelConfig fields that mirror a module argument of the same name.
 _SHARED_FIELDS = (
@@ -43,7 +44,7 @@ class RewardModule(SharedStepModule):
         pooling_strategy: ``last`` (last real token), ``mean`` or ``cls`` (first real token).
         dropout_prob: dropout before the reward head.
         temperature: rewards are divided by this.
-        center_rewards_coef: weight of ``mean((r_chosen + r_rejected)^2)``, which keeps rewards centred at 0.
+        center_rewards_coefficient: weight of ``mean((r_chosen + r_rejected)^2)``, which keeps rewards centred at 0.
         learning_rate: peak AdamW learning rate.
         warmup_ratio: fraction of the optimizer steps spent in linear warmup.
         lr_schedule: decay after warmup: ``linear``, ``cosine`` or ``constant``.
@@ -57,6 +58,8 @@ class RewardModule(SharedStepModule):
             training forwards are then deterministic.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
+        center_rewards_coef: deprecated spelling of ``center_rewards_coefficient`` (TRL's name; accepted with a
+            warning until the next release).
     """
 
     model_class: type[RewardModel] = RewardModel
@@ -70,7 +73,7 @@ class RewardModule(SharedStepModule):
         pooling_strategy: PoolingStrategy = "last",
         dropout_prob: float = 0.0,
         temperature: float = 1.0,
-        center_rewards_coef: float = 0.0,
+        center_rewards_coefficient: float = 0.0,
         learning_rate: float = 1e-5,
         warmup_ratio: float = 0.05,
         lr_schedule: LRSchedule = "linear",
@@ -81,9 +84,13 @@ class RewardModule(SharedStepModule):
         reward_model: Optional[RewardModel] = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        center_rewards_coef: Optional[float] = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["lora", "reward_model"])
+        center_rewards_coefficient = renamed(type(self).__name__, "center_rewards_coefficient",
+                                             center_rewards_coefficient, 0.0, center_rewards_coef=center_rewards_coef)
+        self.save_hyperparameters(ignore=["lora", "reward_model", *RENAMED])
+        self.drop_renamed_hparams(center_rewards_coefficient=float(center_rewards_coefficient))
         self.store_lora_hparam(lora)
         if reward_model is not None:
             self._adopt_hparams(reward_model)
@@ -142,7 +149,7 @@ class RewardModule(SharedStepModule):
         rewards = self.reward_model.score(batch["input_ids"], batch["attention_mask"])
         chosen, rejected = rewards.chunk(2)
         # 2. Bradley-Terry loss with the optional per-pair margin and the centring term
-        loss = bradley_terry_loss(chosen, rejected, batch.get("margin"), self.hparams.center_rewards_coef)
+        loss = bradley_terry_loss(chosen, rejected, batch.get("margin"), self.hparams.center_rewards_coefficient)
         # 3. metrics
         metrics = {
             "loss": loss,
