@@ -124,9 +124,7 @@ def overview() -> str:
 
 
 def version() -> str:
-    from aitraining_pl import __version__
-
-    return f"aitraining-pl {__version__}"
+    return f"aitraining-pl {sys.modules[__package__].__version__}"  # the package is imported with this module
 
 
 def nested_help(args: list[str]) -> Optional[str]:
