@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# tokenised data is cached by `datasets`: keep the suite's cache out of the user's
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="aitraining-pl-datasets-"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -94,13 +94,14 @@ def test_chat_rows_use_the_template_and_hh_rows_their_shared_prefix(byte_tokeniz
     dec = byte_tokenizer.decode
     assert dec(e["prompt_ids"]) == "<|user|>\nhi\n<|assistant|>\n"
     assert dec(e["chosen_ids"]) == "hello there\n</s>" and dec(e["rejected_ids"]) == "go away\n</s>"
-    # plain-text HH style: the shared prefix becomes the prompt, announced once
+    # plain-text HH style: the shared prefix becomes the prompt (its final space moves to the completions, as
+    # in TRL), announced once
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         dm = _module(byte_tokenizer, chosen=["\n\nHuman: hi\n\nAssistant: hello"], rejected=["\n\nHuman: hi\n\nAssistant: go"])
     assert sum("shared prefix" in r.getMessage() for r in caplog.records) == 1
     e = dm.train_dataset[0]
-    assert dec(e["prompt_ids"]) == "\n\nHuman: hi\n\nAssistant: " and dec(e["chosen_ids"]) == "hello</s>"
+    assert dec(e["prompt_ids"]) == "\n\nHuman: hi\n\nAssistant:" and dec(e["chosen_ids"]) == " hello</s>"
     # explicit prompt column with message lists
     dm = _module(byte_tokenizer, prompts=[[user]], chosen=[[{"role": "assistant", "content": "yo"}]], rejected=["no"])
     assert dec(dm.train_dataset[0]["chosen_ids"]) == "yo\n</s>"

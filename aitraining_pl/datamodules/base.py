@@ -9,23 +9,34 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from aitraining_pl.datamodules.io import DataValidationError, read_records
+from aitraining_pl.datamodules.io import DataSource, DataValidationError, data_sources, read_records
 from aitraining_pl.datamodules.resumable import ResumableDataLoader
 
 #: Source name of in-memory data in error messages.
 IN_MEMORY = "<in-memory>"
 
 
-def holdout(rows: Sequence[Any], fraction: float, seed: int, source: str) -> tuple[list, list]:
-    """Seeded split of ``rows`` into (train, validation), ``fraction`` (at least one row) held out, in order."""
+def holdout_indices(n: int, fraction: float, seed: int, source: str) -> tuple[list[int], list[int]]:
+    """Seeded split of ``range(n)`` into (train, validation) indices, ``fraction`` (at least one) held out."""
     if not 0 < fraction < 1:
         raise ValueError(f"val_split must be in [0, 1), got {fraction}")
-    order = list(range(len(rows)))
+    order = list(range(n))
     random.Random(seed).shuffle(order)
-    n_val = max(1, int(round(fraction * len(rows))))
-    if n_val >= len(rows):
-        raise DataValidationError(source, f"val_split={fraction} leaves no training rows ({len(rows)} rows)")
-    return [rows[i] for i in sorted(order[n_val:])], [rows[i] for i in sorted(order[:n_val])]
+    n_val = max(1, int(round(fraction * n)))
+    if n_val >= n:
+        raise DataValidationError(source, f"val_split={fraction} leaves no training rows ({n} rows)")
+    return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+def holdout(rows: Sequence[Any], fraction: float, seed: int, source: str) -> tuple[list, list]:
+    """Seeded split of ``rows`` into (train, validation), ``fraction`` (at least one row) held out, in order."""
+    train, val = holdout_indices(len(rows), fraction, seed, source)
+    return [rows[i] for i in train], [rows[i] for i in val]
+
+
+def _read(source: DataSource) -> list[dict]:
+    return read_records(source.path, source.split, name=source.name, data_files=source.data_files,
+                        revision=source.revision)
 
 
 class TextDataModule(pl.LightningDataModule):
@@ -72,14 +83,14 @@ class TextDataModule(pl.LightningDataModule):
         if self.train_dataset is not None:
             return
         hp = self.hparams
-        source = hp.data_path if hp.data_path is not None else IN_MEMORY
-        records = read_records(hp.data_path, hp.split) if hp.data_path is not None else self._in_memory_records()
+        train_source, val = data_sources(hp)
+        source = train_source.path if train_source is not None else IN_MEMORY
+        records = _read(train_source) if train_source is not None else self._in_memory_records()
         rows = self._rows(records, source)  # check every row before splitting, so row numbers refer to the file
         val_rows, val_source = None, None
-        if hp.val_data_path is not None:
-            val_split_name = "test" if hp.val_data_path == hp.data_path else hp.split  # one hub dataset, two splits
-            val_source = hp.val_data_path
-            val_rows = self._rows(read_records(hp.val_data_path, val_split_name), val_source)
+        if val is not None:
+            val_source = val.path
+            val_rows = self._rows(_read(val), val_source)
         elif hp.val_split > 0:
             rows, val_rows = holdout(rows, hp.val_split, hp.seed, source)
             val_source = f"{source} (validation split)"

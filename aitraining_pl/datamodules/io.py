@@ -3,14 +3,23 @@
 Every problem is raised as a ``DataValidationError`` naming the file, the row (1-based line number for
 JSONL) and the field, so a user can fix it without a debugger. The CLI prints these as one message and
 exits non-zero.
+
+``DataSource`` / ``data_sources`` name where training and validation rows come from (a file, a folder or a hub
+dataset with ``split``, ``name``, ``data_files``, ``revision``); ``load_source`` reads them as an Arrow-backed
+``datasets.Dataset`` so that tokenisation can be cached (``aitraining_pl.datamodules.cached``).
 """
 
 from __future__ import annotations
 
+import codecs
 import json
+import logging
 import os
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 
@@ -106,9 +115,10 @@ _READERS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
 }
 
 
-def read_records(source: str, split: str = "train") -> list[dict[str, Any]]:
+def read_records(source: str, split: str = "train", **hub: Any) -> list[dict[str, Any]]:
     """Rows of a local JSONL / JSON / Parquet / CSV file, or of a ``datasets`` hub dataset ``source``
-    (with ``split``) when no such local path exists.
+    (with ``split`` and the ``load_dataset`` options ``hub``: ``name``, ``data_files``, ``revision``) when no
+    such local path exists.
 
     Raises:
         DataValidationError: missing file, unknown suffix, malformed JSON (with its line number).
@@ -121,15 +131,157 @@ def read_records(source: str, split: str = "train") -> list[dict[str, Any]]:
     elif path.exists():
         raise DataValidationError(str(path), f"unsupported file type; use one of {', '.join(SUFFIXES)}")
     else:
-        from datasets import load_dataset
-
-        try:
-            records = list(load_dataset(source, split=split))
-        except Exception as err:  # datasets raises many types; the user needs the source named
-            raise DataValidationError(source, f"not a local file and not loadable as a hub dataset: {err}") from None
+        records = list(_load_hub(DataSource(source, split, **hub)))
     if not records:
         raise DataValidationError(str(path), "no rows")
     return records
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where rows come from: a local file or folder, or a ``datasets`` hub name (``path``), and the
+    ``load_dataset`` options of a hub dataset: ``split``, ``name`` (subset), ``data_files``, ``revision``."""
+
+    path: str
+    split: str = "train"
+    name: Union[str, None] = None
+    data_files: Any = None
+    revision: Union[str, None] = None
+
+    @property
+    def label(self) -> str:
+        """The source in messages: the path of a local file, else the name and split (``org/data [test]``)."""
+        return self.path if _is_file(self.path) else f"{self.path} [{self.split}]"
+
+
+def _is_local(path: str) -> bool:
+    return Path(os.path.expanduser(path)).exists() or Path(path).suffix in _READERS
+
+
+def _is_file(path: str) -> bool:
+    return Path(os.path.expanduser(path)).is_file() or Path(path).suffix in _READERS
+
+
+def data_sources(hp: Any) -> tuple[Union[DataSource, None], Union[DataSource, None]]:
+    """The training source (``None`` for in-memory rows) and the validation source (``None``: none, or a
+    held-out fraction) named by a data module's hyperparameters ``data_path``, ``split``, ``name``,
+    ``data_files``, ``revision``, ``val_data_path`` and ``val_split_name`` (the last five optional).
+
+    ``val_split_name`` alone: that split of the training source. ``val_data_path``: another source, read with
+    ``val_split_name`` (default ``split``). ``val_data_path`` equal to a hub ``data_path`` without
+    ``val_split_name`` still means its ``"test"`` split, with a deprecation warning."""
+    get = hp.get if hasattr(hp, "get") else lambda key, default=None: getattr(hp, key, default)
+    path, val_path, val_name = get("data_path"), get("val_data_path"), get("val_split_name")
+    train = None
+    if path is not None:
+        train = DataSource(path, get("split", "train"), get("name"), get("data_files"), get("revision"))
+    if val_path is None and val_name is None:
+        return train, None
+    if val_path is not None and val_path != path:
+        return train, DataSource(val_path, val_name or get("split", "train"))
+    if train is None:
+        raise DataValidationError(str(val_path or val_name), "val_split_name needs a data_path to read it from")
+    if val_name is None:
+        if not _is_local(path):
+            warnings.warn(
+                f"val_data_path equal to data_path ({path!r}) reads its 'test' split; this is deprecated: set "
+                "val_split_name: test (and leave val_data_path unset)", FutureWarning, stacklevel=2,
+            )
+        val_name = "test"
+    return train, replace(train, split=val_name)
+
+
+@contextmanager
+def quiet_datasets(progress: bool = False) -> Iterator[None]:
+    """``datasets`` without its own log lines (its failures are raised, reworded, by us) and, unless
+    ``progress``, without progress bars."""
+    import datasets
+
+    bars, logger = datasets.is_progress_bar_enabled(), logging.getLogger("datasets")
+    level = logger.level
+    if not progress:
+        datasets.disable_progress_bars()
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _load_hub(source: DataSource) -> Any:
+    from datasets import load_dataset
+
+    try:
+        with quiet_datasets():
+            return load_dataset(source.path, name=source.name, data_files=source.data_files,
+                                revision=source.revision, split=source.split)
+    except Exception as err:  # datasets raises many types; the user needs the source named
+        raise DataValidationError(source.path, f"not a local file and not loadable as a hub dataset: {err}") from None
+
+
+def _starts_with(path: Path, char: str) -> bool:
+    """Whether the first non-blank character of the file is ``char``."""
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        while chunk := handle.read(4096):
+            if chunk.strip():
+                return chunk.lstrip().startswith(char)
+    return False
+
+
+def _is_utf8(path: Path) -> bool:
+    """Whether the file decodes as UTF-8 (read in 1 MiB chunks)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with path.open("rb") as handle:
+            while chunk := handle.read(1 << 20):
+                decoder.decode(chunk)
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+#: ``datasets`` builder of each local suffix.
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_source(source: DataSource) -> Any:
+    """The rows of ``source`` as an Arrow-backed ``datasets.Dataset`` (cached on disk by ``datasets``, so a
+    ``map`` over it is cached too), or as a list of dicts where ``datasets`` cannot read a local file (JSON
+    objects of columns, malformed or mixed rows: our reader then names the bad line, or the rows are checked
+    later like in-memory ones).
+
+    Raises:
+        DataValidationError: missing file, unknown suffix, malformed JSON (with its line number), no rows.
+    """
+    from datasets import load_dataset
+
+    path = Path(os.path.expanduser(source.path))
+    if path.suffix in _READERS:
+        if not path.is_file():
+            raise DataValidationError(str(path), "file not found")
+        if path.suffix == ".json" and not _starts_with(path, "["):
+            return read_records(str(path))  # {"column": [...]} / {"data": [...]} layouts
+        if path.suffix in (".json", ".jsonl") and not _is_utf8(path):
+            return read_records(str(path))  # Arrow would read the bad bytes; our reader names their row
+        try:
+            with quiet_datasets():
+                rows = load_dataset(_BUILDERS[path.suffix], data_files=str(path), split="train")
+        except Exception as err:
+            if path.suffix in (".parquet", ".csv"):
+                raise DataValidationError(str(path), f"unreadable: {err}") from None
+            return read_records(str(path))  # names the malformed line, or reads what Arrow cannot type
+    elif path.is_dir():
+        rows = _load_hub(replace(source, path=str(path)))
+    elif path.exists():
+        raise DataValidationError(str(path), f"unsupported file type; use one of {', '.join(SUFFIXES)}")
+    else:
+        rows = _load_hub(source)
+    if len(rows) == 0:
+        raise DataValidationError(source.path, "no rows")
+    return rows
 
 
 def check_columns(records: Sequence[dict[str, Any]], columns: Iterable[str], source: str) -> None:

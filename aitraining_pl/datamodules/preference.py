@@ -9,6 +9,10 @@ Batch contract (used by DPO and reward-model training): a dict with
 - ``margin`` (B,) float, only when a margin column is configured;
 
 right padded to the longest sequence in the batch (never to ``max_length``).
+
+How a row's prompt and completions are formed (explicit / implicit prompts, standard / conversational rows, the
+layouts of UltraFeedback, HH-RLHF and Capybara) follows TRL's rules, listed in ``aitraining_pl.datamodules.formats``;
+``encode_pair`` tokenises them as TRL's ``tokenize_row`` does.
 """
 
 from __future__ import annotations
@@ -16,44 +20,71 @@ from __future__ import annotations
 import logging
 import math
 import random
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
+from aitraining_pl.datamodules.base import IN_MEMORY
+from aitraining_pl.datamodules.cached import CachedDataModule
+from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE, is_messages, preference_texts, split_preference
 from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 
 log = logging.getLogger(__name__)
 
-#: Chat template used for conversational rows when the tokenizer has none (e.g. the byte tokenizer).
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+_is_messages = is_messages  # the name other modules import
+__all__ = ["FALLBACK_CHAT_TEMPLATE", "PreferenceDataset", "PreferenceCollator", "PreferenceDataModule", "encode_pair"]
 
 
-def _is_messages(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
-def _shared_prefix(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
-    """Split two full conversations into (prompt, chosen completion, rejected completion) at their longest
-    shared prefix (Anthropic HH style). Message lists split on whole messages, strings on characters."""
-    n = 0
-    limit = min(len(chosen), len(rejected)) - 1  # leave at least one element of each completion
-    while n < limit and chosen[n] == rejected[n]:
-        n += 1
-    return chosen[:n], chosen[n:], rejected[n:]
+def encode_pair(tokenizer: Any, prompt: Any, chosen: Any, rejected: Any, max_length: int, max_prompt_length: int
+                ) -> dict[str, Any]:
+    """One pair as token ids, after the prompt rules and chat rendering of ``formats`` (``prompt`` ``None``:
+    implicit). As TRL's ``tokenize_row``: prompt and completions tokenised separately without special tokens,
+    EOS after each completion, the end of the prompt kept (``max_prompt_length``), the completions cut to what
+    ``max_length`` leaves. Unlike TRL, BOS starts the prompt when the tokenizer has one (and the text lacks it),
+    and a pair with no prompt and no BOS is conditioned on EOS. ``keep`` is false when a completion ends up
+    empty; ``identical`` when both completions are the same text."""
+    prompt_text, chosen_text, rejected_text = preference_texts(tokenizer, *split_preference(prompt, chosen, rejected))
+    prompt_ids = _ids(tokenizer, prompt_text)
+    bos, eos = getattr(tokenizer, "bos_token_id", None), tokenizer.eos_token_id
+    if bos is not None and (not prompt_ids or prompt_ids[0] != bos):
+        prompt_ids = [bos] + prompt_ids
+    if not prompt_ids and eos is not None:
+        # nothing to condition on (no prompt, no BOS): start from EOS, as GPT-2 style models do, so the
+        # first completion token is scored instead of the pair being dropped
+        prompt_ids = [eos]
+    prompt_ids = prompt_ids[-max_prompt_length:]
+    room = max_length - len(prompt_ids)
+    end = [eos] if eos is not None else []
+    chosen_ids = (_ids(tokenizer, chosen_text) + end)[:room]
+    rejected_ids = (_ids(tokenizer, rejected_text) + end)[:room]
+    keep = bool(chosen_ids and rejected_ids and prompt_ids)
+    return {
+        "prompt_ids": prompt_ids,
+        "chosen_ids": chosen_ids if keep else [],
+        "rejected_ids": rejected_ids if keep else [],
+        "keep": keep, "identical": chosen_text == rejected_text,
+        "length": len(prompt_ids) + max(len(chosen_ids), len(rejected_ids)),
+    }
+
+
+def _column(rows: Any, name: str) -> list:
+    """Column ``name`` of a ``datasets.Dataset`` or of a list of dicts."""
+    return list(rows[name]) if hasattr(rows, "select") else [r[name] for r in rows]
 
 
 class PreferenceDataset(Dataset):
-    """Tokenised preference pairs, built once (the seed's ``PreferenceDataset`` signature).
+    """Tokenised preference pairs, built once (the seed's ``PreferenceDataset`` signature). Prompts and
+    completions follow TRL's dataset formats (see ``aitraining_pl.datamodules.formats``).
 
     Args:
-        prompts: prompt per pair: a string or a list of ``{role, content}`` messages; ``None`` to split each
-            chosen/rejected conversation at its shared prefix.
+        prompts: prompt per pair: a string or a list of ``{role, content}`` messages; ``None`` to take each
+            pair's prompt from the shared start of chosen and rejected (TRL's implicit prompt).
         chosen: preferred completion per pair (string or messages).
         rejected: dispreferred completion per pair (string or messages).
         tokenizer: a Hugging Face tokenizer (chat template used for message lists).
@@ -76,77 +107,41 @@ class PreferenceDataset(Dataset):
     ):
         if len(chosen) != len(rejected) or (prompts is not None and len(prompts) != len(chosen)):
             raise DataValidationError(source, "prompts, chosen and rejected must have the same length")
-        if max_prompt_length >= max_length:
-            raise ValueError(f"max_prompt_length ({max_prompt_length}) must be < max_length ({max_length})")
-        self.tokenizer, self.max_length, self.max_prompt_length = tokenizer, max_length, max_prompt_length
-        self.examples: list[dict[str, Any]] = []
-        dropped, identical = 0, 0
+        check_lengths(max_length, max_prompt_length)
+        rows = []
         for i in range(len(chosen)):
-            prompt, good, bad = (prompts[i] if prompts is not None else None), chosen[i], rejected[i]
-            if prompt is None:
-                prompt, good, bad = _shared_prefix(good, bad)
-            identical += good == bad
-            example = self._tokenize(prompt, good, bad)
-            if example is None:
-                dropped += 1
-                continue
-            if margins is not None:
-                example["margin"] = float(margins[i])
-            example["row"] = i
-            self.examples.append(example)
+            prompt = prompts[i] if prompts is not None else None
+            row = encode_pair(tokenizer, prompt, chosen[i], rejected[i], max_length, max_prompt_length)
+            rows.append(row | {"row": i} | ({"margin": float(margins[i])} if margins is not None else {}))
+        self.tokenizer = tokenizer
+        self._keep(rows, source, max_length, max_prompt_length)
+
+    @classmethod
+    def from_encoded(cls, rows: Any, source: str, max_length: int, max_prompt_length: int) -> PreferenceDataset:
+        """A dataset over rows already through ``encode_pair`` (a list or a ``datasets.Dataset``)."""
+        self = cls.__new__(cls)
+        self._keep(rows, source, max_length, max_prompt_length)
+        return self
+
+    def _keep(self, rows: Any, source: str, max_length: int, max_prompt_length: int) -> None:
+        """Keep the usable rows, warning once about identical and dropped pairs."""
+        self.max_length, self.max_prompt_length = max_length, max_prompt_length
+        keep, identical = _column(rows, "keep"), sum(_column(rows, "identical"))
         if identical:
-            log.warning("%s: %d pair(s) have chosen identical to rejected (they carry no preference signal)", source, identical)
+            log.warning("%s: %d pair(s) have chosen identical to rejected (they carry no preference signal)",
+                        source, identical)
+        dropped = len(keep) - sum(keep)
         if dropped:
             log.warning(
                 "%s: dropped %d of %d pair(s) whose completion was empty after truncation to max_length=%d, "
-                "max_prompt_length=%d", source, dropped, len(chosen), max_length, max_prompt_length,
+                "max_prompt_length=%d", source, dropped, len(keep), max_length, max_prompt_length,
             )
-        if not self.examples:
+        kept = [i for i, k in enumerate(keep) if k]
+        if dropped:
+            rows = rows.select(kept) if hasattr(rows, "select") else [rows[i] for i in kept]
+        self.examples = rows
+        if not kept:
             raise DataValidationError(source, "no usable pairs left after truncation (raise max_length?)")
-
-    # -- tokenisation
-    def _texts(self, prompt: Any, completion: Any) -> tuple[str, str]:
-        """Prompt and completion as text; message lists go through the chat template."""
-        if not (_is_messages(prompt) or _is_messages(completion)):
-            return prompt, completion
-        tok = self.tokenizer
-        prompt_messages = prompt if _is_messages(prompt) else ([{"role": "user", "content": prompt}] if prompt else [])
-        completion_messages = (
-            completion if _is_messages(completion) else [{"role": "assistant", "content": completion}]
-        )
-        template = None if getattr(tok, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
-        prompt_text = tok.apply_chat_template(
-            prompt_messages, tokenize=False, add_generation_prompt=True, chat_template=template
-        )
-        full = tok.apply_chat_template(prompt_messages + completion_messages, tokenize=False, chat_template=template)
-        if full.startswith(prompt_text):
-            return prompt_text, full[len(prompt_text) :]
-        plain = tok.apply_chat_template(prompt_messages, tokenize=False, chat_template=template)
-        return plain, full[len(plain) :]
-
-    def _ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-
-    def _tokenize(self, prompt: Any, chosen: Any, rejected: Any) -> Optional[dict[str, Any]]:
-        prompt_text, chosen_text = self._texts(prompt, chosen)
-        _, rejected_text = self._texts(prompt, rejected)
-        tok = self.tokenizer
-        prompt_ids = self._ids(prompt_text)
-        bos = getattr(tok, "bos_token_id", None)
-        if bos is not None and (not prompt_ids or prompt_ids[0] != bos):
-            prompt_ids = [bos] + prompt_ids
-        if not prompt_ids and tok.eos_token_id is not None:
-            # nothing to condition on (no prompt, no BOS): start from EOS, as GPT-2 style models do, so the
-            # first completion token is scored instead of the pair being dropped
-            prompt_ids = [tok.eos_token_id]
-        prompt_ids = prompt_ids[-self.max_prompt_length :]
-        room = self.max_length - len(prompt_ids)
-        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-        chosen_ids = (self._ids(chosen_text) + eos)[:room]
-        rejected_ids = (self._ids(rejected_text) + eos)[:room]
-        if not chosen_ids or not rejected_ids or not prompt_ids:
-            return None
-        return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids}
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -156,7 +151,12 @@ class PreferenceDataset(Dataset):
 
     def lengths(self) -> list[int]:
         """Longest of the two sequences of each pair (for length-grouped sampling)."""
-        return [len(e["prompt_ids"]) + max(len(e["chosen_ids"]), len(e["rejected_ids"])) for e in self.examples]
+        return _column(self.examples, "length")
+
+
+def check_lengths(max_length: int, max_prompt_length: int) -> None:
+    if max_prompt_length >= max_length:
+        raise ValueError(f"max_prompt_length ({max_prompt_length}) must be < max_length ({max_length})")
 
 
 class PreferenceCollator:
@@ -222,16 +222,27 @@ class LengthGroupedSampler(Sampler[int]):
         return iter([i for batch in first + rest for i in batch])
 
 
-class PreferenceDataModule(TextDataModule):
-    """Preference pairs from a file, a hub dataset or in-memory lists, checked before training starts.
+class PreferenceDataModule(CachedDataModule):
+    """Preference pairs from a file, a hub dataset or in-memory lists, checked before training starts, in any
+    of TRL's preference layouts (explicit or implicit prompt, standard or conversational; see
+    ``aitraining_pl.datamodules.formats``). File and hub rows are tokenised once into the ``datasets`` cache
+    (see ``aitraining_pl.datamodules.cached``).
 
     Args:
-        data_path: local JSONL / JSON / Parquet / CSV file, or a ``datasets`` hub name.
-        split: split to load when ``data_path`` is a hub name.
-        val_data_path: separate validation file / hub name (else ``val_split`` of the training rows).
-        val_split: fraction of the training rows held out for validation (0 for none).
+        data_path: local JSONL / JSON / Parquet / CSV file or folder, or a ``datasets`` hub name (or builder
+            such as ``json`` with ``data_files``).
+        split: split of a hub dataset used for training (e.g. ``train_prefs``; slices such as ``train[:90%]``
+            work).
+        val_data_path: separate validation file / hub name, read with ``val_split_name`` (default ``split``).
+        val_split: fraction of the training rows held out for validation when no validation source is given
+            (0 for none).
+        name: subset (configuration) of the hub dataset.
+        data_files: files of the hub dataset or builder to read (``load_dataset``'s ``data_files``).
+        revision: branch, tag or commit of the hub dataset.
+        val_split_name: split of ``data_path`` used for validation (e.g. ``test_prefs``); with
+            ``val_data_path``, its split.
         prompt_column: column holding the prompt; when the data has no such column, each chosen/rejected
-            pair is split at its shared prefix (Anthropic HH style).
+            pair is split at its shared start (TRL's implicit prompt).
         chosen_column: column holding the preferred completion.
         rejected_column: column holding the dispreferred completion.
         margin_column: optional column with a float preference margin (added to batches as ``margin``).
@@ -257,6 +268,10 @@ class PreferenceDataModule(TextDataModule):
         split: str = "train",
         val_data_path: Optional[str] = None,
         val_split: float = 0.1,
+        name: Optional[str] = None,
+        data_files: Optional[Union[str, list[str], dict[str, Union[str, list[str]]]]] = None,
+        revision: Optional[str] = None,
+        val_split_name: Optional[str] = None,
         prompt_column: str = "prompt",
         chosen_column: str = "chosen",
         rejected_column: str = "rejected",
@@ -276,26 +291,42 @@ class PreferenceDataModule(TextDataModule):
     ):
         super().__init__(tokenizer, (prompts, chosen, rejected))
         self.save_hyperparameters(ignore=["tokenizer", "prompts", "chosen", "rejected"])
+        check_lengths(max_length, max_prompt_length)
+        self._implicit: dict[str, bool] = {}  # source -> no prompt column
 
     # -- reading and checking
-    def _rows(self, records: list[dict], source: str) -> list[dict]:
-        """Check every row (once, before any split); rows without a prompt column are split later."""
+    def _check_columns(self, rows: Any, source: str) -> None:
         hp = self.hparams
         needed = [hp.chosen_column, hp.rejected_column] + ([hp.margin_column] if hp.margin_column else [])
-        check_columns(records, needed, source)
-        has_prompt = hp.prompt_column in records[0]
-        if not has_prompt:
-            log.warning("%s: no %r column; using the shared prefix of chosen and rejected as the prompt", source, hp.prompt_column)
-        for row, record in enumerate(records, start=1):
-            for field in ([hp.prompt_column] if has_prompt else []) + [hp.chosen_column, hp.rejected_column]:
-                if field not in record:
-                    raise DataValidationError(source, "missing field", row, field)
-                check_text(record[field], source, row, field)
-            if hp.margin_column:
-                value = record.get(hp.margin_column)
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                    raise DataValidationError(source, f"expected a finite number, got {value!r}", row, hp.margin_column)
-        return records
+        check_columns(rows, needed, source)
+        implicit = hp.prompt_column not in rows[0]
+        if implicit and source not in self._implicit:
+            log.warning("%s: no %r column; using the shared prefix of chosen and rejected as the prompt",
+                        source, hp.prompt_column)
+        self._implicit[source] = implicit
+
+    def _settings(self) -> dict[str, Any]:
+        hp = self.hparams
+        keys = ("prompt_column", "chosen_column", "rejected_column", "margin_column", "max_length", "max_prompt_length")
+        return {k: hp[k] for k in keys} | {"fallback_chat_template": FALLBACK_CHAT_TEMPLATE}
+
+    def _encode(self, record: dict, index: int, source: str) -> dict[str, Any]:
+        """Check one row (``DataValidationError`` naming row ``index + 1`` and the field) and tokenise it."""
+        hp, row = self.hparams, index + 1
+        fields = ([] if self._implicit[source] else [hp.prompt_column]) + [hp.chosen_column, hp.rejected_column]
+        for field in fields:
+            if record.get(field) is None:
+                raise DataValidationError(source, "missing field", row, field)
+            check_text(record[field], source, row, field)
+        prompt = None if self._implicit[source] else record[hp.prompt_column]
+        encoded = encode_pair(self.tokenizer, prompt, record[hp.chosen_column], record[hp.rejected_column],
+                              hp.max_length, hp.max_prompt_length) | {"row": index}
+        if hp.margin_column:
+            value = record.get(hp.margin_column)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise DataValidationError(source, f"expected a finite number, got {value!r}", row, hp.margin_column)
+            encoded["margin"] = float(value)
+        return encoded
 
     def _in_memory_records(self) -> list[dict]:
         hp = self.hparams
@@ -312,13 +343,9 @@ class PreferenceDataModule(TextDataModule):
             raise DataValidationError(IN_MEMORY, "no rows")
         return records
 
-    def _dataset(self, records: list[dict], source: str) -> PreferenceDataset:
+    def _build(self, rows: Any, source: str) -> PreferenceDataset:
         hp = self.hparams
-        column = lambda name: [r[name] for r in records] if name and name in records[0] else None  # noqa: E731
-        return PreferenceDataset(
-            column(hp.prompt_column), column(hp.chosen_column), column(hp.rejected_column), self.tokenizer,
-            hp.max_length, hp.max_prompt_length, column(hp.margin_column), source
-        )
+        return PreferenceDataset.from_encoded(rows, source, hp.max_length, hp.max_prompt_length)
 
     # -- loaders
     def train_dataloader(self) -> DataLoader:

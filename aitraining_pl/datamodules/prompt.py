@@ -7,21 +7,39 @@ Batch contract (used by ``PPOModule``): a dict with
 - ``prompts``: list of B prompt texts (after the chat template), passed to the reward source;
 - ``metadata``: list of B dicts, the row's extra columns (e.g. a math problem's answer), passed to the
   reward source.
+
+Prompts follow TRL's prompt-only type (``aitraining_pl.datamodules.formats.prompt_text``): strings as they are,
+messages through the chat template with the generation prompt (or left open when the last turn is the assistant's).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from torch.utils.data import DataLoader, Dataset
 
-from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
+from aitraining_pl.datamodules.base import IN_MEMORY
+from aitraining_pl.datamodules.cached import CachedDataModule
+from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE, prompt_text
 from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
-from aitraining_pl.datamodules.preference import FALLBACK_CHAT_TEMPLATE, _is_messages
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 
 log = logging.getLogger(__name__)
+
+#: Columns an encoded row adds: the rendered prompt and its token ids.
+TEXT, IDS = "__prompt_text", "__input_ids"
+
+
+def encode_prompt(tokenizer: Any, prompt: Any, max_prompt_length: int, use_chat_template: bool) -> dict[str, Any]:
+    """A prompt as ``{TEXT: rendered text, IDS: token ids}``: TRL's prompt-only type (``formats.prompt_text``),
+    tokenised without special tokens, BOS first when the tokenizer has one, the end kept."""
+    text = prompt_text(tokenizer, prompt, use_chat_template)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and (not ids or ids[0] != bos):
+        ids = [bos] + ids
+    return {TEXT: text, IDS: ids[-max_prompt_length:]}
 
 
 class PromptDataset(Dataset):
@@ -47,28 +65,49 @@ class PromptDataset(Dataset):
         if metadata is not None and len(metadata) != len(prompts):
             raise ValueError(f"{len(metadata)} metadata rows for {len(prompts)} prompts")
         self.tokenizer = tokenizer
-        self.texts = [self._render(p, use_chat_template) for p in prompts]
-        self.metadata = [dict(m) for m in metadata] if metadata is not None else [{} for _ in prompts]
-        bos = getattr(tokenizer, "bos_token_id", None)
-        self.input_ids = []
-        for text in self.texts:
-            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-            if bos is not None and (not ids or ids[0] != bos):
-                ids = [bos] + ids
-            self.input_ids.append(ids[-max_prompt_length:])
+        rows = [
+            {**(dict(metadata[i]) if metadata is not None else {}),
+             **encode_prompt(tokenizer, prompt, max_prompt_length, use_chat_template)}
+            for i, prompt in enumerate(prompts)
+        ]
+        self._init(rows, exclude=())
 
-    def _render(self, prompt: Any, use_chat_template: bool) -> str:
-        if not (_is_messages(prompt) or use_chat_template):
-            return prompt
-        messages = prompt if _is_messages(prompt) else [{"role": "user", "content": prompt}]
-        template = None if getattr(self.tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, chat_template=template)
+    @classmethod
+    def from_encoded(cls, rows: Any, exclude: Sequence[str] = (), keep: Optional[Sequence[str]] = None
+                     ) -> PromptDataset:
+        """A dataset over rows already through ``encode_prompt`` (a list or a ``datasets.Dataset``); metadata
+        is every other column except ``exclude`` (only ``keep`` when given)."""
+        self = cls.__new__(cls)
+        self._init(rows, exclude, keep)
+        return self
+
+    def _init(self, rows: Any, exclude: Sequence[str], keep: Optional[Sequence[str]] = None) -> None:
+        self.examples, self._exclude, self._keep = rows, set(exclude) | {TEXT, IDS}, keep
+
+    def _metadata(self, row: dict) -> dict:
+        return {k: v for k, v in row.items() if k not in self._exclude and (self._keep is None or k in self._keep)}
+
+    @property
+    def texts(self) -> list[str]:
+        """The rendered prompts."""
+        return list(self.examples[TEXT]) if hasattr(self.examples, "select") else [r[TEXT] for r in self.examples]
+
+    @property
+    def metadata(self) -> list[dict]:
+        """Each row's metadata."""
+        return [self._metadata(row) for row in self.examples]
+
+    @property
+    def input_ids(self) -> list[list[int]]:
+        """Each prompt's token ids."""
+        return list(self.examples[IDS]) if hasattr(self.examples, "select") else [r[IDS] for r in self.examples]
 
     def __len__(self) -> int:
-        return len(self.texts)
+        return len(self.examples)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return {"input_ids": self.input_ids[index], "prompt": self.texts[index], "metadata": self.metadata[index]}
+        row = self.examples[index]
+        return {"input_ids": row[IDS], "prompt": row[TEXT], "metadata": self._metadata(row)}
 
 
 class PromptCollator:
@@ -91,20 +130,29 @@ class PromptCollator:
         }
 
 
-class PromptDataModule(TextDataModule):
-    """Prompts from a file, a hub dataset or an in-memory list, checked before training starts.
+class PromptDataModule(CachedDataModule):
+    """Prompts from a file, a hub dataset or an in-memory list, checked before training starts (TRL's
+    prompt-only type: a string, or messages rendered with the generation prompt). File and hub rows are
+    tokenised once into the ``datasets`` cache (see ``aitraining_pl.datamodules.cached``).
 
     Training batches have a fixed size (the last incomplete batch is dropped), so every rank runs the same
     number of PPO minibatches.
 
     Args:
-        data_path: local JSONL / JSON / Parquet / CSV file, or a ``datasets`` hub name.
-        split: split to load when ``data_path`` is a hub name.
-        val_data_path: separate validation prompts (file or hub name); else ``val_split`` of the rows.
-        val_split: fraction of the rows held out for validation (0 for none).
+        data_path: local JSONL / JSON / Parquet / CSV file or folder, or a ``datasets`` hub name (or builder
+            such as ``json`` with ``data_files``).
+        split: split of a hub dataset used for training (slices such as ``train[:90%]`` work).
+        val_data_path: separate validation prompts (file or hub name), read with ``val_split_name`` (default
+            ``split``); else ``val_split`` of the rows.
+        val_split: fraction of the rows held out for validation when no validation source is given (0 for none).
+        name: subset (configuration) of the hub dataset.
+        data_files: files of the hub dataset or builder to read (``load_dataset``'s ``data_files``).
+        revision: branch, tag or commit of the hub dataset.
+        val_split_name: split of ``data_path`` used for validation (e.g. ``test``); with ``val_data_path``,
+            its split.
         prompt_column: column holding the prompt (a string or chat messages).
         metadata_columns: columns passed to the reward source as per-row metadata (default: every other
-            column).
+            column); each must be present (not null) in every row.
         prompts: in-memory prompts (instead of ``data_path``).
         metadata: in-memory metadata, one dict per prompt.
         tokenizer: tokenizer object or name (``"byte"``, a folder or hub id); the CLI links it from the model.
@@ -117,6 +165,7 @@ class PromptDataModule(TextDataModule):
     """
 
     collator = PromptCollator
+    keep_columns = True  # the other columns are the metadata
 
     def __init__(
         self,
@@ -124,6 +173,10 @@ class PromptDataModule(TextDataModule):
         split: str = "train",
         val_data_path: Optional[str] = None,
         val_split: float = 0.0,
+        name: Optional[str] = None,
+        data_files: Optional[Union[str, list[str], dict[str, Union[str, list[str]]]]] = None,
+        revision: Optional[str] = None,
+        val_split_name: Optional[str] = None,
         prompt_column: str = "prompt",
         metadata_columns: Optional[list[str]] = None,
         prompts: Optional[list] = None,
@@ -162,27 +215,29 @@ class PromptDataModule(TextDataModule):
             raise DataValidationError(IN_MEMORY, "no rows")
         return records
 
-    def _rows(self, records: list[dict], source: str) -> list[dict]:
+    def _check_columns(self, rows: Any, source: str) -> None:
         hp = self.hparams
-        check_columns(records, [hp.prompt_column] + list(hp.metadata_columns or []), source)
-        for row, record in enumerate(records, start=1):
-            if hp.prompt_column not in record:
-                raise DataValidationError(source, "missing field", row, hp.prompt_column)
-            check_text(record[hp.prompt_column], source, row, hp.prompt_column)
-            for column in hp.metadata_columns or []:
-                if column not in record:
-                    raise DataValidationError(source, "missing field", row, column)
-        return records
+        check_columns(rows, [hp.prompt_column] + list(hp.metadata_columns or []), source)
 
-    def _dataset(self, records: list[dict], source: str) -> PromptDataset:
+    def _settings(self) -> dict[str, Any]:
         hp = self.hparams
-        columns = hp.metadata_columns
-        metadata = [
-            {k: v for k, v in r.items() if k != hp.prompt_column and (columns is None or k in columns)} for r in records
-        ]
-        return PromptDataset(
-            [r[hp.prompt_column] for r in records], self.tokenizer, metadata, hp.max_prompt_length, hp.use_chat_template
-        )
+        keys = ("prompt_column", "metadata_columns", "use_chat_template", "max_prompt_length")
+        return {k: hp[k] for k in keys} | {"fallback_chat_template": FALLBACK_CHAT_TEMPLATE}
+
+    def _encode(self, record: dict, index: int, source: str) -> dict[str, Any]:
+        """Check one row (``DataValidationError`` naming row ``index + 1`` and the field) and tokenise it."""
+        hp, row = self.hparams, index + 1
+        if record.get(hp.prompt_column) is None:
+            raise DataValidationError(source, "missing field", row, hp.prompt_column)
+        check_text(record[hp.prompt_column], source, row, hp.prompt_column)
+        for column in hp.metadata_columns or []:
+            if record.get(column) is None:
+                raise DataValidationError(source, "missing field", row, column)
+        return encode_prompt(self.tokenizer, record[hp.prompt_column], hp.max_prompt_length, hp.use_chat_template)
+
+    def _build(self, rows: Any, source: str) -> PromptDataset:
+        hp = self.hparams
+        return PromptDataset.from_encoded(rows, exclude=[hp.prompt_column], keep=hp.metadata_columns)
 
     def setup(self, stage: Optional[str] = None) -> None:
         """Read, check and tokenise once (a second call reuses the datasets)."""
@@ -201,4 +256,5 @@ class PromptDataModule(TextDataModule):
         ``SamplingCallback``."""
         self.setup()
         dataset = self.val_dataset or self.train_dataset
-        return dataset.texts[:n], dataset.metadata[:n]
+        rows = [dataset[i] for i in range(min(n, len(dataset)))]
+        return [r["prompt"] for r in rows], [r["metadata"] for r in rows]

@@ -185,11 +185,22 @@ def where_load_failed(folder: str, err: BaseException) -> str | None:
 
 
 def _weights_file(folder: str) -> str | None:
-    """The single weights file of a local folder (to name it when it is corrupt), if there is exactly one."""
+    """The weights file of a local folder to name when loading it failed: the one safetensors file whose header
+    does not read (a folder may hold several, e.g. a reward model's ``reward_head.safetensors``), else the
+    folder's only weights file."""
     if not os.path.isdir(folder):
         return None
-    files = [f for f in sorted(os.listdir(folder)) if f.endswith((".safetensors", ".bin"))]
-    return os.path.join(folder, files[0]) if len(files) == 1 else None
+    files = [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith((".safetensors", ".bin"))]
+    from safetensors import safe_open
+
+    for path in files:
+        if path.endswith(".safetensors"):
+            try:
+                with safe_open(path, framework="pt"):
+                    pass
+            except Exception:  # noqa: BLE001 - any failure to read the header names this file
+                return path
+    return files[0] if len(files) == 1 else None
 
 
 def hidden_size_of(model: nn.Module) -> int:
