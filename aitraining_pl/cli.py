@@ -15,27 +15,155 @@ range; the typed errors of ``aitraining_pl.errors``) is printed as one line on s
 ``aitraining-pl: <what> error: <where>: <why>``, and the command exits with status 2, before training starts
 where the input allows. Internal errors keep their traceback; set ``AITRAINING_PL_DEBUG=1`` to see the full
 traceback of a user error too.
+
+``aitraining-pl`` alone (or ``--help``) lists the modules and the recipes in ``configs/``; ``--version`` prints the
+version. ``fit`` takes ``--output_dir`` (one folder for logs, checkpoints and exports), ``--run_name`` and
+``--threads`` (CPU threads; see docs/cli.md). A closing line after ``fit`` gives the final metrics and the export.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import logging
 import os
 import re
 import sys
+import warnings
+from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from aitraining_pl.callbacks.guard import NonFiniteError
 from aitraining_pl.datamodules.io import DataValidationError  # noqa: F401 - a UserError (``what = "data"``)
-from aitraining_pl.errors import ConfigError, UserError
-from aitraining_pl.validation import check_hparams
+from aitraining_pl.errors import ConfigError, HyperparameterError, UserError
+from aitraining_pl.validation import RenamedArgumentWarning, check_hparams
 
 #: Errors that are the user's to fix: printed as one line, exit status 2. ``UserError`` (data, config,
 #: hyperparameter, model, reward) carries its own kind; the others are printed as ``input error`` (a NaN/inf
 #: loss or gradient norm comes from the data or the hyperparameters, e.g. a learning rate that blows up).
 USER_ERRORS: tuple[type[BaseException], ...] = (UserError, FileNotFoundError, ValueError, NonFiniteError)
+
+#: the modules the command lists (name, class path); ``--model DPOModule`` takes the short class name.
+MODULES: tuple[tuple[str, str], ...] = (
+    ("SFT", "aitraining_pl.modules.sft.SFTModule"),
+    ("DPO", "aitraining_pl.modules.dpo.DPOModule"),
+    ("reward", "aitraining_pl.modules.reward.RewardModule"),
+    ("pairwise", "aitraining_pl.modules.reward.PairwiseRewardModule"),
+    ("multi-objective", "aitraining_pl.modules.reward.MultiObjectiveRewardModule"),
+    ("PPO", "aitraining_pl.modules.ppo.PPOModule"),
+    ("GRPO", "aitraining_pl.modules.critic_free.GRPOModule"),
+    ("RLOO", "aitraining_pl.modules.critic_free.RLOOModule"),
+)
+
+#: dataclass arguments with their own ``--model.<name>.help`` (jsonargparse advertises it but cannot print it
+#: inside a subclass-mode model).
+NESTED_HELP = {"lora": "aitraining_pl.models.lora.LoRAConfig", "generation": "aitraining_pl.rollout.GenerationConfig"}
+
+
+def _import(class_path: str) -> Any:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def available_modules() -> list[tuple[str, str, str]]:
+    """``(name, class path, first docstring line)`` of each module in ``MODULES`` that imports (importing them
+    registers the short class names with jsonargparse)."""
+    found = []
+    for name, path in MODULES:
+        try:
+            cls = _import(path)
+        except (ImportError, AttributeError):
+            continue
+        found.append((name, path, (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""))
+    return found
+
+
+def recipe_dir() -> Optional[Path]:
+    """``configs/`` in the working directory, else beside the package (a source checkout)."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        if (root / "configs").is_dir():
+            return root / "configs"
+    return None
+
+
+def recipes() -> list[tuple[str, str]]:
+    """``(path, description)`` of every YAML recipe; the description is the file's first comment line."""
+    folder = recipe_dir()
+    if folder is None:
+        return []
+    found = []
+    for path in sorted(folder.rglob("*.y*ml")):
+        first = next((line for line in path.read_text().splitlines() if line.startswith("#")), "#")
+        try:
+            shown = path.relative_to(Path.cwd())
+        except ValueError:
+            shown = path
+        found.append((str(shown), first.lstrip("#").strip()))
+    return found
+
+
+def overview() -> str:
+    """The text of ``aitraining-pl`` with no subcommand: usage, modules and recipes."""
+    lines = [
+        "usage: aitraining-pl {fit,validate,test} --config RECIPE.yaml [--model.init_args.NAME VALUE ...]",
+        "       aitraining-pl fit --help | fit --model.help DPOModule | fit --model.lora.help | --version",
+        "",
+        "modules (--model CLASS; the short class name is enough):",
+    ]
+    mods = available_modules()
+    width = max((len(n) for n, _, _ in mods), default=0)
+    lines += [f"  {name:<{width}}  {path}" for name, path, _ in mods]
+    found = recipes()
+    if found:
+        lines += ["", "recipes (--config PATH):"]
+        width = max(len(p) for p, _ in found)
+        lines += [f"  {path:<{width}}  {text}" for path, text in found]
+    return "\n".join(lines)
+
+
+def version() -> str:
+    return f"aitraining-pl {sys.modules[__package__].__version__}"  # the package is imported with this module
+
+
+def nested_help(args: list[str]) -> Optional[str]:
+    """The help of a dataclass argument (``--model.lora.help``, ``--model.init_args.generation.help``)."""
+    for arg in args:
+        match = re.fullmatch(r"--model\.(?:init_args\.)?(\w+)\.help", arg)
+        if match and match.group(1) in NESTED_HELP:
+            from jsonargparse import ArgumentParser
+
+            parser = ArgumentParser(prog=f"--model.{match.group(1)}", exit_on_error=False)
+            parser.add_class_arguments(_import(NESTED_HELP[match.group(1)]))
+            return parser.format_help()
+    return None
+
+
+class _DropRecord(logging.Filter):
+    """Drops log records whose message starts with one of ``prefixes`` (Lightning's advertisement)."""
+
+    def __init__(self, *prefixes: str) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(self.prefixes)
+
+
+def quiet_known_noise() -> None:
+    """Silence, narrowly, output that says nothing to a user of this command: Lightning's litlogger
+    advertisement, and Lightning's own use of a torch API torch deprecated (``LeafSpec``, lightning/pytorch/
+    utilities/_pytree.py)."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropRecord) for f in logger.filters):
+            logger.addFilter(_DropRecord(
+                "💡 Tip: For seamless cloud logging",  # the litlogger advertisement
+                "Trainer already configured with model summary callbacks: [<class 'aitraining_pl.callbacks.summary",
+            ))
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", module=r"lightning\..*")
+    warnings.simplefilter("default", RenamedArgumentWarning)  # a DeprecationWarning, hidden outside __main__
 
 
 class AlignmentCLI(LightningCLI):
@@ -47,6 +175,7 @@ class AlignmentCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.tokenizer", "data.init_args.tokenizer", apply_on="instantiate")
+        add_run_arguments(parser)
 
     def before_instantiate_classes(self) -> None:
         """Check the model's and the data module's arguments against the range table before either is built,
@@ -59,6 +188,122 @@ class AlignmentCLI(LightningCLI):
             if init_args is not None:
                 owner = str(getattr(section, "class_path", key)).rpartition(".")[2]
                 check_hparams(init_args.as_dict() if hasattr(init_args, "as_dict") else dict(init_args), owner)
+        if config is not None:
+            apply_run_arguments(config)
+
+    def instantiate_trainer(self, **kwargs: Any):
+        """The trainer, with ``CompactModelSummary`` unless the config names a model summary or turns it off."""
+        from lightning.pytorch.callbacks import ModelSummary
+
+        from aitraining_pl.callbacks.summary import CompactModelSummary
+
+        config = self.config_init.get(self.subcommand) if self.subcommand else self.config_init
+        trainer_config = config.get("trainer", {}) if config is not None else {}
+        callbacks = trainer_config.get("callbacks") or []
+        named = list(callbacks if isinstance(callbacks, list) else [callbacks])
+        named += list(kwargs.get("callbacks") or [])  # ``kwargs`` replace the config's keys
+        if trainer_config.get("enable_model_summary", True) is not False and not any(
+            isinstance(c, ModelSummary) for c in named
+        ):
+            kwargs["callbacks"] = named + [CompactModelSummary()]
+        return super().instantiate_trainer(**kwargs)
+
+    def after_fit(self) -> None:
+        """One closing line: the final metrics and where the model was exported."""
+        if self.trainer.is_global_zero:
+            print(closing_line(self.trainer), flush=True)
+
+
+def add_run_arguments(parser: LightningArgumentParser) -> None:
+    """``--output_dir``, ``--run_name`` and ``--threads`` (one place for output paths; CPU threads)."""
+    parser.add_argument(
+        "--output_dir", type=Optional[str], default=None,
+        help="One folder for the run: loggers write to it (CSV/TensorBoard under csv/ and tensorboard/), "
+        "checkpoints go to <output_dir>/checkpoints and exports to <output_dir>/export. Overrides the "
+        "save_dir / dirpath of the recipe's loggers and callbacks.",
+    )
+    parser.add_argument(
+        "--run_name", type=Optional[str], default=None,
+        help="Name of the run: the W&B run name and the version folder of CSV/TensorBoard logs "
+        "(default: W&B's own name; version_N).",
+    )
+    parser.add_argument(
+        "--threads", type=Optional[int], default=None,
+        help="CPU threads for torch (torch.set_num_threads; default: torch's, one per core). On a shared or "
+        "small CPU machine 1 is often several times faster for the tiny quickstart models.",
+    )
+
+
+#: ``(class name, init argument)`` of the directory each known logger / callback writes to.
+_LOG_DIRS = {"CSVLogger": "csv", "TensorBoardLogger": "tensorboard", "WandbLogger": None, "MLFlowLogger": None}
+_CALLBACK_DIRS = {"ModelCheckpoint": "checkpoints", "HFExportCallback": "export"}
+
+
+def _as_list(value: Any) -> list:
+    if value is None or isinstance(value, bool):
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def apply_run_arguments(config: Any) -> None:
+    """Apply ``threads``, ``output_dir`` and ``run_name`` to the parsed config (a jsonargparse ``Namespace``).
+
+    A logger's ``save_dir`` / ``name`` / ``version`` and the checkpoint and export ``dirpath`` are set from
+    ``output_dir`` and ``run_name`` when given. A W&B logger never keeps a ``name`` carried over from another
+    logger class (jsonargparse keeps ``init_args`` when ``--trainer.logger`` swaps the class): its ``name``
+    is ``run_name`` or W&B's own."""
+    threads = config.get("threads")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    output_dir, run_name = config.get("output_dir"), config.get("run_name")
+    trainer = config.get("trainer")
+    if trainer is None:
+        return
+    for logger in _as_list(trainer.get("logger")):
+        kind = str(getattr(logger, "class_path", "")).rpartition(".")[2]
+        args = getattr(logger, "init_args", None)
+        if args is None or kind not in _LOG_DIRS:
+            continue
+        if output_dir is not None:
+            args["save_dir"] = output_dir
+        if _LOG_DIRS[kind] is None:  # W&B / MLflow: the run name
+            if run_name is not None or args.get("name") in ("csv", "tensorboard", "lightning_logs"):
+                args["name"] = run_name
+        else:
+            if output_dir is not None:
+                args["name"] = _LOG_DIRS[kind]
+            if run_name is not None:
+                args["version"] = run_name
+    if output_dir is None:
+        return
+    for callback in _as_list(trainer.get("callbacks")):
+        kind = str(getattr(callback, "class_path", "")).rpartition(".")[2]
+        args = getattr(callback, "init_args", None)
+        if args is not None and kind in _CALLBACK_DIRS:
+            args["dirpath"] = os.path.join(output_dir, _CALLBACK_DIRS[kind])
+    if not _as_list(trainer.get("logger")):
+        trainer["default_root_dir"] = output_dir
+
+
+def closing_line(trainer: Any) -> str:
+    """``aitraining-pl: done after N steps: <k>=<v> ...; export: <path>; checkpoint: <path>`` after a fit: the
+    last ``train/loss`` and validation metrics (all ``train/`` metrics when there is no validation)."""
+    headline = ("train/loss", "train/reward_mean", "train/kl", "train/rewards/accuracies", "train/accuracy")
+    metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val/") or k in headline}
+    metrics = metrics or {k: v for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
+    shown = " ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items()) if getattr(v, "numel", lambda: 1)() == 1)
+    parts = [f"aitraining-pl: done after {trainer.global_step} steps: {shown or 'no metrics logged'}"]
+    for callback in trainer.callbacks:
+        if type(callback).__name__ == "HFExportCallback" and getattr(callback, "dirpath", None) is not None:
+            last = Path(callback.dirpath) / "last"
+            parts.append(f"export: {last if last.exists() else callback.dirpath}")
+    checkpoint = getattr(trainer, "checkpoint_callback", None)
+    path = getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")
+    if path:
+        parts.append(f"checkpoint: {path}")
+    return "; ".join(parts)
 
 
 def _chain(err: Optional[BaseException]):
@@ -86,10 +331,11 @@ _DUMP_LINES = ("Does not validate against", "Subtypes:", "Errors:", "- Problem w
                "- Expected a <class 'NoneType'>", "Given value type:", "Given value:", "tip:", "usage:")
 
 
-def parser_error(err: BaseException, args: Optional[list[str]] = None) -> ConfigError:
+def parser_error(err: BaseException, args: Optional[list[str]] = None) -> UserError:
     """A jsonargparse error (``Parser key "model": ... Parser key "beta": Expected ...``, a 7-line dump) as
     one ``ConfigError`` naming the option (``--model.init_args.beta``) and the innermost reason; a config file
-    that is not valid YAML is named by its path (from ``args``, default ``sys.argv``)."""
+    that is not valid YAML is named by its path (from ``args``, default ``sys.argv``). A value outside a
+    ``Literal`` argument's choices is a ``HyperparameterError`` worded as the range table words it."""
     lines = [line.strip() for line in str(err).replace(' in "<unicode string>",', "").splitlines() if line.strip()]
     if lines and lines[0].startswith("Problems parsing config"):
         argv = list(sys.argv[1:] if args is None else args)
@@ -108,6 +354,12 @@ def parser_error(err: BaseException, args: Optional[list[str]] = None) -> Config
     nested = len(keys) > 1 and any(line.startswith("- Problem with given class_path") for line in lines)
     option = keys[0] + (".init_args." if nested else ".") + ".".join(keys[1:]) if len(keys) > 1 else "".join(keys)
     why = (why or (lines[0] if lines else type(err).__name__)).lstrip("- ")
+    choice = re.match(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", why)
+    owner = re.search(r"class_path '([\w.]+)'", " ".join(lines))
+    if choice and keys:  # a choice outside a Literal: worded as the range table words it
+        name, value = keys[-1], choice.group(2).strip()
+        where = f"{owner.group(1).rpartition('.')[2]}.{name}" if owner else f"--{option}"
+        return HyperparameterError(where, f"unknown {name} {value!r}; must be one of {choice.group(1)}")
     return ConfigError(f"--{option}" if option else "command line", why[:400])
 
 
@@ -139,6 +391,21 @@ def main(args: Optional[list[str]] = None) -> None:
     """Entry point of ``aitraining-pl``: ``build_cli`` with user errors turned into one message and exit
     status 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = list(sys.argv[1:] if args is None else args)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(overview())
+        if argv:
+            print("\nLightning's options of each subcommand: aitraining-pl fit --help")
+        raise SystemExit(0)
+    if argv[0] == "--version":
+        print(version())
+        raise SystemExit(0)
+    text = nested_help(argv)
+    if text is not None:
+        print(text)
+        raise SystemExit(0)
+    available_modules()  # imported: ``--model DPOModule`` resolves the short name
+    quiet_known_noise()
     try:
         build_cli(args)
     except argparse.ArgumentError as err:  # jsonargparse's errors: a bad option or config value

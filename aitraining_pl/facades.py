@@ -127,20 +127,20 @@ class PPOTrainer:
         from aitraining_pl.rollout import GenerationConfig
 
         self.config = c = config
-        reward = {"reward": reward_fn} if reward_fn is not None else {}
+        reward = {"reward": reward_fn if reward_fn is not None else "aitraining_pl.rewards:char_fraction_reward"}
         self.module = PPOModule(
             model_name=c.model_name, model_config=c.model_config, tokenizer_name=c.tokenizer_name,
             generation=GenerationConfig(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p),
             learning_rate=c.learning_rate, mini_batch_size=c.mini_batch_size,
             gradient_accumulation_steps=c.gradient_accumulation_steps, ppo_epochs=c.ppo_epochs, gamma=c.gamma,
             lam=c.lam, clip_ratio=c.clip_ratio, value_clip=c.value_clip, max_grad_norm=c.max_grad_norm,
-            kl_penalty_coef=c.kl_penalty_coef, entropy_coef=c.entropy_coef, value_coef=c.value_coef, seed=c.seed,
+            kl_coef=c.kl_penalty_coef, entropy_coef=c.entropy_coef, value_coef=c.value_coef, seed=c.seed,
             **reward,
         )  # fmt: skip
         if tokenizer is not None:
             self.module._tokenizer = tokenizer
         # kept across train() calls: the KL coefficient and the checkpoint numbering continue
-        self.kl_callback = AdaptiveKLCallback(target=c.kl_target, horizon=c.kl_horizon)
+        self.kl_callback = AdaptiveKLCallback(kl_target=c.kl_target, kl_horizon=c.kl_horizon)
         self.checkpoints = EveryNBatchesCheckpoint(os.path.join(c.output_dir, "checkpoints"), c.save_every)
         self.trainer: Optional[pl.Trainer] = None
 

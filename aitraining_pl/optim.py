@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Literal
 
 import torch
 
 SCHEDULES = ("linear", "cosine", "constant")
+#: The ``lr_schedule`` values, as a type; equal to ``SCHEDULES`` (tested).
+LRSchedule = Literal["linear", "cosine", "constant"]
 
 
 def warmup_decay_factor(step: int, total_steps: int, warmup_steps: int, schedule: str = "linear") -> float:

@@ -5,16 +5,50 @@ whichever of those names a module or data module has (nested dicts such as ``gen
 ``generation.temperature``) and raises a ``HyperparameterError`` naming the argument, the value and the
 allowed range. ``AlignmentModule`` and ``TextDataModule`` call it from ``save_hyperparameters``, which every
 module passes through before it loads anything, so a new module argument needs only a row here.
+
+``RENAMED`` lists the arguments renamed to one spelling per concept (TRL's and peft's where they exist);
+``renamed(...)`` accepts an old name for one release with a ``RenamedArgumentWarning`` (a ``DeprecationWarning``).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from aitraining_pl.errors import HyperparameterError, ModelLoadError, RewardError
+from aitraining_pl.errors import ConfigError, HyperparameterError, ModelLoadError, RewardError
+
+#: old argument name -> its one spelling now; the old names are accepted (with a warning) until the next release.
+RENAMED: dict[str, str] = {
+    "kl_penalty_coef": "kl_coef",  # PPOModule (the seed's PPOConfig keeps kl_penalty_coef)
+    "init_kl_coef": "kl_coef",  # AdaptiveKLCallback
+    "target": "kl_target",  # AdaptiveKLCallback (the seed's PPOConfig.kl_target)
+    "horizon": "kl_horizon",  # AdaptiveKLCallback (the seed's PPOConfig.kl_horizon)
+    "precompute_ref_logps": "precompute_ref_log_probs",  # DPOModule (TRL's DPOConfig name)
+    "center_rewards_coef": "center_rewards_coefficient",  # RewardModule (TRL's RewardConfig name)
+}
+
+
+class RenamedArgumentWarning(DeprecationWarning):
+    """An argument was given by its old name (``RENAMED``); the command line always shows it."""
+
+
+def renamed(owner: str, new: str, value: Any, default: Any, **old: Any) -> Any:
+    """The value of argument ``new``, also accepted under an old name in ``old`` (``name=value``, ``None`` when not
+    given) with a ``RenamedArgumentWarning``; a ``ConfigError`` when both spellings are given."""
+    given = {name: v for name, v in old.items() if v is not None}
+    if not given:
+        return value
+    if len(given) > 1 or value != default:
+        raise ConfigError(f"{owner}.{new}", f"given twice: as {new!r} and as deprecated {', '.join(map(repr, given))}")
+    name, old_value = next(iter(given.items()))
+    warnings.warn(
+        f"{owner}: argument {name!r} is renamed {new!r}; the old name is accepted until the next release",
+        RenamedArgumentWarning, stacklevel=3,
+    )
+    return old_value
 
 
 @dataclass(frozen=True)
@@ -106,7 +140,8 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     # reward models
     "temperature": POSITIVE,  # reward scaling and sampling temperature (``generation.temperature``)
     "dropout_prob": Range(0, 1, high_open=True),
-    "center_rewards_coef": NON_NEGATIVE,
+    "center_rewards_coefficient": NON_NEGATIVE,
+    "center_rewards_coef": Range(0, optional=True),  # deprecated spelling of center_rewards_coefficient
     "num_objectives": COUNT,
     "pooling_strategy": OneOf(_registry("aitraining_pl.losses", "POOLING_STRATEGIES")),
     # online RL (PPO, GRPO, RLOO)
@@ -121,8 +156,11 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     "epsilon_high": Range(0, low_open=True, optional=True),
     "value_clip": Range(0, optional=True),
     "value_coef": NON_NEGATIVE,
-    "kl_penalty_coef": NON_NEGATIVE,
+    "kl_penalty_coef": Range(0, optional=True),  # deprecated spelling of kl_coef
+    "init_kl_coef": Range(0, optional=True),  # deprecated spelling of kl_coef (AdaptiveKLCallback)
     "kl_coef": NON_NEGATIVE,
+    "kl_target": POSITIVE,
+    "kl_horizon": POSITIVE,
     "kl_estimator": OneOf(_registry("aitraining_pl.losses.rl", "_KL_ESTIMATORS")),
     "advantage": OneOf(_registry("aitraining_pl.losses", "ADVANTAGE_ESTIMATORS")),
     "loss_aggregation": OneOf(_registry("aitraining_pl.losses", "LOSS_AGGREGATIONS")),

@@ -48,7 +48,7 @@ BATCH, MAX_LENGTH, PAIRS, LR = 8, 512, 512, 1e-6
 VARIANTS = {
     "padded": {"padding_free": False, "share_prompt": False},
     "default": {},
-    "precomputed": {"precompute_ref_logps": True},
+    "precomputed": {"precompute_ref_log_probs": True},
 }
 #: TRL's variants: DPOConfig arguments
 TRL_VARIANTS = {

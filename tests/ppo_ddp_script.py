@@ -37,14 +37,14 @@ def main(out: str, precision: str = "32-true") -> None:
     module = PPOModule(
         model_config=TINY_LLAMA, tokenizer_name="byte", reward="aitraining_pl.rewards:char_fraction_reward",
         generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0), learning_rate=1e-3,
-        mini_batch_size=2, gradient_accumulation_steps=2, ppo_epochs=2, kl_penalty_coef=0.05,
+        mini_batch_size=2, gradient_accumulation_steps=2, ppo_epochs=2, kl_coef=0.05,
     )
     data = PromptDataModule(prompts=[f"prompt {i}" for i in range(8)], tokenizer="byte", batch_size=4)
     record = Record()
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, precision=precision, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[AdaptiveKLCallback(target=0.01, horizon=100), record],
+        callbacks=[AdaptiveKLCallback(kl_target=0.01, kl_horizon=100), record],
     )
     trainer.fit(module, data)
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}

@@ -14,6 +14,8 @@ from aitraining_pl.models.training import disable_dropout
 from aitraining_pl.modules.ppo import PPOModule
 from architectures import ARCHITECTURES, VOCAB, build_sharpened, sharpen, spec
 
+TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need a reward source
+
 RESULTS: dict[str, dict[str, object]] = {}
 #: FalconH1 runs its Mamba layers on transformers' slow reference kernels on CPU (seconds): marked slow
 MATRIX = [pytest.param(name, marks=pytest.mark.slow) if name == "falcon_h1" else name for name in ARCHITECTURES]
@@ -82,7 +84,8 @@ def test_dpo_completion_logps_equal_the_models_own_forward(model_type, models):
 
 @pytest.mark.parametrize("model_type", MATRIX)
 def test_ppo_old_logprobs_equal_the_models_own_forward(model_type):
-    module = PPOModule(model_config={"model_type": model_type, **spec(model_type)}, tokenizer_name="byte",
+    module = PPOModule(reward=TOY_REWARD,
+                       model_config={"model_type": model_type, **spec(model_type)}, tokenizer_name="byte",
                        mini_batch_size=2)
     sharpen(module.policy)
     sharpen(module.reference.model)

@@ -24,7 +24,7 @@ def _fake_module(kl):
 
 @pytest.mark.parametrize("kl, direction", [(5.0, 1), (0.5, -1), (1.0, 0)])
 def test_kl_coefficient_moves_towards_the_target(kl, direction):
-    callback = AdaptiveKLCallback(target=1.0, horizon=1000)
+    callback = AdaptiveKLCallback(kl_target=1.0, kl_horizon=1000)
     module = _fake_module(kl)
     callback.on_train_start(None, module)
     callback.on_train_batch_end(None, module)
@@ -36,11 +36,11 @@ def test_kl_coefficient_moves_towards_the_target(kl, direction):
 
 
 def test_kl_callback_state_round_trips():
-    callback = AdaptiveKLCallback(target=1.0, horizon=10)
+    callback = AdaptiveKLCallback(kl_target=1.0, kl_horizon=10)
     module = _fake_module(3.0)
     callback.on_train_start(None, module)
     callback.on_train_batch_end(None, module)
-    restored = AdaptiveKLCallback(target=1.0, horizon=10)
+    restored = AdaptiveKLCallback(kl_target=1.0, kl_horizon=10)
     restored.load_state_dict(callback.state_dict())
     fresh = _fake_module(3.0)
     restored.on_train_start(None, fresh)
@@ -50,7 +50,7 @@ def test_kl_callback_state_round_trips():
 def _module(**kwargs):
     defaults = dict(model_config=TINY_LLAMA, tokenizer_name="byte", reward="aitraining_pl.rewards:char_fraction_reward",
                     generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0), learning_rate=1e-3,
-                    mini_batch_size=2, ppo_epochs=1, kl_penalty_coef=0.05)
+                    mini_batch_size=2, ppo_epochs=1, kl_coef=0.05)
     return PPOModule(**{**defaults, **kwargs})
 
 
@@ -67,7 +67,7 @@ def test_resume_keeps_kl_coefficient_and_step(tmp_path, byte_tokenizer):
     common = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                   default_root_dir=str(tmp_path))
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
-    first = pl.Trainer(max_epochs=1, callbacks=[AdaptiveKLCallback(target=1e-3, horizon=10), ckpt], **common)
+    first = pl.Trainer(max_epochs=1, callbacks=[AdaptiveKLCallback(kl_target=1e-3, kl_horizon=10), ckpt], **common)
     module = _module()
     first.fit(module, _data(byte_tokenizer))
     saved_coef, saved_step = module.kl_coef, first.global_step
@@ -75,7 +75,7 @@ def test_resume_keeps_kl_coefficient_and_step(tmp_path, byte_tokenizer):
     assert not any(k.startswith(("reference", "_reward")) for k in torch.load(ckpt.last_model_path, weights_only=True)["state_dict"])
 
     probe = _Probe()
-    second = pl.Trainer(max_epochs=2, callbacks=[AdaptiveKLCallback(target=1e-3, horizon=10), probe], **common)
+    second = pl.Trainer(max_epochs=2, callbacks=[AdaptiveKLCallback(kl_target=1e-3, kl_horizon=10), probe], **common)
     resumed = _module()
     second.fit(resumed, _data(byte_tokenizer), ckpt_path=ckpt.last_model_path)
     assert probe.start == (pytest.approx(saved_coef), saved_step)

@@ -112,3 +112,111 @@ def test_overrides_reach_the_module(tmp_path):
     cli = build_cli(["--config", str(config), "--model.init_args.beta", "0.25", "--data.init_args.batch_size", "2"], run=False)
     assert cli.model.hparams.beta == 0.25 and cli.datamodule.hparams.batch_size == 2
     assert cli.datamodule.tokenizer is cli.model.tokenizer  # linked, not loaded twice
+
+
+# ---------------------------------------------------------------- the command explains itself (issue 15, item 5)
+def test_bare_command_lists_modules_and_recipes(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for args in ([], ["--help"]):
+        with pytest.raises(SystemExit) as info:
+            main(args)
+        out = capsys.readouterr().out
+        assert info.value.code == 0
+        for name, path in [("DPO", "aitraining_pl.modules.dpo.DPOModule"), ("SFT", "aitraining_pl.modules.sft.SFTModule"),
+                           ("PPO", "aitraining_pl.modules.ppo.PPOModule"), ("multi-objective", "MultiObjectiveRewardModule"),
+                           ("GRPO", "aitraining_pl.modules.critic_free.GRPOModule"), ("RLOO", "RLOOModule"),
+                           ("pairwise", "PairwiseRewardModule")]:
+            assert any(line.split()[:1] == [name] and path in line for line in out.splitlines()), (name, out)
+        first = (ROOT / "configs/quickstart/dpo.yaml").read_text().splitlines()[0].lstrip("# ")
+        assert any("configs/quickstart/dpo.yaml" in line and first in line for line in out.splitlines()), out
+
+
+def test_version(capsys):
+    import aitraining_pl
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"aitraining-pl {aitraining_pl.__version__}"
+
+
+def test_short_class_name_help_and_choices(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--model.help", "DPOModule"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and "--model.beta" in out
+    assert "{sigmoid,robust,hinge,ipo,simpo}" in out and "{linear,cosine,constant}" in out
+    assert "--model.attn_implementation" in out
+
+
+@pytest.mark.parametrize("option, field", [("--model.lora.help", "--alpha"), ("--model.init_args.lora.help", "--r"),
+                                           ("--model.generation.help", "--max_new_tokens")])
+def test_nested_help(option, field, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--model", "DPOModule", option])
+    assert info.value.code == 0 and field in capsys.readouterr().out
+
+
+def test_output_dir_places_logs_checkpoints_exports_and_wandb_keeps_no_csv_name(tmp_path, monkeypatch):
+    """The README's W&B command on a quickstart recipe: jsonargparse carries the CSV logger's name/save_dir over to
+    the W&B logger; with --output_dir / --run_name every output lands in one folder and the run is named."""
+    pytest.importorskip("wandb")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    config = str(ROOT / "configs/quickstart/dpo.yaml")
+    swap = ["--trainer.logger", "lightning.pytorch.loggers.WandbLogger", "--trainer.logger.init_args.project", "p"]
+    cli = build_cli(["--config", config, *swap], run=False)
+    assert cli.trainer.logger._wandb_init.get("name") is None  # not "csv"
+    cli = build_cli(["--config", config, *swap, "--output_dir", str(tmp_path / "out"), "--run_name", "r1",
+                     "--trainer.enable_checkpointing", "true",
+                     "--trainer.callbacks+", "lightning.pytorch.callbacks.ModelCheckpoint"], run=False)
+    assert cli.trainer.logger._wandb_init["name"] == "r1" and cli.trainer.logger.save_dir == str(tmp_path / "out")
+    dirs = {type(c).__name__: str(getattr(c, "dirpath", "")) for c in cli.trainer.callbacks}
+    assert dirs["HFExportCallback"] == str(tmp_path / "out" / "export")
+    assert dirs["ModelCheckpoint"] == str(tmp_path / "out" / "checkpoints")
+    cli = build_cli(["--config", config, "--output_dir", str(tmp_path / "o2"), "--run_name", "r2"], run=False)
+    assert cli.trainer.logger.log_dir == str(tmp_path / "o2" / "csv" / "r2")
+
+
+def test_threads_option(monkeypatch):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        build_cli(["--config", str(ROOT / "configs/quickstart/dpo.yaml"), "--threads", "1"], run=False)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_compact_summary_drops_internal_rows_and_empty_flops():
+    from aitraining_pl.callbacks.summary import compact_summary_data
+
+    data = [(" ", ["0", "1"]), ("Name", ["_epoch_metrics", "policy"]), ("Type", ["ModuleDict", "Llama"]),
+            ("Params", ["0", "123 K"]), ("FLOPs", ["0", "0"])]
+    assert compact_summary_data(data, total_flops=0) == [(" ", ["0"]), ("Name", ["policy"]), ("Type", ["Llama"]),
+                                                         ("Params", ["123 K"])]
+    assert ("FLOPs", ["0"]) in compact_summary_data(data, total_flops=10)
+
+
+def test_lora_run_logs_every_argument_quietly_and_closes_with_metrics(tmp_path, monkeypatch, capsys, caplog):
+    """A brief LoRA run: hparams.yaml holds lora; no litlogger advertisement, no internal summary row, no FLOPs
+    line; a closing line names the final metrics and the export."""
+    import logging
+
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    data = ROOT / "aitraining_pl" / "data" / "quickstart_preferences.jsonl"
+    with caplog.at_level(logging.INFO):
+        main(["fit", "--config", str(ROOT / "configs/quickstart/dpo.yaml"), "--data.init_args.data_path", str(data),
+              "--model.init_args.lora", '{"r": 4, "alpha": 8}', "--output_dir", "out", "--trainer.max_steps", "2",
+              "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "2",
+              "--trainer.enable_progress_bar", "false"])
+    out = capsys.readouterr().out
+    hparams = yaml.safe_load(next((tmp_path / "out" / "csv").glob("version_*/hparams.yaml")).read_text())
+    assert hparams["lora"]["r"] == 4 and hparams["lora"]["alpha"] == 8 and hparams["beta"] == 0.1
+    logged = caplog.text + out
+    assert "litlogger" not in logged and "_epoch_metrics" not in logged and "Total Flops" not in logged
+    assert "policy" in logged  # the model summary itself is still there
+    closing = [line for line in out.splitlines() if line.startswith("aitraining-pl: done after 2 steps")]
+    assert closing and "val/rewards/accuracies=" in closing[0] and "export: out/export/last" in closing[0]

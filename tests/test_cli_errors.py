@@ -26,6 +26,8 @@ from aitraining_pl.modules.reward import RewardModule
 from conftest import TINY_LLAMA
 from dpo_utils import write_config, write_jsonl
 
+TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need a reward source
+
 PPO = "aitraining_pl.modules.ppo.PPOModule"
 PROMPTS = "aitraining_pl.datamodules.prompt.PromptDataModule"
 REWARD = "aitraining_pl.modules.reward.RewardModule"
@@ -182,8 +184,8 @@ CASES = {
                            ["PPOModule.mini_batch_size: must be >= 1 (an integer), got 0"], True),
     "hp-ppo-epochs": (_ppo, lambda t: ["--model.init_args.ppo_epochs", "0"], "hyperparameter",
                       ["PPOModule.ppo_epochs: must be >= 1 (an integer), got 0"], True),
-    "hp-kl-penalty-coef": (_ppo, lambda t: ["--model.init_args.kl_penalty_coef", "-0.01"], "hyperparameter",
-                           ["PPOModule.kl_penalty_coef: must be >= 0, got -0.01"], True),
+    "hp-kl-coef": (_ppo, lambda t: ["--model.init_args.kl_coef", "-0.01"], "hyperparameter",
+                           ["PPOModule.kl_coef: must be >= 0, got -0.01"], True),
     "hp-gamma": (_ppo, lambda t: ["--model.init_args.gamma", "1.5"], "hyperparameter",
                  ["PPOModule.gamma: must be 0 < value <= 1, got 1.5"], True),
     "hp-kl-estimator": (_ppo, lambda t: ["--model.init_args.kl_estimator", "k9"], "hyperparameter",
@@ -332,9 +334,10 @@ def test_python_construction_is_validated_before_loading(monkeypatch):
     with pytest.raises(HyperparameterError, match=r"DPOModule.beta: must be > 0, got 0"):
         DPOModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", beta=0)
     with pytest.raises(HyperparameterError, match=r"PPOModule.generation.max_new_tokens: must be >= 1"):
-        PPOModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", generation={"max_new_tokens": 0})
-    with pytest.raises(HyperparameterError, match=r"RewardModule.center_rewards_coef: must be >= 0, got -1"):
-        RewardModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", center_rewards_coef=-1)
+        PPOModule(reward=TOY_REWARD,
+                  model_config=dict(TINY_LLAMA), tokenizer_name="byte", generation={"max_new_tokens": 0})
+    with pytest.raises(HyperparameterError, match=r"RewardModule.center_rewards_coefficient: must be >= 0, got -1"):
+        RewardModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", center_rewards_coefficient=-1)
     with pytest.raises(HyperparameterError, match=r"PreferenceDataModule.eval_batch_size: must be >= 1"):
         PreferenceDataModule(data_path="x.jsonl", tokenizer="byte", eval_batch_size=0)
 

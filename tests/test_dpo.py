@@ -138,7 +138,7 @@ def _first_steps(tmp_path, name, steps=3, **model):
 
 def test_precompute_and_lora_give_the_plain_first_step(tmp_path):
     _, plain_loss, plain_logps = _first_steps(tmp_path, "plain")
-    cli, pre_loss, pre_logps = _first_steps(tmp_path, "pre", precompute_ref_logps=True)
+    cli, pre_loss, pre_logps = _first_steps(tmp_path, "pre", precompute_ref_log_probs=True)
     assert cli.model.reference._frozen == []  # the frozen copy was released after precomputing
     assert len(cli.model._ref_cache["train"]) == 24
     torch.testing.assert_close(torch.tensor(pre_loss), torch.tensor(plain_loss), rtol=1e-4, atol=1e-5)

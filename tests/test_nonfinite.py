@@ -109,7 +109,8 @@ class NaNPPO(PPOModule):
 
 @pytest.mark.parametrize("action", ["stop", "skip"])
 def test_ppo_manual_optimisation_is_guarded(tmp_path, action):
-    module = NaNPPO(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, mini_batch_size=2, ppo_epochs=1,
+    module = NaNPPO(model_config=TINY_LLAMA, tokenizer_name="byte", reward="aitraining_pl.rewards:char_fraction_reward",
+                    learning_rate=1e-3, mini_batch_size=2, ppo_epochs=1,
                     generation=GenerationConfig(max_new_tokens=4))
     data = PromptDataModule(prompts=["ab", "cd", "ef", "gh", "ij", "kl"], tokenizer=module.tokenizer, batch_size=2)
     guard = NonFiniteGuard(action=action)

@@ -20,6 +20,8 @@ from aitraining_pl.rollout import GenerationConfig
 
 from conftest import TINY_LLAMA
 
+TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need a reward source
+
 QUICKSTART_PROMPTS = os.path.join(os.path.dirname(__file__), "..", "aitraining_pl", "data", "quickstart_prompts.jsonl")
 EOS = 1
 
@@ -79,22 +81,22 @@ def test_family_shares_one_base_and_presets_set_defaults():
     assert issubclass(PPOModule, OnlineRLModule) and issubclass(GRPOModule, OnlineRLModule)
     for name in ("training_step", "update", "rollout", "log_iteration", "validation_step"):
         assert name not in vars(PPOModule) and name not in vars(CriticFreeModule), name
-    grpo = GRPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", num_generations=4)
-    rloo = RLOOModule(model_config=TINY_LLAMA, tokenizer_name="byte", num_generations=4)
+    grpo = GRPOModule(reward=TOY_REWARD, model_config=TINY_LLAMA, tokenizer_name="byte", num_generations=4)
+    rloo = RLOOModule(reward=TOY_REWARD, model_config=TINY_LLAMA, tokenizer_name="byte", num_generations=4)
     assert (grpo.hparams.advantage, grpo.hparams.loss_aggregation, grpo.hparams.kl_in_reward) == ("grpo", "sequence", False)
     assert (rloo.hparams.advantage, rloo.hparams.loss_aggregation, rloo.hparams.kl_in_reward) == ("rloo", "token", True)
     assert grpo.hparams.num_generations == 4 and grpo.hparams.generation["max_new_tokens"] == 128
     with pytest.raises(ValueError, match="critic"):
-        CriticFreeModule(model_config=TINY_LLAMA, tokenizer_name="byte", advantage="gae")
+        CriticFreeModule(reward=TOY_REWARD, model_config=TINY_LLAMA, tokenizer_name="byte", advantage="gae")
     with pytest.raises(ValueError, match="unknown advantage"):
-        CriticFreeModule(model_config=TINY_LLAMA, tokenizer_name="byte", advantage="nope")
+        CriticFreeModule(reward=TOY_REWARD, model_config=TINY_LLAMA, tokenizer_name="byte", advantage="nope")
     with pytest.raises(ValueError, match="unknown loss aggregation"):
-        CriticFreeModule(model_config=TINY_LLAMA, tokenizer_name="byte", loss_aggregation="nope")
+        CriticFreeModule(reward=TOY_REWARD, model_config=TINY_LLAMA, tokenizer_name="byte", loss_aggregation="nope")
 
 
 def test_kl_coef_zero_holds_no_reference():
-    with_ref = GRPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", kl_coef=0.04)
-    without = GRPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", kl_coef=0.0)
+    with_ref = GRPOModule(reward=TOY_REWARD, model_config=TINY_LLAMA, tokenizer_name="byte", kl_coef=0.04)
+    without = GRPOModule(reward=TOY_REWARD, model_config=TINY_LLAMA, tokenizer_name="byte", kl_coef=0.0)
     assert without.reference is None and with_ref.reference is not None
     # no second copy of the weights anywhere on the module
     tensors = {id(t) for t in vars(without).values() if isinstance(t, torch.Tensor)}

@@ -104,7 +104,7 @@ def test_one_iteration_matches_a_hand_written_ppo_loop(tmp_path, monkeypatch, by
         generation=GenerationConfig(max_new_tokens=5, temperature=hp["temperature"]),
         learning_rate=hp["lr"], mini_batch_size=4, ppo_epochs=hp["ppo_epochs"], gamma=hp["gamma"], lam=hp["lam"],
         clip_ratio=hp["clip"], value_clip=hp["vclip"], max_grad_norm=hp["max_grad_norm"],
-        kl_penalty_coef=hp["kl_coef"], entropy_coef=hp["ecoef"], value_coef=hp["vcoef"],
+        kl_coef=hp["kl_coef"], entropy_coef=hp["ecoef"], value_coef=hp["vcoef"],
     )
     # the value head's output layer starts at zero; perturb it so old values and returns are non-trivial
     torch.nn.init.normal_(module.model.value_head.net[-1].weight, std=0.5)
@@ -181,7 +181,7 @@ def test_quickstart_task_learns(tmp_path, byte_tokenizer, seed):
     module = PPOModule(
         model_config=TINY_LLAMA, tokenizer_name="byte", reward="aitraining_pl.rewards:char_fraction_reward",
         generation=GenerationConfig(max_new_tokens=8, temperature=1.0, top_p=1.0), learning_rate=1e-2,
-        mini_batch_size=8, ppo_epochs=4, kl_penalty_coef=0.01, entropy_coef=0.0, seed=seed,
+        mini_batch_size=8, ppo_epochs=4, kl_coef=0.01, entropy_coef=0.0, seed=seed,
         clip_ratio=0.4,  # a wider trust region than the quickstart's 0.2, so that 12 iterations suffice
     )
     dm = PromptDataModule(data_path=QUICKSTART_PROMPTS, tokenizer=byte_tokenizer, batch_size=16, val_split=0.2)

@@ -22,6 +22,8 @@ from aitraining_pl.rollout import GenerationConfig
 from conftest import TINY_LLAMA
 from dpo_utils import preference_rows
 
+TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need a reward source
+
 
 @pytest.fixture
 def deterministic():
@@ -122,7 +124,7 @@ def test_dpo_resume_is_bit_identical(tmp_path, deterministic, k):
 def test_dpo_resume_with_precomputed_reference_and_length_grouping(tmp_path, deterministic):
     def make():
         module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-2,
-                           precompute_ref_logps=True)
+                           precompute_ref_log_probs=True)
         return module, _preference_data(module.tokenizer, group_by_length=True)
 
     full, resumed, (a, first, b), _ = _run_and_resume(tmp_path, make, 3, max_steps=8)
@@ -144,12 +146,13 @@ def test_ppo_resume_is_bit_identical_with_kl_and_prompts(tmp_path, deterministic
     prompts = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
 
     def make():
-        module = PPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, mini_batch_size=2,
-                           ppo_epochs=1, kl_penalty_coef=0.05,
+        module = PPOModule(reward=TOY_REWARD,
+                           model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, mini_batch_size=2,
+                           ppo_epochs=1, kl_coef=0.05,
                            generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0))
         return module, PromptDataModule(prompts=prompts, tokenizer=module.tokenizer, batch_size=2)
 
-    kl = lambda: [AdaptiveKLCallback(target=1e-3, horizon=10)]  # noqa: E731
+    kl = lambda: [AdaptiveKLCallback(kl_target=1e-3, kl_horizon=10)]  # noqa: E731
     full, resumed, (a, first, b), (full_cbs, resumed_cbs) = _run_and_resume(tmp_path, make, 3, kl, max_epochs=2)
     assert first.batches[:3] + b.batches == a.batches  # the prompts seen, iteration by iteration
     assert sorted(p for batch in a.batches[:4] for p in batch) == sorted(prompts)
@@ -223,7 +226,8 @@ def test_ppo_validation_and_sampling_callback_do_not_shift_training_randomness(t
 
     def run(name, callbacks, **kw):
         pl.seed_everything(0)
-        module = PPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, mini_batch_size=2,
+        module = PPOModule(reward=TOY_REWARD,
+                           model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, mini_batch_size=2,
                            ppo_epochs=1, generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0))
         data = PromptDataModule(prompts=prompts, tokenizer=module.tokenizer, batch_size=2, val_split=0.25)
         options = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,

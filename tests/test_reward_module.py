@@ -75,7 +75,7 @@ def test_reward_module_learns_held_out_preferences_and_exports_for_ppo(tmp_path)
 
 
 def test_shared_step_is_bradley_terry_with_margin_and_centring():
-    module = _module(center_rewards_coef=0.5)
+    module = _module(center_rewards_coefficient=0.5)
     module.eval()
     batch = {
         "input_ids": torch.tensor([[5, 6, 7, 1], [8, 9, 1, 0], [5, 6, 1, 0], [8, 1, 0, 0]]),

@@ -23,6 +23,8 @@ from aitraining_pl.rollout import (
     token_rewards,
 )
 
+TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need a reward source
+
 EOT = "<|im_end|>"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|im_end|>{% endfor %}"
@@ -261,7 +263,8 @@ def test_the_three_samplers_call_the_engine(monkeypatch, tiny_config, byte_token
     with ForwardBackwardPipeline(model, device="cpu") as pipe:
         pipe.sample([70, 71], max_tokens=3)
     TextGenerationEnv(byte_tokenizer, ["hi"], max_length=6).rollout(model)
-    module = PPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", generation=GenerationConfig(max_new_tokens=3))
+    module = PPOModule(reward=TOY_REWARD,
+                       model_config=TINY_LLAMA, tokenizer_name="byte", generation=GenerationConfig(max_new_tokens=3))
     ids, mask = _prompts(["a", "bc"])
     module.generate(ids, mask, num_samples=2)
     assert calls == [1, 1, 4]

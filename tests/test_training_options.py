@@ -20,6 +20,8 @@ from aitraining_pl.rollout import GenerationConfig
 from architectures import WITH_DROPOUT, build_sharpened, spec
 from conftest import TINY_LLAMA
 
+TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need a reward source
+
 BATCH = {  # two pairs sharing their prompts, right padded, chosen rows first
     "input_ids": torch.tensor([[5, 6, 7, 1, 0, 0], [4, 3, 9, 0, 0, 0], [5, 6, 8, 9, 10, 1], [4, 3, 2, 8, 0, 0]]),
     "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]),
@@ -65,7 +67,7 @@ def test_modules_disable_dropout_by_default():
         reward.train()
         scores = [reward.reward_model.score(BATCH["input_ids"], BATCH["attention_mask"]).detach() for _ in range(2)]
         assert torch.equal(*scores) == flag
-        ppo = PPOModule(model_config=gpt2, tokenizer_name="byte", lora=lora, disable_dropout=flag)
+        ppo = PPOModule(reward=TOY_REWARD, model_config=gpt2, tokenizer_name="byte", lora=lora, disable_dropout=flag)
         rates = [m.p for m in ppo.modules() if isinstance(m, torch.nn.Dropout)]
         assert (max(rates) == 0) == flag
 
@@ -174,7 +176,8 @@ def test_gradient_checkpointing_in_reward_and_ppo_modules():
 
     def ppo_grads(checkpointing):
         torch.manual_seed(0)  # the value head's first layer initialises from the global generator
-        module = PPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", gradient_checkpointing=checkpointing)
+        module = PPOModule(reward=TOY_REWARD,
+                           model_config=TINY_LLAMA, tokenizer_name="byte", gradient_checkpointing=checkpointing)
         torch.nn.init.normal_(module.model.value_head.net[-1].weight, generator=torch.Generator().manual_seed(0))
         module.train()
         out = module(BATCH["input_ids"], BATCH["attention_mask"], 2, with_entropy=True)  # fused head: no logits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -53,6 +54,20 @@ def replace_dir(new: Path, target: Path) -> None:
     os.replace(target, old)
     os.replace(new, target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' progress bars off for the duration (restored after)."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 class HFExportCallback(pl.Callback):
@@ -120,7 +135,8 @@ class HFExportCallback(pl.Callback):
         tmp = self.dirpath / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()  # mode 0777 & ~umask, as any folder the user creates (mkdtemp would make it 0700)
         try:
-            pl_module.save_pretrained(tmp, merge_lora=self.merge_lora)
+            with _no_progress_bars():  # transformers' "Writing model shards" bar, once per export, mid-epoch
+                pl_module.save_pretrained(tmp, merge_lora=self.merge_lora)
             link_adapter_base(tmp, target)  # a base saved beside the adapters: named at its final place
             replace_dir(tmp, target)
         except BaseException:

@@ -8,7 +8,7 @@ The per-token losses are reduced by a registered aggregation.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 
@@ -35,6 +35,9 @@ def constant_normaliser(per_token: torch.Tensor, mask: torch.Tensor, max_length:
     generation budget), so no response length biases the gradient."""
     return (per_token * mask).sum() / (per_token.shape[0] * max_length)
 
+
+#: The ``loss_aggregation`` values, as a type; equal to the keys of ``LOSS_AGGREGATIONS`` (tested).
+LossAggregation = Literal["sequence", "token", "constant"]
 
 LOSS_AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] = {
     "sequence": sequence_mean,

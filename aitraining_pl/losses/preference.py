@@ -6,7 +6,7 @@ log-probabilities, one entry per preference pair.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,9 @@ def _simpo(t: _PairTerms) -> torch.Tensor:
     z = t.beta * t.margin - t.gamma
     return -(1 - t.label_smoothing) * F.logsigmoid(z) - t.label_smoothing * F.logsigmoid(-z)
 
+
+#: The ``loss_type`` values, as a type (``--help`` lists them); equal to the keys of ``DPO_LOSSES`` (tested).
+DPOLossType = Literal["sigmoid", "robust", "hinge", "ipo", "simpo"]
 
 DPO_LOSSES: dict[str, Callable[[_PairTerms], torch.Tensor]] = {
     "sigmoid": _sigmoid,

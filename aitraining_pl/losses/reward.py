@@ -6,9 +6,13 @@ Pure tensor functions (no Lightning, no transformers).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 POOLING_STRATEGIES = ("last", "mean", "cls")
+#: The ``pooling_strategy`` values, as a type; equal to ``POOLING_STRATEGIES`` (tested).
+PoolingStrategy = Literal["last", "mean", "cls"]
 
 
 def pool_hidden_states(hidden: torch.Tensor, attention_mask: torch.Tensor, strategy: str = "last") -> torch.Tensor:

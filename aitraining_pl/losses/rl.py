@@ -5,11 +5,14 @@ Pure tensor functions. Per-token tensors are (B, T) with a (B, T) 0/1 ``mask`` m
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
 from aitraining_pl.losses.logprobs import masked_mean
+
+#: The ``kl_estimator`` values, as a type; equal to the keys of ``_KL_ESTIMATORS`` (tested).
+KLEstimator = Literal["k1", "k2", "k3"]
 
 _KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     # r = log ref - log pi on samples from pi; all three estimate KL(pi || ref) (Schulman 2020).

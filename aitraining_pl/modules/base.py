@@ -36,17 +36,51 @@ from aitraining_pl.models import LoRAConfig, ReferencePolicy, is_peft_model, loa
 from aitraining_pl.models.lora import save_adapter_base
 from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing
 from aitraining_pl.optim import adamw_with_warmup
-from aitraining_pl.validation import check_hparams
+from aitraining_pl.validation import RENAMED, check_hparams
 
 #: stages whose values are averaged over the epoch with torchmetrics (training values are per step).
 EPOCH_STAGES = ("val", "test")
 
 
-def as_lora_config(lora: LoRAConfig | Mapping[str, Any] | None) -> LoRAConfig | None:
-    """``LoRAConfig`` from a dataclass, a plain dict (as stored in hparams/checkpoints) or ``None``."""
+#: ``peft.LoraConfig`` field -> ``LoRAConfig`` field (the fields this project's adapters carry).
+PEFT_LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules",
+                    "modules_to_save": "modules_to_save"}
+
+
+def _from_peft(lora: Any) -> LoRAConfig:
+    """``LoRAConfig`` from a ``peft.LoraConfig``; a warning names any other field set away from peft's default
+    (it is not applied)."""
+    import warnings
+
+    from peft import LoraConfig
+
+    values = {ours: getattr(lora, theirs) for theirs, ours in PEFT_LORA_FIELDS.items()}
+    targets = values["target_modules"]
+    values["target_modules"] = "all-linear" if targets is None else targets if isinstance(targets, str) else sorted(targets)
+    values["modules_to_save"] = list(values["modules_to_save"]) if values["modules_to_save"] else None
+    default = LoraConfig()
+    ignored = [
+        f.name for f in dataclasses.fields(lora)
+        if f.name not in PEFT_LORA_FIELDS and f.name not in ("task_type", "peft_type", "base_model_name_or_path",
+                                                            "revision", "inference_mode", "target_parameters")
+        and getattr(lora, f.name) != getattr(default, f.name)
+    ]
+    if ignored:
+        warnings.warn(f"peft.LoraConfig fields not applied (LoRAConfig carries {', '.join(PEFT_LORA_FIELDS)}): "
+                      f"{', '.join(ignored)}", UserWarning, stacklevel=3)
+    return LoRAConfig(**values)
+
+
+def as_lora_config(lora: Any) -> LoRAConfig | None:
+    """``LoRAConfig`` from this project's dataclass, a ``peft.LoraConfig``, a plain dict (as stored in
+    hparams/checkpoints, or with peft's field names) or ``None``."""
     if lora is None or isinstance(lora, LoRAConfig):
         return lora
-    return LoRAConfig(**dict(lora))
+    if type(lora).__name__ == "LoraConfig" and dataclasses.is_dataclass(lora):
+        return _from_peft(lora)
+    values = dict(lora)
+    values = {PEFT_LORA_FIELDS.get(k, k): v for k, v in values.items() if k not in ("task_type", "peft_type")}
+    return LoRAConfig(**values)
 
 
 class AlignmentModule(pl.LightningModule):
@@ -81,10 +115,28 @@ class AlignmentModule(pl.LightningModule):
         """``self.hparams[name]`` or ``default`` when the subclass does not have that argument."""
         return self.hparams.get(name, default)
 
-    def store_lora_hparam(self, lora: LoRAConfig | Mapping[str, Any] | None) -> LoRAConfig | None:
-        """Keep ``lora`` in hparams as a plain dict (checkpoints load with ``weights_only=True``)."""
+    def set_hparam(self, name: str, value: Any) -> None:
+        """Add ``name`` to the hyperparameters after ``save_hyperparameters`` (a value converted to primitives),
+        also to the logged ones (``hparams.yaml``, W&B, TensorBoard log ``hparams_initial``)."""
+        self.hparams[name] = value
+        initial = getattr(self, "_hparams_initial", None)
+        if initial is not None:
+            initial[name] = value
+
+    def drop_renamed_hparams(self, **resolved: Any) -> None:
+        """Remove the old spellings (``validation.RENAMED``) from the hyperparameters and set the resolved values
+        of their new names: under the CLI, Lightning stores the given arguments as they were spelled."""
+        for old in RENAMED:
+            self.hparams.pop(old, None)
+            getattr(self, "_hparams_initial", {}).pop(old, None)
+        for name, value in resolved.items():
+            self.set_hparam(name, value)
+
+    def store_lora_hparam(self, lora: Any) -> LoRAConfig | None:
+        """Keep ``lora`` (``LoRAConfig``, ``peft.LoraConfig`` or dict) in hparams as a plain dict (checkpoints
+        load with ``weights_only=True``) and in the logged hyperparameters."""
         config = as_lora_config(lora)
-        self.hparams["lora"] = dataclasses.asdict(config) if config is not None else None
+        self.set_hparam("lora", dataclasses.asdict(config) if config is not None else None)
         return config
 
     # ------------------------------------------------------------------ models

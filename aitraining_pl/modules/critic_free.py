@@ -22,9 +22,12 @@ from aitraining_pl.losses import (
     group_statistics,
     masked_mean,
 )
+from aitraining_pl.losses.advantages import CriticFreeAdvantage
+from aitraining_pl.losses.policy_gradient import LossAggregation
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
+from aitraining_pl.optim import LRSchedule
 from aitraining_pl.rollout import GenerationConfig, place_scores, token_rewards
 
 
@@ -48,8 +51,9 @@ class CriticFreeModule(OnlineRLModule):
         model_name: policy as a local folder or hub id.
         model_config: policy as an inline config dict (random init), instead of ``model_name``.
         tokenizer_name: tokenizer (default: ``model_name``; ``"byte"`` for the byte-level tokenizer).
-        lora: LoRA adapters on the policy (the reference is then the policy with adapters disabled).
-        reward: reward source, as for ``PPOModule`` (import path, reward-model folder, class path, weighted
+        lora: LoRA adapters on the policy (``LoRAConfig``, or a ``peft.LoraConfig`` in Python; the reference is then
+            the policy with adapters disabled).
+        reward: required: the reward source, as for ``PPOModule`` (import path, reward-model folder, class path, weighted
             components, an environment, or a Python callable ``(prompts, responses, metadata) -> list[float]``).
         generation: sampling settings (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop_strings``).
         num_generations: responses sampled per prompt (the group size G).
@@ -57,7 +61,7 @@ class CriticFreeModule(OnlineRLModule):
             or ``reinforce_pp`` (per-token returns, batch-normalised).
         loss_aggregation: ``sequence`` (mean per response, then over responses; GRPO), ``token`` (mean over
             all tokens; DAPO) or ``constant`` (sum / (rows x max_new_tokens); Dr. GRPO).
-        learning_rate: AdamW learning rate (linear warmup by ``warmup_ratio``, then linear decay).
+        learning_rate: peak AdamW learning rate (warmup by ``warmup_ratio``, then ``lr_schedule``).
         mini_batch_size: rollouts per forward/backward pass in the update.
         gradient_accumulation_steps: minibatches per optimizer step.
         num_iterations: passes over each rollout batch (old log-probs are computed only when > 1).
@@ -74,6 +78,14 @@ class CriticFreeModule(OnlineRLModule):
         warmup_ratio: share of optimizer steps with linear warmup.
         seed: weight-initialisation seed of an inline ``model_config`` and of the minibatch order.
         dtype: dtype the models are loaded in (default: the checkpoint's).
+        lr_schedule: decay after warmup: ``linear``, ``cosine`` or ``constant``.
+        weight_decay: AdamW weight decay.
+        trust_remote_code: allow custom model code from the hub (off by default).
+        attn_implementation: attention kernel passed to transformers (``sdpa``, ``eager``, ``flash_attention_2``;
+            default: transformers' choice, SDPA where supported).
+        disable_dropout: set every dropout rate to 0 (policy, reference, reward model), as TRL does.
+        gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
+            third more compute).
     """
 
     def __init__(
@@ -82,11 +94,11 @@ class CriticFreeModule(OnlineRLModule):
         model_config: Optional[dict[str, Any]] = None,
         tokenizer_name: Optional[str] = None,
         lora: Optional[LoRAConfig] = None,
-        reward: Union[str, dict[str, Any], Callable, None] = "aitraining_pl.rewards:char_fraction_reward",
+        reward: Union[str, dict[str, Any], Callable, None] = None,
         generation: GenerationConfig = GenerationConfig(),
         num_generations: int = 8,
-        advantage: str = "grpo",
-        loss_aggregation: str = "sequence",
+        advantage: CriticFreeAdvantage = "grpo",
+        loss_aggregation: LossAggregation = "sequence",
         learning_rate: float = 1e-6,
         mini_batch_size: int = 8,
         gradient_accumulation_steps: int = 1,
@@ -102,6 +114,12 @@ class CriticFreeModule(OnlineRLModule):
         warmup_ratio: float = 0.0,
         seed: int = 0,
         dtype: Optional[str] = None,
+        lr_schedule: LRSchedule = "linear",
+        weight_decay: float = 0.0,
+        trust_remote_code: bool = False,
+        attn_implementation: Optional[str] = None,
+        disable_dropout: bool = True,
+        gradient_checkpointing: bool = False,
     ):
         super().__init__()
         if advantage in CRITIC_ESTIMATORS:
@@ -112,7 +130,6 @@ class CriticFreeModule(OnlineRLModule):
             raise ValueError("num_generations and num_iterations must be >= 1")
         self.setup_online(reward, generation, lora, with_reference=bool(kl_coef), kl_coef=kl_coef)
         self.model, self.reference = self.load_policy_from_hparams(with_reference=bool(kl_coef))
-        # no dropout anywhere (as TRL), gradient checkpointing off: AlignmentModule's defaults for these options
         reference = self.reference.model if self.reference is not None else None
         self.apply_training_options(reference, getattr(self.reward_source, "model", self.reward_source))
 
@@ -190,7 +207,8 @@ class GRPOModule(CriticFreeModule):
         kl_coef: weight of the k3 KL term in the loss.
     """
 
-    def __init__(self, advantage: str = "grpo", loss_aggregation: str = "sequence", kl_coef: float = 0.04, **kwargs: Any):
+    def __init__(self, advantage: CriticFreeAdvantage = "grpo", loss_aggregation: LossAggregation = "sequence",
+                 kl_coef: float = 0.04, **kwargs: Any):
         super().__init__(advantage=advantage, loss_aggregation=loss_aggregation, kl_coef=kl_coef, **kwargs)
 
 
@@ -205,7 +223,7 @@ class RLOOModule(CriticFreeModule):
         kl_in_reward: KL in the reward (default) or as k3 in the loss.
     """
 
-    def __init__(self, advantage: str = "rloo", loss_aggregation: str = "token", kl_coef: float = 0.05,
-                 kl_in_reward: bool = True, **kwargs: Any):
+    def __init__(self, advantage: CriticFreeAdvantage = "rloo", loss_aggregation: LossAggregation = "token",
+                 kl_coef: float = 0.05, kl_in_reward: bool = True, **kwargs: Any):
         super().__init__(advantage=advantage, loss_aggregation=loss_aggregation, kl_coef=kl_coef,
                          kl_in_reward=kl_in_reward, **kwargs)

@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 
 from aitraining_pl.losses import REFERENCE_FREE, dpo_loss
+from aitraining_pl.losses.preference import DPOLossType
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.scoring import (  # noqa: F401 - PackedBatch, can_pack, pack_batch: re-exported
     PackedBatch,
@@ -16,6 +17,8 @@ from aitraining_pl.models.scoring import (  # noqa: F401 - PackedBatch, can_pack
     prompt_lengths,
 )
 from aitraining_pl.modules.base import SharedStepModule
+from aitraining_pl.optim import LRSchedule
+from aitraining_pl.validation import RENAMED, renamed
 
 
 def preference_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -31,9 +34,10 @@ class DPOModule(SharedStepModule):
         model_name: folder or hub id of the policy (a causal LM).
         model_config: inline transformers config for a randomly initialised policy (instead of ``model_name``).
         tokenizer_name: tokenizer folder, hub id or ``"byte"`` (default: ``model_name``); shared with the data.
-        lora: LoRA adapters on the policy; the reference is then the policy with adapters disabled.
+        lora: LoRA adapters on the policy (``LoRAConfig``, or a ``peft.LoraConfig`` in Python); the reference is
+            then the policy with adapters disabled.
         beta: temperature of the implicit reward ``beta * log(pi / pi_ref)``.
-        loss_type: one of ``sigmoid`` (DPO), ``robust``, ``hinge``, ``ipo``, ``simpo``.
+        loss_type: ``sigmoid`` (DPO), ``robust``, ``hinge`` (SLiC), ``ipo`` or ``simpo``.
         label_smoothing: assumed label-flip rate for ``sigmoid`` (conservative DPO) and ``robust``.
         reference_free: treat the reference as uniform (no reference model is loaded).
         simpo_gamma: target reward margin of SimPO.
@@ -41,7 +45,7 @@ class DPOModule(SharedStepModule):
         warmup_ratio: fraction of the optimizer steps spent in linear warmup.
         lr_schedule: decay after warmup: ``linear``, ``cosine`` or ``constant``.
         weight_decay: AdamW weight decay.
-        precompute_ref_logps: compute reference log-probs for every pair in one pass before training, then
+        precompute_ref_log_probs: compute reference log-probs for every pair in one pass before training, then
             release the reference model.
         padding_free: run the batch's real tokens packed end to end in one row, attention block by block
             (no work on padding; the same log-probs as padded rows). Used when the model's attention is SDPA or
@@ -51,10 +55,14 @@ class DPOModule(SharedStepModule):
         dtype: weights dtype when loading (``bfloat16``, ``float32``, ...; default: as stored / float32).
         seed: seed of the random initialisation when ``model_config`` is used.
         trust_remote_code: allow custom model code from the hub (off by default).
+        attn_implementation: attention kernel passed to transformers (``sdpa``, ``eager``, ``flash_attention_2``;
+            default: transformers' choice, SDPA where supported).
         disable_dropout: set every dropout rate to 0 (policy and reference), as TRL does:
             training forwards are then deterministic.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
+        precompute_ref_logps: deprecated spelling of ``precompute_ref_log_probs`` (TRL's name; accepted with a
+            warning until the next release).
     """
 
     def __init__(
@@ -64,25 +72,30 @@ class DPOModule(SharedStepModule):
         tokenizer_name: Optional[str] = None,
         lora: Optional[LoRAConfig] = None,
         beta: float = 0.1,
-        loss_type: str = "sigmoid",
+        loss_type: DPOLossType = "sigmoid",
         label_smoothing: float = 0.0,
         reference_free: bool = False,
         simpo_gamma: float = 0.5,
         learning_rate: float = 1e-6,
         warmup_ratio: float = 0.1,
-        lr_schedule: str = "linear",
+        lr_schedule: LRSchedule = "linear",
         weight_decay: float = 0.0,
-        precompute_ref_logps: bool = False,
+        precompute_ref_log_probs: bool = False,
         padding_free: bool = True,
         share_prompt: bool = True,
         dtype: Optional[str] = None,
         seed: int = 0,
         trust_remote_code: bool = False,
+        attn_implementation: Optional[str] = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        precompute_ref_logps: Optional[bool] = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["lora"])
+        precompute_ref_log_probs = renamed(type(self).__name__, "precompute_ref_log_probs", precompute_ref_log_probs,
+                                           False, precompute_ref_logps=precompute_ref_logps)
+        self.save_hyperparameters(ignore=["lora", *RENAMED])
+        self.drop_renamed_hparams(precompute_ref_log_probs=bool(precompute_ref_log_probs))
         self.store_lora_hparam(lora)
         from aitraining_pl.losses import DPO_LOSSES
 
@@ -100,7 +113,7 @@ class DPOModule(SharedStepModule):
 
     def on_fit_start(self) -> None:
         self._place_reference()
-        if self.reference is not None and self.hparams.precompute_ref_logps:
+        if self.reference is not None and self.hparams.precompute_ref_log_probs:
             self.precompute_reference()
 
     def on_validation_start(self) -> None:
@@ -125,7 +138,7 @@ class DPOModule(SharedStepModule):
         """One pass over every split of the data module; afterwards the frozen reference copy is released."""
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is None or not hasattr(datamodule, "ordered_dataloaders"):
-            raise ValueError("precompute_ref_logps needs a data module with ordered_dataloaders() (PreferenceDataModule)")
+            raise ValueError("precompute_ref_log_probs needs a data module with ordered_dataloaders() (PreferenceDataModule)")
         # fork the RNG: creating DataLoader iterators draws from it, and the training order must not change
         with torch.random.fork_rng(devices=[]), self.trainer.precision_plugin.forward_context():
             for split, loader in datamodule.ordered_dataloaders().items():

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from aitraining_pl.errors import ConfigError
 from aitraining_pl.losses import group_statistics
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.training import eval_mode
@@ -30,6 +31,7 @@ from aitraining_pl.modules.base import AlignmentModule
 from aitraining_pl.optim import adamw_with_warmup
 from aitraining_pl.rewards import build_reward_source
 from aitraining_pl.rollout import GenerationConfig, Rollout, RolloutEngine, score_rollout, warn_truncated_sampling
+from aitraining_pl.validation import RENAMED
 
 
 def primitive(value: Any) -> bool:
@@ -73,11 +75,15 @@ class OnlineRLModule(AlignmentModule):
         self.automatic_optimization = False
         self.strict_loading = False  # the frozen reference and the reward model are never saved
         # a reward given as a Python object (not YAML-describable primitives) is not saved with the hyperparameters
-        ignore = ["lora", "generation"] + ([] if primitive(reward) else ["reward"])
+        if reward is None:
+            raise ConfigError(f"{type(self).__name__}.reward", "required: a reward source (an import path "
+                              "'pkg.module:function', a reward-model folder, a class_path dict or, in Python, a callable)")
+        ignore = ["lora", "generation", *RENAMED] + ([] if primitive(reward) else ["reward"])  # old names: no hparams
         self.save_hyperparameters(ignore=ignore, frame=inspect.currentframe().f_back)  # the caller's __init__
+        self.drop_renamed_hparams(kl_coef=float(kl_coef))
         self.store_lora_hparam(lora)
         self.generation = generation if isinstance(generation, GenerationConfig) else GenerationConfig(**dict(generation))
-        self.hparams["generation"] = asdict(self.generation)
+        self.set_hparam("generation", asdict(self.generation))
         self.generation.validate(f"{type(self).__name__}.generation")
         warn_truncated_sampling(self.generation)
         self._reward_source = [build_reward_source(reward)]  # in a list: never a submodule, never saved
@@ -121,7 +127,8 @@ class OnlineRLModule(AlignmentModule):
             total = iterations * self.updates_per_iteration(batch_size or per_step)
         return adamw_with_warmup(
             self.trainable_parameters(), learning_rate=self.hparams.learning_rate, total_steps=total,
-            warmup_ratio=self.hparams.warmup_ratio,
+            warmup_ratio=self.hparams.warmup_ratio, schedule=self.hparam("lr_schedule", "linear"),
+            weight_decay=float(self.hparam("weight_decay", 0.0)),
         )
 
     # ------------------------------------------------------------------ rollout and scoring

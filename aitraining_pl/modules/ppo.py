@@ -24,10 +24,13 @@ from aitraining_pl.losses import (
     ppo_policy_loss,
     ppo_value_loss,
 )
+from aitraining_pl.losses.rl import KLEstimator
 from aitraining_pl.models import LoRAConfig, PolicyValueScores, PPOModel, is_peft_model
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
+from aitraining_pl.optim import LRSchedule
 from aitraining_pl.rollout import GenerationConfig, token_rewards
+from aitraining_pl.validation import renamed
 
 
 @dataclass
@@ -54,8 +57,9 @@ class PPOModule(OnlineRLModule):
         model_name: policy as a local folder or hub id.
         model_config: policy as an inline config dict (random init), instead of ``model_name``.
         tokenizer_name: tokenizer (default: ``model_name``; ``"byte"`` for the byte-level tokenizer).
-        lora: LoRA adapters on the policy (the reference is then the policy with adapters disabled).
-        reward: reward source: an import path ``"pkg.module:function"``, a reward-model folder,
+        lora: LoRA adapters on the policy (``LoRAConfig``, or a ``peft.LoraConfig`` in Python; the reference is then
+            the policy with adapters disabled).
+        reward: required: the reward source: an import path ``"pkg.module:function"``, a reward-model folder,
             ``{"class_path", "init_args"}`` or ``{"components": {name: {"source", "weight", "kwargs"}}}``
             (see ``aitraining_pl.rewards``); in Python also any callable
             ``(prompts, responses, metadata) -> list[float]``.
@@ -63,7 +67,7 @@ class PPOModule(OnlineRLModule):
             ``stop_strings``), used as given: the checkpoint's ``generation_config`` never applies. Responses end
             at the tokenizer's EOS, any of the model's ``generation_config.eos_token_id`` or a stop string
             (``aitraining_pl.rollout``).
-        learning_rate: AdamW learning rate (linear warmup by ``warmup_ratio``, then linear decay).
+        learning_rate: peak AdamW learning rate (warmup by ``warmup_ratio``, then ``lr_schedule``).
         mini_batch_size: rollouts per forward/backward pass in the update.
         gradient_accumulation_steps: minibatches per optimizer step.
         ppo_epochs: passes over each rollout batch.
@@ -72,18 +76,25 @@ class PPOModule(OnlineRLModule):
         clip_ratio: PPO policy clip range epsilon.
         value_clip: clip range of value predictions around the old values.
         max_grad_norm: gradient clipping by global norm (0 = off).
-        kl_penalty_coef: initial coefficient of the per-token KL penalty (``AdaptiveKLCallback`` adapts it).
-        kl_estimator: per-token KL estimator ``k1`` or ``k3`` (Schulman 2020).
+        kl_coef: (initial) coefficient of the per-token KL penalty (``AdaptiveKLCallback`` adapts it); TRL's
+            ``kl_coef``, the seed's ``kl_penalty_coef``.
+        kl_estimator: per-token KL estimator ``k1``, ``k2`` or ``k3`` (Schulman 2020).
         entropy_coef: weight of the entropy bonus.
         value_coef: weight of the value loss.
         missing_eos_penalty: subtracted from the score of responses that end without EOS or stop string.
         warmup_ratio: share of optimizer steps with linear warmup.
+        lr_schedule: decay after warmup: ``linear``, ``cosine`` or ``constant``.
+        weight_decay: AdamW weight decay.
+        trust_remote_code: allow custom model code from the hub (off by default).
+        attn_implementation: attention kernel passed to transformers (``sdpa``, ``eager``, ``flash_attention_2``;
+            default: transformers' choice, SDPA where supported).
         seed: weight-initialisation seed of an inline ``model_config`` and of the minibatch order.
         dtype: dtype the models are loaded in (default: the checkpoint's).
         disable_dropout: set every dropout rate to 0 (policy, value head, reference, reward model), as TRL
             does: training forwards are then deterministic.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
+        kl_penalty_coef: deprecated spelling of ``kl_coef`` (accepted with a warning until the next release).
     """
 
     def __init__(
@@ -92,7 +103,7 @@ class PPOModule(OnlineRLModule):
         model_config: Optional[dict[str, Any]] = None,
         tokenizer_name: Optional[str] = None,
         lora: Optional[LoRAConfig] = None,
-        reward: Union[str, dict[str, Any], Callable, None] = "aitraining_pl.rewards:char_fraction_reward",
+        reward: Union[str, dict[str, Any], Callable, None] = None,
         generation: GenerationConfig = GenerationConfig(),
         learning_rate: float = 1e-5,
         mini_batch_size: int = 4,
@@ -103,19 +114,25 @@ class PPOModule(OnlineRLModule):
         clip_ratio: float = 0.2,
         value_clip: float = 0.2,
         max_grad_norm: float = 1.0,
-        kl_penalty_coef: float = 0.01,
-        kl_estimator: str = "k1",
+        kl_coef: float = 0.01,
+        kl_estimator: KLEstimator = "k1",
         entropy_coef: float = 0.01,
         value_coef: float = 0.5,
         missing_eos_penalty: Optional[float] = None,
         warmup_ratio: float = 0.0,
+        lr_schedule: LRSchedule = "linear",
+        weight_decay: float = 0.0,
         seed: int = 0,
         dtype: Optional[str] = None,
+        trust_remote_code: bool = False,
+        attn_implementation: Optional[str] = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        kl_penalty_coef: Optional[float] = None,
     ):
         super().__init__()
-        self.setup_online(reward, generation, lora, with_reference=True, kl_coef=kl_penalty_coef)
+        kl_coef = renamed(type(self).__name__, "kl_coef", kl_coef, 0.01, kl_penalty_coef=kl_penalty_coef)
+        self.setup_online(reward, generation, lora, with_reference=True, kl_coef=kl_coef)
         policy, self.reference = self.load_policy_from_hparams(with_reference=True)
         self.model = PPOModel(policy)
         self.apply_training_options(self.reference.model, getattr(self.reward_source, "model", self.reward_source))

@@ -18,10 +18,12 @@ from typing import Any, Optional
 import torch
 
 from aitraining_pl.losses import bradley_terry_loss, masked_objective_mse
-from aitraining_pl.losses.reward import known_objectives
+from aitraining_pl.losses.reward import PoolingStrategy, known_objectives
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.reward import MultiObjectiveRewardModel, PairwiseRewardModel, RewardModel, RewardModelConfig
 from aitraining_pl.modules.base import SharedStepModule, as_lora_config
+from aitraining_pl.optim import LRSchedule
+from aitraining_pl.validation import RENAMED, renamed
 
 #: RewardModelConfig fields that mirror a module argument of the same name.
 _SHARED_FIELDS = (
@@ -37,11 +39,12 @@ class RewardModule(SharedStepModule):
         model_name: folder or hub id of the trunk (``AutoModel``: a decoder such as Llama or an encoder such as BERT).
         model_config: inline transformers config for a randomly initialised trunk (instead of ``model_name``).
         tokenizer_name: tokenizer folder, hub id or ``"byte"`` (default: ``model_name``); shared with the data.
-        lora: LoRA adapters on the trunk (the reward head is always trained in full).
+        lora: LoRA adapters on the trunk (``LoRAConfig``, or a ``peft.LoraConfig`` in Python; the reward head is
+            always trained in full).
         pooling_strategy: ``last`` (last real token), ``mean`` or ``cls`` (first real token).
         dropout_prob: dropout before the reward head.
         temperature: rewards are divided by this.
-        center_rewards_coef: weight of ``mean((r_chosen + r_rejected)^2)``, which keeps rewards centred at 0.
+        center_rewards_coefficient: weight of ``mean((r_chosen + r_rejected)^2)``, which keeps rewards centred at 0.
         learning_rate: peak AdamW learning rate.
         warmup_ratio: fraction of the optimizer steps spent in linear warmup.
         lr_schedule: decay after warmup: ``linear``, ``cosine`` or ``constant``.
@@ -55,6 +58,8 @@ class RewardModule(SharedStepModule):
             training forwards are then deterministic.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
+        center_rewards_coef: deprecated spelling of ``center_rewards_coefficient`` (TRL's name; accepted with a
+            warning until the next release).
     """
 
     model_class: type[RewardModel] = RewardModel
@@ -65,13 +70,13 @@ class RewardModule(SharedStepModule):
         model_config: Optional[dict[str, Any]] = None,
         tokenizer_name: Optional[str] = None,
         lora: Optional[LoRAConfig] = None,
-        pooling_strategy: str = "last",
+        pooling_strategy: PoolingStrategy = "last",
         dropout_prob: float = 0.0,
         temperature: float = 1.0,
-        center_rewards_coef: float = 0.0,
+        center_rewards_coefficient: float = 0.0,
         learning_rate: float = 1e-5,
         warmup_ratio: float = 0.05,
-        lr_schedule: str = "linear",
+        lr_schedule: LRSchedule = "linear",
         weight_decay: float = 0.0,
         dtype: Optional[str] = None,
         seed: int = 0,
@@ -79,9 +84,13 @@ class RewardModule(SharedStepModule):
         reward_model: Optional[RewardModel] = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        center_rewards_coef: Optional[float] = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["lora", "reward_model"])
+        center_rewards_coefficient = renamed(type(self).__name__, "center_rewards_coefficient",
+                                             center_rewards_coefficient, 0.0, center_rewards_coef=center_rewards_coef)
+        self.save_hyperparameters(ignore=["lora", "reward_model", *RENAMED])
+        self.drop_renamed_hparams(center_rewards_coefficient=float(center_rewards_coefficient))
         self.store_lora_hparam(lora)
         if reward_model is not None:
             self._adopt_hparams(reward_model)
@@ -111,7 +120,7 @@ class RewardModule(SharedStepModule):
         for name in _SHARED_FIELDS:
             self.hparams[name] = getattr(config, name)
         lora = config.lora()
-        self.hparams["lora"] = dataclasses.asdict(lora) if lora is not None else None
+        self.set_hparam("lora", dataclasses.asdict(lora) if lora is not None else None)
 
     def build_reward_model(self, config: RewardModelConfig) -> RewardModel:
         return self.model_class(config)
@@ -140,7 +149,7 @@ class RewardModule(SharedStepModule):
         rewards = self.reward_model.score(batch["input_ids"], batch["attention_mask"])
         chosen, rejected = rewards.chunk(2)
         # 2. Bradley-Terry loss with the optional per-pair margin and the centring term
-        loss = bradley_terry_loss(chosen, rejected, batch.get("margin"), self.hparams.center_rewards_coef)
+        loss = bradley_terry_loss(chosen, rejected, batch.get("margin"), self.hparams.center_rewards_coefficient)
         # 3. metrics
         metrics = {
             "loss": loss,
@@ -196,12 +205,12 @@ class MultiObjectiveRewardModule(RewardModule):
         model_config: Optional[dict[str, Any]] = None,
         tokenizer_name: Optional[str] = None,
         lora: Optional[LoRAConfig] = None,
-        pooling_strategy: str = "last",
+        pooling_strategy: PoolingStrategy = "last",
         dropout_prob: float = 0.0,
         temperature: float = 1.0,
         learning_rate: float = 1e-5,
         warmup_ratio: float = 0.05,
-        lr_schedule: str = "linear",
+        lr_schedule: LRSchedule = "linear",
         weight_decay: float = 0.0,
         dtype: Optional[str] = None,
         seed: int = 0,
@@ -231,7 +240,7 @@ class MultiObjectiveRewardModule(RewardModule):
         super()._adopt_hparams(model)
         if model.num_outputs != self._objectives[0]:
             raise ValueError(f"the given model has {model.num_outputs} objectives, not {self._objectives[0]}")
-        self.hparams["objective_weights"] = list(model.config.extra["objective_weights"])
+        self.set_hparam("objective_weights", list(model.config.extra["objective_weights"]))
 
     def setup(self, stage: str) -> None:
         """Refuse a data module whose score vectors have another length, before training starts."""

@@ -11,6 +11,7 @@ from aitraining_pl.losses import sft_loss
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.scoring import pack_rows, scoring_path, token_logps
 from aitraining_pl.modules.base import SharedStepModule
+from aitraining_pl.optim import LRSchedule
 
 
 class SFTModule(SharedStepModule):
@@ -26,7 +27,7 @@ class SFTModule(SharedStepModule):
         model_name: folder or hub id of the model (a causal LM).
         model_config: inline transformers config for a randomly initialised model (instead of ``model_name``).
         tokenizer_name: tokenizer folder, hub id or ``"byte"`` (default: ``model_name``); shared with the data.
-        lora: LoRA adapters on the model (only they are trained and exported, unless merged on export).
+        lora: LoRA adapters on the model (``LoRAConfig``, or a ``peft.LoraConfig`` in Python; only they are trained and exported, unless merged on export).
         learning_rate: peak AdamW learning rate.
         warmup_ratio: fraction of the optimizer steps spent in linear warmup.
         lr_schedule: decay after warmup: ``linear``, ``cosine`` or ``constant``.
@@ -37,6 +38,8 @@ class SFTModule(SharedStepModule):
         dtype: weights dtype when loading (``bfloat16``, ``float32``, ...; default: as stored / float32).
         seed: seed of the random initialisation when ``model_config`` is used (and of LoRA's).
         trust_remote_code: allow custom model code from the hub (off by default).
+        attn_implementation: attention kernel passed to transformers (``sdpa``, ``eager``, ``flash_attention_2``;
+            default: transformers' choice, SDPA where supported).
         disable_dropout: set every dropout rate to 0 (off by default: SFT keeps the model's dropout, as
             transformers' and TRL's SFT trainers do).
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
@@ -51,12 +54,13 @@ class SFTModule(SharedStepModule):
         lora: LoRAConfig | None = None,
         learning_rate: float = 2e-5,
         warmup_ratio: float = 0.0,
-        lr_schedule: str = "linear",
+        lr_schedule: LRSchedule = "linear",
         weight_decay: float = 0.0,
         padding_free: bool = True,
         dtype: str | None = None,
         seed: int = 0,
         trust_remote_code: bool = False,
+        attn_implementation: str | None = None,
         disable_dropout: bool = False,
         gradient_checkpointing: bool = False,
     ):
