@@ -123,6 +123,7 @@ def test_ppo_model_score_equals_its_full_forward(layout, critic):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need a reward source
 VOCAB = 32000
 
 
@@ -144,8 +145,8 @@ def _rollout(attention: torch.Tensor) -> RolloutBatch:
 def test_grpo_update_saves_no_vocabulary_sized_tensor(layout):
     """Structural memory test (times nothing): one GRPO update step (k3 KL in the loss, so the reference pass
     runs too) at a 32,000-token vocabulary saves no vocabulary-sized tensor for backward but parameters."""
-    module = GRPOModule(model_config={**TINY_LLAMA, "vocab_size": VOCAB}, tokenizer_name="byte", num_generations=2,
-                        mini_batch_size=4, num_iterations=2)
+    module = GRPOModule(model_config={**TINY_LLAMA, "vocab_size": VOCAB}, tokenizer_name="byte", reward=TOY_REWARD,
+                        num_generations=2, mini_batch_size=4, num_iterations=2)
     rollout = _rollout(LAYOUTS[layout])
     assert will_pack(module.policy, rollout.attention_mask, P) == (layout == "packed")
     with torch.no_grad():
@@ -158,7 +159,8 @@ def test_grpo_update_saves_no_vocabulary_sized_tensor(layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_ppo_minibatch_saves_no_vocabulary_sized_tensor(layout):
     """The same for one PPO minibatch (policy, entropy bonus and value head from one decoder pass)."""
-    module = PPOModule(model_config={**TINY_LLAMA, "vocab_size": VOCAB}, tokenizer_name="byte", mini_batch_size=4)
+    module = PPOModule(model_config={**TINY_LLAMA, "vocab_size": VOCAB}, tokenizer_name="byte", reward=TOY_REWARD,
+                       mini_batch_size=4)
     rollout = _rollout(LAYOUTS[layout])
     with torch.no_grad():
         experience, _ = module.make_experience(rollout)
