@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -227,3 +228,15 @@ def test_async_client_with_a_reference_model(model):
     client.shutdown()
     with pytest.raises(ValueError, match="reference_model"):
         AsyncTrainingClient(model, device="cpu").forward(batch, use_reference=True)
+
+
+def test_max_workers_is_deprecated_and_ignored(model):
+    with pytest.warns(DeprecationWarning, match="max_workers is deprecated and ignored"):
+        pipe = ForwardBackwardPipeline(model, device="cpu", max_workers=4)
+    pipe.shutdown()
+    with pytest.warns(DeprecationWarning, match="max_workers"):
+        client = AsyncTrainingClient(model, device="cpu", max_workers=2)
+    client.shutdown()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="max_workers")
+        ForwardBackwardPipeline(model, device="cpu").shutdown()

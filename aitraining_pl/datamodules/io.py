@@ -115,6 +115,11 @@ def check_columns(records: Sequence[dict[str, Any]], columns: Iterable[str], sou
         )
 
 
+def is_messages(value: Any) -> bool:
+    """Whether ``value`` is a chat conversation: a non-empty list of message dicts."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+
+
 def check_text(value: Any, source: str, row: int, field: str, *, allow_messages: bool = True) -> None:
     """Raise unless ``value`` is a non-empty string, or (``allow_messages``) a non-empty list of
     ``{"role", "content"}`` chat messages with string contents."""

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
-from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
+from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, is_messages, pad_sequences
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 
 log = logging.getLogger(__name__)
@@ -32,10 +32,6 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-
-
-def _is_messages(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
 
 
 def _shared_prefix(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
@@ -107,12 +103,12 @@ class PreferenceDataset(Dataset):
     # -- tokenisation
     def _texts(self, prompt: Any, completion: Any) -> tuple[str, str]:
         """Prompt and completion as text; message lists go through the chat template."""
-        if not (_is_messages(prompt) or _is_messages(completion)):
+        if not (is_messages(prompt) or is_messages(completion)):
             return prompt, completion
         tok = self.tokenizer
-        prompt_messages = prompt if _is_messages(prompt) else ([{"role": "user", "content": prompt}] if prompt else [])
+        prompt_messages = prompt if is_messages(prompt) else ([{"role": "user", "content": prompt}] if prompt else [])
         completion_messages = (
-            completion if _is_messages(completion) else [{"role": "assistant", "content": completion}]
+            completion if is_messages(completion) else [{"role": "assistant", "content": completion}]
         )
         template = None if getattr(tok, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
         prompt_text = tok.apply_chat_template(

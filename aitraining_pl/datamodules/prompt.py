@@ -17,8 +17,8 @@ from typing import Any, Optional, Sequence
 from torch.utils.data import DataLoader, Dataset
 
 from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
-from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
-from aitraining_pl.datamodules.preference import FALLBACK_CHAT_TEMPLATE, _is_messages
+from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, is_messages, pad_sequences
+from aitraining_pl.datamodules.preference import FALLBACK_CHAT_TEMPLATE
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 
 log = logging.getLogger(__name__)
@@ -58,9 +58,9 @@ class PromptDataset(Dataset):
             self.input_ids.append(ids[-max_prompt_length:])
 
     def _render(self, prompt: Any, use_chat_template: bool) -> str:
-        if not (_is_messages(prompt) or use_chat_template):
+        if not (is_messages(prompt) or use_chat_template):
             return prompt
-        messages = prompt if _is_messages(prompt) else [{"role": "user", "content": prompt}]
+        messages = prompt if is_messages(prompt) else [{"role": "user", "content": prompt}]
         template = None if getattr(self.tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, chat_template=template)
 

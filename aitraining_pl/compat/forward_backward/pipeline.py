@@ -2,10 +2,11 @@
 checkpoints and sampling on one model.
 
 **Ordering.** All work on the model (``forward_backward``, ``forward``, ``optim_step``, ``save_state``,
-``load_state``, ``sample``) runs on ONE worker thread in submission order, whatever ``max_workers`` says:
+``load_state``, ``sample``) runs on ONE worker thread in submission order:
 two passes over the same parameters running at once would race on gradients and weights, so the honest
 asynchrony is "queue now, collect the future later". The caller's thread is free to prepare the next batch
-(tokenise, score rewards) while the model works. ``max_workers`` is kept for compatibility with the seed.
+(tokenise, score rewards) while the model works. The seed's ``max_workers`` is deprecated: it is accepted, ignored
+and warned about (``DeprecationWarning``), and will be removed in the next release.
 
 **Accumulation.** Each micro-batch's loss is divided by ``gradient_accumulation_steps`` before ``backward``.
 ``optim_step`` applies the update once at least that many micro-batches have been accumulated (otherwise it
@@ -25,6 +26,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Sequence, Union
@@ -32,8 +34,8 @@ from typing import Any, Callable, Dict, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from aitraining_pl.forward_backward.losses import PIPELINE_LOSSES, LossInputs, check_loss_kwargs
-from aitraining_pl.forward_backward.sampling import sample_with_cache
+from aitraining_pl.compat.forward_backward.losses import PIPELINE_LOSSES, LossInputs, check_loss_kwargs
+from aitraining_pl.compat.forward_backward.sampling import sample_with_cache
 from aitraining_pl.losses import masked_mean, selective_log_softmax
 
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.pt", "state.json"
@@ -106,13 +108,25 @@ def sampling_model(model: nn.Module) -> nn.Module:
     return model.base_model if isinstance(model, PPOModel) else model
 
 
+def warn_max_workers(max_workers: Optional[int]) -> None:
+    """The seed's ``max_workers`` is ignored (work runs on one thread, in order): say so when it is given."""
+    if max_workers is not None:
+        warnings.warn(
+            "max_workers is deprecated and ignored: the pipeline runs all work on one thread in submission order; "
+            "drop the argument (it will be removed in the next release)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+
+
 class ForwardBackwardPipeline:
     """Queued forward/backward passes with gradient accumulation, optimizer steps, checkpoints and sampling.
 
     Args:
         model: a transformers causal LM (optionally ``peft``-wrapped) or a ``PPOModel``.
         device: where the model runs (``None``: CUDA if available, else CPU).
-        max_workers: accepted for compatibility; work always runs on one thread, in order (see above).
+        max_workers: deprecated and ignored (a ``DeprecationWarning`` when given); work always runs on one
+            thread, in order (see above).
         gradient_accumulation_steps: micro-batches per optimizer step; each loss is divided by it.
         checkpoint_dir: folder under which ``save_state(name)`` writes ``<checkpoint_dir>/<name>``.
     """
@@ -121,15 +135,15 @@ class ForwardBackwardPipeline:
         self,
         model: nn.Module,
         device: Union[str, torch.device, None] = None,
-        max_workers: int = 2,
+        max_workers: Optional[int] = None,
         gradient_accumulation_steps: int = 1,
         checkpoint_dir: str = "checkpoints",
     ):
+        warn_max_workers(max_workers)
         if gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
         self.device = resolve_device(device)
         self.model = model.to(self.device)
-        self.max_workers = max_workers
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.checkpoint_dir = checkpoint_dir
         self.step = 0
@@ -230,10 +244,17 @@ class ForwardBackwardPipeline:
         return ForwardBackwardResult(loss.item(), {}, int(attention_mask.sum()))
 
     def forward(
-        self, input_ids: Any, attention_mask: Any = None, labels: Any = None, return_logits: bool = False
+        self,
+        input_ids: Any,
+        attention_mask: Any = None,
+        labels: Any = None,
+        return_logits: bool = False,
+        model: Optional[nn.Module] = None,
     ) -> "Future[ForwardResult]":
-        """Queue a forward pass without gradients (eval mode): per-token log-probs of the labels."""
-        return self._submit(self._forward, self.model, input_ids, attention_mask, labels, return_logits)
+        """Queue a forward pass without gradients (eval mode): per-token log-probs of the labels, by ``model``
+        (default: the pipeline's model; e.g. a frozen reference model) on the pipeline's queue."""
+        model = self.model if model is None else model
+        return self._submit(self._forward, model, input_ids, attention_mask, labels, return_logits)
 
     @torch.no_grad()
     def _forward(self, model, input_ids, attention_mask, labels, return_logits) -> ForwardResult:

@@ -9,11 +9,12 @@ from typing import Any, Callable, Dict, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from aitraining_pl.forward_backward.pipeline import (
+from aitraining_pl.compat.forward_backward.pipeline import (
     ForwardBackwardPipeline,
     ForwardBackwardResult,
     ForwardResult,
     OptimStepResult,
+    warn_max_workers,
 )
 
 
@@ -27,7 +28,7 @@ class AsyncTrainingClient:
             off) or a ``ReferencePolicy``; needed only for ``use_reference=True``.
         device: where the models run (``None``: CUDA if available, else CPU).
         gradient_accumulation_steps: micro-batches per optimizer step.
-        max_workers: accepted for compatibility; work runs on one thread, in order.
+        max_workers: deprecated and ignored (a ``DeprecationWarning`` when given); work runs on one thread, in order.
         checkpoint_dir: folder for ``save_state``.
     """
 
@@ -37,10 +38,11 @@ class AsyncTrainingClient:
         reference_model: Any = None,
         device: Union[str, torch.device, None] = None,
         gradient_accumulation_steps: int = 1,
-        max_workers: int = 2,
+        max_workers: Optional[int] = None,
         checkpoint_dir: str = "checkpoints",
     ):
-        self.pipeline = ForwardBackwardPipeline(model, device, max_workers, gradient_accumulation_steps, checkpoint_dir)
+        warn_max_workers(max_workers)
+        self.pipeline = ForwardBackwardPipeline(model, device, None, gradient_accumulation_steps, checkpoint_dir)
         self.device = self.pipeline.device
         if isinstance(reference_model, nn.Module):
             reference_model = reference_model.to(self.device).eval()
@@ -82,7 +84,7 @@ class AsyncTrainingClient:
             if self.reference_model is None:
                 raise ValueError("forward(use_reference=True) needs the client to be built with a reference_model")
             model = self.reference_model
-        return self.pipeline._submit(self.pipeline._forward, model, input_ids, attention_mask, labels, return_logits)
+        return self.pipeline.forward(input_ids, attention_mask, labels, return_logits, model=model)
 
     def optim_step(
         self, optimizer: torch.optim.Optimizer, scheduler: Any = None, max_grad_norm: Optional[float] = 1.0, force: bool = False
