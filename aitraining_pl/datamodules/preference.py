@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
 from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, is_messages, pad_sequences
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
+from aitraining_pl.models.tokens import with_bos
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +128,7 @@ class PreferenceDataset(Dataset):
         prompt_text, chosen_text = self._texts(prompt, chosen)
         _, rejected_text = self._texts(prompt, rejected)
         tok = self.tokenizer
-        prompt_ids = self._ids(prompt_text)
-        bos = getattr(tok, "bos_token_id", None)
-        if bos is not None and (not prompt_ids or prompt_ids[0] != bos):
-            prompt_ids = [bos] + prompt_ids
+        prompt_ids = with_bos(self._ids(prompt_text), tok)
         if not prompt_ids and tok.eos_token_id is not None:
             # nothing to condition on (no prompt, no BOS): start from EOS, as GPT-2 style models do, so the
             # first completion token is scored instead of the pair being dropped

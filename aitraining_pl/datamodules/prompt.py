@@ -20,6 +20,7 @@ from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
 from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, is_messages, pad_sequences
 from aitraining_pl.datamodules.preference import FALLBACK_CHAT_TEMPLATE
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
+from aitraining_pl.models.tokens import with_bos
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +50,9 @@ class PromptDataset(Dataset):
         self.tokenizer = tokenizer
         self.texts = [self._render(p, use_chat_template) for p in prompts]
         self.metadata = [dict(m) for m in metadata] if metadata is not None else [{} for _ in prompts]
-        bos = getattr(tokenizer, "bos_token_id", None)
         self.input_ids = []
         for text in self.texts:
-            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-            if bos is not None and (not ids or ids[0] != bos):
-                ids = [bos] + ids
+            ids = with_bos(tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer)
             self.input_ids.append(ids[-max_prompt_length:])
 
     def _render(self, prompt: Any, use_chat_template: bool) -> str:

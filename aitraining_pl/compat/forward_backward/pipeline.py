@@ -21,6 +21,7 @@ model's own dtype. Lightning Fabric is not needed for a single process and is no
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -37,6 +38,7 @@ from torch import nn
 from aitraining_pl.compat.forward_backward.losses import PIPELINE_LOSSES, LossInputs, check_loss_kwargs
 from aitraining_pl.compat.forward_backward.sampling import sample_with_cache
 from aitraining_pl.losses import masked_mean, selective_log_softmax
+from aitraining_pl.models.training import eval_mode
 
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.pt", "state.json"
 
@@ -258,15 +260,8 @@ class ForwardBackwardPipeline:
 
     @torch.no_grad()
     def _forward(self, model, input_ids, attention_mask, labels, return_logits) -> ForwardResult:
-        module = model if isinstance(model, nn.Module) else None
-        was_training = module.training if module is not None else False
-        if module is not None:
-            module.eval()
-        try:
+        with eval_mode(model) if isinstance(model, nn.Module) else contextlib.nullcontext():
             inputs = self._score(model, *self._batch(input_ids, attention_mask, labels))
-        finally:
-            if module is not None:
-                module.train(was_training)
         return ForwardResult(
             inputs.logprobs.cpu(),
             inputs.mask.cpu(),
@@ -418,9 +413,5 @@ class ForwardBackwardPipeline:
     def _sample(self, prompt_ids, max_tokens, temperature, top_k, top_p, stop, seed) -> Dict[str, Any]:
         lm = sampling_model(self.model)
         generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
-        was_training = lm.training
-        lm.eval()
-        try:
+        with eval_mode(lm):
             return sample_with_cache(lm, prompt_ids, max_tokens, temperature, top_k, top_p, stop, generator, self.device)
-        finally:
-            lm.train(was_training)
