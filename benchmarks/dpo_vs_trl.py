@@ -5,7 +5,10 @@ synthetic pairs (prompt and completions of 20 to 400 characters), batch 8, max_l
 Each measurement runs in its own process (TRL in its own virtual environment, never a dependency of this
 project); sides alternate so load from other processes on a shared machine hits both alike.
 
-    python benchmarks/dpo_vs_trl.py --trl-python /work/trlvenv/bin/python
+    python benchmarks/dpo_vs_trl.py --trl-python PATH/TO/trl-venv/bin/python   # or TRL_PYTHON=... in the environment
+
+The first line printed is a header: the command, the date, the thread count and the versions of both sides
+(``benchmarks/_common.py``).
 
 Prints one JSON line per measurement (``pairs_per_s`` over steady-state steps after warm-up, ``peak_rss_mb``
 of the whole process) and one ``ratio`` line per model size and variant. Every variant trains on the same
@@ -30,6 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from _common import add_trl_python, print_header, require_trl_python
 
 SIZES = {
     "3m": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4},
@@ -180,10 +185,9 @@ def _spawn(python: str, side: str, variant: str, size: str, data: str, args) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trl-python", default="/work/trlvenv/bin/python", help="python of the venv with TRL")
+    add_trl_python(parser)
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--skip-trl", action="store_true", help="time only this project's variants (no ratios)")
     parser.add_argument("--trl-variants", nargs="+", default=["fp32", "precomputed"], choices=list(TRL_VARIANTS))
     parser.add_argument("--steps", type=int, default=16, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=4, help="steps excluded from the steady state")
@@ -197,6 +201,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.side:
         return child(args)
+    require_trl_python(parser, args)
+    print_header(args.threads, trl_python=None if args.skip_trl else args.trl_python, sizes=args.sizes)
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "pairs.jsonl")
         make_pairs(data)
