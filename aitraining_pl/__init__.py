@@ -49,26 +49,53 @@ _EXPORTS: dict[str, str] = {
 _MOVED: dict[str, str] = {
     **dict.fromkeys(["AdaptiveKLController", "FixedKLController"], "aitraining_pl.losses"),
     **dict.fromkeys(
-        ["PPOModel", "ValueHead", "ReferencePolicy", "load_causal_lm", "load_tokenizer", "RewardModelConfig",
-         "RewardModel", "PairwiseRewardModel", "MultiObjectiveRewardModel", "load_reward_model"],
+        [
+            "PPOModel",
+            "ValueHead",
+            "ReferencePolicy",
+            "load_causal_lm",
+            "load_tokenizer",
+            "RewardModelConfig",
+            "RewardModel",
+            "PairwiseRewardModel",
+            "MultiObjectiveRewardModel",
+            "load_reward_model",
+        ],
         "aitraining_pl.models",
-    ),  # fmt: skip
+    ),
     "AlignmentModule": "aitraining_pl.modules.base",
     "PromptDataset": "aitraining_pl.datamodules.prompt",
     "PreferenceDataset": "aitraining_pl.datamodules.preference",
     **dict.fromkeys(["RewardSource", "RewardError", "WeightedRewards", "build_reward_source"], "aitraining_pl.rewards"),
     **dict.fromkeys(["Rollout", "RolloutEngine"], "aitraining_pl.rollout"),
     **dict.fromkeys(
-        ["Observation", "StepResult", "Trajectory", "RLEnvironment", "TextGenerationEnv", "MultiObjectiveRewardEnv",
-         "PreferenceComparisonEnv", "MathProblemEnv", "CodeGenerationEnv", "create_math_problem_env",
-         "create_code_generation_env"],
+        [
+            "Observation",
+            "StepResult",
+            "Trajectory",
+            "RLEnvironment",
+            "TextGenerationEnv",
+            "MultiObjectiveRewardEnv",
+            "PreferenceComparisonEnv",
+            "MathProblemEnv",
+            "CodeGenerationEnv",
+            "create_math_problem_env",
+            "create_code_generation_env",
+        ],
         "aitraining_pl.environments",
-    ),  # fmt: skip
+    ),
     **dict.fromkeys(
-        ["PPOConfig", "PPOTrainer", "DPOConfig", "DPOTrainer", "RewardModelTrainer", "ForwardBackwardPipeline",
-         "AsyncTrainingClient"],
+        [
+            "PPOConfig",
+            "PPOTrainer",
+            "DPOConfig",
+            "DPOTrainer",
+            "RewardModelTrainer",
+            "ForwardBackwardPipeline",
+            "AsyncTrainingClient",
+        ],
         "aitraining_pl.compat",
-    ),  # fmt: skip
+    ),
 }
 
 __all__ = sorted(_EXPORTS)

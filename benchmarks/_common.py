@@ -69,7 +69,9 @@ def require_trl_python(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error(f"TRL's interpreter is missing: {how_to_make_trl_python()} (or pass --skip-trl)")
     python = os.path.expanduser(args.trl_python)
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
-        parser.error(f"--trl-python / TRL_PYTHON {args.trl_python!r} is not an executable file: {how_to_make_trl_python()}")
+        parser.error(
+            f"--trl-python / TRL_PYTHON {args.trl_python!r} is not an executable file: {how_to_make_trl_python()}"
+        )
     args.trl_python = python
 
 

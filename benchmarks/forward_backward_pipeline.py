@@ -20,7 +20,6 @@ import statistics
 import time
 
 import torch
-
 from _common import print_header
 
 from aitraining_pl.compat.forward_backward import ForwardBackwardPipeline

@@ -8,8 +8,8 @@ would only make the test slower; the code paths are the seed's.
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
 from aitraining_pl.models import build_causal_lm
 
@@ -176,7 +176,13 @@ def test_dpo_trainer_examples(local_model_name, tokenizer, tmp_path, monkeypatch
 
 
 def test_reward_model_examples(local_model_name, tokenizer, tmp_path, monkeypatch):
-    from aitraining_pl.compat import MultiObjectiveRewardModel, PairwiseRewardModel, RewardModel, RewardModelConfig, RewardModelTrainer
+    from aitraining_pl.compat import (
+        MultiObjectiveRewardModel,
+        PairwiseRewardModel,
+        RewardModel,
+        RewardModelConfig,
+        RewardModelTrainer,
+    )
 
     monkeypatch.chdir(tmp_path)
     config = RewardModelConfig(
@@ -493,7 +499,10 @@ def test_async_training_client_example(model, tiny_config, tokenizer):
 
     reference_model = build_causal_lm(tiny_config, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = {"input_ids": torch.tensor([encode(tokenizer, "abc def")]), "labels": torch.tensor([encode(tokenizer, "abc def")])}
+    batch = {
+        "input_ids": torch.tensor([encode(tokenizer, "abc def")]),
+        "labels": torch.tensor([encode(tokenizer, "abc def")]),
+    }
 
     client = AsyncTrainingClient(
         model=model,
@@ -522,7 +531,9 @@ def test_reward_trainer_load_model_restores_the_rewards_of_a_lora_model(local_mo
     config = RewardModelConfig(model_name=local_model_name, use_lora=True, learning_rate=1e-2, warmup_steps=0)
     model = RewardModel(config)
     trainer = RewardModelTrainer(model=model, tokenizer=tokenizer, config=config, device="cpu")
-    trainer.train_on_preferences(["Good response 1", "Good response 2"], ["Bad response 1", "Bad response 2"], num_epochs=3)
+    trainer.train_on_preferences(
+        ["Good response 1", "Good response 2"], ["Bad response 1", "Bad response 2"], num_epochs=3
+    )
     scores = model.predict_rewards(["Good response 1", "Bad response 1"], tokenizer)
     trainer.save_model(str(tmp_path / "rm"))
     trainer.load_model(str(tmp_path / "rm"))
@@ -563,8 +574,15 @@ def test_dpo_trainer_on_pairs_collected_by_the_preference_environment(tiny_confi
         env.step(encode(tokenizer, "a much longer answer" if i % 2 else "short"))
     pairs = env.preference_pairs()
     assert pairs["chosen"] == ["a much longer answer"] * 8 and len(pairs["prompts"]) == 8
-    config = DPOConfig(model_config=tiny_config, tokenizer_name="byte", learning_rate=1e-3, batch_size=4,
-                       gradient_accumulation_steps=1, save_every=0, device="cpu")
+    config = DPOConfig(
+        model_config=tiny_config,
+        tokenizer_name="byte",
+        learning_rate=1e-3,
+        batch_size=4,
+        gradient_accumulation_steps=1,
+        save_every=0,
+        device="cpu",
+    )
     trainer = DPOTrainer(config)
     metrics = trainer.train(pairs)
     assert len(metrics["train/loss"]) == 2 and metrics["train/loss"][1] < metrics["train/loss"][0]

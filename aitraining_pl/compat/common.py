@@ -4,7 +4,8 @@ checkpoint every N batches, and one quiet ``Trainer.fit`` call."""
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import lightning.pytorch as pl
 import torch

@@ -21,4 +21,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'aitraining_pl.compat.dpo' has no attribute {name!r}")
 
 
-__all__ = ["PreferenceDataset", "PreferenceDataModule", "PreferenceCollator", "DPOModule", "DPOConfig", "DPOTrainer"]
+__all__ = [  # noqa: F822 - DPOConfig / DPOTrainer load lazily (__getattr__)
+    "PreferenceDataset",
+    "PreferenceDataModule",
+    "PreferenceCollator",
+    "DPOModule",
+    "DPOConfig",
+    "DPOTrainer",
+]

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 
@@ -31,7 +32,7 @@ __all__ = ["PPOConfig", "PPOTrainer", "DPOConfig", "DPOTrainer", "RewardModelTra
 class PPOConfig:
     """The seed's ``PPOConfig``: same fields and defaults, plus a few needed to run offline."""
 
-    model_name: Optional[str] = None  #: policy folder or hub id
+    model_name: str | None = None  #: policy folder or hub id
     learning_rate: float = 1e-5
     batch_size: int = 16  #: prompts per PPO iteration
     mini_batch_size: int = 4  #: rollouts per forward/backward in the update
@@ -53,10 +54,10 @@ class PPOConfig:
     num_iterations: int = 100
     save_every: int = 10  #: iterations between checkpoints in ``output_dir`` (0: none)
     eval_every: int = 5  #: iterations between validations (when ``train`` gets ``eval_prompts``)
-    device: Optional[str] = None  #: "cpu", "cuda", "cuda:1", ... or None (auto)
+    device: str | None = None  #: "cpu", "cuda", "cuda:1", ... or None (auto)
     # beyond the seed
-    model_config: Optional[dict] = None  #: inline config of a randomly initialised policy (instead of model_name)
-    tokenizer_name: Optional[str] = None  #: default: model_name; "byte" for the byte-level tokenizer
+    model_config: dict | None = None  #: inline config of a randomly initialised policy (instead of model_name)
+    tokenizer_name: str | None = None  #: default: model_name; "byte" for the byte-level tokenizer
     output_dir: str = "ppo_output"
     seed: int = 0
 
@@ -71,7 +72,7 @@ class PPOTrainer:
             environment); default: ``PPOModule``'s built-in reward.
     """
 
-    def __init__(self, config: PPOConfig, tokenizer: Any = None, reward_fn: Optional[Callable] = None):
+    def __init__(self, config: PPOConfig, tokenizer: Any = None, reward_fn: Callable | None = None):
         from aitraining_pl.callbacks.kl import AdaptiveKLCallback
         from aitraining_pl.modules.ppo import PPOModule
         from aitraining_pl.rollout import GenerationConfig
@@ -92,13 +93,13 @@ class PPOTrainer:
         # kept across train() calls: the KL coefficient and the checkpoint numbering continue
         self.kl_callback = AdaptiveKLCallback(target=c.kl_target, horizon=c.kl_horizon)
         self.checkpoints = EveryNBatchesCheckpoint(os.path.join(c.output_dir, "checkpoints"), c.save_every)
-        self.trainer: Optional[pl.Trainer] = None
+        self.trainer: pl.Trainer | None = None
 
     @property
     def tokenizer(self) -> Any:
         return self.module.tokenizer
 
-    def _train_loader(self, prompts: Sequence[Any], metadata: Optional[Sequence[dict]], n_batches: int):
+    def _train_loader(self, prompts: Sequence[Any], metadata: Sequence[dict] | None, n_batches: int):
         """Exactly ``n_batches`` shuffled batches: the prompts (and metadata) are cycled to fill them."""
         from aitraining_pl.datamodules.prompt import PromptDataModule
 
@@ -107,13 +108,14 @@ class PPOTrainer:
             raise ValueError("train() needs at least one prompt")
         order = list(itertools.islice(itertools.cycle(range(len(prompts))), n_batches * self.config.batch_size))
         data = PromptDataModule(
-            prompts=[prompts[i] for i in order], metadata=[metadata[i] for i in order] if metadata is not None else None,
+            prompts=[prompts[i] for i in order],
+            metadata=[metadata[i] for i in order] if metadata is not None else None,
             tokenizer=self.tokenizer, batch_size=self.config.batch_size, seed=self.config.seed,
         )  # fmt: skip
         data.setup("fit")
         return data.train_dataloader()
 
-    def _eval_loader(self, prompts: Sequence[Any], metadata: Optional[Sequence[dict]]):
+    def _eval_loader(self, prompts: Sequence[Any], metadata: Sequence[dict] | None):
         from torch.utils.data import DataLoader
 
         from aitraining_pl.datamodules.prompt import PromptCollator, PromptDataset
@@ -125,12 +127,12 @@ class PPOTrainer:
     def train(
         self,
         prompts: Sequence[Any],
-        num_iterations: Optional[int] = None,
-        metadata: Optional[Sequence[dict]] = None,
-        eval_prompts: Optional[Sequence[Any]] = None,
-        eval_metadata: Optional[Sequence[dict]] = None,
+        num_iterations: int | None = None,
+        metadata: Sequence[dict] | None = None,
+        eval_prompts: Sequence[Any] | None = None,
+        eval_metadata: Sequence[dict] | None = None,
         **trainer_kwargs: Any,
-    ) -> Dict[str, List[float]]:
+    ) -> dict[str, list[float]]:
         """Run ``num_iterations`` PPO iterations (default ``config.num_iterations``), each on a batch of
         ``batch_size`` prompts drawn in turn from ``prompts`` (repeated as needed, shuffled).
 
@@ -151,8 +153,10 @@ class PPOTrainer:
         train_loader = self._train_loader(prompts, metadata, n)
         val_loader = self._eval_loader(eval_prompts, eval_metadata) if eval_prompts else None
         # PPOModule sizes its LR schedule from max_steps (optimizer steps) when no datamodule is attached
-        options: Dict[str, Any] = {
-            "max_epochs": 1, "max_steps": n * self.module.updates_per_iteration(c.batch_size), **accelerator_options(c.device),
+        options: dict[str, Any] = {
+            "max_epochs": 1,
+            "max_steps": n * self.module.updates_per_iteration(c.batch_size),
+            **accelerator_options(c.device),
         }  # fmt: skip
         every = max(1, min(c.eval_every, n))
         if val_loader is not None:
@@ -175,7 +179,7 @@ class PPOTrainer:
 class DPOConfig:
     """The seed's ``DPOConfig``: same fields and defaults, plus a few needed to run offline."""
 
-    model_name: Optional[str] = None  #: policy folder or hub id
+    model_name: str | None = None  #: policy folder or hub id
     learning_rate: float = 1e-6
     batch_size: int = 8  #: preference pairs per batch
     gradient_accumulation_steps: int = 2
@@ -189,10 +193,10 @@ class DPOConfig:
     max_prompt_length: int = 256
     eval_every: int = 100  #: optimizer steps between validations (when ``train`` gets ``eval_dataset``)
     save_every: int = 500  #: optimizer steps between checkpoints in ``output_dir`` (0: none)
-    device: Optional[str] = None  #: "cpu", "cuda", "cuda:1", ... or None (auto)
+    device: str | None = None  #: "cpu", "cuda", "cuda:1", ... or None (auto)
     # beyond the seed
-    model_config: Optional[dict] = None  #: inline config of a randomly initialised policy (instead of model_name)
-    tokenizer_name: Optional[str] = None  #: default: model_name; "byte" for the byte-level tokenizer
+    model_config: dict | None = None  #: inline config of a randomly initialised policy (instead of model_name)
+    tokenizer_name: str | None = None  #: default: model_name; "byte" for the byte-level tokenizer
     loss_type: str = "sigmoid"  #: sigmoid (DPO), robust, hinge, ipo, simpo
     output_dir: str = "dpo_output"
     seed: int = 0
@@ -217,7 +221,7 @@ class DPOTrainer:
         )  # fmt: skip
         if tokenizer is not None:
             self.module.set_tokenizer(tokenizer)
-        self.trainer: Optional[pl.Trainer] = None
+        self.trainer: pl.Trainer | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -244,10 +248,15 @@ class DPOTrainer:
 
         pad = self.tokenizer.pad_token_id
         generator = torch.Generator().manual_seed(self.config.seed)
-        return DataLoader(dataset, self.config.batch_size, shuffle=shuffle, generator=generator,
-                          collate_fn=PreferenceCollator(pad if pad is not None else 0))
+        return DataLoader(
+            dataset,
+            self.config.batch_size,
+            shuffle=shuffle,
+            generator=generator,
+            collate_fn=PreferenceCollator(pad if pad is not None else 0),
+        )
 
-    def train(self, dataset: Any, eval_dataset: Any = None, **trainer_kwargs: Any) -> Dict[str, List[float]]:
+    def train(self, dataset: Any, eval_dataset: Any = None, **trainer_kwargs: Any) -> dict[str, list[float]]:
         """Train for ``num_epochs`` on ``dataset`` (a ``PreferenceDataset`` or a dict of ``prompts`` /
         ``chosen`` / ``rejected`` lists), validating on ``eval_dataset`` every ``eval_every`` optimizer steps
         (within each epoch) and at the end.
@@ -260,7 +269,7 @@ class DPOTrainer:
         train_loader = self._loader(self._dataset(dataset), shuffle=True)
         val_loader = self._loader(self._dataset(eval_dataset), shuffle=False) if eval_dataset is not None else None
         accumulate = max(1, c.gradient_accumulation_steps)
-        options: Dict[str, Any] = {
+        options: dict[str, Any] = {
             "max_epochs": c.num_epochs, "accumulate_grad_batches": accumulate,
             "gradient_clip_val": c.max_grad_norm or None, **accelerator_options(c.device),
         }  # fmt: skip

@@ -10,9 +10,9 @@ Lightning ``Trainer``.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-import torch
 from torch.utils.data import DataLoader
 
 from aitraining_pl.compat.common import accelerator_options, fit
@@ -42,17 +42,22 @@ class RewardModelTrainer:
     def _loader(self, chosen: Sequence[str], rejected: Sequence[str], batch_size: int, shuffle: bool) -> DataLoader:
         """Pairs in the preference batch contract (``PreferenceCollator``), each text laid out as at scoring time."""
         if len(chosen) != len(rejected) or not chosen:
-            raise DataValidationError(_SOURCE, f"need as many chosen as rejected texts (> 0), got {len(chosen)} and {len(rejected)}")
+            raise DataValidationError(
+                _SOURCE, f"need as many chosen as rejected texts (> 0), got {len(chosen)} and {len(rejected)}"
+            )
         examples = []
         for i, (good, bad) in enumerate(zip(chosen, rejected)):
             check_text(good, _SOURCE, i + 1, "chosen", allow_messages=False)
             check_text(bad, _SOURCE, i + 1, "rejected", allow_messages=False)
             examples.append({
                 "prompt_ids": [], "index": i,
-                "chosen_ids": encode_for_reward(self.tokenizer, good), "rejected_ids": encode_for_reward(self.tokenizer, bad),
+                "chosen_ids": encode_for_reward(self.tokenizer, good),
+                "rejected_ids": encode_for_reward(self.tokenizer, bad),
             })  # fmt: skip
         pad = self.tokenizer.pad_token_id
-        return DataLoader(examples, batch_size, shuffle=shuffle, collate_fn=PreferenceCollator(pad if pad is not None else 0))
+        return DataLoader(
+            examples, batch_size, shuffle=shuffle, collate_fn=PreferenceCollator(pad if pad is not None else 0)
+        )
 
     def train_on_preferences(
         self,
@@ -60,8 +65,8 @@ class RewardModelTrainer:
         rejected_texts: Sequence[str],
         num_epochs: int = 1,
         batch_size: int = 8,
-        eval_chosen_texts: Optional[Sequence[str]] = None,
-        eval_rejected_texts: Optional[Sequence[str]] = None,
+        eval_chosen_texts: Sequence[str] | None = None,
+        eval_rejected_texts: Sequence[str] | None = None,
         **trainer_kwargs: Any,
     ) -> dict[str, float]:
         """Fit on (chosen, rejected) text pairs; returns the last logged metrics (``train/loss``,

@@ -3,7 +3,8 @@ tiny-llama}`` in a YAML recipe, ``model_config="tiny-llama"`` in Python, instead
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 #: named inline configs (random init) for tests and the quickstart recipes. ``tiny-llama``: a 2-layer Llama,
 #: hidden size 64 (MLP 128), 4 attention heads over 2 key/value heads, the byte tokenizer's 384-token vocabulary
