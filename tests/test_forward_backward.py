@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from aitraining_pl.forward_backward import AsyncTrainingClient, ForwardBackwardPipeline, filter_logits
+from aitraining_pl.compat.forward_backward import AsyncTrainingClient, ForwardBackwardPipeline, filter_logits
 from aitraining_pl.losses import token_logps
 from aitraining_pl.models import PPOModel, build_causal_lm
 
