@@ -11,6 +11,7 @@ imported from its subpackage (``aitraining_pl.losses``, ``.models``, ``.rewards`
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import warnings
 from typing import Any
 
@@ -25,6 +26,8 @@ _EXPORTS: dict[str, str] = {
     "PairwiseRewardModule": "aitraining_pl.modules.reward",
     "MultiObjectiveRewardModule": "aitraining_pl.modules.reward",
     "PPOModule": "aitraining_pl.modules.ppo",
+    "GRPOModule": "aitraining_pl.modules.critic_free",
+    "RLOOModule": "aitraining_pl.modules.critic_free",
     # DataModules
     "SFTDataModule": "aitraining_pl.datamodules.sft",
     "PreferenceDataModule": "aitraining_pl.datamodules.preference",
@@ -97,6 +100,12 @@ _MOVED: dict[str, str] = {
         "aitraining_pl.compat",
     ),
 }
+
+# the online-RL modules arrive with their own branch: export them only where their module exists
+for _name in ("GRPOModule", "RLOOModule"):
+    if importlib.util.find_spec(_EXPORTS[_name]) is None:
+        del _EXPORTS[_name]
+del _name
 
 __all__ = sorted(_EXPORTS)
 
