@@ -5,13 +5,13 @@ The top level holds what a training script needs: the LightningModules, the Data
 configs (``LoRAConfig``, ``GenerationConfig``) and the CLI (``AlignmentCLI``, ``main``). Everything else is
 imported from its subpackage (``aitraining_pl.losses``, ``.models``, ``.rewards``, ``.rollout``,
 ``.environments``); the seed's API is ``aitraining_pl.compat``. Names load on first use, so
-``import aitraining_pl`` stays cheap.
+``import aitraining_pl`` stays cheap. (The online-RL bases ``OnlineRLModule`` and ``CriticFreeModule``, like
+``AlignmentModule``, are imported from ``aitraining_pl.modules.online`` / ``.critic_free`` / ``.base``.)
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import warnings
 from typing import Any
 
@@ -100,12 +100,6 @@ _MOVED: dict[str, str] = {
         "aitraining_pl.compat",
     ),
 }
-
-# the online-RL modules arrive with their own branch: export them only where their module exists
-for _name in ("GRPOModule", "RLOOModule"):
-    if importlib.util.find_spec(_EXPORTS[_name]) is None:
-        del _EXPORTS[_name]
-del _name
 
 __all__ = sorted(_EXPORTS)
 

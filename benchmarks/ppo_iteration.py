@@ -108,7 +108,7 @@ def main() -> None:
     clock.wrap(module, "generate", "generation")
     clock.wrap(module, "score", "scoring")
     clock.wrap(module, "reference_logprobs", "reference_forward")
-    clock.wrap(module, "ppo_update", "update")
+    clock.wrap(module, "update", "update")  # OnlineRLModule.update: the ppo_epochs passes
     # module.forward outside the update is the no-grad old log-probs / values pass
     clock.wrap(module, "forward", lambda a, k: "update_forward" if torch.is_grad_enabled() else "old_forward")
     clock.wrap(module, "training_step", "iteration")

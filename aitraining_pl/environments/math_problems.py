@@ -72,11 +72,16 @@ def parse_final_number(text: str) -> Optional[float]:
 
 
 def math_correctness_reward(prompt: str, generated: str, full_text: str, metadata: Optional[Dict[str, Any]] = None) -> float:
-    """1.0 when the final number of the response equals ``metadata["answer"]``, else 0.0."""
+    """1.0 when the final number of the response equals ``metadata["answer"]``, else 0.0. The answer is a number
+    or a text whose last number is the answer (GSM8K's worked solutions end with ``#### <answer>``)."""
     if not metadata or "answer" not in metadata:
         raise ValueError(f"no known answer for the prompt {prompt[:60]!r}: give metadata={{'answer': ...}}")
+    answer = metadata["answer"]
+    expected = float(answer) if isinstance(answer, (int, float)) else parse_final_number(str(answer))
+    if expected is None:
+        raise ValueError(f"no number in the known answer {str(answer)[-60:]!r} of the prompt {prompt[:60]!r}")
     value = parse_final_number(generated)
-    return float(value is not None and abs(value - float(metadata["answer"])) < 1e-6)
+    return float(value is not None and abs(value - expected) < 1e-6)
 
 
 def math_format_reward(prompt: str, generated: str, full_text: str) -> float:

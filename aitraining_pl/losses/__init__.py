@@ -3,6 +3,12 @@
 No Lightning or transformers imports here; each function names the paper it follows.
 """
 
+from aitraining_pl.losses.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    CRITIC_ESTIMATORS,
+    compute_advantages,
+    group_statistics,
+)
 from aitraining_pl.losses.kl_control import AdaptiveKLController, FixedKLController
 from aitraining_pl.losses.logprobs import (
     SequenceLogps,
@@ -15,6 +21,7 @@ from aitraining_pl.losses.logprobs import (
     sequence_logps,
     token_logps,
 )
+from aitraining_pl.losses.policy_gradient import LOSS_AGGREGATIONS, clipped_policy_loss
 from aitraining_pl.losses.preference import (
     DPO_LOSSES,
     LENGTH_NORMALISED,
@@ -37,6 +44,12 @@ from aitraining_pl.losses.rl import (
 from aitraining_pl.losses.sft import sft_loss
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "CRITIC_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "clipped_policy_loss",
+    "compute_advantages",
+    "group_statistics",
     "POOLING_STRATEGIES",
     "masked_objective_mse",
     "pool_hidden_states",

@@ -1,5 +1,7 @@
 """PPO for language models (Schulman et al. 2017; Ziegler et al. 2019; Stiennon et al. 2020) as a
-LightningModule under ``Trainer.fit``: one ``training_step`` is one PPO iteration on a prompt batch.
+LightningModule under ``Trainer.fit``: one ``training_step`` is one PPO iteration on a prompt batch. The
+rollout, scoring, update loop and logging are the online-RL family's (``modules/online.py``); PPO adds the
+critic (a value head on the policy), per-token KL-penalised rewards and GAE.
 
 Manual optimisation: an iteration makes ``ppo_epochs * batch / (mini_batch_size * gradient_accumulation_steps)``
 optimizer steps, and Lightning's ``global_step`` counts each of them (bound the run with ``max_epochs`` over
@@ -8,47 +10,25 @@ the prompts, or set ``max_steps`` in optimizer steps).
 
 from __future__ import annotations
 
-import contextlib
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
 
 from aitraining_pl.losses import (
+    compute_advantages,
     entropy_from_logits,
     explained_variance,
     gae,
     masked_mean,
-    masked_whiten,
     ppo_policy_loss,
     ppo_value_loss,
     selective_log_softmax,
 )
 from aitraining_pl.models import LoRAConfig, PPOModel, is_peft_model
-from aitraining_pl.modules.base import AlignmentModule
-from aitraining_pl.optim import adamw_with_warmup
-from aitraining_pl.rewards import build_reward_source
-from aitraining_pl.rollout import (
-    GenerationConfig,
-    Rollout,
-    RolloutEngine,
-    position_ids_from_mask,
-    score_rollout,
-    token_rewards,
-    warn_truncated_sampling,
-)
-
-
-def _primitive(value: Any) -> bool:
-    """Whether ``value`` is made of str/int/float/bool/None, lists and str-keyed dicts only."""
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_primitive(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _primitive(v) for k, v in value.items())
-    return False
+from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
+from aitraining_pl.rollout import GenerationConfig, position_ids_from_mask, token_rewards
 
 
 @dataclass
@@ -65,7 +45,7 @@ class Experience:
     returns: torch.Tensor
 
 
-class PPOModule(AlignmentModule):
+class PPOModule(OnlineRLModule):
     """PPO with a value head on the policy, a frozen reference and a reward source.
 
     Hyperparameter names and defaults follow the seed's ``PPOConfig``; the prompt batch size is the data
@@ -136,102 +116,21 @@ class PPOModule(AlignmentModule):
         gradient_checkpointing: bool = False,
     ):
         super().__init__()
-        self.automatic_optimization = False
-        self.strict_loading = False  # the frozen reference and the reward model are never saved
-        # a reward given as a Python object (not YAML-describable primitives) is not saved with the hyperparameters
-        self.save_hyperparameters(ignore=["lora", "generation"] + ([] if _primitive(reward) else ["reward"]))
-        self.store_lora_hparam(lora)
-        self.generation = generation if isinstance(generation, GenerationConfig) else GenerationConfig(**dict(generation))
-        self.hparams["generation"] = asdict(self.generation)
-        self.generation.validate()
-        warn_truncated_sampling(self.generation)
+        self.setup_online(reward, generation, lora, with_reference=True, kl_coef=kl_penalty_coef)
         policy, self.reference = self.load_policy_from_hparams(with_reference=True)
         self.model = PPOModel(policy)
-        self._reward_source = [build_reward_source(reward)]  # in a list: never a submodule, never saved
-        self.kl_coef = float(kl_penalty_coef)
-        self.last_kl = 0.0  #: batch-mean KL(pi || ref) per response (nats, summed over tokens), for the KL callback
-        self.last_num_samples = 0  #: responses behind ``last_kl`` (all ranks)
         self.apply_training_options(self.reference.model, getattr(self.reward_source, "model", self.reward_source))
 
     @property
-    def reward_source(self) -> Callable:
-        """The reward source (protocol in ``aitraining_pl.rewards``)."""
-        return self._reward_source[0]
-
-    @property
-    def engine(self) -> RolloutEngine:
-        """The rollout engine for ``generation`` with this module's tokenizer."""
-        return RolloutEngine(self.tokenizer, self.generation)
+    def update_epochs(self) -> int:
+        return self.hparams.ppo_epochs
 
     @property
     def policy(self) -> torch.nn.Module:
         """The language model being trained (peft model under LoRA); exported by ``save_pretrained``."""
         return self.model.base_model
 
-    # ------------------------------------------------------------------ setup
-    def on_fit_start(self) -> None:
-        dtype = next(self.model.parameters()).dtype
-        self.reference.to(self.device, dtype)
-        if hasattr(self.reward_source, "to"):
-            self.reward_source.to(self.device)
-
-    def updates_per_iteration(self, batch_size: int) -> int:
-        """Optimizer steps made by one PPO iteration on ``batch_size`` prompts."""
-        hp = self.hparams
-        per_step = hp.mini_batch_size * hp.gradient_accumulation_steps
-        if batch_size % per_step:
-            raise ValueError(
-                f"the prompt batch size ({batch_size}) must be a multiple of mini_batch_size * "
-                f"gradient_accumulation_steps ({hp.mini_batch_size} * {hp.gradient_accumulation_steps})"
-            )
-        return hp.ppo_epochs * batch_size // per_step
-
-    def configure_optimizers(self):
-        trainer = self.trainer
-        if trainer.max_steps and trainer.max_steps > 0:
-            total = trainer.max_steps  # already counted in optimizer steps
-        else:  # estimated_stepping_batches counts training batches, i.e. PPO iterations
-            iterations = trainer.estimated_stepping_batches
-            batch_size = getattr(trainer.datamodule, "hparams", {}).get("batch_size")
-            batch_size = batch_size or getattr(trainer.train_dataloader, "batch_size", None)
-            per_step = self.hparams.mini_batch_size * self.hparams.gradient_accumulation_steps
-            total = iterations * self.updates_per_iteration(batch_size or per_step)
-        return adamw_with_warmup(
-            self.trainable_parameters(), learning_rate=self.hparams.learning_rate, total_steps=total,
-            warmup_ratio=self.hparams.warmup_ratio,
-        )
-
-    # ------------------------------------------------------------------ rollout and scoring
-    def _generation_context(self):
-        """Full parameters for ``generate`` under FSDP (``summon_full_params``); nothing otherwise."""
-        from lightning.pytorch.strategies import FSDPStrategy
-
-        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
-            from torch.distributed.fsdp import FullyShardedDataParallel
-
-            return FullyShardedDataParallel.summon_full_params(self.trainer.strategy.model, writeback=False)
-        return contextlib.nullcontext()
-
-    @torch.no_grad()
-    def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: Optional[GenerationConfig] = None,
-        num_samples: int = 1,
-    ) -> Rollout:
-        """Sample ``num_samples`` responses per left-padded prompt with the rollout engine (``generation``, or
-        ``config``), in eval mode."""
-        engine = self.engine if config is None else RolloutEngine(self.tokenizer, config)
-        sharded = self._generation_context()
-        with sharded:
-            return engine.sample(
-                self.policy, prompt_ids, prompt_mask, num_samples,
-                synced_gpus=not isinstance(sharded, contextlib.nullcontext),
-            )
-
-    def score(self, prompts: list[str], metadata: list[dict], rollout: Rollout):
-        """Scores (N,) from the reward source, minus ``missing_eos_penalty`` where a response did not end;
-        and the source's per-component scores."""
-        return score_rollout(self.reward_source, prompts, metadata, rollout, self.hparams.missing_eos_penalty)
-
+    # ------------------------------------------------------------------ forward passes
     def forward(self, input_ids, attention_mask, prompt_length: int):
         """Response logits (temperature-scaled, (B, R, V)) and values (B, R) of the policy."""
         out = self.model(input_ids, attention_mask, position_ids_from_mask(attention_mask))
@@ -262,36 +161,17 @@ class PPOModule(AlignmentModule):
         logits = logits[:, prompt_length - 1 : -1].float() / self.generation.temperature
         return selective_log_softmax(logits, input_ids[:, prompt_length:])
 
-    # ------------------------------------------------------------------ one PPO iteration
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        hp = self.hparams
-        prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
-        P = prompt_ids.shape[1]
-        # 1. rollout: sample responses; each ends at its first end token or stop string (one rule, rollout.py)
-        rollout = self.generate(prompt_ids, prompt_mask)
-        input_ids, attention_mask = rollout.input_ids, rollout.attention_mask
-        mask, ended = rollout.response_mask, rollout.ended
-        # 2. score with the reward source (errors, wrong lengths and NaNs stop the run)
-        scores, components = self.score(batch["prompts"], batch["metadata"], rollout)
-        # 3. old log-probs and values of the policy, log-probs of the reference
-        with torch.no_grad():
-            old_logprobs, old_values, ref_logprobs = self.old_and_reference(input_ids, attention_mask, P)
-            # 4. per-token rewards: -kl_coef * KL_t, plus the score on the last response token
-            rewards, kl = token_rewards(scores, old_logprobs, ref_logprobs, mask, self.kl_coef, hp.kl_estimator)
-            # 5. GAE, whitened advantages
-            advantages, returns = gae(rewards, old_values, mask, hp.gamma, hp.lam)
-            advantages = masked_whiten(advantages, mask)
-        experience = Experience(input_ids, attention_mask, P, mask, old_logprobs, old_values, advantages, returns)
-        # 6. ppo_epochs passes over shuffled minibatches
-        stats = self.ppo_update(experience)
-        # 7. log (one all-reduce of a fixed-size vector, never of ragged tensors)
-        stats.update(
-            reward_mean=scores.mean(), reward_sq=(scores**2).mean(), kl=kl.sum(1).mean(),
-            response_length=mask.sum(1).float().mean(), ended=ended.float().mean(),
-            explained_variance=explained_variance(old_values, returns, mask),
-            **{f"reward/{k}": torch.tensor(v, dtype=torch.float32).mean() for k, v in sorted(components.items())},
-        )
-        self.log_iteration(stats, n=prompt_ids.shape[0])
+    # ------------------------------------------------------------------ one PPO iteration (steps in OnlineRLModule)
+    def make_experience(self, rollout: RolloutBatch) -> tuple[Experience, dict[str, torch.Tensor]]:
+        """Old log-probs and values, reference log-probs, per-token KL-penalised rewards, whitened GAE."""
+        hp, mask, P = self.hparams, rollout.mask, rollout.prompt_length
+        old_logprobs, old_values, ref_logprobs = self.old_and_reference(rollout.input_ids, rollout.attention_mask, P)
+        # per-token rewards: -kl_coef * KL_t, plus the score on the last response token
+        rewards, kl = token_rewards(rollout.scores, old_logprobs, ref_logprobs, mask, self.kl_coef, hp.kl_estimator)
+        _, returns = gae(rewards, old_values, mask, hp.gamma, hp.lam)
+        advantages = compute_advantages("gae", rewards, mask, rollout.group, old_values, gamma=hp.gamma, lam=hp.lam)
+        experience = Experience(rollout.input_ids, rollout.attention_mask, P, mask, old_logprobs, old_values, advantages, returns)
+        return experience, {"kl": kl.sum(1).mean(), "explained_variance": explained_variance(old_values, returns, mask)}
 
     def minibatch_loss(self, exp: Experience, idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """PPO loss on rollouts ``idx``: clipped policy loss + ``value_coef`` * clipped value loss -
@@ -310,59 +190,10 @@ class PPOModule(AlignmentModule):
         }
 
     def ppo_update(self, exp: Experience) -> dict[str, torch.Tensor]:
-        """``ppo_epochs`` passes over shuffled minibatches with gradient accumulation and clipping; every
-        rank makes the same number of (synchronised) optimizer steps. Returns the minibatch-mean stats."""
-        hp = self.hparams
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        n, accum = exp.input_ids.shape[0], hp.gradient_accumulation_steps
-        self.updates_per_iteration(n)  # validates the batch split
-        generator = torch.Generator().manual_seed(hp.seed * 1_000_003 + self.global_step)
-        history: list[dict[str, torch.Tensor]] = []
-        for _ in range(hp.ppo_epochs):
-            order = torch.randperm(n, generator=generator).to(exp.input_ids.device)
-            for i, start in enumerate(range(0, n, hp.mini_batch_size)):
-                last_micro = (i + 1) % accum == 0
-                with optimizer.toggle_model(sync_grad=last_micro):
-                    loss, stats = self.minibatch_loss(exp, order[start : start + hp.mini_batch_size])
-                    self.manual_backward(loss / accum)
-                history.append(stats)
-                if last_micro:
-                    if hp.max_grad_norm:
-                        self.clip_gradients(optimizer, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    scheduler.step()
-        self.update_history = history  # per-minibatch stats of the last iteration (tests, debugging)
-        return {k: torch.stack([h[k] for h in history]).mean() for k in history[0]}
+        """``ppo_epochs`` passes over shuffled minibatches (``OnlineRLModule.update``)."""
+        return self.update(exp, exp.input_ids.shape[0])
 
-    def log_iteration(self, stats: dict[str, torch.Tensor], n: int) -> None:
-        """Average the iteration's stats over ranks in one all-reduce and log them as ``train/<name>``."""
-        names = list(stats)
-        vector = torch.stack([stats[k].detach().float().to(self.device) for k in names])
-        if self.trainer.world_size > 1:
-            vector = self.trainer.strategy.reduce(vector, reduce_op="mean")
-        values = dict(zip(names, vector))
-        values["reward_std"] = (values.pop("reward_sq") - values["reward_mean"] ** 2).clamp_min(0).sqrt()
-        self.last_kl = float(values["kl"])
-        self.last_num_samples = n * self.trainer.world_size
-        values["kl_coef"] = torch.tensor(self.kl_coef, device=self.device)
-        values["lr"] = torch.tensor(self.lr_schedulers().get_last_lr()[0], device=self.device)
-        self.log_metrics("train", values, batch_size=n, prog_bar=("reward_mean", "kl"))
-
-    # ------------------------------------------------------------------ validation: held-out reward
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        rollout = self.generate(batch["input_ids"], batch["attention_mask"])
-        scores, _ = self.score(batch["prompts"], batch["metadata"], rollout)
-        lengths = rollout.response_mask.sum(1).float()
-        self.log_metrics("val", {"reward_mean": scores, "response_length": lengths}, batch_size=len(rollout.texts))
-
-    # ------------------------------------------------------------------ checkpoints and export
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["ppo_kl_coef"] = self.kl_coef
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.kl_coef = float(checkpoint.get("ppo_kl_coef", self.kl_coef))
-
+    # ------------------------------------------------------------------ export
     def save_pretrained(self, path: str | os.PathLike, merge_lora: bool = False) -> None:
         """The policy and tokenizer as a Hugging Face folder, with the value head beside them
         (``value_head.safetensors``)."""

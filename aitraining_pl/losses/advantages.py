@@ -1,0 +1,118 @@
+"""Advantage estimators of online RL for language models, as a registry of small pure functions.
+
+Every estimator has one signature: ``fn(rewards, mask, group, values=None, gamma=1.0, lam=1.0, eps=1e-4)``
+with per-token ``rewards`` (N, R) (the sequence score on each response's last token, plus any per-token
+KL penalty), the response ``mask`` (N, R), ``group`` (N,) the index of the prompt each row answers (rows of
+one group need not be adjacent, groups may differ in size), and ``values`` (N, R) for a critic. It returns
+(N, R) advantages, zero outside the mask. Sequence-level estimators score each row by the sum of its token
+rewards (the score minus ``kl_coef`` * KL when the KL is in the reward) and give every token of the row that
+advantage. A group of one has no baseline: its advantage is 0 (no learning signal), as for a group whose
+rewards are all equal.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from aitraining_pl.losses.logprobs import masked_whiten
+from aitraining_pl.losses.rl import gae
+
+
+def group_statistics(scores: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: the size, mean and Bessel-corrected standard deviation of its group (std 0 for a group of one).
+
+    Args:
+        scores: (N,) float. group: (N,) long group index of each row.
+
+    Returns:
+        ``(count, mean, std)``, each (N,).
+    """
+    _, index = torch.unique(group, return_inverse=True)
+    n_groups = int(index.max()) + 1 if index.numel() else 0
+    zeros = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
+    count = zeros.index_add(0, index, torch.ones_like(scores))
+    mean = zeros.index_add(0, index, scores) / count
+    squares = zeros.index_add(0, index, (scores - mean[index]) ** 2)
+    std = (squares / (count - 1).clamp_min(1)).sqrt()
+    return count[index], mean[index], std[index]
+
+
+def _per_token(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return advantages.unsqueeze(1) * mask.to(advantages.dtype)
+
+
+def _sequence_scores(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (rewards * mask.to(rewards.dtype)).sum(1)
+
+
+def grpo_advantages(rewards, mask, group, values=None, gamma=1.0, lam=1.0, eps=1e-4) -> torch.Tensor:
+    """GRPO (Shao et al. 2024, DeepSeekMath, outcome supervision): ``(r_i - mean_g) / (std_g + eps)``."""
+    scores = _sequence_scores(rewards, mask)
+    count, mean, std = group_statistics(scores, group)
+    advantages = torch.where(count > 1, (scores - mean) / (std + eps), torch.zeros_like(scores))
+    return _per_token(advantages, mask)
+
+
+def dr_grpo_advantages(rewards, mask, group, values=None, gamma=1.0, lam=1.0, eps=1e-4) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): ``r_i - mean_g``, no std division
+    (which up-weights groups that are almost all right or all wrong)."""
+    scores = _sequence_scores(rewards, mask)
+    count, mean, _ = group_statistics(scores, group)
+    return _per_token(torch.where(count > 1, scores - mean, torch.zeros_like(scores)), mask)
+
+
+def rloo_advantages(rewards, mask, group, values=None, gamma=1.0, lam=1.0, eps=1e-4) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024; Kool et al. 2019): ``r_i - mean_{j != i, j in g} r_j``, the mean of the
+    other samples of the same prompt as the baseline."""
+    scores = _sequence_scores(rewards, mask)
+    count, mean, _ = group_statistics(scores, group)
+    baseline = (mean * count - scores) / (count - 1).clamp_min(1)
+    return _per_token(torch.where(count > 1, scores - baseline, torch.zeros_like(scores)), mask)
+
+
+def reinforce_pp_advantages(rewards, mask, group, values=None, gamma=1.0, lam=1.0, eps=1e-4) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): per-token returns-to-go ``G_t = sum_{s >= t} gamma^(s-t) r_s`` of the token
+    rewards (score on the last token, ``-kl_coef * KL`` on every token), normalised over the whole batch's
+    tokens (mean and std over the mask), no critic and no group baseline."""
+    mask = mask.to(rewards.dtype)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * mask[:, t]
+        returns[:, t] = running
+    if mask.sum() < 2:
+        return torch.zeros_like(returns)
+    return masked_whiten(returns, mask, eps=eps**2)
+
+
+def gae_advantages(rewards, mask, group, values=None, gamma=1.0, lam=1.0, eps=1e-4) -> torch.Tensor:
+    """GAE (Schulman et al. 2016) with a critic's ``values``, whitened over the batch (as PPO uses it)."""
+    if values is None:
+        raise ValueError("the gae advantage estimator needs a critic's values")
+    advantages, _ = gae(rewards, values, mask, gamma, lam)
+    return masked_whiten(advantages, mask)
+
+
+AdvantageEstimator = Callable[..., torch.Tensor]
+
+#: name -> estimator; ``CRITIC_ESTIMATORS`` need ``values``.
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "gae": gae_advantages,
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+}
+CRITIC_ESTIMATORS = frozenset({"gae"})
+
+
+def compute_advantages(
+    name: str, rewards: torch.Tensor, mask: torch.Tensor, group: torch.Tensor,
+    values: Optional[torch.Tensor] = None, **kwargs,
+) -> torch.Tensor:
+    """Run the estimator ``name`` of ``ADVANTAGE_ESTIMATORS`` (see the module docstring for the shapes)."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; known: {', '.join(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[name](rewards, mask, group, values=values, **kwargs)

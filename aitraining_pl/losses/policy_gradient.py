@@ -1,0 +1,93 @@
+"""The clipped policy-gradient loss of critic-free online RL (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE++).
+
+Per token: ``l_t = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)) + beta * KL_t`` with
+``rho = exp(logp - old_logp)`` (PPO's surrogate, Schulman et al. 2017; DAPO's clip-higher ``eps_high``,
+Yu et al. 2025) and, when the KL is in the loss, GRPO's k3 estimate of KL(pi || ref) (Shao et al. 2024).
+The per-token losses are reduced by a registered aggregation.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from aitraining_pl.losses.rl import kl_penalty
+
+
+def sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, max_length: int) -> torch.Tensor:
+    """GRPO (Shao et al. 2024): mean over each response's tokens, then over responses (rows with no token
+    in the mask, e.g. dropped groups, are left out)."""
+    lengths = mask.sum(1)
+    rows = lengths > 0
+    if not rows.any():
+        return (per_token * mask).sum()
+    return ((per_token * mask).sum(1)[rows] / lengths[rows]).mean()
+
+
+def token_mean(per_token: torch.Tensor, mask: torch.Tensor, max_length: int) -> torch.Tensor:
+    """DAPO (Yu et al. 2025): mean over all tokens of the batch, so long responses weigh by their length."""
+    return (per_token * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def constant_normaliser(per_token: torch.Tensor, mask: torch.Tensor, max_length: int) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025): sum over tokens divided by a constant, rows x ``max_length`` (the
+    generation budget), so no response length biases the gradient."""
+    return (per_token * mask).sum() / (per_token.shape[0] * max_length)
+
+
+LOSS_AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] = {
+    "sequence": sequence_mean,
+    "token": token_mean,
+    "constant": constant_normaliser,
+}
+
+
+def clipped_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    epsilon: float = 0.2,
+    epsilon_high: Optional[float] = None,
+    aggregation: str = "sequence",
+    max_length: Optional[int] = None,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate loss with optional k3 KL term, reduced by ``aggregation``.
+
+    Args:
+        logprobs, old_logprobs, advantages, mask: (N, R).
+        epsilon: lower clip range (``rho >= 1 - epsilon``). epsilon_high: upper one (default ``epsilon``).
+        aggregation: a key of ``LOSS_AGGREGATIONS``. max_length: normaliser of ``constant`` (default R).
+        ref_logprobs: reference log-probs; with ``kl_coef > 0`` adds ``kl_coef * k3`` per token.
+
+    Returns:
+        ``(loss, stats)``; stats (detached): ``clip_ratio/low`` (share of tokens with A < 0 whose ratio is
+        below ``1 - epsilon``), ``clip_ratio/high`` (A > 0, ratio above ``1 + epsilon_high``),
+        ``clip_ratio`` (either), ``kl`` (mean per-token k3 when a reference is given), ``approx_kl``.
+    """
+    if aggregation not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {aggregation!r}; known: {', '.join(LOSS_AGGREGATIONS)}")
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    mask = mask.to(logprobs.dtype)
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    per_token = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high))
+    kl = None
+    if ref_logprobs is not None and kl_coef:
+        kl = kl_penalty(logprobs, ref_logprobs, "k3")
+        per_token = per_token + kl_coef * kl
+    loss = LOSS_AGGREGATIONS[aggregation](per_token, mask, max_length or mask.shape[1])
+    with torch.no_grad():
+        n = mask.sum().clamp_min(1.0)
+        low = ((ratio < 1 - epsilon) & (advantages < 0)).to(mask.dtype) * mask
+        high = ((ratio > 1 + epsilon_high) & (advantages > 0)).to(mask.dtype) * mask
+        stats = {
+            "clip_ratio/low": low.sum() / n, "clip_ratio/high": high.sum() / n, "clip_ratio": (low + high).sum() / n,
+            "approx_kl": ((torch.expm1(log_ratio) - log_ratio) * mask).sum() / n,
+        }
+        if kl is not None:
+            stats["kl"] = (kl * mask).sum() / n
+    return loss, stats

@@ -1,0 +1,220 @@
+"""Critic-free online RL for language models: GRPO (Shao et al. 2024), Dr. GRPO (Liu et al. 2025), DAPO's loss
+options (Yu et al. 2025), RLOO (Ahmadian et al. 2024) and REINFORCE++ (Hu 2025), as one module on the
+online-RL base (``modules/online.py``) that PPO shares; the algorithms differ only in the advantage estimator
+(``losses.ADVANTAGE_ESTIMATORS``), the loss aggregation (``losses.LOSS_AGGREGATIONS``) and where the KL goes.
+
+Each prompt gets ``num_generations`` responses; rewards are compared within the group, so no value model is
+needed. The old, reference and policy forward passes run on the packed real tokens (``padding_free``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from aitraining_pl.losses import (
+    CRITIC_ESTIMATORS,
+    clipped_policy_loss,
+    compute_advantages,
+    group_statistics,
+    masked_mean,
+)
+from aitraining_pl.models import LoRAConfig
+from aitraining_pl.models.rollout_scoring import response_logps
+from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
+from aitraining_pl.rollout import GenerationConfig, place_scores, token_rewards
+
+
+@dataclass
+class PolicyExperience:
+    """One rollout batch ready for the update; per-token tensors are (N, R)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_length: int
+    mask: torch.Tensor  #: response tokens that enter the loss (dropped groups zeroed)
+    advantages: torch.Tensor
+    old_logprobs: Optional[torch.Tensor]  #: None when ``num_iterations == 1`` (the detached current ones are used)
+    ref_logprobs: Optional[torch.Tensor]  #: None unless the KL term is in the loss
+
+
+class CriticFreeModule(OnlineRLModule):
+    """Group-baseline policy-gradient RL with PPO-style clipping and no critic.
+
+    Args:
+        model_name: policy as a local folder or hub id.
+        model_config: policy as an inline config dict (random init), instead of ``model_name``.
+        tokenizer_name: tokenizer (default: ``model_name``; ``"byte"`` for the byte-level tokenizer).
+        lora: LoRA adapters on the policy (the reference is then the policy with adapters disabled).
+        reward: reward source, as for ``PPOModule`` (import path, reward-model folder, class path, weighted
+            components, an environment, or a Python callable ``(prompts, responses, metadata) -> list[float]``).
+        generation: sampling settings (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop_strings``).
+        num_generations: responses sampled per prompt (the group size G).
+        advantage: ``grpo`` (group mean and std), ``dr_grpo`` (group mean only), ``rloo`` (leave-one-out mean)
+            or ``reinforce_pp`` (per-token returns, batch-normalised).
+        loss_aggregation: ``sequence`` (mean per response, then over responses; GRPO), ``token`` (mean over
+            all tokens; DAPO) or ``constant`` (sum / (rows x max_new_tokens); Dr. GRPO).
+        learning_rate: AdamW learning rate (linear warmup by ``warmup_ratio``, then linear decay).
+        mini_batch_size: rollouts per forward/backward pass in the update.
+        gradient_accumulation_steps: minibatches per optimizer step.
+        num_iterations: passes over each rollout batch (old log-probs are computed only when > 1).
+        epsilon: lower clip range of the ratio (``1 - epsilon``).
+        epsilon_high: upper clip range (``1 + epsilon_high``; default ``epsilon``; DAPO's clip-higher: 0.28).
+        kl_coef: KL(policy || reference) weight; 0 loads no reference model at all.
+        kl_in_reward: put ``-kl_coef`` * k1 per token into the reward (RLOO, REINFORCE++) instead of
+            ``kl_coef`` * k3 per token into the loss (GRPO).
+        dynamic_sampling: DAPO's filter: groups whose rewards are all equal (no signal) leave the loss.
+        max_grad_norm: gradient clipping by global norm (0 = off).
+        missing_eos_penalty: subtracted from the score of responses that end without EOS or stop string.
+        padding_free: run the old, reference and policy forward passes on the packed real tokens.
+        warmup_ratio: share of optimizer steps with linear warmup.
+        seed: weight-initialisation seed of an inline ``model_config`` and of the minibatch order.
+        dtype: dtype the models are loaded in (default: the checkpoint's).
+    """
+
+    def __init__(
+        self,
+        model_name: Optional[str] = None,
+        model_config: Optional[dict[str, Any]] = None,
+        tokenizer_name: Optional[str] = None,
+        lora: Optional[LoRAConfig] = None,
+        reward: Union[str, dict[str, Any], Callable, None] = "aitraining_pl.rewards:char_fraction_reward",
+        generation: GenerationConfig = GenerationConfig(),
+        num_generations: int = 8,
+        advantage: str = "grpo",
+        loss_aggregation: str = "sequence",
+        learning_rate: float = 1e-6,
+        mini_batch_size: int = 8,
+        gradient_accumulation_steps: int = 1,
+        num_iterations: int = 1,
+        epsilon: float = 0.2,
+        epsilon_high: Optional[float] = None,
+        kl_coef: float = 0.04,
+        kl_in_reward: bool = False,
+        dynamic_sampling: bool = False,
+        max_grad_norm: float = 1.0,
+        missing_eos_penalty: Optional[float] = None,
+        padding_free: bool = True,
+        warmup_ratio: float = 0.0,
+        seed: int = 0,
+        dtype: Optional[str] = None,
+    ):
+        super().__init__()
+        if advantage in CRITIC_ESTIMATORS:
+            raise ValueError(f"advantage {advantage!r} needs a critic: use PPOModule")
+        compute_advantages(advantage, torch.zeros(1, 1), torch.ones(1, 1), torch.zeros(1, dtype=torch.long))  # known?
+        clipped_policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), aggregation=loss_aggregation)
+        if num_generations < 1 or num_iterations < 1:
+            raise ValueError("num_generations and num_iterations must be >= 1")
+        self.setup_online(reward, generation, lora, with_reference=bool(kl_coef), kl_coef=kl_coef)
+        self.model, self.reference = self.load_policy_from_hparams(with_reference=bool(kl_coef))
+        # no dropout anywhere (as TRL), gradient checkpointing off: AlignmentModule's defaults for these options
+        reference = self.reference.model if self.reference is not None else None
+        self.apply_training_options(reference, getattr(self.reward_source, "model", self.reward_source))
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.hparams.num_generations
+
+    @property
+    def update_epochs(self) -> int:
+        return self.hparams.num_iterations
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        """The language model being trained (peft model under LoRA); exported by ``save_pretrained``."""
+        return self.model
+
+    # ------------------------------------------------------------------ log-prob passes
+    def logprobs(self, model: torch.nn.Module, rollout: RolloutBatch, rows: torch.Tensor, with_entropy: bool = False):
+        """``response_logps`` of ``model`` on rollout ``rows`` (packed when ``padding_free``)."""
+        return response_logps(
+            model, rollout.input_ids[rows], rollout.attention_mask[rows], rollout.prompt_length,
+            self.generation.temperature, self.hparams.padding_free, with_entropy,
+        )
+
+    @torch.no_grad()
+    def frozen_logprobs(self, rollout: RolloutBatch, reference: bool) -> torch.Tensor:
+        """(N, R) log-probs of the policy (eval mode) or of the reference, ``mini_batch_size`` rows at a time."""
+        model = self.reference.model if reference else self.policy
+        context = self.reference.context() if reference else contextlib.nullcontext()
+        was_training = model.training
+        model.eval()
+        try:
+            with context:
+                rows = torch.arange(rollout.input_ids.shape[0], device=rollout.input_ids.device)
+                return torch.cat([self.logprobs(model, rollout, r).logprobs for r in rows.split(self.hparams.mini_batch_size)])
+        finally:
+            model.train(was_training)
+
+    # ------------------------------------------------------------------ one iteration (steps in OnlineRLModule)
+    def make_experience(self, rollout: RolloutBatch) -> tuple[PolicyExperience, dict[str, torch.Tensor]]:
+        """Old / reference log-probs as needed, token rewards (score, minus k1 KL when in the reward), the
+        registered advantages, and DAPO's filter of groups with no signal."""
+        hp, mask, stats = self.hparams, rollout.mask, {}
+        kl_in_reward = bool(self.kl_coef) and hp.kl_in_reward
+        old = self.frozen_logprobs(rollout, reference=False) if hp.num_iterations > 1 or kl_in_reward else None
+        ref = self.frozen_logprobs(rollout, reference=True) if self.reference is not None and self.kl_coef else None
+        if kl_in_reward:
+            rewards, kl = token_rewards(rollout.scores, old, ref, mask, self.kl_coef, "k1")
+            stats["kl"] = kl.sum(1).mean()
+        else:
+            rewards = place_scores(rollout.scores, mask)
+        advantages = compute_advantages(hp.advantage, rewards, mask, rollout.group)
+        loss_mask = mask
+        if hp.dynamic_sampling:
+            count, _, std = group_statistics(rollout.scores, rollout.group)
+            loss_mask = mask * ((std > 0) & (count > 1)).to(mask.dtype).unsqueeze(1)
+        experience = PolicyExperience(
+            rollout.input_ids, rollout.attention_mask, rollout.prompt_length, loss_mask, advantages,
+            old if hp.num_iterations > 1 else None, None if kl_in_reward else ref,
+        )
+        return experience, stats
+
+    def minibatch_loss(self, exp: PolicyExperience, idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Clipped policy-gradient loss on rollouts ``idx`` (plus ``kl_coef`` * k3 when the KL is in the loss)."""
+        hp = self.hparams
+        mask = exp.mask[idx]
+        out = self.logprobs(self.policy, exp, idx, with_entropy=True)
+        old = exp.old_logprobs[idx] if exp.old_logprobs is not None else out.logprobs.detach()
+        ref = exp.ref_logprobs[idx] if exp.ref_logprobs is not None else None
+        loss, stats = clipped_policy_loss(
+            out.logprobs, old, exp.advantages[idx], mask, hp.epsilon, hp.epsilon_high, hp.loss_aggregation,
+            self.generation.max_new_tokens, ref, self.kl_coef,
+        )
+        return loss, {"loss": loss.detach(), "entropy": masked_mean(out.entropy.detach(), exp.attention_mask[idx, exp.prompt_length :]), **stats}
+
+
+class GRPOModule(CriticFreeModule):
+    """GRPO (Shao et al. 2024): group-normalised advantages, per-response mean loss, k3 KL in the loss.
+    Arguments as ``CriticFreeModule``; for Dr. GRPO set ``advantage: dr_grpo`` and ``loss_aggregation: constant``,
+    for DAPO ``loss_aggregation: token``, ``epsilon_high: 0.28``, ``dynamic_sampling: true``, ``kl_coef: 0``.
+
+    Args:
+        advantage: advantage estimator (default ``grpo``).
+        loss_aggregation: loss aggregation (default ``sequence``).
+        kl_coef: weight of the k3 KL term in the loss.
+    """
+
+    def __init__(self, advantage: str = "grpo", loss_aggregation: str = "sequence", kl_coef: float = 0.04, **kwargs: Any):
+        super().__init__(advantage=advantage, loss_aggregation=loss_aggregation, kl_coef=kl_coef, **kwargs)
+
+
+class RLOOModule(CriticFreeModule):
+    """RLOO (Ahmadian et al. 2024): leave-one-out baseline, k1 KL in the reward (as in the paper and TRL),
+    token-mean loss. Arguments as ``CriticFreeModule``.
+
+    Args:
+        advantage: advantage estimator (default ``rloo``).
+        loss_aggregation: loss aggregation (default ``token``).
+        kl_coef: weight of the per-token k1 KL penalty in the reward.
+        kl_in_reward: KL in the reward (default) or as k3 in the loss.
+    """
+
+    def __init__(self, advantage: str = "rloo", loss_aggregation: str = "token", kl_coef: float = 0.05,
+                 kl_in_reward: bool = True, **kwargs: Any):
+        super().__init__(advantage=advantage, loss_aggregation=loss_aggregation, kl_coef=kl_coef,
+                         kl_in_reward=kl_in_reward, **kwargs)

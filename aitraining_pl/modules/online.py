@@ -1,0 +1,264 @@
+"""The shared base of the online RL modules (PPO, GRPO, RLOO, REINFORCE++): rollout, scoring, the update loop
+over minibatches, metrics reduced across ranks, held-out reward and checkpoint state.
+
+One ``training_step`` is one iteration on a prompt batch:
+
+1. rollout: ``samples_per_prompt`` responses per prompt (rows ``i*G .. i*G+G-1`` answer prompt ``i``, so each
+   prompt's group stays on the rank that drew the prompt);
+2. score them with the reward source;
+3. ``make_experience`` (the subclass): old / reference log-probs, values, advantages;
+4. ``update_epochs`` passes over shuffled minibatches of ``minibatch_loss`` (the subclass), with gradient
+   accumulation and clipping; every rank makes the same number of optimizer steps (its row count is fixed);
+5. log the stats, averaged over ranks in one all-reduce of a fixed-size vector (extrema in one more).
+
+Manual optimisation: Lightning's ``global_step`` counts optimizer steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from aitraining_pl.losses import group_statistics
+from aitraining_pl.modules.base import AlignmentModule
+from aitraining_pl.optim import adamw_with_warmup
+from aitraining_pl.rewards import build_reward_source
+from aitraining_pl.rollout import GenerationConfig, Rollout, RolloutEngine, score_rollout, warn_truncated_sampling
+
+
+def primitive(value: Any) -> bool:
+    """Whether ``value`` is made of str/int/float/bool/None, lists and str-keyed dicts only."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(primitive(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and primitive(v) for k, v in value.items())
+    return False
+
+
+@dataclass
+class RolloutBatch:
+    """Sampled and scored responses; per-token tensors are (N, R), N = prompts x samples per prompt."""
+
+    input_ids: torch.Tensor  #: (N, P + R) prompt and response
+    attention_mask: torch.Tensor  #: (N, P + R)
+    prompt_length: int  #: P
+    mask: torch.Tensor  #: (N, R) response mask (a prefix: up to and including the end token)
+    ended: torch.Tensor  #: (N,) ended by EOS / stop string (False: truncated at max_new_tokens)
+    group: torch.Tensor  #: (N,) index of the prompt each row answers
+    texts: list[str]
+    scores: torch.Tensor  #: (N,) reward-source scores (minus the missing-EOS penalty)
+    components: dict[str, list[float]]
+
+
+class OnlineRLModule(AlignmentModule):
+    """Base class; subclasses call ``setup_online`` in ``__init__`` and implement ``make_experience`` and
+    ``minibatch_loss``. They read ``mini_batch_size``, ``gradient_accumulation_steps``, ``max_grad_norm``,
+    ``learning_rate``, ``warmup_ratio``, ``seed`` and ``missing_eos_penalty`` from ``hparams``."""
+
+    #: responses sampled per prompt (``G``); 1 for PPO
+    samples_per_prompt: int = 1
+    #: passes over each rollout batch
+    update_epochs: int = 1
+
+    def setup_online(self, reward: Any, generation: Any, lora: Any, with_reference: bool, kl_coef: float) -> None:
+        """Store hyperparameters (primitives only), build the policy, reference and reward source."""
+        self.automatic_optimization = False
+        self.strict_loading = False  # the frozen reference and the reward model are never saved
+        # a reward given as a Python object (not YAML-describable primitives) is not saved with the hyperparameters
+        ignore = ["lora", "generation"] + ([] if primitive(reward) else ["reward"])
+        self.save_hyperparameters(ignore=ignore, frame=inspect.currentframe().f_back)  # the caller's __init__
+        self.store_lora_hparam(lora)
+        self.generation = generation if isinstance(generation, GenerationConfig) else GenerationConfig(**dict(generation))
+        self.hparams["generation"] = asdict(self.generation)
+        self.generation.validate()
+        warn_truncated_sampling(self.generation)
+        self._reward_source = [build_reward_source(reward)]  # in a list: never a submodule, never saved
+        self.kl_coef = float(kl_coef)
+        self.last_kl = 0.0  #: batch-mean KL(pi || ref) per response (nats), for the KL callback
+        self.last_num_samples = 0  #: responses behind ``last_kl`` (all ranks)
+        self.update_history: list[dict[str, torch.Tensor]] = []
+
+    @property
+    def reward_source(self) -> Callable:
+        """The reward source (protocol in ``aitraining_pl.rewards``)."""
+        return self._reward_source[0]
+
+    # ------------------------------------------------------------------ setup
+    def on_fit_start(self) -> None:
+        if self.reference is not None:
+            self.reference.to(self.device, next(self.policy.parameters()).dtype)
+        if hasattr(self.reward_source, "to"):
+            self.reward_source.to(self.device)
+
+    def updates_per_iteration(self, batch_size: int) -> int:
+        """Optimizer steps made by one iteration on ``batch_size`` prompts."""
+        hp = self.hparams
+        rows, per_step = batch_size * self.samples_per_prompt, hp.mini_batch_size * hp.gradient_accumulation_steps
+        if rows % per_step:
+            raise ValueError(
+                f"the rollouts per batch ({batch_size} prompts x {self.samples_per_prompt}) must be a multiple of "
+                f"mini_batch_size * gradient_accumulation_steps ({hp.mini_batch_size} * {hp.gradient_accumulation_steps})"
+            )
+        return self.update_epochs * rows // per_step
+
+    def configure_optimizers(self):
+        trainer = self.trainer
+        if trainer.max_steps and trainer.max_steps > 0:
+            total = trainer.max_steps  # already counted in optimizer steps
+        else:  # estimated_stepping_batches counts training batches, i.e. iterations
+            iterations = trainer.estimated_stepping_batches
+            batch_size = getattr(trainer.datamodule, "hparams", {}).get("batch_size")
+            batch_size = batch_size or getattr(trainer.train_dataloader, "batch_size", None)
+            per_step = self.hparams.mini_batch_size * self.hparams.gradient_accumulation_steps
+            total = iterations * self.updates_per_iteration(batch_size or per_step)
+        return adamw_with_warmup(
+            self.trainable_parameters(), learning_rate=self.hparams.learning_rate, total_steps=total,
+            warmup_ratio=self.hparams.warmup_ratio,
+        )
+
+    # ------------------------------------------------------------------ rollout and scoring
+    def _generation_context(self):
+        """Full parameters for ``generate`` under FSDP (``summon_full_params``); nothing otherwise."""
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            return FullyShardedDataParallel.summon_full_params(self.trainer.strategy.model, writeback=False)
+        return contextlib.nullcontext()
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The rollout engine for ``generation`` with this module's tokenizer."""
+        return RolloutEngine(self.tokenizer, self.generation, warn_truncation=False)
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: Optional[GenerationConfig] = None,
+        num_samples: int = 1,
+    ) -> Rollout:
+        """Sample ``num_samples`` responses per left-padded prompt with the rollout engine (``generation``, or
+        ``config``), in eval mode; rows ``i*G .. i*G+G-1`` answer prompt ``i``."""
+        engine = self.engine if config is None else RolloutEngine(self.tokenizer, config)
+        sharded = self._generation_context()
+        with sharded:
+            return engine.sample(
+                self.policy, prompt_ids, prompt_mask, num_samples,
+                synced_gpus=not isinstance(sharded, contextlib.nullcontext),
+            )
+
+    def score(self, prompts: list[str], metadata: list[dict], rollout: Rollout):
+        """Scores (N,) from the reward source, minus ``missing_eos_penalty`` where a response did not end;
+        and the source's per-component scores."""
+        return score_rollout(self.reward_source, prompts, metadata, rollout, self.hparams.missing_eos_penalty)
+
+    def rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
+        """Sample ``samples`` responses per prompt of ``batch`` and score them."""
+        rollout = self.generate(batch["input_ids"], batch["attention_mask"], num_samples=samples)
+        scores, components = self.score(batch["prompts"], batch["metadata"], rollout)
+        return RolloutBatch(
+            rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1], rollout.response_mask,
+            rollout.ended, rollout.group, rollout.texts, scores, components,
+        )
+
+    # ------------------------------------------------------------------ one iteration
+    def make_experience(self, rollout: RolloutBatch) -> tuple[Any, dict[str, torch.Tensor]]:
+        """Everything the update needs (no gradients), and stats to log."""
+        raise NotImplementedError
+
+    def minibatch_loss(self, experience: Any, idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss on rollout rows ``idx`` and detached stats."""
+        raise NotImplementedError
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        # 1-2. rollout and scoring (errors, wrong lengths and NaNs of the reward source stop the run)
+        rollout = self.rollout(batch, self.samples_per_prompt)
+        # 3. old / reference log-probs, values, advantages
+        with torch.no_grad():
+            experience, stats = self.make_experience(rollout)
+        # 4. update_epochs passes over shuffled minibatches
+        stats.update(self.update(experience, rollout.input_ids.shape[0]))
+        # 5. log (one all-reduce of a fixed-size vector, never of ragged tensors)
+        stats.update(self.rollout_stats(rollout))
+        self.log_iteration(stats, n=rollout.input_ids.shape[0])
+
+    def rollout_stats(self, rollout: RolloutBatch) -> dict[str, torch.Tensor]:
+        """Reward and completion statistics of one rollout batch (this rank's)."""
+        scores, lengths = rollout.scores, rollout.mask.sum(1).float()
+        count, _, std = group_statistics(scores, rollout.group)
+        return {
+            "reward_mean": scores.mean(), "reward_sq": (scores**2).mean(),
+            "frac_reward_zero_std": ((std == 0) | (count < 2)).float().mean(),
+            "completion_length": lengths.mean(), "response_length": lengths.mean(),
+            "completion_length/min": lengths.min(), "completion_length/max": lengths.max(),
+            "ended": rollout.ended.float().mean(), "clipped_ratio": (~rollout.ended).float().mean(),
+            **{f"reward/{k}": torch.tensor(v, dtype=torch.float32).mean() for k, v in sorted(rollout.components.items())},
+        }
+
+    def update(self, experience: Any, n: int) -> dict[str, torch.Tensor]:
+        """``update_epochs`` passes over shuffled minibatches of the ``n`` rollouts with gradient accumulation
+        and clipping; every rank makes the same number of (synchronised) optimizer steps. Returns the
+        minibatch-mean stats."""
+        hp = self.hparams
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        accum = hp.gradient_accumulation_steps
+        self.updates_per_iteration(n // self.samples_per_prompt)  # validates the batch split
+        generator = torch.Generator().manual_seed(hp.seed * 1_000_003 + self.global_step)
+        history: list[dict[str, torch.Tensor]] = []
+        for _ in range(self.update_epochs):
+            order = torch.randperm(n, generator=generator).to(self.device)
+            for i, start in enumerate(range(0, n, hp.mini_batch_size)):
+                last_micro = (i + 1) % accum == 0
+                with optimizer.toggle_model(sync_grad=last_micro):
+                    loss, stats = self.minibatch_loss(experience, order[start : start + hp.mini_batch_size])
+                    self.manual_backward(loss / accum)
+                history.append(stats)
+                if last_micro:
+                    if hp.max_grad_norm:
+                        self.clip_gradients(optimizer, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    scheduler.step()
+        self.update_history = history  # per-minibatch stats of the last iteration (tests, debugging)
+        return {k: torch.stack([h[k] for h in history]).mean() for k in history[0]}
+
+    def log_iteration(self, stats: dict[str, torch.Tensor], n: int) -> None:
+        """Average the iteration's stats over ranks in one all-reduce (``.../min`` and ``.../max`` entries in
+        a second one, reduced by max) and log them as ``train/<name>``."""
+        extrema = {k: stats.pop(k) * (-1 if k.endswith("/min") else 1) for k in [k for k in stats if k.endswith(("/min", "/max"))]}
+        values = {}
+        for part, op in ((stats, "mean"), (extrema, "max")):
+            if not part:
+                continue
+            names = list(part)
+            vector = torch.stack([part[k].detach().float().to(self.device) for k in names])
+            if self.trainer.world_size > 1:
+                vector = self.trainer.strategy.reduce(vector, reduce_op=op)
+            values.update(dict(zip(names, vector)))
+        for k in extrema:
+            values[k] = values[k] * (-1 if k.endswith("/min") else 1)
+        values["reward_std"] = (values.pop("reward_sq") - values["reward_mean"] ** 2).clamp_min(0).sqrt()
+        self.last_kl = float(values.get("kl", 0.0))
+        self.last_num_samples = n * self.trainer.world_size
+        values["kl_coef"] = torch.tensor(self.kl_coef, device=self.device)
+        values["lr"] = torch.tensor(self.lr_schedulers().get_last_lr()[0], device=self.device)
+        self.log_metrics("train", values, batch_size=n, prog_bar=("reward_mean", "kl"))
+
+    # ------------------------------------------------------------------ validation: held-out reward
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        rollout = self.rollout(batch, 1)
+        lengths = rollout.mask.sum(1).float()
+        self.log_metrics("val", {"reward_mean": rollout.scores, "response_length": lengths}, batch_size=len(rollout.texts))
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["ppo_kl_coef"] = self.kl_coef
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.kl_coef = float(checkpoint.get("ppo_kl_coef", self.kl_coef))

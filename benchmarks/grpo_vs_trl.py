@@ -1,0 +1,240 @@
+"""GRPO throughput and peak memory: ``GRPOModule`` under ``Trainer.fit`` vs TRL's ``GRPOTrainer``.
+
+Both sides: the same randomly initialised Llama (``3m`` or ``25m``, byte-level tokenizer; sizes as in
+``dpo_vs_trl.py``), the same 8 prompts per step (the first rows of the package's quickstart prompts), G = 8
+samples per prompt (64 completions per step), up to ``--max-new-tokens`` (128) new tokens at temperature 1 with
+no nucleus truncation, the same rule-based reward (share of lowercase letters), the GRPO loss (group-normalised
+advantages, per-sequence mean, ``beta`` = 0.04 k3 KL to a frozen reference, one optimizer step per generation,
+``num_iterations`` = 1), fp32 on CPU with ``--threads`` threads. TRL runs in its own virtual environment (never
+a dependency of this project): pass its interpreter with ``--trl-python`` or ``TRL_PYTHON``. Each measurement
+is its own process; the sides alternate so load from other processes on a shared machine hits both alike.
+
+    TRL_PYTHON=/path/to/trl-venv/bin/python python benchmarks/grpo_vs_trl.py --sizes 3m --steps 4 --warmup 1
+
+Prints the command, date and versions, one JSON line per measurement (``completions_per_s`` over the
+steady-state steps after warm-up, ``peak_rss_mb`` of the whole process, and the mean seconds per step spent in
+``generation``, ``scoring``, ``logprob_passes`` (reference / old log-probs, no gradient) and ``update`` (the
+rest of the step: policy forward, backward, optimizer)) and one ``ratio`` line per size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dpo_vs_trl import BASE, SIZES, _peak_rss_mb  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS_FILE = os.path.join(ROOT, "aitraining_pl", "data", "quickstart_prompts.jsonl")
+NUM_PROMPTS, G, LR, BETA = 8, 8, 1e-6, 0.04
+
+
+def prompts() -> list[str]:
+    with open(PROMPTS_FILE, encoding="utf-8") as handle:
+        return [json.loads(line)["prompt"] for line in handle][:NUM_PROMPTS]
+
+
+def lowercase_share(texts: list[str]) -> list[float]:
+    """The reward of both sides: the share of a completion's characters that are lowercase ASCII letters."""
+    return [sum("a" <= c <= "z" for c in t) / len(t) if t else 0.0 for t in texts]
+
+
+class Split:
+    """Seconds per part of a step; ``step_end`` closes a step (steady state: after ``warmup`` steps)."""
+
+    def __init__(self, warmup: int):
+        self.warmup, self.current, self.steps, self.ends = warmup, defaultdict(float), [], []
+
+    def timed(self, part: str, fn, when=lambda *a, **k: True):
+        def wrapper(*args, **kwargs):
+            if not when(*args, **kwargs):
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[part] += time.perf_counter() - t0
+        return wrapper
+
+    def step_start(self) -> None:
+        self.current, self.t0 = defaultdict(float), time.perf_counter()
+
+    def step_end(self) -> None:
+        end = time.perf_counter()
+        self.ends.append(end)
+        parts = dict(self.current)
+        parts["update"] = end - self.t0 - sum(parts.values())
+        self.steps.append(parts)
+
+    def summary(self) -> dict:
+        steady = self.steps[self.warmup :]
+        split = {k: round(sum(s.get(k, 0.0) for s in steady) / len(steady), 3)
+                 for k in ("generation", "scoring", "logprob_passes", "update")}
+        seconds = sum(sum(s.values()) for s in steady)
+        return {"completions_per_s": round(NUM_PROMPTS * G * len(steady) / seconds, 3), "step_split_s": split}
+
+
+def run_ours(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import lightning.pytorch as pl
+
+    from aitraining_pl.datamodules.prompt import PromptDataModule
+    from aitraining_pl.modules.critic_free import GRPOModule
+    from aitraining_pl.rollout import GenerationConfig
+
+    split = Split(args.warmup)
+
+    class Timer(pl.Callback):
+        def on_train_batch_start(self, *a):
+            split.step_start()
+
+        def on_train_batch_end(self, *a):
+            split.step_end()
+
+    pl.seed_everything(0)
+    module = GRPOModule(
+        model_config={**BASE, **SIZES[args.size]}, tokenizer_name="byte",
+        reward=lambda p, r, m: lowercase_share(r), num_generations=G, learning_rate=LR, kl_coef=BETA,
+        generation=GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0),
+        mini_batch_size=NUM_PROMPTS * G, max_grad_norm=1.0, padding_free=args.variant == "default",
+    )
+    module.generate = split.timed("generation", module.generate)
+    module.score = split.timed("scoring", module.score)
+    module.frozen_logprobs = split.timed("logprob_passes", module.frozen_logprobs)
+    data = PromptDataModule(prompts=prompts() * args.steps, tokenizer=module.tokenizer, batch_size=NUM_PROMPTS)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=args.steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer()])
+    data.setup("fit")
+    data.train_dataloader = lambda: torch.utils.data.DataLoader(  # the prompts in file order, as TRL's side
+        data.train_dataset, NUM_PROMPTS, shuffle=False, collate_fn=data.collate_fn)
+    trainer.fit(module, data)
+    return {"params": sum(p.numel() for p in module.policy.parameters()), **split.summary()}
+
+
+def run_trl(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForCausalLM, ByT5Tokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    split = Split(args.warmup)
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            split.step_start()
+
+        def on_step_end(self, *a, **k):
+            split.step_end()
+
+    def reward(prompts, completions, **kwargs):
+        return lowercase_share(completions)
+
+    config = {**BASE, **SIZES[args.size]}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
+    dataset = Dataset.from_dict({"prompt": prompts() * args.steps})
+    with tempfile.TemporaryDirectory() as out:
+        # TRL builds its reference from the policy's path: save the random model and hand TRL the folder
+        model.save_pretrained(os.path.join(out, "policy"))
+        model = os.path.join(out, "policy")
+        cfg = GRPOConfig(
+            output_dir=out, per_device_train_batch_size=NUM_PROMPTS * G, num_generations=G, steps_per_generation=1,
+            max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, beta=BETA, num_iterations=1,
+            loss_type="grpo", scale_rewards="group", learning_rate=LR, max_grad_norm=1.0, max_steps=args.steps,
+            logging_steps=10_000, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
+            gradient_checkpointing=False, dataloader_num_workers=0, shuffle_dataset=False, seed=0, disable_tqdm=True,
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=dataset,
+                              processing_class=ByT5Tokenizer(), callbacks=[Timer()])
+        trainer._generate = split.timed("generation", trainer._generate)
+        trainer._calculate_rewards = split.timed("scoring", trainer._calculate_rewards)
+        trainer._get_per_token_logps_and_entropies = split.timed(
+            "logprob_passes", trainer._get_per_token_logps_and_entropies, when=lambda *a, **k: not torch.is_grad_enabled())
+        trainer.train()
+        params = sum(p.numel() for p in trainer.model.parameters())
+    return {"params": params, **split.summary()}
+
+
+def child(args) -> None:
+    result = run_ours(args) if args.side == "ours" else run_trl(args)
+    result.update(side=args.side, variant=args.variant, size=args.size, steps=args.steps, warmup=args.warmup,
+                  threads=args.threads, max_new_tokens=args.max_new_tokens, peak_rss_mb=round(_peak_rss_mb(), 1))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _spawn(python: str, side: str, variant: str, size: str, args) -> dict:
+    cmd = [python, os.path.abspath(__file__), "--side", side, "--variant", variant, "--size", size,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+           "--max-new-tokens", str(args.max_new_tokens)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "WANDB_MODE": "disabled", "PYTHONPATH": ROOT if side == "ours" else ""}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"{side}/{variant}/{size} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def _versions(python: str, modules: str) -> str:
+    code = f"import importlib; print(' '.join(m + '=' + importlib.import_module(m).__version__ for m in {modules!r}.split()))"
+    return subprocess.run([python, "-c", code], capture_output=True, text=True).stdout.strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON"), help="python of the venv with TRL (or TRL_PYTHON)")
+    parser.add_argument("--sizes", nargs="+", default=["3m"], choices=list(SIZES))
+    parser.add_argument("--variants", nargs="+", default=["default"], choices=["default", "padded"],
+                        help="this project's side: packed log-prob passes (default) or padded rows")
+    parser.add_argument("--skip-trl", action="store_true", help="time only this project's side (no ratios)")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (= generations) per run")
+    parser.add_argument("--warmup", type=int, default=1, help="steps excluded from the steady state")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="alternating rounds per size")
+    parser.add_argument("--side", choices=["ours", "trl"])
+    parser.add_argument("--variant", default="default")
+    parser.add_argument("--size", default="3m")
+    args = parser.parse_args()
+    if args.side:
+        return child(args)
+    if not args.skip_trl and not args.trl_python:
+        parser.error("give TRL's interpreter with --trl-python or TRL_PYTHON (or --skip-trl)")
+    print(json.dumps({"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+                      "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                      "ours": _versions(sys.executable, "torch transformers lightning"),
+                      "trl": None if args.skip_trl else _versions(args.trl_python, "torch transformers trl")}), flush=True)
+    for size in args.sizes:
+        results: dict[str, list[dict]] = {}
+        runs = [("trl", "default")] * (not args.skip_trl) + [("ours", v) for v in args.variants]
+        for _ in range(args.repeats):
+            for side, variant in runs:
+                r = _spawn(args.trl_python if side == "trl" else sys.executable, side, variant, size, args)
+                results.setdefault(f"{side}/{variant}", []).append(r)
+                print(json.dumps(r), flush=True)
+        if args.skip_trl:
+            continue
+        best = {k: max(v, key=lambda r: r["completions_per_s"]) for k, v in results.items()}
+        trl = best["trl/default"]
+        for variant in args.variants:
+            ours = best[f"ours/{variant}"]
+            print(json.dumps({"ratio": True, "size": size, "variant": variant,
+                              "speedup": round(ours["completions_per_s"] / trl["completions_per_s"], 3),
+                              "memory_ratio": round(ours["peak_rss_mb"] / trl["peak_rss_mb"], 3)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

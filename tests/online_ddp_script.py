@@ -1,0 +1,66 @@
+"""Run by tests/test_online_ddp.py: 2-process CPU DDP GRPO; each rank saves its final state to OUT/rank<r>.pt.
+
+The ranks are given different ``max_new_tokens`` (ragged rollouts across ranks); the reward function records the
+prompt of every row it scores, so the test can check that each prompt's G samples stayed on one rank, together.
+"""
+
+import os
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, os.path.dirname(__file__))
+
+import lightning.pytorch as pl  # noqa: E402
+
+from aitraining_pl.datamodules.prompt import PromptDataModule  # noqa: E402
+from aitraining_pl.modules.critic_free import GRPOModule  # noqa: E402
+from aitraining_pl.rollout import GenerationConfig  # noqa: E402
+from conftest import TINY_LLAMA  # noqa: E402
+
+SCORED: list[list[str]] = []
+
+
+def recording_reward(prompts, responses, metadata):
+    """A score that varies between a group's samples even for a random model (the character codes mod 7)."""
+    SCORED.append(list(prompts))
+    return [float(sum(map(ord, r)) % 7) for r in responses]
+
+
+class Record(pl.Callback):
+    def __init__(self):
+        self.batches = []
+
+    def on_train_start(self, trainer, pl_module):
+        pl_module.generation.max_new_tokens = 3 + 4 * trainer.global_rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches.append(list(batch["prompts"]))
+
+
+def main(out: str) -> None:
+    pl.seed_everything(0)
+    module = GRPOModule(
+        model_config=TINY_LLAMA, tokenizer_name="byte", reward=recording_reward, num_generations=4,
+        generation=GenerationConfig(max_new_tokens=4, temperature=1.0), learning_rate=1e-3,
+        mini_batch_size=4, gradient_accumulation_steps=2, num_iterations=2, kl_coef=0.04,
+    )
+    data = PromptDataModule(prompts=[f"prompt {i}" for i in range(8)], tokenizer="byte", batch_size=2)
+    record = Record()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
+    )
+    trainer.fit(module, data)
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    torch.save(
+        {"state": state, "batches": record.batches, "scored": SCORED, "global_step": trainer.global_step,
+         "metrics": metrics},
+        os.path.join(out, f"rank{trainer.global_rank}.pt"),
+    )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
