@@ -1,20 +1,4 @@
-"""The seed's ``autotrain.trainers.rl.dpo`` import path: ``from aitraining_pl.dpo import PreferenceDataset``.
+"""Seed import path kept as a re-export: the code is in ``aitraining_pl.compat.dpo``."""
 
-Re-exports only; the code lives in ``aitraining_pl.datamodules.preference`` (data), ``aitraining_pl.modules.dpo``
-(the LightningModule) and ``aitraining_pl.facades`` (the seed's ``DPOConfig`` / ``DPOTrainer``).
-"""
-
-from aitraining_pl.datamodules.preference import PreferenceCollator, PreferenceDataModule, PreferenceDataset
-from aitraining_pl.modules.dpo import DPOModule
-
-
-def __getattr__(name: str):
-    # the facades import Lightning's Trainer machinery; load them only when asked for
-    if name in ("DPOConfig", "DPOTrainer"):
-        from aitraining_pl import facades
-
-        return getattr(facades, name)
-    raise AttributeError(f"module 'aitraining_pl.dpo' has no attribute {name!r}")
-
-
-__all__ = ["PreferenceDataset", "PreferenceDataModule", "PreferenceCollator", "DPOModule", "DPOConfig", "DPOTrainer"]
+from aitraining_pl.compat.dpo import *  # noqa: F403
+from aitraining_pl.compat.dpo import __all__  # noqa: F401

@@ -69,7 +69,7 @@ def char_fraction_reward(prompts: list[str], responses: list[str], metadata: lis
     return scores
 
 
-def length_reward(prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
+def char_length_reward(prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
     """Response length in characters divided by ``metadata["target_length"]`` (default 100), capped at 1."""
     return [min(1.0, len(r) / float((m or {}).get("target_length") or 100)) for r, m in zip(responses, metadata)]
 
@@ -332,3 +332,17 @@ def score_responses(
         if len(values) != len(responses):
             raise RewardError(f"reward component {name!r} has {len(values)} scores for {len(responses)} responses")
     return scores, components
+
+
+def __getattr__(name: str) -> Any:
+    if name == "length_reward":  # renamed in 0.2: the environments' default reward counts words, this one characters
+        import warnings
+
+        warnings.warn(
+            "aitraining_pl.rewards.length_reward is deprecated and will be removed in the next release: use "
+            "aitraining_pl.rewards.char_length_reward (the same function)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return char_length_reward
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import StoppingCriteriaList
 
-from aitraining_pl.losses import kl_penalty, selective_log_softmax
+from aitraining_pl.losses import kl_penalty, positions_from_mask, selective_log_softmax
 from aitraining_pl.models.generation import (
     ResponseStoppingCriteria,
     SampledTokens,
@@ -38,6 +38,7 @@ from aitraining_pl.models.generation import (
     hf_generation_config,
     sample_responses,
 )
+from aitraining_pl.models.training import eval_mode
 from aitraining_pl.rewards import score_responses
 from aitraining_pl.validation import check_hparams
 
@@ -152,16 +153,6 @@ def decode_responses(tokenizer, response_ids: torch.Tensor, mask: torch.Tensor) 
     return [tokenizer.decode(ids[: int(n)], skip_special_tokens=True) for ids, n in zip(response_ids.tolist(), lengths)]
 
 
-@contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module):
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
 _TRUNCATION_WARNED: set[tuple[float, int]] = set()
 
 
@@ -249,7 +240,7 @@ class RolloutEngine:
         if isinstance(seed, torch.Generator):
             seed = int(torch.randint(0, 2**62, (1,), generator=seed, device=seed.device))
         seeded = torch.random.fork_rng(devices=devices) if seed is not None else contextlib.nullcontext()
-        with seeded, _eval_mode(model):
+        with seeded, eval_mode(model):
             if seed is not None:
                 torch.manual_seed(seed)
             sampled = sample_responses(model, prompt_ids, prompt_mask, config, criteria, synced_gpus)
@@ -290,10 +281,8 @@ def score_rollout(
     return scores, components
 
 
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counted over attended tokens (``cumsum - 1``, 0 on padding), as ``generate`` uses them
-    for left-padded prompts. (B, T) -> (B, T)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+#: the old name of ``aitraining_pl.losses.positions_from_mask`` (one function); use that name in new code
+position_ids_from_mask = positions_from_mask
 
 
 def place_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

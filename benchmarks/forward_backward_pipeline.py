@@ -20,8 +20,9 @@ import statistics
 import time
 
 import torch
+from _common import print_header
 
-from aitraining_pl.forward_backward import ForwardBackwardPipeline
+from aitraining_pl.compat.forward_backward import ForwardBackwardPipeline
 from aitraining_pl.models import build_causal_lm
 
 
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    print_header(args.threads, device=args.device)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     model = build_causal_lm(model_config(args.hidden, args.layers)).to(device)

@@ -29,6 +29,7 @@ from functools import wraps
 
 import lightning.pytorch as pl
 import torch
+from _common import print_header
 
 from aitraining_pl.datamodules.prompt import PromptDataModule
 from aitraining_pl.modules.ppo import PPOModule
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    print_header(args.threads, accelerator=args.accelerator, precision=args.precision)
     pl.seed_everything(0)
     device = torch.device("cuda" if args.accelerator in ("gpu", "cuda") else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -15,6 +15,8 @@ import json
 import random
 import time
 
+from _common import print_header
+
 TRUNK = {"model_type": "llama", "vocab_size": 384, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 1024, "pad_token_id": 0,
          "eos_token_id": 1, "bos_token_id": None, "tie_word_embeddings": False}  # fmt: skip
@@ -34,6 +36,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pooling", default="last", choices=["last", "mean", "cls"])
     args = parser.parse_args()
+    print_header(args.threads, pooling=args.pooling)
 
     import lightning.pytorch as pl
     import torch

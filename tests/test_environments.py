@@ -15,7 +15,7 @@ from aitraining_pl.environments import (
     create_code_generation_env,
     create_math_problem_env,
     generate_math_problems,
-    length_reward,
+    word_count_reward,
     parse_final_number,
     run_test_cases,
 )
@@ -41,7 +41,7 @@ def test_episode_ends_at_eos_with_the_default_reward(byte_tokenizer):
     result = env.step(byte_tokenizer.eos_token_id)
     assert result.done and result.next_observation is None
     assert result.info["stop_reason"] == "eos" and result.info["generated_text"] == "one two"
-    assert result.reward == pytest.approx(2 / 50) == length_reward("", "one two", "")
+    assert result.reward == pytest.approx(2 / 50) == word_count_reward("", "one two", "")
     traj = env.trajectory
     assert traj.done and traj.total_reward == pytest.approx(2 / 50) and len(traj.actions) == 8
     with pytest.raises(RuntimeError, match="reset"):
@@ -96,7 +96,7 @@ def test_multi_objective_env_weights_components_and_reports_each(byte_tokenizer)
     assert result.metrics["reward_has_x"] == 1.0 and result.metrics["reward_short"] == 1.0
     assert result.reward == pytest.approx(1.25) == result.metrics["reward_total"]
     with pytest.raises(ValueError, match="unknown components"):
-        MultiObjectiveRewardEnv(byte_tokenizer, ["p"], {"a": length_reward}, {"b": 1.0})
+        MultiObjectiveRewardEnv(byte_tokenizer, ["p"], {"a": word_count_reward}, {"b": 1.0})
 
 
 class LengthPreferringModel:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import warnings
 
 import pytest
 import torch
 
-from aitraining_pl.forward_backward import AsyncTrainingClient, ForwardBackwardPipeline, filter_logits
+from aitraining_pl.compat.forward_backward import AsyncTrainingClient, ForwardBackwardPipeline, filter_logits
 from aitraining_pl.losses import token_logps
 from aitraining_pl.models import PPOModel, build_causal_lm
 
@@ -88,7 +89,9 @@ def test_importance_sampling_and_ppo_losses(model):
             pipe.forward_backward(ids, loss_fn="importance_sampling", old_logprobs=old)
         with pytest.raises(ValueError, match="unknown loss_fn"):
             pipe.forward_backward(ids, loss_fn="nope")
-        is_result = pipe.forward_backward(ids, loss_fn="importance_sampling", old_logprobs=old, advantages=advantages).result()
+        is_result = pipe.forward_backward(
+            ids, loss_fn="importance_sampling", old_logprobs=old, advantages=advantages
+        ).result()
         # on-policy: every ratio is 1, so the loss is -mean(A) over the tokens
         assert is_result.loss == pytest.approx(-0.25, abs=1e-5) and is_result.metrics["ratio"] == pytest.approx(1.0)
         g_is = grads(model)
@@ -98,7 +101,9 @@ def test_importance_sampling_and_ppo_losses(model):
         for name, g in grads(model).items():  # unclipped PPO has the importance-sampling gradient
             torch.testing.assert_close(g, g_is[name], rtol=1e-4, atol=1e-7)
         with pytest.raises(ValueError, match="value head"):
-            pipe.forward_backward(ids, loss_fn="ppo", old_log_probs=old, advantages=advantages, returns=advantages).result()
+            pipe.forward_backward(
+                ids, loss_fn="ppo", old_log_probs=old, advantages=advantages, returns=advantages
+            ).result()
 
 
 def test_ppo_loss_with_a_value_head_adds_the_value_loss(model):
@@ -167,7 +172,9 @@ def test_save_and_load_round_trip_restores_weights_and_optimizer(model, tiny_con
     assert all(torch.equal(p, expected[n]) for n, p in fresh.named_parameters())
     pipe2 = ForwardBackwardPipeline(copy.deepcopy(fresh), device="cpu")
     # load by name under checkpoint_dir; the optimizer state waits for the first optim_step
-    restored2 = ForwardBackwardPipeline(build_causal_lm(tiny_config, seed=2), device="cpu", checkpoint_dir=str(tmp_path))
+    restored2 = ForwardBackwardPipeline(
+        build_causal_lm(tiny_config, seed=2), device="cpu", checkpoint_dir=str(tmp_path)
+    )
     restored2.load_state("checkpoint_2")
     opt2 = torch.optim.AdamW(restored2.model.parameters(), lr=1e-2)
     train_step(restored, fresh_opt, 3), train_step(restored2, opt2, 3)
@@ -184,7 +191,10 @@ def test_sample_near_zero_temperature_equals_greedy_generation(model, byte_token
     with ForwardBackwardPipeline(model, device="cpu") as pipe:
         out = pipe.sample(prompt, max_tokens=20, temperature=1e-6, stop=[byte_tokenizer.eos_token_id])
         greedy = model.generate(
-            torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=byte_tokenizer.eos_token_id,
+            torch.tensor([prompt]),
+            max_new_tokens=20,
+            do_sample=False,
+            eos_token_id=byte_tokenizer.eos_token_id,
             pad_token_id=0,
         )[0, len(prompt) :].tolist()
         assert out["tokens"] == greedy and out["prompt"] == prompt and len(out["logprobs"]) == len(out["tokens"])
@@ -227,3 +237,15 @@ def test_async_client_with_a_reference_model(model):
     client.shutdown()
     with pytest.raises(ValueError, match="reference_model"):
         AsyncTrainingClient(model, device="cpu").forward(batch, use_reference=True)
+
+
+def test_max_workers_is_deprecated_and_ignored(model):
+    with pytest.warns(DeprecationWarning, match="max_workers is deprecated and ignored"):
+        pipe = ForwardBackwardPipeline(model, device="cpu", max_workers=4)
+    pipe.shutdown()
+    with pytest.warns(DeprecationWarning, match="max_workers"):
+        client = AsyncTrainingClient(model, device="cpu", max_workers=2)
+    client.shutdown()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="max_workers")
+        ForwardBackwardPipeline(model, device="cpu").shutdown()

@@ -93,7 +93,7 @@ def test_reward_source_from_import_path_and_components():
     source = build_reward_source(
         {"components": {
             "vowels": {"source": "aitraining_pl.rewards:char_fraction_reward", "weight": 2.0},
-            "length": {"source": "aitraining_pl.rewards.length_reward", "kwargs": {}},
+            "length": {"source": "aitraining_pl.rewards.char_length_reward", "kwargs": {}},
         }}
     )
     assert isinstance(source, WeightedRewards)

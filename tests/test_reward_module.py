@@ -9,15 +9,15 @@ import random
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import TINY_LLAMA
 
+from aitraining_pl.compat import RewardModelTrainer
 from aitraining_pl.datamodules.io import DataValidationError
 from aitraining_pl.datamodules.preference import PreferenceDataModule
 from aitraining_pl.datamodules.scores import ScoresDataModule
 from aitraining_pl.losses import bradley_terry_loss
 from aitraining_pl.models import RewardModel, RewardModelConfig, load_reward_model
 from aitraining_pl.modules.reward import MultiObjectiveRewardModule, PairwiseRewardModule, RewardModule
-from aitraining_pl.reward_trainer import RewardModelTrainer
-from conftest import TINY_LLAMA
 
 
 def synthetic_pairs(n: int, seed: int) -> tuple[list[str], list[str], list[str]]:

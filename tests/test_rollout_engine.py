@@ -233,7 +233,7 @@ def test_truncated_sampling_warns_once(monkeypatch, byte_tokenizer):
 
 
 def test_pipeline_sampling_logprobs_are_of_the_truncated_distribution(tiny_config, byte_tokenizer):
-    from aitraining_pl.forward_backward import ForwardBackwardPipeline, filter_logits
+    from aitraining_pl.compat.forward_backward import ForwardBackwardPipeline, filter_logits
 
     model = build_causal_lm(tiny_config, seed=0)
     prompt = byte_tokenizer("Once upon", add_special_tokens=False)["input_ids"]
@@ -248,7 +248,7 @@ def test_pipeline_sampling_logprobs_are_of_the_truncated_distribution(tiny_confi
 
 def test_the_three_samplers_call_the_engine(monkeypatch, tiny_config, byte_tokenizer):
     from aitraining_pl.environments import TextGenerationEnv
-    from aitraining_pl.forward_backward import ForwardBackwardPipeline
+    from aitraining_pl.compat.forward_backward import ForwardBackwardPipeline
     from aitraining_pl.modules.ppo import PPOModule
 
     calls = []

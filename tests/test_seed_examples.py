@@ -1,5 +1,5 @@
 """Every example of the seed document (seed/000_6628e51a4a47723e.txt), changed only in its imports
-(``autotrain.trainers.rl`` -> ``aitraining_pl``), the model name (a tiny local model) and, where the seed
+(``autotrain.trainers.rl`` -> ``aitraining_pl.compat``), the model name (a tiny local model) and, where the seed
 says ``"cuda"``, the device; each returns what the document says it returns.
 
 Loop lengths (``num_iterations``, ``max_new_tokens``, ``max_tokens``) are shortened where the seed's values
@@ -8,8 +8,8 @@ would only make the test slower; the code paths are the seed's.
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
 from aitraining_pl.models import build_causal_lm
 
@@ -46,7 +46,7 @@ def local_model_name(tmp_path_factory):
 
 @pytest.mark.slow
 def test_ppo_trainer_example(local_model_name, tokenizer, tmp_path, monkeypatch):
-    from aitraining_pl import PPOConfig, PPOTrainer
+    from aitraining_pl.compat import PPOConfig, PPOTrainer
 
     monkeypatch.chdir(tmp_path)  # save_every writes checkpoints under ./ppo_output
 
@@ -115,8 +115,8 @@ def test_ppo_trainer_example(local_model_name, tokenizer, tmp_path, monkeypatch)
 
 
 def test_dpo_trainer_examples(local_model_name, tokenizer, tmp_path, monkeypatch):
-    from aitraining_pl import DPOConfig, DPOTrainer
-    from aitraining_pl.dpo import PreferenceDataset
+    from aitraining_pl.compat import DPOConfig, DPOTrainer
+    from aitraining_pl.compat.dpo import PreferenceDataset
 
     monkeypatch.chdir(tmp_path)
     config = DPOConfig(
@@ -176,7 +176,13 @@ def test_dpo_trainer_examples(local_model_name, tokenizer, tmp_path, monkeypatch
 
 
 def test_reward_model_examples(local_model_name, tokenizer, tmp_path, monkeypatch):
-    from aitraining_pl import MultiObjectiveRewardModel, PairwiseRewardModel, RewardModel, RewardModelConfig, RewardModelTrainer
+    from aitraining_pl.compat import (
+        MultiObjectiveRewardModel,
+        PairwiseRewardModel,
+        RewardModel,
+        RewardModelConfig,
+        RewardModelTrainer,
+    )
 
     monkeypatch.chdir(tmp_path)
     config = RewardModelConfig(
@@ -268,7 +274,7 @@ def test_reward_model_examples(local_model_name, tokenizer, tmp_path, monkeypatc
 
 
 def test_ppo_model_wraps_a_base_model_with_a_value_head(model):
-    from aitraining_pl import PPOModel, ValueHead
+    from aitraining_pl.compat import PPOModel, ValueHead
 
     ppo_model = PPOModel(model)
     assert isinstance(ppo_model.value_head, ValueHead) and ppo_model.base_model is model
@@ -280,7 +286,7 @@ def test_ppo_model_wraps_a_base_model_with_a_value_head(model):
 
 
 def test_environment_dataclasses(tokenizer):
-    from aitraining_pl.environments import Observation, StepResult, Trajectory
+    from aitraining_pl.compat.environments import Observation, StepResult, Trajectory
 
     obs = Observation(input_ids=torch.tensor([[1, 2]]), attention_mask=torch.ones(1, 2), prompt="p", metadata={})
     result = StepResult(reward=1.0, done=True, next_observation=None, info={}, metrics={"m": 1.0})
@@ -289,7 +295,7 @@ def test_environment_dataclasses(tokenizer):
 
 
 def test_text_generation_env_example(tokenizer):
-    from aitraining_pl import TextGenerationEnv
+    from aitraining_pl.compat import TextGenerationEnv
 
     def my_reward_function(prompt, generated, full_text):
         return float(len(generated))
@@ -319,7 +325,7 @@ def test_text_generation_env_example(tokenizer):
 
 
 def test_multi_objective_env_example(tokenizer):
-    from aitraining_pl import MultiObjectiveRewardEnv
+    from aitraining_pl.compat import MultiObjectiveRewardEnv
 
     prompts = ["What is 6 * 7?"]
 
@@ -358,7 +364,7 @@ def test_multi_objective_env_example(tokenizer):
 
 
 def test_preference_comparison_env_example(tokenizer, tiny_config):
-    from aitraining_pl import PreferenceComparisonEnv, RewardModel, RewardModelConfig
+    from aitraining_pl.compat import PreferenceComparisonEnv, RewardModel, RewardModelConfig
 
     prompts = ["Say something nice: "]
     preference_model = RewardModel(RewardModelConfig(model_config=tiny_config, tokenizer_name="byte"))
@@ -389,7 +395,7 @@ def test_preference_comparison_env_example(tokenizer, tiny_config):
 
 
 def test_builtin_environments_example(tokenizer):
-    from aitraining_pl import create_code_generation_env, create_math_problem_env
+    from aitraining_pl.compat import create_code_generation_env, create_math_problem_env
 
     # Math problem solving (correctness + formatting rewards)
     math_env = create_math_problem_env(tokenizer)
@@ -407,7 +413,7 @@ def test_builtin_environments_example(tokenizer):
 
 
 def test_forward_backward_pipeline_examples(model, tokenizer, tmp_path, monkeypatch):
-    from aitraining_pl import ForwardBackwardPipeline
+    from aitraining_pl.compat import ForwardBackwardPipeline
 
     monkeypatch.chdir(tmp_path)
     input_ids = torch.tensor([encode(tokenizer, "hello world, hello")] * 2)
@@ -489,11 +495,14 @@ def test_forward_backward_pipeline_examples(model, tokenizer, tmp_path, monkeypa
 
 
 def test_async_training_client_example(model, tiny_config, tokenizer):
-    from aitraining_pl.forward_backward import AsyncTrainingClient
+    from aitraining_pl.compat.forward_backward import AsyncTrainingClient
 
     reference_model = build_causal_lm(tiny_config, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = {"input_ids": torch.tensor([encode(tokenizer, "abc def")]), "labels": torch.tensor([encode(tokenizer, "abc def")])}
+    batch = {
+        "input_ids": torch.tensor([encode(tokenizer, "abc def")]),
+        "labels": torch.tensor([encode(tokenizer, "abc def")]),
+    }
 
     client = AsyncTrainingClient(
         model=model,
@@ -517,12 +526,14 @@ def test_async_training_client_example(model, tiny_config, tokenizer):
 
 
 def test_reward_trainer_load_model_restores_the_rewards_of_a_lora_model(local_model_name, tokenizer, tmp_path):
-    from aitraining_pl import RewardModel, RewardModelConfig, RewardModelTrainer
+    from aitraining_pl.compat import RewardModel, RewardModelConfig, RewardModelTrainer
 
     config = RewardModelConfig(model_name=local_model_name, use_lora=True, learning_rate=1e-2, warmup_steps=0)
     model = RewardModel(config)
     trainer = RewardModelTrainer(model=model, tokenizer=tokenizer, config=config, device="cpu")
-    trainer.train_on_preferences(["Good response 1", "Good response 2"], ["Bad response 1", "Bad response 2"], num_epochs=3)
+    trainer.train_on_preferences(
+        ["Good response 1", "Good response 2"], ["Bad response 1", "Bad response 2"], num_epochs=3
+    )
     scores = model.predict_rewards(["Good response 1", "Bad response 1"], tokenizer)
     trainer.save_model(str(tmp_path / "rm"))
     trainer.load_model(str(tmp_path / "rm"))
@@ -534,7 +545,7 @@ def test_reward_trainer_load_model_restores_the_rewards_of_a_lora_model(local_mo
 
 @pytest.mark.slow
 def test_ppo_trainer_with_an_environment_as_reward_fn_and_validation(tiny_config, tokenizer, tmp_path):
-    from aitraining_pl import PPOConfig, PPOTrainer, create_math_problem_env
+    from aitraining_pl.compat import PPOConfig, PPOTrainer, create_math_problem_env
 
     env = create_math_problem_env(tokenizer, num_problems=8)
     config = PPOConfig(
@@ -550,7 +561,7 @@ def test_ppo_trainer_with_an_environment_as_reward_fn_and_validation(tiny_config
 
 
 def test_dpo_trainer_on_pairs_collected_by_the_preference_environment(tiny_config, tokenizer):
-    from aitraining_pl import DPOConfig, DPOTrainer, PreferenceComparisonEnv
+    from aitraining_pl.compat import DPOConfig, DPOTrainer, PreferenceComparisonEnv
 
     class LongerIsBetter:
         def predict_rewards(self, texts, tokenizer, batch_size=8):
@@ -563,8 +574,15 @@ def test_dpo_trainer_on_pairs_collected_by_the_preference_environment(tiny_confi
         env.step(encode(tokenizer, "a much longer answer" if i % 2 else "short"))
     pairs = env.preference_pairs()
     assert pairs["chosen"] == ["a much longer answer"] * 8 and len(pairs["prompts"]) == 8
-    config = DPOConfig(model_config=tiny_config, tokenizer_name="byte", learning_rate=1e-3, batch_size=4,
-                       gradient_accumulation_steps=1, save_every=0, device="cpu")
+    config = DPOConfig(
+        model_config=tiny_config,
+        tokenizer_name="byte",
+        learning_rate=1e-3,
+        batch_size=4,
+        gradient_accumulation_steps=1,
+        save_every=0,
+        device="cpu",
+    )
     trainer = DPOTrainer(config)
     metrics = trainer.train(pairs)
     assert len(metrics["train/loss"]) == 2 and metrics["train/loss"][1] < metrics["train/loss"][0]

@@ -27,13 +27,13 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from aitraining_pl.datamodules.base import IN_MEMORY
 from aitraining_pl.datamodules.cached import CachedDataModule
-from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE, is_messages, preference_texts, split_preference
+from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE, preference_texts, split_preference
 from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
+from aitraining_pl.models.tokens import with_bos
 
 log = logging.getLogger(__name__)
 
-_is_messages = is_messages  # the name other modules import
 __all__ = ["FALLBACK_CHAT_TEMPLATE", "PreferenceDataset", "PreferenceCollator", "PreferenceDataModule", "encode_pair"]
 
 
@@ -51,9 +51,7 @@ def encode_pair(tokenizer: Any, prompt: Any, chosen: Any, rejected: Any, max_len
     empty; ``identical`` when both completions are the same text."""
     prompt_text, chosen_text, rejected_text = preference_texts(tokenizer, *split_preference(prompt, chosen, rejected))
     prompt_ids = _ids(tokenizer, prompt_text)
-    bos, eos = getattr(tokenizer, "bos_token_id", None), tokenizer.eos_token_id
-    if bos is not None and (not prompt_ids or prompt_ids[0] != bos):
-        prompt_ids = [bos] + prompt_ids
+    prompt_ids, eos = with_bos(prompt_ids, tokenizer), tokenizer.eos_token_id
     if not prompt_ids and eos is not None:
         # nothing to condition on (no prompt, no BOS): start from EOS, as GPT-2 style models do, so the
         # first completion token is scored instead of the pair being dropped

@@ -24,6 +24,7 @@ from aitraining_pl.datamodules.cached import CachedDataModule
 from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE, prompt_text
 from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
+from aitraining_pl.models.tokens import with_bos
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,7 @@ def encode_prompt(tokenizer: Any, prompt: Any, max_prompt_length: int, use_chat_
     """A prompt as ``{TEXT: rendered text, IDS: token ids}``: TRL's prompt-only type (``formats.prompt_text``),
     tokenised without special tokens, BOS first when the tokenizer has one, the end kept."""
     text = prompt_text(tokenizer, prompt, use_chat_template)
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is not None and (not ids or ids[0] != bos):
-        ids = [bos] + ids
+    ids = with_bos(tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer)
     return {TEXT: text, IDS: ids[-max_prompt_length:]}
 
 

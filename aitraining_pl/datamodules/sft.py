@@ -27,7 +27,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
 from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
-from aitraining_pl.datamodules.preference import FALLBACK_CHAT_TEMPLATE, LengthGroupedSampler, _is_messages
+from aitraining_pl.datamodules.formats import is_messages
+from aitraining_pl.datamodules.preference import FALLBACK_CHAT_TEMPLATE, LengthGroupedSampler
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,10 @@ def assistant_segments(tokenizer: Any, messages: list[dict]) -> Segments:
 def prompt_completion_segments(tokenizer: Any, prompt: Any, completion: Any) -> Segments:
     """``[(prompt text, False), (completion text, True)]``; message lists go through the chat template (the
     prompt with its generation prompt; a string prompt or completion becomes a user / assistant message)."""
-    if not (_is_messages(prompt) or _is_messages(completion)):
+    if not (is_messages(prompt) or is_messages(completion)):
         return [(prompt, False), (completion, True)]
-    prompt = prompt if _is_messages(prompt) else [{"role": "user", "content": prompt}]
-    completion = completion if _is_messages(completion) else [{"role": "assistant", "content": completion}]
+    prompt = prompt if is_messages(prompt) else [{"role": "user", "content": prompt}]
+    completion = completion if is_messages(completion) else [{"role": "assistant", "content": completion}]
     full = _render(tokenizer, prompt + completion)
     head = _render(tokenizer, prompt, generation_prompt=True)
     if not full.startswith(head):  # a template whose generation prompt is not a prefix of the answer
@@ -265,7 +266,7 @@ class SFTDataModule(TextDataModule):
                 if field not in record:
                     raise DataValidationError(source, "missing field", row, field)
                 check_text(record[field], source, row, field, allow_messages=layout != "text")
-                if layout == "messages" and not _is_messages(record[field]):
+                if layout == "messages" and not is_messages(record[field]):
                     raise DataValidationError(source, "expected a list of {role, content} messages", row, field)
                 if layout == "messages" and not any(m["role"] == "assistant" for m in record[field]):
                     raise DataValidationError(source, "no assistant message", row, field)

@@ -25,7 +25,7 @@ from aitraining_pl.environments.math_problems import (
     parse_final_number,
 )
 from aitraining_pl.environments.preference import PreferenceComparisonEnv
-from aitraining_pl.environments.text import MultiObjectiveRewardEnv, TextGenerationEnv, length_reward
+from aitraining_pl.environments.text import MultiObjectiveRewardEnv, TextGenerationEnv, word_count_reward
 
 __all__ = [
     "Observation",
@@ -36,7 +36,7 @@ __all__ = [
     "TextGenerationEnv",
     "MultiObjectiveRewardEnv",
     "PreferenceComparisonEnv",
-    "length_reward",
+    "word_count_reward",
     "MathProblem",
     "MathProblemEnv",
     "create_math_problem_env",
@@ -53,3 +53,11 @@ __all__ = [
     "style_reward",
     "syntax_reward",
 ]
+
+
+def __getattr__(name: str):
+    if name == "length_reward":  # deprecated name of word_count_reward (warns)
+        from aitraining_pl.environments import text
+
+        return text.length_reward
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

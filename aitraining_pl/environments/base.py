@@ -123,7 +123,3 @@ class RLEnvironment(abc.ABC):
     def metadata_for(self, prompt: str) -> dict:
         """Metadata the environment itself knows for ``prompt`` (merged under the caller's); {} by default."""
         return {}
-
-    def as_reward_source(self) -> "RLEnvironment":
-        """This environment as a PPO reward source (it already is one: it is callable with the protocol)."""
-        return self

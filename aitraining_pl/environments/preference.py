@@ -10,7 +10,7 @@ from aitraining_pl.environments.base import Observation, StepResult
 
 
 class ScoresTexts(Protocol):
-    """Anything with the reward model's ``predict_rewards`` (e.g. ``aitraining_pl.RewardModel``)."""
+    """Anything with the reward model's ``predict_rewards`` (e.g. ``aitraining_pl.models.RewardModel``)."""
 
     def predict_rewards(self, texts: Sequence[str], tokenizer: Any, batch_size: int = ...) -> Sequence[float]: ...
 

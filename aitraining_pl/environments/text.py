@@ -21,7 +21,7 @@ from aitraining_pl.rollout import GenerationConfig, RolloutEngine, end_token_ids
 DEFAULT_TARGET_WORDS = 50
 
 
-def length_reward(prompt: str, generated: str, full_text: str) -> float:
+def word_count_reward(prompt: str, generated: str, full_text: str) -> float:
     """The default reward of ``TextGenerationEnv``: ``min(words(generated) / 50, 1.0)``.
 
     A placeholder that favours non-empty answers of up to 50 whitespace-separated words; pass your own
@@ -54,7 +54,7 @@ class TextGenerationEnv(RLEnvironment):
         prompts: the prompts of the episodes.
         max_length: maximum tokens of prompt plus response (a longer prompt keeps its last tokens).
         reward_fn: ``fn(prompt, generated, full_text) -> float`` (it also gets ``metadata=`` if it takes
-            it); default ``length_reward``: ``min(words / 50, 1)``.
+            it); default ``word_count_reward``: ``min(words / 50, 1)``.
         stop_sequences: strings that end the episode when they appear in the generated text.
         temperature: sampling temperature used by ``sample_action``.
         prompt_metadata: optional dict per prompt (e.g. ``{"answer": 42}``) given to reward functions.
@@ -85,7 +85,7 @@ class TextGenerationEnv(RLEnvironment):
         self.prompt_metadata = [dict(m) for m in prompt_metadata] if prompt_metadata else [{} for _ in prompts]
         self._metadata_by_prompt = dict(zip(self.prompts, self.prompt_metadata))
         self.max_length = max_length
-        self.reward_fn = reward_fn or length_reward
+        self.reward_fn = reward_fn or word_count_reward
         self.stop_sequences = [s for s in (stop_sequences or []) if s]
         self.temperature = temperature
         self.last_components: Dict[str, List[float]] = {}
@@ -298,3 +298,17 @@ class MultiObjectiveRewardEnv(TextGenerationEnv):
             for name, fn in self.reward_components.items()
         }
         return sum(self.reward_weights[name] * value for name, value in parts.items()), parts
+
+
+def __getattr__(name: str) -> Any:
+    if name == "length_reward":  # renamed in 0.2 (aitraining_pl.rewards had a length_reward counting characters)
+        import warnings
+
+        warnings.warn(
+            "aitraining_pl.environments.length_reward is deprecated and will be removed in the next release: use "
+            "aitraining_pl.environments.word_count_reward (the same function)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return word_count_reward
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,6 @@
 
 from aitraining_pl.models.loading import (
     BYTE_TOKENIZER,
-    build_backbone,
     build_causal_lm,
     hidden_size_of,
     load_backbone,
@@ -13,6 +12,7 @@ from aitraining_pl.models.loading import (
 )
 from aitraining_pl.models.lora import LoRAConfig, apply_lora, is_peft_model, link_adapter_base, save_adapter_base
 from aitraining_pl.models.policy import load_policy
+from aitraining_pl.models.presets import MODEL_PRESETS, resolve_model_config
 from aitraining_pl.models.reference import ReferencePolicy
 from aitraining_pl.models.reward import (
     MultiObjectiveRewardModel,
@@ -31,13 +31,14 @@ from aitraining_pl.models.value_head import (
 
 __all__ = [
     "BYTE_TOKENIZER",
-    "build_backbone",
+    "MODEL_PRESETS",
     "build_causal_lm",
     "hidden_size_of",
     "load_backbone",
     "load_causal_lm",
     "load_tokenizer",
     "resolve_dtype",
+    "resolve_model_config",
     "with_padding_side",
     "LoRAConfig",
     "apply_lora",

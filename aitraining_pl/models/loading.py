@@ -15,6 +15,7 @@ from torch import nn
 
 from aitraining_pl.errors import ModelLoadError
 from aitraining_pl.validation import looks_like_path
+from aitraining_pl.models.presets import resolve_model_config
 
 #: The tokenizer name meaning "a byte-level tokenizer that needs no files" (``ByT5Tokenizer``).
 BYTE_TOKENIZER = "byte"
@@ -71,20 +72,17 @@ def with_padding_side(tokenizer, side: str):
     return clone
 
 
-def build_causal_lm(config: Mapping[str, Any], *, seed: int = 0, dtype: str | torch.dtype | None = None) -> nn.Module:
+def build_causal_lm(
+    config: str | Mapping[str, Any], *, seed: int = 0, dtype: str | torch.dtype | None = None
+) -> nn.Module:
     """A randomly initialised causal LM from an inline config dict, e.g.
-    ``{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, ...}``.
+    ``{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, ...}``, or a preset (``"tiny-llama"``,
+    ``{"preset": "tiny-llama", ...overrides}``; see ``resolve_model_config``).
 
     Initialisation runs under ``torch.manual_seed(seed)`` inside a forked RNG state, so the same spec always
     gives the same weights and the caller's RNG stream is untouched.
     """
-    return _build_from_config(config, "AutoModelForCausalLM", seed=seed, dtype=dtype)
-
-
-def build_backbone(config: Mapping[str, Any], *, seed: int = 0, dtype: str | torch.dtype | None = None) -> nn.Module:
-    """Like ``build_causal_lm`` but the bare trunk (``AutoModel``: hidden states, no LM head), for reward
-    models; works for decoders (``llama``) and encoders (``bert``) alike."""
-    return _build_from_config(config, "AutoModel", seed=seed, dtype=dtype)
+    return _build_from_config(resolve_model_config(config), "AutoModelForCausalLM", seed=seed, dtype=dtype)
 
 
 def _build_from_config(config: Mapping[str, Any], auto_class: str, *, seed: int, dtype) -> nn.Module:
@@ -140,6 +138,7 @@ def _load(auto_class, model_name, model_config, dtype, attn_implementation, trus
     if (model_name is None) == (model_config is None):
         raise ValueError("give exactly one of model_name (folder or hub id) and model_config (inline dict)")
     if model_config is not None:
+        model_config = resolve_model_config(model_config)
         if attn_implementation is not None:
             model_config = {**model_config, "attn_implementation": attn_implementation}
         return _build_from_config(model_config, auto_class, seed=seed, dtype=dtype)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from aitraining_pl.models.lora import is_peft_model
+from aitraining_pl.models.training import eval_mode
 
 
 class ReferencePolicy:
@@ -65,14 +66,8 @@ class ReferencePolicy:
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """Reference logits (B, T, V) for ``input_ids``."""
-        model = self.model
-        was_training = model.training
-        model.eval()
-        try:
-            with self.context():
-                return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
-        finally:
-            model.train(was_training)
+        with eval_mode(self.model) as model, self.context():
+            return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
 
     def drop(self) -> None:
         """Release the frozen copy (e.g. after reference log-probs were precomputed)."""

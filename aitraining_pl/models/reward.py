@@ -29,6 +29,8 @@ from aitraining_pl.losses import bradley_terry_loss
 from aitraining_pl.losses.reward import POOLING_STRATEGIES, masked_objective_mse, pool_hidden_states
 from aitraining_pl.models.loading import hidden_size_of, load_backbone, load_tokenizer, resolve_dtype
 from aitraining_pl.models.lora import LoRAConfig, apply_lora, is_peft_model
+from aitraining_pl.models.tokens import with_bos
+from aitraining_pl.models.training import eval_mode
 from aitraining_pl.models.trunk_positions import POSITION_MODES, choose_position_mode, trunk_hidden
 
 #: File names inside a saved reward-model folder.
@@ -93,10 +95,8 @@ def encode_for_reward(tokenizer, text: str, max_length: int | None = None) -> li
     """Token ids of one scored sequence, laid out as the preference data module lays out prompt +
     completion: BOS (when the tokenizer has one), the text, then EOS, so ``last`` pooling reads the EOS
     position at training and at scoring time alike. Over ``max_length`` the end is kept."""
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    bos, eos = getattr(tokenizer, "bos_token_id", None), tokenizer.eos_token_id
-    if bos is not None and (not ids or ids[0] != bos):
-        ids = [bos] + ids
+    ids = with_bos(tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer)
+    eos = tokenizer.eos_token_id
     if eos is not None:
         ids.append(eos)
     return ids[-max_length:] if max_length else ids
@@ -199,16 +199,13 @@ class RewardModel(nn.Module):
         tokenizer = tokenizer if tokenizer is not None else self.get_tokenizer()
         if max_length is None and 0 < getattr(tokenizer, "model_max_length", 0) < 1_000_000:
             max_length = int(tokenizer.model_max_length)
-        was_training, device = self.training, self.head.weight.device
-        self.eval()
+        device = self.head.weight.device
         rewards: list[float] = []
-        try:
+        with eval_mode(self):
             for start in range(0, len(texts), batch_size):
                 ids = [encode_for_reward(tokenizer, t, max_length) for t in texts[start : start + batch_size]]
                 enc = tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
                 rewards += self.score(enc["input_ids"].to(device), enc["attention_mask"].to(device)).tolist()
-        finally:
-            self.train(was_training)
         return rewards
 
     # ------------------------------------------------------------ save / load

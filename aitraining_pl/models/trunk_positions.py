@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from aitraining_pl.losses.reward import positions_from_mask
+from aitraining_pl.models.training import eval_mode
 
 log = logging.getLogger(__name__)
 
@@ -96,27 +97,21 @@ def probe_position_errors(trunk: nn.Module, modes: tuple[str, ...], *, use_cache
     param = next(trunk.parameters())
     generator = torch.Generator().manual_seed(0)
     seqs, pad = _probe_ids(trunk.config, param.device, generator)
-    flags = {module: module.training for module in trunk.modules()}
-    trunk.eval()
-    try:
-        with torch.no_grad(), torch.autocast(param.device.type, enabled=False):
-            kwargs = {"use_cache": False} if use_cache else {}
-            refs = [trunk(input_ids=s[None], attention_mask=torch.ones_like(s)[None], **kwargs).last_hidden_state[0]
-                    for s in seqs]  # fmt: skip
-            scale = max(float(r.float().abs().max()) for r in refs) or 1.0
-            errors = {}
-            for mode in modes:
-                worst = 0.0
-                for side in ("left", "right"):
-                    ids, mask = _padded(seqs, pad, side)
-                    hidden = trunk_hidden(trunk, ids, mask, mode, use_cache=use_cache)
-                    for row, ref in enumerate(refs):
-                        got = hidden[row][mask[row].bool()]
-                        worst = max(worst, float((got.float() - ref.float()).abs().max()) / scale)
-                errors[mode] = worst
-    finally:
-        for module, flag in flags.items():
-            module.training = flag
+    with eval_mode(trunk), torch.no_grad(), torch.autocast(param.device.type, enabled=False):
+        kwargs = {"use_cache": False} if use_cache else {}
+        refs = [trunk(input_ids=s[None], attention_mask=torch.ones_like(s)[None], **kwargs).last_hidden_state[0]
+                for s in seqs]  # fmt: skip
+        scale = max(float(r.float().abs().max()) for r in refs) or 1.0
+        errors = {}
+        for mode in modes:
+            worst = 0.0
+            for side in ("left", "right"):
+                ids, mask = _padded(seqs, pad, side)
+                hidden = trunk_hidden(trunk, ids, mask, mode, use_cache=use_cache)
+                for row, ref in enumerate(refs):
+                    got = hidden[row][mask[row].bool()]
+                    worst = max(worst, float((got.float() - ref.float()).abs().max()) / scale)
+            errors[mode] = worst
     return errors
 
 

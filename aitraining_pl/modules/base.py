@@ -172,6 +172,11 @@ class AlignmentModule(pl.LightningModule):
             self._tokenizer = load_tokenizer(name, trust_remote_code=bool(self.hparam("trust_remote_code", False)))
         return self._tokenizer
 
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Use ``tokenizer`` (an object, not a name) instead of loading one from ``tokenizer_name`` /
+        ``model_name``; e.g. the seed's facades, which take a tokenizer object."""
+        self._tokenizer = tokenizer
+
     def apply_training_options(self, *outside: Any) -> None:
         """``disable_dropout``: no dropout in this module's networks (policy, value head, reward model) nor in
         ``outside`` (networks held out of the module tree: the frozen reference, a reward source's model); TRL

@@ -16,6 +16,7 @@ from aitraining_pl.models.scoring import (  # noqa: F401 - PackedBatch, can_pack
     pack_batch,
     prompt_lengths,
 )
+from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import SharedStepModule
 from aitraining_pl.optim import LRSchedule
 from aitraining_pl.validation import RENAMED, renamed
@@ -126,13 +127,8 @@ class DPOModule(SharedStepModule):
     def _reference_forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """(2B,) reference log-probs: the frozen copy, or the policy with adapters disabled, in eval mode."""
         model = self.reference.model
-        was_training = model.training
-        model.eval()
-        try:
-            with self.reference.context():
-                return completion_logps(model, batch, self.hparams.padding_free, self.hparams.share_prompt).logps
-        finally:
-            model.train(was_training)
+        with eval_mode(model), self.reference.context():
+            return completion_logps(model, batch, self.hparams.padding_free, self.hparams.share_prompt).logps
 
     def precompute_reference(self) -> None:
         """One pass over every split of the data module; afterwards the frozen reference copy is released."""

@@ -2,15 +2,15 @@
 checkpoints and KV-cache sampling (``ForwardBackwardPipeline``), and its batch-dict client
 (``AsyncTrainingClient``)."""
 
-from aitraining_pl.forward_backward.client import AsyncTrainingClient
-from aitraining_pl.forward_backward.losses import PIPELINE_LOSSES, LossInputs, register_loss
-from aitraining_pl.forward_backward.pipeline import (
+from aitraining_pl.compat.forward_backward.client import AsyncTrainingClient
+from aitraining_pl.compat.forward_backward.losses import PIPELINE_LOSSES, LossInputs, register_loss
+from aitraining_pl.compat.forward_backward.pipeline import (
     ForwardBackwardPipeline,
     ForwardBackwardResult,
     ForwardResult,
     OptimStepResult,
 )
-from aitraining_pl.forward_backward.sampling import filter_logits, sample_with_cache
+from aitraining_pl.compat.forward_backward.sampling import filter_logits, sample_with_cache
 
 __all__ = [
     "AsyncTrainingClient",

@@ -3,17 +3,19 @@ model for PPO/DPO-style log-probs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+from typing import Any
 
 import torch
 from torch import nn
 
-from aitraining_pl.forward_backward.pipeline import (
+from aitraining_pl.compat.forward_backward.pipeline import (
     ForwardBackwardPipeline,
     ForwardBackwardResult,
     ForwardResult,
     OptimStepResult,
+    warn_max_workers,
 )
 
 
@@ -27,7 +29,7 @@ class AsyncTrainingClient:
             off) or a ``ReferencePolicy``; needed only for ``use_reference=True``.
         device: where the models run (``None``: CUDA if available, else CPU).
         gradient_accumulation_steps: micro-batches per optimizer step.
-        max_workers: accepted for compatibility; work runs on one thread, in order.
+        max_workers: deprecated and ignored (a ``DeprecationWarning`` when given); work runs on one thread, in order.
         checkpoint_dir: folder for ``save_state``.
     """
 
@@ -35,12 +37,13 @@ class AsyncTrainingClient:
         self,
         model: nn.Module,
         reference_model: Any = None,
-        device: Union[str, torch.device, None] = None,
+        device: str | torch.device | None = None,
         gradient_accumulation_steps: int = 1,
-        max_workers: int = 2,
+        max_workers: int | None = None,
         checkpoint_dir: str = "checkpoints",
     ):
-        self.pipeline = ForwardBackwardPipeline(model, device, max_workers, gradient_accumulation_steps, checkpoint_dir)
+        warn_max_workers(max_workers)
+        self.pipeline = ForwardBackwardPipeline(model, device, None, gradient_accumulation_steps, checkpoint_dir)
         self.device = self.pipeline.device
         if isinstance(reference_model, nn.Module):
             reference_model = reference_model.to(self.device).eval()
@@ -54,15 +57,15 @@ class AsyncTrainingClient:
         return self.pipeline.model
 
     @staticmethod
-    def _split(batch: Mapping[str, Any]) -> tuple[Any, Any, Any, Dict[str, Any]]:
+    def _split(batch: Mapping[str, Any]) -> tuple[Any, Any, Any, dict[str, Any]]:
         if "input_ids" not in batch:
             raise KeyError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")
         rest = dict(batch)
         return rest.pop("input_ids"), rest.pop("attention_mask", None), rest.pop("labels", None), rest
 
     def forward_backward(
-        self, batch: Mapping[str, Any], loss_fn: Union[str, Callable] = "cross_entropy", **loss_kwargs: Any
-    ) -> "Future[ForwardBackwardResult]":
+        self, batch: Mapping[str, Any], loss_fn: str | Callable = "cross_entropy", **loss_kwargs: Any
+    ) -> Future[ForwardBackwardResult]:
         """Queue a forward/backward pass. ``batch`` holds ``input_ids`` and optionally ``attention_mask``,
         ``labels`` and the loss's tensors (``old_logprobs``, ``advantages``, ...); ``loss_fn`` is a built-in
         name or a custom ``fn(model, inputs, outputs, **kwargs) -> scalar``."""
@@ -74,7 +77,7 @@ class AsyncTrainingClient:
 
     def forward(
         self, batch: Mapping[str, Any], use_reference: bool = False, return_logits: bool = False
-    ) -> "Future[ForwardResult]":
+    ) -> Future[ForwardResult]:
         """Queue a no-gradient forward pass of the model, or of the reference model with ``use_reference``."""
         input_ids, attention_mask, labels, _ = self._split(batch)
         model = self.pipeline.model
@@ -82,29 +85,33 @@ class AsyncTrainingClient:
             if self.reference_model is None:
                 raise ValueError("forward(use_reference=True) needs the client to be built with a reference_model")
             model = self.reference_model
-        return self.pipeline._submit(self.pipeline._forward, model, input_ids, attention_mask, labels, return_logits)
+        return self.pipeline.forward(input_ids, attention_mask, labels, return_logits, model=model)
 
     def optim_step(
-        self, optimizer: torch.optim.Optimizer, scheduler: Any = None, max_grad_norm: Optional[float] = 1.0, force: bool = False
-    ) -> "Future[OptimStepResult]":
+        self,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        max_grad_norm: float | None = 1.0,
+        force: bool = False,
+    ) -> Future[OptimStepResult]:
         """Queue an optimizer step (see ``ForwardBackwardPipeline.optim_step``)."""
         return self.pipeline.optim_step(optimizer, scheduler, max_grad_norm, force)
 
-    def sample(self, prompt: Any, **kwargs: Any) -> Dict[str, Any]:
+    def sample(self, prompt: Any, **kwargs: Any) -> dict[str, Any]:
         """``ForwardBackwardPipeline.sample`` on the trained model."""
         return self.pipeline.sample(prompt, **kwargs)
 
-    def save_state(self, name: str, **kwargs: Any) -> Dict[str, Optional[str]]:
+    def save_state(self, name: str, **kwargs: Any) -> dict[str, str | None]:
         return self.pipeline.save_state(name, **kwargs)
 
-    def load_state(self, path: str, **kwargs: Any) -> Dict[str, Any]:
+    def load_state(self, path: str, **kwargs: Any) -> dict[str, Any]:
         return self.pipeline.load_state(path, **kwargs)
 
     def shutdown(self, wait: bool = True) -> None:
         """Finish the queued work and stop the worker thread."""
         self.pipeline.shutdown(wait)
 
-    def __enter__(self) -> "AsyncTrainingClient":
+    def __enter__(self) -> AsyncTrainingClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:

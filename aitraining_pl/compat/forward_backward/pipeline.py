@@ -2,10 +2,11 @@
 checkpoints and sampling on one model.
 
 **Ordering.** All work on the model (``forward_backward``, ``forward``, ``optim_step``, ``save_state``,
-``load_state``, ``sample``) runs on ONE worker thread in submission order, whatever ``max_workers`` says:
+``load_state``, ``sample``) runs on ONE worker thread in submission order:
 two passes over the same parameters running at once would race on gradients and weights, so the honest
 asynchrony is "queue now, collect the future later". The caller's thread is free to prepare the next batch
-(tokenise, score rewards) while the model works. ``max_workers`` is kept for compatibility with the seed.
+(tokenise, score rewards) while the model works. The seed's ``max_workers`` is deprecated: it is accepted, ignored
+and warned about (``DeprecationWarning``), and will be removed in the next release.
 
 **Accumulation.** Each micro-batch's loss is divided by ``gradient_accumulation_steps`` before ``backward``.
 ``optim_step`` applies the update once at least that many micro-batches have been accumulated (otherwise it
@@ -20,21 +21,25 @@ model's own dtype. Lightning Fabric is not needed for a single process and is no
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 import shutil
 import tempfile
+import warnings
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any
 
 import torch
 from torch import nn
 
-from aitraining_pl.forward_backward.losses import PIPELINE_LOSSES, LossInputs, check_loss_kwargs
-from aitraining_pl.forward_backward.sampling import sample_with_cache
+from aitraining_pl.compat.forward_backward.losses import PIPELINE_LOSSES, LossInputs, check_loss_kwargs
+from aitraining_pl.compat.forward_backward.sampling import sample_with_cache
 from aitraining_pl.losses import masked_mean, selective_log_softmax
+from aitraining_pl.models.training import eval_mode
 
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.pt", "state.json"
 
@@ -44,9 +49,9 @@ class ForwardBackwardResult:
     """One micro-batch: its (unscaled) loss, loss statistics, label-token count and per-token log-probs."""
 
     loss: float
-    metrics: Dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
     num_tokens: int = 0
-    logprobs: Optional[torch.Tensor] = None  #: (B, T - 1) on the CPU, detached
+    logprobs: torch.Tensor | None = None  #: (B, T - 1) on the CPU, detached
 
 
 @dataclass
@@ -56,8 +61,8 @@ class ForwardResult:
     logprobs: torch.Tensor  #: (B, T - 1) on the CPU
     mask: torch.Tensor  #: (B, T - 1)
     loss: float  #: mean negative log-likelihood of the label tokens
-    logits: Optional[torch.Tensor] = None  #: (B, T, V) on the CPU when asked for
-    values: Optional[torch.Tensor] = None  #: (B, T - 1) when the model has a value head
+    logits: torch.Tensor | None = None  #: (B, T, V) on the CPU when asked for
+    values: torch.Tensor | None = None  #: (B, T - 1) when the model has a value head
 
 
 @dataclass
@@ -67,18 +72,18 @@ class OptimStepResult:
     applied: bool
     step: int  #: optimizer steps applied so far
     num_micro_batches: int
-    grad_norm: Optional[float] = None  #: total gradient norm before clipping
-    learning_rate: Optional[float] = None
+    grad_norm: float | None = None  #: total gradient norm before clipping
+    learning_rate: float | None = None
 
 
-def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
+def resolve_device(device: str | torch.device | None) -> torch.device:
     """``None`` -> ``cuda`` when available, else ``cpu``."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
 
 
-def no_cache_kwargs(model: nn.Module) -> Dict[str, Any]:
+def no_cache_kwargs(model: nn.Module) -> dict[str, Any]:
     """``{"use_cache": False}`` when the model's forward takes it (transformers LMs, peft wrappers), else {}."""
     params = inspect.signature(model.forward).parameters
     takes = "use_cache" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -106,13 +111,25 @@ def sampling_model(model: nn.Module) -> nn.Module:
     return model.base_model if isinstance(model, PPOModel) else model
 
 
+def warn_max_workers(max_workers: int | None) -> None:
+    """The seed's ``max_workers`` is ignored (work runs on one thread, in order): say so when it is given."""
+    if max_workers is not None:
+        warnings.warn(
+            "max_workers is deprecated and ignored: the pipeline runs all work on one thread in submission order; "
+            "drop the argument (it will be removed in the next release)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+
+
 class ForwardBackwardPipeline:
     """Queued forward/backward passes with gradient accumulation, optimizer steps, checkpoints and sampling.
 
     Args:
         model: a transformers causal LM (optionally ``peft``-wrapped) or a ``PPOModel``.
         device: where the model runs (``None``: CUDA if available, else CPU).
-        max_workers: accepted for compatibility; work always runs on one thread, in order (see above).
+        max_workers: deprecated and ignored (a ``DeprecationWarning`` when given); work always runs on one
+            thread, in order (see above).
         gradient_accumulation_steps: micro-batches per optimizer step; each loss is divided by it.
         checkpoint_dir: folder under which ``save_state(name)`` writes ``<checkpoint_dir>/<name>``.
     """
@@ -120,23 +137,23 @@ class ForwardBackwardPipeline:
     def __init__(
         self,
         model: nn.Module,
-        device: Union[str, torch.device, None] = None,
-        max_workers: int = 2,
+        device: str | torch.device | None = None,
+        max_workers: int | None = None,
         gradient_accumulation_steps: int = 1,
         checkpoint_dir: str = "checkpoints",
     ):
+        warn_max_workers(max_workers)
         if gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
         self.device = resolve_device(device)
         self.model = model.to(self.device)
-        self.max_workers = max_workers
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.checkpoint_dir = checkpoint_dir
         self.step = 0
         self._micro_batches = 0
-        self._optimizer: Optional[torch.optim.Optimizer] = None
+        self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: Any = None
-        self._pending_optimizer_state: Optional[dict] = None
+        self._pending_optimizer_state: dict | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward-backward")
         self._closed = False
 
@@ -151,7 +168,7 @@ class ForwardBackwardPipeline:
         self._closed = True
         self._executor.shutdown(wait=wait)
 
-    def __enter__(self) -> "ForwardBackwardPipeline":
+    def __enter__(self) -> ForwardBackwardPipeline:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -186,7 +203,7 @@ class ForwardBackwardPipeline:
         labels: Any = None,
         loss_fn: str = "cross_entropy",
         **loss_kwargs: Any,
-    ) -> "Future[ForwardBackwardResult]":
+    ) -> Future[ForwardBackwardResult]:
         """Queue a forward and backward pass of a built-in loss (``PIPELINE_LOSSES``).
 
         ``labels`` default to ``input_ids`` with padding ignored; -100 marks tokens that are not scored.
@@ -210,7 +227,7 @@ class ForwardBackwardPipeline:
 
     def forward_backward_custom(
         self, input_ids: Any, custom_loss_fn: Callable, attention_mask: Any = None, **kwargs: Any
-    ) -> "Future[ForwardBackwardResult]":
+    ) -> Future[ForwardBackwardResult]:
         """Queue ``loss = custom_loss_fn(model, inputs, outputs, **kwargs)`` and its backward pass; the
         loss must be a scalar tensor (``inputs`` holds ``input_ids`` and ``attention_mask``)."""
         return self._submit(self._forward_backward_custom, input_ids, custom_loss_fn, attention_mask, kwargs)
@@ -224,28 +241,30 @@ class ForwardBackwardPipeline:
             shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
             raise ValueError(f"custom_loss_fn must return a scalar tensor, got {shape}")
         if not loss.requires_grad:
-            raise ValueError("custom_loss_fn returned a tensor without a gradient (computed under no_grad or detached?)")
+            raise ValueError(
+                "custom_loss_fn returned a tensor without a gradient (computed under no_grad or detached?)"
+            )
         loss = loss.reshape(())
         self._backward(loss)
         return ForwardBackwardResult(loss.item(), {}, int(attention_mask.sum()))
 
     def forward(
-        self, input_ids: Any, attention_mask: Any = None, labels: Any = None, return_logits: bool = False
-    ) -> "Future[ForwardResult]":
-        """Queue a forward pass without gradients (eval mode): per-token log-probs of the labels."""
-        return self._submit(self._forward, self.model, input_ids, attention_mask, labels, return_logits)
+        self,
+        input_ids: Any,
+        attention_mask: Any = None,
+        labels: Any = None,
+        return_logits: bool = False,
+        model: nn.Module | None = None,
+    ) -> Future[ForwardResult]:
+        """Queue a forward pass without gradients (eval mode): per-token log-probs of the labels, by ``model``
+        (default: the pipeline's model; e.g. a frozen reference model) on the pipeline's queue."""
+        model = self.model if model is None else model
+        return self._submit(self._forward, model, input_ids, attention_mask, labels, return_logits)
 
     @torch.no_grad()
     def _forward(self, model, input_ids, attention_mask, labels, return_logits) -> ForwardResult:
-        module = model if isinstance(model, nn.Module) else None
-        was_training = module.training if module is not None else False
-        if module is not None:
-            module.eval()
-        try:
+        with eval_mode(model) if isinstance(model, nn.Module) else contextlib.nullcontext():
             inputs = self._score(model, *self._batch(input_ids, attention_mask, labels))
-        finally:
-            if module is not None:
-                module.train(was_training)
         return ForwardResult(
             inputs.logprobs.cpu(),
             inputs.mask.cpu(),
@@ -259,9 +278,9 @@ class ForwardBackwardPipeline:
         self,
         optimizer: torch.optim.Optimizer,
         scheduler: Any = None,
-        max_grad_norm: Optional[float] = 1.0,
+        max_grad_norm: float | None = 1.0,
         force: bool = False,
-    ) -> "Future[OptimStepResult]":
+    ) -> Future[OptimStepResult]:
         """Queue an optimizer step: clip to ``max_grad_norm`` (``None``/0: no clipping), step, zero the
         gradients, then step ``scheduler``. Skipped (``applied=False``) until ``gradient_accumulation_steps``
         micro-batches are in, unless ``force``."""
@@ -295,8 +314,8 @@ class ForwardBackwardPipeline:
 
     # ------------------------------------------------------------------ checkpoints
     def save_state(
-        self, name: str, optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None
-    ) -> Dict[str, Optional[str]]:
+        self, name: str, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None
+    ) -> dict[str, str | None]:
         """Write ``<checkpoint_dir>/<name>`` (after the queued work): model weights as safetensors, the
         optimizer (the last one given to ``optim_step`` unless passed here) and scheduler state, and a JSON
         state file. The folder is written beside the target, then renamed over it, so a failed save never
@@ -307,7 +326,7 @@ class ForwardBackwardPipeline:
         """
         return self._submit(self._save_state, name, optimizer, scheduler).result()
 
-    def _save_state(self, name, optimizer, scheduler) -> Dict[str, Optional[str]]:
+    def _save_state(self, name, optimizer, scheduler) -> dict[str, str | None]:
         from safetensors.torch import save_model
 
         optimizer = optimizer or self._optimizer
@@ -324,7 +343,11 @@ class ForwardBackwardPipeline:
                 }
                 torch.save(state, os.path.join(tmp, OPTIMIZER_FILE))
             with open(os.path.join(tmp, STATE_FILE), "w") as handle:
-                state = {"step": self.step, "gradient_accumulation_steps": self.gradient_accumulation_steps, "name": name}
+                state = {
+                    "step": self.step,
+                    "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                    "name": name,
+                }
                 json.dump(state, handle)
             if os.path.exists(path):
                 old = path + ".old"
@@ -346,8 +369,8 @@ class ForwardBackwardPipeline:
         }
 
     def load_state(
-        self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None
-    ) -> Dict[str, Any]:
+        self, path: str, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None
+    ) -> dict[str, Any]:
         """Load a ``save_state`` folder (a path, or a name under ``checkpoint_dir``) after the queued work.
 
         Weights load through safetensors, optimizer state with ``torch.load(weights_only=True)``: into
@@ -356,7 +379,7 @@ class ForwardBackwardPipeline:
         """
         return self._submit(self._load_state, path, optimizer, scheduler).result()
 
-    def _load_state(self, path, optimizer, scheduler) -> Dict[str, Any]:
+    def _load_state(self, path, optimizer, scheduler) -> dict[str, Any]:
         from safetensors.torch import load_model
 
         if not os.path.isdir(path) and os.path.isdir(os.path.join(self.checkpoint_dir, path)):
@@ -380,26 +403,24 @@ class ForwardBackwardPipeline:
     # ------------------------------------------------------------------ sampling
     def sample(
         self,
-        prompt: Union[Sequence[int], torch.Tensor],
+        prompt: Sequence[int] | torch.Tensor,
         max_tokens: int = 100,
         temperature: float = 1.0,
         top_k: int = 0,
         top_p: float = 1.0,
-        stop: Optional[Sequence[Union[int, Sequence[int]]]] = None,
-        seed: Optional[int] = None,
-    ) -> Dict[str, Any]:
+        stop: Sequence[int | Sequence[int]] | None = None,
+        seed: int | None = None,
+    ) -> dict[str, Any]:
         """Sample one continuation of ``prompt`` (token ids) with a KV cache, in eval mode, after the queued
         work. Temperatures at or below 1e-4 are greedy. Returns ``tokens``, ``logprobs`` (per new token,
         under the model at temperature 1), ``sampling_logprobs``, ``prompt`` and ``stop_reason``."""
         prompt_ids = torch.as_tensor(prompt).reshape(-1).tolist()
         return self._submit(self._sample, prompt_ids, max_tokens, temperature, top_k, top_p, stop, seed).result()
 
-    def _sample(self, prompt_ids, max_tokens, temperature, top_k, top_p, stop, seed) -> Dict[str, Any]:
+    def _sample(self, prompt_ids, max_tokens, temperature, top_k, top_p, stop, seed) -> dict[str, Any]:
         lm = sampling_model(self.model)
         generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
-        was_training = lm.training
-        lm.eval()
-        try:
-            return sample_with_cache(lm, prompt_ids, max_tokens, temperature, top_k, top_p, stop, generator, self.device)
-        finally:
-            lm.train(was_training)
+        with eval_mode(lm):
+            return sample_with_cache(
+                lm, prompt_ids, max_tokens, temperature, top_k, top_p, stop, generator, self.device
+            )

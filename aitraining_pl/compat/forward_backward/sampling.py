@@ -3,7 +3,8 @@ log-probs; ``filter_logits`` is the top-k / top-p rule of ``generate``, written 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -35,8 +36,11 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
-def _stop_sequences(stop: Optional[Sequence[Union[int, Sequence[int]]]]) -> List[List[int]]:
-    return [[int(s)] if isinstance(s, int) or (torch.is_tensor(s) and s.dim() == 0) else [int(t) for t in s] for s in (stop or [])]
+def _stop_sequences(stop: Sequence[int | Sequence[int]] | None) -> list[list[int]]:
+    return [
+        [int(s)] if isinstance(s, int) or (torch.is_tensor(s) and s.dim() == 0) else [int(t) for t in s]
+        for s in (stop or [])
+    ]
 
 
 @torch.no_grad()
@@ -47,10 +51,10 @@ def sample_with_cache(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    stop: Optional[Sequence[Union[int, Sequence[int]]]] = None,
-    generator: Optional[torch.Generator] = None,
-    device: Optional[torch.device] = None,
-) -> Dict[str, Any]:
+    stop: Sequence[int | Sequence[int]] | None = None,
+    generator: torch.Generator | None = None,
+    device: torch.device | None = None,
+) -> dict[str, Any]:
     """Sample up to ``max_tokens`` after ``prompt`` from a transformers causal LM with the rollout engine
     (``aitraining_pl.rollout.RolloutEngine``: ``generate`` with a KV cache and an explicit sampling config).
 
@@ -71,12 +75,18 @@ def sample_with_cache(
     stops = _stop_sequences(stop)
     greedy = temperature <= GREEDY_TEMPERATURE
     config = GenerationConfig(
-        max_new_tokens=max_tokens, temperature=1.0 if greedy else temperature, top_k=top_k, top_p=top_p,
+        max_new_tokens=max_tokens,
+        temperature=1.0 if greedy else temperature,
+        top_k=top_k,
+        top_p=top_p,
         do_sample=not greedy,
     )
     engine = RolloutEngine(
-        None, config, end_token_ids=[s[0] for s in stops if len(s) == 1],
-        stop_sequences=[s for s in stops if len(s) > 1], warn_truncation=False,  # sampling_logprobs are exact
+        None,
+        config,
+        end_token_ids=[s[0] for s in stops if len(s) == 1],
+        stop_sequences=[s for s in stops if len(s) > 1],
+        warn_truncation=False,  # sampling_logprobs are exact
     )
     ids = torch.tensor([prompt], dtype=torch.long, device=device or next(model.parameters()).device)
     rollout = engine.sample(model, ids, torch.ones_like(ids), with_logprobs=True, seed=generator)

@@ -10,8 +10,9 @@ per sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any
 
 import torch
 
@@ -23,18 +24,18 @@ class LossInputs:
     logprobs: torch.Tensor  #: (B, T - 1) log p(label_{t+1} | tokens <= t)
     mask: torch.Tensor  #: (B, T - 1) float, 1 where the label token counts
     logits: torch.Tensor  #: (B, T, V)
-    values: Optional[torch.Tensor] = None  #: (B, T - 1) values of the states that predict each label
+    values: torch.Tensor | None = None  #: (B, T - 1) values of the states that predict each label
 
 
-LossFn = Callable[..., Tuple[torch.Tensor, Dict[str, float]]]
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
 #: name -> loss function ``fn(inputs: LossInputs, **kwargs) -> (loss, stats)``.
-PIPELINE_LOSSES: Dict[str, LossFn] = {}
+PIPELINE_LOSSES: dict[str, LossFn] = {}
 #: name -> keyword arguments the loss cannot do without (checked before the work is queued).
-REQUIRED_KWARGS: Dict[str, Tuple[str, ...]] = {}
+REQUIRED_KWARGS: dict[str, tuple[str, ...]] = {}
 
 
-def register_loss(name: str, required: Tuple[str, ...] = ()) -> Callable[[LossFn], LossFn]:
+def register_loss(name: str, required: tuple[str, ...] = ()) -> Callable[[LossFn], LossFn]:
     """Decorator adding a loss to ``PIPELINE_LOSSES`` under ``name``."""
 
     def add(fn: LossFn) -> LossFn:
@@ -45,10 +46,12 @@ def register_loss(name: str, required: Tuple[str, ...] = ()) -> Callable[[LossFn
     return add
 
 
-def check_loss_kwargs(name: str, kwargs: Dict[str, Any]) -> None:
+def check_loss_kwargs(name: str, kwargs: dict[str, Any]) -> None:
     """Raise a clear error for an unknown loss or a missing required keyword argument."""
     if name not in PIPELINE_LOSSES:
-        raise ValueError(f"unknown loss_fn {name!r}; built in: {', '.join(PIPELINE_LOSSES)} (or use forward_backward_custom)")
+        raise ValueError(
+            f"unknown loss_fn {name!r}; built in: {', '.join(PIPELINE_LOSSES)} (or use forward_backward_custom)"
+        )
     missing = [k for k in REQUIRED_KWARGS[name] if kwargs.get(k) is None]
     if missing:
         raise ValueError(f"loss_fn {name!r} needs {', '.join(missing)}")
@@ -62,11 +65,13 @@ def align(value: Any, like: torch.Tensor, name: str) -> torch.Tensor:
         return tensor[:, None].expand(batch, steps)
     if tensor.dim() == 2 and tensor.shape[0] == batch and tensor.shape[1] in (steps, steps + 1):
         return tensor[:, -steps:]
-    raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected ({batch},), ({batch}, {steps}) or ({batch}, {steps + 1})")
+    raise ValueError(
+        f"{name} has shape {tuple(tensor.shape)}; expected ({batch},), ({batch}, {steps}) or ({batch}, {steps + 1})"
+    )
 
 
 @register_loss("cross_entropy")
-def cross_entropy(inputs: LossInputs, **_: Any) -> Tuple[torch.Tensor, Dict[str, float]]:
+def cross_entropy(inputs: LossInputs, **_: Any) -> tuple[torch.Tensor, dict[str, float]]:
     """Language-modelling loss: mean negative log-likelihood of the label tokens."""
     loss = -masked_mean(inputs.logprobs, inputs.mask)
     return loss, {"nll": loss.item()}
@@ -75,7 +80,7 @@ def cross_entropy(inputs: LossInputs, **_: Any) -> Tuple[torch.Tensor, Dict[str,
 @register_loss("importance_sampling", required=("old_logprobs", "advantages"))
 def importance_sampling(
     inputs: LossInputs, old_logprobs: Any, advantages: Any, **_: Any
-) -> Tuple[torch.Tensor, Dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Off-policy policy gradient with per-token importance weights, the unclipped surrogate of TRPO
     (Schulman et al. 2015): ``L = -mean(exp(logp - old_logp) * A)`` over label tokens. Its gradient is the
     policy gradient for samples drawn from the policy that gave ``old_logprobs``."""
@@ -97,7 +102,7 @@ def ppo(
     value_clip: float = 0.2,
     value_coef: float = 0.5,
     **_: Any,
-) -> Tuple[torch.Tensor, Dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped PPO surrogate (Schulman et al. 2017), plus ``value_coef`` times the clipped value loss when
     ``returns`` are given. The new values come from the model's value head (e.g. ``PPOModel``); ``values``
     are the rollout's old values, used for value clipping (no clipping without them)."""
@@ -107,7 +112,9 @@ def ppo(
     out = {"policy_loss": loss.item(), **{k: v.item() for k, v in stats.items()}}
     if returns is not None:
         if inputs.values is None:
-            raise ValueError("ppo with returns needs a model with a value head (e.g. PPOModel); this model gives no values")
+            raise ValueError(
+                "ppo with returns needs a model with a value head (e.g. PPOModel); this model gives no values"
+            )
         target = align(returns, inputs.logprobs, "returns")
         old_values = align(values, inputs.logprobs, "values") if values is not None else inputs.values.detach()
         value_loss = ppo_value_loss(inputs.values, old_values, target, inputs.mask, value_clip)

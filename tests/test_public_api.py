@@ -1,0 +1,58 @@
+"""The public surface: a small top level, the seed's API in ``aitraining_pl.compat``, the older import paths
+still working (the seed paths as re-exports, dropped top-level names with a DeprecationWarning)."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+
+import aitraining_pl
+
+TOP_LEVEL = {
+    "SFTModule", "DPOModule", "RewardModule", "PairwiseRewardModule", "MultiObjectiveRewardModule", "PPOModule",
+    "GRPOModule", "RLOOModule",
+    "SFTDataModule", "PreferenceDataModule", "ScoresDataModule", "PromptDataModule",
+    "AdaptiveKLCallback", "ExactResumeCallback", "HFExportCallback", "NonFiniteGuard", "SamplingCallback",
+    "LoRAConfig", "GenerationConfig", "AlignmentCLI", "main",
+}  # fmt: skip
+
+
+def test_the_top_level_exports_modules_datamodules_callbacks_configs_and_the_cli():
+    assert set(aitraining_pl.__all__) == TOP_LEVEL
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        for name in aitraining_pl.__all__:
+            assert getattr(aitraining_pl, name) is not None
+
+
+@pytest.mark.parametrize("name", sorted(aitraining_pl._MOVED))
+def test_dropped_top_level_names_warn_and_name_the_new_path(name):
+    new_module = aitraining_pl._MOVED[name]
+    with pytest.warns(DeprecationWarning, match=f"from {new_module} import {name}"):
+        value = getattr(aitraining_pl, name)
+    assert value is getattr(importlib.import_module(new_module), name)
+
+
+def test_unknown_names_raise_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
+        aitraining_pl.NoSuchThing  # noqa: B018
+
+
+def test_the_seed_paths_re_export_the_compat_objects():
+    from aitraining_pl import compat
+    from aitraining_pl.compat import dpo, environments, facades, forward_backward, reward_trainer
+
+    old = {name: importlib.import_module(f"aitraining_pl.{name}") for name in ("dpo", "facades", "reward_trainer")}
+    assert old["facades"].PPOTrainer is facades.PPOTrainer is compat.PPOTrainer
+    assert old["facades"].DPOConfig is compat.DPOConfig
+    assert old["reward_trainer"].RewardModelTrainer is reward_trainer.RewardModelTrainer is compat.RewardModelTrainer
+    assert old["dpo"].PreferenceDataset is dpo.PreferenceDataset is compat.PreferenceDataset
+    assert old["dpo"].DPOTrainer is compat.DPOTrainer
+    old_fb = importlib.import_module("aitraining_pl.forward_backward")
+    assert old_fb.AsyncTrainingClient is forward_backward.AsyncTrainingClient is compat.AsyncTrainingClient
+    assert importlib.import_module("aitraining_pl.forward_backward.pipeline") is forward_backward.pipeline
+    assert environments.Observation is importlib.import_module("aitraining_pl.environments").Observation
+    for name in compat.__all__:
+        assert getattr(compat, name) is not None
