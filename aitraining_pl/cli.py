@@ -31,7 +31,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -80,7 +80,7 @@ def available_modules() -> list[tuple[str, str, str]]:
     return found
 
 
-def recipe_dir() -> Optional[Path]:
+def recipe_dir() -> Path | None:
     """``configs/`` in the working directory, else beside the package (a source checkout)."""
     for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
         if (root / "configs").is_dir():
@@ -127,7 +127,7 @@ def version() -> str:
     return f"aitraining-pl {sys.modules[__package__].__version__}"  # the package is imported with this module
 
 
-def nested_help(args: list[str]) -> Optional[str]:
+def nested_help(args: list[str]) -> str | None:
     """The help of a dataclass argument (``--model.lora.help``, ``--model.init_args.generation.help``)."""
     for arg in args:
         match = re.fullmatch(r"--model\.(?:init_args\.)?(\w+)\.help", arg)
@@ -158,10 +158,12 @@ def quiet_known_noise() -> None:
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropRecord) for f in logger.filters):
-            logger.addFilter(_DropRecord(
-                "💡 Tip: For seamless cloud logging",  # the litlogger advertisement
-                "Trainer already configured with model summary callbacks: [<class 'aitraining_pl.callbacks.summary",
-            ))
+            logger.addFilter(
+                _DropRecord(
+                    "💡 Tip: For seamless cloud logging",  # the litlogger advertisement
+                    "Trainer already configured with model summary callbacks: [<class 'aitraining_pl.callbacks.summary",
+                )
+            )
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", module=r"lightning\..*")
     warnings.simplefilter("default", RenamedArgumentWarning)  # a DeprecationWarning, hidden outside __main__
 
@@ -217,18 +219,24 @@ class AlignmentCLI(LightningCLI):
 def add_run_arguments(parser: LightningArgumentParser) -> None:
     """``--output_dir``, ``--run_name`` and ``--threads`` (one place for output paths; CPU threads)."""
     parser.add_argument(
-        "--output_dir", type=Optional[str], default=None,
+        "--output_dir",
+        type=str | None,
+        default=None,
         help="One folder for the run: loggers write to it (CSV/TensorBoard under csv/ and tensorboard/), "
         "checkpoints go to <output_dir>/checkpoints and exports to <output_dir>/export. Overrides the "
         "save_dir / dirpath of the recipe's loggers and callbacks.",
     )
     parser.add_argument(
-        "--run_name", type=Optional[str], default=None,
+        "--run_name",
+        type=str | None,
+        default=None,
         help="Name of the run: the W&B run name and the version folder of CSV/TensorBoard logs "
         "(default: W&B's own name; version_N).",
     )
     parser.add_argument(
-        "--threads", type=Optional[int], default=None,
+        "--threads",
+        type=int | None,
+        default=None,
         help="CPU threads for torch (torch.set_num_threads; default: torch's, one per core). On a shared or "
         "small CPU machine 1 is often several times faster for the tiny quickstart models.",
     )
@@ -306,7 +314,7 @@ def closing_line(trainer: Any) -> str:
     return "; ".join(parts)
 
 
-def _chain(err: Optional[BaseException]):
+def _chain(err: BaseException | None):
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
@@ -314,7 +322,7 @@ def _chain(err: Optional[BaseException]):
         err = err.__cause__ or err.__context__
 
 
-def _user_error(err: BaseException) -> Optional[BaseException]:
+def _user_error(err: BaseException) -> BaseException | None:
     """The user error behind ``err``, or None. jsonargparse and Lightning wrap errors raised while building
     the model or data (a ``ValueError`` with the parser's dump), so a typed ``UserError`` anywhere in the
     chain wins over the generic errors around it, and a generic one counts only as the root cause."""
@@ -327,11 +335,20 @@ def _user_error(err: BaseException) -> Optional[BaseException]:
 
 
 #: lines of jsonargparse's union/class_path dump that say nothing about the problem.
-_DUMP_LINES = ("Does not validate against", "Subtypes:", "Errors:", "- Problem with given class_path",
-               "- Expected a <class 'NoneType'>", "Given value type:", "Given value:", "tip:", "usage:")
+_DUMP_LINES = (
+    "Does not validate against",
+    "Subtypes:",
+    "Errors:",
+    "- Problem with given class_path",
+    "- Expected a <class 'NoneType'>",
+    "Given value type:",
+    "Given value:",
+    "tip:",
+    "usage:",
+)
 
 
-def parser_error(err: BaseException, args: Optional[list[str]] = None) -> UserError:
+def parser_error(err: BaseException, args: list[str] | None = None) -> UserError:
     """A jsonargparse error (``Parser key "model": ... Parser key "beta": Expected ...``, a 7-line dump) as
     one ``ConfigError`` naming the option (``--model.init_args.beta``) and the innermost reason; a config file
     that is not valid YAML is named by its path (from ``args``, default ``sys.argv``). A value outside a
@@ -374,7 +391,7 @@ def format_error(err: BaseException) -> str:
     return f"aitraining-pl: {what} error: {text if len(text) <= 500 else text[:497] + '...'}"
 
 
-def build_cli(args: Optional[list[str]] = None, run: bool = True) -> AlignmentCLI:
+def build_cli(args: list[str] | None = None, run: bool = True) -> AlignmentCLI:
     """Parse ``args`` (default ``sys.argv[1:]``), build model, data and trainer, and (``run``) run the
     subcommand; returns the CLI object (``.model``, ``.datamodule``, ``.trainer``). Errors propagate."""
     return AlignmentCLI(
@@ -387,7 +404,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True) -> AlignmentCL
     )
 
 
-def main(args: Optional[list[str]] = None) -> None:
+def main(args: list[str] | None = None) -> None:
     """Entry point of ``aitraining-pl``: ``build_cli`` with user errors turned into one message and exit
     status 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

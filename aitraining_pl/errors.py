@@ -8,8 +8,6 @@ module imports nothing from the project, so every layer can raise these.
 
 from __future__ import annotations
 
-from typing import Optional
-
 
 class UserError(ValueError):
     """A failure the user can fix. ``what`` names the kind (``data``, ``config``, ...), ``where`` the file,
@@ -17,7 +15,7 @@ class UserError(ValueError):
 
     what = "input"
 
-    def __init__(self, where: str, why: Optional[str] = None):
+    def __init__(self, where: str, why: str | None = None):
         self.where, self.why = (where, why) if why is not None else ("", where)
         super().__init__(f"{where}: {why}" if why is not None else where)
 

@@ -41,7 +41,8 @@ import importlib
 import math
 import os
 import re
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from aitraining_pl.errors import RewardError  # noqa: F401 - re-exported: raised by every check below
 
@@ -87,7 +88,7 @@ class WeightedRewards:
         weights: name -> weight (default 1.0 for each component).
     """
 
-    def __init__(self, components: Mapping[str, Callable], weights: Optional[Mapping[str, float]] = None):
+    def __init__(self, components: Mapping[str, Callable], weights: Mapping[str, float] | None = None):
         if not components:
             raise ValueError("WeightedRewards needs at least one component")
         unknown = set(weights or {}) - set(components)
@@ -128,7 +129,7 @@ class RewardModelSource:
         path: str,
         batch_size: int = 16,
         separator: str = "",
-        max_length: Optional[int] = None,
+        max_length: int | None = None,
         trust_remote_code: bool = False,
     ):
         from aitraining_pl.models.reward import load_reward_model
@@ -138,7 +139,7 @@ class RewardModelSource:
         self.model.get_tokenizer()  # a missing or refused tokenizer fails here, before training starts
         self.model.requires_grad_(False)
 
-    def to(self, device=None, dtype=None) -> "RewardModelSource":
+    def to(self, device=None, dtype=None) -> RewardModelSource:
         self.model.to(device=device, dtype=dtype)
         return self
 
@@ -219,7 +220,7 @@ def _as_reward_error(build: Callable[..., Callable]) -> Callable[..., Callable]:
 
 
 @_as_reward_error
-def build_reward_source(spec: Any, *, kwargs: Optional[Mapping[str, Any]] = None) -> Callable:
+def build_reward_source(spec: Any, *, kwargs: Mapping[str, Any] | None = None) -> Callable:
     """A reward source from its YAML/Python description (see the module docstring for the forms).
 
     A callable is returned as is (with ``kwargs`` bound if given).
@@ -263,7 +264,11 @@ def _source_name(source: Any) -> str:
 
 
 def _checked_call(
-    source: Callable, prompts: Sequence[str], responses: Sequence[str], metadata: Sequence[dict], name: str | None = None
+    source: Callable,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    metadata: Sequence[dict],
+    name: str | None = None,
 ) -> list[float]:
     where = f"reward source {name or _source_name(source)!r}"
     try:
@@ -303,7 +308,7 @@ def _describe(err: BaseException) -> str:
 
 def _first_failing(
     source: Callable, prompts: Sequence[str], responses: Sequence[str], metadata: Sequence[dict]
-) -> Optional[int]:
+) -> int | None:
     """The first index whose response alone makes ``source`` raise (None if each passes alone)."""
     for i in range(len(responses)):
         try:

@@ -111,7 +111,7 @@ def end_token_ids(tokenizer, model) -> list[int]:
     ids: list[int] = []
     model_ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for item in (getattr(tokenizer, "eos_token_id", None), model_ids):
-        for token in (item if isinstance(item, (list, tuple)) else [item]):
+        for token in item if isinstance(item, (list, tuple)) else [item]:
             if token is not None and int(token) not in ids:
                 ids.append(int(token))
     return ids
@@ -165,7 +165,9 @@ def warn_truncated_sampling(config: GenerationConfig) -> None:
             f"generation.top_p={config.top_p} / top_k={config.top_k} truncate sampling, but the log-probs used for "
             "the policy ratio, KL and entropy are of the untruncated softmax at the temperature, so the responses "
             "do not come from the distribution that is trained on. Set top_p: 1.0 and top_k: 0 for on-policy "
-            "sampling.", UserWarning, stacklevel=3,
+            "sampling.",
+            UserWarning,
+            stacklevel=3,
         )
 
 
@@ -260,7 +262,10 @@ class RolloutEngine:
 
 
 def score_rollout(
-    reward_source, prompts: Sequence[str], metadata: Sequence[dict] | None, rollout: Rollout,
+    reward_source,
+    prompts: Sequence[str],
+    metadata: Sequence[dict] | None,
+    rollout: Rollout,
     missing_eos_penalty: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, list[float]]]:
     """Score every row of ``rollout`` with a reward source (through ``rewards.score_responses``, which raises

@@ -15,8 +15,9 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 from aitraining_pl.errors import ConfigError, HyperparameterError, ModelLoadError, RewardError
 
@@ -46,7 +47,8 @@ def renamed(owner: str, new: str, value: Any, default: Any, **old: Any) -> Any:
     name, old_value = next(iter(given.items()))
     warnings.warn(
         f"{owner}: argument {name!r} is renamed {new!r}; the old name is accepted until the next release",
-        RenamedArgumentWarning, stacklevel=3,
+        RenamedArgumentWarning,
+        stacklevel=3,
     )
     return old_value
 
@@ -55,8 +57,8 @@ def renamed(owner: str, new: str, value: Any, default: Any, **old: Any) -> Any:
 class Range:
     """``low <(=) value <(=) high`` (either bound optional); ``None`` allowed when ``optional``."""
 
-    low: Optional[float] = None
-    high: Optional[float] = None
+    low: float | None = None
+    high: float | None = None
     low_open: bool = False  #: ``value > low`` instead of ``>=``
     high_open: bool = False  #: ``value < high`` instead of ``<=``
     integer: bool = False
@@ -91,7 +93,7 @@ class OneOf:
     """A name from a registry (a callable returning the known names, or None when that registry does not exist
     in this version: then anything passes)."""
 
-    names: Callable[[], Optional[list[str]]]
+    names: Callable[[], list[str] | None]
     optional: bool = False
 
     def describe(self) -> str:
@@ -102,8 +104,8 @@ class OneOf:
         return (value is None and self.optional) or known is None or value in known
 
 
-def _registry(module: str, name: str, extra: tuple = ()) -> Callable[[], Optional[list[str]]]:
-    def names() -> Optional[list[str]]:
+def _registry(module: str, name: str, extra: tuple = ()) -> Callable[[], list[str] | None]:
+    def names() -> list[str] | None:
         import importlib
 
         table = getattr(importlib.import_module(module), name, None)

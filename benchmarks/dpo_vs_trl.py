@@ -38,11 +38,30 @@ import tempfile
 import time
 
 SIZES = {
-    "3m": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4},
-    "25m": {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8},
+    "3m": {
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+    },
+    "25m": {
+        "hidden_size": 512,
+        "intermediate_size": 1376,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+    },
 }
-BASE = {"model_type": "llama", "vocab_size": 384, "max_position_embeddings": 1024, "pad_token_id": 0,
-        "eos_token_id": 1, "bos_token_id": None, "tie_word_embeddings": False}
+BASE = {
+    "model_type": "llama",
+    "vocab_size": 384,
+    "max_position_embeddings": 1024,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": None,
+    "tie_word_embeddings": False,
+}
 BATCH, MAX_LENGTH, PAIRS, LR = 8, 512, 512, 1e-6
 #: this project's variants: DPOModule arguments
 VARIANTS = {
@@ -56,8 +75,10 @@ TRL_VARIANTS = {
     "precomputed": {"bf16": False, "gradient_checkpointing": False, "precompute_ref_log_probs": True},
     "defaults": {},
 }
-WORDS = ("the of and to in is was that for on as with by at from this be or an are not it have which one "
-         "model data train loss reward policy value prompt answer token sample gradient step batch").split()
+WORDS = (
+    "the of and to in is was that for on as with by at from this be or an are not it have which one "
+    "model data train loss reward policy value prompt answer token sample gradient step batch"
+).split()
 
 
 def _text(rng: random.Random, lo: int = 20, hi: int = 400) -> str:
@@ -115,19 +136,46 @@ def run_ours(args) -> dict:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             clock.step_end()
 
-    module = DPOModule(model_config=_model_config(args.size, args.vocab_size), tokenizer_name="byte", learning_rate=LR,
-                       warmup_ratio=0.0, **VARIANTS[args.variant])
-    data = PreferenceDataModule(data_path=args.data, val_split=0.0, tokenizer=module.tokenizer, batch_size=BATCH,
-                                max_length=MAX_LENGTH, max_prompt_length=MAX_LENGTH - 1, shuffle=False, seed=0)
+    module = DPOModule(
+        model_config=_model_config(args.size, args.vocab_size),
+        tokenizer_name="byte",
+        learning_rate=LR,
+        warmup_ratio=0.0,
+        **VARIANTS[args.variant],
+    )
+    data = PreferenceDataModule(
+        data_path=args.data,
+        val_split=0.0,
+        tokenizer=module.tokenizer,
+        batch_size=BATCH,
+        max_length=MAX_LENGTH,
+        max_prompt_length=MAX_LENGTH - 1,
+        shuffle=False,
+        seed=0,
+    )
     timer = Timer()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=args.steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="32-true",
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[timer],
+    )
     t0 = time.perf_counter()
     trainer.fit(module, data)
     n_params = sum(p.numel() for p in module.policy.parameters())
-    return {"precompute_s": round(timer.start - t0, 2), "fit_s": round(time.perf_counter() - t0, 2), "params": n_params,
-            "pairs_per_s": clock.pairs_per_s()}
+    return {
+        "precompute_s": round(timer.start - t0, 2),
+        "fit_s": round(time.perf_counter() - t0, 2),
+        "params": n_params,
+        "pairs_per_s": clock.pairs_per_s(),
+    }
 
 
 def run_trl(args) -> dict:
@@ -153,32 +201,86 @@ def run_trl(args) -> dict:
     tokenizer = ByT5Tokenizer()
     dataset = load_dataset("json", data_files=args.data, split="train")
     with tempfile.TemporaryDirectory() as out:
-        cfg = DPOConfig(output_dir=out, per_device_train_batch_size=BATCH, max_length=MAX_LENGTH, max_steps=args.steps,
-                        learning_rate=LR, beta=0.1, logging_steps=10_000, save_strategy="no", report_to=[],
-                        use_cpu=True, dataloader_num_workers=0, **TRL_VARIANTS[args.variant],
-                        train_sampling_strategy="sequential",
-                        seed=0, disable_tqdm=True)
-        trainer = DPOTrainer(model=model, ref_model=ref_model, args=cfg, train_dataset=dataset, processing_class=tokenizer, callbacks=[Timer()])
+        cfg = DPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=BATCH,
+            max_length=MAX_LENGTH,
+            max_steps=args.steps,
+            learning_rate=LR,
+            beta=0.1,
+            logging_steps=10_000,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            dataloader_num_workers=0,
+            **TRL_VARIANTS[args.variant],
+            train_sampling_strategy="sequential",
+            seed=0,
+            disable_tqdm=True,
+        )
+        trainer = DPOTrainer(
+            model=model,
+            ref_model=ref_model,
+            args=cfg,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[Timer()],
+        )
         t0 = time.perf_counter()
         trainer.train()
         fit_s = time.perf_counter() - t0
-    return {"fit_s": round(fit_s, 2), "params": sum(p.numel() for p in model.parameters()), "pairs_per_s": clock.pairs_per_s()}
+    return {
+        "fit_s": round(fit_s, 2),
+        "params": sum(p.numel() for p in model.parameters()),
+        "pairs_per_s": clock.pairs_per_s(),
+    }
 
 
 def child(args) -> None:
     result = run_ours(args) if args.side == "ours" else run_trl(args)
-    result.update(side=args.side, variant=args.variant, size=args.size, vocab_size=args.vocab_size, steps=args.steps,
-                  warmup=args.warmup,
-                  threads=args.threads, peak_rss_mb=round(_peak_rss_mb(), 1), pairs_per_s=round(result["pairs_per_s"], 3))
+    result.update(
+        side=args.side,
+        variant=args.variant,
+        size=args.size,
+        vocab_size=args.vocab_size,
+        steps=args.steps,
+        warmup=args.warmup,
+        threads=args.threads,
+        peak_rss_mb=round(_peak_rss_mb(), 1),
+        pairs_per_s=round(result["pairs_per_s"], 3),
+    )
     print("RESULT " + json.dumps(result), flush=True)
 
 
 def _spawn(python: str, side: str, variant: str, size: str, data: str, args) -> dict:
-    cmd = [python, os.path.abspath(__file__), "--side", side, "--variant", variant, "--size", size, "--data", data,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-           "--vocab-size", str(args.vocab_size)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+    cmd = [
+        python,
+        os.path.abspath(__file__),
+        "--side",
+        side,
+        "--variant",
+        variant,
+        "--size",
+        size,
+        "--data",
+        data,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--vocab-size",
+        str(args.vocab_size),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "WANDB_MODE": "disabled",
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -186,11 +288,13 @@ def _spawn(python: str, side: str, variant: str, size: str, data: str, args) -> 
     raise RuntimeError(f"{side}/{variant}/{size} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-_VERSIONS = ("import json, sys, importlib.metadata as m; v = {}\n"
-             "for name in sys.argv[1:]:\n"
-             "    try: v[name] = m.version(name)\n"
-             "    except m.PackageNotFoundError: pass\n"
-             "print(json.dumps(v))")
+_VERSIONS = (
+    "import json, sys, importlib.metadata as m; v = {}\n"
+    "for name in sys.argv[1:]:\n"
+    "    try: v[name] = m.version(name)\n"
+    "    except m.PackageNotFoundError: pass\n"
+    "print(json.dumps(v))"
+)
 
 
 def _versions(python: str, names: tuple[str, ...]) -> dict:
@@ -202,19 +306,33 @@ def _header(args) -> dict:
     """What the figures were measured with: command, date (UTC), threads, versions of both sides."""
     ours = _versions(sys.executable, ("torch", "transformers", "lightning", "peft"))
     trl = None if args.skip_trl else _versions(args.trl_python, ("trl", "torch", "transformers", "accelerate"))
-    return {"header": True, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "threads": args.threads,
-            "vocab_size": args.vocab_size, "python": sys.version.split()[0], "trl_python": args.trl_python,
-            "ours": ours, "trl": trl,
-            "cpus": os.cpu_count()}
+    return {
+        "header": True,
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "threads": args.threads,
+        "vocab_size": args.vocab_size,
+        "python": sys.version.split()[0],
+        "trl_python": args.trl_python,
+        "ours": ours,
+        "trl": trl,
+        "cpus": os.cpu_count(),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON"),
-                        help="python of the virtual environment with TRL (default: $TRL_PYTHON)")
-    parser.add_argument("--vocab-size", type=int, default=BASE["vocab_size"],
-                        help="vocabulary of both models (384: the byte tokenizer's; 32000, 152000: real models')")
+    parser.add_argument(
+        "--trl-python",
+        default=os.environ.get("TRL_PYTHON"),
+        help="python of the virtual environment with TRL (default: $TRL_PYTHON)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=BASE["vocab_size"],
+        help="vocabulary of both models (384: the byte tokenizer's; 32000, 152000: real models')",
+    )
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--skip-trl", action="store_true", help="time only this project's variants (no ratios)")
@@ -239,7 +357,9 @@ def main() -> None:
         make_pairs(data)
         for size in args.sizes:
             results: dict[str, list[dict]] = {}
-            runs = [("trl", v) for v in ([] if args.skip_trl else args.trl_variants)] + [("ours", v) for v in args.variants]
+            runs = [("trl", v) for v in ([] if args.skip_trl else args.trl_variants)] + [
+                ("ours", v) for v in args.variants
+            ]
             for _ in range(args.repeats):
                 for side, variant in runs:
                     python = args.trl_python if side == "trl" else sys.executable
@@ -253,12 +373,24 @@ def main() -> None:
                 ours = best[f"ours/{variant}"]
                 for trl_variant in args.trl_variants:
                     trl = best[f"trl/{trl_variant}"]
-                    print(json.dumps({"ratio": True, "size": size, "vocab_size": args.vocab_size, "variant": variant,
-                                      "trl_variant": trl_variant,
-                                      "speedup": round(ours["pairs_per_s"] / trl["pairs_per_s"], 3),
-                                      "memory_ratio": round(ours["peak_rss_mb"] / trl["peak_rss_mb"], 3),
-                                      "ours_pairs_per_s": ours["pairs_per_s"], "trl_pairs_per_s": trl["pairs_per_s"],
-                                      "ours_peak_rss_mb": ours["peak_rss_mb"], "trl_peak_rss_mb": trl["peak_rss_mb"]}), flush=True)
+                    print(
+                        json.dumps(
+                            {
+                                "ratio": True,
+                                "size": size,
+                                "vocab_size": args.vocab_size,
+                                "variant": variant,
+                                "trl_variant": trl_variant,
+                                "speedup": round(ours["pairs_per_s"] / trl["pairs_per_s"], 3),
+                                "memory_ratio": round(ours["peak_rss_mb"] / trl["peak_rss_mb"], 3),
+                                "ours_pairs_per_s": ours["pairs_per_s"],
+                                "trl_pairs_per_s": trl["pairs_per_s"],
+                                "ours_peak_rss_mb": ours["peak_rss_mb"],
+                                "trl_peak_rss_mb": trl["peak_rss_mb"],
+                            }
+                        ),
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

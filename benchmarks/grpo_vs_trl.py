@@ -78,6 +78,7 @@ class Split:
                 return fn(*args, **kwargs)
             finally:
                 self.current[part] += time.perf_counter() - t0
+
         return wrapper
 
     def step_start(self) -> None:
@@ -92,8 +93,10 @@ class Split:
 
     def summary(self) -> dict:
         steady = self.steps[self.warmup :]
-        split = {k: round(sum(s.get(k, 0.0) for s in steady) / len(steady), 3)
-                 for k in ("generation", "scoring", "logprob_passes", "update")}
+        split = {
+            k: round(sum(s.get(k, 0.0) for s in steady) / len(steady), 3)
+            for k in ("generation", "scoring", "logprob_passes", "update")
+        }
         seconds = sum(sum(s.values()) for s in steady)
         return {"completions_per_s": round(self.completions * len(steady) / seconds, 3), "step_split_s": split}
 
@@ -119,24 +122,40 @@ def run_ours(args) -> dict:
 
     pl.seed_everything(0)
     module = GRPOModule(
-        model_config=_model_config(args.size, args.vocab_size), tokenizer_name="byte",
-        reward=lambda p, r, m: lowercase_share(r), num_generations=args.num_generations, learning_rate=LR,
+        model_config=_model_config(args.size, args.vocab_size),
+        tokenizer_name="byte",
+        reward=lambda p, r, m: lowercase_share(r),
+        num_generations=args.num_generations,
+        learning_rate=LR,
         kl_coef=BETA,
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0),
-        mini_batch_size=args.num_prompts * args.num_generations, max_grad_norm=1.0,
+        mini_batch_size=args.num_prompts * args.num_generations,
+        max_grad_norm=1.0,
         padding_free=args.variant == "default",
     )
     module.generate = split.timed("generation", module.generate)
     module.score = split.timed("scoring", module.score)
     module.frozen_logprobs = split.timed("logprob_passes", module.frozen_logprobs)
-    data = PromptDataModule(prompts=prompts(args.num_prompts) * args.steps, tokenizer=module.tokenizer,
-                            batch_size=args.num_prompts)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=args.steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer()])
+    data = PromptDataModule(
+        prompts=prompts(args.num_prompts) * args.steps, tokenizer=module.tokenizer, batch_size=args.num_prompts
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="32-true",
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[Timer()],
+    )
     data.setup("fit")
     data.train_dataloader = lambda: torch.utils.data.DataLoader(  # the prompts in file order, as TRL's side
-        data.train_dataset, args.num_prompts, shuffle=False, collate_fn=data.collate_fn)
+        data.train_dataset, args.num_prompts, shuffle=False, collate_fn=data.collate_fn
+    )
     trainer.fit(module, data)
     return {"params": sum(p.numel() for p in module.policy.parameters()), **split.summary()}
 
@@ -170,19 +189,46 @@ def run_trl(args) -> dict:
         model.save_pretrained(os.path.join(out, "policy"))
         model = os.path.join(out, "policy")
         cfg = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=args.num_prompts * args.num_generations,
-            num_generations=args.num_generations, steps_per_generation=1,
-            max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, beta=BETA, num_iterations=1,
-            loss_type="grpo", scale_rewards="group", learning_rate=LR, max_grad_norm=1.0, max_steps=args.steps,
-            logging_steps=10_000, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
-            gradient_checkpointing=False, dataloader_num_workers=0, shuffle_dataset=False, seed=0, disable_tqdm=True,
+            output_dir=out,
+            per_device_train_batch_size=args.num_prompts * args.num_generations,
+            num_generations=args.num_generations,
+            steps_per_generation=1,
+            max_completion_length=args.max_new_tokens,
+            temperature=1.0,
+            top_p=1.0,
+            beta=BETA,
+            num_iterations=1,
+            loss_type="grpo",
+            scale_rewards="group",
+            learning_rate=LR,
+            max_grad_norm=1.0,
+            max_steps=args.steps,
+            logging_steps=10_000,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            bf16=False,
+            gradient_checkpointing=False,
+            dataloader_num_workers=0,
+            shuffle_dataset=False,
+            seed=0,
+            disable_tqdm=True,
         )
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=dataset,
-                              processing_class=ByT5Tokenizer(), callbacks=[Timer()])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=cfg,
+            train_dataset=dataset,
+            processing_class=ByT5Tokenizer(),
+            callbacks=[Timer()],
+        )
         trainer._generate = split.timed("generation", trainer._generate)
         trainer._calculate_rewards = split.timed("scoring", trainer._calculate_rewards)
         trainer._get_per_token_logps_and_entropies = split.timed(
-            "logprob_passes", trainer._get_per_token_logps_and_entropies, when=lambda *a, **k: not torch.is_grad_enabled())
+            "logprob_passes",
+            trainer._get_per_token_logps_and_entropies,
+            when=lambda *a, **k: not torch.is_grad_enabled(),
+        )
         trainer.train()
         params = sum(p.numel() for p in trainer.model.parameters())
     return {"params": params, **split.summary()}
@@ -192,21 +238,57 @@ def child(args) -> None:
     if args.vocab_size > BASE["vocab_size"]:
         byte_decoding_of_any_id()
     result = run_ours(args) if args.side == "ours" else run_trl(args)
-    result.update(side=args.side, variant=args.variant, size=args.size, vocab_size=args.vocab_size,
-                  num_prompts=args.num_prompts, num_generations=args.num_generations, steps=args.steps,
-                  warmup=args.warmup, threads=args.threads, max_new_tokens=args.max_new_tokens,
-                  peak_rss_mb=round(_peak_rss_mb(), 1))
+    result.update(
+        side=args.side,
+        variant=args.variant,
+        size=args.size,
+        vocab_size=args.vocab_size,
+        num_prompts=args.num_prompts,
+        num_generations=args.num_generations,
+        steps=args.steps,
+        warmup=args.warmup,
+        threads=args.threads,
+        max_new_tokens=args.max_new_tokens,
+        peak_rss_mb=round(_peak_rss_mb(), 1),
+    )
     print("RESULT " + json.dumps(result), flush=True)
 
 
 def _spawn(python: str, side: str, variant: str, size: str, args) -> dict:
-    cmd = [python, os.path.abspath(__file__), "--side", side, "--variant", variant, "--size", size,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-           "--max-new-tokens", str(args.max_new_tokens), "--vocab-size", str(args.vocab_size),
-           "--num-prompts", str(args.num_prompts), "--num-generations", str(args.num_generations)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "WANDB_MODE": "disabled", "PYTHONPATH": ROOT if side == "ours" else ""}
+    cmd = [
+        python,
+        os.path.abspath(__file__),
+        "--side",
+        side,
+        "--variant",
+        variant,
+        "--size",
+        size,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--vocab-size",
+        str(args.vocab_size),
+        "--num-prompts",
+        str(args.num_prompts),
+        "--num-generations",
+        str(args.num_generations),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "MKL_NUM_THREADS": str(args.threads),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "WANDB_MODE": "disabled",
+        "PYTHONPATH": ROOT if side == "ours" else "",
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -215,23 +297,37 @@ def _spawn(python: str, side: str, variant: str, size: str, args) -> dict:
 
 
 def _versions(python: str, modules: str) -> str:
-    code = f"import importlib; print(' '.join(m + '=' + importlib.import_module(m).__version__ for m in {modules!r}.split()))"
+    code = (
+        "import importlib; "
+        f"print(' '.join(m + '=' + importlib.import_module(m).__version__ for m in {modules!r}.split()))"
+    )
     return subprocess.run([python, "-c", code], capture_output=True, text=True).stdout.strip()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON"), help="python of the venv with TRL (or TRL_PYTHON)")
+    parser.add_argument(
+        "--trl-python", default=os.environ.get("TRL_PYTHON"), help="python of the venv with TRL (or TRL_PYTHON)"
+    )
     parser.add_argument("--sizes", nargs="+", default=["3m"], choices=list(SIZES))
-    parser.add_argument("--variants", nargs="+", default=["default"], choices=["default", "padded"],
-                        help="this project's side: packed log-prob passes (default) or padded rows")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["default"],
+        choices=["default", "padded"],
+        help="this project's side: packed log-prob passes (default) or padded rows",
+    )
     parser.add_argument("--skip-trl", action="store_true", help="time only this project's side (no ratios)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (= generations) per run")
     parser.add_argument("--warmup", type=int, default=1, help="steps excluded from the steady state")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--vocab-size", type=int, default=BASE["vocab_size"],
-                        help="vocabulary of both models (384: the byte tokenizer's; 32000, 152000: real models')")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=BASE["vocab_size"],
+        help="vocabulary of both models (384: the byte tokenizer's; 32000, 152000: real models')",
+    )
     parser.add_argument("--num-prompts", type=int, default=NUM_PROMPTS, help="prompts per step")
     parser.add_argument("--num-generations", type=int, default=G, help="samples per prompt (G)")
     parser.add_argument("--repeats", type=int, default=1, help="alternating rounds per size")
@@ -243,10 +339,17 @@ def main() -> None:
         return child(args)
     if not args.skip_trl and not args.trl_python:
         parser.error("give TRL's interpreter with --trl-python or TRL_PYTHON (or --skip-trl)")
-    print(json.dumps({"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-                      "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                      "ours": _versions(sys.executable, "torch transformers lightning"),
-                      "trl": None if args.skip_trl else _versions(args.trl_python, "torch transformers trl")}), flush=True)
+    print(
+        json.dumps(
+            {
+                "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+                "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                "ours": _versions(sys.executable, "torch transformers lightning"),
+                "trl": None if args.skip_trl else _versions(args.trl_python, "torch transformers trl"),
+            }
+        ),
+        flush=True,
+    )
     for size in args.sizes:
         results: dict[str, list[dict]] = {}
         runs = [("trl", "default")] * (not args.skip_trl) + [("ours", v) for v in args.variants]
@@ -261,9 +364,19 @@ def main() -> None:
         trl = best["trl/default"]
         for variant in args.variants:
             ours = best[f"ours/{variant}"]
-            print(json.dumps({"ratio": True, "size": size, "vocab_size": args.vocab_size, "variant": variant,
-                              "speedup": round(ours["completions_per_s"] / trl["completions_per_s"], 3),
-                              "memory_ratio": round(ours["peak_rss_mb"] / trl["peak_rss_mb"], 3)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "ratio": True,
+                        "size": size,
+                        "vocab_size": args.vocab_size,
+                        "variant": variant,
+                        "speedup": round(ours["completions_per_s"] / trl["completions_per_s"], 3),
+                        "memory_ratio": round(ours["peak_rss_mb"] / trl["peak_rss_mb"], 3),
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -59,8 +59,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(json.dumps({"command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC",
-                                                                                         time.gmtime())}), flush=True)
+    print(
+        json.dumps(
+            {"command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        ),
+        flush=True,
+    )
     model = build_causal_lm(_model_config(args.size), seed=0)
     generator = torch.Generator().manual_seed(0)
     for share in args.shares:
@@ -70,8 +74,17 @@ def main() -> None:
             for packed in (True, False):
                 times[packed].append(timed(model, ids, attention, args.prompt, packed))
         packed, padded = min(times[True]), min(times[False])
-        print(json.dumps({"real_share": round(float(attention.float().mean()), 3), "packed_s": round(packed, 3),
-                          "padded_s": round(padded, 3), "packed_over_padded": round(packed / padded, 3)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "real_share": round(float(attention.float().mean()), 3),
+                    "packed_s": round(packed, 3),
+                    "padded_s": round(padded, 3),
+                    "packed_over_padded": round(packed / padded, 3),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -38,9 +38,17 @@ from aitraining_pl.rollout import GenerationConfig
 
 def model_config(hidden: int, layers: int) -> dict:
     return {
-        "model_type": "llama", "vocab_size": 384, "hidden_size": hidden, "intermediate_size": 4 * hidden,
-        "num_hidden_layers": layers, "num_attention_heads": max(1, hidden // 32), "num_key_value_heads": max(1, hidden // 64),
-        "max_position_embeddings": 1024, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": None,
+        "model_type": "llama",
+        "vocab_size": 384,
+        "hidden_size": hidden,
+        "intermediate_size": 4 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": max(1, hidden // 32),
+        "num_key_value_heads": max(1, hidden // 64),
+        "max_position_embeddings": 1024,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": None,
         "tie_word_embeddings": False,
     }
 
@@ -97,12 +105,18 @@ def main() -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     module = PPOModule(
-        model_config=model_config(args.hidden, args.layers), tokenizer_name="byte", reward=never_ending_reward,
+        model_config=model_config(args.hidden, args.layers),
+        tokenizer_name="byte",
+        reward=never_ending_reward,
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0),
-        learning_rate=1e-5, mini_batch_size=args.mini_batch_size, ppo_epochs=args.ppo_epochs,
+        learning_rate=1e-5,
+        mini_batch_size=args.mini_batch_size,
+        ppo_epochs=args.ppo_epochs,
     )
     prompts = [("x" * (args.prompt_length - 3)) + f"{i:03d}" for i in range(args.batch_size * (args.iterations + 1))]
-    data = PromptDataModule(prompts=prompts, tokenizer="byte", batch_size=args.batch_size, max_prompt_length=args.prompt_length)
+    data = PromptDataModule(
+        prompts=prompts, tokenizer="byte", batch_size=args.batch_size, max_prompt_length=args.prompt_length
+    )
 
     clock = Clock(sync)
     clock.wrap(module, "generate", "generation")
@@ -128,19 +142,30 @@ def main() -> None:
     def plain_round():
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision.startswith("bf16"))
         with autocast:
-            sync(); t = time.perf_counter()
+            sync()
+            t = time.perf_counter()
             with torch.no_grad():
                 plain_model.eval()
-                out = plain_model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-                                           max_new_tokens=args.max_new_tokens,
-                                           pad_token_id=0, eos_token_id=1, use_cache=True)
+                out = plain_model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_p=1.0,
+                    max_new_tokens=args.max_new_tokens,
+                    pad_token_id=0,
+                    eos_token_id=1,
+                    use_cache=True,
+                )
                 plain_model.train()
-            sync(); plain["generation"].append(time.perf_counter() - t)
+            sync()
+            plain["generation"].append(time.perf_counter() - t)
             lengths["plain"].append(out.shape[1] - ids.shape[1])
             t = time.perf_counter()
             with torch.no_grad():
                 plain_model(input_ids=out, attention_mask=torch.ones_like(out)).logits.float().sum().item()
-            sync(); plain["no_grad_forward"].append(time.perf_counter() - t)
+            sync()
+            plain["no_grad_forward"].append(time.perf_counter() - t)
             t = time.perf_counter()
             for _ in range(args.ppo_epochs):
                 for start in range(0, args.batch_size, args.mini_batch_size):
@@ -148,7 +173,8 @@ def main() -> None:
                     plain_model(input_ids=chunk, labels=chunk).loss.backward()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-            sync(); plain["update"].append(time.perf_counter() - t)
+            sync()
+            plain["update"].append(time.perf_counter() - t)
 
     class EndIteration(pl.Callback):
         def on_train_batch_end(self, trainer, *unused):
@@ -157,31 +183,65 @@ def main() -> None:
             plain_round()
 
     trainer = pl.Trainer(
-        accelerator=args.accelerator, devices=1, precision=args.precision, max_epochs=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[EndIteration()],
+        accelerator=args.accelerator,
+        devices=1,
+        precision=args.precision,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[EndIteration()],
     )
     trainer.fit(module, data)
     measured = clock.iterations[1:]
     ppo = {k: statistics.mean(it.get(k, 0.0) for it in measured) for k in measured[0]}
-    ppo["other"] = ppo["iteration"] - sum(ppo[k] for k in ("generation", "scoring", "old_forward", "reference_forward", "update"))
+    ppo["other"] = ppo["iteration"] - sum(
+        ppo[k] for k in ("generation", "scoring", "old_forward", "reference_forward", "update")
+    )
     plain = {k: statistics.mean(v[1:]) for k, v in plain.items()}
     policy = module.policy
 
-    setup = {"hidden": args.hidden, "layers": args.layers, "batch_size": args.batch_size, "mini_batch_size": args.mini_batch_size,
-             "ppo_epochs": args.ppo_epochs, "prompt_length": args.prompt_length, "max_new_tokens": args.max_new_tokens,
-             "accelerator": args.accelerator, "precision": args.precision, "threads": args.threads,
-             "iterations": len(measured), "response_length_ppo": round(statistics.mean(lengths["ppo"][1:]), 1),
-             "response_length_plain": round(statistics.mean(lengths["plain"][1:]), 1), "params_M": round(sum(p.numel() for p in policy.parameters()) / 1e6, 2)}
+    setup = {
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "batch_size": args.batch_size,
+        "mini_batch_size": args.mini_batch_size,
+        "ppo_epochs": args.ppo_epochs,
+        "prompt_length": args.prompt_length,
+        "max_new_tokens": args.max_new_tokens,
+        "accelerator": args.accelerator,
+        "precision": args.precision,
+        "threads": args.threads,
+        "iterations": len(measured),
+        "response_length_ppo": round(statistics.mean(lengths["ppo"][1:]), 1),
+        "response_length_plain": round(statistics.mean(lengths["plain"][1:]), 1),
+        "params_M": round(sum(p.numel() for p in policy.parameters()) / 1e6, 2),
+    }
     for part, seconds in ppo.items():
         if part != "update_forward":
             share = seconds / ppo["iteration"]
-            print(json.dumps({"measurement": f"ppo/{part}", "seconds": round(seconds, 4), "share": round(share, 3), **setup}))
+            print(
+                json.dumps(
+                    {"measurement": f"ppo/{part}", "seconds": round(seconds, 4), "share": round(share, 3), **setup}
+                )
+            )
     for part, seconds in plain.items():
         print(json.dumps({"measurement": f"plain/{part}", "seconds": round(seconds, 4), **setup}))
     baseline = plain["generation"] + 2 * plain["no_grad_forward"] + plain["update"]
     overhead = ppo["iteration"] - baseline
-    print(json.dumps({"measurement": "overhead", "seconds": round(overhead, 4), "relative": round(overhead / baseline, 3),
-                      "ppo_iteration": round(ppo["iteration"], 4), "plain_total": round(baseline, 4), **setup}))
+    print(
+        json.dumps(
+            {
+                "measurement": "overhead",
+                "seconds": round(overhead, 4),
+                "relative": round(overhead / baseline, 3),
+                "ppo_iteration": round(ppo["iteration"], 4),
+                "plain_total": round(baseline, 4),
+                **setup,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -62,14 +62,20 @@ def main() -> None:
                 self.start = time.perf_counter()
 
     clock = Clock()
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[clock])  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[clock],
+    )  # fmt: skip
     trainer.fit(module, datamodule=data)
     steps = trainer.global_step - WARMUP
     seconds = time.perf_counter() - clock.start
     common = {"params_m": round(sum(p.numel() for p in module.parameters()) / 1e6, 2), "threads": args.threads,
               "pooling": args.pooling, "batch": BATCH}  # fmt: skip
-    print(json.dumps({"benchmark": "reward_train", **common, "steps": steps, "pairs_per_s": round(steps * BATCH / seconds, 2)}))
+    print(
+        json.dumps(
+            {"benchmark": "reward_train", **common, "steps": steps, "pairs_per_s": round(steps * BATCH / seconds, 2)}
+        )
+    )
 
     texts = [p + c for p, c in zip(prompts, chosen)]
     model = module.reward_model
@@ -77,7 +83,11 @@ def main() -> None:
     start = time.perf_counter()
     model.predict_rewards(texts, batch_size=16)
     seconds = time.perf_counter() - start
-    print(json.dumps({"benchmark": "reward_score", **common, "texts": len(texts), "texts_per_s": round(len(texts) / seconds, 2)}))
+    print(
+        json.dumps(
+            {"benchmark": "reward_score", **common, "texts": len(texts), "texts_per_s": round(len(texts) / seconds, 2)}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -12,10 +12,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import lightning.pytorch as pl  # noqa: E402
 import transformers  # noqa: E402
+from conftest import TINY_LLAMA  # noqa: E402
 
 from aitraining_pl import DPOModule  # noqa: E402
 from aitraining_pl.datamodules.preference import PreferenceDataModule  # noqa: E402
-from conftest import TINY_LLAMA  # noqa: E402
 
 CALLS = [0]
 _original = transformers.ByT5Tokenizer.__call__
@@ -40,8 +40,17 @@ def main(out: str) -> None:
     path = os.path.join(out, "pairs.jsonl")
     module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte")
     data = CountingData(data_path=path, tokenizer=module.tokenizer, val_split=0.0, batch_size=2)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=1, limit_val_batches=0, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, datamodule=data)
     gathered = [None] * 2
     torch.distributed.all_gather_object(gathered, data.counts)

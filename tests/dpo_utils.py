@@ -22,7 +22,9 @@ def preference_rows(n: int, seed: int = 0) -> list[dict]:
     rows = []
     for i in range(n):
         t = rng.choice(TOPICS)
-        rows.append({"prompt": f"Q{i}: what is {t}?", "chosen": rng.choice(GOOD).format(t=t), "rejected": rng.choice(BAD)})
+        rows.append(
+            {"prompt": f"Q{i}: what is {t}?", "chosen": rng.choice(GOOD).format(t=t), "rejected": rng.choice(BAD)}
+        )
     return rows
 
 
@@ -31,26 +33,55 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def write_config(tmp_path: Path, *, n_pairs: int = 48, model: dict | None = None, data: dict | None = None,
-                 trainer: dict | None = None) -> Path:
+def write_config(
+    tmp_path: Path,
+    *,
+    n_pairs: int = 48,
+    model: dict | None = None,
+    data: dict | None = None,
+    trainer: dict | None = None,
+) -> Path:
     """A CLI config (JSON is valid YAML) for a tiny DPO run writing CSV metrics under ``tmp_path``."""
     data_path = write_jsonl(tmp_path / "prefs.jsonl", preference_rows(n_pairs))
     config = {
         "seed_everything": 0,
         "trainer": {
-            "accelerator": "cpu", "devices": 1, "max_steps": 2, "log_every_n_steps": 1,
-            "enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False,
-            "num_sanity_val_steps": 0, "default_root_dir": str(tmp_path),
-            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
-                       "init_args": {"save_dir": str(tmp_path), "name": "csv", "version": "v"}},
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_steps": 2,
+            "log_every_n_steps": 1,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "enable_checkpointing": False,
+            "num_sanity_val_steps": 0,
+            "default_root_dir": str(tmp_path),
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": str(tmp_path), "name": "csv", "version": "v"},
+            },
             **(trainer or {}),
         },
-        "model": {"class_path": MODEL, "init_args": {
-            "model_config": dict(TINY_LLAMA), "tokenizer_name": "byte", "learning_rate": 1e-3,
-            "warmup_ratio": 0.0, **(model or {})}},
-        "data": {"class_path": DATA, "init_args": {
-            "data_path": str(data_path), "val_split": 0.25, "batch_size": 4, "max_length": 96,
-            "max_prompt_length": 48, **(data or {})}},
+        "model": {
+            "class_path": MODEL,
+            "init_args": {
+                "model_config": dict(TINY_LLAMA),
+                "tokenizer_name": "byte",
+                "learning_rate": 1e-3,
+                "warmup_ratio": 0.0,
+                **(model or {}),
+            },
+        },
+        "data": {
+            "class_path": DATA,
+            "init_args": {
+                "data_path": str(data_path),
+                "val_split": 0.25,
+                "batch_size": 4,
+                "max_length": 96,
+                "max_prompt_length": 48,
+                **(data or {}),
+            },
+        },
     }
     path = tmp_path / "config.yaml"
     path.write_text(json.dumps(config), encoding="utf-8")

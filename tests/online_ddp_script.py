@@ -13,11 +13,11 @@ torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(__file__))
 
 import lightning.pytorch as pl  # noqa: E402
+from conftest import TINY_LLAMA  # noqa: E402
 
 from aitraining_pl.datamodules.prompt import PromptDataModule  # noqa: E402
 from aitraining_pl.modules.critic_free import GRPOModule  # noqa: E402
 from aitraining_pl.rollout import GenerationConfig  # noqa: E402
-from conftest import TINY_LLAMA  # noqa: E402
 
 SCORED: list[list[str]] = []
 
@@ -42,22 +42,41 @@ class Record(pl.Callback):
 def main(out: str) -> None:
     pl.seed_everything(0)
     module = GRPOModule(
-        model_config=TINY_LLAMA, tokenizer_name="byte", reward=recording_reward, num_generations=4,
-        generation=GenerationConfig(max_new_tokens=4, temperature=1.0), learning_rate=1e-3,
-        mini_batch_size=4, gradient_accumulation_steps=2, num_iterations=2, kl_coef=0.04,
+        model_config=TINY_LLAMA,
+        tokenizer_name="byte",
+        reward=recording_reward,
+        num_generations=4,
+        generation=GenerationConfig(max_new_tokens=4, temperature=1.0),
+        learning_rate=1e-3,
+        mini_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        kl_coef=0.04,
     )
     data = PromptDataModule(prompts=[f"prompt {i}" for i in range(8)], tokenizer="byte", batch_size=2)
     record = Record()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record],
     )
     trainer.fit(module, data)
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     torch.save(
-        {"state": state, "batches": record.batches, "scored": SCORED, "global_step": trainer.global_step,
-         "metrics": metrics},
+        {
+            "state": state,
+            "batches": record.batches,
+            "scored": SCORED,
+            "global_step": trainer.global_step,
+            "metrics": metrics,
+        },
         os.path.join(out, f"rank{trainer.global_rank}.pt"),
     )
 

@@ -10,11 +10,11 @@ torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(__file__))
 
 import lightning.pytorch as pl  # noqa: E402
+from conftest import TINY_LLAMA  # noqa: E402
+from test_reward_module import synthetic_pairs  # noqa: E402
 
 from aitraining_pl.datamodules.preference import PreferenceDataModule  # noqa: E402
 from aitraining_pl.modules.reward import RewardModule  # noqa: E402
-from conftest import TINY_LLAMA  # noqa: E402
-from test_reward_module import synthetic_pairs  # noqa: E402
 
 
 def main(out: str) -> None:

@@ -91,7 +91,9 @@ def test_gae_estimator_is_whitened_gae_and_needs_values():
     rewards, mask = _token_rewards(SCORES, LENGTHS)
     with pytest.raises(ValueError, match="values"):
         compute_advantages("gae", rewards, mask, torch.tensor(GROUP))
-    got = compute_advantages("gae", rewards, mask, torch.tensor(GROUP), values=torch.zeros_like(rewards), gamma=1.0, lam=1.0)
+    got = compute_advantages(
+        "gae", rewards, mask, torch.tensor(GROUP), values=torch.zeros_like(rewards), gamma=1.0, lam=1.0
+    )
     # zero values, gamma = lam = 1: advantages are the returns-to-go, whitened like REINFORCE++'s
     assert torch.allclose(got, compute_advantages("reinforce_pp", rewards, mask, torch.tensor(GROUP)), atol=1e-4)
     with pytest.raises(ValueError, match="unknown advantage"):
@@ -119,8 +121,11 @@ def _loop_loss(logp, old, adv, mask, eps, eps_high, aggregation, max_length, ref
         per_row.append(sum(row) / len(row))
         total += sum(row)
         count += len(row)
-    loss = {"sequence": sum(per_row) / len(per_row), "token": total / count,
-            "constant": total / (len(logp) * max_length)}[aggregation]
+    loss = {
+        "sequence": sum(per_row) / len(per_row),
+        "token": total / count,
+        "constant": total / (len(logp) * max_length),
+    }[aggregation]
     return loss, low / count, high / count
 
 
@@ -133,12 +138,34 @@ def test_clipped_policy_loss_matches_a_loop(aggregation, with_ref):
     adv = torch.randn(4, 5, generator=g)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
     eps, eps_high, beta = 0.2, 0.28, 0.04
-    loss, stats = clipped_policy_loss(logp, old, adv, mask, eps, eps_high, aggregation, max_length=8,
-                                      ref_logprobs=ref if with_ref else None, kl_coef=beta)
-    expected, low, high = _loop_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), eps, eps_high,
-                                     aggregation, 8, ref.tolist() if with_ref else None, beta)
+    loss, stats = clipped_policy_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        eps,
+        eps_high,
+        aggregation,
+        max_length=8,
+        ref_logprobs=ref if with_ref else None,
+        kl_coef=beta,
+    )
+    expected, low, high = _loop_loss(
+        logp.tolist(),
+        old.tolist(),
+        adv.tolist(),
+        mask.tolist(),
+        eps,
+        eps_high,
+        aggregation,
+        8,
+        ref.tolist() if with_ref else None,
+        beta,
+    )
     assert loss.item() == pytest.approx(expected, abs=1e-6)
-    assert stats["clip_ratio/low"].item() == pytest.approx(low) and stats["clip_ratio/high"].item() == pytest.approx(high)
+    assert stats["clip_ratio/low"].item() == pytest.approx(low) and stats["clip_ratio/high"].item() == pytest.approx(
+        high
+    )
     assert low > 0 and high > 0  # the random ratios exercise both sides
     assert ("kl" in stats) == with_ref
 

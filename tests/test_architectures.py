@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from architectures import ARCHITECTURES, VOCAB, build_sharpened, sharpen, spec
 
 from aitraining_pl.models.scoring import completion_logps, scoring_path
 from aitraining_pl.models.training import disable_dropout
 from aitraining_pl.modules.ppo import PPOModule
-from architectures import ARCHITECTURES, VOCAB, build_sharpened, sharpen, spec
 
 TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need a reward source
 
@@ -27,8 +27,10 @@ def table():
     if RESULTS:
         print(f"\n{'architecture':<14} {'path':<8} {'DPO max |diff|':>15} {'PPO max |diff|':>15}  reason")
         for name, row in RESULTS.items():
-            print(f"{name:<14} {row.get('path', '-'):<8} {row.get('dpo', float('nan')):>15.2e} "
-                  f"{row.get('ppo', float('nan')):>15.2e}  {row.get('reason', '')}")
+            print(
+                f"{name:<14} {row.get('path', '-'):<8} {row.get('dpo', float('nan')):>15.2e} "
+                f"{row.get('ppo', float('nan')):>15.2e}  {row.get('reason', '')}"
+            )
 
 
 def _rows(seed: int) -> list[tuple[list[int], list[int], list[int]]]:
@@ -84,9 +86,12 @@ def test_dpo_completion_logps_equal_the_models_own_forward(model_type, models):
 
 @pytest.mark.parametrize("model_type", MATRIX)
 def test_ppo_old_logprobs_equal_the_models_own_forward(model_type):
-    module = PPOModule(reward=TOY_REWARD,
-                       model_config={"model_type": model_type, **spec(model_type)}, tokenizer_name="byte",
-                       mini_batch_size=2)
+    module = PPOModule(
+        reward=TOY_REWARD,
+        model_config={"model_type": model_type, **spec(model_type)},
+        tokenizer_name="byte",
+        mini_batch_size=2,
+    )
     sharpen(module.policy)
     sharpen(module.reference.model)
     temperature = module.generation.temperature

@@ -8,14 +8,13 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import TINY_LLAMA
 
 from aitraining_pl.callbacks.kl import AdaptiveKLCallback
 from aitraining_pl.callbacks.sampling import SamplingCallback
 from aitraining_pl.datamodules.prompt import PromptDataModule
 from aitraining_pl.modules.ppo import PPOModule
 from aitraining_pl.rollout import GenerationConfig
-
-from conftest import TINY_LLAMA
 
 
 def _fake_module(kl):
@@ -48,9 +47,16 @@ def test_kl_callback_state_round_trips():
 
 
 def _module(**kwargs):
-    defaults = dict(model_config=TINY_LLAMA, tokenizer_name="byte", reward="aitraining_pl.rewards:char_fraction_reward",
-                    generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0), learning_rate=1e-3,
-                    mini_batch_size=2, ppo_epochs=1, kl_coef=0.05)
+    defaults = dict(
+        model_config=TINY_LLAMA,
+        tokenizer_name="byte",
+        reward="aitraining_pl.rewards:char_fraction_reward",
+        generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0),
+        learning_rate=1e-3,
+        mini_batch_size=2,
+        ppo_epochs=1,
+        kl_coef=0.05,
+    )
     return PPOModule(**{**defaults, **kwargs})
 
 
@@ -64,15 +70,23 @@ class _Probe(pl.Callback):
 
 
 def test_resume_keeps_kl_coefficient_and_step(tmp_path, byte_tokenizer):
-    common = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                  default_root_dir=str(tmp_path))
+    common = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     first = pl.Trainer(max_epochs=1, callbacks=[AdaptiveKLCallback(kl_target=1e-3, kl_horizon=10), ckpt], **common)
     module = _module()
     first.fit(module, _data(byte_tokenizer))
     saved_coef, saved_step = module.kl_coef, first.global_step
     assert saved_coef != pytest.approx(0.05) and saved_step == 2  # moved; 2 iterations x 1 update
-    assert not any(k.startswith(("reference", "_reward")) for k in torch.load(ckpt.last_model_path, weights_only=True)["state_dict"])
+    assert not any(
+        k.startswith(("reference", "_reward"))
+        for k in torch.load(ckpt.last_model_path, weights_only=True)["state_dict"]
+    )
 
     probe = _Probe()
     second = pl.Trainer(max_epochs=2, callbacks=[AdaptiveKLCallback(kl_target=1e-3, kl_horizon=10), probe], **common)
@@ -89,8 +103,15 @@ def test_resume_keeps_kl_coefficient_and_step(tmp_path, byte_tokenizer):
 
 def test_sampling_callback_writes_jsonl_rows(tmp_path, byte_tokenizer):
     sampler = SamplingCallback(every_n_iterations=1, num_prompts=2)
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=pl.loggers.CSVLogger(tmp_path), enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[sampler])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=pl.loggers.CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[sampler],
+    )
     trainer.fit(_module(), _data(byte_tokenizer))
     rows = [json.loads(line) for line in open(sampler.path)]
     assert len(rows) == 4  # 2 prompts x 2 iterations
@@ -107,5 +128,10 @@ def test_sampling_callback_logs_a_wandb_table_when_wandb_is_the_logger(tmp_path)
     logger.log_table = lambda **kwargs: tables.append(kwargs)  # no wandb run is started
     rows = [{"iteration": 1, "step": 4, "prompt": "p", "response": "r", "reward": 0.5}]
     SamplingCallback().write(SimpleNamespace(loggers=[logger]), rows)
-    assert tables == [{"key": "samples", "columns": ["iteration", "step", "prompt", "response", "reward"],
-                       "data": [[1, 4, "p", "r", 0.5]]}]
+    assert tables == [
+        {
+            "key": "samples",
+            "columns": ["iteration", "step", "prompt", "response", "reward"],
+            "data": [[1, 4, "p", "r", 0.5]],
+        }
+    ]

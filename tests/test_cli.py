@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from dpo_utils import write_config, write_jsonl
 
 from aitraining_pl.cli import build_cli, main
-from dpo_utils import read_metrics, series, write_config, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.relative_to(ROOT) for p in (ROOT / "configs").rglob("*.y*ml"))
@@ -70,8 +70,16 @@ def test_bad_hyperparameter_is_one_message(tmp_path, capsys):
 def test_console_script_exit_status(tmp_path):
     config = write_config(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-c", "from aitraining_pl.cli import main; main()", "fit", "--config", str(config),
-           "--data.init_args.data_path", str(tmp_path / "nope.jsonl")]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from aitraining_pl.cli import main; main()",
+        "fit",
+        "--config",
+        str(config),
+        "--data.init_args.data_path",
+        str(tmp_path / "nope.jsonl"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 2
     assert "nope.jsonl: file not found" in proc.stderr and "Traceback" not in proc.stderr
@@ -81,9 +89,23 @@ def test_console_script_exit_status(tmp_path):
 def test_quickstart_config_runs_briefly_with_csv_metrics(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     data = ROOT / "aitraining_pl" / "data" / "quickstart_preferences.jsonl"
-    cli = build_cli(["fit", "--config", str(ROOT / "configs/quickstart/dpo.yaml"), "--data.init_args.data_path", str(data),
-                     "--trainer.max_steps", "3", "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "3",
-                     "--trainer.enable_progress_bar", "false"])
+    cli = build_cli(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs/quickstart/dpo.yaml"),
+            "--data.init_args.data_path",
+            str(data),
+            "--trainer.max_steps",
+            "3",
+            "--trainer.limit_val_batches",
+            "1",
+            "--trainer.val_check_interval",
+            "3",
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+    )
     assert cli.trainer.global_step == 3
     metrics = list((tmp_path / "runs/quickstart-dpo/csv").glob("version_*/metrics.csv"))
     assert metrics and "val/rewards/accuracies" in metrics[0].read_text().splitlines()[0]
@@ -96,9 +118,21 @@ def test_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     config = write_config(tmp_path, trainer={"max_steps": 2, "limit_val_batches": 1, "val_check_interval": 2})
-    cli = build_cli(["fit", "--config", str(config), "--trainer.logger", "lightning.pytorch.loggers.WandbLogger",
-                     "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.offline", "true",
-                     "--trainer.logger.init_args.project", "test"])
+    cli = build_cli(
+        [
+            "fit",
+            "--config",
+            str(config),
+            "--trainer.logger",
+            "lightning.pytorch.loggers.WandbLogger",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path),
+            "--trainer.logger.init_args.offline",
+            "true",
+            "--trainer.logger.init_args.project",
+            "test",
+        ]
+    )
     import wandb
 
     wandb.finish()
@@ -109,7 +143,9 @@ def test_wandb_offline(tmp_path, monkeypatch):
 
 def test_overrides_reach_the_module(tmp_path):
     config = write_config(tmp_path)
-    cli = build_cli(["--config", str(config), "--model.init_args.beta", "0.25", "--data.init_args.batch_size", "2"], run=False)
+    cli = build_cli(
+        ["--config", str(config), "--model.init_args.beta", "0.25", "--data.init_args.batch_size", "2"], run=False
+    )
     assert cli.model.hparams.beta == 0.25 and cli.datamodule.hparams.batch_size == 2
     assert cli.datamodule.tokenizer is cli.model.tokenizer  # linked, not loaded twice
 
@@ -122,10 +158,15 @@ def test_bare_command_lists_modules_and_recipes(capsys, monkeypatch):
             main(args)
         out = capsys.readouterr().out
         assert info.value.code == 0
-        for name, path in [("DPO", "aitraining_pl.modules.dpo.DPOModule"), ("SFT", "aitraining_pl.modules.sft.SFTModule"),
-                           ("PPO", "aitraining_pl.modules.ppo.PPOModule"), ("multi-objective", "MultiObjectiveRewardModule"),
-                           ("GRPO", "aitraining_pl.modules.critic_free.GRPOModule"), ("RLOO", "RLOOModule"),
-                           ("pairwise", "PairwiseRewardModule")]:
+        for name, path in [
+            ("DPO", "aitraining_pl.modules.dpo.DPOModule"),
+            ("SFT", "aitraining_pl.modules.sft.SFTModule"),
+            ("PPO", "aitraining_pl.modules.ppo.PPOModule"),
+            ("multi-objective", "MultiObjectiveRewardModule"),
+            ("GRPO", "aitraining_pl.modules.critic_free.GRPOModule"),
+            ("RLOO", "RLOOModule"),
+            ("pairwise", "PairwiseRewardModule"),
+        ]:
             assert any(line.split()[:1] == [name] and path in line for line in out.splitlines()), (name, out)
         first = (ROOT / "configs/quickstart/dpo.yaml").read_text().splitlines()[0].lstrip("# ")
         assert any("configs/quickstart/dpo.yaml" in line and first in line for line in out.splitlines()), out
@@ -148,8 +189,14 @@ def test_short_class_name_help_and_choices(capsys):
     assert "--model.attn_implementation" in out
 
 
-@pytest.mark.parametrize("option, field", [("--model.lora.help", "--alpha"), ("--model.init_args.lora.help", "--r"),
-                                           ("--model.generation.help", "--max_new_tokens")])
+@pytest.mark.parametrize(
+    "option, field",
+    [
+        ("--model.lora.help", "--alpha"),
+        ("--model.init_args.lora.help", "--r"),
+        ("--model.generation.help", "--max_new_tokens"),
+    ],
+)
 def test_nested_help(option, field, capsys):
     with pytest.raises(SystemExit) as info:
         main(["fit", "--model", "DPOModule", option])
@@ -166,9 +213,22 @@ def test_output_dir_places_logs_checkpoints_exports_and_wandb_keeps_no_csv_name(
     swap = ["--trainer.logger", "lightning.pytorch.loggers.WandbLogger", "--trainer.logger.init_args.project", "p"]
     cli = build_cli(["--config", config, *swap], run=False)
     assert cli.trainer.logger._wandb_init.get("name") is None  # not "csv"
-    cli = build_cli(["--config", config, *swap, "--output_dir", str(tmp_path / "out"), "--run_name", "r1",
-                     "--trainer.enable_checkpointing", "true",
-                     "--trainer.callbacks+", "lightning.pytorch.callbacks.ModelCheckpoint"], run=False)
+    cli = build_cli(
+        [
+            "--config",
+            config,
+            *swap,
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--run_name",
+            "r1",
+            "--trainer.enable_checkpointing",
+            "true",
+            "--trainer.callbacks+",
+            "lightning.pytorch.callbacks.ModelCheckpoint",
+        ],
+        run=False,
+    )
     assert cli.trainer.logger._wandb_init["name"] == "r1" and cli.trainer.logger.save_dir == str(tmp_path / "out")
     dirs = {type(c).__name__: str(getattr(c, "dirpath", "")) for c in cli.trainer.callbacks}
     assert dirs["HFExportCallback"] == str(tmp_path / "out" / "export")
@@ -191,10 +251,19 @@ def test_threads_option(monkeypatch):
 def test_compact_summary_drops_internal_rows_and_empty_flops():
     from aitraining_pl.callbacks.summary import compact_summary_data
 
-    data = [(" ", ["0", "1"]), ("Name", ["_epoch_metrics", "policy"]), ("Type", ["ModuleDict", "Llama"]),
-            ("Params", ["0", "123 K"]), ("FLOPs", ["0", "0"])]
-    assert compact_summary_data(data, total_flops=0) == [(" ", ["0"]), ("Name", ["policy"]), ("Type", ["Llama"]),
-                                                         ("Params", ["123 K"])]
+    data = [
+        (" ", ["0", "1"]),
+        ("Name", ["_epoch_metrics", "policy"]),
+        ("Type", ["ModuleDict", "Llama"]),
+        ("Params", ["0", "123 K"]),
+        ("FLOPs", ["0", "0"]),
+    ]
+    assert compact_summary_data(data, total_flops=0) == [
+        (" ", ["0"]),
+        ("Name", ["policy"]),
+        ("Type", ["Llama"]),
+        ("Params", ["123 K"]),
+    ]
     assert ("FLOPs", ["0"]) in compact_summary_data(data, total_flops=10)
 
 
@@ -208,10 +277,27 @@ def test_lora_run_logs_every_argument_quietly_and_closes_with_metrics(tmp_path, 
     monkeypatch.chdir(tmp_path)
     data = ROOT / "aitraining_pl" / "data" / "quickstart_preferences.jsonl"
     with caplog.at_level(logging.INFO):
-        main(["fit", "--config", str(ROOT / "configs/quickstart/dpo.yaml"), "--data.init_args.data_path", str(data),
-              "--model.init_args.lora", '{"r": 4, "alpha": 8}', "--output_dir", "out", "--trainer.max_steps", "2",
-              "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "2",
-              "--trainer.enable_progress_bar", "false"])
+        main(
+            [
+                "fit",
+                "--config",
+                str(ROOT / "configs/quickstart/dpo.yaml"),
+                "--data.init_args.data_path",
+                str(data),
+                "--model.init_args.lora",
+                '{"r": 4, "alpha": 8}',
+                "--output_dir",
+                "out",
+                "--trainer.max_steps",
+                "2",
+                "--trainer.limit_val_batches",
+                "1",
+                "--trainer.val_check_interval",
+                "2",
+                "--trainer.enable_progress_bar",
+                "false",
+            ]
+        )
     out = capsys.readouterr().out
     hparams = yaml.safe_load(next((tmp_path / "out" / "csv").glob("version_*/hparams.yaml")).read_text())
     assert hparams["lora"]["r"] == 4 and hparams["lora"]["alpha"] == 8 and hparams["beta"] == 0.1

@@ -17,14 +17,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import TINY_LLAMA
+from dpo_utils import write_config, write_jsonl
 
 import aitraining_pl.modules.base as base_module
 from aitraining_pl.cli import main
 from aitraining_pl.models import build_causal_lm
 from aitraining_pl.models.reward import RewardModel, RewardModelConfig
 from aitraining_pl.modules.reward import RewardModule
-from conftest import TINY_LLAMA
-from dpo_utils import write_config, write_jsonl
 
 TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need a reward source
 
@@ -66,9 +66,18 @@ def _dpo(tmp: Path) -> list[str]:
 def _ppo(tmp: Path) -> list[str]:
     prompts = write_jsonl(tmp / "prompts.jsonl", [{"prompt": f"prompt {i}: say a"} for i in range(4)])
     config = json.loads(write_config(tmp).read_text())
-    config["model"] = {"class_path": PPO, "init_args": {
-        "model_config": dict(TINY_LLAMA), "tokenizer_name": "byte", "reward": "aitraining_pl.rewards:length_reward",
-        "generation": {"max_new_tokens": 3}, "mini_batch_size": 2, "ppo_epochs": 1, "learning_rate": 1e-3}}
+    config["model"] = {
+        "class_path": PPO,
+        "init_args": {
+            "model_config": dict(TINY_LLAMA),
+            "tokenizer_name": "byte",
+            "reward": "aitraining_pl.rewards:length_reward",
+            "generation": {"max_new_tokens": 3},
+            "mini_batch_size": 2,
+            "ppo_epochs": 1,
+            "learning_rate": 1e-3,
+        },
+    }
     config["data"] = {"class_path": PROMPTS, "init_args": {"data_path": str(prompts), "batch_size": 2}}
     config["trainer"]["max_steps"] = 1
     path = tmp / "ppo.yaml"
@@ -120,128 +129,383 @@ def _reward_folder(tmp: Path, *drop: str) -> str:
 #: id -> (config, extra arguments (a function of the temporary folder), what, expected parts, before_load)
 CASES = {
     # data
-    "data-missing-file": (_dpo, lambda t: ["--data.init_args.data_path", str(t / "nope.jsonl")], "data",
-                          ["nope.jsonl: file not found"], False),
-    "data-missing-column": (_dpo, lambda t: ["--data.init_args.data_path", _prefs(t, "c.jsonl", '{"prompt": "a"}\n')],
-                            "data", ["c.jsonl: missing column(s) 'chosen', 'rejected'"], False),
-    "data-malformed-json": (_dpo, lambda t: ["--data.init_args.data_path",
-                                             _prefs(t, "m.jsonl", _row() + '{"prompt":\n')], "data",
-                            ["m.jsonl, row 2: malformed JSON"], False),
-    "data-not-an-object": (_dpo, lambda t: ["--data.init_args.data_path", _prefs(t, "l.jsonl", _row() + "[1, 2]\n")],
-                           "data", ["l.jsonl, row 2: expected a JSON object, got list"], False),
-    "data-empty-text": (_dpo, lambda t: ["--data.init_args.data_path", _prefs(t, "e.jsonl", _row(prompt=" "))],
-                        "data", ["e.jsonl, row 1, field 'prompt': empty text"], False),
-    "data-wrong-type": (_dpo, lambda t: ["--data.init_args.data_path", _prefs(t, "n.jsonl", _row() + _row(chosen=3))],
-                        "data", ["n.jsonl, row 2, field 'chosen'", "got int"], False),
-    "data-not-utf8-jsonl": (_dpo, lambda t: ["--data.init_args.data_path",
-                                             _prefs(t, "u.jsonl", (_row() + _row(chosen="caf\x00")).encode()
-                                                    .replace(b"\\u0000", b"\xe9"))],
-                            "data", ["u.jsonl, row 2, field 'chosen': not valid UTF-8 (byte 0xe9 at column"], False),
-    "data-not-utf8-json": (_dpo, lambda t: ["--data.init_args.data_path",
-                                            _prefs(t, "u.json", b'[\n{"prompt": "\xff"}\n]')], "data",
-                           ["u.json, row 2, field 'prompt': not valid UTF-8 (byte 0xff"], False),
-    "data-unsupported-suffix": (_dpo, lambda t: ["--data.init_args.data_path", _prefs(t, "d.txt", "text")],
-                                "data", ["d.txt: unsupported file type"], False),
-    "data-split-leaves-nothing": (_dpo, lambda t: ["--data.init_args.data_path", _prefs(t, "one.jsonl", _row()),
-                                                   "--data.init_args.val_split", "0.5"],
-                                  "data", ["one.jsonl: val_split=0.5 leaves no training rows"], False),
+    "data-missing-file": (
+        _dpo,
+        lambda t: ["--data.init_args.data_path", str(t / "nope.jsonl")],
+        "data",
+        ["nope.jsonl: file not found"],
+        False,
+    ),
+    "data-missing-column": (
+        _dpo,
+        lambda t: ["--data.init_args.data_path", _prefs(t, "c.jsonl", '{"prompt": "a"}\n')],
+        "data",
+        ["c.jsonl: missing column(s) 'chosen', 'rejected'"],
+        False,
+    ),
+    "data-malformed-json": (
+        _dpo,
+        lambda t: ["--data.init_args.data_path", _prefs(t, "m.jsonl", _row() + '{"prompt":\n')],
+        "data",
+        ["m.jsonl, row 2: malformed JSON"],
+        False,
+    ),
+    "data-not-an-object": (
+        _dpo,
+        lambda t: ["--data.init_args.data_path", _prefs(t, "l.jsonl", _row() + "[1, 2]\n")],
+        "data",
+        ["l.jsonl, row 2: expected a JSON object, got list"],
+        False,
+    ),
+    "data-empty-text": (
+        _dpo,
+        lambda t: ["--data.init_args.data_path", _prefs(t, "e.jsonl", _row(prompt=" "))],
+        "data",
+        ["e.jsonl, row 1, field 'prompt': empty text"],
+        False,
+    ),
+    "data-wrong-type": (
+        _dpo,
+        lambda t: ["--data.init_args.data_path", _prefs(t, "n.jsonl", _row() + _row(chosen=3))],
+        "data",
+        ["n.jsonl, row 2, field 'chosen'", "got int"],
+        False,
+    ),
+    "data-not-utf8-jsonl": (
+        _dpo,
+        lambda t: [
+            "--data.init_args.data_path",
+            _prefs(t, "u.jsonl", (_row() + _row(chosen="caf\x00")).encode().replace(b"\\u0000", b"\xe9")),
+        ],
+        "data",
+        ["u.jsonl, row 2, field 'chosen': not valid UTF-8 (byte 0xe9 at column"],
+        False,
+    ),
+    "data-not-utf8-json": (
+        _dpo,
+        lambda t: ["--data.init_args.data_path", _prefs(t, "u.json", b'[\n{"prompt": "\xff"}\n]')],
+        "data",
+        ["u.json, row 2, field 'prompt': not valid UTF-8 (byte 0xff"],
+        False,
+    ),
+    "data-unsupported-suffix": (
+        _dpo,
+        lambda t: ["--data.init_args.data_path", _prefs(t, "d.txt", "text")],
+        "data",
+        ["d.txt: unsupported file type"],
+        False,
+    ),
+    "data-split-leaves-nothing": (
+        _dpo,
+        lambda t: ["--data.init_args.data_path", _prefs(t, "one.jsonl", _row()), "--data.init_args.val_split", "0.5"],
+        "data",
+        ["one.jsonl: val_split=0.5 leaves no training rows"],
+        False,
+    ),
     # config (the argument parser)
-    "config-not-a-number": (_dpo, lambda t: ["--model.init_args.beta", "abc"], "config",
-                            ["--model.init_args.beta: Expected a <class 'float'>. Got value: abc"], True),
-    "config-unknown-model-option": (_dpo, lambda t: ["--model.init_args.betta", "0.1"], "config",
-                                    ["--model.init_args.betta: Option 'betta' is not accepted"], True),
-    "config-unknown-trainer-option": (_dpo, lambda t: ["--trainer.max_stepz", "3"], "config",
-                                      ["unrecognized arguments: --trainer.max_stepz"], True),
-    "config-bad-class-path": (_dpo, lambda t: ["--model", "nosuch.Module"], "config",
-                              ["--model:", "nosuch.Module"], True),
-    "config-bad-trainer-value": (_dpo, lambda t: ["--trainer.max_steps", "many"], "config",
-                                 ["--trainer.max_steps: Expected a <class 'int'>. Got value: many"], True),
+    "config-not-a-number": (
+        _dpo,
+        lambda t: ["--model.init_args.beta", "abc"],
+        "config",
+        ["--model.init_args.beta: Expected a <class 'float'>. Got value: abc"],
+        True,
+    ),
+    "config-unknown-model-option": (
+        _dpo,
+        lambda t: ["--model.init_args.betta", "0.1"],
+        "config",
+        ["--model.init_args.betta: Option 'betta' is not accepted"],
+        True,
+    ),
+    "config-unknown-trainer-option": (
+        _dpo,
+        lambda t: ["--trainer.max_stepz", "3"],
+        "config",
+        ["unrecognized arguments: --trainer.max_stepz"],
+        True,
+    ),
+    "config-bad-class-path": (
+        _dpo,
+        lambda t: ["--model", "nosuch.Module"],
+        "config",
+        ["--model:", "nosuch.Module"],
+        True,
+    ),
+    "config-bad-trainer-value": (
+        _dpo,
+        lambda t: ["--trainer.max_steps", "many"],
+        "config",
+        ["--trainer.max_steps: Expected a <class 'int'>. Got value: many"],
+        True,
+    ),
     # hyperparameters (the range table, before any model is loaded)
-    "hp-beta": (_dpo, lambda t: ["--model.init_args.beta", "-0.1"], "hyperparameter",
-                ["DPOModule.beta: must be > 0, got -0.1"], True),
-    "hp-label-smoothing": (_dpo, lambda t: ["--model.init_args.label_smoothing", "0.7"], "hyperparameter",
-                           ["DPOModule.label_smoothing: must be 0 <= value < 0.5, got 0.7"], True),
-    "hp-learning-rate": (_dpo, lambda t: ["--model.init_args.learning_rate", "0"], "hyperparameter",
-                         ["DPOModule.learning_rate: must be > 0, got 0.0"], True),
-    "hp-warmup-ratio": (_dpo, lambda t: ["--model.init_args.warmup_ratio", "1.5"], "hyperparameter",
-                        ["DPOModule.warmup_ratio: must be 0 <= value <= 1, got 1.5"], True),
-    "hp-lr-schedule": (_dpo, lambda t: ["--model.init_args.lr_schedule", "step"], "hyperparameter",
-                       ["DPOModule.lr_schedule: unknown lr_schedule 'step'; must be one of 'linear', 'cosine', "
-                        "'constant'"], True),
-    "hp-loss-type": (_dpo, lambda t: ["--model.init_args.loss_type", "kto"], "hyperparameter",
-                     ["DPOModule.loss_type: unknown loss_type 'kto'; must be one of", "'sigmoid'"], True),
-    "hp-dtype": (_dpo, lambda t: ["--model.init_args.dtype", "float8"], "hyperparameter",
-                 ["DPOModule.dtype: unknown dtype 'float8'; must be one of", "'bfloat16'"], True),
-    "hp-lora-rank": (_dpo, lambda t: ["--model.init_args.lora", '{"r": 0}'], "hyperparameter",
-                     ["DPOModule.lora.r: must be >= 1 (an integer), got 0"], True),
-    "hp-batch-size": (_dpo, lambda t: ["--data.init_args.batch_size", "0"], "hyperparameter",
-                      ["PreferenceDataModule.batch_size: must be >= 1 (an integer), got 0"], True),
-    "hp-val-split": (_dpo, lambda t: ["--data.init_args.val_split", "1.0"], "hyperparameter",
-                     ["PreferenceDataModule.val_split: must be 0 <= value < 1, got 1.0"], True),
-    "hp-prompt-longer-than-max": (_dpo, lambda t: ["--data.init_args.max_prompt_length", "200"], "hyperparameter",
-                                  ["PreferenceDataModule.max_prompt_length: must be < max_length (96), got 200"], True),
-    "hp-mini-batch-size": (_ppo, lambda t: ["--model.init_args.mini_batch_size", "0"], "hyperparameter",
-                           ["PPOModule.mini_batch_size: must be >= 1 (an integer), got 0"], True),
-    "hp-ppo-epochs": (_ppo, lambda t: ["--model.init_args.ppo_epochs", "0"], "hyperparameter",
-                      ["PPOModule.ppo_epochs: must be >= 1 (an integer), got 0"], True),
-    "hp-kl-coef": (_ppo, lambda t: ["--model.init_args.kl_coef", "-0.01"], "hyperparameter",
-                           ["PPOModule.kl_coef: must be >= 0, got -0.01"], True),
-    "hp-gamma": (_ppo, lambda t: ["--model.init_args.gamma", "1.5"], "hyperparameter",
-                 ["PPOModule.gamma: must be 0 < value <= 1, got 1.5"], True),
-    "hp-kl-estimator": (_ppo, lambda t: ["--model.init_args.kl_estimator", "k9"], "hyperparameter",
-                        ["PPOModule.kl_estimator: unknown kl_estimator 'k9'; must be one of 'k1', 'k2', 'k3'"], True),
-    "hp-generation-temperature": (_ppo, lambda t: ["--model.init_args.generation.temperature", "0"], "hyperparameter",
-                                  ["PPOModule.generation.temperature: must be > 0, got 0.0"], True),
-    "hp-generation-top-p": (_ppo, lambda t: ["--model.init_args.generation.top_p", "0"], "hyperparameter",
-                            ["PPOModule.generation.top_p: must be 0 < value <= 1, got 0.0"], True),
-    "hp-reward-dropout": (_reward, lambda t: ["--model.init_args.dropout_prob", "1.0"], "hyperparameter",
-                          ["RewardModule.dropout_prob: must be 0 <= value < 1, got 1.0"], True),
-    "hp-reward-temperature": (_reward, lambda t: ["--model.init_args.temperature", "-1"], "hyperparameter",
-                              ["RewardModule.temperature: must be > 0, got -1.0"], True),
-    "config-file-not-yaml": (_dpo, lambda t: ["--config", _prefs(t, "bad.yaml", "model: [unclosed\n")], "config",
-                             ["bad.yaml: Problems parsing config", "line 2, column 1"], True),
-    "config-file-missing": (_dpo, lambda t: ["--config", str(t / "none.yaml")], "config",
-                            ["--config: File does not exist", "none.yaml"], True),
+    "hp-beta": (
+        _dpo,
+        lambda t: ["--model.init_args.beta", "-0.1"],
+        "hyperparameter",
+        ["DPOModule.beta: must be > 0, got -0.1"],
+        True,
+    ),
+    "hp-label-smoothing": (
+        _dpo,
+        lambda t: ["--model.init_args.label_smoothing", "0.7"],
+        "hyperparameter",
+        ["DPOModule.label_smoothing: must be 0 <= value < 0.5, got 0.7"],
+        True,
+    ),
+    "hp-learning-rate": (
+        _dpo,
+        lambda t: ["--model.init_args.learning_rate", "0"],
+        "hyperparameter",
+        ["DPOModule.learning_rate: must be > 0, got 0.0"],
+        True,
+    ),
+    "hp-warmup-ratio": (
+        _dpo,
+        lambda t: ["--model.init_args.warmup_ratio", "1.5"],
+        "hyperparameter",
+        ["DPOModule.warmup_ratio: must be 0 <= value <= 1, got 1.5"],
+        True,
+    ),
+    "hp-lr-schedule": (
+        _dpo,
+        lambda t: ["--model.init_args.lr_schedule", "step"],
+        "hyperparameter",
+        ["DPOModule.lr_schedule: unknown lr_schedule 'step'; must be one of 'linear', 'cosine', 'constant'"],
+        True,
+    ),
+    "hp-loss-type": (
+        _dpo,
+        lambda t: ["--model.init_args.loss_type", "kto"],
+        "hyperparameter",
+        ["DPOModule.loss_type: unknown loss_type 'kto'; must be one of", "'sigmoid'"],
+        True,
+    ),
+    "hp-dtype": (
+        _dpo,
+        lambda t: ["--model.init_args.dtype", "float8"],
+        "hyperparameter",
+        ["DPOModule.dtype: unknown dtype 'float8'; must be one of", "'bfloat16'"],
+        True,
+    ),
+    "hp-lora-rank": (
+        _dpo,
+        lambda t: ["--model.init_args.lora", '{"r": 0}'],
+        "hyperparameter",
+        ["DPOModule.lora.r: must be >= 1 (an integer), got 0"],
+        True,
+    ),
+    "hp-batch-size": (
+        _dpo,
+        lambda t: ["--data.init_args.batch_size", "0"],
+        "hyperparameter",
+        ["PreferenceDataModule.batch_size: must be >= 1 (an integer), got 0"],
+        True,
+    ),
+    "hp-val-split": (
+        _dpo,
+        lambda t: ["--data.init_args.val_split", "1.0"],
+        "hyperparameter",
+        ["PreferenceDataModule.val_split: must be 0 <= value < 1, got 1.0"],
+        True,
+    ),
+    "hp-prompt-longer-than-max": (
+        _dpo,
+        lambda t: ["--data.init_args.max_prompt_length", "200"],
+        "hyperparameter",
+        ["PreferenceDataModule.max_prompt_length: must be < max_length (96), got 200"],
+        True,
+    ),
+    "hp-mini-batch-size": (
+        _ppo,
+        lambda t: ["--model.init_args.mini_batch_size", "0"],
+        "hyperparameter",
+        ["PPOModule.mini_batch_size: must be >= 1 (an integer), got 0"],
+        True,
+    ),
+    "hp-ppo-epochs": (
+        _ppo,
+        lambda t: ["--model.init_args.ppo_epochs", "0"],
+        "hyperparameter",
+        ["PPOModule.ppo_epochs: must be >= 1 (an integer), got 0"],
+        True,
+    ),
+    "hp-kl-coef": (
+        _ppo,
+        lambda t: ["--model.init_args.kl_coef", "-0.01"],
+        "hyperparameter",
+        ["PPOModule.kl_coef: must be >= 0, got -0.01"],
+        True,
+    ),
+    "hp-gamma": (
+        _ppo,
+        lambda t: ["--model.init_args.gamma", "1.5"],
+        "hyperparameter",
+        ["PPOModule.gamma: must be 0 < value <= 1, got 1.5"],
+        True,
+    ),
+    "hp-kl-estimator": (
+        _ppo,
+        lambda t: ["--model.init_args.kl_estimator", "k9"],
+        "hyperparameter",
+        ["PPOModule.kl_estimator: unknown kl_estimator 'k9'; must be one of 'k1', 'k2', 'k3'"],
+        True,
+    ),
+    "hp-generation-temperature": (
+        _ppo,
+        lambda t: ["--model.init_args.generation.temperature", "0"],
+        "hyperparameter",
+        ["PPOModule.generation.temperature: must be > 0, got 0.0"],
+        True,
+    ),
+    "hp-generation-top-p": (
+        _ppo,
+        lambda t: ["--model.init_args.generation.top_p", "0"],
+        "hyperparameter",
+        ["PPOModule.generation.top_p: must be 0 < value <= 1, got 0.0"],
+        True,
+    ),
+    "hp-reward-dropout": (
+        _reward,
+        lambda t: ["--model.init_args.dropout_prob", "1.0"],
+        "hyperparameter",
+        ["RewardModule.dropout_prob: must be 0 <= value < 1, got 1.0"],
+        True,
+    ),
+    "hp-reward-temperature": (
+        _reward,
+        lambda t: ["--model.init_args.temperature", "-1"],
+        "hyperparameter",
+        ["RewardModule.temperature: must be > 0, got -1.0"],
+        True,
+    ),
+    "config-file-not-yaml": (
+        _dpo,
+        lambda t: ["--config", _prefs(t, "bad.yaml", "model: [unclosed\n")],
+        "config",
+        ["bad.yaml: Problems parsing config", "line 2, column 1"],
+        True,
+    ),
+    "config-file-missing": (
+        _dpo,
+        lambda t: ["--config", str(t / "none.yaml")],
+        "config",
+        ["--config: File does not exist", "none.yaml"],
+        True,
+    ),
     # models
-    "model-missing-folder": (_dpo, lambda t: ["--model.init_args.model_config", "null", "--model.init_args.model_name",
-                                              str(t / "no-model")],
-                             "model", ["DPOModule.model_name: folder", "no-model' not found"], True),
-    "model-missing-tokenizer": (_dpo, lambda t: ["--model.init_args.tokenizer_name", "./no-tokenizer"], "model",
-                                ["DPOModule.tokenizer_name: folder './no-tokenizer' not found"], True),
-    "model-corrupt-weights": (_dpo, lambda t: ["--model.init_args.model_config", "null", "--model.init_args.model_name",
-                                               _model_folder(t, corrupt=True)],
-                              "model", ["model/model.safetensors: cannot load the model: SafetensorError"], False),
-    "model-unknown-type": (_dpo, lambda t: ["--model.init_args.model_config", '{"model_type": "lama"}'], "model",
-                           ["model_config.model_type: unknown model type 'lama'"], False),
-    "model-not-a-model-folder": (_dpo, lambda t: ["--model.init_args.model_config", "null",
-                                                  "--model.init_args.model_name", str(_mkdir(t / "empty"))],
-                                 "model", ["empty: cannot load the model"], False),
+    "model-missing-folder": (
+        _dpo,
+        lambda t: ["--model.init_args.model_config", "null", "--model.init_args.model_name", str(t / "no-model")],
+        "model",
+        ["DPOModule.model_name: folder", "no-model' not found"],
+        True,
+    ),
+    "model-missing-tokenizer": (
+        _dpo,
+        lambda t: ["--model.init_args.tokenizer_name", "./no-tokenizer"],
+        "model",
+        ["DPOModule.tokenizer_name: folder './no-tokenizer' not found"],
+        True,
+    ),
+    "model-corrupt-weights": (
+        _dpo,
+        lambda t: [
+            "--model.init_args.model_config",
+            "null",
+            "--model.init_args.model_name",
+            _model_folder(t, corrupt=True),
+        ],
+        "model",
+        ["model/model.safetensors: cannot load the model: SafetensorError"],
+        False,
+    ),
+    "model-unknown-type": (
+        _dpo,
+        lambda t: ["--model.init_args.model_config", '{"model_type": "lama"}'],
+        "model",
+        ["model_config.model_type: unknown model type 'lama'"],
+        False,
+    ),
+    "model-not-a-model-folder": (
+        _dpo,
+        lambda t: ["--model.init_args.model_config", "null", "--model.init_args.model_name", str(_mkdir(t / "empty"))],
+        "model",
+        ["empty: cannot load the model"],
+        False,
+    ),
     # reward sources: building them
-    "reward-missing-folder": (_ppo, lambda t: ["--model.init_args.reward", str(t / "no-rm")], "reward",
-                              ["PPOModule.reward: folder", "no-rm' not found"], True),
-    "reward-not-importable": (_ppo, lambda t: ["--model.init_args.reward", "no_such_pkg.rewards:score"], "reward",
-                              ["reward source 'no_such_pkg.rewards:score': cannot import module 'no_such_pkg.rewards'"],
-                              False),
-    "reward-no-such-function": (_ppo, lambda t: ["--model.init_args.reward", "aitraining_pl.rewards:nope"], "reward",
-                                ["reward source 'aitraining_pl.rewards:nope': module 'aitraining_pl.rewards' has no "
-                                 "attribute 'nope'"], False),
-    "reward-folder-without-config": (_ppo, lambda t: ["--model.init_args.reward",
-                                                      _reward_folder(t, "reward_config.json", "config.json")],
-                                     "reward", ["rm: cannot build:", "reward_config.json"], False),
-    "reward-corrupt-weights": (_ppo, lambda t: ["--model.init_args.reward", _reward_folder(t, "model.safetensors")],
-                               "reward", ["rm/model.safetensors: cannot build: SafetensorError"], False),
+    "reward-missing-folder": (
+        _ppo,
+        lambda t: ["--model.init_args.reward", str(t / "no-rm")],
+        "reward",
+        ["PPOModule.reward: folder", "no-rm' not found"],
+        True,
+    ),
+    "reward-not-importable": (
+        _ppo,
+        lambda t: ["--model.init_args.reward", "no_such_pkg.rewards:score"],
+        "reward",
+        ["reward source 'no_such_pkg.rewards:score': cannot import module 'no_such_pkg.rewards'"],
+        False,
+    ),
+    "reward-no-such-function": (
+        _ppo,
+        lambda t: ["--model.init_args.reward", "aitraining_pl.rewards:nope"],
+        "reward",
+        ["reward source 'aitraining_pl.rewards:nope': module 'aitraining_pl.rewards' has no attribute 'nope'"],
+        False,
+    ),
+    "reward-folder-without-config": (
+        _ppo,
+        lambda t: ["--model.init_args.reward", _reward_folder(t, "reward_config.json", "config.json")],
+        "reward",
+        ["rm: cannot build:", "reward_config.json"],
+        False,
+    ),
+    "reward-corrupt-weights": (
+        _ppo,
+        lambda t: ["--model.init_args.reward", _reward_folder(t, "model.safetensors")],
+        "reward",
+        ["rm/model.safetensors: cannot build: SafetensorError"],
+        False,
+    ),
     # reward sources: what they do when called
-    "reward-raises": (_ppo, lambda t: ["--model.init_args.reward", "test_cli_errors:raising_reward"], "reward",
-                      ["reward source 'raising_reward': raised KeyError: 'answer' at index 1"], False),
-    "reward-returns-strings": (_ppo, lambda t: ["--model.init_args.reward", "test_cli_errors:string_reward"], "reward",
-                               ["reward source 'string_reward': returned a str ('high') at index 1, not a float"],
-                               False),
-    "reward-system-exit": (_ppo, lambda t: ["--model.init_args.reward", "test_cli_errors:exiting_reward"], "reward",
-                           ["reward source 'exiting_reward': raised SystemExit (sys.exit(0)) at index 0"], False),
-    "reward-wrong-length": (_ppo, lambda t: ["--model.init_args.reward", "test_cli_errors:short_reward"], "reward",
-                            ["reward source 'short_reward': returned 1 scores for 2 responses"], False),
-    "reward-nan": (_ppo, lambda t: ["--model.init_args.reward", "test_cli_errors:nan_reward"], "reward",
-                   ["reward source 'nan_reward': returned a non-finite score (nan) at index 1"], False),
+    "reward-raises": (
+        _ppo,
+        lambda t: ["--model.init_args.reward", "test_cli_errors:raising_reward"],
+        "reward",
+        ["reward source 'raising_reward': raised KeyError: 'answer' at index 1"],
+        False,
+    ),
+    "reward-returns-strings": (
+        _ppo,
+        lambda t: ["--model.init_args.reward", "test_cli_errors:string_reward"],
+        "reward",
+        ["reward source 'string_reward': returned a str ('high') at index 1, not a float"],
+        False,
+    ),
+    "reward-system-exit": (
+        _ppo,
+        lambda t: ["--model.init_args.reward", "test_cli_errors:exiting_reward"],
+        "reward",
+        ["reward source 'exiting_reward': raised SystemExit (sys.exit(0)) at index 0"],
+        False,
+    ),
+    "reward-wrong-length": (
+        _ppo,
+        lambda t: ["--model.init_args.reward", "test_cli_errors:short_reward"],
+        "reward",
+        ["reward source 'short_reward': returned 1 scores for 2 responses"],
+        False,
+    ),
+    "reward-nan": (
+        _ppo,
+        lambda t: ["--model.init_args.reward", "test_cli_errors:nan_reward"],
+        "reward",
+        ["reward source 'nan_reward': returned a non-finite score (nan) at index 1"],
+        False,
+    ),
 }
 
 
@@ -334,8 +598,9 @@ def test_python_construction_is_validated_before_loading(monkeypatch):
     with pytest.raises(HyperparameterError, match=r"DPOModule.beta: must be > 0, got 0"):
         DPOModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", beta=0)
     with pytest.raises(HyperparameterError, match=r"PPOModule.generation.max_new_tokens: must be >= 1"):
-        PPOModule(reward=TOY_REWARD,
-                  model_config=dict(TINY_LLAMA), tokenizer_name="byte", generation={"max_new_tokens": 0})
+        PPOModule(
+            reward=TOY_REWARD, model_config=dict(TINY_LLAMA), tokenizer_name="byte", generation={"max_new_tokens": 0}
+        )
     with pytest.raises(HyperparameterError, match=r"RewardModule.center_rewards_coefficient: must be >= 0, got -1"):
         RewardModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", center_rewards_coefficient=-1)
     with pytest.raises(HyperparameterError, match=r"PreferenceDataModule.eval_batch_size: must be >= 1"):
@@ -344,9 +609,19 @@ def test_python_construction_is_validated_before_loading(monkeypatch):
 
 @pytest.mark.parametrize(
     "name, good, bad",
-    [("beta", 1e-3, 0.0), ("label_smoothing", 0.0, 0.5), ("gamma", 1.0, 0.0), ("lam", 0.0, -0.1),
-     ("top_k", 0, -1), ("max_grad_norm", None, -1.0), ("mini_batch_size", 1, 1.5), ("learning_rate", 1.0, float("nan")),
-     ("num_generations", 2, True), ("epsilon_high", None, 0.0), ("lr_schedule", "cosine", "step")],
+    [
+        ("beta", 1e-3, 0.0),
+        ("label_smoothing", 0.0, 0.5),
+        ("gamma", 1.0, 0.0),
+        ("lam", 0.0, -0.1),
+        ("top_k", 0, -1),
+        ("max_grad_norm", None, -1.0),
+        ("mini_batch_size", 1, 1.5),
+        ("learning_rate", 1.0, float("nan")),
+        ("num_generations", 2, True),
+        ("epsilon_high", None, 0.0),
+        ("lr_schedule", "cosine", "step"),
+    ],
 )
 def test_range_table_bounds(name, good, bad):
     """Each bound is where the table says: inclusive/exclusive ends, integers, null, NaN, booleans."""

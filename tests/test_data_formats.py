@@ -110,9 +110,13 @@ def test_ultrafeedback_binarized_h4_layout(tmp_path, tok):
     """HuggingFaceH4/ultrafeedback_binarized: a string prompt and full conversations repeating the user turn."""
     q = "What is 2+2?"
     row = {
-        "prompt": q, "prompt_id": "abc123",
-        "chosen": [user(q), assistant("4.")], "rejected": [user(q), assistant("5.")],
-        "messages": [user(q), assistant("4.")], "score_chosen": 9.0, "score_rejected": 2.0,
+        "prompt": q,
+        "prompt_id": "abc123",
+        "chosen": [user(q), assistant("4.")],
+        "rejected": [user(q), assistant("5.")],
+        "messages": [user(q), assistant("4.")],
+        "score_chosen": 9.0,
+        "score_rejected": 2.0,
     }
     [(prompt, chosen, rejected)] = pairs(tok, tmp_path / "uf.parquet", [row])
     assert prompt == chatml(user(q), generation_prompt=True)  # the user turn once, with the assistant header
@@ -122,8 +126,14 @@ def test_ultrafeedback_binarized_h4_layout(tmp_path, tok):
 
 def test_prompt_plus_completion_tokens_are_the_rendered_conversation(tmp_path, tok):
     q, a, b = "Name a colour.", "Blue, like the sky.", "No."
-    rows = [{"chosen": [user(q), assistant(a)], "rejected": [user(q), assistant(b)],  # trl-lib/ultrafeedback_binarized
-             "score_chosen": 8.0, "score_rejected": 1.0}]
+    rows = [
+        {
+            "chosen": [user(q), assistant(a)],
+            "rejected": [user(q), assistant(b)],  # trl-lib/ultrafeedback_binarized
+            "score_chosen": 8.0,
+            "score_rejected": 1.0,
+        }
+    ]
     dm = PreferenceDataModule(data_path=write(tmp_path / "u.jsonl", rows), tokenizer=tok, val_split=0.0)
     dm.setup()
     e = dm.train_dataset[0]
@@ -156,8 +166,16 @@ def test_hh_rlhf_conversational_implicit_and_explicit_agree(tmp_path, tok):
 def test_capybara_preferences_layout(tmp_path, tok):
     """trl-lib/Capybara-Preferences: multi-turn prompt messages, assistant-only completions, extra columns."""
     prompt = [{"role": "system", "content": "Be brief."}, user("2+2?"), assistant("4"), user("And 3+3?")]
-    row = {"prompt": prompt, "chosen": [assistant("6")], "rejected": [assistant("7")],
-           "source": "GOAT", "chosen_rating": 5, "rejected_rating": 1, "chosen_model": "m1", "rejected_model": "m2"}
+    row = {
+        "prompt": prompt,
+        "chosen": [assistant("6")],
+        "rejected": [assistant("7")],
+        "source": "GOAT",
+        "chosen_rating": 5,
+        "rejected_rating": 1,
+        "chosen_model": "m1",
+        "rejected_model": "m2",
+    }
     [(p, chosen, rejected)] = pairs(tok, tmp_path / "capy.jsonl", [row])
     assert p == chatml(*prompt, generation_prompt=True)
     assert (chosen, rejected) == ("6<|im_end|>\n</s>", "7<|im_end|>\n</s>")
@@ -180,8 +198,13 @@ def test_conversational_extensions(tmp_path, tok):
     got = pairs(tok, tmp_path / "x.jsonl", rows)
     assert got[0] == got[1] == (chatml(user("Hi"), generation_prompt=True), "A<|im_end|>\n</s>", "B<|im_end|>\n</s>")
     prefilled = [{"prompt": q + [assistant("Sure:")], "chosen": [assistant(" yes")], "rejected": [assistant(" no")]}]
-    dm = PreferenceDataModule(prompts=[r["prompt"] for r in prefilled], chosen=[r["chosen"] for r in prefilled],
-                              rejected=[r["rejected"] for r in prefilled], tokenizer=tok, val_split=0.0)
+    dm = PreferenceDataModule(
+        prompts=[r["prompt"] for r in prefilled],
+        chosen=[r["chosen"] for r in prefilled],
+        rejected=[r["rejected"] for r in prefilled],
+        tokenizer=tok,
+        val_split=0.0,
+    )
     dm.setup()
     e = dm.train_dataset[0]
     assert tok.decode(e["prompt_ids"]).endswith("<|im_start|>assistant\nSure:")  # no end-of-turn, no new header
@@ -192,8 +215,10 @@ def test_prompt_module_renders_conversations_with_the_generation_prompt(tmp_path
     rows = [{"prompt": [user("Hi")], "answer": 1}, {"prompt": [user("Yo"), assistant("Well,")], "answer": 2}]
     dm = PromptDataModule(data_path=write(tmp_path / "p.jsonl", rows), tokenizer=tok, batch_size=1)
     dm.setup()
-    assert dm.train_dataset.texts == [chatml(user("Hi"), generation_prompt=True),
-                                      chatml(user("Yo")) + "<|im_start|>assistant\nWell,"]
+    assert dm.train_dataset.texts == [
+        chatml(user("Hi"), generation_prompt=True),
+        chatml(user("Yo")) + "<|im_start|>assistant\nWell,",
+    ]
     assert dm.train_dataset.metadata == [{"answer": 1}, {"answer": 2}]
 
 
@@ -203,14 +228,24 @@ def test_data_files_and_explicit_split_names(tmp_path, tok):
     row = {"chosen": "yes", "rejected": "no"}
     train = write(tmp_path / "train.parquet", [dict(row, prompt=f"q{i}") for i in range(6)])
     test = write(tmp_path / "test.parquet", [dict(row, prompt=f"t{i}") for i in range(2)])
-    dm = PreferenceDataModule(data_path="parquet", data_files={"train_prefs": train, "test_prefs": test},
-                              split="train_prefs", val_split_name="test_prefs", tokenizer=tok)
+    dm = PreferenceDataModule(
+        data_path="parquet",
+        data_files={"train_prefs": train, "test_prefs": test},
+        split="train_prefs",
+        val_split_name="test_prefs",
+        tokenizer=tok,
+    )
     dm.setup()
     assert (len(dm.train_dataset), len(dm.val_dataset)) == (6, 2)
     assert tok.decode(dm.val_dataset[1]["prompt_ids"]) == "t1"
     # a folder of files is read as a dataset too
-    dm = PromptDataModule(data_path=str(tmp_path), data_files={"train": "train.parquet", "test": "test.parquet"},
-                          val_split_name="test", tokenizer=tok, batch_size=2)
+    dm = PromptDataModule(
+        data_path=str(tmp_path),
+        data_files={"train": "train.parquet", "test": "test.parquet"},
+        val_split_name="test",
+        tokenizer=tok,
+        batch_size=2,
+    )
     dm.setup()
     assert (len(dm.train_dataset), len(dm.val_dataset)) == (6, 2)
 
@@ -226,11 +261,19 @@ def test_hub_options_reach_load_dataset_and_old_val_spelling_warns(monkeypatch, 
         return datasets.Dataset.from_list([{"prompt": "q", "chosen": chosen, "rejected": "b"}] * 2)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    dm = PreferenceDataModule(data_path="org/prefs", name="default", revision="v1.0", split="train_prefs",
-                              val_split_name="test_prefs", tokenizer=tok)
+    dm = PreferenceDataModule(
+        data_path="org/prefs",
+        name="default",
+        revision="v1.0",
+        split="train_prefs",
+        val_split_name="test_prefs",
+        tokenizer=tok,
+    )
     dm.setup()
-    assert calls == [("org/prefs", dict(name="default", data_files=None, revision="v1.0", split=s))
-                     for s in ("train_prefs", "test_prefs")]
+    assert calls == [
+        ("org/prefs", dict(name="default", data_files=None, revision="v1.0", split=s))
+        for s in ("train_prefs", "test_prefs")
+    ]
     assert tok.decode(dm.val_dataset[0]["chosen_ids"]).startswith("test_prefs")
     calls.clear()
     with pytest.warns(FutureWarning, match="val_split_name: test"):
@@ -304,9 +347,9 @@ def test_prepare_data_tokenises_once_for_every_rank(tmp_path, count_calls):
 def test_fit_tokenises_once(tmp_path, count_calls):
     """Under ``Trainer.fit``: ``prepare_data`` tokenises, ``setup`` (every rank, after the barrier) reads the cache."""
     import lightning.pytorch as pl
+    from conftest import TINY_LLAMA
 
     from aitraining_pl import DPOModule
-    from conftest import TINY_LLAMA
 
     path = write(tmp_path / "p.jsonl", [{"prompt": f"q{i}", "chosen": "yes", "rejected": "no"} for i in range(4)])
     module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte")
@@ -321,8 +364,15 @@ def test_fit_tokenises_once(tmp_path, count_calls):
         calls.append(count_calls["n"])
 
     dm.setup = setup
-    trainer = pl.Trainer(max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        max_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, dm)
     assert calls == [12, 12]  # 4 rows x (prompt, chosen, rejected), all before setup
     assert len(dm.train_dataset) == 4
@@ -355,8 +405,12 @@ def test_ddp_tokenises_on_rank_zero_only(tmp_path):
     """2-process CPU DDP: rank 0 tokenises in ``prepare_data``; neither rank tokenises in ``setup``."""
     write(tmp_path / "pairs.jsonl", [{"prompt": f"q{i}", "chosen": "yes", "rejected": "no"} for i in range(8)])
     script = os.path.join(os.path.dirname(__file__), "data_ddp_script.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(script)),
-           "HF_DATASETS_CACHE": str(tmp_path / "cache")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.path.dirname(os.path.dirname(script)),
+        "HF_DATASETS_CACHE": str(tmp_path / "cache"),
+    }
     proc = subprocess.run([sys.executable, script, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     counts = json.loads((tmp_path / "counts.json").read_text())
@@ -367,16 +421,31 @@ def test_ddp_tokenises_on_rank_zero_only(tmp_path):
 @pytest.mark.parametrize(
     "rows, message",
     [
-        ([{"prompt": "q", "chosen": [assistant("a")], "rejected": [assistant("b")]},
-          {"prompt": "q", "chosen": [assistant("a")]}], "row 2, field 'rejected': missing field"),
-        ([{"chosen": [user("q"), assistant("a")], "rejected": [user("q"), assistant("b")]},
-          {"chosen": [user("q"), {"role": "assistant"}], "rejected": [user("q"), assistant("b")]}],
-         "row 2, field 'chosen': message 1 is not a {role, content} dict"),
-        ([{"prompt": "q", "chosen": "a", "rejected": "b"}, {"prompt": " ", "chosen": "a", "rejected": "b"}],
-         "row 2, field 'prompt': empty text"),
-        ([{"prompt": [user("q")], "chosen": [assistant("a")], "rejected": [assistant("b")], "margin": 1.0},
-          {"prompt": [user("q")], "chosen": [assistant("a")], "rejected": [assistant("b")], "margin": None}],
-         "row 2, field 'margin': expected a finite number, got None"),
+        (
+            [
+                {"prompt": "q", "chosen": [assistant("a")], "rejected": [assistant("b")]},
+                {"prompt": "q", "chosen": [assistant("a")]},
+            ],
+            "row 2, field 'rejected': missing field",
+        ),
+        (
+            [
+                {"chosen": [user("q"), assistant("a")], "rejected": [user("q"), assistant("b")]},
+                {"chosen": [user("q"), {"role": "assistant"}], "rejected": [user("q"), assistant("b")]},
+            ],
+            "row 2, field 'chosen': message 1 is not a {role, content} dict",
+        ),
+        (
+            [{"prompt": "q", "chosen": "a", "rejected": "b"}, {"prompt": " ", "chosen": "a", "rejected": "b"}],
+            "row 2, field 'prompt': empty text",
+        ),
+        (
+            [
+                {"prompt": [user("q")], "chosen": [assistant("a")], "rejected": [assistant("b")], "margin": 1.0},
+                {"prompt": [user("q")], "chosen": [assistant("a")], "rejected": [assistant("b")], "margin": None},
+            ],
+            "row 2, field 'margin': expected a finite number, got None",
+        ),
     ],
 )
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])

@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY_LLAMA
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,10 +30,14 @@ DATA_FILES = {
     "openai/gsm8k": DATA / "math_prompts.jsonl",
 }
 HUB_ID = re.compile(r"""(["'])(?!\.)[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+\1""")
-FAST_TRAINER = ("pl.Trainer(max_steps=2, limit_val_batches=1, num_sanity_val_steps=0, logger=False, "
-                "enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, ")
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+FAST_TRAINER = (
+    "pl.Trainer(max_steps=2, limit_val_batches=1, num_sanity_val_steps=0, logger=False, "
+    "enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, "
+)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 def snippets() -> list:

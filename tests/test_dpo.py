@@ -8,14 +8,14 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import TINY_LLAMA
+from dpo_utils import preference_rows, read_metrics, series, write_config
 
 from aitraining_pl.cli import build_cli
 from aitraining_pl.datamodules.preference import PreferenceDataModule
 from aitraining_pl.losses import DPO_LOSSES, sequence_logps
 from aitraining_pl.models import LoRAConfig, build_causal_lm
 from aitraining_pl.modules.dpo import DPOModule, can_pack, completion_logps, pack_batch, preference_accuracy
-from conftest import TINY_LLAMA
-from dpo_utils import preference_rows, read_metrics, series, write_config
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0}
 
@@ -32,8 +32,14 @@ LAYOUTS = {"padded": {}, "padding-free": {"padding_free": True}, "shared-prompt"
 def test_completion_logps_equal_full_logits(byte_tokenizer, lora, layout):
     rows = preference_rows(4)
     module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", lora=lora)
-    dm = PreferenceDataModule(prompts=[r["prompt"] for r in rows], chosen=[r["chosen"] for r in rows],
-                              rejected=[r["rejected"] for r in rows], tokenizer=byte_tokenizer, val_split=0, batch_size=4)
+    dm = PreferenceDataModule(
+        prompts=[r["prompt"] for r in rows],
+        chosen=[r["chosen"] for r in rows],
+        rejected=[r["rejected"] for r in rows],
+        tokenizer=byte_tokenizer,
+        val_split=0,
+        batch_size=4,
+    )
     dm.setup()
     batch = next(iter(dm.train_dataloader()))
     assert can_pack(batch, share_prompt=True)
@@ -46,8 +52,11 @@ def test_completion_logps_equal_full_logits(byte_tokenizer, lora, layout):
     fast.logps.sum().backward()
     grads = [p.grad.clone() for p in module.policy.parameters() if p.requires_grad]
     module.policy.zero_grad()
-    sequence_logps(module.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                   batch["input_ids"], batch["completion_mask"]).logps.sum().backward()
+    sequence_logps(
+        module.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+        batch["input_ids"],
+        batch["completion_mask"],
+    ).logps.sum().backward()
     for got, want in zip(grads, (p.grad for p in module.policy.parameters() if p.requires_grad)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert module.policy.config._attn_implementation == "sdpa"
@@ -84,7 +93,10 @@ def test_pack_batch_layout_shared_prompt():
     other_prompt = {**HAND_BATCH, "input_ids": HAND_BATCH["input_ids"].clone()}
     other_prompt["input_ids"][2, 0] = 9
     assert can_pack(other_prompt) and not can_pack(other_prompt, share_prompt=True)
-    no_prompt = {**HAND_BATCH, "completion_mask": torch.tensor([[1, 1, 1, 1, 0], [0, 1, 0, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 0, 0]])}
+    no_prompt = {
+        **HAND_BATCH,
+        "completion_mask": torch.tensor([[1, 1, 1, 1, 0], [0, 1, 0, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 0, 0]]),
+    }
     assert not can_pack(no_prompt)
 
 
@@ -111,14 +123,21 @@ def test_dpo_learns_through_the_cli(tmp_path):
     assert not any(k.startswith("reference") for k in cli.model.state_dict())
 
 
-LOSS_RUNS = [{"loss_type": t, **({"label_smoothing": 0.1} if t in ("sigmoid", "robust") else {}),
-              **({"padding_free": False, "share_prompt": False} if t in ("hinge", "simpo") else {})}
-             for t in sorted(DPO_LOSSES)] + [{"reference_free": True}]
+LOSS_RUNS = [
+    {
+        "loss_type": t,
+        **({"label_smoothing": 0.1} if t in ("sigmoid", "robust") else {}),
+        **({"padding_free": False, "share_prompt": False} if t in ("hinge", "simpo") else {}),
+    }
+    for t in sorted(DPO_LOSSES)
+] + [{"reference_free": True}]
 
 
 @pytest.mark.parametrize("model", LOSS_RUNS, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
 def test_every_loss_type_runs(tmp_path, model):
-    config = write_config(tmp_path, n_pairs=16, model=model, trainer={"max_steps": 2, "limit_val_batches": 1, "val_check_interval": 2})
+    config = write_config(
+        tmp_path, n_pairs=16, model=model, trainer={"max_steps": 2, "limit_val_batches": 1, "val_check_interval": 2}
+    )
     cli = fit(config)
     metrics = cli.trainer.callback_metrics
     assert cli.trainer.global_step == 2
@@ -145,7 +164,9 @@ def test_precompute_and_lora_give_the_plain_first_step(tmp_path):
     torch.testing.assert_close(torch.tensor(pre_logps), torch.tensor(plain_logps), rtol=1e-4, atol=1e-3)
     cli, lora_loss, lora_logps = _first_steps(tmp_path, "lora", steps=1, lora=LORA)
     assert cli.model.reference.shares_weights
-    assert lora_loss[0] == pytest.approx(plain_loss[0], abs=1e-5) and lora_loss[0] == pytest.approx(math.log(2), abs=1e-5)
+    assert lora_loss[0] == pytest.approx(plain_loss[0], abs=1e-5) and lora_loss[0] == pytest.approx(
+        math.log(2), abs=1e-5
+    )
     assert lora_logps[0] == pytest.approx(plain_logps[0], rel=1e-5)
 
 
@@ -159,9 +180,17 @@ class _Probe(pl.Callback):
 @pytest.mark.slow
 def test_resume_continues_at_the_same_step_with_the_same_optimizer_state(tmp_path):
     ckpt_dir = tmp_path / "ckpt"
-    trainer = {"max_steps": 4, "limit_val_batches": 0, "enable_checkpointing": True,
-               "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                              "init_args": {"dirpath": str(ckpt_dir), "every_n_train_steps": 2, "save_top_k": -1}}]}
+    trainer = {
+        "max_steps": 4,
+        "limit_val_batches": 0,
+        "enable_checkpointing": True,
+        "callbacks": [
+            {
+                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {"dirpath": str(ckpt_dir), "every_n_train_steps": 2, "save_top_k": -1},
+            }
+        ],
+    }
     config = write_config(tmp_path, n_pairs=16, trainer=trainer)
     fit(config)
     ckpt = next(ckpt_dir.glob("*step=2.ckpt"))
@@ -181,7 +210,9 @@ def test_resume_continues_at_the_same_step_with_the_same_optimizer_state(tmp_pat
 
 
 def test_bf16_mixed_smoke(tmp_path):
-    config = write_config(tmp_path, n_pairs=8, trainer={"max_steps": 1, "limit_val_batches": 0, "precision": "bf16-mixed"})
+    config = write_config(
+        tmp_path, n_pairs=8, trainer={"max_steps": 1, "limit_val_batches": 0, "precision": "bf16-mixed"}
+    )
     cli = fit(config)
     assert cli.trainer.global_step == 1 and math.isfinite(float(cli.trainer.callback_metrics["train/loss"]))
 
@@ -193,15 +224,33 @@ def test_ddp_two_cpu_processes(tmp_path):
     import subprocess
     import sys
 
-    config = write_config(tmp_path, n_pairs=16, trainer={
-        "max_steps": 2, "limit_val_batches": 1, "val_check_interval": 2, "devices": 2, "strategy": "ddp",
-        "callbacks": [{"class_path": "aitraining_pl.callbacks.export.HFExportCallback",
-                       "init_args": {"dirpath": str(tmp_path / "export")}}]})
+    config = write_config(
+        tmp_path,
+        n_pairs=16,
+        trainer={
+            "max_steps": 2,
+            "limit_val_batches": 1,
+            "val_check_interval": 2,
+            "devices": 2,
+            "strategy": "ddp",
+            "callbacks": [
+                {
+                    "class_path": "aitraining_pl.callbacks.export.HFExportCallback",
+                    "init_args": {"dirpath": str(tmp_path / "export")},
+                }
+            ],
+        },
+    )
     script = tmp_path / "run_cli.py"  # DDP relaunches sys.argv, so the entry point must be a file
     script.write_text("from aitraining_pl.cli import main\nmain()\n")
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script), "fit", "--config", str(config)], capture_output=True, text=True,
-                          env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), "fit", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "export" / "last" / "model.safetensors").is_file()
     assert "val/rewards/accuracies" in (tmp_path / "csv" / "v" / "metrics.csv").read_text()

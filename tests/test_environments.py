@@ -15,9 +15,9 @@ from aitraining_pl.environments import (
     create_code_generation_env,
     create_math_problem_env,
     generate_math_problems,
-    word_count_reward,
     parse_final_number,
     run_test_cases,
+    word_count_reward,
 )
 
 
@@ -192,10 +192,17 @@ def test_code_runner_time_limit_network_and_environment(monkeypatch):
     monkeypatch.setenv("SECRET_TOKEN", "do-not-leak")
     result = run_test_cases("while True:\n    pass", ["assert True"], timeout=1.0)
     assert result.timed_out and result.passed == 0
-    network = "import socket\ntry:\n    socket.create_connection(('10.0.0.1', 80), timeout=1)\n    r = 'open'\nexcept OSError as e:\n    r = str(e)"
+    network = (
+        "import socket\ntry:\n    socket.create_connection(('10.0.0.1', 80), timeout=1)\n    r = 'open'\n"
+        "except OSError as e:\n    r = str(e)"
+    )
     assert run_test_cases(network, ["assert 'disabled' in r"], timeout=5.0).passed == 1
     probe = "import os\nenv = dict(os.environ)\ncwd = os.getcwd()"
-    checks = ["assert 'SECRET_TOKEN' not in env", "assert set(env) <= {'LC_CTYPE'}", "assert 'aitraining_pl_code_' in cwd"]
+    checks = [
+        "assert 'SECRET_TOKEN' not in env",
+        "assert set(env) <= {'LC_CTYPE'}",
+        "assert 'aitraining_pl_code_' in cwd",
+    ]
     assert run_test_cases(probe, checks, timeout=5.0).passed == 3
     assert run_test_cases("x = 1", ["assert x == 1", "assert x == 2"], timeout=5.0).passed == 1
 

@@ -5,24 +5,37 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import TINY_LLAMA
+from dpo_utils import preference_rows
 
 from aitraining_pl.callbacks.export import HFExportCallback
 from aitraining_pl.datamodules.preference import PreferenceDataModule
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.modules.dpo import DPOModule
-from conftest import TINY_LLAMA
-from dpo_utils import preference_rows
 
 
 def _data(byte_tokenizer):
     rows = preference_rows(12)
-    return PreferenceDataModule(prompts=[r["prompt"] for r in rows], chosen=[r["chosen"] for r in rows],
-                                rejected=[r["rejected"] for r in rows], tokenizer=byte_tokenizer, val_split=0, batch_size=4)
+    return PreferenceDataModule(
+        prompts=[r["prompt"] for r in rows],
+        chosen=[r["chosen"] for r in rows],
+        rejected=[r["rejected"] for r in rows],
+        tokenizer=byte_tokenizer,
+        val_split=0,
+        batch_size=4,
+    )
 
 
 def _fit(module, datamodule, callback, max_steps=3, **kwargs):
-    trainer = pl.Trainer(max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[callback], **kwargs)
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        **kwargs,
+    )
     trainer.fit(module, datamodule)
     return trainer
 
@@ -51,8 +64,9 @@ def test_periodic_and_last_exports_load_with_from_pretrained(tmp_path, byte_toke
 def test_lora_adapters_or_merged(tmp_path, byte_tokenizer, merge):
     from transformers import AutoModelForCausalLM
 
-    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-2,
-                       lora=LoRAConfig(r=4, alpha=8, dropout=0.0))
+    module = DPOModule(
+        model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-2, lora=LoRAConfig(r=4, alpha=8, dropout=0.0)
+    )
     _fit(module, _data(byte_tokenizer), HFExportCallback(tmp_path, merge_lora=merge), max_steps=2)
     files = {p.name for p in (tmp_path / "last").iterdir()}
     ids = torch.tensor([[5, 6, 7, 8]])
@@ -141,6 +155,7 @@ def test_last_is_loadable_at_every_instant_while_it_is_replaced(tmp_path, monkey
             result = function(*args, **kwargs)
             seen.append(complete())
             return result
+
         return wrapped
 
     monkeypatch.setattr(export.os, "replace", spy(export.os.replace))
@@ -175,8 +190,9 @@ def test_fast_dev_run_exports_nothing(tmp_path, byte_tokenizer):
     callback = HFExportCallback(tmp_path, every_n_train_steps=1)
     good = callback.export(module, "last")
     before = (good / "model.safetensors").read_bytes()
-    trainer = pl.Trainer(fast_dev_run=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[callback])
+    trainer = pl.Trainer(
+        fast_dev_run=2, logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[callback]
+    )
     trainer.fit(DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-2), _data(byte_tokenizer))
     assert trainer.global_step == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]

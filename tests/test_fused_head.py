@@ -57,9 +57,23 @@ def test_equals_unchunked_values_and_gradients(post):
     scale, softcap, temperature = POST[post]
     hidden, weight, bias, targets, upstream = _inputs()
     leaves = (hidden, weight, bias)
-    fused = lambda: fused_head_logps(hidden, weight, targets, bias, scale=scale, softcap=softcap,
-                                     temperature=temperature, with_entropy=True, chunk_size=7)
-    ref = lambda: reference(hidden, weight, targets, bias, scale, softcap, temperature)
+
+    def fused():
+        return fused_head_logps(
+            hidden,
+            weight,
+            targets,
+            bias,
+            scale=scale,
+            softcap=softcap,
+            temperature=temperature,
+            with_entropy=True,
+            chunk_size=7,
+        )
+
+    def ref():
+        return reference(hidden, weight, targets, bias, scale, softcap, temperature)
+
     values, grads = _values_and_grads(fused, leaves, upstream)
     ref_values, ref_grads = _values_and_grads(ref, leaves, upstream)
     _assert_close(values, ref_values)
@@ -77,8 +91,9 @@ def test_gradcheck_float64_every_post_processing_at_once():
     targets = torch.randint(0, 11, (5,), generator=g)
 
     def fn(h, w, b):
-        out = fused_head_logps(h, w, targets, b, scale=1.7, softcap=2.0, temperature=0.8, with_entropy=True,
-                               chunk_size=2)
+        out = fused_head_logps(
+            h, w, targets, b, scale=1.7, softcap=2.0, temperature=0.8, with_entropy=True, chunk_size=2
+        )
         return out.logps, out.entropy
 
     assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
@@ -152,10 +167,15 @@ def test_bf16_autocast_matches_unchunked():
     leaves = (hidden, weight, bias)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         values, grads = _values_and_grads(
-            lambda: fused_head_logps(hidden, weight, targets, bias, scale=0.5, softcap=6.0, with_entropy=True,
-                                     chunk_size=6), leaves, upstream)
-        ref_values, ref_grads = _values_and_grads(lambda: reference(hidden, weight, targets, bias, 0.5, 6.0),
-                                                  leaves, upstream)
+            lambda: fused_head_logps(
+                hidden, weight, targets, bias, scale=0.5, softcap=6.0, with_entropy=True, chunk_size=6
+            ),
+            leaves,
+            upstream,
+        )
+        ref_values, ref_grads = _values_and_grads(
+            lambda: reference(hidden, weight, targets, bias, 0.5, 6.0), leaves, upstream
+        )
     assert values[0].dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads)
     _assert_close(values, ref_values, rtol=2e-2, atol=2e-2)
     _assert_close(grads, ref_grads, rtol=5e-2, atol=5e-2)

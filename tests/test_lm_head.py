@@ -56,7 +56,9 @@ def test_fused_head_equals_the_models_own_forward(arch):
     assert chunked_head_logps(head, config, torch.zeros(3, config.hidden_size), torch.zeros(3, dtype=torch.long))
     fast, slow = completion_logps(model, BATCH).logps, _own_forward(model, BATCH)
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
-    for got, want in zip(_grads(model, completion_logps(model, BATCH).logps), _grads(model, _own_forward(model, BATCH))):
+    for got, want in zip(
+        _grads(model, completion_logps(model, BATCH).logps), _grads(model, _own_forward(model, BATCH))
+    ):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     if arch == "gemma2_softcap":  # the cap is active: without it the log-probs differ
         logits = model(input_ids=BATCH["input_ids"]).logits
@@ -64,7 +66,9 @@ def test_fused_head_equals_the_models_own_forward(arch):
 
 
 def test_logit_postprocessing_from_config():
-    config = lambda **kw: AutoConfig.for_model(**kw)
+    def config(**kw):
+        return AutoConfig.for_model(**kw)
+
     assert logit_postprocessing(config(model_type="granite", logits_scaling=4.0)) == (0.25, None)
     assert logit_postprocessing(config(model_type="cohere", logit_scale=0.0625)) == (0.0625, None)
     assert logit_postprocessing(config(model_type="falcon_h1", lm_head_multiplier=2.5))[0] == 2.5
@@ -80,8 +84,9 @@ def test_logit_postprocessing_from_config():
 
 
 def test_lora_on_the_head_merges_and_trains():
-    model = apply_lora(build_causal_lm(TINY_LLAMA, seed=0),
-                       LoRAConfig(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "lm_head"]))
+    model = apply_lora(
+        build_causal_lm(TINY_LLAMA, seed=0), LoRAConfig(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "lm_head"])
+    )
     head = model.get_base_model().get_output_embeddings()
     with torch.no_grad():  # peft starts B at zero: make the adapter change the logits
         head.lora_B["default"].weight.normal_(0, 0.5)
@@ -97,8 +102,9 @@ def test_lora_on_the_head_merges_and_trains():
     with model.disable_adapter():
         assert head_parameters(head)[0] is head.base_layer.weight
         torch.testing.assert_close(completion_logps(model, BATCH).logps, _own_forward(model, BATCH))
-    dropped = apply_lora(build_causal_lm(TINY_LLAMA, seed=0),
-                         LoRAConfig(r=4, alpha=8, dropout=0.1, target_modules=["lm_head"]))
+    dropped = apply_lora(
+        build_causal_lm(TINY_LLAMA, seed=0), LoRAConfig(r=4, alpha=8, dropout=0.1, target_modules=["lm_head"])
+    )
     assert head_parameters(dropped.get_base_model().get_output_embeddings()) is None  # training dropout: own forward
 
 

@@ -43,7 +43,9 @@ def test_sequence_logps_scores_token_t_plus_1_on_completion_only():
 
 def test_entropy_from_logits():
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
-    assert L.entropy_from_logits(logits).item() == pytest.approx(-(0.5 * math.log(0.5) + 0.5 * math.log(0.25)), abs=1e-6)
+    assert L.entropy_from_logits(logits).item() == pytest.approx(
+        -(0.5 * math.log(0.5) + 0.5 * math.log(0.25)), abs=1e-6
+    )
     assert L.entropy_from_logits(torch.zeros(4, 7)).allclose(torch.full((4,), math.log(7)))
 
 
@@ -243,7 +245,7 @@ def test_group_and_rloo_advantages_against_loops():
     rloo = L.rloo_advantages(r, g)
     for i in range(6):
         grp = r[(i // g) * g : (i // g + 1) * g].tolist()
-        others = grp[:i % g] + grp[i % g + 1 :]
+        others = grp[: i % g] + grp[i % g + 1 :]
         assert rloo[i].item() == pytest.approx(r[i].item() - sum(others) / (g - 1), abs=1e-6)
     with pytest.raises(ValueError):
         L.group_advantages(r, 4)
@@ -284,7 +286,10 @@ def test_losses_package_has_no_lightning_or_transformers_imports():
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             for name in names:
-                assert name.split(".")[0] not in {"lightning", "pytorch_lightning", "transformers", "peft"}, (path, name)
+                assert name.split(".")[0] not in {"lightning", "pytorch_lightning", "transformers", "peft"}, (
+                    path,
+                    name,
+                )
 
 
 def test_selective_log_softmax_gradient_matches():

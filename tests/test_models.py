@@ -47,7 +47,10 @@ def test_saved_and_reloaded_model_gives_identical_logits(tiny_config, byte_token
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reloaded(ids).logits, rtol=0, atol=0)
     tok = load_tokenizer(str(tmp_path))
-    assert tok("abc", add_special_tokens=False)["input_ids"] == byte_tokenizer("abc", add_special_tokens=False)["input_ids"]
+    assert (
+        tok("abc", add_special_tokens=False)["input_ids"]
+        == byte_tokenizer("abc", add_special_tokens=False)["input_ids"]
+    )
     half = load_causal_lm(str(tmp_path), dtype="bfloat16")
     assert next(half.parameters()).dtype == torch.bfloat16
 
@@ -74,8 +77,8 @@ def test_byte_tokenizer_padding_and_side_copies():
 
 
 def test_missing_pad_token_is_set(tmp_path):
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     raw = Tokenizer(models.WordLevel({"a": 0, "b": 1, "</s>": 2, "<unk>": 3}, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -10,6 +10,7 @@ from typing import get_args
 
 import pytest
 import torch
+from conftest import TINY_LLAMA
 
 from aitraining_pl.callbacks.kl import AdaptiveKLCallback
 from aitraining_pl.cli import MODULES, _import, build_cli, main
@@ -17,8 +18,6 @@ from aitraining_pl.errors import ConfigError, HyperparameterError
 from aitraining_pl.modules.dpo import DPOModule
 from aitraining_pl.modules.ppo import PPOModule
 from aitraining_pl.validation import CONSTRAINTS, RENAMED, RenamedArgumentWarning
-
-from conftest import TINY_LLAMA
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"
@@ -41,8 +40,21 @@ def test_literal_choices_equal_their_registries():
     assert set(get_args(LossAggregation)) == set(LOSS_AGGREGATIONS)
 
 
-SHARED = ("model_name", "model_config", "tokenizer_name", "lora", "learning_rate", "warmup_ratio", "lr_schedule",
-          "weight_decay", "dtype", "seed", "trust_remote_code", "disable_dropout", "gradient_checkpointing")
+SHARED = (
+    "model_name",
+    "model_config",
+    "tokenizer_name",
+    "lora",
+    "learning_rate",
+    "warmup_ratio",
+    "lr_schedule",
+    "weight_decay",
+    "dtype",
+    "seed",
+    "trust_remote_code",
+    "disable_dropout",
+    "gradient_checkpointing",
+)
 
 
 @pytest.mark.parametrize("name, path", MODULES, ids=[n for n, _ in MODULES])
@@ -60,8 +72,15 @@ def test_every_module_has_the_shared_arguments(name, path):
 
 def test_new_and_renamed_arguments_have_range_rows():
     module_args = ["kl_penalty_coef", "init_kl_coef", "center_rewards_coef"]  # numeric old names
-    for name in ("kl_coef", "kl_target", "kl_horizon", "lr_schedule", "weight_decay", "center_rewards_coefficient",
-                 *module_args):
+    for name in (
+        "kl_coef",
+        "kl_target",
+        "kl_horizon",
+        "lr_schedule",
+        "weight_decay",
+        "center_rewards_coefficient",
+        *module_args,
+    ):
         assert name in CONSTRAINTS, name
     assert set(RENAMED.values()) - {"precompute_ref_log_probs"} <= set(CONSTRAINTS)  # a flag has no range
 
@@ -73,17 +92,27 @@ def test_peft_lora_config_is_accepted():
     assert isinstance(module.policy, peft.PeftModel)
     adapter = module.policy.peft_config["default"]
     assert (adapter.r, adapter.lora_alpha, set(adapter.target_modules)) == (4, 8, {"q_proj", "v_proj"})
-    assert module.hparams.lora == {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"],
-                                   "modules_to_save": None}
+    assert module.hparams.lora == {
+        "r": 4,
+        "alpha": 8,
+        "dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"],
+        "modules_to_save": None,
+    }
     assert module.hparams_initial["lora"]["r"] == 4  # logged (hparams.yaml, W&B, TensorBoard), not only stored
     with pytest.warns(UserWarning, match="use_rslora"):  # a peft field this project does not carry is named
-        DPOModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", reference_free=True,
-                  lora=peft.LoraConfig(r=2, use_rslora=True))
+        DPOModule(
+            model_config=dict(TINY_LLAMA),
+            tokenizer_name="byte",
+            reference_free=True,
+            lora=peft.LoraConfig(r=2, use_rslora=True),
+        )
 
 
 def test_attn_implementation_reaches_the_model():
-    module = DPOModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", attn_implementation="eager",
-                       reference_free=True)
+    module = DPOModule(
+        model_config=dict(TINY_LLAMA), tokenizer_name="byte", attn_implementation="eager", reference_free=True
+    )
     assert module.policy.config._attn_implementation == "eager"
     assert module.hparams_initial["attn_implementation"] == "eager"
 
@@ -148,8 +177,15 @@ def test_old_yaml_keys_still_run_with_a_warning(tmp_path):
     config = tmp_path / "old.yaml"
     config.write_text(text)
     with pytest.warns(RenamedArgumentWarning) as record:
-        cli = build_cli(["--config", str(config), "--data.init_args.data_path",
-                         str(ROOT / "aitraining_pl/data/quickstart_prompts.jsonl")], run=False)
+        cli = build_cli(
+            [
+                "--config",
+                str(config),
+                "--data.init_args.data_path",
+                str(ROOT / "aitraining_pl/data/quickstart_prompts.jsonl"),
+            ],
+            run=False,
+        )
     renamed = [str(w.message).split("'")[1] for w in record if w.category is RenamedArgumentWarning]
     assert set(renamed) >= {"kl_penalty_coef", "target"}
     assert cli.model.kl_coef == 0.02 and cli.model.hparams.kl_coef == 0.02

@@ -6,6 +6,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import TINY_LLAMA
+from dpo_utils import preference_rows, write_config
 
 from aitraining_pl.callbacks.export import HFExportCallback
 from aitraining_pl.callbacks.guard import NonFiniteError, NonFiniteGuard
@@ -15,8 +17,6 @@ from aitraining_pl.datamodules.prompt import PromptDataModule
 from aitraining_pl.modules.dpo import DPOModule
 from aitraining_pl.modules.ppo import PPOModule
 from aitraining_pl.rollout import GenerationConfig
-from conftest import TINY_LLAMA
-from dpo_utils import preference_rows, write_config
 
 
 class NaNAtStep(DPOModule):
@@ -31,13 +31,25 @@ class NaNAtStep(DPOModule):
 
 def _data(tokenizer):
     rows = preference_rows(24)
-    return PreferenceDataModule(prompts=[r["prompt"] for r in rows], chosen=[r["chosen"] for r in rows],
-                                rejected=[r["rejected"] for r in rows], tokenizer=tokenizer, val_split=0, batch_size=4)
+    return PreferenceDataModule(
+        prompts=[r["prompt"] for r in rows],
+        chosen=[r["chosen"] for r in rows],
+        rejected=[r["rejected"] for r in rows],
+        tokenizer=tokenizer,
+        val_split=0,
+        batch_size=4,
+    )
 
 
 def _trainer(tmp_path, callbacks, **kw):
-    options = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   default_root_dir=str(tmp_path), enable_checkpointing=True)
+    options = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        enable_checkpointing=True,
+    )
     return pl.Trainer(callbacks=callbacks, **{**options, **kw})
 
 
@@ -50,8 +62,9 @@ def _finite_export(path) -> bool:
 def test_nan_loss_stops_the_run_and_keeps_earlier_exports_and_checkpoints(tmp_path):
     module = NaNAtStep(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3)
     export = HFExportCallback(tmp_path / "export", every_n_train_steps=1, keep_last_k=None)
-    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1,
-                                        filename="{step}")
+    ckpt = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}"
+    )
     with pytest.raises(NonFiniteError, match=r"non-finite train/loss \(nan\) at global_step 2 \(epoch 0, batch 2\)"):
         _trainer(tmp_path, [export, ckpt], max_steps=5).fit(module, _data(module.tokenizer))
     assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["step-1", "step-2"]  # no last, no step-3
@@ -65,9 +78,18 @@ def test_nan_loss_stops_the_run_and_keeps_earlier_exports_and_checkpoints(tmp_pa
 def test_learning_rate_that_blows_up_stops_the_run_through_the_cli(tmp_path, capsys):
     config = write_config(tmp_path, model={"learning_rate": 1e12}, trainer={"max_steps": 20})
     export = tmp_path / "export"
-    args = ["fit", "--config", str(config), "--trainer.callbacks+=aitraining_pl.callbacks.export.HFExportCallback",
-            "--trainer.callbacks.dirpath", str(export), "--trainer.callbacks.every_n_train_steps", "1",
-            "--trainer.callbacks.keep_last_k", "1"]
+    args = [
+        "fit",
+        "--config",
+        str(config),
+        "--trainer.callbacks+=aitraining_pl.callbacks.export.HFExportCallback",
+        "--trainer.callbacks.dirpath",
+        str(export),
+        "--trainer.callbacks.every_n_train_steps",
+        "1",
+        "--trainer.callbacks.keep_last_k",
+        "1",
+    ]
     with pytest.raises(SystemExit) as info:
         main(args)
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Writing model shards" not in line]
@@ -89,8 +111,9 @@ def test_skip_leaves_the_weights_and_optimizer_as_they_were_and_counts(tmp_path)
 
     guard = NonFiniteGuard(action="skip")
     logger = pl.loggers.CSVLogger(tmp_path, name="csv", version="v")
-    trainer = _trainer(tmp_path, [guard, Snap()], max_steps=4, enable_checkpointing=False, logger=logger,
-                       log_every_n_steps=1)
+    trainer = _trainer(
+        tmp_path, [guard, Snap()], max_steps=4, enable_checkpointing=False, logger=logger, log_every_n_steps=1
+    )
     trainer.fit(module, _data(module.tokenizer))
     assert trainer.global_step == 4 and guard.skipped == 1
     before, after = snapshots[2], snapshots[3]  # batch 2 was the NaN one
@@ -109,9 +132,15 @@ class NaNPPO(PPOModule):
 
 @pytest.mark.parametrize("action", ["stop", "skip"])
 def test_ppo_manual_optimisation_is_guarded(tmp_path, action):
-    module = NaNPPO(model_config=TINY_LLAMA, tokenizer_name="byte", reward="aitraining_pl.rewards:char_fraction_reward",
-                    learning_rate=1e-3, mini_batch_size=2, ppo_epochs=1,
-                    generation=GenerationConfig(max_new_tokens=4))
+    module = NaNPPO(
+        model_config=TINY_LLAMA,
+        tokenizer_name="byte",
+        reward="aitraining_pl.rewards:char_fraction_reward",
+        learning_rate=1e-3,
+        mini_batch_size=2,
+        ppo_epochs=1,
+        generation=GenerationConfig(max_new_tokens=4),
+    )
     data = PromptDataModule(prompts=["ab", "cd", "ef", "gh", "ij", "kl"], tokenizer=module.tokenizer, batch_size=2)
     guard = NonFiniteGuard(action=action)
     trainer = _trainer(tmp_path, [guard], max_epochs=1, enable_checkpointing=False)
@@ -130,8 +159,17 @@ def test_infinite_gradient_norm_is_named():
     layer = torch.nn.Linear(2, 1)
     layer.weight.grad = torch.tensor([[float("inf"), 0.0]])
     optimizer = torch.optim.AdamW(layer.parameters())
-    trainer = type("T", (), {"precision_plugin": None, "world_size": 1, "global_step": 7, "current_epoch": 1,
-                             "fit_loop": type("F", (), {"epoch_loop": type("E", (), {"batch_idx": 3})})})()
+    trainer = type(
+        "T",
+        (),
+        {
+            "precision_plugin": None,
+            "world_size": 1,
+            "global_step": 7,
+            "current_epoch": 1,
+            "fit_loop": type("F", (), {"epoch_loop": type("E", (), {"batch_idx": 3})}),
+        },
+    )()
     with pytest.raises(NonFiniteError, match=r"non-finite grad_norm \(inf\) at global_step 7 \(epoch 1, batch 3\)"):
         guard.on_before_optimizer_step(trainer, None, optimizer)
     with pytest.raises(ValueError, match="action"):
@@ -142,8 +180,14 @@ def test_skip_through_the_cli(tmp_path):
     from dpo_utils import read_metrics, series
 
     config = write_config(tmp_path, model={"learning_rate": 1e12}, trainer={"max_steps": 4})
-    cli_args = ["fit", "--config", str(config), "--trainer.callbacks+=aitraining_pl.callbacks.guard.NonFiniteGuard",
-                "--trainer.callbacks.action", "skip"]
+    cli_args = [
+        "fit",
+        "--config",
+        str(config),
+        "--trainer.callbacks+=aitraining_pl.callbacks.guard.NonFiniteGuard",
+        "--trainer.callbacks.action",
+        "skip",
+    ]
     main(cli_args)  # completes (no SystemExit)
     skipped = series(read_metrics(tmp_path), "train/skipped_nonfinite")
     assert len(skipped) == 4 and skipped[-1] >= 1 and skipped == sorted(skipped)

@@ -8,6 +8,7 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import TINY_LLAMA
 
 import aitraining_pl.rollout as rollout_module
 from aitraining_pl.datamodules.prompt import PromptDataModule
@@ -18,8 +19,6 @@ from aitraining_pl.modules.online import OnlineRLModule
 from aitraining_pl.modules.ppo import PPOModule
 from aitraining_pl.rollout import GenerationConfig
 
-from conftest import TINY_LLAMA
-
 TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need a reward source
 
 QUICKSTART_PROMPTS = os.path.join(os.path.dirname(__file__), "..", "aitraining_pl", "data", "quickstart_prompts.jsonl")
@@ -28,8 +27,14 @@ EOS = 1
 
 def _trainer(tmp_path, **kwargs):
     defaults = dict(
-        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
     )
     return pl.Trainer(**{**defaults, **kwargs})
 
@@ -38,12 +43,14 @@ def _rollout_rows():
     """Left-padded prompts of different lengths, responses that end early, at once or never."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, 300, (4, 10), generator=g)
-    attention = torch.tensor([
-        [0, 0, 1, 1, 1, 1, 1, 0, 0, 0],
-        [1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
-        [0, 0, 0, 1, 1, 0, 0, 0, 0, 0],
-        [0, 1, 1, 1, 1, 1, 1, 1, 0, 0],
-    ])
+    attention = torch.tensor(
+        [
+            [0, 0, 1, 1, 1, 1, 1, 0, 0, 0],
+            [1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
+            [0, 0, 0, 1, 1, 0, 0, 0, 0, 0],
+            [0, 1, 1, 1, 1, 1, 1, 1, 0, 0],
+        ]
+    )
     return ids, attention, 4  # prompt length P = 4
 
 
@@ -83,7 +90,11 @@ def test_family_shares_one_base_and_presets_set_defaults():
         assert name not in vars(PPOModule) and name not in vars(CriticFreeModule), name
     grpo = GRPOModule(reward=TOY_REWARD, model_config=TINY_LLAMA, tokenizer_name="byte", num_generations=4)
     rloo = RLOOModule(reward=TOY_REWARD, model_config=TINY_LLAMA, tokenizer_name="byte", num_generations=4)
-    assert (grpo.hparams.advantage, grpo.hparams.loss_aggregation, grpo.hparams.kl_in_reward) == ("grpo", "sequence", False)
+    assert (grpo.hparams.advantage, grpo.hparams.loss_aggregation, grpo.hparams.kl_in_reward) == (
+        "grpo",
+        "sequence",
+        False,
+    )
     assert (rloo.hparams.advantage, rloo.hparams.loss_aggregation, rloo.hparams.kl_in_reward) == ("rloo", "token", True)
     assert grpo.hparams.num_generations == 4 and grpo.hparams.generation["max_new_tokens"] == 128
     with pytest.raises(ValueError, match="critic"):
@@ -107,8 +118,11 @@ def test_kl_coef_zero_holds_no_reference():
 
 def _fixed_rollout_module(monkeypatch, scores, fixed, **kwargs):
     module = CriticFreeModule(
-        model_config=TINY_LLAMA, tokenizer_name="byte", reward=lambda p, r, m: list(scores),
-        generation=GenerationConfig(max_new_tokens=fixed.shape[1], temperature=1.0, top_p=1.0), **kwargs,
+        model_config=TINY_LLAMA,
+        tokenizer_name="byte",
+        reward=lambda p, r, m: list(scores),
+        generation=GenerationConfig(max_new_tokens=fixed.shape[1], temperature=1.0, top_p=1.0),
+        **kwargs,
     )
     monkeypatch.setattr(rollout_module, "sample_responses", lambda *a, **k: rollout_module.SampledTokens(fixed.clone()))
     return module
@@ -118,8 +132,16 @@ def test_one_grpo_step_matches_a_hand_written_update(tmp_path, monkeypatch, byte
     """num_iterations = 1, no KL: one SGD-like AdamW step on -mean_i mean_t A_i * rho_it with rho = 1."""
     fixed = torch.tensor([[40, 41, EOS, 0], [EOS, 0, 0, 0], [50, 51, 52, 53], [60, EOS, 70, 71]])
     scores = [1.0, 0.0, 0.5, 0.5]
-    module = _fixed_rollout_module(monkeypatch, scores, fixed, num_generations=2, kl_coef=0.0, mini_batch_size=4,
-                                   learning_rate=1e-2, max_grad_norm=0.0)
+    module = _fixed_rollout_module(
+        monkeypatch,
+        scores,
+        fixed,
+        num_generations=2,
+        kl_coef=0.0,
+        mini_batch_size=4,
+        learning_rate=1e-2,
+        max_grad_norm=0.0,
+    )
     policy = copy.deepcopy(module.policy)
     initial = module.policy.lm_head.weight.detach().clone()
     dm = PromptDataModule(prompts=["hello", "a longer prompt"], tokenizer=byte_tokenizer, batch_size=2)
@@ -150,11 +172,19 @@ def test_one_grpo_step_matches_a_hand_written_update(tmp_path, monkeypatch, byte
 
 def test_dynamic_sampling_drops_groups_without_signal(monkeypatch):
     fixed = torch.tensor([[40, EOS], [41, EOS], [42, EOS], [43, 44]])
-    module = _fixed_rollout_module(monkeypatch, [1.0, 0.0, 0.5, 0.5], fixed, num_generations=2, kl_coef=0.0,
-                                   dynamic_sampling=True, num_iterations=2)
+    module = _fixed_rollout_module(
+        monkeypatch,
+        [1.0, 0.0, 0.5, 0.5],
+        fixed,
+        num_generations=2,
+        kl_coef=0.0,
+        dynamic_sampling=True,
+        num_iterations=2,
+    )
     ids = torch.tensor([[10, 11], [12, 13]])
-    rollout = module.rollout({"input_ids": ids, "attention_mask": torch.ones_like(ids), "prompts": ["a", "b"],
-                              "metadata": [{}, {}]}, 2)
+    rollout = module.rollout(
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids), "prompts": ["a", "b"], "metadata": [{}, {}]}, 2
+    )
     experience, _ = module.make_experience(rollout)
     assert rollout.group.tolist() == [0, 0, 1, 1]
     assert experience.mask[:2].sum() == 4 and experience.mask[2:].sum() == 0
@@ -167,9 +197,15 @@ def test_lora_grpo_under_bf16_mixed_with_reference_as_disabled_adapters(tmp_path
     from aitraining_pl.models import LoRAConfig
 
     module = GRPOModule(
-        model_config=TINY_LLAMA, tokenizer_name="byte", lora=LoRAConfig(r=4, alpha=8, dropout=0.0),
-        reward=lambda p, r, m: [float(sum(map(ord, x)) % 5) for x in r], num_generations=4, num_iterations=2,
-        generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0), learning_rate=1e-2, mini_batch_size=4,
+        model_config=TINY_LLAMA,
+        tokenizer_name="byte",
+        lora=LoRAConfig(r=4, alpha=8, dropout=0.0),
+        reward=lambda p, r, m: [float(sum(map(ord, x)) % 5) for x in r],
+        num_generations=4,
+        num_iterations=2,
+        generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0),
+        learning_rate=1e-2,
+        mini_batch_size=4,
     )
     assert module.reference.shares_weights
     named = dict(module.model.named_parameters())
@@ -204,8 +240,13 @@ def test_algorithm_learns_and_reference_stays(tmp_path, byte_tokenizer, name):
     spec = dict(ALGORITHMS[name])
     cls = spec.pop("cls")
     kwargs = {"learning_rate": 1e-2, "mini_batch_size": 16, "num_generations": 4, **spec}
-    module = cls(model_config=TINY_LLAMA, tokenizer_name="byte", reward="aitraining_pl.rewards:char_fraction_reward",
-                 generation=GenerationConfig(max_new_tokens=8, temperature=1.0, top_p=1.0), **kwargs)
+    module = cls(
+        model_config=TINY_LLAMA,
+        tokenizer_name="byte",
+        reward="aitraining_pl.rewards:char_fraction_reward",
+        generation=GenerationConfig(max_new_tokens=8, temperature=1.0, top_p=1.0),
+        **kwargs,
+    )
     dm = PromptDataModule(data_path=QUICKSTART_PROMPTS, tokenizer=byte_tokenizer, batch_size=8, val_split=0.2)
     initial = module.policy.lm_head.weight.detach().clone()
     (before,) = _trainer(tmp_path).validate(module, dm, verbose=False)
@@ -220,8 +261,19 @@ def test_algorithm_learns_and_reference_stays(tmp_path, byte_tokenizer, name):
         assert torch.equal(module.reference.model.lm_head.weight, initial)  # the reference does not move
         assert all(not k.startswith("reference") for k in module.state_dict())
     metrics = trainer.callback_metrics
-    for key in ("reward_mean", "reward_std", "frac_reward_zero_std", "completion_length", "completion_length/min",
-                "completion_length/max", "clipped_ratio", "entropy", "clip_ratio/low", "clip_ratio/high", "lr"):
+    for key in (
+        "reward_mean",
+        "reward_std",
+        "frac_reward_zero_std",
+        "completion_length",
+        "completion_length/min",
+        "completion_length/max",
+        "clipped_ratio",
+        "entropy",
+        "clip_ratio/low",
+        "clip_ratio/high",
+        "lr",
+    ):
         assert f"train/{key}" in metrics, key
     assert ("train/kl" in metrics) == bool(module.kl_coef)
 
@@ -239,13 +291,29 @@ def test_quickstart_config_runs_through_the_cli(tmp_path):
     config = yaml.safe_load((root / "configs/quickstart/grpo.yaml").read_text())
     config["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(tmp_path / "export")
     (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(config))
-    main([
-        "fit", "--config", str(tmp_path / "grpo.yaml"),
-        "--data.init_args.data_path", str(root / "aitraining_pl/data/quickstart_prompts.jsonl"),
-        "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.max_epochs", "1",
-        "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "2",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-    ])
+    main(
+        [
+            "fit",
+            "--config",
+            str(tmp_path / "grpo.yaml"),
+            "--data.init_args.data_path",
+            str(root / "aitraining_pl/data/quickstart_prompts.jsonl"),
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path),
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.limit_train_batches",
+            "2",
+            "--trainer.limit_val_batches",
+            "1",
+            "--trainer.val_check_interval",
+            "2",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_model_summary",
+            "false",
+        ]
+    )
     (metrics,) = list(tmp_path.glob("csv/version_*/metrics.csv"))
     rows = list(csv.DictReader(metrics.open()))
     train = [r for r in rows if r.get("train/reward_mean")]

@@ -38,8 +38,9 @@ def test_two_rank_grpo_keeps_groups_together_and_ends_with_identical_weights(tmp
     assert r0["state"].keys() == r1["state"].keys()
     for name, tensor in r0["state"].items():
         assert torch.equal(tensor, r1["state"][name]), name
-    from aitraining_pl.models import build_causal_lm
     from conftest import TINY_LLAMA
+
+    from aitraining_pl.models import build_causal_lm
 
     initial = build_causal_lm(TINY_LLAMA, seed=0).state_dict()
     assert not torch.equal(initial["lm_head.weight"], r0["state"]["model.lm_head.weight"])

@@ -17,12 +17,14 @@ from aitraining_pl.modules.ppo import PPOModule
 
 P = 4  # prompt length of the rollout rows below
 #: left-padded prompts, responses that end early, at once or never: 23 real tokens of 40 (packs)
-SPARSE = torch.tensor([
-    [0, 0, 1, 1, 1, 1, 1, 0, 0, 0],
-    [1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
-    [0, 0, 0, 1, 1, 0, 0, 0, 0, 0],
-    [0, 1, 1, 1, 1, 1, 1, 1, 0, 0],
-])
+SPARSE = torch.tensor(
+    [
+        [0, 0, 1, 1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
+        [0, 0, 0, 1, 1, 0, 0, 0, 0, 0],
+        [0, 1, 1, 1, 1, 1, 1, 1, 0, 0],
+    ]
+)
 #: every response ran to the end, one prompt token of padding: 38 real tokens of 40 (runs padded)
 DENSE = torch.ones(4, 10, dtype=torch.long)
 DENSE[0, 0] = DENSE[3, 0] = 0
@@ -73,8 +75,9 @@ def test_packing_only_where_padding_pays(monkeypatch):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("arch", [{}, {"tie_word_embeddings": True}, {"model_type": "gemma2", "head_dim": 8,
-                                                                     "final_logit_softcapping": 0.5}])
+@pytest.mark.parametrize(
+    "arch", [{}, {"tie_word_embeddings": True}, {"model_type": "gemma2", "head_dim": 8, "final_logit_softcapping": 0.5}]
+)
 def test_response_scores_equal_the_unfused_path(layout, arch):
     """Fused head (packed or padded rows) against full logits + log-softmax: log-probs, entropies, gradients."""
     model = build_causal_lm({**TINY_LLAMA, **arch}, seed=0)
@@ -113,6 +116,7 @@ def test_ppo_model_score_equals_its_full_forward(layout, critic):
     for got, want in zip(out, full()):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert out.values.abs().sum() > 0
+
     def loss(lp, ent, v):
         return (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum() + ent.sum() + (v**2).sum()
 
@@ -137,16 +141,31 @@ def _saved_shapes(module, step):
 def _rollout(attention: torch.Tensor) -> RolloutBatch:
     ids = _ids(VOCAB)
     mask = attention[:, P:]
-    return RolloutBatch(ids, attention, P, mask, mask[:, -1] == 0, torch.tensor([0, 0, 1, 1]), [""] * 4,
-                        torch.tensor([1.0, 0.0, 0.5, 2.0]), {})
+    return RolloutBatch(
+        ids,
+        attention,
+        P,
+        mask,
+        mask[:, -1] == 0,
+        torch.tensor([0, 0, 1, 1]),
+        [""] * 4,
+        torch.tensor([1.0, 0.0, 0.5, 2.0]),
+        {},
+    )
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_grpo_update_saves_no_vocabulary_sized_tensor(layout):
     """Structural memory test (times nothing): one GRPO update step (k3 KL in the loss, so the reference pass
     runs too) at a 32,000-token vocabulary saves no vocabulary-sized tensor for backward but parameters."""
-    module = GRPOModule(model_config={**TINY_LLAMA, "vocab_size": VOCAB}, tokenizer_name="byte", reward=TOY_REWARD,
-                        num_generations=2, mini_batch_size=4, num_iterations=2)
+    module = GRPOModule(
+        model_config={**TINY_LLAMA, "vocab_size": VOCAB},
+        tokenizer_name="byte",
+        reward=TOY_REWARD,
+        num_generations=2,
+        mini_batch_size=4,
+        num_iterations=2,
+    )
     rollout = _rollout(LAYOUTS[layout])
     assert will_pack(module.policy, rollout.attention_mask, P) == (layout == "packed")
     with torch.no_grad():
@@ -159,8 +178,9 @@ def test_grpo_update_saves_no_vocabulary_sized_tensor(layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_ppo_minibatch_saves_no_vocabulary_sized_tensor(layout):
     """The same for one PPO minibatch (policy, entropy bonus and value head from one decoder pass)."""
-    module = PPOModule(model_config={**TINY_LLAMA, "vocab_size": VOCAB}, tokenizer_name="byte", reward=TOY_REWARD,
-                       mini_batch_size=4)
+    module = PPOModule(
+        model_config={**TINY_LLAMA, "vocab_size": VOCAB}, tokenizer_name="byte", reward=TOY_REWARD, mini_batch_size=4
+    )
     rollout = _rollout(LAYOUTS[layout])
     with torch.no_grad():
         experience, _ = module.make_experience(rollout)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY_LLAMA
 from transformers import AutoConfig
 
 from aitraining_pl.models import build_causal_lm
 from aitraining_pl.models.packing import AttentionPlan, packed_attention, supports_packing
 from aitraining_pl.models.scoring import completion_logps, pack_batch
-from conftest import TINY_LLAMA
 
 
 def _config(**overrides):
@@ -35,8 +35,11 @@ def test_packed_attention_equals_separate_sequences():
         alone = [model.model(input_ids=x).last_hidden_state for x in (a, b)]
         plan = AttentionPlan([(((0, 7),), 7), (((7, 11),), 4)])
         with packed_attention(model.config, plan):
-            packed = model.model(input_ids=torch.cat([a, b], 1), position_ids=torch.tensor([list(range(7)) + list(range(4))]),
-                                 packed_plan=plan).last_hidden_state
+            packed = model.model(
+                input_ids=torch.cat([a, b], 1),
+                position_ids=torch.tensor([list(range(7)) + list(range(4))]),
+                packed_plan=plan,
+            ).last_hidden_state
         assert plan.calls == TINY_LLAMA["num_hidden_layers"]
         assert model.config._attn_implementation == implementation
         torch.testing.assert_close(packed, torch.cat(alone, 1), rtol=1e-5, atol=1e-5)
@@ -57,8 +60,16 @@ def test_supports_packing_only_for_full_softmax_attention():
     eager_window = _config(model_type="mistral", sliding_window=16)
     eager_window._attn_implementation = "eager"
     assert not supports_packing(eager_window)
-    softcap = AutoConfig.for_model("gemma2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=384)
+    softcap = AutoConfig.for_model(
+        "gemma2",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=384,
+    )
     softcap._attn_implementation = "sdpa"
     assert not supports_packing(softcap)
     flash = _config()
@@ -84,13 +95,18 @@ def test_pairs_with_different_prompts_run_packed_one_block_per_row(monkeypatch):
     calls = []
     model = build_causal_lm(TINY_LLAMA, seed=0)
     assert scoring.scoring_path(model).name == "packed"  # the one-time probe (it packs its own batch) runs first
-    monkeypatch.setattr(scoring, "pack_batch",
-                        lambda batch, share_prompt=False: calls.append(share_prompt) or pack_batch(batch, share_prompt))
+    monkeypatch.setattr(
+        scoring,
+        "pack_batch",
+        lambda batch, share_prompt=False: calls.append(share_prompt) or pack_batch(batch, share_prompt),
+    )
     batch = {  # the pair's chosen row has prompt [5, 6], its rejected row [5, 7]: the prompt cannot be shared
         "input_ids": torch.tensor([[5, 6, 7, 1, 0], [5, 7, 8, 9, 1]]),
         "attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]),
         "completion_mask": torch.tensor([[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]),
     }
     padded = completion_logps(model, batch)
-    torch.testing.assert_close(completion_logps(model, batch, share_prompt=True).logps, padded.logps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        completion_logps(model, batch, share_prompt=True).logps, padded.logps, rtol=1e-5, atol=1e-5
+    )
     assert calls == [False]

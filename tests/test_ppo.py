@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import copy
-import json
 import os
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY_LLAMA
 
 import aitraining_pl.rollout as rollout_module
 from aitraining_pl.datamodules.prompt import PromptDataModule
 from aitraining_pl.models import build_causal_lm
 from aitraining_pl.modules.ppo import PPOModule
 from aitraining_pl.rollout import GenerationConfig
-
-from conftest import TINY_LLAMA
 
 EOS = 1
 
@@ -28,8 +26,14 @@ def length_score(prompts, responses, metadata):
 
 def _trainer(tmp_path, **kwargs):
     defaults = dict(
-        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
     )
     return pl.Trainer(**{**defaults, **kwargs})
 
@@ -97,14 +101,35 @@ def _reference_ppo(model, ref_model, ids, attn, P, scores, hp, n_steps_total):
 
 def test_one_iteration_matches_a_hand_written_ppo_loop(tmp_path, monkeypatch, byte_tokenizer):
     torch.manual_seed(0)
-    hp = dict(temperature=0.7, kl_coef=0.2, gamma=0.9, lam=0.8, lr=1e-2, ppo_epochs=3, clip=0.2, vclip=0.2,
-              vcoef=0.5, ecoef=0.01, max_grad_norm=0.5)
+    hp = dict(
+        temperature=0.7,
+        kl_coef=0.2,
+        gamma=0.9,
+        lam=0.8,
+        lr=1e-2,
+        ppo_epochs=3,
+        clip=0.2,
+        vclip=0.2,
+        vcoef=0.5,
+        ecoef=0.01,
+        max_grad_norm=0.5,
+    )
     module = PPOModule(
-        model_config=TINY_LLAMA, tokenizer_name="byte", reward=length_score,
+        model_config=TINY_LLAMA,
+        tokenizer_name="byte",
+        reward=length_score,
         generation=GenerationConfig(max_new_tokens=5, temperature=hp["temperature"]),
-        learning_rate=hp["lr"], mini_batch_size=4, ppo_epochs=hp["ppo_epochs"], gamma=hp["gamma"], lam=hp["lam"],
-        clip_ratio=hp["clip"], value_clip=hp["vclip"], max_grad_norm=hp["max_grad_norm"],
-        kl_coef=hp["kl_coef"], entropy_coef=hp["ecoef"], value_coef=hp["vcoef"],
+        learning_rate=hp["lr"],
+        mini_batch_size=4,
+        ppo_epochs=hp["ppo_epochs"],
+        gamma=hp["gamma"],
+        lam=hp["lam"],
+        clip_ratio=hp["clip"],
+        value_clip=hp["vclip"],
+        max_grad_norm=hp["max_grad_norm"],
+        kl_coef=hp["kl_coef"],
+        entropy_coef=hp["ecoef"],
+        value_coef=hp["vcoef"],
     )
     # the value head's output layer starts at zero; perturb it so old values and returns are non-trivial
     torch.nn.init.normal_(module.model.value_head.net[-1].weight, std=0.5)
@@ -114,8 +139,11 @@ def test_one_iteration_matches_a_hand_written_ppo_loop(tmp_path, monkeypatch, by
     monkeypatch.setattr(rollout_module, "sample_responses", lambda *a, **k: rollout_module.SampledTokens(fixed.clone()))
     prompts = ["hello", "hi", "abc", "a longer prompt"]
     dm = PromptDataModule(prompts=prompts, tokenizer=byte_tokenizer, batch_size=4)
-    monkeypatch.setattr(dm, "train_dataloader", lambda: torch.utils.data.DataLoader(
-        dm.train_dataset, 4, shuffle=False, collate_fn=dm.collate_fn))
+    monkeypatch.setattr(
+        dm,
+        "train_dataloader",
+        lambda: torch.utils.data.DataLoader(dm.train_dataset, 4, shuffle=False, collate_fn=dm.collate_fn),
+    )
     _trainer(tmp_path, limit_train_batches=1).fit(module, dm)
 
     # the same iteration by hand
@@ -125,13 +153,17 @@ def test_one_iteration_matches_a_hand_written_ppo_loop(tmp_path, monkeypatch, by
     ids = torch.cat([batch["input_ids"], fixed], 1)
     resp_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
     attn = torch.cat([batch["attention_mask"], resp_mask], 1)
-    texts = [byte_tokenizer.decode(r[: int(m.sum())], skip_special_tokens=True) for r, m in zip(fixed.tolist(), resp_mask)]
+    texts = [
+        byte_tokenizer.decode(r[: int(m.sum())], skip_special_tokens=True) for r, m in zip(fixed.tolist(), resp_mask)
+    ]
     scores = torch.tensor(length_score(prompts, texts, None))
     ref_lm = build_causal_lm(TINY_LLAMA, seed=0).eval()
     expected = _reference_ppo(reference_model, ref_lm, ids, attn, P, scores, hp, n_steps_total=hp["ppo_epochs"])
 
-    got = [(h["loss"].item(), h["policy_loss"].item(), h["value_loss"].item(), h["entropy"].item())
-           for h in module.update_history]
+    got = [
+        (h["loss"].item(), h["policy_loss"].item(), h["value_loss"].item(), h["entropy"].item())
+        for h in module.update_history
+    ]
     assert len(got) == hp["ppo_epochs"]
     assert torch.allclose(torch.tensor(got), torch.tensor(expected), atol=1e-5, rtol=0)
     assert expected[0][2] > 0 and abs(expected[1][1] - expected[0][1]) > 1e-4  # non-trivial losses that changed
@@ -159,8 +191,13 @@ def test_save_pretrained_writes_policy_tokenizer_and_value_head(tmp_path, byte_t
 
 
 def test_reward_errors_stop_the_run(tmp_path, byte_tokenizer):
-    module = PPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", reward=lambda p, r, m: [float("nan")] * len(r),
-                       generation=GenerationConfig(max_new_tokens=2), mini_batch_size=2)
+    module = PPOModule(
+        model_config=TINY_LLAMA,
+        tokenizer_name="byte",
+        reward=lambda p, r, m: [float("nan")] * len(r),
+        generation=GenerationConfig(max_new_tokens=2),
+        mini_batch_size=2,
+    )
     dm = PromptDataModule(prompts=["a", "b"], tokenizer=byte_tokenizer, batch_size=2)
     from aitraining_pl.rewards import RewardError
 
@@ -179,9 +216,16 @@ def test_quickstart_task_learns(tmp_path, byte_tokenizer, seed):
     training prompts and on 16 held-out prompts."""
     pl.seed_everything(seed)
     module = PPOModule(
-        model_config=TINY_LLAMA, tokenizer_name="byte", reward="aitraining_pl.rewards:char_fraction_reward",
-        generation=GenerationConfig(max_new_tokens=8, temperature=1.0, top_p=1.0), learning_rate=1e-2,
-        mini_batch_size=8, ppo_epochs=4, kl_coef=0.01, entropy_coef=0.0, seed=seed,
+        model_config=TINY_LLAMA,
+        tokenizer_name="byte",
+        reward="aitraining_pl.rewards:char_fraction_reward",
+        generation=GenerationConfig(max_new_tokens=8, temperature=1.0, top_p=1.0),
+        learning_rate=1e-2,
+        mini_batch_size=8,
+        ppo_epochs=4,
+        kl_coef=0.01,
+        entropy_coef=0.0,
+        seed=seed,
         clip_ratio=0.4,  # a wider trust region than the quickstart's 0.2, so that 12 iterations suffice
     )
     dm = PromptDataModule(data_path=QUICKSTART_PROMPTS, tokenizer=byte_tokenizer, batch_size=16, val_split=0.2)
@@ -211,9 +255,9 @@ def test_quickstart_config_runs_through_the_cli_and_exports(tmp_path):
     import csv
     from pathlib import Path
 
-    from aitraining_pl.cli import main
-
     import yaml
+
+    from aitraining_pl.cli import main
 
     root = Path(__file__).resolve().parents[1]
     config = yaml.safe_load((root / "configs/quickstart/ppo.yaml").read_text())
@@ -246,9 +290,14 @@ def test_lora_policy_under_bf16_mixed(tmp_path, byte_tokenizer):
     from aitraining_pl.models import LoRAConfig
 
     module = PPOModule(
-        model_config=TINY_LLAMA, tokenizer_name="byte", lora=LoRAConfig(r=4, alpha=8, dropout=0.0),
-        reward=length_score, generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0),
-        learning_rate=1e-2, mini_batch_size=2, ppo_epochs=2,
+        model_config=TINY_LLAMA,
+        tokenizer_name="byte",
+        lora=LoRAConfig(r=4, alpha=8, dropout=0.0),
+        reward=length_score,
+        generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0),
+        learning_rate=1e-2,
+        mini_batch_size=2,
+        ppo_epochs=2,
     )
     assert module.reference.shares_weights and module.uses_lora
     named = dict(module.model.named_parameters())
@@ -261,20 +310,37 @@ def test_lora_policy_under_bf16_mixed(tmp_path, byte_tokenizer):
     trainer.fit(module, dm)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
-    assert {"train/loss", "train/kl", "train/kl_coef", "train/entropy", "train/clipfrac", "train/approx_kl",
-            "train/policy_loss", "train/value_loss", "train/explained_variance", "train/reward_mean",
-            "train/reward_std", "train/response_length"} <= set(metrics)
+    assert {
+        "train/loss",
+        "train/kl",
+        "train/kl_coef",
+        "train/entropy",
+        "train/clipfrac",
+        "train/approx_kl",
+        "train/policy_loss",
+        "train/value_loss",
+        "train/explained_variance",
+        "train/reward_mean",
+        "train/reward_std",
+        "train/response_length",
+    } <= set(metrics)
     named = dict(module.model.named_parameters())
     assert any(not torch.equal(named[n], p) for n, p in lora.items())
     assert all(torch.equal(named[n], p) for n, p in base.items())
     assert not torch.equal(module.model.value_head.net[-1].weight, head)
     module.save_pretrained(tmp_path / "export")
-    assert {"adapter_model.safetensors", "adapter_config.json", "value_head.safetensors"} <= set(os.listdir(tmp_path / "export"))
+    assert {"adapter_model.safetensors", "adapter_config.json", "value_head.safetensors"} <= set(
+        os.listdir(tmp_path / "export")
+    )
 
 
 def test_stop_strings_end_responses_where_generate_stopped():
-    module = PPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", reward=length_score,
-                       generation=GenerationConfig(max_new_tokens=12, temperature=1.0, top_p=1.0, stop_strings=["a", "e", "o"]))
+    module = PPOModule(
+        model_config=TINY_LLAMA,
+        tokenizer_name="byte",
+        reward=length_score,
+        generation=GenerationConfig(max_new_tokens=12, temperature=1.0, top_p=1.0, stop_strings=["a", "e", "o"]),
+    )
     ids = torch.tensor([[40, 41, 42]] * 8)
     torch.manual_seed(0)
     rollout = module.generate(ids, torch.ones_like(ids))

@@ -50,7 +50,9 @@ def test_response_mask_several_eos_ids_and_stop_strings():
 
 
 def test_stop_string_ends(byte_tokenizer):
-    ids = byte_tokenizer(["ab\n\ncd", "abcdef"], add_special_tokens=False, padding=True, return_tensors="pt")["input_ids"]
+    ids = byte_tokenizer(["ab\n\ncd", "abcdef"], add_special_tokens=False, padding=True, return_tensors="pt")[
+        "input_ids"
+    ]
     ends = stop_string_ends(byte_tokenizer, ids, ["\n\n"])
     assert ends.tolist() == [3, -1]  # the token completing "\n\n" is the 4th byte
 
@@ -91,10 +93,12 @@ def test_decode_responses_stops_at_mask(byte_tokenizer):
 
 def test_reward_source_from_import_path_and_components():
     source = build_reward_source(
-        {"components": {
-            "vowels": {"source": "aitraining_pl.rewards:char_fraction_reward", "weight": 2.0},
-            "length": {"source": "aitraining_pl.rewards.char_length_reward", "kwargs": {}},
-        }}
+        {
+            "components": {
+                "vowels": {"source": "aitraining_pl.rewards:char_fraction_reward", "weight": 2.0},
+                "length": {"source": "aitraining_pl.rewards.char_length_reward", "kwargs": {}},
+            }
+        }
     )
     assert isinstance(source, WeightedRewards)
     scores, components = score_responses(source, ["p", "q"], ["aab", "xyz"], [{}, {"target_length": 3}])
@@ -105,8 +109,12 @@ def test_reward_source_from_import_path_and_components():
 
 
 def test_reward_source_from_class_path():
-    source = build_reward_source({"class_path": "aitraining_pl.rewards.WeightedRewards",
-                                  "init_args": {"components": {"len": lambda p, r, m: [1.0] * len(r)}}})
+    source = build_reward_source(
+        {
+            "class_path": "aitraining_pl.rewards.WeightedRewards",
+            "init_args": {"components": {"len": lambda p, r, m: [1.0] * len(r)}},
+        }
+    )
     assert score_responses(source, ["a"], ["b"], [{}])[0] == [1.0]
 
 
@@ -132,8 +140,9 @@ def test_bad_reward_spec():
 
 
 def test_reward_model_folder_is_a_reward_source(tmp_path):
-    from aitraining_pl.models.reward import RewardModel, RewardModelConfig
     from conftest import TINY_LLAMA
+
+    from aitraining_pl.models.reward import RewardModel, RewardModelConfig
 
     model = RewardModel(RewardModelConfig(model_config=dict(TINY_LLAMA), tokenizer_name="byte", dropout_prob=0.0))
     torch.nn.init.normal_(model.head.weight)

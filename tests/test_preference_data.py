@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from dpo_utils import preference_rows, write_jsonl
 
 from aitraining_pl.datamodules.io import DataValidationError
 from aitraining_pl.datamodules.preference import (
@@ -15,7 +16,6 @@ from aitraining_pl.datamodules.preference import (
     PreferenceDataModule,
     PreferenceDataset,
 )
-from dpo_utils import preference_rows, write_jsonl
 
 
 def _module(byte_tokenizer, **kwargs):
@@ -44,7 +44,9 @@ def test_batch_contract(byte_tokenizer):
 
 def test_margin_column(tmp_path, byte_tokenizer):
     rows = [dict(r, margin=float(i)) for i, r in enumerate(preference_rows(4))]
-    dm = _module(byte_tokenizer, data_path=str(write_jsonl(tmp_path / "m.jsonl", rows)), margin_column="margin", batch_size=4)
+    dm = _module(
+        byte_tokenizer, data_path=str(write_jsonl(tmp_path / "m.jsonl", rows)), margin_column="margin", batch_size=4
+    )
     batch = next(iter(dm.ordered_dataloaders()["train"]))
     assert batch["margin"].dtype == torch.float32 and batch["margin"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
@@ -67,7 +69,9 @@ def test_empty_completion_dropped_with_one_warning(caplog):
             return {"input_ids": list(text.encode())}
 
     with caplog.at_level(logging.WARNING):
-        ds = PreferenceDataset(["p1", "p2", "p3"], ["", "b", ""], ["d", "e", "f"], NoEos(), max_length=4, max_prompt_length=2)
+        ds = PreferenceDataset(
+            ["p1", "p2", "p3"], ["", "b", ""], ["d", "e", "f"], NoEos(), max_length=4, max_prompt_length=2
+        )
     assert len(ds) == 1 and ds[0]["row"] == 1
     drops = [r for r in caplog.records if "dropped" in r.getMessage()]
     assert len(drops) == 1 and "dropped 2 of 3 pair(s)" in drops[0].getMessage()
@@ -98,7 +102,9 @@ def test_chat_rows_use_the_template_and_hh_rows_their_shared_prefix(byte_tokeniz
     # in TRL), announced once
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        dm = _module(byte_tokenizer, chosen=["\n\nHuman: hi\n\nAssistant: hello"], rejected=["\n\nHuman: hi\n\nAssistant: go"])
+        dm = _module(
+            byte_tokenizer, chosen=["\n\nHuman: hi\n\nAssistant: hello"], rejected=["\n\nHuman: hi\n\nAssistant: go"]
+        )
     assert sum("shared prefix" in r.getMessage() for r in caplog.records) == 1
     e = dm.train_dataset[0]
     assert dec(e["prompt_ids"]) == "\n\nHuman: hi\n\nAssistant:" and dec(e["chosen_ids"]) == " hello</s>"
@@ -139,18 +145,27 @@ def test_length_grouped_sampler_is_a_permutation_with_less_padding(byte_tokenize
 
 
 def test_collator_pads_with_pad_token():
-    batch = PreferenceCollator(pad_token_id=7)([{"prompt_ids": [1], "chosen_ids": [2, 3], "rejected_ids": [4], "index": 0}])
+    batch = PreferenceCollator(pad_token_id=7)(
+        [{"prompt_ids": [1], "chosen_ids": [2, 3], "rejected_ids": [4], "index": 0}]
+    )
     assert batch["input_ids"].tolist() == [[1, 2, 3], [1, 4, 7]]
     assert batch["completion_mask"].tolist() == [[0, 1, 1], [0, 1, 0]]
 
 
 BAD_CASES = [
     ("missing.jsonl", None, "file not found"),
-    ("cols.jsonl", [{"prompt": "a", "chosen": "b", "answer": "c"}], "missing column(s) 'rejected'; columns found: prompt, chosen, answer"),
+    (
+        "cols.jsonl",
+        [{"prompt": "a", "chosen": "b", "answer": "c"}],
+        "missing column(s) 'rejected'; columns found: prompt, chosen, answer",
+    ),
     ("empty.jsonl", [{"prompt": "a", "chosen": " ", "rejected": "c"}], "row 1, field 'chosen': empty text"),
-    ("type.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b", "rejected": 3}],
-     "row 2, field 'rejected': expected a non-empty string or chat messages, got int"),
-    ("malformed.jsonl", "{\"prompt\": \"a\", \"chosen\": \"b\", \"rejected\": \"c\"}\n{\"prompt\": oops}\n", "row 2: malformed JSON"),
+    (
+        "type.jsonl",
+        [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b", "rejected": 3}],
+        "row 2, field 'rejected': expected a non-empty string or chat messages, got int",
+    ),
+    ("malformed.jsonl", '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": oops}\n', "row 2: malformed JSON"),
 ]
 
 

@@ -16,10 +16,13 @@ def _write_jsonl(path, rows):
 
 
 def test_left_padded_batches_with_metadata(tmp_path, byte_tokenizer):
-    path = _write_jsonl(tmp_path / "p.jsonl", [
-        {"prompt": "What is 2+2?", "answer": "4"},
-        {"prompt": "Hi", "answer": "x"},
-    ])
+    path = _write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt": "What is 2+2?", "answer": "4"},
+            {"prompt": "Hi", "answer": "x"},
+        ],
+    )
     dm = PromptDataModule(data_path=path, tokenizer=byte_tokenizer, batch_size=2)
     dm.setup("fit")
     batch = next(iter(dm.val_dataloader() or [dm.collate_fn([dm.train_dataset[0], dm.train_dataset[1]])]))
@@ -34,8 +37,13 @@ def test_left_padded_batches_with_metadata(tmp_path, byte_tokenizer):
 
 
 def test_in_memory_prompts_truncate_from_the_left(byte_tokenizer):
-    dm = PromptDataModule(prompts=["abcdefgh", "xy"], metadata=[{"k": 1}, {"k": 2}], tokenizer=byte_tokenizer,
-                          batch_size=1, max_prompt_length=4)
+    dm = PromptDataModule(
+        prompts=["abcdefgh", "xy"],
+        metadata=[{"k": 1}, {"k": 2}],
+        tokenizer=byte_tokenizer,
+        batch_size=1,
+        max_prompt_length=4,
+    )
     dm.setup()
     assert byte_tokenizer.decode(dm.train_dataset[0]["input_ids"]) == "efgh"
     assert dm.train_dataset[1]["metadata"] == {"k": 2}
@@ -44,16 +52,25 @@ def test_in_memory_prompts_truncate_from_the_left(byte_tokenizer):
 
 def test_metadata_columns_select_and_validation_split(tmp_path, byte_tokenizer):
     rows = [{"prompt": f"q{i}", "answer": str(i), "junk": i} for i in range(10)]
-    dm = PromptDataModule(data_path=_write_jsonl(tmp_path / "p.jsonl", rows), metadata_columns=["answer"],
-                          tokenizer=byte_tokenizer, batch_size=2, val_split=0.2)
+    dm = PromptDataModule(
+        data_path=_write_jsonl(tmp_path / "p.jsonl", rows),
+        metadata_columns=["answer"],
+        tokenizer=byte_tokenizer,
+        batch_size=2,
+        val_split=0.2,
+    )
     dm.setup()
     assert len(dm.train_dataset) == 8 and len(dm.val_dataset) == 2
     assert set(dm.train_dataset.metadata[0]) == {"answer"}
 
 
 def test_chat_messages_use_the_template(byte_tokenizer):
-    dm = PromptDataModule(prompts=[[{"role": "user", "content": "hello"}], "plain"], tokenizer=byte_tokenizer,
-                          batch_size=1, use_chat_template=False)
+    dm = PromptDataModule(
+        prompts=[[{"role": "user", "content": "hello"}], "plain"],
+        tokenizer=byte_tokenizer,
+        batch_size=1,
+        use_chat_template=False,
+    )
     dm.setup()
     assert "hello" in dm.train_dataset.texts[0] and dm.train_dataset.texts[0] != "hello"
     assert dm.train_dataset.texts[1] == "plain"

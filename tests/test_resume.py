@@ -9,6 +9,8 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_LLAMA
+from dpo_utils import preference_rows
 
 from aitraining_pl.callbacks.kl import AdaptiveKLCallback
 from aitraining_pl.callbacks.resume import collect_rng_states, set_rng_states
@@ -19,8 +21,6 @@ from aitraining_pl.modules.dpo import DPOModule
 from aitraining_pl.modules.ppo import PPOModule
 from aitraining_pl.modules.reward import RewardModule
 from aitraining_pl.rollout import GenerationConfig
-from conftest import TINY_LLAMA
-from dpo_utils import preference_rows
 
 TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need a reward source
 
@@ -64,8 +64,15 @@ class _Record(pl.Callback):
 
 
 def _trainer(tmp_path, callbacks, **kw):
-    options = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   default_root_dir=str(tmp_path), num_sanity_val_steps=0)
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        num_sanity_val_steps=0,
+    )
     return pl.Trainer(callbacks=callbacks, **{**options, **kw})
 
 
@@ -79,8 +86,9 @@ def _run_and_resume(tmp_path, make, k, extra_callbacks=lambda: [], **trainer_kw)
     pl.seed_everything(0)
     first, data = make()
     first_record = _Record()
-    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=k, save_top_k=-1,
-                                        filename="{step}")
+    ckpt = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=k, save_top_k=-1, filename="{step}"
+    )
     with pytest.raises(_Killed):
         callbacks = [first_record, _KillAfter(k), ckpt, *extra_callbacks()]
         _trainer(tmp_path / "first", callbacks, **trainer_kw).fit(first, data)
@@ -89,7 +97,8 @@ def _run_and_resume(tmp_path, make, k, extra_callbacks=lambda: [], **trainer_kw)
     resumed, data = make()
     resumed_record, resumed_extra = _Record(), extra_callbacks()
     _trainer(tmp_path / "resumed", [resumed_record, *resumed_extra], enable_checkpointing=False, **trainer_kw).fit(
-        resumed, data, ckpt_path=str(tmp_path / "ckpt" / f"step={k}.ckpt"))
+        resumed, data, ckpt_path=str(tmp_path / "ckpt" / f"step={k}.ckpt")
+    )
     return module, resumed, (full_record, first_record, resumed_record), (full_extra, resumed_extra)
 
 
@@ -104,9 +113,15 @@ def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 def _preference_data(tokenizer, n=24, **kw):
     rows = preference_rows(n)
-    return PreferenceDataModule(prompts=[r["prompt"] for r in rows], chosen=[r["chosen"] for r in rows],
-                                rejected=[r["rejected"] for r in rows], tokenizer=tokenizer, val_split=0.25,
-                                batch_size=3, **kw)
+    return PreferenceDataModule(
+        prompts=[r["prompt"] for r in rows],
+        chosen=[r["chosen"] for r in rows],
+        rejected=[r["rejected"] for r in rows],
+        tokenizer=tokenizer,
+        val_split=0.25,
+        batch_size=3,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("k", [2, 6, 8])  # mid-epoch 1, end of epoch 1 (6 batches), mid-epoch 2
@@ -123,8 +138,9 @@ def test_dpo_resume_is_bit_identical(tmp_path, deterministic, k):
 
 def test_dpo_resume_with_precomputed_reference_and_length_grouping(tmp_path, deterministic):
     def make():
-        module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-2,
-                           precompute_ref_log_probs=True)
+        module = DPOModule(
+            model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-2, precompute_ref_log_probs=True
+        )
         return module, _preference_data(module.tokenizer, group_by_length=True)
 
     full, resumed, (a, first, b), _ = _run_and_resume(tmp_path, make, 3, max_steps=8)
@@ -146,10 +162,16 @@ def test_ppo_resume_is_bit_identical_with_kl_and_prompts(tmp_path, deterministic
     prompts = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
 
     def make():
-        module = PPOModule(reward=TOY_REWARD,
-                           model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, mini_batch_size=2,
-                           ppo_epochs=1, kl_coef=0.05,
-                           generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0))
+        module = PPOModule(
+            reward=TOY_REWARD,
+            model_config=TINY_LLAMA,
+            tokenizer_name="byte",
+            learning_rate=1e-3,
+            mini_batch_size=2,
+            ppo_epochs=1,
+            kl_coef=0.05,
+            generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0),
+        )
         return module, PromptDataModule(prompts=prompts, tokenizer=module.tokenizer, batch_size=2)
 
     kl = lambda: [AdaptiveKLCallback(kl_target=1e-3, kl_horizon=10)]  # noqa: E731
@@ -226,19 +248,33 @@ def test_ppo_validation_and_sampling_callback_do_not_shift_training_randomness(t
 
     def run(name, callbacks, **kw):
         pl.seed_everything(0)
-        module = PPOModule(reward=TOY_REWARD,
-                           model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, mini_batch_size=2,
-                           ppo_epochs=1, generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0))
+        module = PPOModule(
+            reward=TOY_REWARD,
+            model_config=TINY_LLAMA,
+            tokenizer_name="byte",
+            learning_rate=1e-3,
+            mini_batch_size=2,
+            ppo_epochs=1,
+            generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0),
+        )
         data = PromptDataModule(prompts=prompts, tokenizer=module.tokenizer, batch_size=2, val_split=0.25)
-        options = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                       enable_model_summary=False, default_root_dir=str(tmp_path / name), enable_checkpointing=False,
-                       max_epochs=2)
+        options = dict(
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(tmp_path / name),
+            enable_checkpointing=False,
+            max_epochs=2,
+        )
         pl.Trainer(callbacks=callbacks, **{**options, **kw}).fit(module, data)
         return module
 
     plain = run("plain", [], limit_val_batches=0)
-    busy = run("busy", [SamplingCallback(every_n_iterations=1, num_prompts=2)], num_sanity_val_steps=2,
-               val_check_interval=1)
+    busy = run(
+        "busy", [SamplingCallback(every_n_iterations=1, num_prompts=2)], num_sanity_val_steps=2, val_check_interval=1
+    )
     _assert_same_weights(plain, busy)
 
 
@@ -289,9 +325,8 @@ def test_dpo_resume_under_two_ddp_ranks_is_bit_identical(tmp_path):
     import subprocess
     import sys
 
-    from safetensors.torch import load_file
-
     from dpo_utils import write_config
+    from safetensors.torch import load_file
 
     script = tmp_path / "run_cli.py"  # DDP relaunches sys.argv, so the entry point must be a file
     script.write_text("from aitraining_pl.cli import main\nmain()\n")
@@ -299,17 +334,36 @@ def test_dpo_resume_under_two_ddp_ranks_is_bit_identical(tmp_path):
     def run(name, steps, *extra):
         folder = tmp_path / name
         folder.mkdir()
-        config = write_config(folder, n_pairs=40, model={"lr_schedule": "constant", "learning_rate": 1e-2},
-                              data={"val_split": 0.1},
-                              trainer={"max_steps": steps, "limit_val_batches": 0, "devices": 2, "strategy": "ddp",
-                                       "enable_checkpointing": True, "callbacks": [
-                                           {"class_path": "aitraining_pl.callbacks.export.HFExportCallback",
-                                            "init_args": {"dirpath": str(folder / "export")}},
-                                           {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                                            "init_args": {"dirpath": str(folder / "ckpt"), "every_n_train_steps": 3,
-                                                          "filename": "{step}"}}]})
-        proc = subprocess.run([sys.executable, str(script), "fit", "--config", str(config), *extra],
-                              capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+        config = write_config(
+            folder,
+            n_pairs=40,
+            model={"lr_schedule": "constant", "learning_rate": 1e-2},
+            data={"val_split": 0.1},
+            trainer={
+                "max_steps": steps,
+                "limit_val_batches": 0,
+                "devices": 2,
+                "strategy": "ddp",
+                "enable_checkpointing": True,
+                "callbacks": [
+                    {
+                        "class_path": "aitraining_pl.callbacks.export.HFExportCallback",
+                        "init_args": {"dirpath": str(folder / "export")},
+                    },
+                    {
+                        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                        "init_args": {"dirpath": str(folder / "ckpt"), "every_n_train_steps": 3, "filename": "{step}"},
+                    },
+                ],
+            },
+        )
+        proc = subprocess.run(
+            [sys.executable, str(script), "fit", "--config", str(config), *extra],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return folder
 

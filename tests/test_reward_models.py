@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_LLAMA
 
 from aitraining_pl.losses import bradley_terry_loss, masked_objective_mse, pool_hidden_states
 from aitraining_pl.models import (
@@ -16,7 +17,6 @@ from aitraining_pl.models import (
     load_reward_model,
     with_padding_side,
 )
-from conftest import TINY_LLAMA
 
 TINY_BERT = {
     "model_type": "bert",
@@ -93,7 +93,9 @@ def test_pairwise_forward_and_bradley_terry_labels(byte_tokenizer):
     prob = model.forward_pair(a["input_ids"], a["attention_mask"], b["input_ids"], b["attention_mask"])
     torch.testing.assert_close(prob, torch.sigmoid(ra - rb))
     labels = torch.tensor([1, 0])  # row 0: A preferred; row 1: B preferred
-    loss = model.compute_bradley_terry_loss(a["input_ids"], a["attention_mask"], b["input_ids"], b["attention_mask"], labels)
+    loss = model.compute_bradley_terry_loss(
+        a["input_ids"], a["attention_mask"], b["input_ids"], b["attention_mask"], labels
+    )
     expected = bradley_terry_loss(torch.stack([ra[0], rb[1]]), torch.stack([rb[0], ra[1]]))
     torch.testing.assert_close(loss, expected)
     hand = -(torch.log(torch.sigmoid(ra[0] - rb[0])) + torch.log(torch.sigmoid(rb[1] - ra[1]))) / 2
@@ -175,7 +177,9 @@ def test_save_load_round_trip(kind, tmp_path, byte_tokenizer):
     if kind.endswith("lora"):
         assert any("lora_" in n for n, _ in loaded.named_parameters())  # still trainable the same way
     else:
-        assert type(model).from_pretrained(folder).predict_rewards(TEXTS, batch_size=2) == pytest.approx(expected, rel=tol, abs=tol)
+        assert type(model).from_pretrained(folder).predict_rewards(TEXTS, batch_size=2) == pytest.approx(
+            expected, rel=tol, abs=tol
+        )
 
 
 def test_from_pretrained_refuses_the_wrong_class_and_non_reward_folders(tmp_path):

@@ -47,7 +47,9 @@ def _module(cls=RewardModule, **kw):
 def _preference_data(module, n=128, seed=0, **kw) -> PreferenceDataModule:
     prompts, chosen, rejected = synthetic_pairs(n, seed)
     options = dict(batch_size=16, val_split=0.25, max_length=64, max_prompt_length=32, seed=seed)
-    return PreferenceDataModule(prompts=prompts, chosen=chosen, rejected=rejected, tokenizer=module.tokenizer, **{**options, **kw})
+    return PreferenceDataModule(
+        prompts=prompts, chosen=chosen, rejected=rejected, tokenizer=module.tokenizer, **{**options, **kw}
+    )
 
 
 # ------------------------------------------------------------------ learning
@@ -87,7 +89,9 @@ def test_shared_step_is_bradley_terry_with_margin_and_centring():
     loss = module.shared_step(batch, "train")
     rewards = module.reward_model.score(batch["input_ids"], batch["attention_mask"])
     chosen, rejected = rewards[:2], rewards[2:]
-    hand = -torch.log(torch.sigmoid(chosen - rejected - batch["margin"])).mean() + 0.5 * ((chosen + rejected) ** 2).mean()
+    hand = (
+        -torch.log(torch.sigmoid(chosen - rejected - batch["margin"])).mean() + 0.5 * ((chosen + rejected) ** 2).mean()
+    )
     torch.testing.assert_close(loss, hand)
     torch.testing.assert_close(loss, bradley_terry_loss(chosen, rejected, batch["margin"], 0.5))
     assert {"loss", "accuracy", "margin", "reward_mean"} <= set(logged)
@@ -123,7 +127,9 @@ def test_checkpoint_round_trip_with_weights_only(tmp_path):
     trainer.save_checkpoint(path)
     restored = RewardModule.load_from_checkpoint(path, weights_only=True)
     texts = ["Q: bc\nA: aeiou", "Q: d\nA: xyz"]
-    assert restored.reward_model.predict_rewards(texts) == pytest.approx(module.reward_model.predict_rewards(texts), abs=1e-6)
+    assert restored.reward_model.predict_rewards(texts) == pytest.approx(
+        module.reward_model.predict_rewards(texts), abs=1e-6
+    )
 
 
 # ------------------------------------------------------------------ multi-objective
@@ -144,7 +150,9 @@ def test_multi_objective_module_learns_and_never_touches_an_unknown_objective(tm
     pl.seed_everything(0)
     module = _module(MultiObjectiveRewardModule, num_objectives=3, objective_names=["vowels", "length", "unknown"])
     texts, scores = _scores_rows(96)
-    data = ScoresDataModule(num_objectives=3, texts=texts, scores=scores, tokenizer=module.tokenizer, batch_size=16, val_split=0.25)
+    data = ScoresDataModule(
+        num_objectives=3, texts=texts, scores=scores, tokenizer=module.tokenizer, batch_size=16, val_split=0.25
+    )
     trainer = _trainer(max_epochs=4)
     before = trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"]
     unknown_head = module.reward_model.head.weight[2].detach().clone()
@@ -159,7 +167,9 @@ def test_multi_objective_module_learns_and_never_touches_an_unknown_objective(tm
     trainer.save_checkpoint(tmp_path / "multi.ckpt")
     restored = MultiObjectiveRewardModule.load_from_checkpoint(tmp_path / "multi.ckpt", weights_only=True)
     assert restored.objective_names == ["vowels", "length", "unknown"]
-    assert restored.reward_model.predict_rewards(texts[:4]) == pytest.approx(loaded.predict_rewards(texts[:4]), abs=1e-6)
+    assert restored.reward_model.predict_rewards(texts[:4]) == pytest.approx(
+        loaded.predict_rewards(texts[:4]), abs=1e-6
+    )
 
 
 def _write_jsonl(path, rows):
@@ -171,7 +181,10 @@ def _write_jsonl(path, rows):
     "rows, match",
     [
         ([{"text": "abc", "score": [1, 2]}], r"missing column\(s\) 'scores'; columns found: text, score"),
-        ([{"text": "abc", "scores": [1, 2]}, {"text": "de", "scores": [1, 2, 3]}], r"row 2, field 'scores': expected 2 scores, got 3"),
+        (
+            [{"text": "abc", "scores": [1, 2]}, {"text": "de", "scores": [1, 2, 3]}],
+            r"row 2, field 'scores': expected 2 scores, got 3",
+        ),
         ([{"text": "abc", "scores": 1.5}], r"row 1, field 'scores': expected a list of 2 scores, got float"),
         ([{"text": "abc", "scores": [1, "high"]}], r"row 1, field 'scores': score 1 is 'high'"),
         ([{"text": "abc", "scores": [None, None]}], r"row 1, field 'scores': every score is null"),
@@ -187,7 +200,9 @@ def test_scores_data_errors_name_file_row_and_field(tmp_path, byte_tokenizer, ro
 
 
 def test_scores_batches_mask_unknown_objectives(byte_tokenizer):
-    data = ScoresDataModule(num_objectives=2, texts=["ab", "cde"], scores=[[1.0, None], [0.5, 2]], tokenizer=byte_tokenizer, val_split=0.0)
+    data = ScoresDataModule(
+        num_objectives=2, texts=["ab", "cde"], scores=[[1.0, None], [0.5, 2]], tokenizer=byte_tokenizer, val_split=0.0
+    )
     data.setup("fit")
     batch = data.collate_fn(data.train_dataset)
     assert batch["input_ids"].shape == batch["attention_mask"].shape == (2, 4)  # text + EOS, right padded
@@ -220,7 +235,9 @@ def test_reward_model_trainer_seed_api(tmp_path, byte_tokenizer):
     fresh.load_model(str(tmp_path / "reward_model.pt"))
     assert fresh.model.predict_rewards(val_chosen, byte_tokenizer) == pytest.approx(expected, abs=1e-6)
     # under LoRA the trained adapters must not count twice after load_model
-    lora_config = RewardModelConfig(model_config=TINY_LLAMA, use_lora=True, lora_rank=4, learning_rate=1e-2, warmup_steps=0)
+    lora_config = RewardModelConfig(
+        model_config=TINY_LLAMA, use_lora=True, lora_rank=4, learning_rate=1e-2, warmup_steps=0
+    )
     lora_trainer = RewardModelTrainer(RewardModel(lora_config), byte_tokenizer, lora_config, device="cpu")
     lora_trainer.train_on_preferences(chosen[:8], rejected[:8], num_epochs=2, batch_size=4)
     expected = lora_trainer.model.predict_rewards(val_chosen, byte_tokenizer)
@@ -243,13 +260,15 @@ def test_reward_quickstart_accuracy_rises_and_exports_a_loadable_folder(tmp_path
     monkeypatch.chdir(tmp_path)
     data = root / "aitraining_pl" / "data" / "quickstart_reward.jsonl"
     build_cli(["fit", "--config", str(root / "configs/quickstart/reward.yaml"), "--data.init_args.data_path", str(data),
-               "--trainer.max_steps", "24", "--trainer.limit_val_batches", "3", "--trainer.enable_progress_bar", "false"])  # fmt: skip
+               "--trainer.max_steps", "24", "--trainer.limit_val_batches", "3",
+               "--trainer.enable_progress_bar", "false"])  # fmt: skip
     (metrics_file,) = (tmp_path / "runs/quickstart-reward/csv").glob("version_*/metrics.csv")
     accuracy = [float(r["val/accuracy"]) for r in csv.DictReader(metrics_file.open()) if r.get("val/accuracy")]
     assert len(accuracy) >= 5 and accuracy[0] < 0.8 and min(accuracy[-3:]) >= 0.9
     model = load_reward_model(tmp_path / "runs/quickstart-reward/export/last")
-    good, bad = model.predict_rewards(["Explain gravity.Sure! Gravity is the force that pulls masses toward each other.",
-                                       "Explain gravity.no."])  # fmt: skip
+    good, bad = model.predict_rewards(
+        ["Explain gravity.Sure! Gravity is the force that pulls masses toward each other.", "Explain gravity.no."]
+    )
     assert good > bad
 
 
@@ -263,10 +282,14 @@ def test_multi_objective_quickstart_runs_briefly_and_checks_objective_counts(tmp
     monkeypatch.chdir(tmp_path)
     args = ["fit", "--config", str(root / "configs/quickstart/reward_multi_objective.yaml"),
             "--data.init_args.data_path", str(root / "aitraining_pl/data/quickstart_scores.jsonl"),
-            "--trainer.max_steps", "3", "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false"]  # fmt: skip
+            "--trainer.max_steps", "3", "--trainer.limit_val_batches", "1",
+            "--trainer.enable_progress_bar", "false"]  # fmt: skip
     cli = build_cli(args)
     assert cli.trainer.global_step == 3 and "val/loss/polite" in cli.trainer.callback_metrics
-    assert type(load_reward_model(tmp_path / "runs/quickstart-reward-mo/export/last")).__name__ == "MultiObjectiveRewardModel"
+    assert (
+        type(load_reward_model(tmp_path / "runs/quickstart-reward-mo/export/last")).__name__
+        == "MultiObjectiveRewardModel"
+    )
     with pytest.raises(DataValidationError, match="row 1, field 'scores': expected 2 scores, got 3"):
         build_cli(args + ["--data.init_args.num_objectives", "2"])
     with pytest.raises(ValueError, match="data module has 3 objectives per row, the model 2"):
@@ -291,7 +314,9 @@ def test_val_objective_losses_are_weighted_by_known_entries():
     row_weighted = {0: 0.0, 1: 0.0}
     with torch.no_grad():
         for batch in batches:
-            rewards = module.reward_model(batch["input_ids"], batch["attention_mask"], return_all_objectives=True)["rewards"]
+            rewards = module.reward_model(batch["input_ids"], batch["attention_mask"], return_all_objectives=True)[
+                "rewards"
+            ]
             for j in (0, 1):
                 known = batch["objective_mask"][:, j].bool()
                 errors = ((rewards[:, j] - batch["targets"][:, j]) ** 2)[known].tolist()

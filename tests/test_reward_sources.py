@@ -9,6 +9,7 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import TINY_LLAMA
 
 from aitraining_pl.datamodules.prompt import PromptDataModule
 from aitraining_pl.models.reward import RewardModel, RewardModelConfig, load_reward_model
@@ -16,8 +17,6 @@ from aitraining_pl.models.sequence_classifier import SequenceClassifierReward
 from aitraining_pl.modules.ppo import PPOModule
 from aitraining_pl.rewards import RewardModelSource, build_reward_source
 from aitraining_pl.rollout import GenerationConfig
-
-from conftest import TINY_LLAMA
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "hello", "world", "user", "assistant", ":"]
 VOCAB += list("abcdefghijklmnopqrstuvwxyz0123456789.,!?") + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
@@ -51,7 +50,10 @@ def _own_scores(folder: str, texts_or_pairs) -> list[float]:
     """The classifier's own score of each text, one at a time (no padding), in eval mode."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    model, tokenizer = AutoModelForSequenceClassification.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    model, tokenizer = (
+        AutoModelForSequenceClassification.from_pretrained(folder).eval(),
+        AutoTokenizer.from_pretrained(folder),
+    )
     out = []
     with torch.no_grad():
         for item in texts_or_pairs:
@@ -99,7 +101,9 @@ def test_own_folder_is_still_this_projects_source(tmp_path, byte_tokenizer):
     source = build_reward_source(str(tmp_path / "own"))
     assert isinstance(source, RewardModelSource)
     texts = [p + r for p, r in zip(PROMPTS, RESPONSES)]
-    assert source(PROMPTS, RESPONSES, [{}] * 4) == pytest.approx(load_reward_model(tmp_path / "own").predict_rewards(texts))
+    assert source(PROMPTS, RESPONSES, [{}] * 4) == pytest.approx(
+        load_reward_model(tmp_path / "own").predict_rewards(texts)
+    )
 
 
 def test_missing_reward_folder_is_named(tmp_path):
@@ -183,12 +187,16 @@ def test_a_classifier_folder_asking_for_remote_code_does_not_run_it(tmp_path, mo
     monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
     folder = _bert_reward_folder(tmp_path / "rm")
     with open(os.path.join(folder, "evil.py"), "w") as f:
-        f.write(EVIL + EVIL_CLASSES.format(tok="BertTokenizer", config="BertConfig", model="BertForSequenceClassification"))
+        f.write(
+            EVIL + EVIL_CLASSES.format(tok="BertTokenizer", config="BertConfig", model="BertForSequenceClassification")
+        )
     config = json.load(open(os.path.join(folder, "config.json")))
     config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForSequenceClassification": "evil.EvilModel"}
     json.dump(config, open(os.path.join(folder, "config.json"), "w"))
     source = build_reward_source(folder)  # loads with the built-in BERT classes
-    assert source(PROMPTS, RESPONSES, [{}] * 4) == pytest.approx(_own_scores(folder, list(zip(PROMPTS, RESPONSES))), abs=1e-4)
+    assert source(PROMPTS, RESPONSES, [{}] * 4) == pytest.approx(
+        _own_scores(folder, list(zip(PROMPTS, RESPONSES))), abs=1e-4
+    )
     assert not marker.exists()
 
 
@@ -219,7 +227,9 @@ def test_ppo_with_a_sequence_classifier_reward_whose_tokenizer_differs(tmp_path,
         model_config=TINY_LLAMA, tokenizer_name="byte", reward=recorder, mini_batch_size=2, ppo_epochs=1,
         generation=GenerationConfig(max_new_tokens=6, temperature=1.0, top_p=1.0),
     )  # fmt: skip
-    dm = PromptDataModule(prompts=["hello world", "the cat", "abc", "what is 2"], tokenizer=byte_tokenizer, batch_size=2)
+    dm = PromptDataModule(
+        prompts=["hello world", "the cat", "abc", "what is 2"], tokenizer=byte_tokenizer, batch_size=2
+    )
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
@@ -229,4 +239,6 @@ def test_ppo_with_a_sequence_classifier_reward_whose_tokenizer_differs(tmp_path,
     for prompts, responses, scores in recorder.calls:
         assert scores == pytest.approx(_own_scores(folder, list(zip(prompts, responses))), abs=1e-4)
     last_scores = recorder.calls[-1][2]
-    assert float(trainer.callback_metrics["train/reward_mean"]) == pytest.approx(sum(last_scores) / len(last_scores), abs=1e-4)
+    assert float(trainer.callback_metrics["train/reward_mean"]) == pytest.approx(
+        sum(last_scores) / len(last_scores), abs=1e-4
+    )

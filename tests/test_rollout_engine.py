@@ -52,8 +52,16 @@ def chat_policy(tmp_path_factory):
     eot = tok.convert_tokens_to_ids(EOT)
     assert eot != tok.eos_token_id
     config = AutoConfig.for_model(
-        "phi", vocab_size=392, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+        "phi",
+        vocab_size=392,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -84,10 +92,18 @@ def test_chat_policy_responses_end_at_the_end_of_turn_and_the_score_sits_on_it(c
     from aitraining_pl.modules.ppo import PPOModule
 
     path, eot = chat_policy
-    module = PPOModule(model_name=path, reward=lambda p, r, m: [float(len(x)) + 1.0 for x in r],
-                       generation=GenerationConfig(max_new_tokens=64, temperature=1.0))
-    dm = PromptDataModule(prompts=["hi", "what is 2+2?", "name a colour"], tokenizer=module.tokenizer, batch_size=3,
-                          use_chat_template=True, val_split=0.0)
+    module = PPOModule(
+        model_name=path,
+        reward=lambda p, r, m: [float(len(x)) + 1.0 for x in r],
+        generation=GenerationConfig(max_new_tokens=64, temperature=1.0),
+    )
+    dm = PromptDataModule(
+        prompts=["hi", "what is 2+2?", "name a colour"],
+        tokenizer=module.tokenizer,
+        batch_size=3,
+        use_chat_template=True,
+        val_split=0.0,
+    )
     dm.setup("fit")
     batch = dm.collate_fn([dm.train_dataset[i] for i in range(3)])
     assert batch["prompts"][0] == "<|user|>hi<|im_end|><|assistant|>"
@@ -104,8 +120,13 @@ def test_chat_policy_responses_end_at_the_end_of_turn_and_the_score_sits_on_it(c
     assert not response_mask(rollout.response_ids, module.tokenizer.eos_token_id)[1].any()
     scores, _ = module.score(batch["prompts"], batch["metadata"], rollout)
     assert scores.tolist() == [float(len(t)) + 1.0 for t in rollout.texts]
-    rewards, _ = token_rewards(scores, torch.zeros(12, rollout.response_ids.shape[1]),
-                               torch.zeros(12, rollout.response_ids.shape[1]), rollout.response_mask, kl_coef=0.1)
+    rewards, _ = token_rewards(
+        scores,
+        torch.zeros(12, rollout.response_ids.shape[1]),
+        torch.zeros(12, rollout.response_ids.shape[1]),
+        rollout.response_mask,
+        kl_coef=0.1,
+    )
     placed = place_scores(scores, rollout.response_mask)
     assert torch.equal(rewards, placed) and (rewards.nonzero()[:, 1] == lengths - 1).all()
     assert (rollout.response_ids[rewards != 0] == eot).all()  # the score sits on the end-of-turn token
@@ -163,8 +184,15 @@ def test_a_stop_string_across_the_prompt_boundary_neither_stops_generation_nor_t
             break
     assert stop not in byte_tokenizer.decode(free) and len(free) == 10
     # transformers' own stop strings look at the whole sequence and stop after one token
-    hf = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0,
-                        stop_strings=[stop], tokenizer=byte_tokenizer)
+    hf = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=10,
+        pad_token_id=0,
+        stop_strings=[stop],
+        tokenizer=byte_tokenizer,
+    )
     assert hf.shape[1] - ids.shape[1] == 1
     config = GenerationConfig(max_new_tokens=10, do_sample=False, stop_strings=[stop])
     rollout = RolloutEngine(byte_tokenizer, config).sample(model, ids, mask)
@@ -206,7 +234,7 @@ def test_samples_per_prompt_are_grouped_and_scored_with_their_prompt(byte_tokeni
         assert (rollout.prompt_ids[rows] == ids[i]).all() and (rollout.prompt_mask[rows] == mask[i]).all()
     assert len({tuple(r) for r in rollout.response_ids[:G].tolist()}) > 1  # the samples differ
     assert torch.equal(rollout.input_ids, torch.cat([rollout.prompt_ids, rollout.response_ids], 1))
-    assert torch.equal(rollout.attention_mask[:, ids.shape[1]:], rollout.response_mask)
+    assert torch.equal(rollout.attention_mask[:, ids.shape[1] :], rollout.response_mask)
 
     def source(prompts, responses, metadata):
         return [len(p) + m["bonus"] for p, m in zip(prompts, metadata)]
@@ -247,8 +275,8 @@ def test_pipeline_sampling_logprobs_are_of_the_truncated_distribution(tiny_confi
 
 
 def test_the_three_samplers_call_the_engine(monkeypatch, tiny_config, byte_tokenizer):
-    from aitraining_pl.environments import TextGenerationEnv
     from aitraining_pl.compat.forward_backward import ForwardBackwardPipeline
+    from aitraining_pl.environments import TextGenerationEnv
     from aitraining_pl.modules.ppo import PPOModule
 
     calls = []
@@ -263,8 +291,9 @@ def test_the_three_samplers_call_the_engine(monkeypatch, tiny_config, byte_token
     with ForwardBackwardPipeline(model, device="cpu") as pipe:
         pipe.sample([70, 71], max_tokens=3)
     TextGenerationEnv(byte_tokenizer, ["hi"], max_length=6).rollout(model)
-    module = PPOModule(reward=TOY_REWARD,
-                       model_config=TINY_LLAMA, tokenizer_name="byte", generation=GenerationConfig(max_new_tokens=3))
+    module = PPOModule(
+        reward=TOY_REWARD, model_config=TINY_LLAMA, tokenizer_name="byte", generation=GenerationConfig(max_new_tokens=3)
+    )
     ids, mask = _prompts(["a", "bc"])
     module.generate(ids, mask, num_samples=2)
     assert calls == [1, 1, 4]

@@ -19,8 +19,10 @@ from aitraining_pl.losses import sft_loss
 from aitraining_pl.models import LoRAConfig, build_causal_lm, load_tokenizer
 from aitraining_pl.models.scoring import pack_rows, scoring_path, token_logps
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 EOS = "</s>"  # the byte tokenizer's EOS (id 1)
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -39,8 +41,15 @@ def chat_tokenizer():
 
 
 def batch_of(tokenizer, rows, completion_only_loss=True, max_length=256):
-    dm = SFTDataModule(rows=rows, tokenizer=tokenizer, val_split=0, batch_size=len(rows), shuffle=False,
-                       completion_only_loss=completion_only_loss, max_length=max_length)
+    dm = SFTDataModule(
+        rows=rows,
+        tokenizer=tokenizer,
+        val_split=0,
+        batch_size=len(rows),
+        shuffle=False,
+        completion_only_loss=completion_only_loss,
+        max_length=max_length,
+    )
     dm.setup()
     return next(iter(dm.train_dataloader()))
 
@@ -105,8 +114,9 @@ def test_loss_equals_the_model_cross_entropy(arch, padding_free):
     same gradients, padded or packed, on every architecture (unsupported ones fall back to padded rows)."""
     model = build_causal_lm(ARCHITECTURES[arch], seed=0)
     model.eval()  # no dropout: both forwards must see the same network
-    labels = HAND_BATCH["input_ids"].masked_fill(~(HAND_BATCH["completion_mask"].bool()
-                                                   & HAND_BATCH["attention_mask"].bool()), -100)
+    labels = HAND_BATCH["input_ids"].masked_fill(
+        ~(HAND_BATCH["completion_mask"].bool() & HAND_BATCH["attention_mask"].bool()), -100
+    )
     want = model(input_ids=HAND_BATCH["input_ids"], attention_mask=HAND_BATCH["attention_mask"], labels=labels).loss
     want.backward()
     want_grads = [p.grad.clone() for p in model.parameters()]
@@ -134,8 +144,9 @@ def test_loss_equals_a_hand_loop(byte_tokenizer):
             if batch["completion_mask"][i, t]:
                 terms.append(-torch.log_softmax(logits[i, t - 1], -1)[batch["input_ids"][i, t]])
     assert len(terms) == len("Four.") + len("Hello there!") + 2  # + one EOS each
-    torch.testing.assert_close(sft_loss(*scored_logps(module.policy, batch)), torch.stack(terms).mean(),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        sft_loss(*scored_logps(module.policy, batch)), torch.stack(terms).mean(), rtol=1e-5, atol=1e-5
+    )
 
 
 # ------------------------------------------------------------------ data layouts and masks
@@ -143,15 +154,18 @@ def test_loss_equals_a_hand_loop(byte_tokenizer):
 def test_masks_of_each_layout(chat_tokenizer, completion_only_loss):
     text = batch_of(chat_tokenizer, [{"text": "The sky is blue."}], completion_only_loss)
     pc = batch_of(chat_tokenizer, [{"prompt": "The sky is", "completion": " blue."}], completion_only_loss)
-    pc_chat = batch_of(chat_tokenizer, [{"prompt": [{"role": "user", "content": "Sky?"}],
-                                         "completion": [{"role": "assistant", "content": "Blue."}]}],
-                       completion_only_loss)
+    pc_chat = batch_of(
+        chat_tokenizer,
+        [{"prompt": [{"role": "user", "content": "Sky?"}], "completion": [{"role": "assistant", "content": "Blue."}]}],
+        completion_only_loss,
+    )
     chat = batch_of(chat_tokenizer, [{"messages": CONVERSATION}], completion_only_loss)
     rendered = chat_tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
     assert full_text(chat_tokenizer, text) == "The sky is blue." + EOS  # EOS appended
     assert full_text(chat_tokenizer, pc) == "The sky is blue." + EOS
-    assert full_text(chat_tokenizer, pc_chat) == ("<|im_start|>user\nSky?<|im_end|>\n"
-                                                  "<|im_start|>assistant\nBlue.<|im_end|>\n" + EOS)
+    assert full_text(chat_tokenizer, pc_chat) == (
+        "<|im_start|>user\nSky?<|im_end|>\n<|im_start|>assistant\nBlue.<|im_end|>\n" + EOS
+    )
     assert full_text(chat_tokenizer, chat) == rendered + EOS
     if completion_only_loss:
         assert scored_text(chat_tokenizer, text) == "The sky is blue." + EOS  # plain text: every token
@@ -175,9 +189,11 @@ def test_a_conversation_ending_with_a_user_turn_leaves_its_eos_unscored(chat_tok
     assert scored_text(chat_tokenizer, batch) == "Hello.<|im_end|>\n"
 
 
-HIDING = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}<|a|>(hidden)\n"
-          "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endif %}{% endfor %}"
-          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+HIDING = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}<|a|>(hidden)\n"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def test_turns_a_template_rewrites_are_left_unscored(byte_tokenizer):
@@ -204,16 +220,20 @@ def test_truncation_keeps_the_start_and_drops_rows_with_nothing_to_learn(byte_to
 @pytest.mark.parametrize(
     "rows, expected",
     [
-        ([{"question": "a"}],
-         "no SFT columns: expected 'messages', 'prompt' + 'completion', or 'text'; columns found: question"),
+        (
+            [{"question": "a"}],
+            "no SFT columns: expected 'messages', 'prompt' + 'completion', or 'text'; columns found: question",
+        ),
         ([{"prompt": "a"}], "missing column(s) 'completion'"),
         ([{"text": "a"}, {"txt": "b"}], "row 2, field 'text': missing field"),
         ([{"text": "a"}, {"text": "  "}], "row 2, field 'text': empty text"),
         ([{"text": [{"role": "user", "content": "a"}]}], "row 1, field 'text': expected a non-empty string, got list"),
         ([{"messages": "hello"}], "row 1, field 'messages': expected a list of {role, content} messages"),
         ([{"messages": [{"role": "user"}]}], "row 1, field 'messages': message 0 is not a {role, content} dict"),
-        ([{"messages": CONVERSATION}, {"messages": [{"role": "user", "content": "a"}]}],
-         "row 2, field 'messages': no assistant message"),
+        (
+            [{"messages": CONVERSATION}, {"messages": [{"role": "user", "content": "a"}]}],
+            "row 2, field 'messages': no assistant message",
+        ),
     ],
 )
 def test_bad_rows_are_named(byte_tokenizer, rows, expected):
@@ -247,8 +267,13 @@ def sft_config(tmp_path, data_path, model=None, trainer=None, data=None):
     config = json.loads(write_config(tmp_path, model=model, trainer=trainer, data=data).read_text())
     config["model"]["class_path"] = "aitraining_pl.modules.sft.SFTModule"
     config["data"]["class_path"] = "aitraining_pl.datamodules.sft.SFTDataModule"
-    config["data"]["init_args"] = {"data_path": str(data_path), "val_split": 0.25, "batch_size": 4,
-                                   "max_length": 64, **(data or {})}
+    config["data"]["init_args"] = {
+        "data_path": str(data_path),
+        "val_split": 0.25,
+        "batch_size": 4,
+        "max_length": 64,
+        **(data or {}),
+    }
     path = tmp_path / "sft.yaml"
     path.write_text(json.dumps(config), encoding="utf-8")
     return path
@@ -278,10 +303,18 @@ def test_metrics_val_loss_is_token_weighted_and_perplexity_its_exp(tmp_path, byt
 def test_sft_learns_held_out_loss_falls_and_the_export_feeds_dpo(tmp_path):
     path = write_jsonl(tmp_path / "sft.jsonl", topic_rows(64))
     export = tmp_path / "export"
-    config = sft_config(tmp_path, path, model={"learning_rate": 1e-2},
-                        trainer={"max_steps": 36, "val_check_interval": 12, "callbacks": [
-                            {"class_path": "aitraining_pl.callbacks.export.HFExportCallback",
-                             "init_args": {"dirpath": str(export)}}]})
+    config = sft_config(
+        tmp_path,
+        path,
+        model={"learning_rate": 1e-2},
+        trainer={
+            "max_steps": 36,
+            "val_check_interval": 12,
+            "callbacks": [
+                {"class_path": "aitraining_pl.callbacks.export.HFExportCallback", "init_args": {"dirpath": str(export)}}
+            ],
+        },
+    )
     before = float(build_cli(["validate", "--config", str(config)]).trainer.callback_metrics["val/loss"])
     cli = build_cli(["fit", "--config", str(config)])
     val = series(read_metrics(tmp_path), "val/loss")
@@ -299,8 +332,11 @@ def test_sft_learns_held_out_loss_falls_and_the_export_feeds_dpo(tmp_path):
     # SFT -> DPO: the export is DPOModule's model_name (tokenizer from the same folder); a few steps train
     dpo_dir = tmp_path / "dpo"
     dpo_dir.mkdir()
-    dpo_config = write_config(dpo_dir, model={"model_name": str(export / "last"), "model_config": None,
-                                              "tokenizer_name": None}, trainer={"max_steps": 3})
+    dpo_config = write_config(
+        dpo_dir,
+        model={"model_name": str(export / "last"), "model_config": None, "tokenizer_name": None},
+        trainer={"max_steps": 3},
+    )
     dpo = build_cli(["fit", "--config", str(dpo_config)])
     assert dpo.trainer.global_step == 3 and len(series(read_metrics(dpo_dir), "train/loss")) >= 3
     start = AutoModelForCausalLM.from_pretrained(export / "last").state_dict()
@@ -308,14 +344,21 @@ def test_sft_learns_held_out_loss_falls_and_the_export_feeds_dpo(tmp_path):
 
 
 def test_lora_trains_only_adapters_and_exports_them(tmp_path, byte_tokenizer):
-    module = SFTModule(model_config=TINY_LLAMA, tokenizer_name="byte", lora=LoRAConfig(r=4, alpha=8, dropout=0.0),
-                       learning_rate=1e-2)
+    module = SFTModule(
+        model_config=TINY_LLAMA, tokenizer_name="byte", lora=LoRAConfig(r=4, alpha=8, dropout=0.0), learning_rate=1e-2
+    )
     assert module.hparams.lora["r"] == 4
     trainable = [n for n, p in module.policy.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     dm = SFTDataModule(rows=topic_rows(8), tokenizer=byte_tokenizer, val_split=0, batch_size=4)
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, dm)
     module.save_pretrained(tmp_path / "adapter")
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
@@ -327,9 +370,21 @@ def test_quickstart_config_runs_briefly(tmp_path, monkeypatch):
     root = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(tmp_path)
     data = root / "aitraining_pl" / "data" / "quickstart_sft.jsonl"
-    build_cli(["fit", "--config", str(root / "configs/quickstart/sft.yaml"), "--data.init_args.data_path", str(data),
-               "--trainer.max_steps", "3", "--trainer.log_every_n_steps", "1",
-               "--trainer.enable_progress_bar", "false"])
+    build_cli(
+        [
+            "fit",
+            "--config",
+            str(root / "configs/quickstart/sft.yaml"),
+            "--data.init_args.data_path",
+            str(data),
+            "--trainer.max_steps",
+            "3",
+            "--trainer.log_every_n_steps",
+            "1",
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+    )
     assert list((tmp_path / "runs/quickstart-sft/csv").glob("version_*/metrics.csv"))
     assert (tmp_path / "runs/quickstart-sft/export/last/model.safetensors").is_file()
 
@@ -344,19 +399,63 @@ def test_sft_reward_ppo_pipeline_through_the_quickstart_configs(tmp_path, monkey
     root = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(tmp_path)
     data, quiet = root / "aitraining_pl" / "data", ["--trainer.enable_progress_bar", "false"]
-    short = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
-             "--trainer.val_check_interval", "1.0"]
-    build_cli(["fit", "--config", str(root / "configs/quickstart/sft.yaml"), "--data.init_args.data_path",
-               str(data / "quickstart_sft.jsonl"), *short, *quiet])
+    short = [
+        "--trainer.max_epochs",
+        "1",
+        "--trainer.limit_train_batches",
+        "2",
+        "--trainer.limit_val_batches",
+        "1",
+        "--trainer.val_check_interval",
+        "1.0",
+    ]
+    build_cli(
+        [
+            "fit",
+            "--config",
+            str(root / "configs/quickstart/sft.yaml"),
+            "--data.init_args.data_path",
+            str(data / "quickstart_sft.jsonl"),
+            *short,
+            *quiet,
+        ]
+    )
     sft = tmp_path / "runs/quickstart-sft/export/last"
-    from_sft = ["--model.init_args.model_name", str(sft), "--model.init_args.model_config", "null",
-                "--model.init_args.tokenizer_name", "null"]
-    build_cli(["fit", "--config", str(root / "configs/quickstart/reward.yaml"), *from_sft, "--data.init_args.data_path",
-               str(data / "quickstart_reward.jsonl"), *short, *quiet])
+    from_sft = [
+        "--model.init_args.model_name",
+        str(sft),
+        "--model.init_args.model_config",
+        "null",
+        "--model.init_args.tokenizer_name",
+        "null",
+    ]
+    build_cli(
+        [
+            "fit",
+            "--config",
+            str(root / "configs/quickstart/reward.yaml"),
+            *from_sft,
+            "--data.init_args.data_path",
+            str(data / "quickstart_reward.jsonl"),
+            *short,
+            *quiet,
+        ]
+    )
     reward = tmp_path / "runs/quickstart-reward/export/last"
-    ppo = build_cli(["fit", "--config", str(root / "configs/quickstart/ppo.yaml"), *from_sft,
-                     "--model.init_args.reward", str(reward), "--data.init_args.data_path",
-                     str(data / "quickstart_prompts.jsonl"), *short, *quiet])
+    ppo = build_cli(
+        [
+            "fit",
+            "--config",
+            str(root / "configs/quickstart/ppo.yaml"),
+            *from_sft,
+            "--model.init_args.reward",
+            str(reward),
+            "--data.init_args.data_path",
+            str(data / "quickstart_prompts.jsonl"),
+            *short,
+            *quiet,
+        ]
+    )
     from transformers import AutoModelForCausalLM
 
     start = AutoModelForCausalLM.from_pretrained(sft).state_dict()

@@ -9,6 +9,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
+from architectures import spec
+from conftest import TINY_LLAMA
+from dpo_utils import preference_rows, write_jsonl
 
 from aitraining_pl.callbacks.export import HFExportCallback
 from aitraining_pl.callbacks.model_card import model_card
@@ -27,12 +30,17 @@ from aitraining_pl.models import (
 from aitraining_pl.modules.dpo import DPOModule
 from aitraining_pl.modules.ppo import PPOModule
 from aitraining_pl.modules.reward import RewardModule
-from architectures import spec
-from conftest import TINY_LLAMA
-from dpo_utils import preference_rows, write_jsonl
 
-TINY_BERT = {"model_type": "bert", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
-             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 128, "pad_token_id": 0}
+TINY_BERT = {
+    "model_type": "bert",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 128,
+    "pad_token_id": 0,
+}
 TEXTS = ["short", "a somewhat longer text", "mid length", "x"]
 
 
@@ -104,8 +112,11 @@ def test_bert_reward_model_with_cls_pooling_loads_as_bert_for_sequence_classific
 
 
 def test_multi_objective_model_exports_its_combined_reward(tmp_path):
-    model = MultiObjectiveRewardModel(RewardModelConfig(model_config=TINY_LLAMA, dropout_prob=0.0, head_bias=False),
-                                      num_objectives=3, objective_weights=[0.5, 0.3, 0.2]).eval()
+    model = MultiObjectiveRewardModel(
+        RewardModelConfig(model_config=TINY_LLAMA, dropout_prob=0.0, head_bias=False),
+        num_objectives=3,
+        objective_weights=[0.5, 0.3, 0.2],
+    ).eval()
     with torch.no_grad():
         model.head.weight.normal_()
     ids, mask = _right_padded(vocab=384)
@@ -138,16 +149,28 @@ def test_mean_pooling_keeps_the_projects_format_and_old_folders_still_load(tmp_p
 def _preference_data(byte_tokenizer, path=None):
     rows = preference_rows(12)
     if path is not None:
-        return PreferenceDataModule(data_path=str(write_jsonl(path, rows)), tokenizer=byte_tokenizer, val_split=0,
-                                    batch_size=4)
-    return PreferenceDataModule(prompts=[r["prompt"] for r in rows], chosen=[r["chosen"] for r in rows],
-                                rejected=[r["rejected"] for r in rows], tokenizer=byte_tokenizer, val_split=0,
-                                batch_size=4)
+        return PreferenceDataModule(
+            data_path=str(write_jsonl(path, rows)), tokenizer=byte_tokenizer, val_split=0, batch_size=4
+        )
+    return PreferenceDataModule(
+        prompts=[r["prompt"] for r in rows],
+        chosen=[r["chosen"] for r in rows],
+        rejected=[r["rejected"] for r in rows],
+        tokenizer=byte_tokenizer,
+        val_split=0,
+        batch_size=4,
+    )
 
 
 def _fit(module, datamodule, callback, max_steps=2):
-    trainer = pl.Trainer(max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[callback])
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
     trainer.fit(module, datamodule)
     return trainer
 
@@ -172,8 +195,9 @@ def test_trained_reward_module_export_is_a_plain_sequence_classifier(tmp_path, b
 def test_lora_export_of_an_inline_model_loads_offline_with_auto_peft(tmp_path, byte_tokenizer):
     from peft import AutoPeftModelForCausalLM
 
-    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-2,
-                       lora=LoRAConfig(r=4, alpha=8, dropout=0.0))
+    module = DPOModule(
+        model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-2, lora=LoRAConfig(r=4, alpha=8, dropout=0.0)
+    )
     _fit(module, _preference_data(byte_tokenizer), HFExportCallback(tmp_path / "out"))
     last = tmp_path / "out" / "last"
     config = json.loads((last / "adapter_config.json").read_text())
@@ -203,8 +227,12 @@ def test_lora_export_of_a_folder_model_names_that_folder(tmp_path, byte_tokenize
 # ------------------------------------------------------------------ value head
 @pytest.mark.parametrize("lora", [False, True])
 def test_ppo_export_loads_with_its_value_head(tmp_path, lora):
-    module = PPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", reward=lambda p, r, m: [0.0] * len(r),
-                       lora=LoRAConfig(r=4, alpha=8, dropout=0.0) if lora else None)
+    module = PPOModule(
+        model_config=TINY_LLAMA,
+        tokenizer_name="byte",
+        reward=lambda p, r, m: [0.0] * len(r),
+        lora=LoRAConfig(r=4, alpha=8, dropout=0.0) if lora else None,
+    )
     with torch.no_grad():
         for param in module.model.value_head.parameters():
             param.normal_()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from architectures import WITH_DROPOUT, build_sharpened, spec
+from conftest import TINY_LLAMA
 
 import aitraining_pl.models.lm_head as lm_head
 import aitraining_pl.models.scoring as scoring
@@ -17,8 +19,6 @@ from aitraining_pl.modules.dpo import DPOModule
 from aitraining_pl.modules.ppo import PPOModule
 from aitraining_pl.modules.reward import RewardModule
 from aitraining_pl.rollout import GenerationConfig
-from architectures import WITH_DROPOUT, build_sharpened, spec
-from conftest import TINY_LLAMA
 
 TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need a reward source
 
@@ -75,19 +75,33 @@ def test_modules_disable_dropout_by_default():
 def test_ppo_with_dropout_and_lora_starts_at_ratio_one(tmp_path, byte_tokenizer):
     """A dropout model under LoRA with adapter dropout: the first minibatch's ratio is 1 and nothing is
     clipped (old log-probs are computed in eval mode, the update in training mode)."""
+
     def run(flag):
         torch.manual_seed(0)
         module = PPOModule(
             model_config={"model_type": "gpt2", **spec("gpt2"), "vocab_size": 384, "eos_token_id": 1},
-            tokenizer_name="byte", lora=LoRAConfig(r=4, alpha=8, dropout=0.3), disable_dropout=flag,
+            tokenizer_name="byte",
+            lora=LoRAConfig(r=4, alpha=8, dropout=0.3),
+            disable_dropout=flag,
             reward=lambda prompts, responses, metadata: [float(len(r)) for r in responses],
-            generation=GenerationConfig(max_new_tokens=6, temperature=1.0, top_p=1.0), learning_rate=1e-3,
-            mini_batch_size=2, ppo_epochs=1, clip_ratio=0.01,
+            generation=GenerationConfig(max_new_tokens=6, temperature=1.0, top_p=1.0),
+            learning_rate=1e-3,
+            mini_batch_size=2,
+            ppo_epochs=1,
+            clip_ratio=0.01,
         )
         dm = PromptDataModule(prompts=["ab", "cde", "f", "ghij"], tokenizer=byte_tokenizer, batch_size=4)
-        pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=1, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   default_root_dir=str(tmp_path)).fit(module, dm)
+        pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=1,
+            limit_train_batches=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(tmp_path),
+        ).fit(module, dm)
         return module.update_history[0]
 
     first = run(True)
@@ -103,8 +117,9 @@ def test_gradient_checkpointing_on_the_packed_path(lora):
     recomputation in backward runs packed too (without it: CheckpointError)."""
     results = []
     for checkpointing in (False, True):
-        module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", lora=lora,
-                           gradient_checkpointing=checkpointing)
+        module = DPOModule(
+            model_config=TINY_LLAMA, tokenizer_name="byte", lora=lora, gradient_checkpointing=checkpointing
+        )
         module.train()
         layers = module.policy.get_base_model().model.layers if lora else module.policy.model.layers
         assert all(layer.gradient_checkpointing == checkpointing for layer in layers)
@@ -128,8 +143,11 @@ def test_unknown_logit_post_processing_falls_back_to_the_models_forward(monkeypa
     assert path.name == "forward" and "differs from the model's forward" in path.reason
     assert "GraniteForCausalLM: log-probs run on the forward path" in caplog.text
     batch = {k: v.clone() for k, v in BATCH.items()}
-    want = sequence_logps(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                          batch["input_ids"], batch["completion_mask"]).logps
+    want = sequence_logps(
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+        batch["input_ids"],
+        batch["completion_mask"],
+    ).logps
     torch.testing.assert_close(completion_logps(model, batch, True, True).logps, want, rtol=0, atol=1e-4)
 
 
@@ -151,8 +169,11 @@ def test_packing_needs_a_contiguous_completion_mask():
     model = build_causal_lm(TINY_LLAMA)
     for batch in (gap, left):
         assert not is_contiguous(batch) and not can_pack(batch) and not can_pack(batch, share_prompt=True)
-        want = sequence_logps(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                              batch["input_ids"], batch["completion_mask"]).logps
+        want = sequence_logps(
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+            batch["input_ids"],
+            batch["completion_mask"],
+        ).logps
         torch.testing.assert_close(completion_logps(model, batch, True, True).logps, want, rtol=0, atol=1e-5)
 
 
@@ -167,6 +188,7 @@ def test_probe_keeps_the_fast_path_under_bf16():
 
 def test_gradient_checkpointing_in_reward_and_ppo_modules():
     """The reward trunk and PPO's policy recompute in backward with the same loss and gradients."""
+
     def reward_grads(checkpointing):
         module = RewardModule(model_config=TINY_LLAMA, tokenizer_name="byte", gradient_checkpointing=checkpointing)
         module.train()
@@ -176,8 +198,9 @@ def test_gradient_checkpointing_in_reward_and_ppo_modules():
 
     def ppo_grads(checkpointing):
         torch.manual_seed(0)  # the value head's first layer initialises from the global generator
-        module = PPOModule(reward=TOY_REWARD,
-                           model_config=TINY_LLAMA, tokenizer_name="byte", gradient_checkpointing=checkpointing)
+        module = PPOModule(
+            reward=TOY_REWARD, model_config=TINY_LLAMA, tokenizer_name="byte", gradient_checkpointing=checkpointing
+        )
         torch.nn.init.normal_(module.model.value_head.net[-1].weight, generator=torch.Generator().manual_seed(0))
         module.train()
         out = module(BATCH["input_ids"], BATCH["attention_mask"], 2, with_entropy=True)  # fused head: no logits

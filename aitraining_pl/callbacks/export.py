@@ -11,7 +11,6 @@ import shutil
 import sys
 import uuid
 from pathlib import Path
-from typing import Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_only
@@ -104,12 +103,12 @@ class HFExportCallback(pl.Callback):
     def __init__(
         self,
         dirpath: str,
-        every_n_train_steps: Optional[int] = None,
-        keep_last_k: Optional[int] = 2,
+        every_n_train_steps: int | None = None,
+        keep_last_k: int | None = 2,
         merge_lora: bool = False,
         save_last: bool = True,
         push_to_hub: bool = False,
-        hub_model_id: Optional[str] = None,
+        hub_model_id: str | None = None,
         hub_private: bool = False,
     ):
         if every_n_train_steps is not None and every_n_train_steps < 1:

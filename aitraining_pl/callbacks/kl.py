@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 
@@ -32,10 +32,10 @@ class AdaptiveKLCallback(pl.Callback):
         self,
         kl_target: float = 0.01,
         kl_horizon: float = 10000,
-        kl_coef: Optional[float] = None,
-        target: Optional[float] = None,
-        horizon: Optional[float] = None,
-        init_kl_coef: Optional[float] = None,
+        kl_coef: float | None = None,
+        target: float | None = None,
+        horizon: float | None = None,
+        init_kl_coef: float | None = None,
     ):
         owner = type(self).__name__
         self.kl_target = float(renamed(owner, "kl_target", kl_target, 0.01, target=target))
@@ -43,7 +43,7 @@ class AdaptiveKLCallback(pl.Callback):
         self.kl_coef = renamed(owner, "kl_coef", kl_coef, None, init_kl_coef=init_kl_coef)
         values = {"kl_target": self.kl_target, "kl_horizon": self.kl_horizon, "kl_coef": self.kl_coef}
         check_hparams({k: v for k, v in values.items() if v is not None}, owner)
-        self.controller: Optional[AdaptiveKLController] = None
+        self.controller: AdaptiveKLController | None = None
 
     def _controller(self, pl_module: pl.LightningModule) -> AdaptiveKLController:
         if self.controller is None:
@@ -60,7 +60,11 @@ class AdaptiveKLCallback(pl.Callback):
         pl_module.kl_coef = controller.update(pl_module.last_kl, pl_module.last_num_samples)
 
     def state_dict(self) -> dict[str, Any]:
-        return {} if self.controller is None else {**self.controller.state_dict(), "target": self.kl_target, "horizon": self.kl_horizon}
+        return (
+            {}
+            if self.controller is None
+            else {**self.controller.state_dict(), "target": self.kl_target, "horizon": self.kl_horizon}
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 #: module class name -> algorithm tag on the hub.
 ALGORITHM_TAGS = {
@@ -74,8 +75,10 @@ def _usage(kind: str, adapters: bool) -> str:
                 "model = AutoModelForSequenceClassification.from_pretrained(path)  # logits[:, 0] is the reward\n"
                 "# exact project model, extras included: aitraining_pl.models.load_reward_model(path)")  # fmt: skip
     if adapters:
-        text = ("from peft import AutoPeftModelForCausalLM\n"
-                "model = AutoPeftModelForCausalLM.from_pretrained(path)  # adapter_config.json names the base")
+        text = (
+            "from peft import AutoPeftModelForCausalLM\n"
+            "model = AutoPeftModelForCausalLM.from_pretrained(path)  # adapter_config.json names the base"
+        )
     else:
         text = "from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained(path)"
     if kind == "value":
@@ -90,12 +93,18 @@ def _reward_notes(folder: Path) -> list[str]:
         return []
     record = json.loads(file.read_text(encoding="utf-8")).get("standard")
     if not record:
-        return ["**Layout:** the project's own (`trunk.*` / `head.*`); load it with "
-                "`aitraining_pl.models.load_reward_model`, not with `AutoModelForSequenceClassification`.", ""]
+        return [
+            "**Layout:** the project's own (`trunk.*` / `head.*`); load it with "
+            "`aitraining_pl.models.load_reward_model`, not with `AutoModelForSequenceClassification`.",
+            "",
+        ]
     exact = "exact" if record["exact"] else "; ".join(record["reasons"])
-    return [f"**Layout:** `{record['architecture']}` with one label, the reward ({exact}; probe difference "
-            f"{record['max_abs_difference']:.2g}, score_offset {record['score_offset']:.6g}). "
-            "The project's extras (`reward_config.json`, `reward_head.safetensors`) lie beside.", ""]
+    return [
+        f"**Layout:** `{record['architecture']}` with one label, the reward ({exact}; probe difference "
+        f"{record['max_abs_difference']:.2g}, score_offset {record['score_offset']:.6g}). "
+        "The project's extras (`reward_config.json`, `reward_head.safetensors`) lie beside.",
+        "",
+    ]
 
 
 def model_card(folder: str | os.PathLike, module, trainer=None) -> str:

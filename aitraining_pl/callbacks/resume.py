@@ -5,7 +5,7 @@ set the loader up before the checkpoint was read."""
 from __future__ import annotations
 
 import random
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -61,8 +61,8 @@ class ExactResumeCallback(pl.Callback):
     """
 
     def __init__(self) -> None:
-        self._pending: Optional[dict[str, Any]] = None
-        self._outside_validation: Optional[dict[str, Any]] = None
+        self._pending: dict[str, Any] | None = None
+        self._outside_validation: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         # called on every rank while the checkpoint is written: the states the next training batch would start from

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -29,8 +29,8 @@ class SamplingCallback(pl.Callback):
 
     def __init__(
         self,
-        prompts: Optional[list[str]] = None,
-        metadata: Optional[list[dict]] = None,
+        prompts: list[str] | None = None,
+        metadata: list[dict] | None = None,
         every_n_iterations: int = 10,
         num_prompts: int = 4,
         filename: str = "samples.jsonl",
@@ -39,7 +39,7 @@ class SamplingCallback(pl.Callback):
             raise ValueError(f"every_n_iterations must be >= 1, got {every_n_iterations}")
         self.prompts, self.metadata = prompts, metadata
         self.every_n_iterations, self.num_prompts, self.filename = every_n_iterations, num_prompts, filename
-        self.path: Optional[str] = None
+        self.path: str | None = None
 
     def _fixed_prompts(self, trainer: pl.Trainer) -> tuple[list[str], list[dict]]:
         if self.prompts is None:

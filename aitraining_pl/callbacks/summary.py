@@ -36,13 +36,25 @@ class CompactModelSummary(ModelSummary):
         if trainer.is_global_zero:
             kwargs: dict[str, Any] = dict(self._summarize_kwargs)
             self.summarize(
-                data, summary.total_parameters, summary.trainable_parameters, summary.model_size,
-                summary.total_training_modes, total_flops=total_flops, **kwargs,
+                data,
+                summary.total_parameters,
+                summary.trainable_parameters,
+                summary.model_size,
+                summary.total_training_modes,
+                total_flops=total_flops,
+                **kwargs,
             )
 
     @staticmethod
-    def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
-                  total_flops, **summarize_kwargs: Any) -> None:
+    def summarize(
+        summary_data,
+        total_parameters,
+        trainable_parameters,
+        model_size,
+        total_training_modes,
+        total_flops,
+        **summarize_kwargs: Any,
+    ) -> None:
         """Lightning's plain-text table, without its "Total Flops" line when no FLOPs were counted."""
         from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 

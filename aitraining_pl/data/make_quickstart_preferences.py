@@ -3,7 +3,8 @@
 Each prompt asks about a topic; the chosen answer defines it correctly, the rejected one is either a
 dismissive reply (15%) or, in the same polite words, the right definition with its words shuffled
 (85%). So a model has to learn word order, not only a style: a tiny randomly initialised model gets
-there within a couple of minutes on a CPU, which is what the quickstart shows. Run: ``python -m aitraining_pl.data.make_quickstart_preferences``.
+there within a couple of minutes on a CPU, which is what the quickstart shows.
+Run: ``python -m aitraining_pl.data.make_quickstart_preferences``.
 """
 
 from __future__ import annotations
@@ -26,9 +27,28 @@ TOPICS = {
     "an algorithm": "a precise list of steps that solves a problem",
     "the moon": "the natural satellite that orbits the earth",
 }
-ASK = ["What is {t}?", "Explain {t}.", "Can you tell me about {t}?", "Describe {t} briefly.", "I want to learn about {t}."]
-GOOD = ["Sure! {T} is {d}.", "Happy to help: {t} is {d}.", "Good question. {T} is {d}.", "Of course. In short, {t} is {d}."]
-BAD = ["idk lol", "no idea, google it", "why would I know that", "whatever", "not my problem", "ask someone else", "meh"]
+ASK = [
+    "What is {t}?",
+    "Explain {t}.",
+    "Can you tell me about {t}?",
+    "Describe {t} briefly.",
+    "I want to learn about {t}.",
+]
+GOOD = [
+    "Sure! {T} is {d}.",
+    "Happy to help: {t} is {d}.",
+    "Good question. {T} is {d}.",
+    "Of course. In short, {t} is {d}.",
+]
+BAD = [
+    "idk lol",
+    "no idea, google it",
+    "why would I know that",
+    "whatever",
+    "not my problem",
+    "ask someone else",
+    "meh",
+]
 
 
 def make(n: int = 480, seed: int = 0) -> list[dict]:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -35,8 +36,9 @@ def holdout(rows: Sequence[Any], fraction: float, seed: int, source: str) -> tup
 
 
 def _read(source: DataSource) -> list[dict]:
-    return read_records(source.path, source.split, name=source.name, data_files=source.data_files,
-                        revision=source.revision)
+    return read_records(
+        source.path, source.split, name=source.name, data_files=source.data_files, revision=source.revision
+    )
 
 
 class TextDataModule(pl.LightningDataModule):
@@ -78,7 +80,7 @@ class TextDataModule(pl.LightningDataModule):
     def _dataset(self, rows: list, source: str) -> Any:
         return rows
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         """Read, check and tokenise once (a second call reuses the datasets)."""
         if self.train_dataset is not None:
             return
@@ -104,7 +106,7 @@ class TextDataModule(pl.LightningDataModule):
         pad = self.tokenizer.pad_token_id
         return self.collator(pad if pad is not None else 0)
 
-    def _loader(self, dataset: Any, batch_size: Optional[int] = None, **kwargs: Any) -> DataLoader:
+    def _loader(self, dataset: Any, batch_size: int | None = None, **kwargs: Any) -> DataLoader:
         """A loader over ``dataset`` (default batch size: ``eval_batch_size or batch_size``, in order).
 
         It resumes mid-epoch (``ResumableDataLoader``) and has its own generator, so creating an iterator never

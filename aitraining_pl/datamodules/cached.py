@@ -10,7 +10,7 @@ barrier: the encoding happens there once and the other ranks read the cache.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule, holdout_indices
 from aitraining_pl.datamodules.io import DataSource, data_sources, load_source, quiet_datasets
@@ -32,8 +32,14 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
         return Hasher.hash(tokenizer)
     except Exception:  # an unpicklable tokenizer: its class, name and vocabulary
         vocab = sorted(tokenizer.get_vocab().items()) if hasattr(tokenizer, "get_vocab") else None
-        return Hasher.hash([type(tokenizer).__qualname__, getattr(tokenizer, "name_or_path", None), vocab,
-                            getattr(tokenizer, "chat_template", None)])
+        return Hasher.hash(
+            [
+                type(tokenizer).__qualname__,
+                getattr(tokenizer, "name_or_path", None),
+                vocab,
+                getattr(tokenizer, "chat_template", None),
+            ]
+        )
 
 
 def take(rows: Any, indices: list[int]) -> Any:
@@ -51,7 +57,7 @@ class CachedDataModule(TextDataModule):
 
     keep_columns = False
 
-    def _data_sources(self) -> tuple[Optional[DataSource], Optional[DataSource]]:
+    def _data_sources(self) -> tuple[DataSource | None, DataSource | None]:
         """``data_sources`` of the hyperparameters, resolved (and any deprecation announced) once."""
         if getattr(self, "_sources", None) is None:
             self._sources = data_sources(self.hparams)
@@ -63,8 +69,9 @@ class CachedDataModule(TextDataModule):
         tokenizer = self.tokenizer
         if getattr(self, "_tokenizer_hash", (None, None))[0] is not tokenizer:
             self._tokenizer_hash = (tokenizer, tokenizer_fingerprint(tokenizer))
-        return Hasher.hash([rows._fingerprint, self._tokenizer_hash[1], self._settings(), type(self).__qualname__,
-                            ENCODING_VERSION])
+        return Hasher.hash(
+            [rows._fingerprint, self._tokenizer_hash[1], self._settings(), type(self).__qualname__, ENCODING_VERSION]
+        )
 
     def _encode_rows(self, rows: Any, source: str) -> Any:
         """``_encode`` over every row: a cached ``Dataset.map`` for a ``Dataset``, a loop for a list."""
@@ -73,9 +80,11 @@ class CachedDataModule(TextDataModule):
             return [({**r} if self.keep_columns else {}) | self._encode(r, i, source) for i, r in enumerate(rows)]
         with quiet_datasets(progress=len(rows) >= PROGRESS_ROWS):
             return rows.map(
-                lambda record, index: self._encode(record, index, source), with_indices=True,
+                lambda record, index: self._encode(record, index, source),
+                with_indices=True,
                 remove_columns=None if self.keep_columns else rows.column_names,
-                new_fingerprint=self._fingerprint(rows), desc=f"Tokenising {source}",
+                new_fingerprint=self._fingerprint(rows),
+                desc=f"Tokenising {source}",
             )
 
     def _encoded(self, source: DataSource) -> Any:
@@ -89,7 +98,7 @@ class CachedDataModule(TextDataModule):
             if rows is not None and not isinstance(rows, list):  # a list is not cached: setup reads it
                 self._encode_rows(rows, source.label)
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         """Read, check and tokenise once (a second call reuses the datasets; cached rows are loaded)."""
         if self.train_dataset is not None:
             return

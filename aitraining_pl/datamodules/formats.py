@@ -71,8 +71,11 @@ def render(tokenizer: Any, messages: list[dict], *, generation_prompt: bool = Fa
     template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
     open_last = generation_prompt and bool(messages) and messages[-1].get("role") == "assistant"
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, chat_template=template,
-        add_generation_prompt=generation_prompt and not open_last, continue_final_message=open_last,
+        messages,
+        tokenize=False,
+        chat_template=template,
+        add_generation_prompt=generation_prompt and not open_last,
+        continue_final_message=open_last,
     )
 
 
@@ -133,4 +136,3 @@ def prompt_text(tokenizer: Any, prompt: Any, use_chat_template: bool = False) ->
     if not (is_messages(prompt) or use_chat_template):
         return prompt
     return render(tokenizer, as_messages(prompt, "user"), generation_prompt=True)
-

@@ -16,10 +16,11 @@ import json
 import logging
 import os
 import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -72,7 +73,9 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataValidationError(str(path), f"malformed JSON ({err.msg} at column {err.colno})", line_no) from None
+                raise DataValidationError(
+                    str(path), f"malformed JSON ({err.msg} at column {err.colno})", line_no
+                ) from None
             if not isinstance(record, dict):
                 raise DataValidationError(str(path), f"expected a JSON object, got {type(record).__name__}", line_no)
             records.append(record)
@@ -85,7 +88,9 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise DataValidationError(str(path), f"malformed JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
+        raise DataValidationError(
+            str(path), f"malformed JSON ({err.msg} at line {err.lineno}, column {err.colno})"
+        ) from None
     if isinstance(data, dict):  # {"column": [values...]} or {"data": [records...]}
         if "data" in data and isinstance(data["data"], list):
             data = data["data"]
@@ -144,9 +149,9 @@ class DataSource:
 
     path: str
     split: str = "train"
-    name: Union[str, None] = None
+    name: str | None = None
     data_files: Any = None
-    revision: Union[str, None] = None
+    revision: str | None = None
 
     @property
     def label(self) -> str:
@@ -162,7 +167,7 @@ def _is_file(path: str) -> bool:
     return Path(os.path.expanduser(path)).is_file() or Path(path).suffix in _READERS
 
 
-def data_sources(hp: Any) -> tuple[Union[DataSource, None], Union[DataSource, None]]:
+def data_sources(hp: Any) -> tuple[DataSource | None, DataSource | None]:
     """The training source (``None`` for in-memory rows) and the validation source (``None``: none, or a
     held-out fraction) named by a data module's hyperparameters ``data_path``, ``split``, ``name``,
     ``data_files``, ``revision``, ``val_data_path`` and ``val_split_name`` (the last five optional).
@@ -185,7 +190,9 @@ def data_sources(hp: Any) -> tuple[Union[DataSource, None], Union[DataSource, No
         if not _is_local(path):
             warnings.warn(
                 f"val_data_path equal to data_path ({path!r}) reads its 'test' split; this is deprecated: set "
-                "val_split_name: test (and leave val_data_path unset)", FutureWarning, stacklevel=2,
+                "val_split_name: test (and leave val_data_path unset)",
+                FutureWarning,
+                stacklevel=2,
             )
         val_name = "test"
     return train, replace(train, split=val_name)
@@ -215,8 +222,13 @@ def _load_hub(source: DataSource) -> Any:
 
     try:
         with quiet_datasets():
-            return load_dataset(source.path, name=source.name, data_files=source.data_files,
-                                revision=source.revision, split=source.split)
+            return load_dataset(
+                source.path,
+                name=source.name,
+                data_files=source.data_files,
+                revision=source.revision,
+                split=source.split,
+            )
     except Exception as err:  # datasets raises many types; the user needs the source named
         raise DataValidationError(source.path, f"not a local file and not loadable as a hub dataset: {err}") from None
 
@@ -304,13 +316,19 @@ def check_text(value: Any, source: str, row: int, field: str, *, allow_messages:
     if allow_messages and isinstance(value, list) and value:
         for i, message in enumerate(value):
             if not (isinstance(message, dict) and isinstance(message.get("content"), str) and "role" in message):
-                raise DataValidationError(source, f"message {i} is not a {{role, content}} dict with string content", row, field)
+                raise DataValidationError(
+                    source, f"message {i} is not a {{role, content}} dict with string content", row, field
+                )
         return
     kind = "empty list" if value == [] else type(value).__name__
-    raise DataValidationError(source, f"expected a non-empty string{' or chat messages' if allow_messages else ''}, got {kind}", row, field)
+    raise DataValidationError(
+        source, f"expected a non-empty string{' or chat messages' if allow_messages else ''}, got {kind}", row, field
+    )
 
 
-def pad_sequences(sequences: Sequence[Sequence[int] | torch.Tensor], pad_value: int, side: str = "right") -> torch.Tensor:
+def pad_sequences(
+    sequences: Sequence[Sequence[int] | torch.Tensor], pad_value: int, side: str = "right"
+) -> torch.Tensor:
     """Stack variable-length 1-D sequences into (N, longest), padding on ``side`` ("right" or "left")."""
     if side not in ("right", "left"):
         raise ValueError(f"side must be 'right' or 'left', got {side!r}")

@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import math
 import random
-from typing import Any, Iterator, Optional, Sequence, Union
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -41,8 +42,9 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
-def encode_pair(tokenizer: Any, prompt: Any, chosen: Any, rejected: Any, max_length: int, max_prompt_length: int
-                ) -> dict[str, Any]:
+def encode_pair(
+    tokenizer: Any, prompt: Any, chosen: Any, rejected: Any, max_length: int, max_prompt_length: int
+) -> dict[str, Any]:
     """One pair as token ids, after the prompt rules and chat rendering of ``formats`` (``prompt`` ``None``:
     implicit). As TRL's ``tokenize_row``: prompt and completions tokenised separately without special tokens,
     EOS after each completion, the end of the prompt kept (``max_prompt_length``), the completions cut to what
@@ -66,7 +68,8 @@ def encode_pair(tokenizer: Any, prompt: Any, chosen: Any, rejected: Any, max_len
         "prompt_ids": prompt_ids,
         "chosen_ids": chosen_ids if keep else [],
         "rejected_ids": rejected_ids if keep else [],
-        "keep": keep, "identical": chosen_text == rejected_text,
+        "keep": keep,
+        "identical": chosen_text == rejected_text,
         "length": len(prompt_ids) + max(len(chosen_ids), len(rejected_ids)),
     }
 
@@ -94,13 +97,13 @@ class PreferenceDataset(Dataset):
 
     def __init__(
         self,
-        prompts: Optional[Sequence[Any]],
+        prompts: Sequence[Any] | None,
         chosen: Sequence[Any],
         rejected: Sequence[Any],
         tokenizer: Any,
         max_length: int = 512,
         max_prompt_length: int = 256,
-        margins: Optional[Sequence[float]] = None,
+        margins: Sequence[float] | None = None,
         source: str = IN_MEMORY,
     ):
         if len(chosen) != len(rejected) or (prompts is not None and len(prompts) != len(chosen)):
@@ -126,13 +129,19 @@ class PreferenceDataset(Dataset):
         self.max_length, self.max_prompt_length = max_length, max_prompt_length
         keep, identical = _column(rows, "keep"), sum(_column(rows, "identical"))
         if identical:
-            log.warning("%s: %d pair(s) have chosen identical to rejected (they carry no preference signal)",
-                        source, identical)
+            log.warning(
+                "%s: %d pair(s) have chosen identical to rejected (they carry no preference signal)", source, identical
+            )
         dropped = len(keep) - sum(keep)
         if dropped:
             log.warning(
                 "%s: dropped %d of %d pair(s) whose completion was empty after truncation to max_length=%d, "
-                "max_prompt_length=%d", source, dropped, len(keep), max_length, max_prompt_length,
+                "max_prompt_length=%d",
+                source,
+                dropped,
+                len(keep),
+                max_length,
+                max_prompt_length,
             )
         kept = [i for i, k in enumerate(keep) if k]
         if dropped:
@@ -262,26 +271,26 @@ class PreferenceDataModule(CachedDataModule):
 
     def __init__(
         self,
-        data_path: Optional[str] = None,
+        data_path: str | None = None,
         split: str = "train",
-        val_data_path: Optional[str] = None,
+        val_data_path: str | None = None,
         val_split: float = 0.1,
-        name: Optional[str] = None,
-        data_files: Optional[Union[str, list[str], dict[str, Union[str, list[str]]]]] = None,
-        revision: Optional[str] = None,
-        val_split_name: Optional[str] = None,
+        name: str | None = None,
+        data_files: str | list[str] | dict[str, str | list[str]] | None = None,
+        revision: str | None = None,
+        val_split_name: str | None = None,
         prompt_column: str = "prompt",
         chosen_column: str = "chosen",
         rejected_column: str = "rejected",
-        margin_column: Optional[str] = None,
-        prompts: Optional[list] = None,
-        chosen: Optional[list] = None,
-        rejected: Optional[list] = None,
+        margin_column: str | None = None,
+        prompts: list | None = None,
+        chosen: list | None = None,
+        rejected: list | None = None,
         tokenizer: Any = None,
         max_length: int = 512,
         max_prompt_length: int = 256,
         batch_size: int = 8,
-        eval_batch_size: Optional[int] = None,
+        eval_batch_size: int | None = None,
         group_by_length: bool = False,
         shuffle: bool = True,
         num_workers: int = 0,
@@ -299,8 +308,11 @@ class PreferenceDataModule(CachedDataModule):
         check_columns(rows, needed, source)
         implicit = hp.prompt_column not in rows[0]
         if implicit and source not in self._implicit:
-            log.warning("%s: no %r column; using the shared prefix of chosen and rejected as the prompt",
-                        source, hp.prompt_column)
+            log.warning(
+                "%s: no %r column; using the shared prefix of chosen and rejected as the prompt",
+                source,
+                hp.prompt_column,
+            )
         self._implicit[source] = implicit
 
     def _settings(self) -> dict[str, Any]:
@@ -317,8 +329,14 @@ class PreferenceDataModule(CachedDataModule):
                 raise DataValidationError(source, "missing field", row, field)
             check_text(record[field], source, row, field)
         prompt = None if self._implicit[source] else record[hp.prompt_column]
-        encoded = encode_pair(self.tokenizer, prompt, record[hp.chosen_column], record[hp.rejected_column],
-                              hp.max_length, hp.max_prompt_length) | {"row": index}
+        encoded = encode_pair(
+            self.tokenizer,
+            prompt,
+            record[hp.chosen_column],
+            record[hp.rejected_column],
+            hp.max_length,
+            hp.max_prompt_length,
+        ) | {"row": index}
         if hp.margin_column:
             value = record.get(hp.margin_column)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -334,7 +352,11 @@ class PreferenceDataModule(CachedDataModule):
         if len(chosen) != len(rejected) or (prompts is not None and len(prompts) != len(chosen)):
             raise DataValidationError(IN_MEMORY, "prompts, chosen and rejected must have the same length")
         records = [
-            {hp.chosen_column: c, hp.rejected_column: r, **({hp.prompt_column: prompts[i]} if prompts is not None else {})}
+            {
+                hp.chosen_column: c,
+                hp.rejected_column: r,
+                **({hp.prompt_column: prompts[i]} if prompts is not None else {}),
+            }
             for i, (c, r) in enumerate(zip(chosen, rejected))
         ]
         if not records:

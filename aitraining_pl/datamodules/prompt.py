@@ -15,7 +15,8 @@ messages through the chat template with the generation prompt (or left open when
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
@@ -56,7 +57,7 @@ class PromptDataset(Dataset):
         self,
         prompts: Sequence[Any],
         tokenizer: Any,
-        metadata: Optional[Sequence[dict]] = None,
+        metadata: Sequence[dict] | None = None,
         max_prompt_length: int = 256,
         use_chat_template: bool = False,
     ):
@@ -64,22 +65,23 @@ class PromptDataset(Dataset):
             raise ValueError(f"{len(metadata)} metadata rows for {len(prompts)} prompts")
         self.tokenizer = tokenizer
         rows = [
-            {**(dict(metadata[i]) if metadata is not None else {}),
-             **encode_prompt(tokenizer, prompt, max_prompt_length, use_chat_template)}
+            {
+                **(dict(metadata[i]) if metadata is not None else {}),
+                **encode_prompt(tokenizer, prompt, max_prompt_length, use_chat_template),
+            }
             for i, prompt in enumerate(prompts)
         ]
         self._init(rows, exclude=())
 
     @classmethod
-    def from_encoded(cls, rows: Any, exclude: Sequence[str] = (), keep: Optional[Sequence[str]] = None
-                     ) -> PromptDataset:
+    def from_encoded(cls, rows: Any, exclude: Sequence[str] = (), keep: Sequence[str] | None = None) -> PromptDataset:
         """A dataset over rows already through ``encode_prompt`` (a list or a ``datasets.Dataset``); metadata
         is every other column except ``exclude`` (only ``keep`` when given)."""
         self = cls.__new__(cls)
         self._init(rows, exclude, keep)
         return self
 
-    def _init(self, rows: Any, exclude: Sequence[str], keep: Optional[Sequence[str]] = None) -> None:
+    def _init(self, rows: Any, exclude: Sequence[str], keep: Sequence[str] | None = None) -> None:
         self.examples, self._exclude, self._keep = rows, set(exclude) | {TEXT, IDS}, keep
 
     def _metadata(self, row: dict) -> dict:
@@ -167,23 +169,23 @@ class PromptDataModule(CachedDataModule):
 
     def __init__(
         self,
-        data_path: Optional[str] = None,
+        data_path: str | None = None,
         split: str = "train",
-        val_data_path: Optional[str] = None,
+        val_data_path: str | None = None,
         val_split: float = 0.0,
-        name: Optional[str] = None,
-        data_files: Optional[Union[str, list[str], dict[str, Union[str, list[str]]]]] = None,
-        revision: Optional[str] = None,
-        val_split_name: Optional[str] = None,
+        name: str | None = None,
+        data_files: str | list[str] | dict[str, str | list[str]] | None = None,
+        revision: str | None = None,
+        val_split_name: str | None = None,
         prompt_column: str = "prompt",
-        metadata_columns: Optional[list[str]] = None,
-        prompts: Optional[list] = None,
-        metadata: Optional[list[dict]] = None,
+        metadata_columns: list[str] | None = None,
+        prompts: list | None = None,
+        metadata: list[dict] | None = None,
         tokenizer: Any = None,
         use_chat_template: bool = False,
         max_prompt_length: int = 256,
         batch_size: int = 16,
-        eval_batch_size: Optional[int] = None,
+        eval_batch_size: int | None = None,
         num_workers: int = 0,
         seed: int = 0,
     ):
@@ -207,7 +209,9 @@ class PromptDataModule(CachedDataModule):
         for i, prompt in enumerate(prompts):
             meta = metadata[i] if metadata is not None else {}
             if not isinstance(meta, dict):
-                raise DataValidationError(IN_MEMORY, f"metadata must be a dict, got {type(meta).__name__}", i + 1, "metadata")
+                raise DataValidationError(
+                    IN_MEMORY, f"metadata must be a dict, got {type(meta).__name__}", i + 1, "metadata"
+                )
             records.append({**meta, self.hparams.prompt_column: prompt})
         if not records:
             raise DataValidationError(IN_MEMORY, "no rows")
@@ -237,7 +241,7 @@ class PromptDataModule(CachedDataModule):
         hp = self.hparams
         return PromptDataset.from_encoded(rows, exclude=[hp.prompt_column], keep=hp.metadata_columns)
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         """Read, check and tokenise once (a second call reuses the datasets)."""
         super().setup(stage)
         hp, n = self.hparams, len(self.train_dataset)

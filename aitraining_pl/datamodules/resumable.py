@@ -14,7 +14,8 @@ global stream either (generation and dropout see the same random numbers with or
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler

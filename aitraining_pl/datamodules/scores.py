@@ -11,7 +11,8 @@ Each row holds a text (optionally a prompt, joined in front) and a list of ``num
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -22,13 +23,15 @@ from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 from aitraining_pl.models.reward import encode_for_reward
 
 
-def check_scores(value: Any, num_objectives: int, source: str, row: int, field: str) -> list[Optional[float]]:
+def check_scores(value: Any, num_objectives: int, source: str, row: int, field: str) -> list[float | None]:
     """A row's score vector as floats (``None`` for unknown), or a ``DataValidationError`` naming the row."""
     if not isinstance(value, (list, tuple)):
-        raise DataValidationError(source, f"expected a list of {num_objectives} scores, got {type(value).__name__}", row, field)
+        raise DataValidationError(
+            source, f"expected a list of {num_objectives} scores, got {type(value).__name__}", row, field
+        )
     if len(value) != num_objectives:
         raise DataValidationError(source, f"expected {num_objectives} scores, got {len(value)}", row, field)
-    scores: list[Optional[float]] = []
+    scores: list[float | None] = []
     for j, score in enumerate(value):
         if score is None or (isinstance(score, float) and math.isnan(score)):
             scores.append(None)
@@ -91,20 +94,20 @@ class ScoresDataModule(TextDataModule):
 
     def __init__(
         self,
-        data_path: Optional[str] = None,
+        data_path: str | None = None,
         num_objectives: int = 1,
         split: str = "train",
-        val_data_path: Optional[str] = None,
+        val_data_path: str | None = None,
         val_split: float = 0.1,
         text_column: str = "text",
-        prompt_column: Optional[str] = None,
+        prompt_column: str | None = None,
         scores_column: str = "scores",
-        texts: Optional[list] = None,
-        scores: Optional[list] = None,
+        texts: list | None = None,
+        scores: list | None = None,
         tokenizer: Any = None,
         max_length: int = 512,
         batch_size: int = 8,
-        eval_batch_size: Optional[int] = None,
+        eval_batch_size: int | None = None,
         num_workers: int = 0,
         seed: int = 0,
     ):
@@ -115,7 +118,9 @@ class ScoresDataModule(TextDataModule):
         hp = self.hparams
         texts, scores = self._in_memory
         if texts is None or scores is None or len(texts) != len(scores) or not texts:
-            raise DataValidationError(IN_MEMORY, "give data_path, or non-empty in-memory texts and scores of equal length")
+            raise DataValidationError(
+                IN_MEMORY, "give data_path, or non-empty in-memory texts and scores of equal length"
+            )
         return [{hp.text_column: t, hp.scores_column: s} for t, s in zip(texts, scores)]
 
     def _rows(self, records: list[dict], source: str) -> list[dict]:

@@ -26,8 +26,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
-from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.formats import is_messages
+from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.preference import FALLBACK_CHAT_TEMPLATE, LengthGroupedSampler
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,9 @@ Segments = list[tuple[str, bool]]
 
 def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool = False) -> str:
     template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                         chat_template=template)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt, chat_template=template
+    )
 
 
 def assistant_segments(tokenizer: Any, messages: list[dict]) -> Segments:
@@ -98,8 +99,16 @@ class SFTDataset(Dataset):
         source: name of the data source used in messages.
     """
 
-    def __init__(self, records: Sequence[dict], layout: str, columns: dict[str, str], tokenizer: Any,
-                 max_length: int = 1024, completion_only_loss: bool = True, source: str = IN_MEMORY):
+    def __init__(
+        self,
+        records: Sequence[dict],
+        layout: str,
+        columns: dict[str, str],
+        tokenizer: Any,
+        max_length: int = 1024,
+        completion_only_loss: bool = True,
+        source: str = IN_MEMORY,
+    ):
         self.tokenizer, self.max_length, self.completion_only_loss = tokenizer, max_length, completion_only_loss
         self.examples: list[dict[str, Any]] = []
         dropped = 0
@@ -110,8 +119,13 @@ class SFTDataset(Dataset):
                 continue
             self.examples.append({**example, "row": row - 1})
         if dropped:
-            log.warning("%s: dropped %d of %d row(s) with no token to learn after truncation to max_length=%d",
-                        source, dropped, len(records), max_length)
+            log.warning(
+                "%s: dropped %d of %d row(s) with no token to learn after truncation to max_length=%d",
+                source,
+                dropped,
+                len(records),
+                max_length,
+            )
         if not self.examples:
             raise DataValidationError(source, f"no usable rows left after truncation (max_length={max_length})")
 
@@ -122,8 +136,13 @@ class SFTDataset(Dataset):
             return prompt_completion_segments(self.tokenizer, record[columns["prompt"]], record[columns["completion"]])
         segments = assistant_segments(self.tokenizer, record[columns["messages"]])
         if not segments:
-            raise DataValidationError(source, "the chat template renders no assistant turn of this conversation "
-                                      "consistently (see assistant_segments)", row, columns["messages"])
+            raise DataValidationError(
+                source,
+                "the chat template renders no assistant turn of this conversation "
+                "consistently (see assistant_segments)",
+                row,
+                columns["messages"],
+            )
         return segments
 
     def _tokenize(self, segments: Segments) -> dict[str, list[int]] | None:
@@ -231,8 +250,12 @@ class SFTDataModule(TextDataModule):
     @property
     def columns(self) -> dict[str, str]:
         hp = self.hparams
-        return {"messages": hp.messages_column, "prompt": hp.prompt_column, "completion": hp.completion_column,
-                "text": hp.text_column}
+        return {
+            "messages": hp.messages_column,
+            "prompt": hp.prompt_column,
+            "completion": hp.completion_column,
+            "text": hp.text_column,
+        }
 
     # -- reading and checking
     def _in_memory_records(self) -> list[dict]:
@@ -254,8 +277,11 @@ class SFTDataModule(TextDataModule):
             return "prompt_completion"
         if c["text"] in first:
             return "text"
-        raise DataValidationError(source, f"no SFT columns: expected {c['messages']!r}, {c['prompt']!r} + "
-                                          f"{c['completion']!r}, or {c['text']!r}; columns found: {', '.join(first)}")
+        raise DataValidationError(
+            source,
+            f"no SFT columns: expected {c['messages']!r}, {c['prompt']!r} + "
+            f"{c['completion']!r}, or {c['text']!r}; columns found: {', '.join(first)}",
+        )
 
     def _rows(self, records: list[dict], source: str) -> list[dict]:
         """Check every row (once, before any split) against the layout of the first."""
@@ -274,8 +300,15 @@ class SFTDataModule(TextDataModule):
 
     def _dataset(self, records: list[dict], source: str) -> SFTDataset:
         hp = self.hparams
-        return SFTDataset(records, self.layout(records, source), self.columns, self.tokenizer, hp.max_length,
-                          hp.completion_only_loss, source)
+        return SFTDataset(
+            records,
+            self.layout(records, source),
+            self.columns,
+            self.tokenizer,
+            hp.max_length,
+            hp.completion_only_loss,
+            source,
+        )
 
     # -- loaders
     def train_dataloader(self) -> DataLoader:

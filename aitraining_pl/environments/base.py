@@ -11,8 +11,9 @@ from __future__ import annotations
 import abc
 import functools
 import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ class Observation:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     prompt: str
-    metadata: Dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -37,22 +38,22 @@ class StepResult:
 
     reward: float
     done: bool
-    next_observation: Optional[Observation]
-    info: Dict[str, Any] = field(default_factory=dict)
-    metrics: Dict[str, float] = field(default_factory=dict)
+    next_observation: Observation | None
+    info: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
 class Trajectory:
     """A whole episode: one observation, action and reward per step (``logprobs`` when the caller gave them)."""
 
-    observations: List[Observation]
-    actions: List[torch.Tensor]
-    rewards: List[float]
-    logprobs: List[torch.Tensor]
+    observations: list[Observation]
+    actions: list[torch.Tensor]
+    rewards: list[float]
+    logprobs: list[torch.Tensor]
     done: bool
     total_reward: float
-    metrics: Dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 @functools.lru_cache(maxsize=256)
@@ -83,7 +84,7 @@ class RLEnvironment(abc.ABC):
     """
 
     #: per-component scores of the last reward-source call (name -> one score per response).
-    last_components: Dict[str, List[float]]
+    last_components: dict[str, list[float]]
 
     @abc.abstractmethod
     def reset(self) -> Observation:
@@ -98,20 +99,20 @@ class RLEnvironment(abc.ABC):
         """The current episode as text."""
 
     @abc.abstractmethod
-    def score(self, prompt: str, generated: str, metadata: dict | None = None) -> tuple[float, Dict[str, float]]:
+    def score(self, prompt: str, generated: str, metadata: dict | None = None) -> tuple[float, dict[str, float]]:
         """Reward of ``generated`` as the answer to ``prompt``: ``(total, {component: score})``."""
 
     def __call__(
         self, prompts: Sequence[str], responses: Sequence[str], metadata: Sequence[dict] | None = None
-    ) -> List[float]:
+    ) -> list[float]:
         """The reward-source protocol: one reward per (prompt, response); components in ``last_components``."""
         if len(prompts) != len(responses):
             raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses")
         metadata = list(metadata) if metadata is not None else [{}] * len(prompts)
         if len(metadata) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(metadata)} metadata entries")
-        totals: List[float] = []
-        components: Dict[str, List[float]] = {}
+        totals: list[float] = []
+        components: dict[str, list[float]] = {}
         for prompt, response, meta in zip(prompts, responses, metadata):
             total, parts = self.score(prompt, response, {**self.metadata_for(prompt), **(meta or {})})
             totals.append(total)

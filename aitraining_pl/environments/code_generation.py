@@ -11,26 +11,39 @@ from __future__ import annotations
 
 import ast
 import warnings
-from functools import lru_cache
-from typing import Any, Dict, Optional, Sequence
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
 
 from aitraining_pl.environments.sandbox import SandboxLimits, TestRunResult, run_tests  # noqa: F401 (re-export)
 from aitraining_pl.environments.text import MultiObjectiveRewardEnv
 
 #: Built-in tasks: (prompt, test cases). Each test case is a Python statement that raises if it fails.
 DEFAULT_CODE_TASKS = (
-    ("Write a Python function add(a, b) that returns the sum of a and b.\n",
-     ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"]),
-    ("Write a Python function is_even(n) that returns True when n is even.\n",
-     ["assert is_even(4) is True", "assert is_even(7) is False", "assert is_even(0) is True"]),
-    ("Write a Python function reverse_string(s) that returns s reversed.\n",
-     ["assert reverse_string('abc') == 'cba'", "assert reverse_string('') == ''"]),
-    ("Write a Python function maximum(xs) that returns the largest number in the list xs.\n",
-     ["assert maximum([1, 5, 3]) == 5", "assert maximum([-2, -7]) == -2"]),
-    ("Write a Python function factorial(n) that returns n! for n >= 0.\n",
-     ["assert factorial(0) == 1", "assert factorial(5) == 120"]),
-    ("Write a Python function count_vowels(s) that returns how many vowels (aeiou) s contains.\n",
-     ["assert count_vowels('banana') == 3", "assert count_vowels('xyz') == 0"]),
+    (
+        "Write a Python function add(a, b) that returns the sum of a and b.\n",
+        ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"],
+    ),
+    (
+        "Write a Python function is_even(n) that returns True when n is even.\n",
+        ["assert is_even(4) is True", "assert is_even(7) is False", "assert is_even(0) is True"],
+    ),
+    (
+        "Write a Python function reverse_string(s) that returns s reversed.\n",
+        ["assert reverse_string('abc') == 'cba'", "assert reverse_string('') == ''"],
+    ),
+    (
+        "Write a Python function maximum(xs) that returns the largest number in the list xs.\n",
+        ["assert maximum([1, 5, 3]) == 5", "assert maximum([-2, -7]) == -2"],
+    ),
+    (
+        "Write a Python function factorial(n) that returns n! for n >= 0.\n",
+        ["assert factorial(0) == 1", "assert factorial(5) == 120"],
+    ),
+    (
+        "Write a Python function count_vowels(s) that returns how many vowels (aeiou) s contains.\n",
+        ["assert count_vowels('banana') == 3", "assert count_vowels('xyz') == 0"],
+    ),
 )
 
 
@@ -43,7 +56,7 @@ def run_test_cases(code: str, tests: Sequence[str], timeout: float = 5.0) -> Tes
     return result
 
 
-@lru_cache(maxsize=None)
+@cache
 def _warn_once(message: str) -> None:
     warnings.warn(f"code sandbox: {message}; every test of the code environment scores 0", stacklevel=3)
 
@@ -95,7 +108,7 @@ def style_reward(prompt: str, generated: str, full_text: str) -> float:
 def make_tests_reward(timeout: float):
     """A component scoring the share of ``metadata["tests"]`` passed (0.0 when the prompt has no tests)."""
 
-    def tests_reward(prompt: str, generated: str, full_text: str, metadata: Optional[Dict[str, Any]] = None) -> float:
+    def tests_reward(prompt: str, generated: str, full_text: str, metadata: dict[str, Any] | None = None) -> float:
         tests = (metadata or {}).get("tests") or []
         if not tests or not syntax_reward(prompt, generated, full_text):
             return 0.0
@@ -128,8 +141,8 @@ class CodeGenerationEnv(MultiObjectiveRewardEnv):
     def __init__(
         self,
         tokenizer: Any = "byte",
-        prompts: Optional[Sequence[str]] = None,
-        test_cases: Optional[Sequence[Sequence[str]]] = None,
+        prompts: Sequence[str] | None = None,
+        test_cases: Sequence[Sequence[str]] | None = None,
         timeout: float = 5.0,
         max_length: int = 512,
         syntax_weight: float = 1.0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from aitraining_pl.environments.text import MultiObjectiveRewardEnv
 
@@ -21,8 +21,11 @@ _TEMPLATES = (
     ("sub", "{n} has {a} {i}s and gives away {b}. How many {i}s are left?", lambda a, b, c: a - b),
     ("mul", "{n} buys {a} boxes with {b} {i}s in each. How many {i}s is that?", lambda a, b, c: a * b),
     ("div", "{n} shares {ab} {i}s equally among {b} friends. How many {i}s does each get?", lambda a, b, c: a),
-    ("two_step", "{n} has {a} {i}s, buys {b} more, then gives away {c}. How many {i}s are left?",
-     lambda a, b, c: a + b - c),
+    (
+        "two_step",
+        "{n} has {a} {i}s, buys {b} more, then gives away {c}. How many {i}s are left?",
+        lambda a, b, c: a + b - c,
+    ),
 )
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -39,7 +42,7 @@ class MathProblem:
     operation: str
 
 
-def generate_math_problems(num_problems: int = 100, seed: int = 0, max_operand: int = 20) -> List[MathProblem]:
+def generate_math_problems(num_problems: int = 100, seed: int = 0, max_operand: int = 20) -> list[MathProblem]:
     """``num_problems`` word problems from a ``random.Random(seed)`` stream (same seed, same problems).
 
     Operations: addition, subtraction (never negative), multiplication, exact division and a two-step
@@ -54,13 +57,18 @@ def generate_math_problems(num_problems: int = 100, seed: int = 0, max_operand: 
             a, b = b, a
         c = rng.randint(0, a + b) if op == "two_step" else 0
         question = template.format(n=rng.choice(_NAMES), i=rng.choice(_ITEMS), a=a, b=b, c=c, ab=a * b)
-        expression = {"add": f"{a} + {b}", "sub": f"{a} - {b}", "mul": f"{a} * {b}", "div": f"{a * b} // {b}",
-                      "two_step": f"{a} + {b} - {c}"}[op]
+        expression = {
+            "add": f"{a} + {b}",
+            "sub": f"{a} - {b}",
+            "mul": f"{a} * {b}",
+            "div": f"{a * b} // {b}",
+            "two_step": f"{a} + {b} - {c}",
+        }[op]
         problems.append(MathProblem(f"{question} {ANSWER_INSTRUCTION}\n", answer_of(a, b, c), expression, op))
     return problems
 
 
-def parse_final_number(text: str) -> Optional[float]:
+def parse_final_number(text: str) -> float | None:
     """The last number written in ``text`` (``1,234`` and ``-3.5`` are understood), or ``None``."""
     matches = _NUMBER.findall(text)
     if not matches:
@@ -71,7 +79,9 @@ def parse_final_number(text: str) -> Optional[float]:
         return None
 
 
-def math_correctness_reward(prompt: str, generated: str, full_text: str, metadata: Optional[Dict[str, Any]] = None) -> float:
+def math_correctness_reward(
+    prompt: str, generated: str, full_text: str, metadata: dict[str, Any] | None = None
+) -> float:
     """1.0 when the final number of the response equals ``metadata["answer"]``, else 0.0. The answer is a number
     or a text whose last number is the answer (GSM8K's worked solutions end with ``#### <answer>``)."""
     if not metadata or "answer" not in metadata:

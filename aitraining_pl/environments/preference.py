@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
-from aitraining_pl.environments.text import TextGenerationEnv, as_token_list
 from aitraining_pl.environments.base import Observation, StepResult
+from aitraining_pl.environments.text import TextGenerationEnv, as_token_list
 
 
 class ScoresTexts(Protocol):
@@ -17,7 +18,7 @@ class ScoresTexts(Protocol):
 
 #: ``fn(prompt, response_a, response_b) -> P(a preferred)`` in [0, 1] (0/1 for a hard label), or ``None``
 #: to defer to the preference model.
-FeedbackFn = Callable[[str, str, str], Optional[float]]
+FeedbackFn = Callable[[str, str, str], float | None]
 
 
 class PreferenceComparisonEnv(TextGenerationEnv):
@@ -48,8 +49,8 @@ class PreferenceComparisonEnv(TextGenerationEnv):
         self,
         tokenizer,
         prompts: Sequence[str],
-        preference_model: Optional[ScoresTexts] = None,
-        human_feedback_fn: Optional[FeedbackFn] = None,
+        preference_model: ScoresTexts | None = None,
+        human_feedback_fn: FeedbackFn | None = None,
         max_length: int = 512,
         **kwargs: Any,
     ):
@@ -60,20 +61,20 @@ class PreferenceComparisonEnv(TextGenerationEnv):
         super().__init__(tokenizer, prompts, max_length=max_length, **kwargs)
         self.preference_model = preference_model
         self.human_feedback_fn = human_feedback_fn
-        self.comparisons: List[Dict[str, Any]] = []
-        self._responses: List[str] = []
+        self.comparisons: list[dict[str, Any]] = []
+        self._responses: list[str] = []
 
-    def _model_rewards(self, prompt: str, responses: Sequence[str]) -> List[float]:
+    def _model_rewards(self, prompt: str, responses: Sequence[str]) -> list[float]:
         if self.preference_model is None:
             raise ValueError("scoring single responses needs a preference_model (human_feedback_fn compares pairs)")
         texts = [prompt + r for r in responses]
         return [float(r) for r in self.preference_model.predict_rewards(texts, self.tokenizer, batch_size=len(texts))]
 
-    def score(self, prompt: str, generated: str, metadata: dict | None = None) -> tuple[float, Dict[str, float]]:
+    def score(self, prompt: str, generated: str, metadata: dict | None = None) -> tuple[float, dict[str, float]]:
         generated, _ = self.truncate_at_stop(generated)
         return self._model_rewards(prompt, [generated])[0], {}
 
-    def preference(self, prompt: str, response_1: str, response_2: str) -> tuple[float, Dict[str, float]]:
+    def preference(self, prompt: str, response_1: str, response_2: str) -> tuple[float, dict[str, float]]:
         """``P(response_1 preferred)`` and how it was obtained (``source``, model rewards if used)."""
         if self.human_feedback_fn is not None:
             value = self.human_feedback_fn(prompt, response_1, response_2)
@@ -87,7 +88,7 @@ class PreferenceComparisonEnv(TextGenerationEnv):
         r1, r2 = self._model_rewards(prompt, [response_1, response_2])
         return 1.0 / (1.0 + math.exp(-(r1 - r2))), {"source": "model", "reward_1": r1, "reward_2": r2}
 
-    def reset(self, index: Optional[int] = None) -> Observation:
+    def reset(self, index: int | None = None) -> Observation:
         self._responses = []
         return super().reset(index)
 
@@ -97,7 +98,11 @@ class PreferenceComparisonEnv(TextGenerationEnv):
         tokens = as_token_list(action)
         reason = self._append(tokens) or "end_of_response"
         self._responses.append(ep["text"])
-        info: Dict[str, Any] = {"prompt": ep["prompt"], "response_index": len(self._responses) - 1, "stop_reason": reason}
+        info: dict[str, Any] = {
+            "prompt": ep["prompt"],
+            "response_index": len(self._responses) - 1,
+            "stop_reason": reason,
+        }
         if len(self._responses) == 1:
             ep["tokens"], ep["text"] = [], ""  # the second response starts from the prompt again
             ep["rewards"].append(0.0)
@@ -118,7 +123,7 @@ class PreferenceComparisonEnv(TextGenerationEnv):
         ``ForwardBackwardPipeline.sample``) and pass each to ``step``."""
         raise NotImplementedError("PreferenceComparisonEnv.step takes whole responses; sample them, then step twice")
 
-    def preference_pairs(self) -> Dict[str, List[str]]:
+    def preference_pairs(self) -> dict[str, list[str]]:
         """The comparisons so far as ``{"prompts", "chosen", "rejected"}`` lists (``PreferenceDataset`` input)."""
         return {
             "prompts": [c["prompt"] for c in self.comparisons],

@@ -67,8 +67,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence, Tuple
 
 #: The supervisor script: standard library only, run by path with ``python -I -S``.
 SUPERVISOR_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_supervisor.py")
@@ -120,14 +120,14 @@ class TestRunResult:
     timed_out: bool = False
     error: str = ""
     output: str = ""
-    isolation: Tuple[str, ...] = ()
+    isolation: tuple[str, ...] = ()
 
     @property
     def fraction(self) -> float:
         return self.passed / self.total if self.total else 0.0
 
 
-def _read_capped(fd: int, cap: int, deadline: float) -> Tuple[bytes, bool]:
+def _read_capped(fd: int, cap: int, deadline: float) -> tuple[bytes, bool]:
     """Read ``fd`` until EOF, at most ``cap`` bytes kept; returns (data, whether the deadline passed first)."""
     chunks, size = [], 0
     while True:

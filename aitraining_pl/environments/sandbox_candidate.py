@@ -13,10 +13,10 @@ import socket
 import sys
 
 
-
-
 def _no_network(*args, **kwargs):
     raise OSError("network access is disabled in the code sandbox")
+
+
 for _name in ("socket", "create_connection", "getaddrinfo", "socketpair", "fromfd", "create_server"):
     setattr(socket, _name, _no_network)
 
@@ -34,6 +34,7 @@ def _plain(value, depth=0):
 
 def _serve(requests, replies):
     handles = []
+
     def encode(value):
         try:
             if _plain(value):
@@ -44,11 +45,14 @@ def _serve(requests, replies):
             pass
         handles.append(value)
         return {"ref": len(handles) - 1}
+
     def decode(item):
         return handles[item["ref"]] if "ref" in item else ast.literal_eval(item["value"])
+
     def send(message):
         replies.write(json.dumps(message).encode() + b"\n")
         replies.flush()
+
     namespace = {"__name__": "__candidate__"}
     try:
         exec(compile(json.loads(requests.readline()), "<candidate>", "exec"), namespace)

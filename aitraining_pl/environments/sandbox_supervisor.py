@@ -218,7 +218,7 @@ class _Channel:
         while data:
             self._wait(self.requests, write=True)
             try:
-                data = data[os.write(self.requests, data[:65536]):]
+                data = data[os.write(self.requests, data[:65536]) :]
             except BlockingIOError:
                 pass
             except OSError:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ def word_count_reward(prompt: str, generated: str, full_text: str) -> float:
     return min(len(generated.split()) / DEFAULT_TARGET_WORDS, 1.0)
 
 
-def as_token_list(action: Any) -> List[int]:
+def as_token_list(action: Any) -> list[int]:
     """One token (int or 0-d tensor) or a chunk (list, 1-D or (1, n) tensor) as a list of ints."""
     if isinstance(action, torch.Tensor):
         return [int(t) for t in action.reshape(-1).tolist()]
@@ -65,10 +66,10 @@ class TextGenerationEnv(RLEnvironment):
         tokenizer,
         prompts: Sequence[str],
         max_length: int = 512,
-        reward_fn: Optional[RewardFn] = None,
-        stop_sequences: Optional[Sequence[str]] = None,
+        reward_fn: RewardFn | None = None,
+        stop_sequences: Sequence[str] | None = None,
         temperature: float = 1.0,
-        prompt_metadata: Optional[Sequence[Mapping[str, Any]]] = None,
+        prompt_metadata: Sequence[Mapping[str, Any]] | None = None,
     ):
         if not prompts:
             raise ValueError("an environment needs at least one prompt")
@@ -88,10 +89,10 @@ class TextGenerationEnv(RLEnvironment):
         self.reward_fn = reward_fn or word_count_reward
         self.stop_sequences = [s for s in (stop_sequences or []) if s]
         self.temperature = temperature
-        self.last_components: Dict[str, List[float]] = {}
+        self.last_components: dict[str, list[float]] = {}
         self._order = itertools.cycle(range(len(self.prompts)))
-        self._prompt_ids: List[int] = []
-        self._episode: Optional[dict] = None
+        self._prompt_ids: list[int] = []
+        self._episode: dict | None = None
 
     # ------------------------------------------------------------------ scoring
     def truncate_at_stop(self, generated: str) -> tuple[str, bool]:
@@ -99,7 +100,7 @@ class TextGenerationEnv(RLEnvironment):
         cut = min((i for i in (generated.find(s) for s in self.stop_sequences) if i >= 0), default=-1)
         return (generated[:cut], True) if cut >= 0 else (generated, False)
 
-    def score(self, prompt: str, generated: str, metadata: dict | None = None) -> tuple[float, Dict[str, float]]:
+    def score(self, prompt: str, generated: str, metadata: dict | None = None) -> tuple[float, dict[str, float]]:
         generated, _ = self.truncate_at_stop(generated)
         metadata = self.metadata_for(prompt) if metadata is None else metadata
         return call_reward_fn(self.reward_fn, prompt, generated, prompt + generated, metadata), {}
@@ -109,7 +110,7 @@ class TextGenerationEnv(RLEnvironment):
         return self._metadata_by_prompt.get(prompt, {})
 
     # ------------------------------------------------------------------ episodes
-    def _encode_prompt(self, prompt: str) -> List[int]:
+    def _encode_prompt(self, prompt: str) -> list[int]:
         ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         eos = self.tokenizer.eos_token_id
         if ids and eos is not None and ids[-1] == eos and len(ids) > 1:
@@ -122,7 +123,7 @@ class TextGenerationEnv(RLEnvironment):
         meta = {**ep["metadata"], "generated_text": ep["text"], "num_generated": len(ep["tokens"])}
         return Observation(ids, torch.ones_like(ids), ep["prompt"], meta)
 
-    def reset(self, index: Optional[int] = None) -> Observation:
+    def reset(self, index: int | None = None) -> Observation:
         """Start an episode on the next prompt (or prompt ``index``)."""
         index = next(self._order) if index is None else index
         prompt = self.prompts[index]
@@ -151,7 +152,7 @@ class TextGenerationEnv(RLEnvironment):
             raise RuntimeError("the episode has ended; call reset() to start a new one")
         return self._episode
 
-    def _append(self, tokens: List[int]) -> Optional[str]:
+    def _append(self, tokens: list[int]) -> str | None:
         """Add tokens to the response; the stop reason if the episode ends."""
         ep = self._episode
         room = self.max_length - len(self._prompt_ids) - len(ep["tokens"])
@@ -172,7 +173,7 @@ class TextGenerationEnv(RLEnvironment):
             reason = "stop_sequence"
         return reason
 
-    def step(self, action: Any, logprob: Optional[torch.Tensor] = None) -> StepResult:
+    def step(self, action: Any, logprob: torch.Tensor | None = None) -> StepResult:
         """Append one token or a chunk; ``logprob`` (optional) is kept in the trajectory."""
         ep = self._require_running()
         tokens = as_token_list(action)
@@ -196,7 +197,7 @@ class TextGenerationEnv(RLEnvironment):
         ep["metrics"] = metrics
         return StepResult(total, True, None, info, metrics)
 
-    def sample_action(self, logits: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def sample_action(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample one token id from next-token ``logits`` (V,) or (1, V) at the environment's temperature
         (greedy at temperature 0)."""
         logits = logits.reshape(-1).float()
@@ -207,7 +208,7 @@ class TextGenerationEnv(RLEnvironment):
 
     @torch.no_grad()
     def rollout(
-        self, model: torch.nn.Module, index: Optional[int] = None, generator: Optional[torch.Generator] = None
+        self, model: torch.nn.Module, index: int | None = None, generator: torch.Generator | None = None
     ) -> Trajectory:
         """Play one episode with a causal LM through the rollout engine (``aitraining_pl.rollout``): the response
         is sampled with a KV cache at the environment's temperature (greedy at 0) and ends at an end token (the
@@ -218,8 +219,10 @@ class TextGenerationEnv(RLEnvironment):
         self._episode["end_ids"] = end_token_ids(self.tokenizer, model)
         greedy = self.temperature <= 0
         config = GenerationConfig(
-            max_new_tokens=self.max_length - len(self._prompt_ids), temperature=1.0 if greedy else self.temperature,
-            do_sample=not greedy, stop_strings=self.stop_sequences or None,
+            max_new_tokens=self.max_length - len(self._prompt_ids),
+            temperature=1.0 if greedy else self.temperature,
+            do_sample=not greedy,
+            stop_strings=self.stop_sequences or None,
         )
         engine = RolloutEngine(self.tokenizer, config, end_token_ids=self._episode["end_ids"], skip_special_tokens=True)
         device = next(model.parameters()).device
@@ -275,21 +278,23 @@ class MultiObjectiveRewardEnv(TextGenerationEnv):
         tokenizer,
         prompts: Sequence[str],
         reward_components: Mapping[str, RewardFn],
-        reward_weights: Optional[Mapping[str, float]] = None,
+        reward_weights: Mapping[str, float] | None = None,
         **kwargs: Any,
     ):
         if not reward_components:
             raise ValueError("MultiObjectiveRewardEnv needs at least one reward component")
         unknown = set(reward_weights or {}) - set(reward_components)
         if unknown:
-            raise ValueError(f"reward_weights name unknown components {sorted(unknown)}; known: {sorted(reward_components)}")
+            raise ValueError(
+                f"reward_weights name unknown components {sorted(unknown)}; known: {sorted(reward_components)}"
+            )
         if "total" in reward_components:
             raise ValueError("'total' is reserved for the weighted sum; rename that component")
         super().__init__(tokenizer, prompts, **kwargs)
         self.reward_components = dict(reward_components)
         self.reward_weights = {name: float((reward_weights or {}).get(name, 1.0)) for name in reward_components}
 
-    def score(self, prompt: str, generated: str, metadata: dict | None = None) -> tuple[float, Dict[str, float]]:
+    def score(self, prompt: str, generated: str, metadata: dict | None = None) -> tuple[float, dict[str, float]]:
         generated, _ = self.truncate_at_stop(generated)
         metadata = self.metadata_for(prompt) if metadata is None else metadata
         full_text = prompt + generated

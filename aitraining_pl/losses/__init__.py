@@ -33,7 +33,12 @@ from aitraining_pl.losses.preference import (
     dpo_loss,
     orpo_loss,
 )
-from aitraining_pl.losses.reward import POOLING_STRATEGIES, masked_objective_mse, pool_hidden_states, positions_from_mask
+from aitraining_pl.losses.reward import (
+    POOLING_STRATEGIES,
+    masked_objective_mse,
+    pool_hidden_states,
+    positions_from_mask,
+)
 from aitraining_pl.losses.rl import (
     gae,
     group_advantages,

@@ -12,7 +12,8 @@ rewards are all equal.
 
 from __future__ import annotations
 
-from typing import Callable, Literal, Optional
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -112,8 +113,12 @@ CriticFreeAdvantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
 
 
 def compute_advantages(
-    name: str, rewards: torch.Tensor, mask: torch.Tensor, group: torch.Tensor,
-    values: Optional[torch.Tensor] = None, **kwargs,
+    name: str,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group: torch.Tensor,
+    values: torch.Tensor | None = None,
+    **kwargs,
 ) -> torch.Tensor:
     """Run the estimator ``name`` of ``ADVANTAGE_ESTIMATORS`` (see the module docstring for the shapes)."""
     if name not in ADVANTAGE_ESTIMATORS:

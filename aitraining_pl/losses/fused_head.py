@@ -8,7 +8,7 @@ chunk's logits whatever the number of positions. This is the method of fused lin
 plain PyTorch. Pure tensor code: no Lightning or transformers imports. Shapes: M positions, H hidden size, V
 vocabulary.
 
-The logits of one position are ``l = post(hidden @ weight.T + bias) / temperature`` with
+The logits of one position are ``y = post(hidden @ weight.T + bias) / temperature`` with
 ``post(z) = cap * tanh(scale * z / cap)`` when a soft-cap is given, else ``scale * z``. That covers Granite
 (``logits_scaling``: ``scale = 1 / logits_scaling``), Cohere (``logit_scale``), FalconH1 (``lm_head_multiplier``)
 and Gemma 2/3 (``final_logit_softcapping``).
@@ -37,29 +37,29 @@ def chunk_rows(vocab_size: int, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> i
 
 
 def _logits(z: torch.Tensor, scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
-    """Post-processed logits ``l`` from the raw head output ``z`` (float32 or float64)."""
+    """Post-processed logits ``y`` from the raw head output ``z`` (float32 or float64)."""
     y = z * scale if scale != 1.0 else z
     if softcap:
         y = torch.tanh(y / softcap) * softcap
     return y / temperature if temperature != 1.0 else y
 
 
-def _chunk_stats(l: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
-    """(logps, logsumexp, entropy or None) of one chunk's post-processed logits ``l`` (C, V)."""
-    lse = torch.logsumexp(l, dim=-1)
-    logps = l.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = _entropy(l - lse.unsqueeze(-1)) if with_entropy else None
+def _chunk_stats(y: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
+    """(logps, logsumexp, entropy or None) of one chunk's post-processed logits ``y`` (C, V)."""
+    lse = torch.logsumexp(y, dim=-1)
+    logps = y.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = _entropy(y - lse.unsqueeze(-1)) if with_entropy else None
     return logps, lse, entropy
 
 
 def _entropy(log_p: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
-    """``-sum p log p`` from log-probabilities (no ``lse - E[l]`` cancellation for large logits)."""
+    """``-sum p log p`` from log-probabilities (no ``lse - E[y]`` cancellation for large logits)."""
     return -((log_p.exp() if p is None else p) * log_p).sum(-1)
 
 
-def _grad_raw(l, z, targets, lse, g_logp, g_ent, scale, softcap, temperature):
+def _grad_raw(y, z, targets, lse, g_logp, g_ent, scale, softcap, temperature):
     """d(loss)/dz of one chunk: chain rule through log-softmax / entropy, temperature, soft-cap and scale."""
-    log_p = l - lse.unsqueeze(-1)
+    log_p = y - lse.unsqueeze(-1)
     p = log_p.exp()
     grad = -p * g_logp.unsqueeze(-1) if g_logp is not None else torch.zeros_like(p)
     if g_logp is not None:
@@ -81,12 +81,13 @@ class _FusedHeadLogps(torch.autograd.Function):
         logps, lses, entropies = [], [], []
         compute_dtype = hidden.dtype
         for start in range(0, hidden.shape[0], chunk):
-            raw = F.linear(hidden[start:start + chunk], weight, bias)  # autocast picks the matmul dtype
+            raw = F.linear(hidden[start : start + chunk], weight, bias)  # autocast picks the matmul dtype
             compute_dtype = raw.dtype
             z = raw.to(torch.promote_types(raw.dtype, torch.float32))  # logsumexp in float32 at least
             del raw
-            lp, lse, ent = _chunk_stats(_logits(z, scale, softcap, temperature), targets[start:start + chunk],
-                                        with_entropy)
+            lp, lse, ent = _chunk_stats(
+                _logits(z, scale, softcap, temperature), targets[start : start + chunk], with_entropy
+            )
             logps.append(lp), lses.append(lse), entropies.append(ent)
         acc = torch.promote_types(hidden.dtype, torch.float32)
         logps = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=acc)
@@ -115,11 +116,19 @@ class _FusedHeadLogps(torch.autograd.Function):
                 rows = slice(start, start + chunk)
                 h = hidden[rows].to(dtype)
                 z = F.linear(h, w, b).to(torch.promote_types(dtype, torch.float32))
-                l = _logits(z, scale, softcap, temperature)
-                grad = _grad_raw(l, z, targets[rows], lse[rows],
-                                 None if g_logps is None else g_logps[rows],
-                                 None if g_entropy is None else g_entropy[rows], scale, softcap, temperature)
-                del l
+                y = _logits(z, scale, softcap, temperature)
+                grad = _grad_raw(
+                    y,
+                    z,
+                    targets[rows],
+                    lse[rows],
+                    None if g_logps is None else g_logps[rows],
+                    None if g_entropy is None else g_entropy[rows],
+                    scale,
+                    softcap,
+                    temperature,
+                )
+                del y
                 grad = grad.to(dtype)
                 if need_h:
                     grad_h[rows] = grad @ w
@@ -172,11 +181,21 @@ def fused_head_logps(
         ``HeadLogps(logps (M,), entropy (M,) or None)``, float32 (float64 for float64 inputs).
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"hidden must be (M, H) and targets (M,), got {tuple(hidden.shape)} and "
-                         f"{tuple(targets.shape)}")
+        raise ValueError(
+            f"hidden must be (M, H) and targets (M,), got {tuple(hidden.shape)} and {tuple(targets.shape)}"
+        )
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     chunk = int(chunk_size) if chunk_size else chunk_rows(weight.shape[0], memory_budget)
-    logps, entropy = _FusedHeadLogps.apply(hidden, weight, bias, targets, float(scale), softcap and float(softcap),
-                                           float(temperature), max(1, chunk), with_entropy)
+    logps, entropy = _FusedHeadLogps.apply(
+        hidden,
+        weight,
+        bias,
+        targets,
+        float(scale),
+        softcap and float(softcap),
+        float(temperature),
+        max(1, chunk),
+        with_entropy,
+    )
     return HeadLogps(logps, entropy if with_entropy else None)

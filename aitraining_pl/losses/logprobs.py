@@ -53,9 +53,7 @@ class SequenceLogps(NamedTuple):
     lengths: torch.Tensor  #: (B,) number of completion tokens scored
 
 
-def sequence_logps(
-    logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor
-) -> SequenceLogps:
+def sequence_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> SequenceLogps:
     """Per-sequence sum of completion-token log-probabilities and the completion token counts.
 
     Logits at position t score token t + 1, so the first token of a sequence is never scored.

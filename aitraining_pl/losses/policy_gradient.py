@@ -8,7 +8,8 @@ The per-token losses are reduced by a registered aggregation.
 
 from __future__ import annotations
 
-from typing import Callable, Literal, Optional
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -52,10 +53,10 @@ def clipped_policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     epsilon: float = 0.2,
-    epsilon_high: Optional[float] = None,
+    epsilon_high: float | None = None,
     aggregation: str = "sequence",
-    max_length: Optional[int] = None,
-    ref_logprobs: Optional[torch.Tensor] = None,
+    max_length: int | None = None,
+    ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss with optional k3 KL term, reduced by ``aggregation``.
@@ -88,7 +89,9 @@ def clipped_policy_loss(
         low = ((ratio < 1 - epsilon) & (advantages < 0)).to(mask.dtype) * mask
         high = ((ratio > 1 + epsilon_high) & (advantages > 0)).to(mask.dtype) * mask
         stats = {
-            "clip_ratio/low": low.sum() / n, "clip_ratio/high": high.sum() / n, "clip_ratio": (low + high).sum() / n,
+            "clip_ratio/low": low.sum() / n,
+            "clip_ratio/high": high.sum() / n,
+            "clip_ratio": (low + high).sum() / n,
             "approx_kl": ((torch.expm1(log_ratio) - log_ratio) * mask).sum() / n,
         }
         if kl is not None:

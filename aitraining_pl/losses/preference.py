@@ -6,7 +6,8 @@ log-probabilities, one entry per preference pair.
 
 from __future__ import annotations
 
-from typing import Callable, Literal, NamedTuple
+from collections.abc import Callable
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F

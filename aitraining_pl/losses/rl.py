@@ -5,7 +5,8 @@ Pure tensor functions. Per-token tensors are (B, T) with a (B, T) 0/1 ``mask`` m
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 

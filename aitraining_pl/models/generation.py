@@ -30,8 +30,11 @@ class StopRule:
     """
 
     def __init__(
-        self, tokenizer=None, stop_strings: Sequence[str] | None = None,
-        stop_sequences: Sequence[Sequence[int]] | None = None, skip_special_tokens: bool = False,
+        self,
+        tokenizer=None,
+        stop_strings: Sequence[str] | None = None,
+        stop_sequences: Sequence[Sequence[int]] | None = None,
+        skip_special_tokens: bool = False,
     ):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.stop_strings = [s for s in (stop_strings or []) if s]
@@ -44,7 +47,7 @@ class StopRule:
 
     def stops(self, ids: list[int]) -> bool:
         """Whether the response prefix ``ids`` has reached a stop."""
-        if any(len(ids) >= len(s) and ids[-len(s):] == s for s in self.stop_sequences):
+        if any(len(ids) >= len(s) and ids[-len(s) :] == s for s in self.stop_sequences):
             return True
         return bool(self.stop_strings) and self._contains_string(ids)
 
@@ -105,7 +108,8 @@ def hf_generation_config(
     is 50), the end ids are ours."""
     sampling = (
         dict(do_sample=True, temperature=float(config.temperature), top_p=float(config.top_p), top_k=int(config.top_k))
-        if config.do_sample else dict(do_sample=False)
+        if config.do_sample
+        else dict(do_sample=False)
     )
     return HFGenerationConfig(
         max_new_tokens=config.max_new_tokens, min_new_tokens=0, eos_token_id=list(end_ids) or None,
@@ -147,8 +151,11 @@ def sample_responses(
     (``hf_generation_config``) and nothing from the model's own generation config."""
     with _blank_generation_config(model):
         out = model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-            stopping_criteria=stopping_criteria or StoppingCriteriaList(), synced_gpus=synced_gpus,
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            generation_config=config,
+            stopping_criteria=stopping_criteria or StoppingCriteriaList(),
+            synced_gpus=synced_gpus,
         )
     return SampledTokens(out.sequences[:, prompt_ids.shape[1] :], _stacked(out.logits), _stacked(out.scores))
 
@@ -156,4 +163,3 @@ def sample_responses(
 def _stacked(steps: tuple[torch.Tensor, ...] | None) -> torch.Tensor | None:
     """Per-step (N, V) tensors as one (N, R, V) float tensor."""
     return torch.stack(steps, 1).float() if steps else None
-

@@ -14,8 +14,18 @@ from aitraining_pl.losses import HeadLogps, fused_head_logps
 
 #: model_type -> (config attribute, multiply or divide): the scale transformers' ``forward`` applies to the head
 LOGIT_SCALES = {
-    **{name: ("logits_scaling", "divide") for name in
-       ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "granitemoehybrid", "minicpm3")},
+    **{
+        name: ("logits_scaling", "divide")
+        for name in (
+            "granite",
+            "granite_swa",
+            "granitemoe",
+            "granitemoe_swa",
+            "granitemoeshared",
+            "granitemoehybrid",
+            "minicpm3",
+        )
+    },
     **{name: ("logit_scale", "multiply") for name in ("cohere", "cohere2", "cohere2_moe")},
     "falcon_h1": ("lm_head_multiplier", "multiply"),
     "hyperclovax": ("logits_scaling", "multiply"),
@@ -55,8 +65,11 @@ def _lora_weight(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | 
         if name not in head.lora_A:
             continue
         dropout = head.lora_dropout[name]
-        if (name in getattr(head, "lora_variant", {}) or head.lora_B[name].bias is not None
-                or (isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0)):
+        if (
+            name in getattr(head, "lora_variant", {})
+            or head.lora_B[name].bias is not None
+            or (isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0)
+        ):
             return None
         weight = weight + head.get_delta_weight(name)
     return weight, base.bias
@@ -72,9 +85,15 @@ def head_parameters(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
     return None
 
 
-def chunked_head_logps(head: nn.Module, config: Any, hidden: torch.Tensor, targets: torch.Tensor,
-                       temperature: float = 1.0, with_entropy: bool = False,
-                       chunk_size: int | None = None) -> HeadLogps | None:
+def chunked_head_logps(
+    head: nn.Module,
+    config: Any,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> HeadLogps | None:
     """Log-probs (M,) of ``targets`` (and entropies when asked) from hidden states (M, H) through
     ``fused_head_logps``: no (M, V) logits are built, in the forward or for the backward. None where the head is
     not a (LoRA) linear layer or ``config`` scales logits in a way ``logit_postprocessing`` does not know: the
@@ -82,5 +101,14 @@ def chunked_head_logps(head: nn.Module, config: Any, hidden: torch.Tensor, targe
     post, params = logit_postprocessing(config), head_parameters(head)
     if post is None or params is None:
         return None
-    return fused_head_logps(hidden, params[0], targets, params[1], scale=post[0], softcap=post[1],
-                            temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size)
+    return fused_head_logps(
+        hidden,
+        params[0],
+        targets,
+        params[1],
+        scale=post[0],
+        softcap=post[1],
+        temperature=temperature,
+        with_entropy=with_entropy,
+        chunk_size=chunk_size,
+    )

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from aitraining_pl.errors import ModelLoadError
-from aitraining_pl.validation import looks_like_path
 from aitraining_pl.models.presets import resolve_model_config
+from aitraining_pl.validation import looks_like_path
 
 #: The tokenizer name meaning "a byte-level tokenizer that needs no files" (``ByT5Tokenizer``).
 BYTE_TOKENIZER = "byte"
@@ -116,9 +117,7 @@ def load_causal_lm(
     Exactly one of the two must be given. Calling this twice with the same arguments gives models with
     identical weights, which is how the frozen reference policy is built from its source.
     """
-    return _load(
-        "AutoModelForCausalLM", model_name, model_config, dtype, attn_implementation, trust_remote_code, seed
-    )
+    return _load("AutoModelForCausalLM", model_name, model_config, dtype, attn_implementation, trust_remote_code, seed)
 
 
 def load_backbone(

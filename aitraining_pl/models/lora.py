@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
 
 from torch import nn
 
@@ -20,9 +19,9 @@ class LoRAConfig:
     """Scaling numerator: updates are scaled by alpha / r."""
     dropout: float = 0.05
     """Dropout on the adapter input."""
-    target_modules: Union[str, list[str]] = "all-linear"
+    target_modules: str | list[str] = "all-linear"
     """Module names to adapt, or ``all-linear`` for every linear layer except the output head."""
-    modules_to_save: Optional[list[str]] = field(default=None)
+    modules_to_save: list[str] | None = field(default=None)
     """Extra modules trained in full and saved with the adapters."""
 
 

@@ -14,9 +14,10 @@ model's own implementation is restored afterwards.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ class AttentionPlan:
 
     blocks: list[Block]
     calls: int = field(default=0, compare=False)
-    _pieces: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
+    _pieces: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def pieces(self) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
         """The row cut at every range boundary: (piece sizes, per block (key pieces, query pieces)).
@@ -51,11 +52,19 @@ class AttentionPlan:
         than slicing the row per block, whose backward writes a row-sized gradient per slice.
         """
         if self._pieces is None:
-            cuts = sorted({0} | {x for ranges, q in self.blocks for a, b in ranges for x in (a, b)}
-                          | {ranges[-1][1] - q for ranges, q in self.blocks})
+            cuts = sorted(
+                {0}
+                | {x for ranges, q in self.blocks for a, b in ranges for x in (a, b)}
+                | {ranges[-1][1] - q for ranges, q in self.blocks}
+            )
             at = {cut: i for i, cut in enumerate(cuts)}
-            blocks = [([i for a, b in ranges for i in range(at[a], at[b])],
-                       list(range(at[ranges[-1][1] - q], at[ranges[-1][1]]))) for ranges, q in self.blocks]
+            blocks = [
+                (
+                    [i for a, b in ranges for i in range(at[a], at[b])],
+                    list(range(at[ranges[-1][1] - q], at[ranges[-1][1]])),
+                )
+                for ranges, q in self.blocks
+            ]
             self._pieces = ([b - a for a, b in zip(cuts, cuts[1:])], blocks)
         return self._pieces
 
@@ -64,13 +73,23 @@ def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
 
 
-def _plan_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: AttentionPlan,
-                    dropout: float, scaling: Optional[float]) -> torch.Tensor:
+def _plan_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: AttentionPlan,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
     sizes, blocks = plan.pieces()
     qs, ks, vs = (t.split(sizes, dim=2) for t in (query, key, value))
     out = []
     for key_pieces, query_pieces in blocks:
-        q, k, v = _cat([qs[i] for i in query_pieces]), _cat([ks[i] for i in key_pieces]), _cat([vs[i] for i in key_pieces])
+        q, k, v = (
+            _cat([qs[i] for i in query_pieces]),
+            _cat([ks[i] for i in key_pieces]),
+            _cat([vs[i] for i in key_pieces]),
+        )
         queries, keys = q.shape[2], k.shape[2]
         if queries == keys:
             out.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True))
@@ -80,16 +99,25 @@ def _plan_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return torch.cat(out, dim=2)
 
 
-def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
-                             scaling: Optional[float] = None, packed_plan: Optional[AttentionPlan] = None,
-                             **kwargs: Any) -> tuple[torch.Tensor, None]:
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    packed_plan: AttentionPlan | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``(1, heads, tokens, dim)`` inputs, ``(1, tokens, heads, dim)`` output.
 
     Without a ``packed_plan`` (e.g. a forward outside ``completion_logps``) it is transformers' SDPA.
     """
     if packed_plan is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}")
     groups = query.shape[1] // key.shape[1]
@@ -106,7 +134,10 @@ AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
 def supports_packing(config: Any) -> bool:
     """Whether a decoder with this config can run packed: its attention is SDPA or eager (plain softmax
     attention over every earlier token), with no sliding window and no logit soft-capping."""
-    if getattr(config, "is_encoder_decoder", False) or getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "_attn_implementation", None) not in (
+        "sdpa",
+        "eager",
+    ):
         return False
     if getattr(config, "attn_logit_softcapping", None):
         return False
@@ -151,5 +182,7 @@ def packed_attention(config: Any, plan: AttentionPlan) -> Iterator[AttentionPlan
     finally:
         _ACTIVE.pop()
     if plan.calls == 0:
-        raise RuntimeError(f"{type(config).__name__}: the model's attention did not use the packed plan; "
-                           "run it padded (padding_free=False)")
+        raise RuntimeError(
+            f"{type(config).__name__}: the model's attention did not use the packed plan; "
+            "run it padded (padding_free=False)"
+        )

@@ -11,7 +11,7 @@ checkpoints, optimizer or DDP/FSDP wrapping; ``to`` moves it explicitly.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -57,7 +57,7 @@ class ReferencePolicy:
         """Context manager under which ``model`` acts as the reference (adapters off under LoRA)."""
         return self._policy[0].disable_adapter() if self._lora else contextlib.nullcontext()
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "ReferencePolicy":
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ReferencePolicy:
         """Move the frozen copy (no-op under LoRA, where the policy's own placement applies)."""
         if self._frozen:
             self._frozen[0].to(device=device, dtype=dtype)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ _FORMAT = "aitraining_pl.reward_model"
 class RewardModelConfig:
     """What a reward model is made of and how the seed's trainer trains it."""
 
-    model_name: Optional[str] = None
+    model_name: str | None = None
     """Trunk to load: local folder or hub id (``AutoModel``: encoder or decoder)."""
     num_labels: int = 1
     """Outputs of the head; the reward is output 0."""
@@ -67,17 +67,17 @@ class RewardModelConfig:
     """Linear warmup steps (used by ``RewardModelTrainer``)."""
     gradient_accumulation_steps: int = 1
     """Batches per optimizer step (used by ``RewardModelTrainer``)."""
-    model_config: Optional[dict] = None
+    model_config: dict | None = None
     """Instead of ``model_name``: an inline trunk config (``{"model_type": "llama", ...}``), randomly initialised."""
-    tokenizer_name: Optional[str] = None
+    tokenizer_name: str | None = None
     """Tokenizer folder / hub id, or ``byte``; defaults to ``model_name``."""
-    lora_target_modules: Union[str, list] = "all-linear"
+    lora_target_modules: str | list = "all-linear"
     """Trunk modules that get adapters."""
     seed: int = 0
     """Seed of the random initialisation (inline trunk and head)."""
     trust_remote_code: bool = False
     """Allow custom modelling code from the hub (off unless set)."""
-    dtype: Optional[str] = None
+    dtype: str | None = None
     """Trunk dtype (``bfloat16``, ``float32``, ...); the head always runs in float32."""
     head_bias: bool = True
     """Give the reward head a bias. Without one, decoder reward models export exactly to the standard
@@ -114,7 +114,9 @@ class RewardModel(nn.Module):
         super().__init__()
         config = RewardModelConfig(**config) if isinstance(config, dict) else config
         if config.pooling_strategy not in POOLING_STRATEGIES:
-            raise ValueError(f"unknown pooling_strategy {config.pooling_strategy!r}; known: {', '.join(POOLING_STRATEGIES)}")
+            raise ValueError(
+                f"unknown pooling_strategy {config.pooling_strategy!r}; known: {', '.join(POOLING_STRATEGIES)}"
+            )
         if config.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {config.temperature}")
         self.config = config
@@ -127,7 +129,9 @@ class RewardModel(nn.Module):
         accepted = inspect.signature(base.forward).parameters
         self._takes_positions, self._takes_cache = "position_ids" in accepted, "use_cache" in accepted
         lora = config.lora()
-        self.trunk = apply_lora(trunk, lora, task_type="FEATURE_EXTRACTION") if lora and not is_peft_model(trunk) else trunk
+        self.trunk = (
+            apply_lora(trunk, lora, task_type="FEATURE_EXTRACTION") if lora and not is_peft_model(trunk) else trunk
+        )
         self.dropout = nn.Dropout(config.dropout_prob)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
@@ -260,7 +264,7 @@ class RewardModel(nn.Module):
     @classmethod
     def from_pretrained(
         cls, path: str | Path, device: str | torch.device | None = None, trust_remote_code: bool = False
-    ) -> "RewardModel":
+    ) -> RewardModel:
         """Load a folder written by ``save_pretrained``. Called on ``RewardModel`` it returns whichever class
         was saved (``MultiObjectiveRewardModel``, ...); called on a subclass it insists on that subclass.
         Reads both layouts: the standard one (``reward_config.json`` version 2, ``"weights":
@@ -304,7 +308,7 @@ class RewardModel(nn.Module):
         return model.to(device) if device is not None else model
 
     @classmethod
-    def _from_config(cls, config: RewardModelConfig, trunk: nn.Module) -> "RewardModel":
+    def _from_config(cls, config: RewardModelConfig, trunk: nn.Module) -> RewardModel:
         return cls(config, trunk=trunk)
 
     def load_merged_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -355,7 +359,8 @@ class PairwiseRewardModel(RewardModel):
         margin: torch.Tensor | None = None,
         center_coef: float = 0.0,
     ) -> torch.Tensor:
-        """Scalar Bradley-Terry loss (``bradley_terry_loss``); ``labels`` (B,) is 1 where A is preferred, 0 where B is."""
+        """Scalar Bradley-Terry loss (``bradley_terry_loss``); ``labels`` (B,) is 1 where A is preferred, 0 where
+        B is."""
         reward_a, reward_b = self.score(input_ids_a, attention_mask_a), self.score(input_ids_b, attention_mask_b)
         a_wins = labels.to(reward_a.device).bool()
         chosen, rejected = torch.where(a_wins, reward_a, reward_b), torch.where(a_wins, reward_b, reward_a)
@@ -382,8 +387,14 @@ class MultiObjectiveRewardModel(RewardModel):
         config = RewardModelConfig(**config) if isinstance(config, dict) else dataclasses.replace(config)
         weights = list(objective_weights) if objective_weights is not None else [1.0 / num_objectives] * num_objectives
         if num_objectives < 1 or len(weights) != num_objectives:
-            raise ValueError(f"need num_objectives >= 1 and that many objective_weights, got {num_objectives} and {weights}")
-        config.extra = {**config.extra, "num_objectives": num_objectives, "objective_weights": [float(w) for w in weights]}
+            raise ValueError(
+                f"need num_objectives >= 1 and that many objective_weights, got {num_objectives} and {weights}"
+            )
+        config.extra = {
+            **config.extra,
+            "num_objectives": num_objectives,
+            "objective_weights": [float(w) for w in weights],
+        }
         super().__init__(config, trunk=trunk)
         self.register_buffer("objective_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
 
@@ -392,7 +403,7 @@ class MultiObjectiveRewardModel(RewardModel):
         return int(self.config.extra["num_objectives"])
 
     @classmethod
-    def _from_config(cls, config: RewardModelConfig, trunk: nn.Module) -> "MultiObjectiveRewardModel":
+    def _from_config(cls, config: RewardModelConfig, trunk: nn.Module) -> MultiObjectiveRewardModel:
         extra = config.extra
         return cls(config, extra["num_objectives"], extra["objective_weights"], trunk=trunk)
 

@@ -188,7 +188,7 @@ def save_standard(model: nn.Module, path: Path, state: dict[str, torch.Tensor], 
     or ``None`` (nothing written) when the layout cannot represent the model."""
     from safetensors.torch import save_file
 
-    trunk_state = {k[len("trunk."):]: v for k, v in state.items() if k.startswith("trunk.")}
+    trunk_state = {k[len("trunk.") :]: v for k, v in state.items() if k.startswith("trunk.")}
     built = build_standard(model, trunk_state, tokenizer)
     if built is None:
         return None
@@ -210,6 +210,6 @@ def read_standard_state(path: Path, record: dict[str, Any]) -> dict[str, torch.T
     if index.is_file():  # sharded
         files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
     weights = {k: v for name in files for k, v in load_file(str(path / name)).items()}
-    state = {f"trunk.{k[len(prefix):]}": v for k, v in weights.items() if k.startswith(prefix)}
+    state = {f"trunk.{k[len(prefix) :]}": v for k, v in weights.items() if k.startswith(prefix)}
     state.update(load_file(str(path / EXTRAS_FILE)))
     return state

@@ -11,7 +11,7 @@ layouts give the same log-probs (tested); packing is chosen only where it pays (
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -21,21 +21,31 @@ from aitraining_pl.models.scoring import pack_rows, packing_pays, scoring_path, 
 
 class ResponseScores(NamedTuple):
     logprobs: torch.Tensor  #: (N, R), 0 outside the response mask
-    entropy: Optional[torch.Tensor]  #: (N, R) or None
-    hidden: Optional[torch.Tensor]  #: (M, H) last hidden states predicting the response tokens (row-major), or None
+    entropy: torch.Tensor | None  #: (N, R) or None
+    hidden: torch.Tensor | None  #: (M, H) last hidden states predicting the response tokens (row-major), or None
 
 
 def will_pack(model: nn.Module, attention_mask: torch.Tensor, prompt_length: int, padding_free: bool = True) -> bool:
     """Whether ``response_logps`` runs these rows packed: ``padding_free``, packing exact for the model
     (``scoring_path``), every row with a non-empty prompt (its first response token is predicted from it) and
     enough padding for packing to pay (``packing_pays``)."""
-    return (padding_free and packing_pays(attention_mask) and bool((attention_mask[:, :prompt_length].sum(1) > 0).all())
-            and scoring_path(model).packed)
+    return (
+        padding_free
+        and packing_pays(attention_mask)
+        and bool((attention_mask[:, :prompt_length].sum(1) > 0).all())
+        and scoring_path(model).packed
+    )
 
 
 def response_logps(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
-    temperature: float = 1.0, padding_free: bool = True, with_entropy: bool = False, with_hidden: bool = False,
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_length: int,
+    temperature: float = 1.0,
+    padding_free: bool = True,
+    with_entropy: bool = False,
+    with_hidden: bool = False,
 ) -> ResponseScores:
     """Log-probs ``log pi(y_t | x, y_<t)`` (temperature-scaled logits) of the response tokens.
 
@@ -54,8 +64,9 @@ def response_logps(
     if will_pack(model, attention_mask, prompt_length, padding_free):
         packed = pack_rows({"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": scored})
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # as ``generate`` counts left-padded rows
-    out = token_scores(model, input_ids, attention_mask, scored, positions, packed, temperature, with_entropy,
-                       with_hidden)
+    out = token_scores(
+        model, input_ids, attention_mask, scored, positions, packed, temperature, with_entropy, with_hidden
+    )
     response = slice(prompt_length - 1, None)
     hidden = out.hidden
     if hidden is not None:  # row-major order of the response mask

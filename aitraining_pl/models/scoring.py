@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -80,7 +80,10 @@ def pack_batch(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> Pa
             c, r = lengths[i] - p, lengths[b + i] - p
             take(i, 0, p + c, 0)
             take(b + i, p, p + r, p)
-            blocks += [(((start, start + p + c),), p + c), (((start, start + p), (start + p + c, start + p + c + r)), r)]
+            blocks += [
+                (((start, start + p + c),), p + c),
+                (((start, start + p), (start + p + c, start + p + c + r)), r),
+            ]
             score(i, start + p, start + p + c, start + p - 1, p)
             score(b + i, start + p + c, start + p + c + r, start + p - 1, p)
             start += p + c + r
@@ -93,8 +96,15 @@ def pack_batch(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> Pa
     device = ids.device
     packed = ids[torch.tensor(rows, device=device), torch.tensor(cols, device=device)].unsqueeze(0)
     as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    return PackedBatch(packed, as_tensor(positions).unsqueeze(0), AttentionPlan(blocks), as_tensor(sources),
-                       packed[0, as_tensor(targets)], as_tensor(sequences), as_tensor(columns))
+    return PackedBatch(
+        packed,
+        as_tensor(positions).unsqueeze(0),
+        AttentionPlan(blocks),
+        as_tensor(sources),
+        packed[0, as_tensor(targets)],
+        as_tensor(sequences),
+        as_tensor(columns),
+    )
 
 
 def is_contiguous(batch: dict[str, torch.Tensor]) -> bool:
@@ -156,8 +166,14 @@ def _logits_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return HeadLogps(selective_log_softmax(logits, targets), entropy_from_logits(logits) if with_entropy else None)
 
 
-def _head_scores(head: nn.Module, config: Any, hidden: torch.Tensor, targets: torch.Tensor,
-                 temperature: float = 1.0, with_entropy: bool = False) -> HeadLogps:
+def _head_scores(
+    head: nn.Module,
+    config: Any,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> HeadLogps:
     """(M,) log-probs of ``targets`` (and entropies) from hidden states (M, H): chunked for a linear head whose
     post-processing is known (``models.lm_head``: no (M, V) logits, in the forward or saved for backward), else
     the head's logits."""
@@ -171,8 +187,8 @@ class TokenScores(NamedTuple):
     """What ``token_scores`` returns; per-token tensors are (B, L - 1), entry [b, t] for token t + 1."""
 
     logps: torch.Tensor  #: log-probs of the scored tokens, 0 elsewhere
-    entropy: Optional[torch.Tensor]  #: entropies of the distributions predicting them (``with_entropy``), or None
-    hidden: Optional[torch.Tensor]  #: (M, H) last hidden states predicting them, in ``index`` order (``with_hidden``)
+    entropy: torch.Tensor | None  #: entropies of the distributions predicting them (``with_entropy``), or None
+    hidden: torch.Tensor | None  #: (M, H) last hidden states predicting them, in ``index`` order (``with_hidden``)
     index: tuple[torch.Tensor, torch.Tensor]  #: (rows, columns) (M,) each: where the scored tokens' entries are
 
 
@@ -189,15 +205,25 @@ class ScoringPath:
         return "packed" if self.packed else "head" if self.head else "forward"
 
 
-def _run(model: nn.Module, path: str, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-         scored: torch.Tensor, position_ids: Optional[torch.Tensor], packed: Optional[PackedBatch],
-         temperature: float, with_entropy: bool = False, with_hidden: bool = False) -> TokenScores:
+def _run(
+    model: nn.Module,
+    path: str,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scored: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    packed: PackedBatch | None,
+    temperature: float,
+    with_entropy: bool = False,
+    with_hidden: bool = False,
+) -> TokenScores:
     """Scores along ``path``: entry [b, t] of (B, L - 1) is for token t + 1 where ``scored[b, t]``, else 0."""
     decoder, head, config = _decoder_and_head(model)
     if path == "packed":
         with packed_attention(config, packed.plan):
-            hidden = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
-                             packed_plan=packed.plan).last_hidden_state[0, packed.sources]
+            hidden = decoder(
+                input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, packed_plan=packed.plan
+            ).last_hidden_state[0, packed.sources]
         targets, rows, cols = packed.targets, packed.sequences, packed.columns - 1
     else:
         rows, cols = torch.nonzero(scored, as_tuple=True)
@@ -224,8 +250,12 @@ def _probe_batch(config: Any, device: torch.device) -> dict[str, torch.Tensor]:
     vocab = int(getattr(config, "vocab_size", 0) or 2)
     pairs = [(3, 2, 4), (2, 3, 1)]  # (prompt, chosen, rejected) lengths
     prompts = [torch.randint(min(3, vocab - 1), vocab, (p,), generator=generator) for p, _, _ in pairs]
-    rows = [(prompt, torch.randint(min(3, vocab - 1), vocab, (n,), generator=generator))
-            for k in (1, 2) for prompt, lengths in zip(prompts, pairs) for n in [lengths[k]]]
+    rows = [
+        (prompt, torch.randint(min(3, vocab - 1), vocab, (n,), generator=generator))
+        for k in (1, 2)
+        for prompt, lengths in zip(prompts, pairs)
+        for n in [lengths[k]]
+    ]
     width = max(len(p) + len(c) for p, c in rows)
     keys = ("input_ids", "attention_mask", "completion_mask")
     batch = {key: torch.zeros(len(rows), width, dtype=torch.long) for key in keys}
@@ -266,8 +296,10 @@ def _probe(model: nn.Module) -> ScoringPath:
         want = _run(model, "forward", batch["input_ids"], batch["attention_mask"], scored, None, None, 1.0).logps
         head_reason = _matches(model, "head", batch, want)
         if not supports_packing(config):
-            packed_reason = (f"{type(config).__name__} (attention {getattr(config, '_attn_implementation', None)!r}, "
-                             "sliding windows, soft-capping or non-attention layers) cannot run packed")
+            packed_reason = (
+                f"{type(config).__name__} (attention {getattr(config, '_attn_implementation', None)!r}, "
+                "sliding windows, soft-capping or non-attention layers) cannot run packed"
+            )
         else:
             packed_reason = _matches(model, "packed", batch, want)
     return ScoringPath(not packed_reason, not head_reason, "; ".join(r for r in (packed_reason, head_reason) if r))
@@ -281,15 +313,26 @@ def scoring_path(model: nn.Module) -> ScoringPath:
     cache = lm.__dict__.setdefault("_aitraining_scoring_paths", {})
     if key not in cache:
         cache[key] = path = _probe(model)
-        log.info("%s: log-probs run on the %s path%s", type(lm).__name__, path.name,
-                 f" ({path.reason})" if path.reason else " (exact on the probe batch)")
+        log.info(
+            "%s: log-probs run on the %s path%s",
+            type(lm).__name__,
+            path.name,
+            f" ({path.reason})" if path.reason else " (exact on the probe batch)",
+        )
     return cache[key]
 
 
-def token_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                 scored: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                 packed: Optional[PackedBatch] = None, temperature: float = 1.0, with_entropy: bool = False,
-                 with_hidden: bool = False) -> TokenScores:
+def token_scores(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scored: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    packed: PackedBatch | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    with_hidden: bool = False,
+) -> TokenScores:
     """Per-token log-probs (and entropies, hidden states) of the scored tokens of each row, through the fastest
     path exact for ``model``; the head runs fused (``models.lm_head``), so no (tokens x vocabulary) logits are
     held where the head allows it.
@@ -312,13 +355,29 @@ def token_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: Opti
     """
     path = scoring_path(model)
     name = "packed" if packed is not None and path.packed else "head" if path.head else "forward"
-    return _run(model, name, input_ids, attention_mask, scored[:, 1:].bool(), position_ids, packed, temperature,
-                with_entropy, with_hidden)
+    return _run(
+        model,
+        name,
+        input_ids,
+        attention_mask,
+        scored[:, 1:].bool(),
+        position_ids,
+        packed,
+        temperature,
+        with_entropy,
+        with_hidden,
+    )
 
 
-def token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                scored: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                packed: Optional[PackedBatch] = None, temperature: float = 1.0) -> torch.Tensor:
+def token_logps(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scored: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    packed: PackedBatch | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """(B, L - 1) log-probs of ``token_scores``: entry [b, t] is log p(input_ids[b, t + 1]) where
     ``scored[b, t + 1]``, else 0."""
     return token_scores(model, input_ids, attention_mask, scored, position_ids, packed, temperature).logps
@@ -339,8 +398,9 @@ def packing_pays(attention_mask: torch.Tensor, threshold: float = PACKING_THRESH
     return float(attention_mask.sum()) < threshold * attention_mask.numel()
 
 
-def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor], padding_free: bool = False,
-                     share_prompt: bool = False) -> SequenceLogps:
+def completion_logps(
+    model: nn.Module, batch: dict[str, torch.Tensor], padding_free: bool = False, share_prompt: bool = False
+) -> SequenceLogps:
     """Summed completion-token log-probs of every row of ``batch`` (chosen rows, then rejected rows).
 
     The language-model head runs only on positions whose next token is a completion token, so the
@@ -388,5 +448,12 @@ def pack_rows(batch: dict[str, torch.Tensor]) -> PackedBatch:
     targets_at = starts[scored_rows] + scored_cols + 1 - first[scored_rows]  # packed position of each scored token
     blocks = [(((s, s + n),), n) for s, n in zip(starts.tolist(), lengths.tolist()) if n > 0]
     packed = batch["input_ids"][rows, cols].unsqueeze(0)
-    return PackedBatch(packed, (cols - first[rows]).unsqueeze(0), AttentionPlan(blocks), targets_at - 1,
-                       packed[0, targets_at], scored_rows, scored_cols + 1)
+    return PackedBatch(
+        packed,
+        (cols - first[rows]).unsqueeze(0),
+        AttentionPlan(blocks),
+        targets_at - 1,
+        packed[0, targets_at],
+        scored_rows,
+        scored_cols + 1,
+    )

@@ -28,7 +28,7 @@ Remote code runs only when the caller passes ``trust_remote_code=True``; weights
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -56,11 +56,11 @@ class SequenceClassifierReward:
         self,
         name_or_path: str,
         batch_size: int = 16,
-        max_length: Optional[int] = None,
+        max_length: int | None = None,
         text_format: str = "auto",
         separator: str = "",
         trust_remote_code: bool = False,
-        dtype: Optional[str] = None,
+        dtype: str | None = None,
     ):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -75,7 +75,8 @@ class SequenceClassifierReward:
         self.model.requires_grad_(False)
         if self.model.config.num_labels != 1:
             raise ValueError(
-                f"{name_or_path}: a reward model needs one output label, this classifier has {self.model.config.num_labels}"
+                f"{name_or_path}: a reward model needs one output label, "
+                f"this classifier has {self.model.config.num_labels}"
             )
         tokenizer = copy.copy(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code))
         tokenizer.padding_side = "right"
@@ -87,9 +88,11 @@ class SequenceClassifierReward:
         self.batch_size, self.separator = batch_size, separator
         limit = getattr(tokenizer, "model_max_length", 0) or 0
         self.max_length = max_length if max_length is not None else (int(limit) if 0 < limit < 1_000_000 else None)
-        self.text_format = ("chat" if getattr(tokenizer, "chat_template", None) else "pair") if text_format == "auto" else text_format
+        self.text_format = (
+            ("chat" if getattr(tokenizer, "chat_template", None) else "pair") if text_format == "auto" else text_format
+        )
 
-    def to(self, device=None, dtype=None) -> "SequenceClassifierReward":
+    def to(self, device=None, dtype=None) -> SequenceClassifierReward:
         self.model.to(device=device, dtype=dtype)
         return self
 

@@ -115,9 +115,7 @@ class PPOModel(nn.Module):
         return PolicyValueOutput(out.logits, self.value_head(hidden))
 
     @classmethod
-    def from_pretrained(
-        cls, path: str | os.PathLike, trust_remote_code: bool = False, **kwargs
-    ) -> "PPOModel":
+    def from_pretrained(cls, path: str | os.PathLike, trust_remote_code: bool = False, **kwargs) -> PPOModel:
         """A PPO export as a ``PPOModel`` (eval mode): the policy through ``AutoModelForCausalLM`` (or, for a
         LoRA export, ``peft.AutoPeftModelForCausalLM``, whose ``adapter_config.json`` names the base) and the
         value head from ``value_head.safetensors``. ``kwargs`` go to ``from_pretrained`` (``dtype``, ...)."""
@@ -131,21 +129,40 @@ class PPOModel(nn.Module):
         model.value_head = load_value_head(path).to(next(policy.parameters()).device)
         return model.eval()
 
-    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
-              temperature: float = 1.0, with_entropy: bool = False, padding_free: bool = True) -> PolicyValueScores:
+    def score(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_length: int,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        padding_free: bool = True,
+    ) -> PolicyValueScores:
         """Log-probs (and entropies) of the response tokens of rollout rows (N, P + R) and the values of the states
         that predict them, from one decoder pass: the value head and the fused LM head read the same hidden
         states (``models.rollout_scoring.response_logps``, packed or padded), so no (N, R, V) logits are built.
         With a separate ``critic`` its own trunk runs on the padded rows for the values."""
-        out = response_logps(self.base_model, input_ids, attention_mask, prompt_length, temperature, padding_free,
-                             with_entropy, with_hidden=self.critic is None)
+        out = response_logps(
+            self.base_model,
+            input_ids,
+            attention_mask,
+            prompt_length,
+            temperature,
+            padding_free,
+            with_entropy,
+            with_hidden=self.critic is None,
+        )
         response = attention_mask[:, prompt_length:].bool()
         if self.critic is None:
             values = out.logprobs.new_zeros(response.shape).masked_scatter(response, self.value_head(out.hidden))
         else:
-            hidden = self.critic(input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=(attention_mask.long().cumsum(-1) - 1).clamp_min(0),
-                                 output_hidden_states=True, use_cache=False).hidden_states[-1]
+            hidden = self.critic(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=(attention_mask.long().cumsum(-1) - 1).clamp_min(0),
+                output_hidden_states=True,
+                use_cache=False,
+            ).hidden_states[-1]
             values = self.value_head(hidden[:, prompt_length - 1 : -1]) * response
         return PolicyValueScores(out.logprobs, out.entropy, values)
 

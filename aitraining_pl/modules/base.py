@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -43,8 +44,13 @@ EPOCH_STAGES = ("val", "test")
 
 
 #: ``peft.LoraConfig`` field -> ``LoRAConfig`` field (the fields this project's adapters carry).
-PEFT_LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules",
-                    "modules_to_save": "modules_to_save"}
+PEFT_LORA_FIELDS = {
+    "r": "r",
+    "lora_alpha": "alpha",
+    "lora_dropout": "dropout",
+    "target_modules": "target_modules",
+    "modules_to_save": "modules_to_save",
+}
 
 
 def _from_peft(lora: Any) -> LoRAConfig:
@@ -56,18 +62,26 @@ def _from_peft(lora: Any) -> LoRAConfig:
 
     values = {ours: getattr(lora, theirs) for theirs, ours in PEFT_LORA_FIELDS.items()}
     targets = values["target_modules"]
-    values["target_modules"] = "all-linear" if targets is None else targets if isinstance(targets, str) else sorted(targets)
+    values["target_modules"] = (
+        "all-linear" if targets is None else targets if isinstance(targets, str) else sorted(targets)
+    )
     values["modules_to_save"] = list(values["modules_to_save"]) if values["modules_to_save"] else None
     default = LoraConfig()
     ignored = [
-        f.name for f in dataclasses.fields(lora)
-        if f.name not in PEFT_LORA_FIELDS and f.name not in ("task_type", "peft_type", "base_model_name_or_path",
-                                                            "revision", "inference_mode", "target_parameters")
+        f.name
+        for f in dataclasses.fields(lora)
+        if f.name not in PEFT_LORA_FIELDS
+        and f.name
+        not in ("task_type", "peft_type", "base_model_name_or_path", "revision", "inference_mode", "target_parameters")
         and getattr(lora, f.name) != getattr(default, f.name)
     ]
     if ignored:
-        warnings.warn(f"peft.LoraConfig fields not applied (LoRAConfig carries {', '.join(PEFT_LORA_FIELDS)}): "
-                      f"{', '.join(ignored)}", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"peft.LoraConfig fields not applied (LoRAConfig carries {', '.join(PEFT_LORA_FIELDS)}): "
+            f"{', '.join(ignored)}",
+            UserWarning,
+            stacklevel=3,
+        )
     return LoRAConfig(**values)
 
 
@@ -249,8 +263,13 @@ class AlignmentModule(pl.LightningModule):
                 attribute, metric = self._epoch_metric(key, value.device)
                 metric.update(value, weight=batch_size)
                 self.log(
-                    key, metric, on_step=False, on_epoch=True, batch_size=batch_size,
-                    prog_bar=name in prog_bar, metric_attribute=attribute,
+                    key,
+                    metric,
+                    on_step=False,
+                    on_epoch=True,
+                    batch_size=batch_size,
+                    prog_bar=name in prog_bar,
+                    metric_attribute=attribute,
                 )
             else:
                 self.log(key, value, on_step=True, on_epoch=False, batch_size=batch_size, prog_bar=name in prog_bar)

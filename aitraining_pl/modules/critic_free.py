@@ -10,8 +10,9 @@ batch has enough padding for packing to pay (``models.rollout_scoring.will_pack`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 
@@ -40,8 +41,8 @@ class PolicyExperience:
     prompt_length: int
     mask: torch.Tensor  #: response tokens that enter the loss (dropped groups zeroed)
     advantages: torch.Tensor
-    old_logprobs: Optional[torch.Tensor]  #: None when ``num_iterations == 1`` (the detached current ones are used)
-    ref_logprobs: Optional[torch.Tensor]  #: None unless the KL term is in the loss
+    old_logprobs: torch.Tensor | None  #: None when ``num_iterations == 1`` (the detached current ones are used)
+    ref_logprobs: torch.Tensor | None  #: None unless the KL term is in the loss
 
 
 class CriticFreeModule(OnlineRLModule):
@@ -53,8 +54,9 @@ class CriticFreeModule(OnlineRLModule):
         tokenizer_name: tokenizer (default: ``model_name``; ``"byte"`` for the byte-level tokenizer).
         lora: LoRA adapters on the policy (``LoRAConfig``, or a ``peft.LoraConfig`` in Python; the reference is then
             the policy with adapters disabled).
-        reward: required: the reward source, as for ``PPOModule`` (import path, reward-model folder, class path, weighted
-            components, an environment, or a Python callable ``(prompts, responses, metadata) -> list[float]``).
+        reward: required: the reward source, as for ``PPOModule`` (import path, reward-model folder, class path,
+            weighted components, an environment, or a Python callable
+            ``(prompts, responses, metadata) -> list[float]``).
         generation: sampling settings (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop_strings``).
         num_generations: responses sampled per prompt (the group size G).
         advantage: ``grpo`` (group mean and std), ``dr_grpo`` (group mean only), ``rloo`` (leave-one-out mean)
@@ -90,11 +92,11 @@ class CriticFreeModule(OnlineRLModule):
 
     def __init__(
         self,
-        model_name: Optional[str] = None,
-        model_config: Optional[dict[str, Any]] = None,
-        tokenizer_name: Optional[str] = None,
-        lora: Optional[LoRAConfig] = None,
-        reward: Union[str, dict[str, Any], Callable, None] = None,
+        model_name: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        tokenizer_name: str | None = None,
+        lora: LoRAConfig | None = None,
+        reward: str | dict[str, Any] | Callable | None = None,
         generation: GenerationConfig = GenerationConfig(),
         num_generations: int = 8,
         advantage: CriticFreeAdvantage = "grpo",
@@ -104,20 +106,20 @@ class CriticFreeModule(OnlineRLModule):
         gradient_accumulation_steps: int = 1,
         num_iterations: int = 1,
         epsilon: float = 0.2,
-        epsilon_high: Optional[float] = None,
+        epsilon_high: float | None = None,
         kl_coef: float = 0.04,
         kl_in_reward: bool = False,
         dynamic_sampling: bool = False,
         max_grad_norm: float = 1.0,
-        missing_eos_penalty: Optional[float] = None,
+        missing_eos_penalty: float | None = None,
         padding_free: bool = True,
         warmup_ratio: float = 0.0,
         seed: int = 0,
-        dtype: Optional[str] = None,
+        dtype: str | None = None,
         lr_schedule: LRSchedule = "linear",
         weight_decay: float = 0.0,
         trust_remote_code: bool = False,
-        attn_implementation: Optional[str] = None,
+        attn_implementation: str | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
     ):
@@ -125,7 +127,9 @@ class CriticFreeModule(OnlineRLModule):
         if advantage in CRITIC_ESTIMATORS:
             raise ValueError(f"advantage {advantage!r} needs a critic: use PPOModule")
         compute_advantages(advantage, torch.zeros(1, 1), torch.ones(1, 1), torch.zeros(1, dtype=torch.long))  # known?
-        clipped_policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), aggregation=loss_aggregation)
+        clipped_policy_loss(
+            torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), aggregation=loss_aggregation
+        )
         if num_generations < 1 or num_iterations < 1:
             raise ValueError("num_generations and num_iterations must be >= 1")
         self.setup_online(reward, generation, lora, with_reference=bool(kl_coef), kl_coef=kl_coef)
@@ -154,8 +158,11 @@ class CriticFreeModule(OnlineRLModule):
         if reference:
             return torch.cat(self.in_minibatches(lambda r: self.reference_logprobs(ids[r], attention[r], P), len(ids)))
         with eval_mode(self.policy):
-            return torch.cat(self.in_minibatches(
-                lambda r: self.response_scores(self.policy, ids[r], attention[r], P).logprobs, len(ids)))
+            return torch.cat(
+                self.in_minibatches(
+                    lambda r: self.response_scores(self.policy, ids[r], attention[r], P).logprobs, len(ids)
+                )
+            )
 
     # ------------------------------------------------------------------ one iteration (steps in OnlineRLModule)
     def make_experience(self, rollout: RolloutBatch) -> tuple[PolicyExperience, dict[str, torch.Tensor]]:
@@ -176,8 +183,13 @@ class CriticFreeModule(OnlineRLModule):
             count, _, std = group_statistics(rollout.scores, rollout.group)
             loss_mask = mask * ((std > 0) & (count > 1)).to(mask.dtype).unsqueeze(1)
         experience = PolicyExperience(
-            rollout.input_ids, rollout.attention_mask, rollout.prompt_length, loss_mask, advantages,
-            old if hp.num_iterations > 1 else None, None if kl_in_reward else ref,
+            rollout.input_ids,
+            rollout.attention_mask,
+            rollout.prompt_length,
+            loss_mask,
+            advantages,
+            old if hp.num_iterations > 1 else None,
+            None if kl_in_reward else ref,
         )
         return experience, stats
 
@@ -185,15 +197,28 @@ class CriticFreeModule(OnlineRLModule):
         """Clipped policy-gradient loss on rollouts ``idx`` (plus ``kl_coef`` * k3 when the KL is in the loss)."""
         hp = self.hparams
         mask = exp.mask[idx]
-        out = self.response_scores(self.policy, exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_length,
-                                   with_entropy=True)
+        out = self.response_scores(
+            self.policy, exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_length, with_entropy=True
+        )
         old = exp.old_logprobs[idx] if exp.old_logprobs is not None else out.logprobs.detach()
         ref = exp.ref_logprobs[idx] if exp.ref_logprobs is not None else None
         loss, stats = clipped_policy_loss(
-            out.logprobs, old, exp.advantages[idx], mask, hp.epsilon, hp.epsilon_high, hp.loss_aggregation,
-            self.generation.max_new_tokens, ref, self.kl_coef,
+            out.logprobs,
+            old,
+            exp.advantages[idx],
+            mask,
+            hp.epsilon,
+            hp.epsilon_high,
+            hp.loss_aggregation,
+            self.generation.max_new_tokens,
+            ref,
+            self.kl_coef,
         )
-        return loss, {"loss": loss.detach(), "entropy": masked_mean(out.entropy.detach(), exp.attention_mask[idx, exp.prompt_length :]), **stats}
+        return loss, {
+            "loss": loss.detach(),
+            "entropy": masked_mean(out.entropy.detach(), exp.attention_mask[idx, exp.prompt_length :]),
+            **stats,
+        }
 
 
 class GRPOModule(CriticFreeModule):
@@ -207,8 +232,13 @@ class GRPOModule(CriticFreeModule):
         kl_coef: weight of the k3 KL term in the loss.
     """
 
-    def __init__(self, advantage: CriticFreeAdvantage = "grpo", loss_aggregation: LossAggregation = "sequence",
-                 kl_coef: float = 0.04, **kwargs: Any):
+    def __init__(
+        self,
+        advantage: CriticFreeAdvantage = "grpo",
+        loss_aggregation: LossAggregation = "sequence",
+        kl_coef: float = 0.04,
+        **kwargs: Any,
+    ):
         super().__init__(advantage=advantage, loss_aggregation=loss_aggregation, kl_coef=kl_coef, **kwargs)
 
 
@@ -223,7 +253,14 @@ class RLOOModule(CriticFreeModule):
         kl_in_reward: KL in the reward (default) or as k3 in the loss.
     """
 
-    def __init__(self, advantage: CriticFreeAdvantage = "rloo", loss_aggregation: LossAggregation = "token",
-                 kl_coef: float = 0.05, kl_in_reward: bool = True, **kwargs: Any):
-        super().__init__(advantage=advantage, loss_aggregation=loss_aggregation, kl_coef=kl_coef,
-                         kl_in_reward=kl_in_reward, **kwargs)
+    def __init__(
+        self,
+        advantage: CriticFreeAdvantage = "rloo",
+        loss_aggregation: LossAggregation = "token",
+        kl_coef: float = 0.05,
+        kl_in_reward: bool = True,
+        **kwargs: Any,
+    ):
+        super().__init__(
+            advantage=advantage, loss_aggregation=loss_aggregation, kl_coef=kl_coef, kl_in_reward=kl_in_reward, **kwargs
+        )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -68,10 +68,10 @@ class DPOModule(SharedStepModule):
 
     def __init__(
         self,
-        model_name: Optional[str] = None,
-        model_config: Optional[dict[str, Any]] = None,
-        tokenizer_name: Optional[str] = None,
-        lora: Optional[LoRAConfig] = None,
+        model_name: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        tokenizer_name: str | None = None,
+        lora: LoRAConfig | None = None,
         beta: float = 0.1,
         loss_type: DPOLossType = "sigmoid",
         label_smoothing: float = 0.0,
@@ -84,17 +84,22 @@ class DPOModule(SharedStepModule):
         precompute_ref_log_probs: bool = False,
         padding_free: bool = True,
         share_prompt: bool = True,
-        dtype: Optional[str] = None,
+        dtype: str | None = None,
         seed: int = 0,
         trust_remote_code: bool = False,
-        attn_implementation: Optional[str] = None,
+        attn_implementation: str | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
-        precompute_ref_logps: Optional[bool] = None,
+        precompute_ref_logps: bool | None = None,
     ):
         super().__init__()
-        precompute_ref_log_probs = renamed(type(self).__name__, "precompute_ref_log_probs", precompute_ref_log_probs,
-                                           False, precompute_ref_logps=precompute_ref_logps)
+        precompute_ref_log_probs = renamed(
+            type(self).__name__,
+            "precompute_ref_log_probs",
+            precompute_ref_log_probs,
+            False,
+            precompute_ref_logps=precompute_ref_logps,
+        )
         self.save_hyperparameters(ignore=["lora", *RENAMED])
         self.drop_renamed_hparams(precompute_ref_log_probs=bool(precompute_ref_log_probs))
         self.store_lora_hparam(lora)
@@ -134,7 +139,9 @@ class DPOModule(SharedStepModule):
         """One pass over every split of the data module; afterwards the frozen reference copy is released."""
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is None or not hasattr(datamodule, "ordered_dataloaders"):
-            raise ValueError("precompute_ref_log_probs needs a data module with ordered_dataloaders() (PreferenceDataModule)")
+            raise ValueError(
+                "precompute_ref_log_probs needs a data module with ordered_dataloaders() (PreferenceDataModule)"
+            )
         # fork the RNG: creating DataLoader iterators draws from it, and the training order must not change
         with torch.random.fork_rng(devices=[]), self.trainer.precision_plugin.forward_context():
             for split, loader in datamodule.ordered_dataloaders().items():
@@ -167,9 +174,17 @@ class DPOModule(SharedStepModule):
         chosen_len, rejected_len = policy.lengths.chunk(2)
         # 3. the loss
         out = dpo_loss(
-            chosen, rejected, ref_chosen, ref_rejected, beta=hp.beta, loss_type=hp.loss_type,
-            label_smoothing=hp.label_smoothing, reference_free=hp.reference_free,
-            chosen_lengths=chosen_len, rejected_lengths=rejected_len, gamma=hp.simpo_gamma,
+            chosen,
+            rejected,
+            ref_chosen,
+            ref_rejected,
+            beta=hp.beta,
+            loss_type=hp.loss_type,
+            label_smoothing=hp.label_smoothing,
+            reference_free=hp.reference_free,
+            chosen_lengths=chosen_len,
+            rejected_lengths=rejected_len,
+            gamma=hp.simpo_gamma,
         )
         loss = out.losses.mean()
         # 4. metrics

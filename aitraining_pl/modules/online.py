@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -76,13 +77,18 @@ class OnlineRLModule(AlignmentModule):
         self.strict_loading = False  # the frozen reference and the reward model are never saved
         # a reward given as a Python object (not YAML-describable primitives) is not saved with the hyperparameters
         if reward is None:
-            raise ConfigError(f"{type(self).__name__}.reward", "required: a reward source (an import path "
-                              "'pkg.module:function', a reward-model folder, a class_path dict or, in Python, a callable)")
+            raise ConfigError(
+                f"{type(self).__name__}.reward",
+                "required: a reward source (an import path "
+                "'pkg.module:function', a reward-model folder, a class_path dict or, in Python, a callable)",
+            )
         ignore = ["lora", "generation", *RENAMED] + ([] if primitive(reward) else ["reward"])  # old names: no hparams
         self.save_hyperparameters(ignore=ignore, frame=inspect.currentframe().f_back)  # the caller's __init__
         self.drop_renamed_hparams(kl_coef=float(kl_coef))
         self.store_lora_hparam(lora)
-        self.generation = generation if isinstance(generation, GenerationConfig) else GenerationConfig(**dict(generation))
+        self.generation = (
+            generation if isinstance(generation, GenerationConfig) else GenerationConfig(**dict(generation))
+        )
         self.set_hparam("generation", asdict(self.generation))
         self.generation.validate(f"{type(self).__name__}.generation")
         warn_truncated_sampling(self.generation)
@@ -111,7 +117,8 @@ class OnlineRLModule(AlignmentModule):
         if rows % per_step:
             raise ValueError(
                 f"the rollouts per batch ({batch_size} prompts x {self.samples_per_prompt}) must be a multiple of "
-                f"mini_batch_size * gradient_accumulation_steps ({hp.mini_batch_size} * {hp.gradient_accumulation_steps})"
+                f"mini_batch_size * gradient_accumulation_steps "
+                f"({hp.mini_batch_size} * {hp.gradient_accumulation_steps})"
             )
         return self.update_epochs * rows // per_step
 
@@ -126,8 +133,11 @@ class OnlineRLModule(AlignmentModule):
             per_step = self.hparams.mini_batch_size * self.hparams.gradient_accumulation_steps
             total = iterations * self.updates_per_iteration(batch_size or per_step)
         return adamw_with_warmup(
-            self.trainable_parameters(), learning_rate=self.hparams.learning_rate, total_steps=total,
-            warmup_ratio=self.hparams.warmup_ratio, schedule=self.hparam("lr_schedule", "linear"),
+            self.trainable_parameters(),
+            learning_rate=self.hparams.learning_rate,
+            total_steps=total,
+            warmup_ratio=self.hparams.warmup_ratio,
+            schedule=self.hparam("lr_schedule", "linear"),
             weight_decay=float(self.hparam("weight_decay", 0.0)),
         )
 
@@ -149,7 +159,10 @@ class OnlineRLModule(AlignmentModule):
 
     @torch.no_grad()
     def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: Optional[GenerationConfig] = None,
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        config: GenerationConfig | None = None,
         num_samples: int = 1,
     ) -> Rollout:
         """Sample ``num_samples`` responses per left-padded prompt with the rollout engine (``generation``, or
@@ -158,7 +171,10 @@ class OnlineRLModule(AlignmentModule):
         sharded = self._generation_context()
         with sharded:
             return engine.sample(
-                self.policy, prompt_ids, prompt_mask, num_samples,
+                self.policy,
+                prompt_ids,
+                prompt_mask,
+                num_samples,
                 synced_gpus=not isinstance(sharded, contextlib.nullcontext),
             )
 
@@ -172,8 +188,15 @@ class OnlineRLModule(AlignmentModule):
         rollout = self.generate(batch["input_ids"], batch["attention_mask"], num_samples=samples)
         scores, components = self.score(batch["prompts"], batch["metadata"], rollout)
         return RolloutBatch(
-            rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1], rollout.response_mask,
-            rollout.ended, rollout.group, rollout.texts, scores, components,
+            rollout.input_ids,
+            rollout.attention_mask,
+            rollout.prompt_ids.shape[1],
+            rollout.response_mask,
+            rollout.ended,
+            rollout.group,
+            rollout.texts,
+            scores,
+            components,
         )
 
     # ------------------------------------------------------------------ log-prob passes
@@ -182,19 +205,33 @@ class OnlineRLModule(AlignmentModule):
         """Whether the log-prob passes may run packed (``models.rollout_scoring.will_pack`` decides per batch)."""
         return bool(self.hparams.get("padding_free", True))
 
-    def response_scores(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        prompt_length: int, with_entropy: bool = False) -> ResponseScores:
+    def response_scores(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_length: int,
+        with_entropy: bool = False,
+    ) -> ResponseScores:
         """``response_logps`` of ``model`` at the sampling temperature (fused head, packed where it pays)."""
-        return response_logps(model, input_ids, attention_mask, prompt_length, self.generation.temperature,
-                              self.padding_free, with_entropy)
+        return response_logps(
+            model,
+            input_ids,
+            attention_mask,
+            prompt_length,
+            self.generation.temperature,
+            self.padding_free,
+            with_entropy,
+        )
 
     def in_minibatches(self, fn: Callable[[torch.Tensor], Any], n: int) -> list[Any]:
         """``fn(rows)`` over ``mini_batch_size`` rows at a time (bounds the activations of a no-grad pass)."""
         return [fn(rows) for rows in torch.arange(n, device=self.device).split(self.hparams.mini_batch_size)]
 
     @torch.no_grad()
-    def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                           prompt_length: int) -> torch.Tensor:
+    def reference_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int
+    ) -> torch.Tensor:
         """(N, R) log-probs of the frozen reference (eval mode; adapters off under LoRA)."""
         model = self.reference.model
         with eval_mode(model), self.reference.context():
@@ -226,12 +263,19 @@ class OnlineRLModule(AlignmentModule):
         scores, lengths = rollout.scores, rollout.mask.sum(1).float()
         count, _, std = group_statistics(scores, rollout.group)
         return {
-            "reward_mean": scores.mean(), "reward_sq": (scores**2).mean(),
+            "reward_mean": scores.mean(),
+            "reward_sq": (scores**2).mean(),
             "frac_reward_zero_std": ((std == 0) | (count < 2)).float().mean(),
-            "completion_length": lengths.mean(), "response_length": lengths.mean(),
-            "completion_length/min": lengths.min(), "completion_length/max": lengths.max(),
-            "ended": rollout.ended.float().mean(), "clipped_ratio": (~rollout.ended).float().mean(),
-            **{f"reward/{k}": torch.tensor(v, dtype=torch.float32).mean() for k, v in sorted(rollout.components.items())},
+            "completion_length": lengths.mean(),
+            "response_length": lengths.mean(),
+            "completion_length/min": lengths.min(),
+            "completion_length/max": lengths.max(),
+            "ended": rollout.ended.float().mean(),
+            "clipped_ratio": (~rollout.ended).float().mean(),
+            **{
+                f"reward/{k}": torch.tensor(v, dtype=torch.float32).mean()
+                for k, v in sorted(rollout.components.items())
+            },
         }
 
     def update(self, experience: Any, n: int) -> dict[str, torch.Tensor]:
@@ -254,7 +298,9 @@ class OnlineRLModule(AlignmentModule):
                 history.append(stats)
                 if last_micro:
                     if hp.max_grad_norm:
-                        self.clip_gradients(optimizer, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
+                        self.clip_gradients(
+                            optimizer, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm"
+                        )
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                     scheduler.step()
@@ -264,7 +310,10 @@ class OnlineRLModule(AlignmentModule):
     def log_iteration(self, stats: dict[str, torch.Tensor], n: int) -> None:
         """Average the iteration's stats over ranks in one all-reduce (``.../min`` and ``.../max`` entries in
         a second one, reduced by max) and log them as ``train/<name>``."""
-        extrema = {k: stats.pop(k) * (-1 if k.endswith("/min") else 1) for k in [k for k in stats if k.endswith(("/min", "/max"))]}
+        extrema = {
+            k: stats.pop(k) * (-1 if k.endswith("/min") else 1)
+            for k in [k for k in stats if k.endswith(("/min", "/max"))]
+        }
         values = {}
         for part, op in ((stats, "mean"), (extrema, "max")):
             if not part:
@@ -287,7 +336,9 @@ class OnlineRLModule(AlignmentModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         rollout = self.rollout(batch, 1)
         lengths = rollout.mask.sum(1).float()
-        self.log_metrics("val", {"reward_mean": rollout.scores, "response_length": lengths}, batch_size=len(rollout.texts))
+        self.log_metrics(
+            "val", {"reward_mean": rollout.scores, "response_length": lengths}, batch_size=len(rollout.texts)
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -11,8 +11,9 @@ the prompts, or set ``max_steps`` in optimizer steps).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 
@@ -99,11 +100,11 @@ class PPOModule(OnlineRLModule):
 
     def __init__(
         self,
-        model_name: Optional[str] = None,
-        model_config: Optional[dict[str, Any]] = None,
-        tokenizer_name: Optional[str] = None,
-        lora: Optional[LoRAConfig] = None,
-        reward: Union[str, dict[str, Any], Callable, None] = None,
+        model_name: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        tokenizer_name: str | None = None,
+        lora: LoRAConfig | None = None,
+        reward: str | dict[str, Any] | Callable | None = None,
         generation: GenerationConfig = GenerationConfig(),
         learning_rate: float = 1e-5,
         mini_batch_size: int = 4,
@@ -118,17 +119,17 @@ class PPOModule(OnlineRLModule):
         kl_estimator: KLEstimator = "k1",
         entropy_coef: float = 0.01,
         value_coef: float = 0.5,
-        missing_eos_penalty: Optional[float] = None,
+        missing_eos_penalty: float | None = None,
         warmup_ratio: float = 0.0,
         lr_schedule: LRSchedule = "linear",
         weight_decay: float = 0.0,
         seed: int = 0,
-        dtype: Optional[str] = None,
+        dtype: str | None = None,
         trust_remote_code: bool = False,
-        attn_implementation: Optional[str] = None,
+        attn_implementation: str | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
-        kl_penalty_coef: Optional[float] = None,
+        kl_penalty_coef: float | None = None,
     ):
         super().__init__()
         kl_coef = renamed(type(self).__name__, "kl_coef", kl_coef, 0.01, kl_penalty_coef=kl_penalty_coef)
@@ -174,7 +175,9 @@ class PPOModule(OnlineRLModule):
         rewards, kl = token_rewards(rollout.scores, old_logprobs, ref_logprobs, mask, self.kl_coef, hp.kl_estimator)
         _, returns = gae(rewards, old_values, mask, hp.gamma, hp.lam)
         advantages = compute_advantages("gae", rewards, mask, rollout.group, old_values, gamma=hp.gamma, lam=hp.lam)
-        experience = Experience(rollout.input_ids, rollout.attention_mask, P, mask, old_logprobs, old_values, advantages, returns)
+        experience = Experience(
+            rollout.input_ids, rollout.attention_mask, P, mask, old_logprobs, old_values, advantages, returns
+        )
         return experience, {"kl": kl.sum(1).mean(), "explained_variance": explained_variance(old_values, returns, mask)}
 
     def minibatch_loss(self, exp: Experience, idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -188,8 +191,12 @@ class PPOModule(OnlineRLModule):
         entropy = masked_mean(out.entropy, mask)
         loss = policy_loss + hp.value_coef * value_loss - hp.entropy_coef * entropy
         return loss, {
-            "loss": loss.detach(), "policy_loss": policy_loss.detach(), "value_loss": value_loss.detach(),
-            "entropy": entropy.detach(), "clipfrac": stats["clipfrac"], "approx_kl": stats["approx_kl"],
+            "loss": loss.detach(),
+            "policy_loss": policy_loss.detach(),
+            "value_loss": value_loss.detach(),
+            "entropy": entropy.detach(),
+            "clipfrac": stats["clipfrac"],
+            "approx_kl": stats["approx_kl"],
         }
 
     def ppo_update(self, exp: Experience) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -66,10 +66,10 @@ class RewardModule(SharedStepModule):
 
     def __init__(
         self,
-        model_name: Optional[str] = None,
-        model_config: Optional[dict[str, Any]] = None,
-        tokenizer_name: Optional[str] = None,
-        lora: Optional[LoRAConfig] = None,
+        model_name: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        tokenizer_name: str | None = None,
+        lora: LoRAConfig | None = None,
         pooling_strategy: PoolingStrategy = "last",
         dropout_prob: float = 0.0,
         temperature: float = 1.0,
@@ -78,17 +78,22 @@ class RewardModule(SharedStepModule):
         warmup_ratio: float = 0.05,
         lr_schedule: LRSchedule = "linear",
         weight_decay: float = 0.0,
-        dtype: Optional[str] = None,
+        dtype: str | None = None,
         seed: int = 0,
         trust_remote_code: bool = False,
-        reward_model: Optional[RewardModel] = None,
+        reward_model: RewardModel | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
-        center_rewards_coef: Optional[float] = None,
+        center_rewards_coef: float | None = None,
     ):
         super().__init__()
-        center_rewards_coefficient = renamed(type(self).__name__, "center_rewards_coefficient",
-                                             center_rewards_coefficient, 0.0, center_rewards_coef=center_rewards_coef)
+        center_rewards_coefficient = renamed(
+            type(self).__name__,
+            "center_rewards_coefficient",
+            center_rewards_coefficient,
+            0.0,
+            center_rewards_coef=center_rewards_coef,
+        )
         self.save_hyperparameters(ignore=["lora", "reward_model", *RENAMED])
         self.drop_renamed_hparams(center_rewards_coefficient=float(center_rewards_coefficient))
         self.store_lora_hparam(lora)
@@ -199,12 +204,12 @@ class MultiObjectiveRewardModule(RewardModule):
     def __init__(
         self,
         num_objectives: int = 1,
-        objective_weights: Optional[list[float]] = None,
-        objective_names: Optional[list[str]] = None,
-        model_name: Optional[str] = None,
-        model_config: Optional[dict[str, Any]] = None,
-        tokenizer_name: Optional[str] = None,
-        lora: Optional[LoRAConfig] = None,
+        objective_weights: list[float] | None = None,
+        objective_names: list[str] | None = None,
+        model_name: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        tokenizer_name: str | None = None,
+        lora: LoRAConfig | None = None,
         pooling_strategy: PoolingStrategy = "last",
         dropout_prob: float = 0.0,
         temperature: float = 1.0,
@@ -212,10 +217,10 @@ class MultiObjectiveRewardModule(RewardModule):
         warmup_ratio: float = 0.05,
         lr_schedule: LRSchedule = "linear",
         weight_decay: float = 0.0,
-        dtype: Optional[str] = None,
+        dtype: str | None = None,
         seed: int = 0,
         trust_remote_code: bool = False,
-        reward_model: Optional[MultiObjectiveRewardModel] = None,
+        reward_model: MultiObjectiveRewardModel | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
     ):
@@ -247,7 +252,9 @@ class MultiObjectiveRewardModule(RewardModule):
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         data_n = getattr(datamodule, "hparams", {}).get("num_objectives") if datamodule is not None else None
         if data_n is not None and data_n != self.hparams.num_objectives:
-            raise ValueError(f"the data module has {data_n} objectives per row, the model {self.hparams.num_objectives}")
+            raise ValueError(
+                f"the data module has {data_n} objectives per row, the model {self.hparams.num_objectives}"
+            )
 
     def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         # 1. every objective's reward and the combined reward
@@ -270,4 +277,3 @@ class MultiObjectiveRewardModule(RewardModule):
         for name, value, count in zip(self.objective_names, per_objective, known.sum(0).tolist()):
             if count > 0:
                 self.log_metrics(stage, {f"loss/{name}": value}, batch_size=int(count))
-
