@@ -17,6 +17,7 @@ from aitraining_pl.callbacks.resume import collect_rng_states, set_rng_states
 from aitraining_pl.datamodules.preference import LengthGroupedSampler, PreferenceDataModule
 from aitraining_pl.datamodules.prompt import PromptDataModule
 from aitraining_pl.datamodules.resumable import ResumableDataLoader, SeededShuffleSampler
+from aitraining_pl.modules.critic_free import GRPOModule
 from aitraining_pl.modules.dpo import DPOModule
 from aitraining_pl.modules.ppo import PPOModule
 from aitraining_pl.modules.reward import RewardModule
@@ -180,6 +181,32 @@ def test_ppo_resume_is_bit_identical_with_kl_and_prompts(tmp_path, deterministic
     assert sorted(p for batch in a.batches[:4] for p in batch) == sorted(prompts)
     assert first.kl_coefs[:3] + b.kl_coefs == a.kl_coefs and len(set(a.kl_coefs)) > 1
     assert resumed.kl_coef == full.kl_coef and resumed_cbs[0].controller.value == full_cbs[0].controller.value
+    _assert_same_weights(full, resumed)
+
+
+def test_grpo_resume_is_bit_identical_with_prompts(tmp_path, deterministic):
+    """The online family (GRPO: G samples per prompt, k3 KL in the loss) resumes like PPO: same prompts, same
+    sampled groups (random states restored), same weights."""
+    prompts = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
+
+    def make():
+        module = GRPOModule(
+            reward=TOY_REWARD,
+            model_config=TINY_LLAMA,
+            tokenizer_name="byte",
+            learning_rate=1e-3,
+            num_generations=2,
+            mini_batch_size=4,  # 2 prompts x 2 samples: one optimizer step per iteration
+            kl_coef=0.05,
+            generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0),
+        )
+        return module, PromptDataModule(prompts=prompts, tokenizer=module.tokenizer, batch_size=2)
+
+    full, resumed, (a, first, b), _ = _run_and_resume(tmp_path, make, 3, max_epochs=2)
+    assert first.batches[:3] + b.batches == a.batches
+    assert resumed.global_step == full.global_step == len(a.batches)
+    untrained = make()[0].state_dict()
+    assert any(not torch.equal(untrained[n], t) for n, t in full.state_dict().items())  # it did train
     _assert_same_weights(full, resumed)
 
 
