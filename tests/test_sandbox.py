@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 from pathlib import Path
@@ -301,7 +302,18 @@ def test_the_supervisor_run_by_an_unprivileged_user_still_isolates_and_scores():
     )  # fmt: skip
     tests = [*ADD_TESTS, "assert wrote is False"]
     spec = json.dumps({"code": code, "tests": tests, "limits": asdict(SandboxLimits(timeout=5.0))})
-    done = subprocess.run([*command, SUPERVISOR_PATH], input=spec.encode(), capture_output=True, check=False)
+    # the checkout may sit in a folder that user cannot enter (e.g. a 0700 temporary clone): run a readable copy
+    folder = Path(tempfile.mkdtemp(prefix="sandbox-supervisor-"))
+    folder.chmod(0o755)
+    for name in ("sandbox_supervisor.py", "sandbox_candidate.py"):
+        shutil.copy(Path(SUPERVISOR_PATH).with_name(name), folder / name)
+        (folder / name).chmod(0o644)
+    try:
+        done = subprocess.run(
+            [*command, str(folder / "sandbox_supervisor.py")], input=spec.encode(), capture_output=True, check=False
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     result = _parse_result(done.stdout, len(tests))
     escaped = Path(f"/tmp/escaped-{marker}")
     protected = "read-only-root" in result.isolation
