@@ -37,6 +37,8 @@ import sys
 import tempfile
 import time
 
+from _common import add_trl_python, print_header, require_trl_python
+
 SIZES = {
     "3m": {
         "hidden_size": 256,
@@ -288,45 +290,9 @@ def _spawn(python: str, side: str, variant: str, size: str, data: str, args) -> 
     raise RuntimeError(f"{side}/{variant}/{size} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-_VERSIONS = (
-    "import json, sys, importlib.metadata as m; v = {}\n"
-    "for name in sys.argv[1:]:\n"
-    "    try: v[name] = m.version(name)\n"
-    "    except m.PackageNotFoundError: pass\n"
-    "print(json.dumps(v))"
-)
-
-
-def _versions(python: str, names: tuple[str, ...]) -> dict:
-    out = subprocess.run([python, "-c", _VERSIONS, *names], capture_output=True, text=True)
-    return json.loads(out.stdout) if out.returncode == 0 else {"error": out.stderr[-300:]}
-
-
-def _header(args) -> dict:
-    """What the figures were measured with: command, date (UTC), threads, versions of both sides."""
-    ours = _versions(sys.executable, ("torch", "transformers", "lightning", "peft"))
-    trl = None if args.skip_trl else _versions(args.trl_python, ("trl", "torch", "transformers", "accelerate"))
-    return {
-        "header": True,
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "threads": args.threads,
-        "vocab_size": args.vocab_size,
-        "python": sys.version.split()[0],
-        "trl_python": args.trl_python,
-        "ours": ours,
-        "trl": trl,
-        "cpus": os.cpu_count(),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--trl-python",
-        default=os.environ.get("TRL_PYTHON"),
-        help="python of the virtual environment with TRL (default: $TRL_PYTHON)",
-    )
+    add_trl_python(parser)
     parser.add_argument(
         "--vocab-size",
         type=int,
@@ -335,7 +301,6 @@ def main() -> None:
     )
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--skip-trl", action="store_true", help="time only this project's variants (no ratios)")
     parser.add_argument("--trl-variants", nargs="+", default=["fp32", "precomputed"], choices=list(TRL_VARIANTS))
     parser.add_argument("--steps", type=int, default=16, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=4, help="steps excluded from the steady state")
@@ -349,9 +314,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.side:
         return child(args)
-    if not args.skip_trl and not args.trl_python:
-        parser.error("give TRL's interpreter with --trl-python or TRL_PYTHON (or pass --skip-trl)")
-    print(json.dumps(_header(args)), flush=True)
+    require_trl_python(parser, args)
+    print_header(args.threads, trl_python=None if args.skip_trl else args.trl_python, vocab_size=args.vocab_size)
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "pairs.jsonl")
         make_pairs(data)

@@ -36,6 +36,7 @@ import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import add_trl_python, print_header, require_trl_python  # noqa: E402
 from dpo_vs_trl import BASE, SIZES, _model_config, _peak_rss_mb  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -296,19 +297,9 @@ def _spawn(python: str, side: str, variant: str, size: str, args) -> dict:
     raise RuntimeError(f"{side}/{variant}/{size} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-def _versions(python: str, modules: str) -> str:
-    code = (
-        "import importlib; "
-        f"print(' '.join(m + '=' + importlib.import_module(m).__version__ for m in {modules!r}.split()))"
-    )
-    return subprocess.run([python, "-c", code], capture_output=True, text=True).stdout.strip()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--trl-python", default=os.environ.get("TRL_PYTHON"), help="python of the venv with TRL (or TRL_PYTHON)"
-    )
+    add_trl_python(parser)
     parser.add_argument("--sizes", nargs="+", default=["3m"], choices=list(SIZES))
     parser.add_argument(
         "--variants",
@@ -317,7 +308,6 @@ def main() -> None:
         choices=["default", "padded"],
         help="this project's side: packed log-prob passes (default) or padded rows",
     )
-    parser.add_argument("--skip-trl", action="store_true", help="time only this project's side (no ratios)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (= generations) per run")
     parser.add_argument("--warmup", type=int, default=1, help="steps excluded from the steady state")
     parser.add_argument("--threads", type=int, default=2)
@@ -337,19 +327,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.side:
         return child(args)
-    if not args.skip_trl and not args.trl_python:
-        parser.error("give TRL's interpreter with --trl-python or TRL_PYTHON (or --skip-trl)")
-    print(
-        json.dumps(
-            {
-                "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-                "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                "ours": _versions(sys.executable, "torch transformers lightning"),
-                "trl": None if args.skip_trl else _versions(args.trl_python, "torch transformers trl"),
-            }
-        ),
-        flush=True,
-    )
+    require_trl_python(parser, args)
+    print_header(args.threads, trl_python=None if args.skip_trl else args.trl_python, vocab_size=args.vocab_size)
     for size in args.sizes:
         results: dict[str, list[dict]] = {}
         runs = [("trl", "default")] * (not args.skip_trl) + [("ours", v) for v in args.variants]
