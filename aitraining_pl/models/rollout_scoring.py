@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from aitraining_pl.losses import positions_from_mask
 from aitraining_pl.models.scoring import pack_rows, packing_pays, scoring_path, token_scores
 
 
@@ -63,7 +64,7 @@ def response_logps(
     packed = None
     if will_pack(model, attention_mask, prompt_length, padding_free):
         packed = pack_rows({"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": scored})
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # as ``generate`` counts left-padded rows
+    positions = positions_from_mask(attention_mask)  # as ``generate`` counts left-padded rows
     out = token_scores(
         model, input_ids, attention_mask, scored, positions, packed, temperature, with_entropy, with_hidden
     )

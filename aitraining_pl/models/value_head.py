@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from aitraining_pl.losses import positions_from_mask
 from aitraining_pl.models.loading import hidden_size_of
 from aitraining_pl.models.rollout_scoring import response_logps
 
@@ -159,7 +160,7 @@ class PPOModel(nn.Module):
             hidden = self.critic(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                position_ids=(attention_mask.long().cumsum(-1) - 1).clamp_min(0),
+                position_ids=positions_from_mask(attention_mask),
                 output_hidden_states=True,
                 use_cache=False,
             ).hidden_states[-1]
