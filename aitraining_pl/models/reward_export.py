@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from aitraining_pl.models.training import eval_mode
 from aitraining_pl.models.trunk_positions import _padded, _probe_ids
 
 log = logging.getLogger(__name__)
@@ -154,12 +155,8 @@ def build_standard(
         log.warning("reward model: trunk weights do not fit %s (missing %s, unexpected %s)",
                     type(standard).__name__, sorted(missing)[:3], unexpected[:3])  # fmt: skip
         return None
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         difference = _probe_difference(model, standard, offset)
-    finally:
-        model.train(was_training)
     scale = max(1.0, float(w.abs().sum() + b.abs()))
     if difference > _TOLERANCE.get(dtype, 3e-2) * scale:
         log.warning("reward model: the %s layout differs from the model by %.3g on a probe; writing the "
