@@ -23,6 +23,23 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 TINY_LLAMA = {**MODEL_PRESETS["tiny-llama"], "hidden_size": 32, "intermediate_size": 64}
 
 
+def quiet_trainer(tmp_path, **overrides):
+    """A one-epoch CPU ``pl.Trainer`` without loggers, checkpoints, bars or summaries, writing under ``tmp_path``."""
+    import lightning.pytorch as pl
+
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    return pl.Trainer(**{**defaults, **overrides})
+
+
 @pytest.fixture
 def tiny_config() -> dict:
     return dict(TINY_LLAMA)

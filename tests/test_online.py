@@ -8,7 +8,7 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import TINY_LLAMA
+from conftest import TINY_LLAMA, quiet_trainer
 
 import aitraining_pl.rollout as rollout_module
 from aitraining_pl.datamodules.prompt import PromptDataModule
@@ -23,20 +23,6 @@ TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need 
 
 QUICKSTART_PROMPTS = os.path.join(os.path.dirname(__file__), "..", "aitraining_pl", "data", "quickstart_prompts.jsonl")
 EOS = 1
-
-
-def _trainer(tmp_path, **kwargs):
-    defaults = dict(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-    )
-    return pl.Trainer(**{**defaults, **kwargs})
 
 
 def _rollout_rows():
@@ -145,7 +131,7 @@ def test_one_grpo_step_matches_a_hand_written_update(tmp_path, monkeypatch, byte
     policy = copy.deepcopy(module.policy)
     initial = module.policy.lm_head.weight.detach().clone()
     dm = PromptDataModule(prompts=["hello", "a longer prompt"], tokenizer=byte_tokenizer, batch_size=2)
-    _trainer(tmp_path, limit_train_batches=1).fit(module, dm)
+    quiet_trainer(tmp_path, limit_train_batches=1).fit(module, dm)
     # by hand: group 0 = rows 0, 1 (scores 1, 0), group 1 = rows 2, 3 (0.5, 0.5: no signal)
     dm.setup()
     batch = dm.collate_fn([dm.train_dataset[i] for i in range(2)])
@@ -212,7 +198,7 @@ def test_lora_grpo_under_bf16_mixed_with_reference_as_disabled_adapters(tmp_path
     lora = {n: p.detach().clone() for n, p in named.items() if "lora_B" in n}
     base = {n: p.detach().clone() for n, p in named.items() if "base_layer" in n}
     dm = PromptDataModule(prompts=["ab", "cd"], tokenizer=byte_tokenizer, batch_size=2)
-    trainer = _trainer(tmp_path, precision="bf16-mixed", limit_train_batches=1)
+    trainer = quiet_trainer(tmp_path, precision="bf16-mixed", limit_train_batches=1)
     trainer.fit(module, dm)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
@@ -249,8 +235,8 @@ def test_algorithm_learns_and_reference_stays(tmp_path, byte_tokenizer, name):
     )
     dm = PromptDataModule(data_path=QUICKSTART_PROMPTS, tokenizer=byte_tokenizer, batch_size=8, val_split=0.2)
     initial = module.policy.lm_head.weight.detach().clone()
-    (before,) = _trainer(tmp_path).validate(module, dm, verbose=False)
-    trainer = _trainer(tmp_path, max_epochs=2)
+    (before,) = quiet_trainer(tmp_path).validate(module, dm, verbose=False)
+    trainer = quiet_trainer(tmp_path, max_epochs=2)
     trainer.fit(module, dm)
     after = float(trainer.callback_metrics["val/reward_mean"])
     assert after > before["val/reward_mean"] + 0.15, (before, after)

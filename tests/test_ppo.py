@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_LLAMA
+from conftest import TINY_LLAMA, quiet_trainer
 
 import aitraining_pl.rollout as rollout_module
 from aitraining_pl.datamodules.prompt import PromptDataModule
@@ -22,20 +22,6 @@ EOS = 1
 
 def length_score(prompts, responses, metadata):
     return [len(r) / 4.0 for r in responses]
-
-
-def _trainer(tmp_path, **kwargs):
-    defaults = dict(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-    )
-    return pl.Trainer(**{**defaults, **kwargs})
 
 
 # ------------------------------------------------------------------------------------------------ reference loop
@@ -144,7 +130,7 @@ def test_one_iteration_matches_a_hand_written_ppo_loop(tmp_path, monkeypatch, by
         "train_dataloader",
         lambda: torch.utils.data.DataLoader(dm.train_dataset, 4, shuffle=False, collate_fn=dm.collate_fn),
     )
-    _trainer(tmp_path, limit_train_batches=1).fit(module, dm)
+    quiet_trainer(tmp_path, limit_train_batches=1).fit(module, dm)
 
     # the same iteration by hand
     dm.setup()
@@ -202,7 +188,7 @@ def test_reward_errors_stop_the_run(tmp_path, byte_tokenizer):
     from aitraining_pl.rewards import RewardError
 
     with pytest.raises(RewardError, match="non-finite"):
-        _trainer(tmp_path, limit_train_batches=1).fit(module, dm)
+        quiet_trainer(tmp_path, limit_train_batches=1).fit(module, dm)
 
 
 # ------------------------------------------------------------------------------------------------ learning
@@ -236,8 +222,8 @@ def test_quickstart_task_learns(tmp_path, byte_tokenizer, seed):
             rewards.append(float(trainer.callback_metrics["train/reward_mean"]))
 
     initial = module.policy.lm_head.weight.detach().clone()
-    (before,) = _trainer(tmp_path).validate(module, dm, verbose=False)
-    trainer = _trainer(tmp_path, max_epochs=3, callbacks=[Record()])
+    (before,) = quiet_trainer(tmp_path).validate(module, dm, verbose=False)
+    trainer = quiet_trainer(tmp_path, max_epochs=3, callbacks=[Record()])
     trainer.fit(module, dm)
     assert len(rewards) == 12  # 64 training prompts / 16 per iteration x 3 epochs
     start, end = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
@@ -306,7 +292,7 @@ def test_lora_policy_under_bf16_mixed(tmp_path, byte_tokenizer):
     head = module.model.value_head.net[-1].weight.detach().clone()
     assert lora and base
     dm = PromptDataModule(prompts=["ab", "cd", "ef", "gh"], tokenizer=byte_tokenizer, batch_size=4)
-    trainer = _trainer(tmp_path, precision="bf16-mixed", limit_train_batches=1)
+    trainer = quiet_trainer(tmp_path, precision="bf16-mixed", limit_train_batches=1)
     trainer.fit(module, dm)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
