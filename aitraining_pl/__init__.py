@@ -2,8 +2,8 @@
 components.
 
 The top level holds what a training script needs: the LightningModules, the DataModules, the callbacks, the
-configs (``LoRAConfig``, ``GenerationConfig``) and the CLI (``AlignmentCLI``, ``main``). Everything else is
-imported from its subpackage (``aitraining_pl.losses``, ``.models``, ``.rewards``, ``.rollout``,
+FSDP2 strategy, the configs (``LoRAConfig``, ``GenerationConfig``) and the CLI (``AlignmentCLI``, ``main``).
+Everything else is imported from its subpackage (``aitraining_pl.losses``, ``.models``, ``.rewards``, ``.rollout``,
 ``.environments``); the seed's API is ``aitraining_pl.compat``. Names load on first use, so
 ``import aitraining_pl`` stays cheap. (The online-RL bases ``OnlineRLModule`` and ``CriticFreeModule``, like
 ``AlignmentModule``, are imported from ``aitraining_pl.modules.online`` / ``.critic_free`` / ``.base``.)
@@ -39,6 +39,8 @@ _EXPORTS: dict[str, str] = {
     "HFExportCallback": "aitraining_pl.callbacks.export",
     "NonFiniteGuard": "aitraining_pl.callbacks.guard",
     "SamplingCallback": "aitraining_pl.callbacks.sampling",
+    # strategy (FSDP2)
+    "FSDP2Strategy": "aitraining_pl.strategies",
     # configs
     "LoRAConfig": "aitraining_pl.models",
     "GenerationConfig": "aitraining_pl.rollout",

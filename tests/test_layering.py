@@ -21,6 +21,7 @@ LAYERS = {
     "rollout": 3,
     "rewards": 3,
     "callbacks": 3,
+    "strategies": 3,
     "environments": 3,
     "data": 3,
     "modules": 4,

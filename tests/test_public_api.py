@@ -15,7 +15,7 @@ TOP_LEVEL = {
     "GRPOModule", "RLOOModule",
     "SFTDataModule", "PreferenceDataModule", "ScoresDataModule", "PromptDataModule",
     "AdaptiveKLCallback", "ExactResumeCallback", "HFExportCallback", "NonFiniteGuard", "SamplingCallback",
-    "LoRAConfig", "GenerationConfig", "AlignmentCLI", "main",
+    "FSDP2Strategy", "LoRAConfig", "GenerationConfig", "AlignmentCLI", "main",
 }  # fmt: skip
 
 

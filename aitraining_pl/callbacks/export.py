@@ -13,9 +13,9 @@ import uuid
 from pathlib import Path
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_only
 
 from aitraining_pl.models.lora import link_adapter_base
+from aitraining_pl.models.sharding import full_weights
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +79,11 @@ class HFExportCallback(pl.Callback):
     for the new one atomically (``replace_dir``), so it is loadable at every instant. ``last`` is not
     written when fit ends with an exception, and nothing is exported under ``fast_dev_run``. Temporary
     folders left by killed runs are removed when fit starts. Folders get the permissions of a plain
-    ``mkdir`` (the umask). Only global rank 0 writes. The module must implement
-    ``save_pretrained(path, merge_lora=...)`` (every ``AlignmentModule`` does; it also writes the model card
-    ``README.md``). A LoRA export whose base was saved beside it (``base/``, for an inline-config model) has its
-    ``adapter_config.json`` pointed at the final folder's ``base/`` before it is renamed into place.
+    ``mkdir`` (the umask). Only global rank 0 writes (under FSDP2 every rank first gathers the full weights). The
+    module must implement ``save_pretrained(path, merge_lora=...)`` (every ``AlignmentModule`` does; it also
+    writes the model card ``README.md``). A LoRA export whose base was saved beside it (``base/``, for an
+    inline-config model) has its ``adapter_config.json`` pointed at the final folder's ``base/`` before it is
+    renamed into place.
 
     With ``push_to_hub``, the ``last`` export is uploaded after it is written (global rank 0 only):
     ``huggingface_hub.HfApi().create_repo(hub_model_id, private=hub_private, exist_ok=True)`` then
@@ -167,14 +168,15 @@ class HFExportCallback(pl.Callback):
         for _, path in steps[: -self.keep_last_k]:
             shutil.rmtree(path, ignore_errors=True)
 
-    @rank_zero_only
     def _export_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
         if step == self._last_exported_step:
             return
-        self.export(pl_module, f"step-{step}")
+        with full_weights(pl_module):  # FSDP2: every rank gathers, rank 0 writes
+            if trainer.is_global_zero:
+                self.export(pl_module, f"step-{step}")
+                self._prune()
         self._last_exported_step = step
-        self._prune()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         n = self.every_n_train_steps
@@ -183,10 +185,12 @@ class HFExportCallback(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # on_fit_end runs only when fit finished without an exception
-        if self.save_last and trainer.is_global_zero and not trainer.interrupted and not trainer.fast_dev_run:
-            last = self.export(pl_module, "last")
-            if self.push_to_hub:
-                self.upload(last, trainer.global_step)
+        if not self.save_last or trainer.interrupted or trainer.fast_dev_run:
+            return
+        with full_weights(pl_module):  # FSDP2: every rank gathers, rank 0 writes
+            last = self.export(pl_module, "last") if trainer.is_global_zero else None
+        if last is not None and self.push_to_hub:
+            self.upload(last, trainer.global_step)
 
     def upload(self, folder: Path, step: int) -> str:
         """Upload ``folder`` to ``hub_model_id`` (created if missing); returns the repository id."""

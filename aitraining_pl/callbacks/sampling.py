@@ -11,13 +11,14 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 
 from aitraining_pl.datamodules.prompt import PromptCollator, PromptDataset
+from aitraining_pl.models.sharding import is_sharded
 
 
 class SamplingCallback(pl.Callback):
     """Every ``every_n_iterations`` PPO iterations, generate responses for fixed prompts and log
     ``(iteration, step, prompt, response, reward)`` rows: as a W&B table (key ``samples``) when a
-    ``WandbLogger`` is attached, else appended to ``<log_dir>/samples.jsonl``. Rank zero only (under FSDP
-    every rank generates, since generation needs all shards, and rank zero logs).
+    ``WandbLogger`` is attached, else appended to ``<log_dir>/samples.jsonl``. Rank zero only (under FSDP2
+    every rank generates, since gathering the weights takes every rank, and rank zero logs).
 
     Args:
         prompts: the prompts to sample for (default: the first ``num_prompts`` of the data module).
@@ -54,9 +55,7 @@ class SamplingCallback(pl.Callback):
         iteration = trainer.fit_loop.epoch_loop.batch_progress.total.processed  # this one included
         if iteration % self.every_n_iterations:
             return
-        from lightning.pytorch.strategies import FSDPStrategy
-
-        if not (trainer.is_global_zero or isinstance(trainer.strategy, FSDPStrategy)):
+        if not (trainer.is_global_zero or is_sharded(pl_module)):  # sharded: gathering the weights takes every rank
             return
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # training draws the same random numbers with or without it

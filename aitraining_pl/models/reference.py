@@ -53,6 +53,11 @@ class ReferencePolicy:
             raise RuntimeError("the frozen reference copy was released (drop()); precomputed log-probs are needed")
         return self._frozen[0]
 
+    @property
+    def frozen_copy(self) -> nn.Module | None:
+        """The frozen copy of the weights; None under LoRA or once released (``drop``)."""
+        return self._frozen[0] if self._frozen else None
+
     def context(self):
         """Context manager under which ``model`` acts as the reference (adapters off under LoRA)."""
         return self._policy[0].disable_adapter() if self._lora else contextlib.nullcontext()

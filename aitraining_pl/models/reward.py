@@ -174,6 +174,9 @@ class RewardModel(nn.Module):
         pooled = self.pooled(input_ids, attention_mask)
         return self.head(self.dropout(pooled).to(self.head.weight.dtype)).float() / self.config.temperature
 
+    #: entry points besides ``forward`` that run the model (``models.sharding.shard`` gathers parameters for them)
+    fsdp_forward_methods = ("score",)
+
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B,) the scalar reward of each sequence (what PPO and Bradley-Terry use)."""
         return self.forward(input_ids, attention_mask)[:, 0]

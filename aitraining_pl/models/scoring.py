@@ -27,6 +27,7 @@ from torch import nn
 from aitraining_pl.losses import HeadLogps, SequenceLogps, entropy_from_logits, selective_log_softmax
 from aitraining_pl.models.lm_head import chunked_head_logps, logit_postprocessing
 from aitraining_pl.models.packing import AttentionPlan, packed_attention, supports_packing
+from aitraining_pl.models.sharding import as_forward
 from aitraining_pl.models.training import eval_mode
 
 log = logging.getLogger(__name__)
@@ -205,7 +206,15 @@ class ScoringPath:
         return "packed" if self.packed else "head" if self.head else "forward"
 
 
-def _run(
+def _run(model: nn.Module, path: str, *args: Any) -> TokenScores:
+    """``_scores``; the fast paths call the decoder and the head directly, which FSDP's forward hooks would not
+    see, so under FSDP2 they run as a forward of ``model`` (``models.sharding.as_forward``)."""
+    if path == "forward":
+        return _scores(model, path, *args)
+    return as_forward(model, _scores, model, path, *args)
+
+
+def _scores(
     model: nn.Module,
     path: str,
     input_ids: torch.Tensor,

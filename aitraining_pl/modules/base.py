@@ -13,6 +13,7 @@ It holds what every module needs and nothing algorithm-specific:
   epoch values are reduced across ranks;
 - ``save_pretrained``: Hugging Face export of the policy and tokenizer (used by ``HFExportCallback``);
 - ``apply_training_options``: the ``disable_dropout`` and ``gradient_checkpointing`` arguments every module has.
+- ``configure_model``: FSDP2 sharding of ``sharded_networks`` under Lightning's ``ModelParallelStrategy``;
 - ``configure_callbacks``: ``ExactResumeCallback`` (exact resume) and ``NonFiniteGuard`` (NaN/inf stops the run).
 
 A subclass calls ``super().__init__()``, then ``self.save_hyperparameters(...)`` and
@@ -31,10 +32,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 
+from aitraining_pl.errors import ConfigError
 from aitraining_pl.models import LoRAConfig, ReferencePolicy, is_peft_model, load_policy, load_tokenizer
 from aitraining_pl.models.lora import save_adapter_base
+from aitraining_pl.models.sharding import is_sharded, shard
 from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing
 from aitraining_pl.optim import adamw_with_warmup
 from aitraining_pl.validation import RENAMED, check_hparams
@@ -205,6 +209,40 @@ class AlignmentModule(pl.LightningModule):
     def checkpointed_networks(self) -> list[nn.Module]:
         """The transformers models trained with gradients (the policy; a subclass may change it)."""
         return [self.policy]
+
+    # ------------------------------------------------------------------ sharding (FSDP2)
+    def sharded_networks(self) -> list[nn.Module]:
+        """The networks ``configure_model`` shards, each as its own FSDP root: the policy and the frozen reference
+        copy (held outside the module tree; under LoRA the reference is the policy with adapters off). A subclass
+        adds its other networks (value head, critic, reward model)."""
+        reference = getattr(self, "reference", None)
+        frozen = reference.frozen_copy if reference is not None else None
+        return [self.policy] + ([frozen] if frozen is not None else [])
+
+    def configure_model(self) -> None:
+        """FSDP2 under Lightning's ``ModelParallelStrategy`` (``models.sharding.shard``: every transformer block,
+        then each network of ``sharded_networks``), with the mixed precision of ``--trainer.precision`` and, when
+        the strategy has ``cpu_offload=True`` (``aitraining_pl.FSDP2Strategy``), sharded state in CPU memory.
+        Nothing happens on one device or under DDP. Data parallelism only: a tensor-parallel mesh dimension
+        above 1 is refused."""
+        mesh = self.device_mesh
+        if mesh is None or is_sharded(self):  # not model-parallel, or already sharded (fit, then test)
+            return
+        names = mesh.mesh_dim_names or ()
+        tensor_parallel = mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
+        if tensor_parallel > 1:
+            raise ConfigError(
+                "trainer.strategy",
+                f"tensor_parallel_size={tensor_parallel}: the modules shard with FSDP2 only; "
+                "set tensor_parallel_size=1 and data_parallel_size to the number of processes",
+            )
+        data_parallel = mesh["data_parallel"] if "data_parallel" in names else mesh
+        offload = bool(getattr(self.trainer.strategy, "cpu_offload", False))
+        for network in self.sharded_networks():
+            shard(network, data_parallel, self.trainer.precision, offload)
+        missed = [name for name, p in self.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        if missed:  # gradients of a parameter no FSDP unit owns would never be averaged across ranks
+            raise RuntimeError(f"{type(self).__name__}: trainable parameters outside sharded_networks(): {missed[:5]}")
 
     def trainable_parameters(self) -> Iterable[nn.Parameter]:
         """Parameters handed to the optimizer (all with ``requires_grad``)."""

@@ -16,7 +16,6 @@ Manual optimisation: Lightning's ``global_step`` counts optimizer steps.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -27,6 +26,7 @@ import torch
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.losses import group_statistics
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
+from aitraining_pl.models.sharding import gathered
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import AlignmentModule
 from aitraining_pl.optim import adamw_with_warmup
@@ -142,16 +142,6 @@ class OnlineRLModule(AlignmentModule):
         )
 
     # ------------------------------------------------------------------ rollout and scoring
-    def _generation_context(self):
-        """Full parameters for ``generate`` under FSDP (``summon_full_params``); nothing otherwise."""
-        from lightning.pytorch.strategies import FSDPStrategy
-
-        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
-            from torch.distributed.fsdp import FullyShardedDataParallel
-
-            return FullyShardedDataParallel.summon_full_params(self.trainer.strategy.model, writeback=False)
-        return contextlib.nullcontext()
-
     @property
     def engine(self) -> RolloutEngine:
         """The rollout engine for ``generation`` with this module's tokenizer."""
@@ -168,15 +158,8 @@ class OnlineRLModule(AlignmentModule):
         """Sample ``num_samples`` responses per left-padded prompt with the rollout engine (``generation``, or
         ``config``), in eval mode; rows ``i*G .. i*G+G-1`` answer prompt ``i``."""
         engine = self.engine if config is None else RolloutEngine(self.tokenizer, config)
-        sharded = self._generation_context()
-        with sharded:
-            return engine.sample(
-                self.policy,
-                prompt_ids,
-                prompt_mask,
-                num_samples,
-                synced_gpus=not isinstance(sharded, contextlib.nullcontext),
-            )
+        with gathered(self.policy):  # FSDP2: one all-gather for the whole rollout; a no-op otherwise
+            return engine.sample(self.policy, prompt_ids, prompt_mask, num_samples)
 
     def score(self, prompts: list[str], metadata: list[dict], rollout: Rollout):
         """Scores (N,) from the reward source, minus ``missing_eos_penalty`` where a response did not end;

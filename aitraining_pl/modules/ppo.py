@@ -147,6 +147,11 @@ class PPOModule(OnlineRLModule):
         """The language model being trained (peft model under LoRA); exported by ``save_pretrained``."""
         return self.model.base_model
 
+    def sharded_networks(self) -> list[torch.nn.Module]:
+        """The policy, the frozen reference, the value head and a separate critic trunk if there is one."""
+        critic = [self.model.critic] if self.model.critic is not None else []
+        return [*super().sharded_networks(), self.model.value_head, *critic]
+
     # ------------------------------------------------------------------ forward passes
     def forward(self, input_ids, attention_mask, prompt_length: int, with_entropy: bool = False) -> PolicyValueScores:
         """Response log-probs (temperature-scaled), entropies (``with_entropy``) and values, (B, R) each, from one

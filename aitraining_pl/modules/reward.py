@@ -107,6 +107,9 @@ class RewardModule(SharedStepModule):
     def checkpointed_networks(self) -> list[torch.nn.Module]:
         return [self.reward_model.trunk]
 
+    def sharded_networks(self) -> list[torch.nn.Module]:
+        return [self.reward_model]
+
     # ------------------------------------------------------------------ the model
     def reward_config(self) -> RewardModelConfig:
         """The ``RewardModelConfig`` described by this module's hyperparameters."""
