@@ -4,15 +4,17 @@ Lightning's ``ModelParallelStrategy`` takes a 2-D mesh (data parallel x tensor p
 process of a node on the tensor-parallel dimension. The modules of this project shard with FSDP2 only
 (``AlignmentModule.configure_model``), so here the data-parallel size defaults to the world size and the
 tensor-parallel size to 1; ``cpu_offload`` keeps the sharded parameters, gradients and optimizer states in CPU
-memory. ``--trainer.strategy aitraining_pl.FSDP2Strategy`` in the CLI; the plain ``ModelParallelStrategy`` with
-``data_parallel_size`` = processes and ``tensor_parallel_size=1`` is equivalent (without offload).
+memory. Registered with Lightning as ``fsdp2`` (and ``fsdp2_cpu_offload``): ``--trainer.strategy fsdp2`` in the CLI,
+``pl.Trainer(strategy="fsdp2")`` once this module is imported (every module of the project imports it). The plain
+``ModelParallelStrategy`` with ``data_parallel_size`` = processes and ``tensor_parallel_size=1`` is equivalent
+(without offload).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -45,3 +47,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self._data_parallel_size == "auto":
             self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+
+
+for _name, _offload in (("fsdp2", False), ("fsdp2_cpu_offload", True)):
+    if _name not in StrategyRegistry:
+        StrategyRegistry.register(
+            _name, FSDP2Strategy, description=f"FSDP2 over all processes (cpu_offload={_offload})", cpu_offload=_offload
+        )

@@ -41,6 +41,7 @@ from aitraining_pl.models.lora import save_adapter_base
 from aitraining_pl.models.sharding import is_sharded, shard
 from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing
 from aitraining_pl.optim import adamw_with_warmup
+from aitraining_pl.strategies import FSDP2Strategy  # noqa: F401 - registers the "fsdp2" strategy names
 from aitraining_pl.validation import RENAMED, check_hparams
 
 #: stages whose values are averaged over the epoch with torchmetrics (training values are per step).
@@ -238,6 +239,8 @@ class AlignmentModule(pl.LightningModule):
             )
         data_parallel = mesh["data_parallel"] if "data_parallel" in names else mesh
         offload = bool(getattr(self.trainer.strategy, "cpu_offload", False))
+        if offload and self.device.type == "cpu":
+            raise ConfigError("trainer.strategy", "cpu_offload moves shards off an accelerator; on CPU use fsdp2")
         for network in self.sharded_networks():
             shard(network, data_parallel, self.trainer.precision, offload)
         missed = [name for name, p in self.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
