@@ -67,8 +67,9 @@ def full_state(module: pl.LightningModule) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in module.state_dict().items() if not k.startswith("_")}
 
 
-def dpo(strategy: str, out: str, precision: str = "32-true", steps: int = 1, pairs: int = 6, **fit) -> dict:
-    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, warmup_ratio=0.0)
+def dpo(strategy: str, out: str, precision: str = "32-true", steps: int = 1, pairs: int = 6, options=None, **fit):
+    options = {"learning_rate": 1e-3, "warmup_ratio": 0.0, **(options or {})}
+    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", **options)
     devices = 1 if strategy == "single" else 2
     run = trainer(strategy, out, max_steps=steps, max_epochs=None, precision=precision, **fit.pop("trainer", {}))
     data = preference_data(module, devices, pairs)
@@ -78,10 +79,21 @@ def dpo(strategy: str, out: str, precision: str = "32-true", steps: int = 1, pai
     return {"module": module, "trainer": run, "initial": initial, "metrics": {k: float(v) for k, v in metrics.items()}}
 
 
-def case_dpo_step(strategy: str, out: str) -> dict:
-    result = dpo(strategy, out)
+def case_dpo_step(strategy: str, out: str, **options) -> dict:
+    result = dpo(strategy, out, options=options)
     state, sharded = full_state(result["module"]), is_sharded(result["module"])
     return {"state": state, "initial": result["initial"], "metrics": result["metrics"], "sharded": sharded}
+
+
+def case_dpo_lora(strategy: str, out: str) -> dict:
+    """LoRA: frozen base weights and trainable adapters in the same FSDP units; the reference is the policy with
+    its adapters off (no second copy)."""
+    return case_dpo_step(strategy, out, lora={"r": 4, "alpha": 8, "target_modules": "all-linear"}, learning_rate=1e-2)
+
+
+def case_dpo_checkpointing(strategy: str, out: str) -> dict:
+    """Activation checkpointing per transformer block under FSDP2 (the blocks are gathered again to recompute)."""
+    return case_dpo_step(strategy, out, gradient_checkpointing=True)
 
 
 def case_dpo_bf16(strategy: str, out: str) -> dict:

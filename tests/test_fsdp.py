@@ -11,8 +11,12 @@ import pytest
 import torch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fsdp_script.py")
-FSDP_CASES = ["dpo_step", "dpo_bf16", "dpo_resume", "reward_step", "ppo_step", "grpo_step"]
-RUNS = {"fsdp": FSDP_CASES, "ddp": ["ppo_step", "grpo_step"], "single": ["dpo_step", "dpo_bf16", "reward_step"]}
+SAME_AS_ONE_PROCESS = ["dpo_step", "dpo_lora", "dpo_checkpointing", "reward_step"]
+RUNS = {
+    "fsdp": [*SAME_AS_ONE_PROCESS, "dpo_bf16", "dpo_resume", "ppo_step", "grpo_step"],
+    "ddp": ["ppo_step", "grpo_step"],
+    "single": [*SAME_AS_ONE_PROCESS, "dpo_bf16"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +42,9 @@ def moved(result: dict) -> float:
 
 
 @pytest.mark.ddp
-def test_dpo_first_step_equals_one_process(results):
-    sharded, single = results("dpo_step-fsdp"), results("dpo_step-single")
+@pytest.mark.parametrize("case", ["dpo_step", "dpo_lora", "dpo_checkpointing"])
+def test_dpo_first_step_equals_one_process(results, case):
+    sharded, single = results(f"{case}-fsdp"), results(f"{case}-single")
     assert sharded["sharded"] and not single["sharded"]
     assert max_difference(sharded["state"], single["state"]) < 1e-5
     assert moved(single) > 5e-4
