@@ -106,3 +106,17 @@ def test_configure_model_does_nothing_without_a_model_parallel_strategy():
     module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte")
     module.configure_model()
     assert not is_sharded(module)
+
+
+def test_fsdp1_is_refused_with_the_fsdp2_name():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from aitraining_pl.errors import ConfigError
+    from aitraining_pl.modules.dpo import DPOModule
+
+    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte")
+    module._trainer = SimpleNamespace(strategy=FSDPStrategy())
+    with pytest.raises(ConfigError, match="use fsdp2"):
+        module.configure_model()

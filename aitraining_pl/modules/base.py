@@ -226,6 +226,12 @@ class AlignmentModule(pl.LightningModule):
         the strategy has ``cpu_offload=True`` (``aitraining_pl.FSDP2Strategy``), sharded state in CPU memory.
         Nothing happens on one device or under DDP. Data parallelism only: a tensor-parallel mesh dimension
         above 1 is refused."""
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
+            raise ConfigError(  # FSDP1 flat parameters: scoring and generation would read sharded weights
+                "trainer.strategy", "FSDPStrategy (FSDP1) is not supported; use fsdp2 (FSDP2, docs/sharding.md)"
+            )
         mesh = self.device_mesh
         if mesh is None or is_sharded(self):  # not model-parallel, or already sharded (fit, then test)
             return
