@@ -23,11 +23,13 @@ from dpo_utils import preference_rows  # noqa: E402
 from aitraining_pl.callbacks.export import HFExportCallback  # noqa: E402
 from aitraining_pl.datamodules.preference import PreferenceDataModule  # noqa: E402
 from aitraining_pl.datamodules.prompt import PromptDataModule  # noqa: E402
+from aitraining_pl.datamodules.sft import SFTDataModule  # noqa: E402
 from aitraining_pl.models.sharding import full_weights, is_sharded  # noqa: E402
-from aitraining_pl.modules.critic_free import GRPOModule  # noqa: E402
+from aitraining_pl.modules.critic_free import GRPOModule, RLOOModule  # noqa: E402
 from aitraining_pl.modules.dpo import DPOModule  # noqa: E402
 from aitraining_pl.modules.ppo import PPOModule  # noqa: E402
 from aitraining_pl.modules.reward import RewardModule  # noqa: E402
+from aitraining_pl.modules.sft import SFTModule  # noqa: E402
 from aitraining_pl.rollout import GenerationConfig  # noqa: E402
 from aitraining_pl.strategies import FSDP2Strategy  # noqa: E402
 
@@ -169,6 +171,20 @@ def online(kind, strategy: str, out: str, do_sample: bool = False, **kwargs) -> 
 
 def case_ppo_step(strategy: str, out: str) -> dict:
     return online(PPOModule, strategy, out, mini_batch_size=2, ppo_epochs=1, kl_coef=0.05)
+
+
+def case_rloo_step(strategy: str, out: str) -> dict:
+    return online(RLOOModule, strategy, out, do_sample=True, num_generations=4, mini_batch_size=4)
+
+
+def case_sft_step(strategy: str, out: str) -> dict:
+    """SFT averages the loss over each rank's completion tokens, as under DDP."""
+    module = SFTModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3)
+    rows = [{"prompt": f"Q{i}: say {w}", "completion": f" {w} " * (1 + i % 3)} for i, w in enumerate("abcdef")]
+    data = SFTDataModule(rows=rows, tokenizer=module.tokenizer, batch_size=2, val_split=1 / 3, shuffle=False)
+    run, initial = trainer(strategy, out, max_steps=1), full_state(module)
+    run.fit(module, datamodule=data)
+    return {"state": full_state(module), "initial": initial, "history": []}
 
 
 def case_grpo_step(strategy: str, out: str) -> dict:

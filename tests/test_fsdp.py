@@ -13,8 +13,8 @@ import torch
 SCRIPT = os.path.join(os.path.dirname(__file__), "fsdp_script.py")
 SAME_AS_ONE_PROCESS = ["dpo_step", "dpo_lora", "dpo_checkpointing", "reward_step"]
 RUNS = {
-    "fsdp": [*SAME_AS_ONE_PROCESS, "dpo_bf16", "dpo_resume", "ppo_step", "grpo_step"],
-    "ddp": ["ppo_step", "grpo_step"],
+    "fsdp": [*SAME_AS_ONE_PROCESS, "dpo_bf16", "dpo_resume", "ppo_step", "grpo_step", "rloo_step", "sft_step"],
+    "ddp": ["ppo_step", "grpo_step", "rloo_step", "sft_step"],
     "single": [*SAME_AS_ONE_PROCESS, "dpo_bf16"],
 }
 
@@ -62,10 +62,10 @@ def test_reward_model_first_step_equals_one_process(results):
 
 
 @pytest.mark.ddp
-@pytest.mark.parametrize("case", ["ppo_step", "grpo_step"])
-def test_online_first_step_equals_ddp(results, case):
-    """Each rank samples its own rollouts (PPO greedy, GRPO sampled with the rank's seed) and whitens its own
-    advantages, as under DDP; FSDP2 must take DDP's step exactly."""
+@pytest.mark.parametrize("case", ["ppo_step", "grpo_step", "rloo_step", "sft_step"])
+def test_first_step_equals_ddp(results, case):
+    """Each rank samples its own rollouts (PPO greedy, GRPO / RLOO sampled with the rank's seed) and whitens its
+    own advantages, SFT averages over its own tokens, as under DDP; FSDP2 must take DDP's step exactly."""
     sharded, ddp = results(f"{case}-fsdp"), results(f"{case}-ddp")
     assert max_difference(sharded["state"], ddp["state"]) < 1e-5
     assert moved(sharded) > 5e-4
