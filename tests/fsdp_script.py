@@ -191,6 +191,27 @@ def case_grpo_step(strategy: str, out: str) -> dict:
     return online(GRPOModule, strategy, out, do_sample=True, num_generations=4, mini_batch_size=4)
 
 
+def case_file_order(strategy: str, out: str) -> dict:
+    """The training batches each rank reads from an unshuffled preference file (``shuffle=False``)."""
+    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, warmup_ratio=0.0)
+    rows = preference_rows(8, seed=1)
+    data = PreferenceDataModule(
+        prompts=[r["prompt"] for r in rows], chosen=[r["chosen"] for r in rows], rejected=[r["rejected"] for r in rows],
+        tokenizer=module.tokenizer, batch_size=2, val_split=0.0, shuffle=False,
+    )  # fmt: skip
+    seen = []
+
+    class Record(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(batch["index"].tolist())
+
+    trainer(strategy, out, max_steps=2, callbacks=[Record()]).fit(module, datamodule=data)
+    per_rank = [None] * torch.distributed.get_world_size() if torch.distributed.is_initialized() else [seen]
+    if torch.distributed.is_initialized():
+        torch.distributed.all_gather_object(per_rank, seen)
+    return {"batches": per_rank}
+
+
 def main(out: str, strategy: str, *cases: str) -> None:
     for case in cases:
         pl.seed_everything(0)

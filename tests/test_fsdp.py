@@ -14,7 +14,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "fsdp_script.py")
 SAME_AS_ONE_PROCESS = ["dpo_step", "dpo_lora", "dpo_checkpointing", "reward_step"]
 RUNS = {
     "fsdp": [*SAME_AS_ONE_PROCESS, "dpo_bf16", "dpo_resume", "ppo_step", "grpo_step", "rloo_step", "sft_step"],
-    "ddp": ["ppo_step", "grpo_step", "rloo_step", "sft_step"],
+    "ddp": ["ppo_step", "grpo_step", "rloo_step", "sft_step", "file_order"],
     "single": [*SAME_AS_ONE_PROCESS, "dpo_bf16"],
 }
 
@@ -96,3 +96,9 @@ def test_sharded_checkpoint_resumes_to_the_uninterrupted_weights_and_exports(res
     with torch.no_grad():
         logits = model(result["probe"]).logits
     assert torch.allclose(logits, result["logits"], atol=1e-5)
+
+
+@pytest.mark.ddp
+def test_unshuffled_data_keeps_its_order_across_ranks(results):
+    """``shuffle=False`` holds under DDP too (Lightning shuffles the training loaders it distributes)."""
+    assert results("file_order-ddp")["batches"] == [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]

@@ -8,7 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from aitraining_pl.datamodules.io import DataSource, DataValidationError, data_sources, read_records
 from aitraining_pl.datamodules.resumable import ResumableDataLoader
@@ -106,6 +106,16 @@ class TextDataModule(pl.LightningDataModule):
         pad = self.tokenizer.pad_token_id
         return self.collator(pad if pad is not None else 0)
 
+    def _in_order_sampler(self, dataset: Any) -> DistributedSampler | None:
+        """Under a distributed trainer, a ``DistributedSampler`` that keeps the rows in order (rank ``r`` of ``n``
+        reads rows ``r, r + n, ...``): Lightning would replace the sampler of an unshuffled training loader by a
+        shuffling one. None otherwise (Lightning's own sampler, or none, applies)."""
+        trainer = self.trainer
+        if trainer is None or not getattr(trainer._accelerator_connector, "use_distributed_sampler", True):
+            return None
+        kwargs = trainer.distributed_sampler_kwargs
+        return DistributedSampler(dataset, shuffle=False, **kwargs) if kwargs else None
+
     def _loader(self, dataset: Any, batch_size: int | None = None, **kwargs: Any) -> DataLoader:
         """A loader over ``dataset`` (default batch size: ``eval_batch_size or batch_size``, in order).
 
@@ -114,6 +124,8 @@ class TextDataModule(pl.LightningDataModule):
         hp = self.hparams
         batch_size = batch_size or hp.eval_batch_size or hp.batch_size
         kwargs.setdefault("generator", torch.Generator().manual_seed(int(hp.seed)))
+        if "sampler" not in kwargs and not kwargs.get("shuffle"):
+            kwargs["sampler"] = self._in_order_sampler(dataset)
         return ResumableDataLoader(
             dataset, batch_size, collate_fn=self.collate_fn, num_workers=hp.num_workers, **kwargs
         )
