@@ -10,6 +10,9 @@ This is the variable-length ("unpadded") attention of FlashAttention (Dao 2023) 
 per block, so it runs on any device SDPA runs on, CPU included. The attention is registered with
 transformers' ``AttentionInterface`` and switched on only inside ``packed_attention(config, plan)``; the
 model's own implementation is restored afterwards.
+
+Batches are packed by ``pack_batch`` (preference pairs, optionally with each pair's prompt held once) and
+``pack_rows`` (any rows: SFT, rollouts); ``packing_pays`` says when packing is worth its per-block calls.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -186,3 +189,145 @@ def packed_attention(config: Any, plan: AttentionPlan) -> Iterator[AttentionPlan
             f"{type(config).__name__}: the model's attention did not use the packed plan; "
             "run it padded (padding_free=False)"
         )
+
+
+class PackedBatch(NamedTuple):
+    """The real tokens of a preference batch in one row (see ``pack_batch``)."""
+
+    input_ids: torch.Tensor  #: (1, N)
+    position_ids: torch.Tensor  #: (1, N): positions within each sequence
+    plan: AttentionPlan  #: which tokens attend to which
+    sources: torch.Tensor  #: (M,) packed position whose output predicts a scored token
+    targets: torch.Tensor  #: (M,) the scored token
+    sequences: torch.Tensor  #: (M,) row of the batch the scored token belongs to (chosen 0..B-1, rejected B..2B-1)
+    columns: torch.Tensor  #: (M,) column of the scored token in its padded row
+
+
+def prompt_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(2B,) leading non-completion tokens of each row."""
+    return (batch["completion_mask"].cumsum(1) == 0).sum(1)
+
+
+def pack_batch(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> PackedBatch:
+    """Pack the real tokens of a preference batch (2B right-padded rows, chosen first) into one row.
+
+    Each row becomes one causal attention block. With ``share_prompt`` each pair is ``prompt, chosen,
+    rejected`` with the prompt held once: the rejected completion attends to the prompt and to itself, its
+    positions continue from the prompt, and its first token is predicted from the last prompt position, so
+    every token sees exactly what it sees in its own padded row.
+    """
+    ids = batch["input_ids"]
+    lengths, prompts = batch["attention_mask"].sum(1).tolist(), prompt_lengths(batch).tolist()
+    b = len(lengths) // 2
+    rows, cols, positions, blocks, sources, targets, sequences, columns = [], [], [], [], [], [], [], []
+    start = 0
+
+    def take(row: int, lo: int, hi: int, first_position: int) -> None:
+        rows.extend([row] * (hi - lo))
+        cols.extend(range(lo, hi))
+        positions.extend(range(first_position, first_position + hi - lo))
+
+    def score(sequence: int, first: int, last: int, first_source: int, column: int) -> None:  # packed [first, last)
+        sources.extend([first_source] + list(range(first, last - 1)))
+        targets.extend(range(first, last))
+        sequences.extend([sequence] * (last - first))
+        columns.extend(range(column, column + last - first))
+
+    for i in range(b if share_prompt else 2 * b):
+        p = prompts[i]
+        if share_prompt:
+            c, r = lengths[i] - p, lengths[b + i] - p
+            take(i, 0, p + c, 0)
+            take(b + i, p, p + r, p)
+            blocks += [
+                (((start, start + p + c),), p + c),
+                (((start, start + p), (start + p + c, start + p + c + r)), r),
+            ]
+            score(i, start + p, start + p + c, start + p - 1, p)
+            score(b + i, start + p + c, start + p + c + r, start + p - 1, p)
+            start += p + c + r
+        else:
+            n = lengths[i]
+            take(i, 0, n, 0)
+            blocks.append((((start, start + n),), n))
+            score(i, start + p, start + n, start + p - 1, p)
+            start += n
+    device = ids.device
+    packed = ids[torch.tensor(rows, device=device), torch.tensor(cols, device=device)].unsqueeze(0)
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    return PackedBatch(
+        packed,
+        as_tensor(positions).unsqueeze(0),
+        AttentionPlan(blocks),
+        as_tensor(sources),
+        packed[0, as_tensor(targets)],
+        as_tensor(sequences),
+        as_tensor(columns),
+    )
+
+
+def is_contiguous(batch: dict[str, torch.Tensor]) -> bool:
+    """Whether every row is ``prompt, completion, padding``: real tokens first, the completion mask one run
+    that ends at the last real token (the layout ``pack_batch`` assumes)."""
+    mask, completion = batch["attention_mask"].bool(), batch["completion_mask"].bool()
+    column = torch.arange(mask.shape[1], device=mask.device)
+    real = column < mask.sum(1, keepdim=True)
+    return torch.equal(mask, real) and torch.equal(completion, real & (column >= prompt_lengths(batch).unsqueeze(1)))
+
+
+def can_pack(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> bool:
+    """Whether every row is contiguous (``is_contiguous``) with a non-empty prompt (its first completion token
+    is predicted from it) and, for ``share_prompt``, each pair's chosen and rejected rows the same prompt."""
+    prompt = prompt_lengths(batch)
+    if not bool((prompt > 0).all()) or not is_contiguous(batch):
+        return False
+    if not share_prompt:
+        return True
+    chosen, rejected = prompt.chunk(2)
+    width = int(chosen.max())
+    ids, keep = batch["input_ids"][:, :width].chunk(2), torch.arange(width, device=prompt.device) < chosen.view(-1, 1)
+    return torch.equal(chosen, rejected) and torch.equal(ids[0] * keep, ids[1] * keep)
+
+
+def pack_rows(batch: dict[str, torch.Tensor]) -> PackedBatch:
+    """Pack the real tokens of B padded rows into one row, each row one causal attention block (SFT, rollouts).
+
+    A row's real tokens must be one contiguous run (right padded, or left-padded prompt and right-padded
+    response as a rollout makes them); positions restart at 0 at each row's first real token. Every token
+    ``t >= 1`` with ``completion_mask[t] == 1`` is scored, predicted from the packed position of token ``t - 1``
+    (which must be real); the mask may have any pattern (several assistant turns, every token), unlike
+    ``pack_batch``, which scores one contiguous completion per row and needs a non-empty prompt. Rows may be
+    any number (not pairs). ``sequences`` holds each scored token's row, ``columns`` its padded column.
+    """
+    real = batch["attention_mask"].bool()
+    lengths, first = real.sum(1), real.long().argmax(1)  # real tokens and first real column of each row
+    starts = torch.cumsum(lengths, 0) - lengths
+    rows, cols = torch.nonzero(real, as_tuple=True)  # row-major: the rows' real tokens end to end
+    scored_rows, scored_cols = torch.nonzero(batch["completion_mask"].bool()[:, 1:] & real[:, 1:], as_tuple=True)
+    targets_at = starts[scored_rows] + scored_cols + 1 - first[scored_rows]  # packed position of each scored token
+    blocks = [(((s, s + n),), n) for s, n in zip(starts.tolist(), lengths.tolist()) if n > 0]
+    packed = batch["input_ids"][rows, cols].unsqueeze(0)
+    return PackedBatch(
+        packed,
+        (cols - first[rows]).unsqueeze(0),
+        AttentionPlan(blocks),
+        targets_at - 1,
+        packed[0, targets_at],
+        scored_rows,
+        scored_cols + 1,
+    )
+
+
+#: pack rows only when their real tokens are fewer than this share of the padded tokens. Packing saves the work
+#: on padding but runs attention one block (sequence) at a time; with little padding the per-block calls cost
+#: more than one batched call: the GRPO benchmark (3M Llama, fp32 CPU, 8 prompts x 8 samples that all ran to 128
+#: new tokens, so the only padding was the prompts') measured the packed passes at about twice the padded ones.
+#: ``benchmarks/packing_threshold.py`` (3M Llama, 16 rollout rows of 32 + 128 tokens, forward + backward, 2 CPU
+#: threads on a loaded machine) measured packed / padded time 0.96-2.2 at 79-90% real tokens and 0.59-0.94 at
+#: 45-71%: the crossover lies between, hence 0.75.
+PACKING_THRESHOLD = 0.75
+
+
+def packing_pays(attention_mask: torch.Tensor, threshold: float = PACKING_THRESHOLD) -> bool:
+    """Whether the rows' real tokens are fewer than ``threshold`` times the padded tokens (``PACKING_THRESHOLD``)."""
+    return float(attention_mask.sum()) < threshold * attention_mask.numel()

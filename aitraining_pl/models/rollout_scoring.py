@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from aitraining_pl.losses import positions_from_mask
-from aitraining_pl.models.scoring import pack_rows, packing_pays, scoring_path, token_scores
+from aitraining_pl.models.packing import pack_rows, packing_pays
+from aitraining_pl.models.scoring import scoring_path, token_scores
 
 
 class ResponseScores(NamedTuple):

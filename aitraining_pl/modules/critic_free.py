@@ -76,7 +76,7 @@ class CriticFreeModule(OnlineRLModule):
         max_grad_norm: gradient clipping by global norm (0 = off).
         missing_eos_penalty: subtracted from the score of responses that end without EOS or stop string.
         padding_free: run the old, reference and policy forward passes on the packed real tokens when at least a
-            quarter of the padded batch is padding (``models.scoring.PACKING_THRESHOLD``).
+            quarter of the padded batch is padding (``models.packing.PACKING_THRESHOLD``).
         warmup_ratio: share of optimizer steps with linear warmup.
         seed: weight-initialisation seed of an inline ``model_config`` and of the minibatch order.
         dtype: dtype the models are loaded in (default: the checkpoint's).

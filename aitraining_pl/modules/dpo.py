@@ -9,13 +9,13 @@ import torch
 from aitraining_pl.losses import REFERENCE_FREE, dpo_loss
 from aitraining_pl.losses.preference import DPOLossType
 from aitraining_pl.models import LoRAConfig
-from aitraining_pl.models.scoring import (  # noqa: F401 - PackedBatch, can_pack, pack_batch: re-exported
+from aitraining_pl.models.packing import (  # noqa: F401 - PackedBatch, can_pack, pack_batch: re-exported
     PackedBatch,
     can_pack,
-    completion_logps,
     pack_batch,
     prompt_lengths,
 )
+from aitraining_pl.models.scoring import completion_logps
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import SharedStepModule
 from aitraining_pl.optim import LRSchedule

@@ -9,7 +9,8 @@ import torch
 
 from aitraining_pl.losses import sft_loss
 from aitraining_pl.models import LoRAConfig
-from aitraining_pl.models.scoring import pack_rows, scoring_path, token_logps
+from aitraining_pl.models.packing import pack_rows
+from aitraining_pl.models.scoring import scoring_path, token_logps
 from aitraining_pl.modules.base import SharedStepModule
 from aitraining_pl.optim import LRSchedule
 
