@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 #: default extra memory for one chunk (bytes): the float32 (chunk, V) buffers of one chunk's logits. Each chunk's
 #: logits are worked on in place (one buffer; two with the entropy or a soft-cap, three with both), so this budget
-#: gives each buffer 48 MiB, the chunk size the earlier 256 MiB budget gave when it counted six buffers: above glibc
-#: malloc's largest mmap threshold (32 MiB), so a freed buffer goes back to the system instead of staying in the heap
-#: (a 64 MiB budget with six buffers, 11 MiB each, raised the DPO benchmark's peak RSS at a 32k vocabulary).
+#: gives each buffer 48 MiB, about the chunk size of the earlier 256 MiB budget over six buffers (43 MiB each), and
+#: above glibc malloc's largest mmap threshold (32 MiB), so a freed buffer goes back to the system instead of staying
+#: in the heap (a 64 MiB budget over six buffers, 11 MiB each, raised the DPO benchmark's peak RSS at 32k).
 DEFAULT_MEMORY_BUDGET = 96 * 2**20
 _TEMPORARIES = 2  # float32 (chunk, V) buffers the budget provides for
 
