@@ -361,6 +361,14 @@ class SharedStepModule(AlignmentModule):
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.shared_step(batch, "test")
 
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Lightning's step, then the gradients freed at once (``set_to_none``), as the Hugging Face Trainer does.
+        Lightning's automatic optimisation zeroes them only after the next batch's forward, so a full set of
+        gradients (with a large vocabulary, the embedding's and the head's above all) would sit in memory beside
+        that forward's activations. With gradient accumulation this runs after the last micro-batch only."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        optimizer.zero_grad(set_to_none=True)
+
 
 def _merged_copy(peft_model: nn.Module) -> nn.Module:
     """A copy of ``peft_model`` with adapters merged into the base weights."""
