@@ -176,35 +176,39 @@ class Split:
         return {k: round(sum(s.get(k, 0.0) for s in steady) / len(steady), 3) for k in (*self.parts, self.rest)}
 
 
-def time_module(split: Split, part: str, module) -> None:
+def time_module(split: Split, part: str, module, until) -> None:
     """Charge ``module``'s forward calls to ``part``, and its backward: from the gradient of its first output
-    (``last_hidden_state`` of a transformers model) to the last gradient accumulated into its parameters."""
+    (``last_hidden_state`` of a transformers model) to the gradient of the output of its submodule ``until`` (the
+    input embedding: every block's backward lies between). Tensor hooks only, no parameter hooks."""
     import torch
 
-    state = {"t0": None, "backward": None, "last": None}
+    state = {"t0": None, "backward": None, "end": None}
+
+    def on_gradient(key):
+        def hook(output):
+            first = output[0] if isinstance(output, tuple) else getattr(output, "last_hidden_state", output)
+            if isinstance(first, torch.Tensor) and first.requires_grad:
+                first.register_hook(lambda grad: state.update({key: time.perf_counter()}))
+
+        return hook
+
+    started, ended = on_gradient("backward"), on_gradient("end")
 
     def before(mod, args, kwargs):
         state["t0"] = time.perf_counter()
 
     def after(mod, args, kwargs, output):
         split.add(part, time.perf_counter() - state["t0"])
-        first = output[0] if isinstance(output, tuple) else getattr(output, "last_hidden_state", output)
-        if isinstance(first, torch.Tensor) and first.requires_grad:
-            first.register_hook(lambda grad: state.update(backward=time.perf_counter()))
-
-    def accumulated(param):
-        state["last"] = time.perf_counter()
+        started(output)
 
     def close():
-        if state["backward"] is not None and state["last"] is not None and state["last"] > state["backward"]:
-            split.add(part, state["last"] - state["backward"])
-        state["backward"] = state["last"] = None
+        if state["backward"] is not None and state["end"] is not None and state["end"] > state["backward"]:
+            split.add(part, state["end"] - state["backward"])
+        state["backward"] = state["end"] = None
 
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(after, with_kwargs=True)
-    for param in module.parameters():
-        if param.requires_grad:
-            param.register_post_accumulate_grad_hook(accumulated)
+    until.register_forward_hook(lambda mod, args, output: ended(output))
     split.closers.append(close)
 
 

@@ -17,13 +17,13 @@ Prints one JSON line per measurement (``pairs_per_s`` over steady-state steps af
 of the whole process, ``step_split_s``) and one ``ratio`` line per model size and variant. ``step_split_s`` is
 the mean seconds of a steady-state step (from the step's start callback to its end callback, data loading
 outside) spent in ``blocks`` (the decoder of the policy and of the reference: forward calls, and the policy's
-backward from the gradient of its last hidden state to the last gradient accumulated into its parameters),
+backward from the gradient of its last hidden state to the gradient of its input embeddings' output),
 ``head`` (the chunked LM-head log-softmax autograd function of each side, ``losses.fused_head`` here and
 ``trl.kernels.ChunkedLogProbFunction`` in TRL 1.16: forward calls and the backward of its autograd node),
 ``optimizer`` (``Optimizer.step`` less the forward-backward closure Lightning runs inside it) and ``rest``
-(the loss, packing, indexing, gradient clipping, zeroing, scheduler, callbacks). Both sides are timed with the
-same hooks (``benchmarks/_common.py``). Every variant trains on the same
-batches as TRL (file order; TRL with ``train_sampling_strategy="sequential"``). Variants of this project's
+(the loss, packing, indexing, the embedding's backward, gradient clipping, zeroing, scheduler, callbacks).
+Both sides are timed with the same hooks (``benchmarks/_common.py``). Every variant trains on the same batches
+as TRL (file order; TRL with ``train_sampling_strategy="sequential"``). Variants of this project's
 side: ``padded`` (the same work as TRL: 2B padded rows, a reference forward every step), ``default`` (the
 module's defaults: the real tokens packed in one row with each pair's prompt held once, a reference forward
 every step) and ``precomputed`` (the defaults plus reference log-probs computed in one pass before training;
@@ -141,7 +141,7 @@ class _Clock:
 def _instrument(split: Split, decoders, head_function) -> None:
     """The same hooks on both sides: decoders -> blocks, the head's autograd function -> head, steps -> optimizer."""
     for decoder in decoders:
-        time_module(split, "blocks", decoder)
+        time_module(split, "blocks", decoder, until=decoder.get_input_embeddings())
     time_autograd_function(split, "head", head_function)
     time_optimizer(split)
 

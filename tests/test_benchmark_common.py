@@ -102,18 +102,26 @@ def test_module_function_and_optimizer_hooks_time_forward_backward_and_update_ap
 
     slow_identity = advancing(0.0, 10.0)
 
-    class Decoder(torch.nn.Module):
+    class Embedding(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.weight = torch.nn.Parameter(torch.ones(3))
 
         def forward(self, x):
+            return x * self.weight
+
+    class Decoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = Embedding()
+
+        def forward(self, x):
             clock.now += 1.0
-            return slow_identity.apply(x * self.weight)
+            return slow_identity.apply(self.embed(x))
 
     decoder, head = Decoder(), advancing(2.0, 20.0)
     split = _common.Split(warmup=0, parts=("blocks", "head", "optimizer"))
-    _common.time_module(split, "blocks", decoder)
+    _common.time_module(split, "blocks", decoder, until=decoder.embed)
     _common.time_autograd_function(split, "head", head)
     handles = _common.time_optimizer(split)
     optimizer = torch.optim.SGD(decoder.parameters(), lr=0.1)
