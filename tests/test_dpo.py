@@ -289,3 +289,23 @@ def test_gradients_are_freed_after_each_step_and_training_is_unchanged(tmp_path,
     assert any(not torch.equal(a, b) for a, b in zip(freed.policy.parameters(), initial.parameters()))  # it trained
     for a, b in zip(freed.policy.parameters(), lightning.policy.parameters()):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_adamw_runs_fused_under_plain_precision_only(tmp_path, byte_tokenizer, precision):
+    """32-true on CPU: fused AdamW (no parameter-sized temporaries at the step); bf16-mixed: the default AdamW,
+    since Lightning refuses gradient clipping with a fused optimizer under mixed precision (clipping runs here)."""
+    rows = preference_rows(4)
+    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", warmup_ratio=0.0)
+    data = PreferenceDataModule(
+        prompts=[r["prompt"] for r in rows],
+        chosen=[r["chosen"] for r in rows],
+        rejected=[r["rejected"] for r in rows],
+        tokenizer=byte_tokenizer,
+        val_split=0,
+        batch_size=2,
+    )
+    trainer = quiet_trainer(tmp_path, max_steps=1, precision=precision, gradient_clip_val=1.0, limit_val_batches=0)
+    trainer.fit(module, data)
+    assert trainer.global_step == 1
+    assert bool(trainer.optimizers[0].defaults.get("fused")) is (precision == "32-true")

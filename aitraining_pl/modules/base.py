@@ -31,6 +31,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
@@ -40,7 +41,7 @@ from aitraining_pl.models import LoRAConfig, ReferencePolicy, is_peft_model, loa
 from aitraining_pl.models.lora import save_adapter_base
 from aitraining_pl.models.sharding import is_sharded, shard
 from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing
-from aitraining_pl.optim import adamw_with_warmup
+from aitraining_pl.optim import adamw_with_warmup, fused_adamw_applies
 from aitraining_pl.strategies import FSDP2Strategy  # noqa: F401 - registers the "fsdp2" strategy names
 from aitraining_pl.validation import RENAMED, check_hparams
 
@@ -253,8 +254,11 @@ class AlignmentModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
+        params = list(self.trainable_parameters())
+        plain = type(self.trainer.precision_plugin) is Precision  # 32-true: no mixed-precision plugin
         return adamw_with_warmup(
-            self.trainable_parameters(),
+            params,
+            fused=fused_adamw_applies(params, plain),
             learning_rate=float(self.hparam("learning_rate", 1e-5)),
             total_steps=self.trainer.estimated_stepping_batches,
             warmup_ratio=float(self.hparam("warmup_ratio", 0.0)),
