@@ -33,9 +33,9 @@ def fused_adamw_applies(params: Iterable[torch.nn.Parameter], plain_precision: b
     """Whether AdamW may run fused (``torch.optim.AdamW(fused=True)``, the Hugging Face Trainer's default): one
     kernel per parameter instead of a sequence of operators, each of which allocates a temporary the size of the
     parameter (with a 152k vocabulary, two of 155 MB for the embedding and for the head at the optimizer step).
-    Only under plain 32/64-bit precision (Lightning refuses gradient clipping with a fused optimizer under its
-    mixed-precision plugins) and for plain floating-point tensors on a device torch has fused kernels for (CPU from
-    torch 2.4); sharded (DTensor) parameters keep the default."""
+    Only under Lightning's plain precision plugin (``32-true``; it refuses gradient clipping with a fused optimizer
+    under its mixed-precision plugins) and for plain floating-point tensors on a device torch has fused kernels
+    for (CPU from torch 2.4); sharded (DTensor) parameters keep the default."""
     params = list(params)
     if not plain_precision or not params:
         return False
