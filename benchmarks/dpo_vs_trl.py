@@ -14,8 +14,16 @@ of the time. The first line printed is a header: the command, the date, the thre
 both sides.
 
 Prints one JSON line per measurement (``pairs_per_s`` over steady-state steps after warm-up, ``peak_rss_mb``
-of the whole process) and one ``ratio`` line per model size and variant. Every variant trains on the same
-batches as TRL (file order; TRL with ``train_sampling_strategy="sequential"``). Variants of this project's
+of the whole process, ``step_split_s``) and one ``ratio`` line per model size and variant. ``step_split_s`` is
+the mean seconds of a steady-state step (from the step's start callback to its end callback, data loading
+outside) spent in ``blocks`` (the decoder of the policy and of the reference: forward calls, and the policy's
+backward from the gradient of its last hidden state to the gradient of its input embeddings' output),
+``head`` (the chunked LM-head log-softmax autograd function of each side, ``losses.fused_head`` here and
+``trl.kernels.ChunkedLogProbFunction`` in TRL 1.16: forward calls and the backward of its autograd node),
+``optimizer`` (``Optimizer.step`` less the forward-backward closure Lightning runs inside it) and ``rest``
+(the loss, packing, indexing, the embedding's backward, gradient clipping, zeroing, scheduler, callbacks).
+Both sides are timed with the same hooks (``benchmarks/_common.py``). Every variant trains on the same batches
+as TRL (file order; TRL with ``train_sampling_strategy="sequential"``). Variants of this project's
 side: ``padded`` (the same work as TRL: 2B padded rows, a reference forward every step), ``default`` (the
 module's defaults: the real tokens packed in one row with each pair's prompt held once, a reference forward
 every step) and ``precomputed`` (the defaults plus reference log-probs computed in one pass before training;
@@ -37,7 +45,15 @@ import sys
 import tempfile
 import time
 
-from _common import add_trl_python, print_header, require_trl_python
+from _common import (
+    Split,
+    add_trl_python,
+    print_header,
+    require_trl_python,
+    time_autograd_function,
+    time_module,
+    time_optimizer,
+)
 
 SIZES = {
     "3m": {
@@ -77,6 +93,8 @@ TRL_VARIANTS = {
     "precomputed": {"bf16": False, "gradient_checkpointing": False, "precompute_ref_log_probs": True},
     "defaults": {},
 }
+#: the timed parts of a step (``step_split_s``; the remainder is ``rest``)
+PARTS = ("blocks", "head", "optimizer")
 WORDS = (
     "the of and to in is was that for on as with by at from this be or an are not it have which one "
     "model data train loss reward policy value prompt answer token sample gradient step batch"
@@ -120,6 +138,14 @@ class _Clock:
         return BATCH * (len(timed) - 1) / (timed[-1] - timed[0])
 
 
+def _instrument(split: Split, decoders, head_function) -> None:
+    """The same hooks on both sides: decoders -> blocks, the head's autograd function -> head, steps -> optimizer."""
+    for decoder in decoders:
+        time_module(split, "blocks", decoder, until=decoder.get_input_embeddings())
+    time_autograd_function(split, "head", head_function)
+    time_optimizer(split)
+
+
 def run_ours(args) -> dict:
     import torch
 
@@ -127,16 +153,21 @@ def run_ours(args) -> dict:
     import lightning.pytorch as pl
 
     from aitraining_pl.datamodules.preference import PreferenceDataModule
+    from aitraining_pl.losses.fused_head import _FusedHeadLogps
     from aitraining_pl.modules.dpo import DPOModule
 
-    clock = _Clock(args.warmup)
+    clock, split = _Clock(args.warmup), Split(args.warmup, PARTS)
 
     class Timer(pl.Callback):
         def on_train_start(self, trainer, pl_module):
             self.start = time.perf_counter()
 
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            split.step_start()
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             clock.step_end()
+            split.step_end()
 
     module = DPOModule(
         model_config=_model_config(args.size, args.vocab_size),
@@ -145,6 +176,8 @@ def run_ours(args) -> dict:
         warmup_ratio=0.0,
         **VARIANTS[args.variant],
     )
+    models = [module.policy] + ([module.reference.model] if module.reference is not None else [])
+    _instrument(split, [m.get_decoder() for m in models], _FusedHeadLogps)
     data = PreferenceDataModule(
         data_path=args.data,
         val_split=0.0,
@@ -177,6 +210,7 @@ def run_ours(args) -> dict:
         "fit_s": round(time.perf_counter() - t0, 2),
         "params": n_params,
         "pairs_per_s": clock.pairs_per_s(),
+        "step_split_s": split.step_split(),
     }
 
 
@@ -187,12 +221,17 @@ def run_trl(args) -> dict:
     from datasets import load_dataset
     from transformers import AutoConfig, AutoModelForCausalLM, ByT5Tokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer
+    from trl.kernels import ChunkedLogProbFunction  # what TRL 1.16's fused LM head (add_fused_lm_head) applies
 
-    clock = _Clock(args.warmup)
+    clock, split = _Clock(args.warmup), Split(args.warmup, PARTS)
 
     class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            split.step_start()
+
         def on_step_end(self, *a, **k):
             clock.step_end()
+            split.step_end()
 
     config = dict(_model_config(args.size, args.vocab_size))
     hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
@@ -200,6 +239,7 @@ def run_trl(args) -> dict:
     model = AutoModelForCausalLM.from_config(hf_config)
     torch.manual_seed(0)  # the reference: the same weights, built again from the config (as on our side)
     ref_model = AutoModelForCausalLM.from_config(hf_config)
+    _instrument(split, [model.get_decoder(), ref_model.get_decoder()], ChunkedLogProbFunction)
     tokenizer = ByT5Tokenizer()
     dataset = load_dataset("json", data_files=args.data, split="train")
     with tempfile.TemporaryDirectory() as out:
@@ -235,6 +275,7 @@ def run_trl(args) -> dict:
         "fit_s": round(fit_s, 2),
         "params": sum(p.numel() for p in model.parameters()),
         "pairs_per_s": clock.pairs_per_s(),
+        "step_split_s": split.step_split(),
     }
 
 

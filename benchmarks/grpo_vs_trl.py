@@ -32,11 +32,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import add_trl_python, print_header, require_trl_python  # noqa: E402
+from _common import Split, add_trl_python, print_header, require_trl_python  # noqa: E402
 from dpo_vs_trl import BASE, SIZES, _model_config, _peak_rss_mb  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,43 +61,11 @@ def lowercase_share(texts: list[str]) -> list[float]:
     return [sum("a" <= c <= "z" for c in t) / len(t) if t else 0.0 for t in texts]
 
 
-class Split:
-    """Seconds per part of a step; ``step_end`` closes a step (steady state: after ``warmup`` steps)."""
+PARTS = ("generation", "scoring", "logprob_passes")  # and the rest of a step, "update"
 
-    def __init__(self, warmup: int, completions: int = NUM_PROMPTS * G):
-        self.warmup, self.current, self.steps, self.ends = warmup, defaultdict(float), [], []
-        self.completions = completions  # per step
 
-    def timed(self, part: str, fn, when=lambda *a, **k: True):
-        def wrapper(*args, **kwargs):
-            if not when(*args, **kwargs):
-                return fn(*args, **kwargs)
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.current[part] += time.perf_counter() - t0
-
-        return wrapper
-
-    def step_start(self) -> None:
-        self.current, self.t0 = defaultdict(float), time.perf_counter()
-
-    def step_end(self) -> None:
-        end = time.perf_counter()
-        self.ends.append(end)
-        parts = dict(self.current)
-        parts["update"] = end - self.t0 - sum(parts.values())
-        self.steps.append(parts)
-
-    def summary(self) -> dict:
-        steady = self.steps[self.warmup :]
-        split = {
-            k: round(sum(s.get(k, 0.0) for s in steady) / len(steady), 3)
-            for k in ("generation", "scoring", "logprob_passes", "update")
-        }
-        seconds = sum(sum(s.values()) for s in steady)
-        return {"completions_per_s": round(self.completions * len(steady) / seconds, 3), "step_split_s": split}
+def summary(split: Split, completions: int) -> dict:
+    return {"completions_per_s": round(split.rate(completions), 3), "step_split_s": split.step_split()}
 
 
 def run_ours(args) -> dict:
@@ -112,7 +78,7 @@ def run_ours(args) -> dict:
     from aitraining_pl.modules.critic_free import GRPOModule
     from aitraining_pl.rollout import GenerationConfig
 
-    split = Split(args.warmup, args.num_prompts * args.num_generations)
+    split = Split(args.warmup, PARTS, rest="update")
 
     class Timer(pl.Callback):
         def on_train_batch_start(self, *a):
@@ -158,7 +124,10 @@ def run_ours(args) -> dict:
         data.train_dataset, args.num_prompts, shuffle=False, collate_fn=data.collate_fn
     )
     trainer.fit(module, data)
-    return {"params": sum(p.numel() for p in module.policy.parameters()), **split.summary()}
+    return {
+        "params": sum(p.numel() for p in module.policy.parameters()),
+        **summary(split, args.num_prompts * args.num_generations),
+    }
 
 
 def run_trl(args) -> dict:
@@ -169,7 +138,7 @@ def run_trl(args) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, ByT5Tokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    split = Split(args.warmup, args.num_prompts * args.num_generations)
+    split = Split(args.warmup, PARTS, rest="update")
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
@@ -232,7 +201,7 @@ def run_trl(args) -> dict:
         )
         trainer.train()
         params = sum(p.numel() for p in trainer.model.parameters())
-    return {"params": params, **split.summary()}
+    return {"params": params, **summary(split, args.num_prompts * args.num_generations)}
 
 
 def child(args) -> None:

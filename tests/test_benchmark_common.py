@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -50,3 +51,94 @@ def test_the_header_names_command_date_threads_and_versions(monkeypatch, capsys)
     assert line["command"].endswith("bench.py --threads 3") and line["date"].endswith("Z")
     assert {"torch", "transformers", "lightning"} <= set(line["versions"])
     assert "torch" in line["trl_versions"]  # read from the other interpreter (here the same one)
+
+
+class _Clock:
+    """A fake ``time.perf_counter`` that only moves when the test moves it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_split_charges_the_parts_of_a_step_and_the_rest_to_rest(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(_common, "time", SimpleNamespace(perf_counter=clock))
+    split = _common.Split(warmup=1, parts=("a", "b"))
+    work = split.timed("a", lambda seconds: setattr(clock, "now", clock.now + seconds))
+    for seconds in (100.0, 2.0):  # the first step is warm-up
+        split.step_start()
+        work(seconds)
+        clock.now += 1.0  # untimed
+        split.add("b", 0.5)
+        split.step_end()
+    assert split.step_split() == {"a": 2.0, "b": 0.5, "rest": 0.5}
+    assert split.rate(6) == 2.0  # 6 units in a 3-second steady-state step
+
+
+def test_module_function_and_optimizer_hooks_time_forward_backward_and_update_apart(monkeypatch):
+    """A decoder (1 s forward, 10 s backward), a head function (2 s, 20 s) and an optimizer whose update takes 100 s
+    after a closure running forward and backward, as Lightning's does: each part gets its own seconds."""
+    import torch
+
+    clock = _Clock()
+    monkeypatch.setattr(_common, "time", SimpleNamespace(perf_counter=clock))
+
+    def advancing(forward_s, backward_s):
+        class Advance(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                clock.now += forward_s
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, grad):
+                clock.now += backward_s
+                return grad * 2
+
+        return Advance
+
+    slow_identity = advancing(0.0, 10.0)
+
+    class Embedding(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x * self.weight
+
+    class Decoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = Embedding()
+
+        def forward(self, x):
+            clock.now += 1.0
+            return slow_identity.apply(self.embed(x))
+
+    decoder, head = Decoder(), advancing(2.0, 20.0)
+    split = _common.Split(warmup=0, parts=("blocks", "head", "optimizer"))
+    _common.time_module(split, "blocks", decoder, until=decoder.embed)
+    _common.time_autograd_function(split, "head", head)
+    handles = _common.time_optimizer(split)
+    optimizer = torch.optim.SGD(decoder.parameters(), lr=0.1)
+    optimizer.register_step_post_hook(lambda *a: setattr(clock, "now", clock.now + 100.0))  # the "update"
+    try:
+
+        def closure():
+            optimizer.zero_grad()
+            loss = head.apply(decoder(torch.ones(3))).sum()
+            loss.backward()
+            clock.now += 5.0  # e.g. gradient clipping: the rest
+            return loss
+
+        split.step_start()
+        optimizer.step(closure=closure)
+        split.step_end()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert split.step_split() == {"blocks": 11.0, "head": 22.0, "optimizer": 100.0, "rest": 5.0}

@@ -8,7 +8,7 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import TINY_LLAMA
+from conftest import TINY_LLAMA, quiet_trainer
 from dpo_utils import preference_rows, read_metrics, series, write_config
 
 from aitraining_pl.cli import build_cli
@@ -254,3 +254,58 @@ def test_ddp_two_cpu_processes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "export" / "last" / "model.safetensors").is_file()
     assert "val/rewards/accuracies" in (tmp_path / "csv" / "v" / "metrics.csv").read_text()
+
+
+class _LightningOrder(DPOModule):
+    """``DPOModule`` with Lightning's own ``optimizer_step``: gradients zeroed only after the next forward."""
+
+    def optimizer_step(self, *args, **kwargs):
+        pl.LightningModule.optimizer_step(self, *args, **kwargs)
+
+
+def test_gradients_are_freed_after_each_step_and_training_is_unchanged(tmp_path, byte_tokenizer):
+    """Two optimizer steps of two accumulated micro-batches each: the same weights as in Lightning's order, and no
+    gradient left after the step (Lightning's order keeps the last step's gradients until the next forward)."""
+    rows = preference_rows(8)
+    modules = {}
+    for cls in (DPOModule, _LightningOrder):
+        module = cls(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-2, warmup_ratio=0.0)
+        data = PreferenceDataModule(
+            prompts=[r["prompt"] for r in rows],
+            chosen=[r["chosen"] for r in rows],
+            rejected=[r["rejected"] for r in rows],
+            tokenizer=byte_tokenizer,
+            val_split=0,
+            batch_size=2,
+            shuffle=False,
+        )
+        trainer = quiet_trainer(tmp_path, max_steps=2, accumulate_grad_batches=2, limit_val_batches=0)
+        trainer.fit(module, data)
+        modules[cls] = module
+    freed, lightning = modules[DPOModule], modules[_LightningOrder]
+    assert all(p.grad is None for p in freed.policy.parameters())
+    assert all(p.grad is not None for p in lightning.policy.parameters())
+    initial = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte").policy
+    assert any(not torch.equal(a, b) for a, b in zip(freed.policy.parameters(), initial.parameters()))  # it trained
+    for a, b in zip(freed.policy.parameters(), lightning.policy.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_adamw_runs_fused_under_plain_precision_only(tmp_path, byte_tokenizer, precision):
+    """32-true on CPU: fused AdamW (no parameter-sized temporaries at the step); bf16-mixed: the default AdamW,
+    since Lightning refuses gradient clipping with a fused optimizer under mixed precision (clipping runs here)."""
+    rows = preference_rows(4)
+    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", warmup_ratio=0.0)
+    data = PreferenceDataModule(
+        prompts=[r["prompt"] for r in rows],
+        chosen=[r["chosen"] for r in rows],
+        rejected=[r["rejected"] for r in rows],
+        tokenizer=byte_tokenizer,
+        val_split=0,
+        batch_size=2,
+    )
+    trainer = quiet_trainer(tmp_path, max_steps=1, precision=precision, gradient_clip_val=1.0, limit_val_batches=0)
+    trainer.fit(module, data)
+    assert trainer.global_step == 1
+    assert bool(trainer.optimizers[0].defaults.get("fused")) is (precision == "32-true")

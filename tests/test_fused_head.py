@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from aitraining_pl.losses import chunk_rows, fused_head_logps
+from aitraining_pl.losses.fused_head import _TEMPORARIES
 
 M, H, V = 50, 16, 97  # 50 positions in chunks of 7: the last chunk is short
 POST = {  # name: (scale, softcap, temperature)
@@ -184,10 +188,10 @@ def test_bf16_autocast_matches_unchunked():
 
 
 def test_chunk_size_from_memory_budget():
-    assert chunk_rows(32000, memory_budget=32000 * 4 * 6 * 10) == 10
+    assert chunk_rows(32000, memory_budget=32000 * 4 * 2 * 10) == 10  # two float32 buffers of 10 rows
     assert chunk_rows(152000, memory_budget=1) == 1
     hidden, weight, bias, targets, _ = _inputs(seed=8)
-    budgeted = fused_head_logps(hidden, weight, targets, bias, memory_budget=V * 4 * 6 * 3)  # 3 positions a chunk
+    budgeted = fused_head_logps(hidden, weight, targets, bias, memory_budget=V * 4 * 2 * 3)  # 3 positions a chunk
     torch.testing.assert_close(budgeted.logps, reference(hidden, weight, targets, bias)[0])
 
 
@@ -230,3 +234,42 @@ def test_no_vocabulary_sized_tensor_saved_for_backward():
     assert saved and offenders(saved) == []
     assert not any(rows in shape and vocab in shape for shape, _ in saved)
     assert offenders(_saved_shapes(lambda: reference(torch.tanh(body(x)), weight, targets)[0].sum()))
+
+
+class _LiveBuffers(TorchDispatchMode):
+    """Counts the (rows, vocab) tensors alive at once (rows > 1) that operators allocate, views and in-place
+    results aside: the chunk's logits buffers, whatever names they go by."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.live, self.peak = vocab, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):  # a view, or an in-place / out= result
+            return out
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] > 1 and t.shape[1] == self.vocab:
+                self.live[id(t)] = weakref.finalize(t, self.live.pop, id(t), None)
+                self.peak = max(self.peak, len(self.live))
+        return out
+
+
+@pytest.mark.parametrize(("with_entropy", "buffers"), [(False, 1), (True, 2)])
+def test_each_chunk_is_worked_on_in_place(with_entropy, buffers):
+    """Structural memory test (times nothing): forward and backward hold at most one float32 (chunk, V) buffer at
+    a time without the entropy, two with it (``_TEMPORARIES``), whatever the chunk count."""
+    vocab, rows, chunk = 4000, 64, 16
+    g = torch.Generator().manual_seed(10)
+    hidden = torch.randn(rows, H, generator=g).requires_grad_()
+    weight = (torch.randn(vocab, H, generator=g) * 0.1).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    counter = _LiveBuffers(vocab)
+    with counter:
+        out = fused_head_logps(hidden, weight, targets, with_entropy=with_entropy, chunk_size=chunk)
+        loss = out.logps.sum() + (out.entropy.sum() if with_entropy else 0)
+        loss.backward()
+    assert counter.peak == buffers <= _TEMPORARIES
+    with _LiveBuffers(vocab) as unchunked:  # the counter sees the (M, V) logits and their softmax temporaries
+        reference(hidden, weight, targets)[0].sum().backward()
+    assert unchunked.peak > buffers

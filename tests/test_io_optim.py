@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences, read_records
-from aitraining_pl.optim import adamw_with_warmup, warmup_decay_factor
+from aitraining_pl.optim import adamw_with_warmup, fused_adamw_applies, warmup_decay_factor
 
 
 def test_read_jsonl_json_csv_and_errors(tmp_path):
@@ -69,3 +69,32 @@ def test_warmup_then_linear_and_cosine_decay():
     conf = adamw_with_warmup([param, frozen], learning_rate=1.0, total_steps=10, warmup_ratio=0.2)
     assert len(conf["optimizer"].param_groups[0]["params"]) == 1
     assert conf["optimizer"].param_groups[0]["lr"] == pytest.approx(1 / 3)
+
+
+def test_fused_adamw_takes_the_same_steps_and_applies_only_where_it_may():
+    """Fused AdamW (one kernel per parameter, no parameter-sized temporaries) follows the same trajectory as the
+    default one; it applies to plain floating-point tensors under plain precision only."""
+    g = torch.Generator().manual_seed(0)
+    start, grads = torch.randn(5, 3, generator=g), [torch.randn(5, 3, generator=g) for _ in range(4)]
+    weights = {}
+    for fused in (False, True):
+        param = torch.nn.Parameter(start.clone())
+        conf = adamw_with_warmup([param], learning_rate=0.1, total_steps=4, weight_decay=0.01, fused=fused)
+        assert bool(conf["optimizer"].defaults.get("fused")) is fused
+        for grad in grads:
+            param.grad = grad.clone()
+            conf["optimizer"].step()
+            conf["lr_scheduler"]["scheduler"].step()
+        weights[fused] = param.detach()
+    assert not torch.equal(weights[False], start)
+    torch.testing.assert_close(weights[True], weights[False])
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert fused_adamw_applies(params, plain_precision=True) == ("cpu" in _fused_devices())
+    assert not fused_adamw_applies(params, plain_precision=False)  # Lightning's AMP plugins refuse clipping then
+    assert not fused_adamw_applies([], plain_precision=True)
+
+
+def _fused_devices() -> list[str]:
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return _get_fused_kernels_supported_devices()

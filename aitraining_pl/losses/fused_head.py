@@ -21,9 +21,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-#: default extra memory for one chunk (bytes): the float32 temporaries of one chunk's logits
-DEFAULT_MEMORY_BUDGET = 256 * 2**20
-_TEMPORARIES = 6  # float32 (chunk, V) tensors alive at once in the backward pass (raw, logits, log-probs, probs, grad)
+#: default extra memory for one chunk (bytes): the float32 (chunk, V) buffers of one chunk's logits. Each chunk's
+#: logits are worked on in place (one buffer; two with the entropy or a soft-cap, three with both), so this budget
+#: gives each buffer 48 MiB, about the chunk size of the earlier 256 MiB budget over six buffers (43 MiB each), and
+#: above glibc malloc's largest mmap threshold (32 MiB), so a freed buffer goes back to the system instead of staying
+#: in the heap (a 64 MiB budget over six buffers, 11 MiB each, raised the DPO benchmark's peak RSS at 32k).
+DEFAULT_MEMORY_BUDGET = 96 * 2**20
+_TEMPORARIES = 2  # float32 (chunk, V) buffers the budget provides for
 
 
 class HeadLogps(NamedTuple):
@@ -36,40 +40,68 @@ def chunk_rows(vocab_size: int, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> i
     return max(1, int(memory_budget) // (_TEMPORARIES * 4 * int(vocab_size)))
 
 
-def _logits(z: torch.Tensor, scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
-    """Post-processed logits ``y`` from the raw head output ``z`` (float32 or float64)."""
-    y = z * scale if scale != 1.0 else z
+def _logits(z: torch.Tensor, scale: float, softcap: float | None, temperature: float, keep_z: bool) -> torch.Tensor:
+    """Post-processed logits ``y`` from the raw head output ``z`` (float32 or float64), written over ``z`` unless
+    ``keep_z`` (then into one new buffer)."""
+    if keep_z:
+        y = z * scale if scale != 1.0 else z.clone()
+    else:
+        y = z.mul_(scale) if scale != 1.0 else z
     if softcap:
-        y = torch.tanh(y / softcap) * softcap
-    return y / temperature if temperature != 1.0 else y
+        y.div_(softcap).tanh_().mul_(softcap)
+    return y.div_(temperature) if temperature != 1.0 else y
+
+
+def _logsumexp_(y: torch.Tensor) -> torch.Tensor:
+    """(C,) ``logsumexp`` over the last dimension of ``y`` (C, V), as ``torch.logsumexp`` computes it (max, then
+    the log of the sum of shifted exponentials), but overwriting ``y`` instead of allocating (C, V) temporaries."""
+    top = y.amax(-1, keepdim=True)
+    top.masked_fill_(~torch.isfinite(top), 0.0)  # an all -inf (or +inf) row: no shift, as torch.logsumexp
+    return y.sub_(top).exp_().sum(-1).log_().add_(top.squeeze(-1))
 
 
 def _chunk_stats(y: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
-    """(logps, logsumexp, entropy or None) of one chunk's post-processed logits ``y`` (C, V)."""
-    lse = torch.logsumexp(y, dim=-1)
-    logps = y.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = _entropy(y - lse.unsqueeze(-1)) if with_entropy else None
-    return logps, lse, entropy
+    """(logps, logsumexp, entropy or None) of one chunk's post-processed logits ``y`` (C, V), which it overwrites.
+
+    One (C, V) buffer, ``y`` itself, without the entropy; a second one with it."""
+    target = y.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        lse = _logsumexp_(y)
+        return target - lse, lse, None
+    work = y.clone()
+    lse = _logsumexp_(work)
+    log_p = y.sub_(lse.unsqueeze(-1))
+    return target - lse, lse, _entropy_(log_p, torch.exp(log_p, out=work))
 
 
-def _entropy(log_p: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
-    """``-sum p log p`` from log-probabilities (no ``lse - E[y]`` cancellation for large logits)."""
-    return -((log_p.exp() if p is None else p) * log_p).sum(-1)
+def _entropy_(log_p: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``-sum p log p`` from log-probabilities and probabilities (no ``lse - E[y]`` cancellation for large logits);
+    overwrites ``p``."""
+    return p.mul_(log_p).sum(-1).neg_()
 
 
-def _grad_raw(y, z, targets, lse, g_logp, g_ent, scale, softcap, temperature):
-    """d(loss)/dz of one chunk: chain rule through log-softmax / entropy, temperature, soft-cap and scale."""
-    log_p = y - lse.unsqueeze(-1)
-    p = log_p.exp()
-    grad = -p * g_logp.unsqueeze(-1) if g_logp is not None else torch.zeros_like(p)
+def _grad_raw(y, z, targets, lse, entropy, g_logp, g_ent, scale, softcap, temperature):
+    """d(loss)/dz of one chunk: chain rule through log-softmax / entropy, temperature, soft-cap and scale.
+
+    ``entropy`` (C,) is the forward's (used only with ``g_ent``). Works in place: the gradient is written over
+    ``y`` (C, V), a second buffer holds the probabilities when the entropy has a gradient, and the soft-cap's
+    derivative is written over ``z`` (a tensor of its own then)."""
+    log_p = y.sub_(lse.unsqueeze(-1))
+    if g_ent is None:  # dlogp_t/dl = onehot(t) - p, times g_logp
+        grad = log_p.exp_().mul_(-g_logp.unsqueeze(-1)) if g_logp is not None else log_p.zero_()
+    else:  # dH/dl = -p * (log p + H): grad = -p * (g_logp + g_ent * (log p + H)) + onehot(t) * g_logp
+        p = log_p.exp()
+        grad = log_p.add_(entropy.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1))
+        if g_logp is not None:
+            grad.add_(g_logp.unsqueeze(-1))
+        grad = grad.mul_(p).neg_()
+        del p
     if g_logp is not None:
-        grad.scatter_add_(-1, targets.unsqueeze(-1), g_logp.unsqueeze(-1))  # d logp_t / dl = onehot(t) - p
-    if g_ent is not None:  # dH/dl = -p * (log p + H)
-        grad -= p * (log_p + _entropy(log_p, p).unsqueeze(-1)) * g_ent.unsqueeze(-1)
+        grad.scatter_add_(-1, targets.unsqueeze(-1), g_logp.unsqueeze(-1))
     if temperature != 1.0:
         grad /= temperature
     if softcap:  # d(cap tanh(y / cap))/dy = 1 - tanh^2
-        grad *= 1 - torch.tanh(z * scale / softcap) ** 2
+        grad *= z.mul_(scale / softcap).tanh_().square_().neg_().add_(1)
     if scale != 1.0:
         grad *= scale
     return grad
@@ -86,14 +118,15 @@ class _FusedHeadLogps(torch.autograd.Function):
             z = raw.to(torch.promote_types(raw.dtype, torch.float32))  # logsumexp in float32 at least
             del raw
             lp, lse, ent = _chunk_stats(
-                _logits(z, scale, softcap, temperature), targets[start : start + chunk], with_entropy
+                _logits(z, scale, softcap, temperature, keep_z=False), targets[start : start + chunk], with_entropy
             )
             logps.append(lp), lses.append(lse), entropies.append(ent)
+            del z  # before the next chunk's buffer is allocated
         acc = torch.promote_types(hidden.dtype, torch.float32)
         logps = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=acc)
         lse = torch.cat(lses) if lses else hidden.new_zeros(0, dtype=acc)
         entropy = torch.cat(entropies) if with_entropy and entropies else hidden.new_zeros(0, dtype=acc)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy if with_entropy else None)
         ctx.config = (scale, softcap, temperature, chunk, with_entropy, compute_dtype)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -101,7 +134,7 @@ class _FusedHeadLogps(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logps, g_entropy):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         scale, softcap, temperature, chunk, with_entropy, dtype = ctx.config
         if not with_entropy:
             g_entropy = None
@@ -116,19 +149,20 @@ class _FusedHeadLogps(torch.autograd.Function):
                 rows = slice(start, start + chunk)
                 h = hidden[rows].to(dtype)
                 z = F.linear(h, w, b).to(torch.promote_types(dtype, torch.float32))
-                y = _logits(z, scale, softcap, temperature)
+                y = _logits(z, scale, softcap, temperature, keep_z=bool(softcap))
                 grad = _grad_raw(
                     y,
                     z,
                     targets[rows],
                     lse[rows],
+                    None if g_entropy is None else entropy[rows],
                     None if g_logps is None else g_logps[rows],
                     None if g_entropy is None else g_entropy[rows],
                     scale,
                     softcap,
                     temperature,
                 )
-                del y
+                del y, z
                 grad = grad.to(dtype)
                 if need_h:
                     grad_h[rows] = grad @ w
@@ -138,6 +172,7 @@ class _FusedHeadLogps(torch.autograd.Function):
                     grad_w += (grad.t() @ h).to(acc)
                 if need_b:
                     grad_b += grad.sum(0).to(acc)
+                del grad  # before the next chunk's buffer is allocated
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None, None, None

@@ -31,6 +31,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
@@ -40,7 +41,7 @@ from aitraining_pl.models import LoRAConfig, ReferencePolicy, is_peft_model, loa
 from aitraining_pl.models.lora import save_adapter_base
 from aitraining_pl.models.sharding import is_sharded, shard
 from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing
-from aitraining_pl.optim import adamw_with_warmup
+from aitraining_pl.optim import adamw_with_warmup, fused_adamw_applies
 from aitraining_pl.strategies import FSDP2Strategy  # noqa: F401 - registers the "fsdp2" strategy names
 from aitraining_pl.validation import RENAMED, check_hparams
 
@@ -259,8 +260,11 @@ class AlignmentModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
+        params = list(self.trainable_parameters())
+        plain = type(self.trainer.precision_plugin) is Precision  # 32-true: no mixed-precision plugin
         return adamw_with_warmup(
-            self.trainable_parameters(),
+            params,
+            fused=fused_adamw_applies(params, plain),
             learning_rate=float(self.hparam("learning_rate", 1e-5)),
             total_steps=self.trainer.estimated_stepping_batches,
             warmup_ratio=float(self.hparam("warmup_ratio", 0.0)),
@@ -366,6 +370,14 @@ class SharedStepModule(AlignmentModule):
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.shared_step(batch, "test")
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Lightning's step, then the gradients freed at once (``set_to_none``), as the Hugging Face Trainer does.
+        Lightning's automatic optimisation zeroes them only after the next batch's forward, so a full set of
+        gradients (with a large vocabulary, the embedding's and the head's above all) would sit in memory beside
+        that forward's activations. With gradient accumulation this runs after the last micro-batch only."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        optimizer.zero_grad(set_to_none=True)
 
 
 def _merged_copy(peft_model: nn.Module) -> nn.Module:
