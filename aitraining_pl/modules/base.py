@@ -260,13 +260,18 @@ class AlignmentModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
+        return self.adamw(self.trainer.estimated_stepping_batches)
+
+    def adamw(self, total_steps: int):
+        """AdamW over ``trainable_parameters`` with the module's learning-rate schedule over ``total_steps``
+        optimizer steps; fused where ``optim.fused_adamw_applies``."""
         params = list(self.trainable_parameters())
         plain = type(self.trainer.precision_plugin) is Precision  # 32-true: no mixed-precision plugin
         return adamw_with_warmup(
             params,
             fused=fused_adamw_applies(params, plain),
             learning_rate=float(self.hparam("learning_rate", 1e-5)),
-            total_steps=self.trainer.estimated_stepping_batches,
+            total_steps=total_steps,
             warmup_ratio=float(self.hparam("warmup_ratio", 0.0)),
             schedule=self.hparam("lr_schedule", "linear"),
             weight_decay=float(self.hparam("weight_decay", 0.0)),

@@ -29,7 +29,6 @@ from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.sharding import gathered
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import AlignmentModule
-from aitraining_pl.optim import adamw_with_warmup
 from aitraining_pl.rewards import build_reward_source
 from aitraining_pl.rollout import GenerationConfig, Rollout, RolloutEngine, score_rollout, warn_truncated_sampling
 from aitraining_pl.validation import RENAMED
@@ -132,14 +131,7 @@ class OnlineRLModule(AlignmentModule):
             batch_size = batch_size or getattr(trainer.train_dataloader, "batch_size", None)
             per_step = self.hparams.mini_batch_size * self.hparams.gradient_accumulation_steps
             total = iterations * self.updates_per_iteration(batch_size or per_step)
-        return adamw_with_warmup(
-            self.trainable_parameters(),
-            learning_rate=self.hparams.learning_rate,
-            total_steps=total,
-            warmup_ratio=self.hparams.warmup_ratio,
-            schedule=self.hparam("lr_schedule", "linear"),
-            weight_decay=float(self.hparam("weight_decay", 0.0)),
-        )
+        return self.adamw(total)
 
     # ------------------------------------------------------------------ rollout and scoring
     @property
