@@ -28,6 +28,16 @@ def preference_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def preference_data(rows: list[dict], tokenizer, **kwargs):
+    """A ``PreferenceDataModule`` over in-memory ``rows`` (``preference_rows``); ``kwargs`` go to it."""
+    from aitraining_pl.datamodules.preference import PreferenceDataModule
+
+    columns = {k: [r[k] for r in rows] for k in ("prompt", "chosen", "rejected")}
+    return PreferenceDataModule(
+        prompts=columns["prompt"], chosen=columns["chosen"], rejected=columns["rejected"], tokenizer=tokenizer, **kwargs
+    )
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import lightning.pytorch as pl  # noqa: E402
 from conftest import TINY_LLAMA  # noqa: E402
-from dpo_utils import preference_rows  # noqa: E402
+from dpo_utils import preference_data, preference_rows  # noqa: E402
 
 from aitraining_pl.callbacks.export import HFExportCallback  # noqa: E402
 from aitraining_pl.datamodules.preference import PreferenceDataModule  # noqa: E402
@@ -47,15 +47,12 @@ def trainer(strategy: str, out: str, **overrides) -> pl.Trainer:
     return pl.Trainer(**{**options, **overrides})
 
 
-def preference_data(module, devices: int, pairs: int = 6) -> PreferenceDataModule:
+def pairs_data(module, devices: int, pairs: int = 6) -> PreferenceDataModule:
     """``pairs`` rows, a third held out: with the default, 4 training pairs make one global batch (in any order, so
     a 1-process run and a 2-process one take the same first step)."""
     rows = preference_rows(pairs, seed=1)
-    return PreferenceDataModule(
-        prompts=[r["prompt"] for r in rows], chosen=[r["chosen"] for r in rows], rejected=[r["rejected"] for r in rows],
-        tokenizer=module.tokenizer, batch_size=GLOBAL_BATCH // devices, val_split=1 / 3, max_length=64,
-        max_prompt_length=32, shuffle=False,
-    )  # fmt: skip
+    options = dict(val_split=1 / 3, max_length=64, max_prompt_length=32, shuffle=False)
+    return preference_data(rows, module.tokenizer, batch_size=GLOBAL_BATCH // devices, **options)
 
 
 def prompt_data(devices: int) -> PromptDataModule:
@@ -74,7 +71,7 @@ def dpo(strategy: str, out: str, precision: str = "32-true", steps: int = 1, pai
     module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", **options)
     devices = 1 if strategy == "single" else 2
     run = trainer(strategy, out, max_steps=steps, max_epochs=None, precision=precision, **fit.pop("trainer", {}))
-    data = preference_data(module, devices, pairs)
+    data = pairs_data(module, devices, pairs)
     initial = full_state(module)
     run.fit(module, datamodule=data, **fit)
     metrics = run.validate(module, datamodule=data, verbose=False)[0]
@@ -147,7 +144,7 @@ def case_reward_step(strategy: str, out: str) -> dict:
     module = RewardModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, warmup_ratio=0.0)
     devices = 1 if strategy == "single" else 2
     run, initial = trainer(strategy, out, max_steps=1), full_state(module)
-    run.fit(module, datamodule=preference_data(module, devices))
+    run.fit(module, datamodule=pairs_data(module, devices))
     return {"state": full_state(module), "initial": initial}
 
 
@@ -195,10 +192,7 @@ def case_file_order(strategy: str, out: str) -> dict:
     """The training batches each rank reads from an unshuffled preference file (``shuffle=False``)."""
     module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, warmup_ratio=0.0)
     rows = preference_rows(8, seed=1)
-    data = PreferenceDataModule(
-        prompts=[r["prompt"] for r in rows], chosen=[r["chosen"] for r in rows], rejected=[r["rejected"] for r in rows],
-        tokenizer=module.tokenizer, batch_size=2, val_split=0.0, shuffle=False,
-    )  # fmt: skip
+    data = preference_data(rows, module.tokenizer, batch_size=2, val_split=0.0, shuffle=False)
     seen = []
 
     class Record(pl.Callback):

@@ -9,10 +9,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import TINY_LLAMA, quiet_trainer
-from dpo_utils import preference_rows, read_metrics, series, write_config
+from dpo_utils import preference_data, preference_rows, read_metrics, series, write_config
 
 from aitraining_pl.cli import build_cli
-from aitraining_pl.datamodules.preference import PreferenceDataModule
 from aitraining_pl.losses import DPO_LOSSES, sequence_logps
 from aitraining_pl.models import LoRAConfig, build_causal_lm
 from aitraining_pl.modules.dpo import DPOModule, can_pack, completion_logps, pack_batch, preference_accuracy
@@ -32,11 +31,9 @@ LAYOUTS = {"padded": {}, "padding-free": {"padding_free": True}, "shared-prompt"
 def test_completion_logps_equal_full_logits(byte_tokenizer, lora, layout):
     rows = preference_rows(4)
     module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", lora=lora)
-    dm = PreferenceDataModule(
-        prompts=[r["prompt"] for r in rows],
-        chosen=[r["chosen"] for r in rows],
-        rejected=[r["rejected"] for r in rows],
-        tokenizer=byte_tokenizer,
+    dm = preference_data(
+        rows,
+        byte_tokenizer,
         val_split=0,
         batch_size=4,
     )
@@ -270,11 +267,9 @@ def test_gradients_are_freed_after_each_step_and_training_is_unchanged(tmp_path,
     modules = {}
     for cls in (DPOModule, _LightningOrder):
         module = cls(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-2, warmup_ratio=0.0)
-        data = PreferenceDataModule(
-            prompts=[r["prompt"] for r in rows],
-            chosen=[r["chosen"] for r in rows],
-            rejected=[r["rejected"] for r in rows],
-            tokenizer=byte_tokenizer,
+        data = preference_data(
+            rows,
+            byte_tokenizer,
             val_split=0,
             batch_size=2,
             shuffle=False,
@@ -297,11 +292,9 @@ def test_adamw_runs_fused_under_plain_precision_only(tmp_path, byte_tokenizer, p
     since Lightning refuses gradient clipping with a fused optimizer under mixed precision (clipping runs here)."""
     rows = preference_rows(4)
     module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", warmup_ratio=0.0)
-    data = PreferenceDataModule(
-        prompts=[r["prompt"] for r in rows],
-        chosen=[r["chosen"] for r in rows],
-        rejected=[r["rejected"] for r in rows],
-        tokenizer=byte_tokenizer,
+    data = preference_data(
+        rows,
+        byte_tokenizer,
         val_split=0,
         batch_size=2,
     )

@@ -6,21 +6,18 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import TINY_LLAMA
-from dpo_utils import preference_rows
+from dpo_utils import preference_data, preference_rows
 
 from aitraining_pl.callbacks.export import HFExportCallback
-from aitraining_pl.datamodules.preference import PreferenceDataModule
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.modules.dpo import DPOModule
 
 
 def _data(byte_tokenizer):
     rows = preference_rows(12)
-    return PreferenceDataModule(
-        prompts=[r["prompt"] for r in rows],
-        chosen=[r["chosen"] for r in rows],
-        rejected=[r["rejected"] for r in rows],
-        tokenizer=byte_tokenizer,
+    return preference_data(
+        rows,
+        byte_tokenizer,
         val_split=0,
         batch_size=4,
     )

@@ -7,12 +7,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import TINY_LLAMA
-from dpo_utils import preference_rows, write_config
+from dpo_utils import preference_data, preference_rows, write_config
 
 from aitraining_pl.callbacks.export import HFExportCallback
 from aitraining_pl.callbacks.guard import NonFiniteError, NonFiniteGuard
 from aitraining_pl.cli import main
-from aitraining_pl.datamodules.preference import PreferenceDataModule
 from aitraining_pl.datamodules.prompt import PromptDataModule
 from aitraining_pl.modules.dpo import DPOModule
 from aitraining_pl.modules.ppo import PPOModule
@@ -31,11 +30,9 @@ class NaNAtStep(DPOModule):
 
 def _data(tokenizer):
     rows = preference_rows(24)
-    return PreferenceDataModule(
-        prompts=[r["prompt"] for r in rows],
-        chosen=[r["chosen"] for r in rows],
-        rejected=[r["rejected"] for r in rows],
-        tokenizer=tokenizer,
+    return preference_data(
+        rows,
+        tokenizer,
         val_split=0,
         batch_size=4,
     )

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_LLAMA
-from dpo_utils import preference_rows
+from dpo_utils import preference_data, preference_rows
 
 from aitraining_pl.callbacks.kl import AdaptiveKLCallback
 from aitraining_pl.callbacks.resume import collect_rng_states, set_rng_states
-from aitraining_pl.datamodules.preference import LengthGroupedSampler, PreferenceDataModule
+from aitraining_pl.datamodules.preference import LengthGroupedSampler
 from aitraining_pl.datamodules.prompt import PromptDataModule
 from aitraining_pl.datamodules.resumable import ResumableDataLoader, SeededShuffleSampler
 from aitraining_pl.modules.critic_free import GRPOModule
@@ -114,11 +114,9 @@ def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 def _preference_data(tokenizer, n=24, **kw):
     rows = preference_rows(n)
-    return PreferenceDataModule(
-        prompts=[r["prompt"] for r in rows],
-        chosen=[r["chosen"] for r in rows],
-        rejected=[r["rejected"] for r in rows],
-        tokenizer=tokenizer,
+    return preference_data(
+        rows,
+        tokenizer,
         val_split=0.25,
         batch_size=3,
         **kw,

@@ -11,7 +11,7 @@ import torch
 import yaml
 from architectures import spec
 from conftest import TINY_LLAMA
-from dpo_utils import preference_rows, write_jsonl
+from dpo_utils import preference_data, preference_rows, write_jsonl
 
 from aitraining_pl.callbacks.export import HFExportCallback
 from aitraining_pl.callbacks.model_card import model_card
@@ -152,11 +152,9 @@ def _preference_data(byte_tokenizer, path=None):
         return PreferenceDataModule(
             data_path=str(write_jsonl(path, rows)), tokenizer=byte_tokenizer, val_split=0, batch_size=4
         )
-    return PreferenceDataModule(
-        prompts=[r["prompt"] for r in rows],
-        chosen=[r["chosen"] for r in rows],
-        rejected=[r["rejected"] for r in rows],
-        tokenizer=byte_tokenizer,
+    return preference_data(
+        rows,
+        byte_tokenizer,
         val_split=0,
         batch_size=4,
     )
