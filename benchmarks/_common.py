@@ -116,6 +116,32 @@ def print_header(threads: int | None, *, trl_python: str | None = None, **extra:
     print(json.dumps(header(threads, trl_python=trl_python, **extra)), flush=True)
 
 
+def quiet_trainer(**options: Any):
+    """A Lightning ``Trainer`` for timing our side: CPU, one device, fp32, ``max_steps`` given by the caller, no
+    logger, checkpoints, progress bar, model summary or validation; ``options`` override or add."""
+    import lightning.pytorch as pl
+
+    defaults = dict(
+        accelerator="cpu", devices=1, precision="32-true", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )  # fmt: skip
+    return pl.Trainer(**{**defaults, **options})
+
+
+def run_child(command: list[str], threads: int, what: str, **env: str) -> dict[str, Any]:
+    """Run one measurement in its own process (offline, ``threads`` threads, ``env`` added) and return the JSON
+    of its ``RESULT `` line; ``what`` names it in the error when it fails."""
+    env = {
+        **os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", **env,
+    }  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
 class Split:
     """Seconds per part of a step: ``step_start`` / ``step_end`` bracket a step, ``add`` (or a ``timed`` wrapper)
     charges time to a part, and what no part took is charged to ``rest``. Steady state: after ``warmup`` steps.

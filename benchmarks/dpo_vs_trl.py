@@ -40,7 +40,6 @@ import json
 import os
 import random
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +48,9 @@ from _common import (
     Split,
     add_trl_python,
     print_header,
+    quiet_trainer,
     require_trl_python,
+    run_child,
     time_autograd_function,
     time_module,
     time_optimizer,
@@ -189,19 +190,7 @@ def run_ours(args) -> dict:
         seed=0,
     )
     timer = Timer()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision="32-true",
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[timer],
-    )
+    trainer = quiet_trainer(max_steps=args.steps, callbacks=[timer])
     t0 = time.perf_counter()
     trainer.fit(module, data)
     n_params = sum(p.numel() for p in module.policy.parameters())
@@ -316,19 +305,7 @@ def _spawn(python: str, side: str, variant: str, size: str, data: str, args) -> 
         "--vocab-size",
         str(args.vocab_size),
     ]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(args.threads),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "WANDB_MODE": "disabled",
-    }
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"{side}/{variant}/{size} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return run_child(cmd, args.threads, f"{side}/{variant}/{size}")
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import print_header  # noqa: E402
+from _common import print_header, quiet_trainer  # noqa: E402
 from dpo_vs_trl import MAX_LENGTH, SIZES, _model_config, _peak_rss_mb, make_pairs  # noqa: E402
 
 STRATEGIES = ("ddp", "fsdp2")
@@ -56,7 +56,6 @@ def run(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    import lightning.pytorch as pl
 
     from aitraining_pl.datamodules.preference import PreferenceDataModule
     from aitraining_pl.modules.dpo import DPOModule
@@ -66,11 +65,7 @@ def run(args) -> None:
         data_path=args.data, val_split=0.0, tokenizer=module.tokenizer, batch_size=PER_RANK_BATCH,
         max_length=MAX_LENGTH, max_prompt_length=MAX_LENGTH - 1, shuffle=False,
     )  # fmt: skip
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=args.strategy, precision="32-true", max_steps=args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0,
-    )  # fmt: skip
+    trainer = quiet_trainer(devices=2, strategy=args.strategy, max_steps=args.steps)
     start = time.perf_counter()
     trainer.fit(module, data)
     result = {

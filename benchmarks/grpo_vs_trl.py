@@ -29,12 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Split, add_trl_python, print_header, require_trl_python  # noqa: E402
+from _common import Split, add_trl_python, print_header, quiet_trainer, require_trl_python, run_child  # noqa: E402
 from dpo_vs_trl import BASE, SIZES, _model_config, _peak_rss_mb  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,19 +105,7 @@ def run_ours(args) -> dict:
     data = PromptDataModule(
         prompts=prompts(args.num_prompts) * args.steps, tokenizer=module.tokenizer, batch_size=args.num_prompts
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision="32-true",
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[Timer()],
-    )
+    trainer = quiet_trainer(max_steps=args.steps, callbacks=[Timer()])
     data.setup("fit")
     data.train_dataloader = lambda: torch.utils.data.DataLoader(  # the prompts in file order, as TRL's side
         data.train_dataset, args.num_prompts, shuffle=False, collate_fn=data.collate_fn
@@ -249,21 +236,7 @@ def _spawn(python: str, side: str, variant: str, size: str, args) -> dict:
         "--num-generations",
         str(args.num_generations),
     ]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(args.threads),
-        "MKL_NUM_THREADS": str(args.threads),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "WANDB_MODE": "disabled",
-        "PYTHONPATH": ROOT if side == "ours" else "",
-    }
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"{side}/{variant}/{size} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return run_child(cmd, args.threads, f"{side}/{variant}/{size}", PYTHONPATH=ROOT if side == "ours" else "")
 
 
 def main() -> None:
