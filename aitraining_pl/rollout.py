@@ -218,7 +218,6 @@ class RolloutEngine:
         prompt_ids: torch.Tensor,
         prompt_mask: torch.Tensor,
         num_samples: int = 1,
-        synced_gpus: bool = False,
         *,
         with_logprobs: bool = False,
         seed: int | torch.Generator | None = None,
@@ -227,7 +226,6 @@ class RolloutEngine:
 
         Args:
             model: the plain (unwrapped) transformers or peft causal LM.
-            synced_gpus: keep ranks stepping together (FSDP / ZeRO-3).
             with_logprobs: also return ``logprobs`` and ``sampling_logprobs`` (from ``generate``'s logits).
             seed: sample in a forked RNG seeded with this int, or with a seed drawn from this generator (the
                 global RNG is then left untouched).
@@ -245,7 +243,7 @@ class RolloutEngine:
         with seeded, eval_mode(model):
             if seed is not None:
                 torch.manual_seed(seed)
-            sampled = sample_responses(model, prompt_ids, prompt_mask, config, criteria, synced_gpus)
+            sampled = sample_responses(model, prompt_ids, prompt_mask, config, criteria)
         return self.rollout(prompt_ids, prompt_mask, sampled, group, end_ids)
 
     def rollout(self, prompt_ids, prompt_mask, sampled: SampledTokens, group: torch.Tensor, end_ids) -> Rollout:

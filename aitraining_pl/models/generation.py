@@ -145,17 +145,18 @@ def sample_responses(
     prompt_mask: torch.Tensor,
     config: HFGenerationConfig,
     stopping_criteria: StoppingCriteriaList | None = None,
-    synced_gpus: bool = False,
 ) -> SampledTokens:
     """The one ``model.generate`` call of the project, for left-padded ``prompt_ids`` (N, P), with ``config``
-    (``hf_generation_config``) and nothing from the model's own generation config."""
+    (``hf_generation_config``) and nothing from the model's own generation config. ``synced_gpus`` is off: under
+    FSDP2 the caller gathers the weights first (``models.sharding.gathered``), so ranks need not step together
+    (``generate`` would otherwise turn it on for a sharded model in a process group)."""
     with _blank_generation_config(model):
         out = model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             generation_config=config,
             stopping_criteria=stopping_criteria or StoppingCriteriaList(),
-            synced_gpus=synced_gpus,
+            synced_gpus=False,
         )
     return SampledTokens(out.sequences[:, prompt_ids.shape[1] :], _stacked(out.logits), _stacked(out.scores))
 

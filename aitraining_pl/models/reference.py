@@ -49,9 +49,9 @@ class ReferencePolicy:
         """The module that computes reference outputs (inside ``context()`` for LoRA)."""
         if self._lora:
             return self._policy[0]
-        if not self._frozen:
+        if self.frozen_copy is None:
             raise RuntimeError("the frozen reference copy was released (drop()); precomputed log-probs are needed")
-        return self._frozen[0]
+        return self.frozen_copy
 
     @property
     def frozen_copy(self) -> nn.Module | None:
