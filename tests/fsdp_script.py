@@ -33,6 +33,7 @@ from aitraining_pl.modules.sft import SFTModule  # noqa: E402
 from aitraining_pl.rollout import GenerationConfig  # noqa: E402
 from aitraining_pl.strategies import FSDP2Strategy  # noqa: E402
 
+PROBE = torch.tensor([[5, 17, 42, 99, 7, 3]])  # token ids whose logits an export must reproduce
 GLOBAL_BATCH = 4  # pairs (DPO, reward) or prompts (PPO, GRPO) per optimizer step, over all ranks
 
 
@@ -78,16 +79,28 @@ def dpo(strategy: str, out: str, precision: str = "32-true", steps: int = 1, pai
     return {"module": module, "trainer": run, "initial": initial, "metrics": {k: float(v) for k, v in metrics.items()}}
 
 
-def case_dpo_step(strategy: str, out: str, **options) -> dict:
-    result = dpo(strategy, out, options=options)
+def probe_logits(module: pl.LightningModule) -> torch.Tensor:
+    """The policy's logits on ``PROBE`` (full weights)."""
+    with full_weights(module), torch.no_grad():
+        return module.policy.eval()(PROBE).logits
+
+
+def case_dpo_step(strategy: str, out: str, trainer_options=None, **options) -> dict:
+    result = dpo(strategy, out, options=options, trainer=trainer_options or {})
     state, sharded = full_state(result["module"]), is_sharded(result["module"])
-    return {"state": state, "initial": result["initial"], "metrics": result["metrics"], "sharded": sharded}
+    return {
+        "state": state, "initial": result["initial"], "metrics": result["metrics"], "sharded": sharded,
+        "logits": probe_logits(result["module"]),
+    }  # fmt: skip
 
 
 def case_dpo_lora(strategy: str, out: str) -> dict:
     """LoRA: frozen base weights and trainable adapters in the same FSDP units; the reference is the policy with
-    its adapters off (no second copy)."""
-    return case_dpo_step(strategy, out, lora={"r": 4, "alpha": 8, "target_modules": "all-linear"}, learning_rate=1e-2)
+    its adapters off (no second copy). The export holds the adapters only (and the base beside them)."""
+    export = HFExportCallback(dirpath=os.path.join(out, "export"))
+    lora = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
+    result = case_dpo_step(strategy, out, {"callbacks": [export]}, lora=lora, learning_rate=1e-2)
+    return {**result, "export": os.path.join(out, "export", "last")}
 
 
 def case_dpo_checkpointing(strategy: str, out: str) -> dict:
@@ -115,17 +128,13 @@ def case_dpo_resume(strategy: str, out: str) -> dict:
     path = checkpoint.last_model_path
     export = HFExportCallback(dirpath=os.path.join(folder, "export"))
     resumed = dpo(strategy, folder, steps=3, pairs=12, ckpt_path=path, trainer={"callbacks": [export]})
-    probe = torch.tensor([[5, 17, 42, 99, 7, 3]])
-    with full_weights(resumed["module"]), torch.no_grad():
-        logits = resumed["module"].policy.eval()(probe).logits
     return {
         "straight": full_state(straight["module"]),
         "resumed": full_state(resumed["module"]),
         "checkpoint": path,
         "checkpoint_is_dir": os.path.isdir(path),
         "export": os.path.join(folder, "export", "last"),
-        "probe": probe,
-        "logits": logits,
+        "logits": probe_logits(resumed["module"]),
         "steps": resumed["trainer"].global_step,
     }
 

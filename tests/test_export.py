@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -194,3 +196,42 @@ def test_fast_dev_run_exports_nothing(tmp_path, byte_tokenizer):
     assert trainer.global_step == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
     assert (good / "model.safetensors").read_bytes() == before
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_plain_weights_equal_peft_unload_and_merge_and_load_with_transformers(tmp_path, tied):
+    """``models.lora.plain_state_dict`` (no copy of the model: FSDP2 models cannot be deep-copied) gives what peft's
+    ``unload`` / ``merge_and_unload`` give, ``modules_to_save`` included, and ``save_plain``'s folder reproduces
+    the adapted model's logits. With tied embeddings and LoRA on the head, peft's merge writes the head's delta
+    into the shared tensor, so the input embeddings change too and the merged model is not the adapted one; the
+    merge here keeps the embeddings and writes the two untied."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from aitraining_pl.models import LoRAConfig, apply_lora, build_causal_lm
+    from aitraining_pl.models.lora import plain_state_dict, save_plain
+
+    base = build_causal_lm({**TINY_LLAMA, "tie_word_embeddings": tied}, seed=0)
+    targets = ["q_proj", "v_proj", "lm_head"] if tied else ["q_proj", "v_proj"]
+    saved = None if tied else ["lm_head"]
+    model = apply_lora(base, LoRAConfig(r=4, alpha=8, dropout=0.0, target_modules=targets, modules_to_save=saved))
+    with torch.no_grad():  # adapters that change the model (lora_B starts at zero), and a trained lm_head copy
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    references = [(False, copy.deepcopy(model).unload())] + (
+        [] if tied else [(True, copy.deepcopy(model).merge_and_unload())]
+    )
+    for merged, reference in references:
+        got, want = plain_state_dict(model, merged), reference.state_dict()
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, msg=key)
+    save_plain(model, tmp_path, merged=True)
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits, model.eval()(ids).logits)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written.get("tie_word_embeddings", False) is False  # tied weights that the merge made differ: untied
+    assert base.config.tie_word_embeddings == tied  # the live config is left as it was

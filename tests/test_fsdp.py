@@ -36,6 +36,15 @@ def max_difference(a: dict, b: dict, skip: tuple[str, ...] = ()) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a if not k.endswith(skip))
 
 
+def assert_export_reproduces(auto_class, result: dict) -> None:
+    """The export loads with ``auto_class`` and gives the trained module's logits on the script's probe."""
+    from fsdp_script import PROBE
+
+    model = auto_class.from_pretrained(result["export"]).eval()
+    with torch.no_grad():
+        assert torch.allclose(model(PROBE).logits, result["logits"], atol=1e-5)
+
+
 def moved(result: dict) -> float:
     """The largest change of a weight in training (lr 1e-3: Adam's first step moves weights by about that)."""
     return max_difference(result["state"], result["initial"])
@@ -92,10 +101,17 @@ def test_sharded_checkpoint_resumes_to_the_uninterrupted_weights_and_exports(res
     ]
     assert result["steps"] == 3
     assert max_difference(result["straight"], result["resumed"]) == 0.0
-    model = AutoModelForCausalLM.from_pretrained(result["export"]).eval()
-    with torch.no_grad():
-        logits = model(result["probe"]).logits
-    assert torch.allclose(logits, result["logits"], atol=1e-5)
+    assert_export_reproduces(AutoModelForCausalLM, result)
+
+
+@pytest.mark.ddp
+def test_lora_export_under_fsdp2_is_the_adapters_and_loads_with_peft(results):
+    from peft import AutoPeftModelForCausalLM
+
+    result = results("dpo_lora-fsdp")
+    assert os.path.isfile(os.path.join(result["export"], "adapter_config.json"))
+    assert not os.path.isfile(os.path.join(result["export"], "model.safetensors"))  # the adapters, not merged
+    assert_export_reproduces(AutoPeftModelForCausalLM, result)
 
 
 @pytest.mark.ddp

@@ -52,6 +52,59 @@ def is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
+def _plain_key(key: str, adapter: str) -> str | None:
+    """The name ``key`` of a peft base model has in the plain model; None for adapter weights and for the original
+    of a ``modules_to_save`` module (its trained copy takes its place)."""
+    if "lora_" in key or ".original_module." in key:
+        return None
+    return key.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
+
+
+def plain_state_dict(peft_model: nn.Module, merged: bool) -> dict:
+    """The weights of ``peft_model``'s base model under their plain names, as ``unload()`` (``merged=False``) or
+    ``merge_and_unload()`` (``merged=True``) would leave them, without copying or changing the model (so it works
+    on a model sharded with FSDP2 inside ``models.sharding.full_weights``, which cannot be deep-copied): a LoRA
+    layer's ``base_layer`` weights (plus ``get_delta_weight`` of the active adapter when ``merged``), the trained
+    copy of a ``modules_to_save`` module in place of its original, no adapter weights."""
+    base = peft_model.get_base_model()
+    adapter = getattr(peft_model, "active_adapter", "default")
+    deltas = {}
+    if merged:
+        for name, module in base.named_modules():
+            if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight") and adapter in module.lora_A:
+                deltas[f"{name}.weight"] = module.get_delta_weight(adapter)
+    state = {}
+    for key, value in base.state_dict().items():
+        if (key := _plain_key(key, adapter)) is not None:
+            value = value.detach()
+            state[key] = (value + deltas[key].to(value.dtype)) if key in deltas else value
+    return state
+
+
+def save_plain(peft_model: nn.Module, folder: str | Path, merged: bool) -> None:
+    """Write ``plain_state_dict(peft_model, merged)`` as a Hugging Face folder of the base model's class. Tied
+    weights (input and output embeddings) that the merge made differ are written untied, with
+    ``tie_word_embeddings: false`` in the config, as peft's ``merge_and_unload`` does."""
+    import torch
+
+    base = peft_model.get_base_model()
+    adapter = getattr(peft_model, "active_adapter", "default")
+    state = plain_state_dict(peft_model, merged)
+    names: dict[int, list[str]] = {}
+    for name, param in base.named_parameters(remove_duplicate=False):
+        if (key := _plain_key(name, adapter)) in state:
+            names.setdefault(id(param), []).append(key)
+    diverged = any(not torch.equal(state[keys[0]], state[k]) for keys in names.values() for k in keys[1:])
+    untie = merged and diverged and getattr(base.config, "tie_word_embeddings", False)
+    if untie:
+        base.config.tie_word_embeddings = False
+    try:
+        base.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
+    finally:
+        if untie:
+            base.config.tie_word_embeddings = True
+
+
 #: subfolder of a LoRA export holding the base weights when the base has no folder or hub id of its own.
 ADAPTER_BASE_DIR = "base"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -70,10 +123,7 @@ def save_adapter_base(peft_model: nn.Module, folder: str | Path, model_name: str
     if model_name is not None:
         base = str(Path(model_name).resolve()) if Path(model_name).is_dir() else model_name
     else:
-        import copy
-
-        plain = copy.deepcopy(peft_model).unload()
-        plain.save_pretrained(str(folder / ADAPTER_BASE_DIR), safe_serialization=True)
+        save_plain(peft_model, folder / ADAPTER_BASE_DIR, merged=False)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(folder / ADAPTER_BASE_DIR))
         base = str((folder / ADAPTER_BASE_DIR).resolve())

@@ -28,7 +28,7 @@ from torch import nn
 from aitraining_pl.losses import bradley_terry_loss
 from aitraining_pl.losses.reward import POOLING_STRATEGIES, masked_objective_mse, pool_hidden_states
 from aitraining_pl.models.loading import hidden_size_of, load_backbone, load_tokenizer, resolve_dtype
-from aitraining_pl.models.lora import LoRAConfig, apply_lora, is_peft_model
+from aitraining_pl.models.lora import LoRAConfig, apply_lora, is_peft_model, plain_state_dict
 from aitraining_pl.models.tokens import with_bos
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.models.trunk_positions import POSITION_MODES, choose_position_mode, trunk_hidden
@@ -220,16 +220,7 @@ class RewardModel(nn.Module):
         """Plain (non-peft) weights, LoRA adapters merged into the trunk; the live model is left as it was."""
         if not is_peft_model(self.trunk):
             return {k: v.detach() for k, v in self.state_dict().items()}
-        self.trunk.merge_adapter()
-        try:
-            trunk = {}
-            for key, value in self.trunk.get_base_model().state_dict().items():
-                if "lora_" in key or ".original_module." in key:
-                    continue
-                key = key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-                trunk[f"trunk.{key}"] = value.detach().clone()
-        finally:
-            self.trunk.unmerge_adapter()
+        trunk = {f"trunk.{k}": v for k, v in plain_state_dict(self.trunk, merged=True).items()}
         rest = {k: v.detach() for k, v in self.state_dict().items() if not k.startswith("trunk.")}
         return {**trunk, **rest}
 

@@ -38,7 +38,7 @@ from torchmetrics import MeanMetric
 
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.models import LoRAConfig, ReferencePolicy, is_peft_model, load_policy, load_tokenizer
-from aitraining_pl.models.lora import save_adapter_base
+from aitraining_pl.models.lora import save_adapter_base, save_plain
 from aitraining_pl.models.sharding import is_sharded, shard
 from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing
 from aitraining_pl.optim import adamw_with_warmup, fused_adamw_applies
@@ -352,10 +352,11 @@ class AlignmentModule(pl.LightningModule):
 
         model = self.policy
         if is_peft_model(model) and merge_lora:
-            model = _merged_copy(model)
-        model.save_pretrained(str(path), safe_serialization=True)
+            save_plain(model, path, merged=True)
+        else:
+            model.save_pretrained(str(path), safe_serialization=True)
         self.tokenizer.save_pretrained(str(path))
-        if is_peft_model(model):
+        if is_peft_model(model) and not merge_lora:
             save_adapter_base(model, path, self.hparam("model_name"), self.tokenizer)
         write_model_card(path, self)
 
@@ -383,10 +384,3 @@ class SharedStepModule(AlignmentModule):
         that forward's activations. With gradient accumulation this runs after the last micro-batch only."""
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         optimizer.zero_grad(set_to_none=True)
-
-
-def _merged_copy(peft_model: nn.Module) -> nn.Module:
-    """A copy of ``peft_model`` with adapters merged into the base weights."""
-    import copy
-
-    return copy.deepcopy(peft_model).merge_and_unload()
