@@ -28,16 +28,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
-from transformers import StoppingCriteriaList
 
 from aitraining_pl.losses import kl_penalty, positions_from_mask, selective_log_softmax
-from aitraining_pl.models.generation import (
-    ResponseStoppingCriteria,
-    SampledTokens,
-    StopRule,
-    hf_generation_config,
-    sample_responses,
-)
+from aitraining_pl.models.decoding import sample_responses
+from aitraining_pl.models.generation import SampledTokens, StopRule, hf_generation_config
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.rewards import score_responses
 from aitraining_pl.validation import check_hparams
@@ -64,6 +58,10 @@ class GenerationConfig:
     """Strings that end a response (the response keeps them), besides the end tokens."""
     do_sample: bool = True
     """False: greedy decoding (for evaluation)."""
+    drop_ended: bool = True
+    """Take ended responses out of the batch while decoding, so the work follows the real tokens
+    (``models.decoding``; models without a plain KV cache use ``generate`` regardless). False: transformers'
+    ``generate``, which runs every row until the longest response ends."""
 
     @property
     def truncated(self) -> bool:
@@ -234,8 +232,6 @@ class RolloutEngine:
         group = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(num_samples)
         prompt_ids, prompt_mask = prompt_ids[group], prompt_mask[group]
         config = hf_generation_config(self.generation, end_ids, self.pad_token_id(model, end_ids), with_logprobs)
-        stops = [ResponseStoppingCriteria(self.stop_rule, prompt_ids.shape[1], end_ids)] if self.stop_rule else []
-        criteria = StoppingCriteriaList(stops)
         devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
         if isinstance(seed, torch.Generator):
             seed = int(torch.randint(0, 2**62, (1,), generator=seed, device=seed.device))
@@ -243,7 +239,9 @@ class RolloutEngine:
         with seeded, eval_mode(model):
             if seed is not None:
                 torch.manual_seed(seed)
-            sampled = sample_responses(model, prompt_ids, prompt_mask, config, criteria)
+            sampled = sample_responses(
+                model, prompt_ids, prompt_mask, config, self.stop_rule, self.generation.drop_ended
+            )
         return self.rollout(prompt_ids, prompt_mask, sampled, group, end_ids)
 
     def rollout(self, prompt_ids, prompt_mask, sampled: SampledTokens, group: torch.Tensor, end_ids) -> Rollout:

@@ -1,15 +1,23 @@
 """GRPO throughput and peak memory: ``GRPOModule`` under ``Trainer.fit`` vs TRL's ``GRPOTrainer``.
 
 Both sides: the same randomly initialised Llama (``3m`` or ``25m``, byte-level tokenizer; sizes as in
-``dpo_vs_trl.py``), the same 8 prompts per step (the first rows of the package's quickstart prompts), G = 8
-samples per prompt (64 completions per step), up to ``--max-new-tokens`` (128) new tokens at temperature 1 with
-no nucleus truncation, the same rule-based reward (share of lowercase letters), the GRPO loss (group-normalised
-advantages, per-sequence mean, ``beta`` = 0.04 k3 KL to a frozen reference, one optimizer step per generation,
-``num_iterations`` = 1), fp32 on CPU with ``--threads`` threads. TRL runs in its own virtual environment (never
-a dependency of this project): pass its interpreter with ``--trl-python`` or ``TRL_PYTHON``. Each measurement
-is its own process; the sides alternate so load from other processes on a shared machine hits both alike.
+``dpo_vs_trl.py``; built once, saved, and loaded from that folder by both), the same 8 prompts per step (the first
+rows of the package's quickstart prompts), G = 8 samples per prompt (64 completions per step), up to
+``--max-new-tokens`` (128) new tokens at temperature 1 with no nucleus truncation, the same rule-based reward
+(share of lowercase letters), the GRPO loss (group-normalised advantages, per-sequence mean, ``beta`` = 0.04 k3 KL
+to a frozen reference, one optimizer step per generation, ``num_iterations`` = 1), fp32 on CPU with ``--threads``
+threads. TRL runs in its own virtual environment (never a dependency of this project): pass its interpreter with
+``--trl-python`` or ``TRL_PYTHON``. Each measurement is its own process; the sides alternate so load from other
+processes on a shared machine hits both alike.
 
     TRL_PYTHON=/path/to/trl-venv/bin/python python benchmarks/grpo_vs_trl.py --sizes 3m --steps 4 --warmup 1
+
+``--end-rate R`` gives the model a steady chance R of its end token at each step (``ending_policy``), so that
+responses vary in length as a trained policy's do (R = 0.02: a mean of about 54 tokens, about 10% cut at 128;
+GRPO runs on real tasks report similar clipped ratios). Without it the random model ends by chance only (about
+30% of responses, mean length about 107), so nearly every row runs to 128 tokens and neither side can skip any
+work. The reported ``completion_chars`` (mean decoded length, seen by the reward function) shows that both
+sides sampled alike.
 
 ``--vocab-size`` replaces the byte-level 384-token vocabulary of both models by a larger one (32000, 152000; the
 sampled ids beyond 384 decode as bytes ``id % 256`` for the reward); ``--num-prompts`` and ``--num-generations``
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -55,16 +64,62 @@ def byte_decoding_of_any_id() -> None:
     ByT5Tokenizer._convert_id_to_token = lambda self, i: to_token(self, self.offset + i % 256 if i >= 384 else i)
 
 
+LENGTHS: list[int] = []  # decoded lengths of the scored completions (both sides' reward function records them)
+
+
 def lowercase_share(texts: list[str]) -> list[float]:
     """The reward of both sides: the share of a completion's characters that are lowercase ASCII letters."""
+    LENGTHS.extend(len(t) for t in texts)
     return [sum("a" <= c <= "z" for c in t) / len(t) if t else 0.0 for t in texts]
+
+
+def ending_policy(model, end_id: int, rate: float) -> None:
+    """Give a Llama a steady chance ``rate`` of sampling ``end_id`` at every step (at temperature 1).
+
+    Residual coordinate 0 is made a constant: every token embedding holds the embeddings' std there and no
+    attention or MLP output writes to it. The head reads that coordinate for the end token only, scaled so that
+    the end logit sits ``log(rate (V - 1) / (1 - rate))`` above the (nearly uniform) others at a random model's
+    mean final-norm value of the coordinate. The rest of the model is left as initialised.
+    """
+    import torch
+
+    with torch.no_grad():
+        body, embeddings = model.model, model.model.embed_tokens.weight
+        embeddings[:, 0] = embeddings.std()
+        for layer in body.layers:
+            layer.self_attn.o_proj.weight[0] = 0
+            layer.mlp.down_proj.weight[0] = 0
+        probe = torch.randint(0, embeddings.shape[0], (8, 64), generator=torch.Generator().manual_seed(0))
+        coordinate = model(probe, output_hidden_states=True).hidden_states[-1][..., 0].mean()
+        vocab = model.lm_head.weight.shape[0]
+        model.lm_head.weight[:, 0] = 0
+        model.lm_head.weight[end_id, 0] = math.log(rate * (vocab - 1) / (1 - rate)) / coordinate
+
+
+def save_policy(size: str, args, folder: str) -> str:
+    """Build the benchmark's model (seed 0), apply ``--end-rate``, save it to ``folder`` for both sides."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(_model_config(size, args.vocab_size))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
+    if args.end_rate > 0:
+        ending_policy(model, BASE["eos_token_id"], args.end_rate)
+    path = os.path.join(folder, size)
+    model.save_pretrained(path)
+    return path
 
 
 PARTS = ("generation", "scoring", "logprob_passes")  # and the rest of a step, "update"
 
 
 def summary(split: Split, completions: int) -> dict:
-    return {"completions_per_s": round(split.rate(completions), 3), "step_split_s": split.step_split()}
+    return {
+        "completions_per_s": round(split.rate(completions), 3),
+        "step_split_s": split.step_split(),
+        "completion_chars": round(sum(LENGTHS) / max(1, len(LENGTHS)), 1),
+    }
 
 
 def run_ours(args) -> dict:
@@ -88,13 +143,15 @@ def run_ours(args) -> dict:
 
     pl.seed_everything(0)
     module = GRPOModule(
-        model_config=_model_config(args.size, args.vocab_size),
+        model_name=args.model_path,
         tokenizer_name="byte",
         reward=lambda p, r, m: lowercase_share(r),
         num_generations=args.num_generations,
         learning_rate=LR,
         kl_coef=BETA,
-        generation=GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0),
+        generation=GenerationConfig(
+            max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, drop_ended=args.variant == "default"
+        ),
         mini_batch_size=args.num_prompts * args.num_generations,
         max_grad_norm=1.0,
         padding_free=args.variant == "default",
@@ -122,7 +179,7 @@ def run_trl(args) -> dict:
 
     torch.set_num_threads(args.threads)
     from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForCausalLM, ByT5Tokenizer, TrainerCallback
+    from transformers import ByT5Tokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     split = Split(args.warmup, PARTS, rest="update")
@@ -137,14 +194,8 @@ def run_trl(args) -> dict:
     def reward(prompts, completions, **kwargs):
         return lowercase_share(completions)
 
-    config = dict(_model_config(args.size, args.vocab_size))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
     dataset = Dataset.from_dict({"prompt": prompts(args.num_prompts) * args.steps})
     with tempfile.TemporaryDirectory() as out:
-        # TRL builds its reference from the policy's path: save the random model and hand TRL the folder
-        model.save_pretrained(os.path.join(out, "policy"))
-        model = os.path.join(out, "policy")
         cfg = GRPOConfig(
             output_dir=out,
             per_device_train_batch_size=args.num_prompts * args.num_generations,
@@ -172,7 +223,7 @@ def run_trl(args) -> dict:
             disable_tqdm=True,
         )
         trainer = GRPOTrainer(
-            model=model,
+            model=args.model_path,  # TRL builds its reference from the policy's path
             reward_funcs=reward,
             args=cfg,
             train_dataset=dataset,
@@ -206,15 +257,20 @@ def child(args) -> None:
         warmup=args.warmup,
         threads=args.threads,
         max_new_tokens=args.max_new_tokens,
+        end_rate=args.end_rate,
         peak_rss_mb=round(_peak_rss_mb(), 1),
     )
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def _spawn(python: str, side: str, variant: str, size: str, args) -> dict:
+def _spawn(python: str, side: str, variant: str, size: str, model_path: str, args) -> dict:
     cmd = [
         python,
         os.path.abspath(__file__),
+        "--model-path",
+        model_path,
+        "--end-rate",
+        str(args.end_rate),
         "--side",
         side,
         "--variant",
@@ -248,7 +304,8 @@ def main() -> None:
         nargs="+",
         default=["default"],
         choices=["default", "padded"],
-        help="this project's side: packed log-prob passes (default) or padded rows",
+        help="this project's side: ended rows dropped while decoding and packed log-prob passes (default), or "
+        "transformers' generate and padded rows (padded)",
     )
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (= generations) per run")
     parser.add_argument("--warmup", type=int, default=1, help="steps excluded from the steady state")
@@ -262,21 +319,35 @@ def main() -> None:
     )
     parser.add_argument("--num-prompts", type=int, default=NUM_PROMPTS, help="prompts per step")
     parser.add_argument("--num-generations", type=int, default=G, help="samples per prompt (G)")
+    parser.add_argument(
+        "--end-rate",
+        type=float,
+        default=0.0,
+        help="chance of the end token at each step given to the model (ending_policy); 0: as initialised",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="alternating rounds per size")
     parser.add_argument("--side", choices=["ours", "trl"])
+    parser.add_argument("--model-path", help="(child processes) the saved model")
     parser.add_argument("--variant", default="default")
     parser.add_argument("--size", default="3m")
     args = parser.parse_args()
     if args.side:
         return child(args)
     require_trl_python(parser, args)
-    print_header(args.threads, trl_python=None if args.skip_trl else args.trl_python, vocab_size=args.vocab_size)
+    print_header(
+        args.threads,
+        trl_python=None if args.skip_trl else args.trl_python,
+        vocab_size=args.vocab_size,
+        end_rate=args.end_rate,
+    )
+    models = tempfile.TemporaryDirectory()
     for size in args.sizes:
+        model_path = save_policy(size, args, models.name)
         results: dict[str, list[dict]] = {}
         runs = [("trl", "default")] * (not args.skip_trl) + [("ours", v) for v in args.variants]
         for _ in range(args.repeats):
             for side, variant in runs:
-                r = _spawn(args.trl_python if side == "trl" else sys.executable, side, variant, size, args)
+                r = _spawn(args.trl_python if side == "trl" else sys.executable, side, variant, size, model_path, args)
                 results.setdefault(f"{side}/{variant}", []).append(r)
                 print(json.dumps(r), flush=True)
         if args.skip_trl:

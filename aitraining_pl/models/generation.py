@@ -1,7 +1,8 @@
-"""The Hugging Face side of sampling: the one ``generate`` call of the project (``sample_responses``), with a
+"""The Hugging Face side of sampling: the one ``generate`` call of the project (``hf_generate``), with a
 complete explicit ``transformers.GenerationConfig`` and the model's own generation config out of the way, and
-the stop rule (stop strings, stop sequences) that ``generate`` and the response mask share. The rollout engine
-(``aitraining_pl.rollout``) is built on these."""
+the stop rule (stop strings, stop sequences) that decoding and the response mask share. The rollout engine
+(``aitraining_pl.rollout``) samples with ``models.decoding.sample_responses``, which decodes with these
+settings itself where it can (dropping ended rows) and calls ``hf_generate`` otherwise."""
 
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ def _blank_generation_config(model: torch.nn.Module):
 
 
 @torch.no_grad()
-def sample_responses(
+def hf_generate(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,

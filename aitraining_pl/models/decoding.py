@@ -1,0 +1,174 @@
+"""Sampling that takes ended rows out of the batch: the rollout engine's decoder for plain KV-cache decoders.
+
+``generate`` keeps every row in its batch until the last one ends. A response that ended at token 10 of 128
+still runs through the model 118 more times, its tokens thrown away as padding, and in a GRPO batch of 64
+samples one long response keeps all 64 rows running. ``decode`` samples the same way ``generate`` does:
+
+- the same distribution: transformers' own temperature, top-k and top-p warpers, in ``generate``'s order, then
+  a softmax and ``torch.multinomial`` (or the argmax when greedy);
+- the same positions for left-padded prompts (``losses.positions_from_mask``, counting on by one per token) and
+  the same growing attention mask;
+- the same end: an end token or a stop (``StopRule``) ends a row; its later tokens are padding.
+
+But it drops ended rows from the batch and from the KV cache (``Cache.batch_select_indices``), so decoding
+costs what the real tokens cost. Until the first row is dropped it draws exactly what ``generate`` draws from
+the same seed (tested); afterwards each row still samples from the same distribution, from a different part of
+the random stream.
+
+It needs a model whose forward builds a ``DynamicCache`` of plain attention layers, which every transformers
+decoder of the test matrix does except hybrid state-space ones (falcon_h1). ``decode`` returns None for any
+other model, before any sampling, and ``sample_responses`` (the rollout engine's sampler) then calls
+``generate`` (``models.generation.hf_generate``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+
+import torch
+from transformers import (
+    DynamicCache,
+    LogitsProcessorList,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers import GenerationConfig as HFGenerationConfig
+
+from aitraining_pl.losses import positions_from_mask
+from aitraining_pl.models.generation import ResponseStoppingCriteria, SampledTokens, StopRule, _hf_model, hf_generate
+
+try:  # transformers >= 4.56 keeps a cache as layers; earlier ones as key and value lists
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    PLAIN_LAYERS: tuple[type, ...] = (DynamicLayer, DynamicSlidingWindowLayer)
+except ImportError:  # pragma: no cover - older transformers
+    PLAIN_LAYERS = ()
+
+#: models found not to build a plain cache (``decode`` leaves them to ``generate`` without trying again)
+_UNSUPPORTED: weakref.WeakSet = weakref.WeakSet()
+
+
+def warpers(config: HFGenerationConfig) -> LogitsProcessorList:
+    """The logits warpers ``generate`` applies for ``config`` (temperature, top-k, top-p; none when greedy)."""
+    out = LogitsProcessorList()
+    if config.do_sample:
+        if config.temperature is not None and config.temperature != 1.0:
+            out.append(TemperatureLogitsWarper(config.temperature))
+        if config.top_k:
+            out.append(TopKLogitsWarper(top_k=config.top_k))
+        if config.top_p is not None and config.top_p < 1.0:
+            out.append(TopPLogitsWarper(top_p=config.top_p))
+    return out
+
+
+class _Forward:
+    """One decoder step of a transformers causal LM, whatever its version calls the cache
+    (``cache`` in transformers 5, ``past_key_values`` before)."""
+
+    def __init__(self, model: torch.nn.Module):
+        params = inspect.signature(_hf_model(model).forward).parameters
+        self.model = model
+        self.cache_name = "cache" if "cache" in params else "past_key_values"
+        self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+    def __call__(self, ids, mask, positions, cache=None):
+        kwargs = {self.cache_name: cache} if cache is not None else {}
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs, **self.keep_last
+        )
+        cache = out.get("cache")
+        return out.logits[:, -1].to(copy=True, dtype=torch.float32), out.get(
+            "past_key_values"
+        ) if cache is None else cache
+
+
+def plain_cache(cache) -> bool:
+    """Whether ``cache`` is a ``DynamicCache`` of plain attention layers (rows can be selected)."""
+    layers = getattr(cache, "layers", None)
+    return type(cache) is DynamicCache and (layers is None or all(type(layer) in PLAIN_LAYERS for layer in layers))
+
+
+@torch.no_grad()
+def decode(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    config: HFGenerationConfig,
+    stop_rule: StopRule | None = None,
+) -> SampledTokens | None:
+    """Sample responses for left-padded ``prompt_ids`` (N, P) as ``generate`` would with ``config``
+    (``models.generation.hf_generation_config``: ``max_new_tokens``, sampling settings, end ids, pad id,
+    ``output_logits`` / ``output_scores``), dropping ended rows as it goes (see the module docstring).
+
+    Returns:
+        ``SampledTokens``: response ids (N, R), R the steps until every row ended or ``max_new_tokens``, padded
+        after each row's end; with ``config.output_logits`` the raw logits and the warped scores (N, R, V) of
+        every step a row was sampled at (zeros after it ended). None, with nothing sampled, when the model does
+        not build a plain ``DynamicCache`` (``plain_cache``).
+    """
+    if model in _UNSUPPORTED:
+        return None
+    step, warp = _Forward(model), warpers(config)
+    n, device = prompt_ids.shape[0], prompt_ids.device
+    ends = torch.tensor(list(config.eos_token_id or []), dtype=torch.long, device=device)
+    pad = int(config.pad_token_id)
+    positions = positions_from_mask(prompt_mask)
+    logits, cache = step(prompt_ids, prompt_mask, positions)
+    if not plain_cache(cache):
+        _UNSUPPORTED.add(model)
+        return None
+    responses = torch.full((n, config.max_new_tokens), pad, dtype=torch.long, device=device)
+    raw = scored = None
+    if config.output_logits:
+        raw = torch.zeros(n, config.max_new_tokens, logits.shape[-1], device=device)
+        scored = torch.zeros_like(raw)
+    rows = torch.arange(n, device=device)  # the response row of each batch row; every batch row is unfinished
+    mask, position, length = prompt_mask, positions[:, -1:], 0
+    for t in range(config.max_new_tokens):
+        scores = warp(responses[rows, :t], logits)
+        if config.do_sample:
+            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            tokens = scores.argmax(dim=-1)
+        responses[rows, t], length = tokens, t + 1
+        if raw is not None:
+            raw[rows, t], scored[rows, t] = logits, scores
+        going = ~torch.isin(tokens, ends)
+        if stop_rule:
+            for i in going.nonzero().flatten().tolist():
+                going[i] = not stop_rule.stops(responses[rows[i], : t + 1].tolist())
+        if not going.any() or length == config.max_new_tokens:
+            break
+        if not going.all():  # drop the rows that ended (one copy of the cache, as each step's append makes)
+            keep = going.nonzero().flatten()
+            cache.batch_select_indices(keep)
+            rows, mask, position, tokens = rows[keep], mask[keep], position[keep], tokens[keep]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        position = position + 1
+        logits, cache = step(tokens[:, None], mask, position, cache)
+    return SampledTokens(
+        responses[:, :length],
+        None if raw is None else raw[:, :length],
+        None if scored is None else scored[:, :length],
+    )
+
+
+def sample_responses(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    config: HFGenerationConfig,
+    stop_rule: StopRule | None = None,
+    drop_ended: bool = True,
+) -> SampledTokens:
+    """The rollout engine's sampler: ``decode`` where the model allows it and ``drop_ended``, else
+    ``generate`` (``hf_generate``) with the same settings and stop rule."""
+    sampled = decode(model, prompt_ids, prompt_mask, config, stop_rule) if drop_ended else None
+    if sampled is None:
+        end_ids = list(config.eos_token_id or [])
+        stops = [ResponseStoppingCriteria(stop_rule, prompt_ids.shape[1], end_ids)] if stop_rule else []
+        sampled = hf_generate(model, prompt_ids, prompt_mask, config, StoppingCriteriaList(stops))
+    return sampled
