@@ -8,16 +8,21 @@ model's ``generation_config.eos_token_id`` (chat models end a turn with ids such
 ``<|im_end|>`` or ``<end_of_turn>`` that are not the tokenizer's EOS), or at the token that completes a stop
 string (or a stop sequence of token ids), or at ``max_new_tokens``. The end token is part of the response
 (it is the action that ends the episode, and the score sits on it). One rule (``StopRule``) decides this for
-``generate`` (through ``ResponseStoppingCriteria``) and for the response mask afterwards, and it only ever
+decoding and for the response mask afterwards, and it only ever
 looks at the response tokens: a stop string that spans the prompt/response boundary neither stops
 generation nor ends the mask. ``ended`` is False where a response hit ``max_new_tokens`` instead
 (``missing_eos_penalty``).
 
-**Sampling distribution.** ``generate`` gets a complete, explicit ``transformers.GenerationConfig`` built from
-``GenerationConfig``, and the model's own ``generation_config`` is swapped for a blank one during the call, so
-nothing from a checkpoint's ``generation_config.json`` (``repetition_penalty``, ``top_k``, ``min_p``, ...) nor
-transformers' own defaults (``top_k=50``) apply: responses are sampled from the softmax of the logits divided
-by ``temperature``, truncated only by the ``top_p`` / ``top_k`` given here.
+**Sampling distribution.** Sampling follows a complete, explicit ``transformers.GenerationConfig`` built from
+``GenerationConfig``; nothing from a checkpoint's ``generation_config.json`` (``repetition_penalty``, ``top_k``,
+``min_p``, ...) nor transformers' own defaults (``top_k=50``) apply: responses are sampled from the softmax of
+the logits divided by ``temperature``, truncated only by the ``top_p`` / ``top_k`` given here.
+
+**Decoding.** ``models.decoding`` decodes with the model's KV cache and takes each row out of the batch once it
+has ended, so a GRPO batch whose responses end at different lengths costs its real tokens, not 64 rows run to
+the longest; it draws what ``generate`` draws while no row has ended. Models without a plain ``DynamicCache``
+(hybrid state-space ones), and ``GenerationConfig.drop_ended=False``, use transformers' ``generate``, with the
+model's own ``generation_config`` swapped for a blank one during the call.
 """
 
 from __future__ import annotations
