@@ -9,6 +9,7 @@ from conftest import TINY_LLAMA, saved_for_backward
 
 import aitraining_pl.models.rollout_scoring as rollout_scoring
 from aitraining_pl.models import PPOModel, build_causal_lm
+from aitraining_pl.models.packing import pack_rows
 from aitraining_pl.models.rollout_scoring import response_logps, will_pack
 from aitraining_pl.models.scoring import PACKING_THRESHOLD, packing_pays
 from aitraining_pl.modules.critic_free import GRPOModule
@@ -28,12 +29,43 @@ SPARSE = torch.tensor(
 #: every response ran to the end, one prompt token of padding: 38 real tokens of 40 (runs padded)
 DENSE = torch.ones(4, 10, dtype=torch.long)
 DENSE[0, 0] = DENSE[3, 0] = 0
-LAYOUTS = {"packed": SPARSE, "padded": DENSE}
+#: rows 0, 1 answer one prompt and rows 2, 3 another (``_ids`` copies the prompts): packed with each prompt once
+SHARED = torch.tensor(
+    [
+        [0, 1, 1, 1, 1, 1, 0, 0, 0, 0],
+        [0, 1, 1, 1, 1, 1, 1, 1, 1, 0],
+        [1, 1, 1, 1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+    ]
+)
+LAYOUTS = {"packed": SPARSE, "padded": DENSE, "shared": SHARED}
 TEMPERATURE = 0.7
 
 
 def _ids(vocab: int = 384) -> torch.Tensor:
-    return torch.randint(2, vocab, (4, 10), generator=torch.Generator().manual_seed(0))
+    """Random tokens; rows 1 and 3 repeat the prompts of rows 0 and 2 (shared where the masks agree too)."""
+    ids = torch.randint(2, vocab, (4, 10), generator=torch.Generator().manual_seed(0))
+    ids[1, :P], ids[3, :P] = ids[0, :P], ids[2, :P]
+    return ids
+
+
+def test_rows_with_one_prompt_hold_it_once():
+    """``SHARED``: 25 real tokens, of which the repeated prompts' 3 + 4 are held once; every response token is
+    predicted from the same token as in its own row."""
+    scored = SHARED.clone()
+    scored[:, :P] = 0
+    packed = pack_rows({"input_ids": _ids(), "attention_mask": SHARED, "completion_mask": scored}, shared_prefix=P)
+    assert packed.input_ids.shape[1] == 25 - 3 - 4
+    assert [ranges for ranges, _ in packed.plan.blocks] == [
+        ((0, 5),),
+        ((0, 3), (5, 10)),
+        ((10, 15),),
+        ((10, 14), (15, 18)),
+    ]
+    assert packed.position_ids[0].tolist() == [0, 1, 2, 3, 4, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 4, 5, 6]
+    assert packed.sources.tolist() == [2, 3, 2, 5, 6, 7, 8, 13, 13, 15, 16]
+    with pytest.raises(ValueError, match="shared"):  # the second row's prompt is not held
+        pack_rows({"input_ids": _ids(), "attention_mask": SHARED, "completion_mask": SHARED}, shared_prefix=P)
 
 
 def _unfused(model, ids, attention):
@@ -63,8 +95,7 @@ def test_packing_only_where_padding_pays(monkeypatch):
     empty_prompt[2, :P] = 0
     assert not will_pack(model, empty_prompt, P)  # its first response token has nothing to be predicted from
     calls = []
-    pack_rows = rollout_scoring.pack_rows
-    monkeypatch.setattr(rollout_scoring, "pack_rows", lambda batch: calls.append(1) or pack_rows(batch))
+    monkeypatch.setattr(rollout_scoring, "pack_rows", lambda *a, **k: calls.append(1) or pack_rows(*a, **k))
     for attention, packs in ((SPARSE, True), (DENSE, False)):
         calls.clear()
         chosen = response_logps(model, _ids(), attention, P, TEMPERATURE, padding_free=True, with_entropy=True)
@@ -167,7 +198,7 @@ def test_grpo_update_saves_no_vocabulary_sized_tensor(layout):
         num_iterations=2,
     )
     rollout = _rollout(LAYOUTS[layout])
-    assert will_pack(module.policy, rollout.attention_mask, P) == (layout == "packed")
+    assert will_pack(module.policy, rollout.attention_mask, P) == (layout != "padded")
     with torch.no_grad():
         experience, _ = module.make_experience(rollout)
     assert experience.old_logprobs is not None and experience.ref_logprobs is not None

@@ -289,7 +289,7 @@ def can_pack(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> bool
     return torch.equal(chosen, rejected) and torch.equal(ids[0] * keep, ids[1] * keep)
 
 
-def pack_rows(batch: dict[str, torch.Tensor]) -> PackedBatch:
+def pack_rows(batch: dict[str, torch.Tensor], shared_prefix: int = 0) -> PackedBatch:
     """Pack the real tokens of B padded rows into one row, each row one causal attention block (SFT, rollouts).
 
     A row's real tokens must be one contiguous run (right padded, or left-padded prompt and right-padded
@@ -298,23 +298,56 @@ def pack_rows(batch: dict[str, torch.Tensor]) -> PackedBatch:
     (which must be real); the mask may have any pattern (several assistant turns, every token), unlike
     ``pack_batch``, which scores one contiguous completion per row and needs a non-empty prompt. Rows may be
     any number (not pairs). ``sequences`` holds each scored token's row, ``columns`` its padded column.
+
+    With ``shared_prefix`` = P, rows whose first P columns are equal (tokens and mask: the ``G`` samples of one
+    prompt in a rollout) hold those tokens once, in the first such row. The others attend to it and to their own
+    tokens, their positions continue from it, and a token right after the prefix is predicted from the prefix's
+    last position, so every token sees what it sees in its own padded row (the prefix's hidden states are the
+    same in every such row). Tokens in the first P columns of the other rows cannot be scored.
     """
-    real = batch["attention_mask"].bool()
-    lengths, first = real.sum(1), real.long().argmax(1)  # real tokens and first real column of each row
+    ids, real = batch["input_ids"], batch["attention_mask"].bool()
+    n, device = ids.shape[0], ids.device
+    first = real.long().argmax(1)  # first real column of each row
+    leader = torch.arange(n, device=device)  # the row holding each row's prefix (itself without sharing)
+    kept = real
+    if shared_prefix:
+        prefix = torch.cat([ids[:, :shared_prefix] * real[:, :shared_prefix], real[:, :shared_prefix].long()], 1)
+        _, kind = torch.unique(prefix, dim=0, return_inverse=True)
+        leader = torch.full((int(kind.max()) + 1,), n, device=device).scatter_reduce(0, kind, leader, "amin")[kind]
+        kept = real.clone()
+        kept[leader != torch.arange(n, device=device), :shared_prefix] = False
+    lengths = kept.sum(1)
+    emitted = kept.long().argmax(1)  # first kept column of each row
     starts = torch.cumsum(lengths, 0) - lengths
-    rows, cols = torch.nonzero(real, as_tuple=True)  # row-major: the rows' real tokens end to end
+    rows, cols = torch.nonzero(kept, as_tuple=True)  # row-major: the rows' kept tokens end to end
     scored_rows, scored_cols = torch.nonzero(batch["completion_mask"].bool()[:, 1:] & real[:, 1:], as_tuple=True)
-    targets_at = starts[scored_rows] + scored_cols + 1 - first[scored_rows]  # packed position of each scored token
-    blocks = [(((s, s + n),), n) for s, n in zip(starts.tolist(), lengths.tolist()) if n > 0]
-    packed = batch["input_ids"][rows, cols].unsqueeze(0)
+    scored_cols = scored_cols + 1  # the scored token's column; it is predicted from the column before
+
+    def at(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        """Packed position of (row, col): the row's own token, or its leader's where the row does not hold it."""
+        row = torch.where(kept[row, col], row, leader[row])
+        return starts[row] + col - emitted[row]
+
+    if not bool(kept[scored_rows, scored_cols].all()):
+        raise ValueError(f"pack_rows: a scored token lies in the first {shared_prefix} (shared) columns")
+    prefix_held = real[:, :shared_prefix].sum(1) if shared_prefix else torch.zeros_like(lengths)
+    blocks = []
+    for row, (s, length, lead) in enumerate(zip(starts.tolist(), lengths.tolist(), leader.tolist())):
+        held = int(prefix_held[lead])
+        if length and (lead == row or not held):
+            blocks.append((((s, s + length),), length))
+        elif length:
+            blocks.append((((int(starts[lead]), int(starts[lead]) + held), (s, s + length)), length))
+    targets_at = at(scored_rows, scored_cols)
+    packed = ids[rows, cols].unsqueeze(0)
     return PackedBatch(
         packed,
         (cols - first[rows]).unsqueeze(0),
         AttentionPlan(blocks),
-        targets_at - 1,
+        at(scored_rows, scored_cols - 1),
         packed[0, targets_at],
         scored_rows,
-        scored_cols + 1,
+        scored_cols,
     )
 
 

@@ -4,7 +4,8 @@ A rollout row is a left-padded prompt followed by a right-padded response; its r
 contiguous run. ``response_logps`` scores the response tokens with ``models.scoring.token_scores`` (the one
 "log-probs of given tokens, padded or packed" function): the decoder runs either on the padded rows or on the
 real tokens packed end to end in one row (``pack_rows``: one causal block per rollout, positions restarting at 0
-as ``generate`` counted them), and the language-model head runs fused on the response positions only
+as ``generate`` counted them, and the prompt held once for all the rows that answer it, as the ``G`` samples of a
+GRPO group do), and the language-model head runs fused on the response positions only
 (``models.lm_head``: no (rows x response x vocabulary) logits, in the forward or saved for backward). Both
 layouts give the same log-probs (tested); packing is chosen only where it pays (``packing_pays``).
 """
@@ -55,8 +56,9 @@ def response_logps(
         model: a transformers causal LM (optionally wrapped by ``peft``).
         input_ids, attention_mask: (N, P + R) rollout rows; the response mask is ``attention_mask[:, P:]``.
         prompt_length: P.
-        padding_free: pack the real tokens in one row where ``will_pack`` says so; else padded rows (head only
-            on the response positions where that is exact, else the model's own forward).
+        padding_free: pack the real tokens in one row where ``will_pack`` says so, each distinct prompt once
+            (rows with the same prompt share it); else padded rows (head only on the response positions where that
+            is exact, else the model's own forward).
         with_entropy: also return the per-token entropy of the policy.
         with_hidden: also return the last hidden states predicting the response tokens (a value head's input).
     """
@@ -64,7 +66,8 @@ def response_logps(
     scored[:, :prompt_length] = 0
     packed = None
     if will_pack(model, attention_mask, prompt_length, padding_free):
-        packed = pack_rows({"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": scored})
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": scored}
+        packed = pack_rows(batch, shared_prefix=prompt_length)
     positions = positions_from_mask(attention_mask)  # as ``generate`` counts left-padded rows
     out = token_scores(
         model, input_ids, attention_mask, scored, positions, packed, temperature, with_entropy, with_hidden
