@@ -235,7 +235,6 @@ class RolloutEngine:
         """
         end_ids = self.end_token_ids(model)
         group = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(num_samples)
-        prompt_ids, prompt_mask = prompt_ids[group], prompt_mask[group]
         config = hf_generation_config(self.generation, end_ids, self.pad_token_id(model, end_ids), with_logprobs)
         devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
         if isinstance(seed, torch.Generator):
@@ -245,9 +244,9 @@ class RolloutEngine:
             if seed is not None:
                 torch.manual_seed(seed)
             sampled = sample_responses(
-                model, prompt_ids, prompt_mask, config, self.stop_rule, self.generation.drop_ended
+                model, prompt_ids, prompt_mask, config, self.stop_rule, self.generation.drop_ended, num_samples
             )
-        return self.rollout(prompt_ids, prompt_mask, sampled, group, end_ids)
+        return self.rollout(prompt_ids[group], prompt_mask[group], sampled, group, end_ids)
 
     def rollout(self, prompt_ids, prompt_mask, sampled: SampledTokens, group: torch.Tensor, end_ids) -> Rollout:
         """The ``Rollout`` of sampled tokens: masks and ``ended`` by the same rule as generation, texts."""

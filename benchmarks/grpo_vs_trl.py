@@ -16,8 +16,8 @@ processes on a shared machine hits both alike.
 responses vary in length as a trained policy's do (R = 0.02: a mean of about 54 tokens, about 10% cut at 128;
 GRPO runs on real tasks report similar clipped ratios). Without it the random model ends by chance only (about
 30% of responses, mean length about 107), so nearly every row runs to 128 tokens and neither side can skip any
-work. The reported ``completion_chars`` (mean decoded length, seen by the reward function) shows that both
-sides sampled alike.
+work. The reported ``completion_tokens`` (mean completion length over all steps, end token included, as each side
+logs it) shows that both sides sampled alike.
 
 ``--vocab-size`` replaces the byte-level 384-token vocabulary of both models by a larger one (32000, 152000; the
 sampled ids beyond 384 decode as bytes ``id % 256`` for the reward); ``--num-prompts`` and ``--num-generations``
@@ -64,12 +64,8 @@ def byte_decoding_of_any_id() -> None:
     ByT5Tokenizer._convert_id_to_token = lambda self, i: to_token(self, self.offset + i % 256 if i >= 384 else i)
 
 
-LENGTHS: list[int] = []  # decoded lengths of the scored completions (both sides' reward function records them)
-
-
 def lowercase_share(texts: list[str]) -> list[float]:
     """The reward of both sides: the share of a completion's characters that are lowercase ASCII letters."""
-    LENGTHS.extend(len(t) for t in texts)
     return [sum("a" <= c <= "z" for c in t) / len(t) if t else 0.0 for t in texts]
 
 
@@ -114,11 +110,12 @@ def save_policy(size: str, args, folder: str) -> str:
 PARTS = ("generation", "scoring", "logprob_passes")  # and the rest of a step, "update"
 
 
-def summary(split: Split, completions: int) -> dict:
+def summary(split: Split, completions: int, lengths: list[float]) -> dict:
+    """``lengths``: each step's mean completion length in tokens, end token included (both sides log it)."""
     return {
         "completions_per_s": round(split.rate(completions), 3),
         "step_split_s": split.step_split(),
-        "completion_chars": round(sum(LENGTHS) / max(1, len(LENGTHS)), 1),
+        "completion_tokens": round(sum(lengths) / max(1, len(lengths)), 1),
     }
 
 
@@ -132,14 +129,15 @@ def run_ours(args) -> dict:
     from aitraining_pl.modules.critic_free import GRPOModule
     from aitraining_pl.rollout import GenerationConfig
 
-    split = Split(args.warmup, PARTS, rest="update")
+    split, lengths = Split(args.warmup, PARTS, rest="update"), []
 
     class Timer(pl.Callback):
         def on_train_batch_start(self, *a):
             split.step_start()
 
-        def on_train_batch_end(self, *a):
+        def on_train_batch_end(self, trainer, *a):
             split.step_end()
+            lengths.append(float(trainer.callback_metrics["train/completion_length"]))
 
     pl.seed_everything(0)
     module = GRPOModule(
@@ -170,7 +168,7 @@ def run_ours(args) -> dict:
     trainer.fit(module, data)
     return {
         "params": sum(p.numel() for p in module.policy.parameters()),
-        **summary(split, args.num_prompts * args.num_generations),
+        **summary(split, args.num_prompts * args.num_generations, lengths),
     }
 
 
@@ -239,7 +237,8 @@ def run_trl(args) -> dict:
         )
         trainer.train()
         params = sum(p.numel() for p in trainer.model.parameters())
-    return {"params": params, **summary(split, args.num_prompts * args.num_generations)}
+        lengths = trainer._metrics["train"]["completions/mean_length"]  # one entry per generation (never logged)
+    return {"params": params, **summary(split, args.num_prompts * args.num_generations, lengths)}
 
 
 def child(args) -> None:

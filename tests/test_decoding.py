@@ -162,3 +162,14 @@ def test_lora_policy_decodes_as_generate(tiny_config):
     want = _seeded(hf_generate, model, ids, mask, _config([]))
     got = _seeded(decode, model, ids, mask, _config([]))
     assert torch.equal(got.response_ids, want.response_ids)
+
+
+@pytest.mark.parametrize("model_type", PLAIN)
+def test_samples_of_a_prompt_start_from_its_one_cache(model_type):
+    """``num_samples`` = 3: each prompt runs through the model once and its cache is repeated; the draws are
+    those of ``generate`` on the repeated prompts."""
+    model, (ids, mask) = _model(model_type), _prompts(n=3)
+    want = _seeded(hf_generate, model, ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0), _config([]))
+    got = _seeded(decode, model, ids, mask, _config([]), None, 3)
+    assert torch.equal(got.response_ids, want.response_ids)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)

@@ -40,8 +40,10 @@ def _rollout_rows():
     return ids, attention, 4  # prompt length P = 4
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt_neox"])
-def test_packed_and_padded_log_probs_and_gradients_are_equal(model_type):
+def test_packed_and_padded_log_probs_and_gradients_are_equal(model_type, shared):
+    """Also with rows that answer one prompt (``shared``: rows 0-1 and 2-3, packed with each prompt once)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = {**TINY_LLAMA, "model_type": model_type}
@@ -50,6 +52,13 @@ def test_packed_and_padded_log_probs_and_gradients_are_equal(model_type):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), attn_implementation="sdpa")
     ids, attention, P = _rollout_rows()
+    if shared:
+        ids[1, :P], attention[1, :P], ids[3, :P], attention[3, :P] = (
+            ids[0, :P],
+            attention[0, :P],
+            ids[2, :P],
+            attention[2, :P],
+        )
     results = []
     for padding_free in (True, False):
         model.zero_grad()

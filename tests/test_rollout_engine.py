@@ -296,4 +296,4 @@ def test_the_three_samplers_call_the_engine(monkeypatch, tiny_config, byte_token
     )
     ids, mask = _prompts(["a", "bc"])
     module.generate(ids, mask, num_samples=2)
-    assert calls == [1, 1, 4]
+    assert calls == [1, 1, 2]  # the distinct prompts (each is decoded once for its samples)

@@ -98,21 +98,25 @@ def decode(
     prompt_mask: torch.Tensor,
     config: HFGenerationConfig,
     stop_rule: StopRule | None = None,
+    num_samples: int = 1,
 ) -> SampledTokens | None:
-    """Sample responses for left-padded ``prompt_ids`` (N, P) as ``generate`` would with ``config``
-    (``models.generation.hf_generation_config``: ``max_new_tokens``, sampling settings, end ids, pad id,
-    ``output_logits`` / ``output_scores``), dropping ended rows as it goes (see the module docstring).
+    """Sample ``num_samples`` responses for each left-padded prompt (B, P) as ``generate`` would for the prompts
+    repeated (``repeat_interleave``) with ``config`` (``models.generation.hf_generation_config``:
+    ``max_new_tokens``, sampling settings, end ids, pad id, ``output_logits`` / ``output_scores``), dropping
+    ended rows as it goes (see the module docstring). Each prompt runs through the model once; its KV cache is
+    then repeated for its samples.
 
     Returns:
-        ``SampledTokens``: response ids (N, R), R the steps until every row ended or ``max_new_tokens``, padded
-        after each row's end; with ``config.output_logits`` the raw logits and the warped scores (N, R, V) of
-        every step a row was sampled at (zeros after it ended). None, with nothing sampled, when the model does
-        not build a plain ``DynamicCache`` (``plain_cache``).
+        ``SampledTokens``: response ids (N, R), N = B * ``num_samples`` rows in ``repeat_interleave`` order, R
+        the steps until every row ended or ``max_new_tokens``, padded after each row's end; with
+        ``config.output_logits`` the raw logits and the warped scores (N, R, V) of every step a row was sampled
+        at (zeros after it ended). None, with nothing sampled, when the model does not build a plain
+        ``DynamicCache`` (``plain_cache``).
     """
     if model in _UNSUPPORTED:
         return None
     step, warp = _Forward(model), warpers(config)
-    n, device = prompt_ids.shape[0], prompt_ids.device
+    n, device = prompt_ids.shape[0] * num_samples, prompt_ids.device
     ends = torch.tensor(list(config.eos_token_id or []), dtype=torch.long, device=device)
     pad = int(config.pad_token_id)
     positions = positions_from_mask(prompt_mask)
@@ -120,6 +124,9 @@ def decode(
     if not plain_cache(cache):
         _UNSUPPORTED.add(model)
         return None
+    if num_samples > 1:  # every sample of a prompt starts from the prompt's one cache
+        cache.batch_repeat_interleave(num_samples)
+        logits, prompt_mask, positions = (t.repeat_interleave(num_samples, 0) for t in (logits, prompt_mask, positions))
     responses = torch.full((n, config.max_new_tokens), pad, dtype=torch.long, device=device)
     raw = scored = None
     if config.output_logits:
@@ -163,11 +170,17 @@ def sample_responses(
     config: HFGenerationConfig,
     stop_rule: StopRule | None = None,
     drop_ended: bool = True,
+    num_samples: int = 1,
 ) -> SampledTokens:
-    """The rollout engine's sampler: ``decode`` where the model allows it and ``drop_ended``, else
-    ``generate`` (``hf_generate``) with the same settings and stop rule."""
-    sampled = decode(model, prompt_ids, prompt_mask, config, stop_rule) if drop_ended else None
+    """The rollout engine's sampler: ``num_samples`` responses per prompt (rows in ``repeat_interleave``
+    order) by ``decode`` where the model allows it and ``drop_ended``, else by ``generate`` (``hf_generate``,
+    on the repeated prompts) with the same settings and stop rule."""
+    sampled = decode(model, prompt_ids, prompt_mask, config, stop_rule, num_samples) if drop_ended else None
     if sampled is None:
+        prompt_ids, prompt_mask = (
+            prompt_ids.repeat_interleave(num_samples, 0),
+            prompt_mask.repeat_interleave(num_samples, 0),
+        )
         end_ids = list(config.eos_token_id or [])
         stops = [ResponseStoppingCriteria(stop_rule, prompt_ids.shape[1], end_ids)] if stop_rule else []
         sampled = hf_generate(model, prompt_ids, prompt_mask, config, StoppingCriteriaList(stops))
