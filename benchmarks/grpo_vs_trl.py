@@ -180,19 +180,26 @@ def run_trl(args) -> dict:
     from transformers import ByT5Tokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    split = Split(args.warmup, PARTS, rest="update")
+    split, lengths = Split(args.warmup, PARTS, rest="update"), []
 
     class Timer(TrainerCallback):
+        trainer = None
+
         def on_step_begin(self, *a, **k):
             split.step_start()
 
         def on_step_end(self, *a, **k):
-            split.step_end()
+            split.step_end()  # the trainer's metrics are averaged and cleared when it logs, so read them here
+            lengths.append(self.trainer._metrics["train"]["completions/mean_length"][-1])
 
     def reward(prompts, completions, **kwargs):
         return lowercase_share(completions)
 
     dataset = Dataset.from_dict({"prompt": prompts(args.num_prompts) * args.steps})
+    # TRL tokenizes plain-text prompts with the tokenizer's special tokens, and ByT5 appends its end token: the
+    # prompts would end in it. Ours are the prompt's bytes alone; give both sides the same prompt tokens.
+    tokenizer = ByT5Tokenizer()
+    tokenizer.build_inputs_with_special_tokens = lambda ids, pair=None: ids + (pair or [])
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
             output_dir=out,
@@ -225,9 +232,10 @@ def run_trl(args) -> dict:
             reward_funcs=reward,
             args=cfg,
             train_dataset=dataset,
-            processing_class=ByT5Tokenizer(),
-            callbacks=[Timer()],
+            processing_class=tokenizer,
+            callbacks=[timer := Timer()],
         )
+        timer.trainer = trainer
         trainer._generate = split.timed("generation", trainer._generate)
         trainer._calculate_rewards = split.timed("scoring", trainer._calculate_rewards)
         trainer._get_per_token_logps_and_entropies = split.timed(
@@ -237,7 +245,6 @@ def run_trl(args) -> dict:
         )
         trainer.train()
         params = sum(p.numel() for p in trainer.model.parameters())
-        lengths = trainer._metrics["train"]["completions/mean_length"]  # one entry per generation (never logged)
     return {"params": params, **summary(split, args.num_prompts * args.num_generations, lengths)}
 
 

@@ -38,9 +38,9 @@ from transformers import (
 from transformers import GenerationConfig as HFGenerationConfig
 
 from aitraining_pl.losses import positions_from_mask
-from aitraining_pl.models.generation import ResponseStoppingCriteria, SampledTokens, StopRule, _hf_model, hf_generate
+from aitraining_pl.models.generation import ResponseStoppingCriteria, SampledTokens, StopRule, hf_generate, hf_model
 
-try:  # transformers >= 4.56 keeps a cache as layers; earlier ones as key and value lists
+try:  # recent transformers keep a cache as a list of layers; earlier ones as key and value lists
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     PLAIN_LAYERS: tuple[type, ...] = (DynamicLayer, DynamicSlidingWindowLayer)
@@ -69,7 +69,7 @@ class _Forward:
     (``cache`` in transformers 5, ``past_key_values`` before)."""
 
     def __init__(self, model: torch.nn.Module):
-        params = inspect.signature(_hf_model(model).forward).parameters
+        params = inspect.signature(hf_model(model).forward).parameters
         self.model = model
         self.cache_name = "cache" if "cache" in params else "past_key_values"
         self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
@@ -80,9 +80,9 @@ class _Forward:
             input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs, **self.keep_last
         )
         cache = out.get("cache")
-        return out.logits[:, -1].to(copy=True, dtype=torch.float32), out.get(
-            "past_key_values"
-        ) if cache is None else cache
+        if cache is None:
+            cache = out.get("past_key_values")
+        return out.logits[:, -1].to(copy=True, dtype=torch.float32), cache
 
 
 def plain_cache(cache) -> bool:

@@ -121,7 +121,7 @@ def hf_generation_config(
     )  # fmt: skip
 
 
-def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
+def hf_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under a peft wrapper (the one whose ``generation_config`` ``generate`` reads)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -130,7 +130,7 @@ def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
 def _blank_generation_config(model: torch.nn.Module):
     """Swap the model's ``generation_config`` for a blank one: ``generate`` fills every field we leave unset
     from it, so a checkpoint's settings would otherwise apply."""
-    hf = _hf_model(model)
+    hf = hf_model(model)
     saved = getattr(hf, "generation_config", None)
     hf.generation_config = HFGenerationConfig()
     try:
