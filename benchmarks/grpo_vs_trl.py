@@ -10,14 +10,15 @@ threads. TRL runs in its own virtual environment (never a dependency of this pro
 ``--trl-python`` or ``TRL_PYTHON``. Each measurement is its own process; the sides alternate so load from other
 processes on a shared machine hits both alike.
 
-    TRL_PYTHON=/path/to/trl-venv/bin/python python benchmarks/grpo_vs_trl.py --sizes 3m --steps 4 --warmup 1
+    TRL_PYTHON=/path/to/trl-venv/bin/python python benchmarks/grpo_vs_trl.py --sizes 3m 25m --steps 5 --warmup 1 \
+        --end-rate 0.02 --repeats 2 --variants default padded
 
 ``--end-rate R`` gives the model a steady chance R of its end token at each step (``ending_policy``), so that
-responses vary in length as a trained policy's do (R = 0.02: a mean of about 54 tokens, about 10% cut at 128;
-GRPO runs on real tasks report similar clipped ratios). Without it the random model ends by chance only (about
-30% of responses, mean length about 107), so nearly every row runs to 128 tokens and neither side can skip any
-work. The reported ``completion_tokens`` (mean completion length over all steps, end token included, as each side
-logs it) shows that both sides sampled alike.
+responses vary in length as a trained policy's do (R = 0.02: a mean of about 50 tokens, about 10% cut at 128).
+Without it the random model ends by chance only (on the 3M model about 30% of responses end, mean length about
+107), so most rows run to 128 tokens and neither side can skip much work. The reported ``completion_tokens`` (mean
+completion length over all steps, end token included, as each side logs it) shows how long each side's responses
+were.
 
 ``--vocab-size`` replaces the byte-level 384-token vocabulary of both models by a larger one (32000, 152000; the
 sampled ids beyond 384 decode as bytes ``id % 256`` for the reward); ``--num-prompts`` and ``--num-generations``
