@@ -3,14 +3,13 @@
 Shapes: B prompts, G samples per prompt, N = B * G rows, P prompt tokens (left padded), R response tokens
 (right padded after the end). Prompt ``i``'s samples are rows ``i*G .. i*G+G-1`` (``Rollout.group``).
 
-**End of a response.** A response ends at its first *end token*: every id in the tokenizer's EOS and in the
-model's ``generation_config.eos_token_id`` (chat models end a turn with ids such as ``<|eot_id|>``,
-``<|im_end|>`` or ``<end_of_turn>`` that are not the tokenizer's EOS), or at the token that completes a stop
-string (or a stop sequence of token ids), or at ``max_new_tokens``. The end token is part of the response
-(it is the action that ends the episode, and the score sits on it). One rule (``StopRule``) decides this for
-decoding and for the response mask afterwards, and it only ever
-looks at the response tokens: a stop string that spans the prompt/response boundary neither stops
-generation nor ends the mask. ``ended`` is False where a response hit ``max_new_tokens`` instead
+**End of a response.** A response ends at its first *end token*: every id in the tokenizer's EOS and in the model's
+``generation_config.eos_token_id`` (chat models end a turn with ids such as ``<|eot_id|>``, ``<|im_end|>`` or
+``<end_of_turn>`` that are not the tokenizer's EOS), or at the token that completes a stop string (or a stop
+sequence of token ids), or at ``max_new_tokens``. The end token is part of the response (it is the action that ends
+the episode, and the score sits on it). One rule (``StopRule``) decides this for decoding and for the response mask
+afterwards, and it only ever looks at the response tokens: a stop string that spans the prompt/response boundary
+neither stops generation nor ends the mask. ``ended`` is False where a response hit ``max_new_tokens`` instead
 (``missing_eos_penalty``).
 
 **Sampling distribution.** Sampling follows a complete, explicit ``transformers.GenerationConfig`` built from
