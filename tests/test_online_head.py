@@ -84,6 +84,13 @@ def _grads(model, loss):
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+def _assert_grads_close(got, want):
+    """Gradients summed in another order (packed rows, a prompt held once for its group) differ in fp32 by a
+    few ulps of each tensor's largest entry (the embedding's reaches ~100 here), not of each element."""
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 + 1e-6 * b.abs().max().item())
+
+
 def test_packing_only_where_padding_pays(monkeypatch):
     assert PACKING_THRESHOLD == 0.75
     assert packing_pays(SPARSE) and not packing_pays(DENSE)
@@ -122,8 +129,7 @@ def test_response_scores_equal_the_unfused_path(layout, arch):
     token, entropy, _ = _unfused(model, ids, attention)
     want = _grads(model, (token * weights).sum() + entropy.sum())
     assert len(got) == len(want) > 5
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    _assert_grads_close(got, want)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -154,8 +160,7 @@ def test_ppo_model_score_equals_its_full_forward(layout, critic):
     got = _grads(model, loss(*model.score(ids, attention, P, TEMPERATURE, with_entropy=True)))
     want = _grads(model, loss(*full()))
     assert len(got) == len(want) and any(g.abs().sum() > 0 for g in got[-4:])  # the value head trains
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    _assert_grads_close(got, want)
 
 
 TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need a reward source
