@@ -106,6 +106,25 @@ def test_ended_rows_leave_the_batch():
     assert sum(sizes) == 8 + int((lengths - 1).sum())  # the prompts, then each row until its last token
 
 
+def test_decoding_writes_the_cache_in_place(monkeypatch):
+    """After the prefill each full-attention layer writes its new position into a preallocated buffer
+    (``_PreallocatedLayer``): no step concatenates (``DynamicLayer.update``), also after rows are dropped."""
+    model, (ids, mask) = _model("llama"), _prompts(n=8)
+    calls = {"concatenated": 0, "in_place": 0}
+    for cls, key in ((decoding.DynamicLayer, "concatenated"), (decoding._PreallocatedLayer, "in_place")):
+        update = cls.update
+
+        def counted(self, *args, _update=update, _key=key, _cls=cls, **kwargs):
+            calls[_key] += type(self) is _cls
+            return _update(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "update", counted)
+    out = _seeded(decode, model, ids, mask, _config(ENDS, max_new_tokens=32))
+    layers = model.config.num_hidden_layers
+    assert calls["concatenated"] == layers  # the prompt
+    assert calls["in_place"] == layers * (out.response_ids.shape[1] - 1) > 0
+
+
 def test_stops_end_rows_as_in_generate(byte_tokenizer):
     """A stop string ends a row (greedy) exactly where generate's stopping criterion ends it; its later
     tokens are padding (``generate`` without end ids leaves them as sampled, for the mask to cut)."""
