@@ -13,7 +13,8 @@ samples one long response keeps all 64 rows running. ``decode`` samples the same
 But it drops ended rows from the batch and from the KV cache (``Cache.batch_select_indices``), so decoding
 costs what the real tokens cost. Until the first row is dropped it draws exactly what ``generate`` draws from
 the same seed (tested); afterwards each row still samples from the same distribution, from a different part of
-the random stream.
+the random stream. Each full-attention layer's keys and values live in a buffer with room for the whole response
+(``_PreallocatedLayer``): a step writes one position instead of copying the cache to append it.
 
 It needs a model whose forward builds a ``DynamicCache`` of plain attention layers, which every transformers
 decoder of the test matrix does except hybrid state-space ones (falcon_h1). ``decode`` returns None for any
