@@ -93,6 +93,7 @@ class _PreallocatedLayer(DynamicLayer):
     ``DynamicLayer.update`` concatenates: every step copies the layer's whole cache to append one position, so
     a response of R tokens copies the cache R times (with 64 rows x 128 tokens that was over a third of the
     decoding time on CPU). Here a step writes its position in place; dropping rows copies the filled part once.
+    Only what ``decode`` calls after the prefill keeps the buffers right (``update``, ``batch_select_indices``).
     """
 
     def __init__(self, layer: DynamicLayer, capacity: int):
@@ -127,8 +128,9 @@ class _PreallocatedLayer(DynamicLayer):
 
 def _preallocate(cache: DynamicCache, capacity: int) -> None:
     """Give each plain full-attention layer of ``cache`` room for ``capacity`` positions (``_PreallocatedLayer``);
-    sliding-window layers, which drop old positions, keep concatenating."""
-    for i, layer in enumerate(cache.layers):
+    sliding-window layers, which drop old positions, keep concatenating, as do caches without layer objects
+    (older transformers)."""
+    for i, layer in enumerate(getattr(cache, "layers", None) or ()):
         if type(layer) is DynamicLayer and layer.is_initialized:
             cache.layers[i] = _PreallocatedLayer(layer, capacity)
 
@@ -175,8 +177,7 @@ def decode(
     if num_samples > 1:  # every sample of a prompt starts from the prompt's one cache
         cache.batch_repeat_interleave(num_samples)
         logits, prompt_mask, positions = (t.repeat_interleave(num_samples, 0) for t in (logits, prompt_mask, positions))
-    if getattr(cache, "layers", None) is not None:
-        _preallocate(cache, prompt_ids.shape[1] + config.max_new_tokens)
+    _preallocate(cache, prompt_ids.shape[1] + config.max_new_tokens)
     responses = torch.full((n, config.max_new_tokens), pad, dtype=torch.long, device=device)
     raw = scored = None
     if config.output_logits:
