@@ -23,6 +23,13 @@ from aitraining_pl.losses.logprobs import (
     token_logps,
 )
 from aitraining_pl.losses.policy_gradient import LOSS_AGGREGATIONS, clipped_policy_loss
+from aitraining_pl.losses.policy_options import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    POLICY_LOSSES,
+    PolicyLossConfig,
+    completed_rows,
+    high_entropy_mask,
+)
 from aitraining_pl.losses.preference import (
     DPO_LOSSES,
     LENGTH_NORMALISED,
@@ -54,6 +61,11 @@ __all__ = [
     "CRITIC_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "clipped_policy_loss",
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "POLICY_LOSSES",
+    "PolicyLossConfig",
+    "completed_rows",
+    "high_entropy_mask",
     "compute_advantages",
     "group_statistics",
     "DEFAULT_MEMORY_BUDGET",

@@ -48,12 +48,29 @@ def _sequence_scores(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (rewards * mask.to(rewards.dtype)).sum(1)
 
 
-def grpo_advantages(rewards, mask, group, values=None, gamma=1.0, lam=1.0, eps=1e-4) -> torch.Tensor:
-    """GRPO (Shao et al. 2024, DeepSeekMath, outcome supervision): ``(r_i - mean_g) / (std_g + eps)``."""
+def grpo_advantages(
+    rewards, mask, group, values=None, gamma=1.0, lam=1.0, eps=1e-4, scale_rewards: str = "group"
+) -> torch.Tensor:
+    """GRPO (Shao et al. 2024, DeepSeekMath, outcome supervision): ``(r_i - mean_g) / (std + eps)``.
+
+    ``scale_rewards`` (TRL's option) picks the std: ``group`` (the group's, GRPO), ``batch`` (the Bessel-corrected
+    std of every row's score in the batch, as Liu et al. 2025 recommend and TRL computes it) or ``none`` (no
+    division: Dr. GRPO, the same as ``dr_grpo``)."""
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"unknown scale_rewards {scale_rewards!r}; known: {', '.join(SCALE_REWARDS)}")
     scores = _sequence_scores(rewards, mask)
     count, mean, std = group_statistics(scores, group)
+    if scale_rewards == "batch":
+        std = scores.std().nan_to_num(0.0).expand_as(scores) if scores.numel() > 1 else torch.zeros_like(scores)
+    elif scale_rewards == "none":
+        std, eps = torch.ones_like(scores), 0.0
     advantages = torch.where(count > 1, (scores - mean) / (std + eps), torch.zeros_like(scores))
     return _per_token(advantages, mask)
+
+
+#: The ``scale_rewards`` values of the ``grpo`` estimator (TRL's names), as a type; equal to ``SCALE_REWARDS``.
+ScaleRewards = Literal["group", "batch", "none"]
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 def dr_grpo_advantages(rewards, mask, group, values=None, gamma=1.0, lam=1.0, eps=1e-4) -> torch.Tensor:

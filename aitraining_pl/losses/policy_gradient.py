@@ -3,7 +3,8 @@
 Per token: ``l_t = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)) + beta * KL_t`` with
 ``rho = exp(logp - old_logp)`` (PPO's surrogate, Schulman et al. 2017; DAPO's clip-higher ``eps_high``,
 Yu et al. 2025) and, when the KL is in the loss, GRPO's k3 estimate of KL(pi || ref) (Shao et al. 2024).
-The per-token losses are reduced by a registered aggregation.
+The per-token losses are reduced by a registered aggregation. GSPO's sequence-level ratio, CISPO's surrogate,
+the two-sided ``delta`` bound and per-token weights (the high-entropy mask) come from ``policy_options``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from aitraining_pl.losses.policy_options import IMPORTANCE_SAMPLING_LEVELS, POLICY_LOSSES
 from aitraining_pl.losses.rl import kl_penalty
 
 
@@ -58,6 +60,10 @@ def clipped_policy_loss(
     max_length: int | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    loss_type: str = "clip",
+    importance_sampling_level: str = "token",
+    delta: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss with optional k3 KL term, reduced by ``aggregation``.
 
@@ -66,6 +72,11 @@ def clipped_policy_loss(
         epsilon: lower clip range (``rho >= 1 - epsilon``). epsilon_high: upper one (default ``epsilon``).
         aggregation: a key of ``LOSS_AGGREGATIONS``. max_length: normaliser of ``constant`` (default R).
         ref_logprobs: reference log-probs; with ``kl_coef > 0`` adds ``kl_coef * k3`` per token.
+        loss_type: a key of ``policy_options.POLICY_LOSSES`` (``clip`` or ``cispo``).
+        importance_sampling_level: a key of ``policy_options.IMPORTANCE_SAMPLING_LEVELS`` (``token``, or GSPO's
+            ``sequence``). delta: upper bound on the unclipped ratio (``clip`` only; None: none).
+        token_weights: (N, R) multiplies the policy term per token (e.g. ``policy_options.high_entropy_mask``);
+            the KL term and the aggregation's normaliser keep ``mask``.
 
     Returns:
         ``(loss, stats)``; stats (detached): ``clip_ratio/low`` (share of tokens with A < 0 whose ratio is
@@ -74,17 +85,26 @@ def clipped_policy_loss(
     """
     if aggregation not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {aggregation!r}; known: {', '.join(LOSS_AGGREGATIONS)}")
+    for name, value, known in (
+        ("loss_type", loss_type, POLICY_LOSSES),
+        ("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS),
+    ):
+        if value not in known:
+            raise ValueError(f"unknown {name} {value!r}; known: {', '.join(known)}")
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     mask = mask.to(logprobs.dtype)
-    log_ratio = logprobs - old_logprobs
+    log_ratio = IMPORTANCE_SAMPLING_LEVELS[importance_sampling_level](logprobs, old_logprobs, mask)
     ratio = torch.exp(log_ratio)
-    per_token = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high))
+    per_token = POLICY_LOSSES[loss_type](ratio, logprobs, advantages, epsilon, epsilon_high, delta)
+    if token_weights is not None:
+        per_token = per_token * token_weights
     kl = None
     if ref_logprobs is not None and kl_coef:
         kl = kl_penalty(logprobs, ref_logprobs, "k3")
         per_token = per_token + kl_coef * kl
     loss = LOSS_AGGREGATIONS[aggregation](per_token, mask, max_length or mask.shape[1])
     with torch.no_grad():
+        token_ratio = logprobs - old_logprobs
         n = mask.sum().clamp_min(1.0)
         low = ((ratio < 1 - epsilon) & (advantages < 0)).to(mask.dtype) * mask
         high = ((ratio > 1 + epsilon_high) & (advantages > 0)).to(mask.dtype) * mask
@@ -92,7 +112,7 @@ def clipped_policy_loss(
             "clip_ratio/low": low.sum() / n,
             "clip_ratio/high": high.sum() / n,
             "clip_ratio": (low + high).sum() / n,
-            "approx_kl": ((torch.expm1(log_ratio) - log_ratio) * mask).sum() / n,
+            "approx_kl": ((torch.expm1(token_ratio) - token_ratio) * mask).sum() / n,
         }
         if kl is not None:
             stats["kl"] = (kl * mask).sum() / n
