@@ -320,3 +320,41 @@ def test_the_supervisor_run_by_an_unprivileged_user_still_isolates_and_scores():
     escaped.unlink(missing_ok=True)
     assert result.passed == (4 if protected else 3), result
     assert "uid-nobody" not in result.isolation and "rlimits" in result.isolation
+
+
+def test_a_forged_builtins_sent_through_the_candidates_own_reply_channel_scores_zero():
+    """Issue 26, item 1: the candidate reaches ``_serve``'s reply channel with ``sys._getframe``, sends a names
+    message with a ``__builtins__`` of its making (``abs``/``len`` that always satisfy the tests) and serves
+    calls itself. Dunder and underscore names are the harness's: the tests keep the real built-ins."""
+    forge = (
+        "import builtins, json, sys\n"
+        "def add(a, b):\n    return 0\n"
+        "class Fake:\n"
+        "    def __getitem__(self, name):\n"
+        "        fake = {'abs': lambda x: 0, 'len': lambda x: 3, 'isinstance': lambda *a: True}\n"
+        "        return fake[name] if name in fake else getattr(builtins, name)\n"
+        "serve = sys._getframe(1).f_locals\n"
+        "send, encode, decode, handles = serve['send'], serve['encode'], serve['decode'], serve['handles']\n"
+        "send({'names': {'__builtins__': encode(Fake()), '_helper': encode(Fake()), 'add': encode(add)}})\n"
+        "for line in serve['requests']:\n"
+        "    request = json.loads(line)\n"
+        "    try:\n"
+        "        target = handles[request['ref']]\n"
+        "        if request['op'] == 'call':\n"
+        "            result = target(*[decode(a) for a in request['args']])\n"
+        "        elif request['op'] == 'getattr':\n"
+        "            result = getattr(target, request['name'])\n"
+        "        else:\n"
+        "            result = target[decode(request['key'])]\n"
+        "        send({'ok': encode(result)})\n"
+        "    except BaseException as exc:\n"
+        "        send({'raise': type(exc).__name__, 'message': str(exc)})\n"
+    )  # fmt: skip
+    tests = [
+        "assert add(2, 3) == 5",
+        "assert abs(add(2, 3) - 5) < 1e-9",
+        "assert len(str(add(100, 23))) == 3",
+        "assert isinstance(add(1, 1), str)",
+    ]
+    result = run_test_cases(forge, tests, timeout=5.0)
+    assert result.passed == 0, result

@@ -17,7 +17,8 @@ read attributes and items, compare returned plain data, and catch the built-in e
 (other exception types arrive as ``CandidateError``). Test statements share one namespace, in order. A test
 cannot pass a callable of its own to the candidate, use an object of the candidate as a truth value or
 compare two of its objects, and a name of the candidate that is also a built-in (``len``, ``sorted``, ``max``)
-is not visible to the tests: the built-in stays.
+or starts with an underscore (``__builtins__``, ``_helper``) is not visible to the tests: the built-ins and the
+harness's own names stay, whatever the candidate sends through its reply channel.
 
 Layers, each applied where the platform allows and reported in ``TestRunResult.isolation``:
 

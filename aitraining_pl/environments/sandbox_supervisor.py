@@ -309,14 +309,17 @@ def _evaluate(channel: _Channel, code: str, tests: list) -> dict:
         loaded = channel.receive()
         if not isinstance(loaded.get("names"), dict):
             return {"passed": 0, "error": f"the candidate raised {loaded.get('raise')} while loading"}
-        namespace = {"__builtins__": builtins, "__name__": "__sandbox_test__"}
+        namespace = {}
         for name, item in loaded["names"].items():
-            if hasattr(builtins, str(name)):  # the candidate's ``len`` or ``sorted`` must not answer for the tests
+            # the harness's names stay its own: the candidate's ``len`` or ``sorted`` must not answer for the
+            # tests, nor a ``__builtins__`` (or any dunder or underscore name) it sends through its reply channel
+            if not isinstance(name, str) or not name.isidentifier() or name.startswith("_") or hasattr(builtins, name):
                 continue
             try:
-                namespace[str(name)] = channel.decode(item)
+                namespace[name] = channel.decode(item)
             except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
                 pass
+        namespace.update({"__builtins__": builtins, "__name__": "__sandbox_test__"})
         for test in tests:
             try:
                 exec(compile(test, "<test>", "exec"), namespace)
