@@ -183,9 +183,24 @@ def test_code_env_syntax_style_and_tests(byte_tokenizer):
     prompt = env.prompts[0]  # add(a, b)
     rewards = env([prompt, prompt, prompt], [GOOD_ADD, "def add(a, b):\n\treturn a - b\n", "def add(a, b) return"])
     good, wrong, broken = (dict(zip(env.last_components, col)) for col in zip(*env.last_components.values()))
-    assert good == {"syntax": 1.0, "style": 1.0, "tests": 1.0} and rewards[0] == pytest.approx(2.1)
+    assert good == {"syntax": 1.0, "style": 1.0, "tests": 1.0, "analysis_failed": 0.0}
+    assert rewards[0] == pytest.approx(2.1)
     assert wrong["syntax"] == 1.0 and wrong["tests"] == pytest.approx(1 / 3) and wrong["style"] < 1.0
-    assert broken == {"syntax": 0.0, "style": 0.0, "tests": 0.0} and rewards[2] == 0.0
+    assert broken == {"syntax": 0.0, "style": 0.0, "tests": 0.0, "analysis_failed": 0.0} and rewards[2] == 0.0
+
+
+def test_code_the_parser_cannot_analyse_scores_the_minimum_and_is_counted(byte_tokenizer):
+    """Issue 26, item 2: ``x = ---...1`` made the syntax and style rewards raise RecursionError (2,989
+    characters) or MemoryError (200k), which stopped the run as a RewardError. Now: 0 and a counted metric."""
+    from aitraining_pl.rewards import score_responses
+
+    env = create_code_generation_env(byte_tokenizer, timeout=5.0)
+    prompt = env.prompts[0]
+    deep = ["x = " + "-" * 2989 + "1", "x = " + "-" * 200_000 + "1", "x = " + "(" * 5000 + "1" + ")" * 5000]
+    scores, components = score_responses(env, [prompt] * 4, [*deep, GOOD_ADD], [{}] * 4)
+    assert scores[:3] == [0.0, 0.0, 0.0] and scores[3] == pytest.approx(2.1)
+    assert components["syntax"][:3] == components["style"][:3] == [0.0, 0.0, 0.0]
+    assert components["analysis_failed"][:2] == [1.0, 1.0] and components["analysis_failed"][3] == 0.0
 
 
 def test_code_runner_time_limit_network_and_environment(monkeypatch):

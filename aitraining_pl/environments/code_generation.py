@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import warnings
 from collections.abc import Sequence
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any
 
 from aitraining_pl.environments.sandbox import SandboxLimits, TestRunResult, run_tests  # noqa: F401 (re-export)
@@ -70,37 +70,59 @@ def extract_code(response: str) -> str:
     return response
 
 
+#: ``last_components`` key (logged as ``train/reward/analysis_failed``): 1.0 for a response whose code could not
+#: be analysed at all (the parser ran out of recursion depth or memory, e.g. ``x = ---...1``), else 0.0.
+ANALYSIS_FAILED = "analysis_failed"
+
+
+@lru_cache(maxsize=32)
+def analyse_code(code: str) -> tuple[ast.Module | None, bool]:
+    """``(tree, failed)``: the parsed module, or ``None`` when the code does not parse; ``failed`` is True when
+    the parser itself gave up (``RecursionError``, ``MemoryError``, ...) rather than finding a syntax error.
+    Never raises: any response is a score, never the end of a run (cached: syntax and style share it)."""
+    try:
+        return ast.parse(code), False
+    except (SyntaxError, ValueError):
+        return None, False
+    except Exception:  # noqa: BLE001 - RecursionError, MemoryError, OverflowError: the minimum score, counted
+        return None, True
+
+
 def syntax_reward(prompt: str, generated: str, full_text: str) -> float:
-    """1.0 when the response's code is non-empty and compiles, else 0.0."""
+    """1.0 when the response's code is non-empty and compiles, else 0.0 (also when it cannot be analysed)."""
     code = extract_code(generated)
     if not code.strip():
         return 0.0
+    tree, _ = analyse_code(code)
+    if tree is None:
+        return 0.0
     try:
-        compile(code, "<response>", "exec")
-    except (SyntaxError, ValueError):
+        compile(tree, "<response>", "exec")
+    except Exception:  # noqa: BLE001 - SyntaxError (e.g. 'return' outside a function), RecursionError
         return 0.0
     return 1.0
 
 
 def style_reward(prompt: str, generated: str, full_text: str) -> float:
-    """Share of PEP 8-like checks passed (0.0 if the code does not parse): lines of at most 79
-    characters, no tab indentation, no trailing whitespace, snake_case function names, and a docstring on
-    every function."""
+    """Share of PEP 8-like checks passed (0.0 if the code does not parse or cannot be analysed): lines of at
+    most 79 characters, no tab indentation, no trailing whitespace, snake_case function names, and a docstring
+    on every function."""
     code = extract_code(generated)
-    try:
-        tree = ast.parse(code)
-    except (SyntaxError, ValueError):
-        return 0.0
-    if not code.strip():
+    tree, _ = analyse_code(code)
+    if tree is None or not code.strip():
         return 0.0
     lines = code.splitlines()
-    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    try:
+        functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        documented = bool(functions) and all(ast.get_docstring(f) for f in functions)
+    except Exception:  # noqa: BLE001 - a tree too deep to walk scores the minimum
+        return 0.0
     checks = (
         all(len(line) <= 79 for line in lines),
         not any(line.startswith("\t") for line in lines),
         not any(line != line.rstrip() for line in lines),
         all(f.name == f.name.lower() for f in functions),
-        bool(functions) and all(ast.get_docstring(f) for f in functions),
+        documented,
     )
     return sum(checks) / len(checks)
 
@@ -122,7 +144,9 @@ class CodeGenerationEnv(MultiObjectiveRewardEnv):
 
     Components: ``syntax`` (the code compiles), ``style`` (share of simple PEP 8 checks) and ``tests`` (share
     of the prompt's test cases passed, run in the code sandbox with a time limit; see
-    ``aitraining_pl.environments.sandbox`` for what that does and does not protect against). The code is the
+    ``aitraining_pl.environments.sandbox`` for what that does and does not protect against). A response whose
+    code cannot be analysed at all (the parser runs out of recursion depth or memory) scores 0 in each, and
+    ``last_components["analysis_failed"]`` (unweighted) counts it, never an exception. The code is the
     first fenced block of the response, or the whole response. As a class it can be named in YAML as a PPO
     reward source.
 
@@ -165,6 +189,13 @@ class CodeGenerationEnv(MultiObjectiveRewardEnv):
             max_length=max_length,
             **kwargs,
         )
+
+    def score(self, prompt: str, generated: str, metadata: dict | None = None) -> tuple[float, dict[str, float]]:
+        """The weighted sum of the components, and each component plus ``analysis_failed`` (1.0 when the code
+        could not be analysed and scored the minimum; not weighted, logged as ``train/reward/analysis_failed``)."""
+        total, parts = super().score(prompt, generated, metadata)
+        code = extract_code(self.truncate_at_stop(generated)[0])
+        return total, {**parts, ANALYSIS_FAILED: float(analyse_code(code)[1])}
 
 
 def create_code_generation_env(tokenizer: Any, **kwargs: Any) -> CodeGenerationEnv:
