@@ -39,6 +39,7 @@ _EXPORTS: dict[str, str] = {
     "HFExportCallback": "aitraining_pl.callbacks.export",
     "NonFiniteGuard": "aitraining_pl.callbacks.guard",
     "SamplingCallback": "aitraining_pl.callbacks.sampling",
+    "SyncReferenceCallback": "aitraining_pl.callbacks.reference_sync",
     # strategy (FSDP2)
     "FSDP2Strategy": "aitraining_pl.strategies",
     # configs

@@ -1,7 +1,8 @@
 """Range checks of every hyperparameter, in one declarative table, run before any model or data is loaded.
 
-``CONSTRAINTS`` maps a hyperparameter name to its allowed values. ``check_hparams(hparams, owner)`` checks
-whichever of those names a module or data module has (nested dicts such as ``generation`` included, as
+``CONSTRAINTS`` maps a hyperparameter name to its allowed values (a ``section.name`` entry, e.g.
+``policy_loss.loss_type``, wins over a plain ``name`` inside that nested section). ``check_hparams(hparams,
+owner)`` checks whichever of those names a module or data module has (nested dicts such as ``generation`` included, as
 ``generation.temperature``) and raises a ``HyperparameterError`` naming the argument, the value and the
 allowed range. ``AlignmentModule`` and ``TextDataModule`` call it from ``save_hyperparameters``, which every
 module passes through before it loads anything, so a new module argument needs only a row here.
@@ -166,6 +167,13 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     "kl_estimator": OneOf(_registry("aitraining_pl.losses.rl", "_KL_ESTIMATORS")),
     "advantage": OneOf(_registry("aitraining_pl.losses", "ADVANTAGE_ESTIMATORS")),
     "loss_aggregation": OneOf(_registry("aitraining_pl.losses", "LOSS_AGGREGATIONS")),
+    "scale_rewards": OneOf(_fixed("group", "batch", "none")),
+    "policy_loss.loss_type": OneOf(_registry("aitraining_pl.losses", "POLICY_LOSSES")),
+    "importance_sampling_level": OneOf(_registry("aitraining_pl.losses", "IMPORTANCE_SAMPLING_LEVELS")),
+    "delta": Range(1, low_open=True, optional=True),
+    "top_entropy_quantile": PROBABILITY_OPEN,
+    "ref_model_mixup_alpha": PROBABILITY_OPEN,
+    "ref_model_sync_steps": COUNT,
     # sampling (``generation``)
     "max_new_tokens": COUNT,
     "top_p": PROBABILITY_OPEN,
@@ -192,7 +200,7 @@ def check_hparams(hparams: Mapping[str, Any], owner: str) -> None:
     for name, value in hparams.items():
         if isinstance(value, Mapping) and name not in ("model_config", "reward"):
             check_hparams(value, f"{owner}.{name}")
-        rule = CONSTRAINTS.get(name)
+        rule = CONSTRAINTS.get(f"{owner.rsplit('.', 1)[-1]}.{name}", CONSTRAINTS.get(name))  # "section.name" first
         if rule is not None and not rule.allows(value):
             if isinstance(rule, OneOf):
                 why = f"unknown {name} {value!r}; must be {rule.describe()}"

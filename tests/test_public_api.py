@@ -15,6 +15,7 @@ TOP_LEVEL = {
     "GRPOModule", "RLOOModule",
     "SFTDataModule", "PreferenceDataModule", "ScoresDataModule", "PromptDataModule",
     "AdaptiveKLCallback", "ExactResumeCallback", "HFExportCallback", "NonFiniteGuard", "SamplingCallback",
+    "SyncReferenceCallback",
     "FSDP2Strategy", "LoRAConfig", "GenerationConfig", "AlignmentCLI", "main",
 }  # fmt: skip
 

@@ -74,6 +74,23 @@ class ReferencePolicy:
         with eval_mode(self.model) as model, self.context():
             return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
 
+    @torch.no_grad()
+    def mix_in_policy(self, alpha: float) -> None:
+        """TR-DPO's soft update (Gorbatovski et al. 2024, eq. 4): ``ref <- alpha * policy + (1 - alpha) * ref`` for
+        every parameter of the frozen copy (``alpha = 1``: the hard update, a copy of the policy). Needs the frozen
+        copy: under LoRA the reference is the policy itself with adapters off, so it cannot move on its own."""
+        if self._lora or self.frozen_copy is None:
+            raise RuntimeError(
+                "the reference can only be updated towards the policy when it is a separate frozen copy "
+                "(not under LoRA, not after precomputed reference log-probs released it)"
+            )
+        policy = dict(self._policy[0].named_parameters())
+        for name, param in self.frozen_copy.named_parameters():
+            source = policy.get(name)
+            if source is None or source.shape != param.shape:
+                raise RuntimeError(f"the policy has no parameter {name!r} shaped like the reference's")
+            param.lerp_(source.detach().to(param.dtype), alpha)
+
     def drop(self) -> None:
         """Release the frozen copy (e.g. after reference log-probs were precomputed)."""
         self._frozen.clear()
