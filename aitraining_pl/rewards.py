@@ -6,10 +6,13 @@
 
 (the seed's ``reward_fn(prompts, responses, metadata)`` signature) returning one finite float per response.
 ``metadata[i]`` holds the extra columns of prompt ``i`` (e.g. a math problem's answer); it is ``{}`` when
-the prompt data has none. A source may also expose the per-component scores of its *last* call as an
-attribute ``last_components: dict[str, list[float]]`` (each list as long as ``responses``); ``PPOModule``
-then logs each component's mean as ``train/reward/<name>``. RL environments act as reward sources by
-implementing this protocol.
+the prompt data has none. A function written for TRL, ``fn(prompts, completions, **kwargs)``, works too: it gets
+each extra column by name (``ColumnKeywordReward``).
+
+A source may also expose the per-component scores of its *last* call as an attribute
+``last_components: dict[str, list[float]]`` (each list as long as ``responses``; ``None`` where a component did
+not apply); the online modules log each component's mean as ``train/reward/<name>``. RL environments act as
+reward sources by implementing this protocol.
 
 An exception (``SystemExit`` included), a result of the wrong length, a value that is not a number, or a
 non-finite value stops the run with a ``RewardError`` naming the source and the first bad index (see
@@ -83,6 +86,10 @@ class WeightedRewards:
     """The weighted sum of named reward sources; the unweighted component scores of the last call are kept
     in ``last_components`` (logged as ``train/reward/<name>``).
 
+    A component may return ``None`` for a response it does not apply to (as in TRL): that response's total is the
+    weighted sum of the other components, and the component's logged mean leaves it out. A response no component
+    scores gets 0, with a warning.
+
     Args:
         components: name -> reward source.
         weights: name -> weight (default 1.0 for each component).
@@ -100,12 +107,52 @@ class WeightedRewards:
 
     def __call__(self, prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
         self.last_components = {}
-        total = [0.0] * len(responses)
+        total: list[float | None] = [None] * len(responses)
         for name, source in self.components.items():
-            scores = _checked_call(source, prompts, responses, metadata, name=name)
+            scores = _checked_call(source, prompts, responses, metadata, name=name, allow_none=True)
             self.last_components[name] = scores
-            total = [t + self.weights[name] * s for t, s in zip(total, scores)]
-        return total
+            total = [t if s is None else (t or 0.0) + self.weights[name] * s for t, s in zip(total, scores)]
+        unscored = [i for i, t in enumerate(total) if t is None]
+        if unscored:
+            import warnings
+
+            warnings.warn(
+                f"every reward component returned None for {len(unscored)} of {len(responses)} responses (first: "
+                f"index {unscored[0]}); they score 0",
+                UserWarning,
+                stacklevel=2,
+            )
+        return [0.0 if t is None else t for t in total]
+
+
+class ColumnKeywordReward:
+    """A reward function written for TRL (``fn(prompts, completions, **kwargs)``, each extra dataset column a
+    keyword argument holding one value per response) as a reward source: called as ``fn(prompts=...,
+    completions=..., <column>=[...], ...)`` with every key of the rows' ``metadata`` (the prompt data's extra
+    columns; a row without the key gives ``None``). ``build_reward_source`` wraps any function with a
+    ``completions`` parameter this way; ``completion_ids`` and ``trainer_state`` are not passed.
+
+    Args:
+        func: the TRL-style reward function.
+    """
+
+    def __init__(self, func: Callable):
+        self.func = func  # named in errors by ``_source_name``
+
+    @staticmethod
+    def wants_keywords(obj: Any) -> bool:
+        """Whether ``obj`` is a function with TRL's ``completions`` parameter."""
+        import inspect
+
+        try:
+            return callable(obj) and "completions" in inspect.signature(obj).parameters
+        except (TypeError, ValueError):
+            return False
+
+    def __call__(self, prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float | None]:
+        keys = dict.fromkeys(k for row in metadata for k in (row or {}))
+        columns = {k: [(row or {}).get(k) for row in metadata] for k in keys if k not in ("prompts", "completions")}
+        return self.func(prompts=prompts, completions=responses, **columns)
 
 
 class RewardModelSource:
@@ -227,7 +274,7 @@ def build_reward_source(spec: Any, *, kwargs: Mapping[str, Any] | None = None) -
     """
     kwargs = dict(kwargs or {})
     if callable(spec):
-        return functools.partial(spec, **kwargs) if kwargs else spec
+        return _as_source(spec, kwargs)
     if isinstance(spec, str):
         if os.path.isdir(os.path.expanduser(spec)) or (not spec.startswith((".", "~")) and _HUB_ID.fullmatch(spec)):
             return load_reward_source(spec, **kwargs)
@@ -238,7 +285,7 @@ def build_reward_source(spec: Any, *, kwargs: Mapping[str, Any] | None = None) -
             return obj(**kwargs)
         if not callable(obj):
             raise ValueError(f"reward source {spec!r} is not callable")
-        return functools.partial(obj, **kwargs) if kwargs else obj
+        return _as_source(obj, kwargs)
     if isinstance(spec, Mapping):
         if "class_path" in spec:
             cls = import_object(spec["class_path"])
@@ -258,8 +305,17 @@ def build_reward_source(spec: Any, *, kwargs: Mapping[str, Any] | None = None) -
     )
 
 
+def _as_source(func: Callable, kwargs: Mapping[str, Any]) -> Callable:
+    """A callable with ``kwargs`` bound; a TRL-style function (``completions`` parameter) wrapped in
+    ``ColumnKeywordReward``."""
+    bound = functools.partial(func, **kwargs) if kwargs else func
+    return ColumnKeywordReward(bound) if ColumnKeywordReward.wants_keywords(func) else bound
+
+
 def _source_name(source: Any) -> str:
-    inner = getattr(source, "func", source)
+    inner = source
+    while hasattr(inner, "func"):  # functools.partial, ColumnKeywordReward
+        inner = inner.func
     return getattr(inner, "__qualname__", None) or type(inner).__name__
 
 
@@ -269,6 +325,7 @@ def _checked_call(
     responses: Sequence[str],
     metadata: Sequence[dict],
     name: str | None = None,
+    allow_none: bool = False,
 ) -> list[float]:
     where = f"reward source {name or _source_name(source)!r}"
     try:
@@ -287,13 +344,17 @@ def _checked_call(
         raise RewardError(where, f"returned {len(items)} scores for {len(responses)} responses")
     scores = []
     for i, item in enumerate(items):
+        if item is None and allow_none:  # a component that does not apply to this response
+            scores.append(None)
+            continue
         try:
             score = float(item) if not isinstance(item, (str, bytes)) else None
         except (TypeError, ValueError):
             score = None
         if score is None:
             kind = type(item).__name__
-            raise RewardError(where, f"returned a {kind} ({item!r:.40}) at index {i}, not a float")
+            hint = " (None is allowed for a component of a weighted reward)" if item is None else ""
+            raise RewardError(where, f"returned a {kind} ({item!r:.40}) at index {i}, not a float{hint}")
         if not math.isfinite(score):
             raise RewardError(where, f"returned a non-finite score ({score}) at index {i}")
         scores.append(score)

@@ -17,6 +17,7 @@ Manual optimisation: Lightning's ``global_step`` counts optimizer steps.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -248,8 +249,8 @@ class OnlineRLModule(AlignmentModule):
             "ended": rollout.ended.float().mean(),
             "clipped_ratio": (~rollout.ended).float().mean(),
             **{
-                f"reward/{k}": torch.tensor(v, dtype=torch.float32).mean()
-                for k, v in sorted(rollout.components.items())
+                f"reward/{k}": torch.tensor([math.nan if x is None else x for x in v], dtype=torch.float32).nanmean()
+                for k, v in sorted(rollout.components.items())  # None: the component did not apply to that row
             },
         }
 
