@@ -92,16 +92,19 @@ class Range:
 @dataclass(frozen=True)
 class OneOf:
     """A name from a registry (a callable returning the known names, or None when that registry does not exist
-    in this version: then anything passes)."""
+    in this version: then anything passes); with ``many``, also a non-empty list of such names."""
 
     names: Callable[[], list[str] | None]
     optional: bool = False
+    many: bool = False
 
     def describe(self) -> str:
-        return "one of " + ", ".join(map(repr, self.names() or []))
+        return "one of " + ", ".join(map(repr, self.names() or [])) + (" (or a list of them)" if self.many else "")
 
     def allows(self, value: Any) -> bool:
         known = self.names()
+        if self.many and isinstance(value, (list, tuple)) and not isinstance(value, str):
+            return bool(value) and (known is None or all(v in known for v in value))
         return (value is None and self.optional) or known is None or value in known
 
 
@@ -139,7 +142,11 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     "beta": POSITIVE,
     "label_smoothing": Range(0, 0.5, high_open=True),
     "simpo_gamma": NON_NEGATIVE,
-    "loss_type": OneOf(_registry("aitraining_pl.losses", "DPO_LOSSES")),
+    "loss_type": OneOf(_registry("aitraining_pl.losses", "DPO_LOSSES"), many=True),
+    "discopop_tau": POSITIVE,
+    "cpo_alpha": NON_NEGATIVE,
+    "desirable_weight": NON_NEGATIVE,
+    "undesirable_weight": NON_NEGATIVE,
     # reward models
     "temperature": POSITIVE,  # reward scaling and sampling temperature (``generation.temperature``)
     "dropout_prob": Range(0, 1, high_open=True),

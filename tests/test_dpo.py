@@ -12,7 +12,8 @@ from conftest import TINY_LLAMA, quiet_trainer
 from dpo_utils import preference_data, preference_rows, read_metrics, series, write_config
 
 from aitraining_pl.cli import build_cli
-from aitraining_pl.losses import DPO_LOSSES, sequence_logps
+from aitraining_pl.errors import HyperparameterError
+from aitraining_pl.losses import sequence_logps
 from aitraining_pl.models import LoRAConfig, build_causal_lm
 from aitraining_pl.modules.dpo import DPOModule, can_pack, completion_logps, pack_batch, preference_accuracy
 
@@ -126,8 +127,12 @@ LOSS_RUNS = [
         **({"label_smoothing": 0.1} if t in ("sigmoid", "robust") else {}),
         **({"padding_free": False, "share_prompt": False} if t in ("hinge", "simpo") else {}),
     }
-    for t in sorted(DPO_LOSSES)
-] + [{"reference_free": True}]
+    for t in ("sigmoid", "robust", "hinge", "ipo", "simpo")  # the others: tests/test_preference_losses.py
+] + [
+    {"reference_free": True},
+    {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]},  # RPO
+    {"loss_type": "apo_zero"},
+]
 
 
 @pytest.mark.parametrize("model", LOSS_RUNS, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
@@ -141,6 +146,14 @@ def test_every_loss_type_runs(tmp_path, model):
     assert math.isfinite(float(metrics["train/loss"])) and math.isfinite(float(metrics["val/loss"]))
     assert {"val/rewards/chosen", "val/rewards/margins", "val/logps/rejected"} <= set(metrics)
     assert (cli.model.reference is None) == (model.get("reference_free", False) or model.get("loss_type") == "simpo")
+
+
+def test_loss_type_lists_are_checked():
+    with pytest.raises(HyperparameterError, match="loss_type"):
+        DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", loss_type=["sigmoid", "nope"])
+    with pytest.raises(ValueError, match="loss_weights has 1 entries for 2"):
+        DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", loss_type=["sigmoid", "sft"], loss_weights=[1.0])
+    assert DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", loss_type=["simpo", "sft"]).reference is None
 
 
 def _first_steps(tmp_path, name, steps=3, **model):

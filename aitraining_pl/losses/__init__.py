@@ -11,6 +11,7 @@ from aitraining_pl.losses.advantages import (
 )
 from aitraining_pl.losses.fused_head import DEFAULT_MEMORY_BUDGET, HeadLogps, chunk_rows, fused_head_logps
 from aitraining_pl.losses.kl_control import AdaptiveKLController, FixedKLController
+from aitraining_pl.losses.kto import KTOOutput, kto_loss, kto_reference_point
 from aitraining_pl.losses.logprobs import (
     SequenceLogps,
     entropy_from_logits,
@@ -38,6 +39,8 @@ from aitraining_pl.losses.preference import (
     ORPOOutput,
     bradley_terry_loss,
     dpo_loss,
+    loss_types,
+    needs_reference,
     orpo_loss,
 )
 from aitraining_pl.losses.reward import (
@@ -95,6 +98,11 @@ __all__ = [
     "bradley_terry_loss",
     "dpo_loss",
     "orpo_loss",
+    "loss_types",
+    "needs_reference",
+    "KTOOutput",
+    "kto_loss",
+    "kto_reference_point",
     "gae",
     "group_advantages",
     "kl_penalty",

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from aitraining_pl.losses import REFERENCE_FREE, dpo_loss
+from aitraining_pl.losses import dpo_loss, loss_types, needs_reference
 from aitraining_pl.losses.preference import DPOLossType
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.packing import (  # noqa: F401 - PackedBatch, can_pack, pack_batch: re-exported
@@ -15,21 +13,19 @@ from aitraining_pl.models.packing import (  # noqa: F401 - PackedBatch, can_pack
     pack_batch,
     prompt_lengths,
 )
-from aitraining_pl.models.scoring import completion_logps
-from aitraining_pl.models.training import eval_mode
-from aitraining_pl.modules.base import SharedStepModule
+from aitraining_pl.models.scoring import completion_logps  # noqa: F401 - re-exported
+from aitraining_pl.modules.preference import (  # noqa: F401 - preference_accuracy: re-exported
+    PreferenceModule,
+    pair_metrics,
+    preference_accuracy,
+)
 from aitraining_pl.optim import LRSchedule
 from aitraining_pl.validation import RENAMED, renamed
 
 
-def preference_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-    """(B,) 1 where the chosen reward is higher, 0 where lower, 0.5 on ties: an untrained policy (equal to
-    its reference, all rewards 0) scores 0.5, as a coin flip would."""
-    return (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
-
-
-class DPOModule(SharedStepModule):
-    """DPO and its variants (IPO, SLiC hinge, robust DPO, conservative DPO, SimPO) on preference batches.
+class DPOModule(PreferenceModule):
+    """DPO and its variants (IPO, SLiC, robust and conservative DPO, SimPO, EXO, NCA, BCO, SPPO, AOT, APO, DiscoPOP,
+    RPO as ``[sigmoid, sft]``) on preference batches.
 
     Args:
         model_name: folder or hub id of the policy (a causal LM).
@@ -38,10 +34,16 @@ class DPOModule(SharedStepModule):
         lora: LoRA adapters on the policy (``LoRAConfig``, or a ``peft.LoraConfig`` in Python); the reference is
             then the policy with adapters disabled.
         beta: temperature of the implicit reward ``beta * log(pi / pi_ref)``.
-        loss_type: ``sigmoid`` (DPO), ``robust``, ``hinge`` (SLiC), ``ipo`` or ``simpo``.
-        label_smoothing: assumed label-flip rate for ``sigmoid`` (conservative DPO) and ``robust``.
+        loss_type: a loss of ``losses.DPO_LOSSES``: ``sigmoid`` (DPO), ``robust``, ``hinge`` (SLiC), ``ipo``,
+            ``simpo``, ``exo_pair``, ``nca_pair``, ``bco_pair``, ``sppo_hard``, ``aot``, ``aot_unpaired``, ``apo_zero``,
+            ``apo_down``, ``discopop``, ``sigmoid_norm``, ``sft`` (each cites its paper); or a list, whose losses are
+            added with ``loss_weights`` (``[sigmoid, sft]`` is RPO).
+        loss_weights: weight of each entry of a ``loss_type`` list (default: 1 each), as TRL's.
+        label_smoothing: assumed label-flip rate for ``sigmoid`` (conservative DPO; TRL 1.16's sigmoid has none),
+            ``robust``, ``aot`` and ``aot_unpaired``; EXO's epsilon for ``exo_pair``.
         reference_free: treat the reference as uniform (no reference model is loaded).
         simpo_gamma: target reward margin of SimPO.
+        discopop_tau: temperature of DiscoPOP's mixing weight (``discopop``).
         learning_rate: peak AdamW learning rate.
         warmup_ratio: fraction of the optimizer steps spent in linear warmup.
         lr_schedule: decay after warmup: ``linear``, ``cosine`` or ``constant``.
@@ -73,10 +75,12 @@ class DPOModule(SharedStepModule):
         tokenizer_name: str | None = None,
         lora: LoRAConfig | None = None,
         beta: float = 0.1,
-        loss_type: DPOLossType = "sigmoid",
+        loss_type: DPOLossType | list[DPOLossType] = "sigmoid",
+        loss_weights: list[float] | None = None,
         label_smoothing: float = 0.0,
         reference_free: bool = False,
         simpo_gamma: float = 0.5,
+        discopop_tau: float = 0.05,
         learning_rate: float = 1e-6,
         warmup_ratio: float = 0.1,
         lr_schedule: LRSchedule = "linear",
@@ -103,76 +107,17 @@ class DPOModule(SharedStepModule):
         self.save_hyperparameters(ignore=["lora", *RENAMED])
         self.drop_renamed_hparams(precompute_ref_log_probs=bool(precompute_ref_log_probs))
         self.store_lora_hparam(lora)
-        from aitraining_pl.losses import DPO_LOSSES
+        types = loss_types(loss_type)
+        if loss_weights is not None and len(loss_weights) != len(types):
+            raise ValueError(f"loss_weights has {len(loss_weights)} entries for {len(types)} loss types")
+        self.build_models(needs_reference(types, reference_free))
 
-        if loss_type not in DPO_LOSSES:
-            raise ValueError(f"unknown loss_type {loss_type!r}; known: {', '.join(sorted(DPO_LOSSES))}")
-        self.uses_reference = not (reference_free or loss_type in REFERENCE_FREE)
-        self.policy, self.reference = self.load_policy_from_hparams(with_reference=self.uses_reference)
-        self.apply_training_options(self.reference.model if self.reference is not None else None)
-        self._ref_cache: dict[str, torch.Tensor] = {}  # split -> (N, 2) precomputed reference log-probs
-
-    # ------------------------------------------------------------------ reference log-probs
-    def _place_reference(self) -> None:
-        if self.reference is not None:  # a no-op under LoRA and once the frozen copy was released
-            self.reference.to(self.device, next(self.policy.parameters()).dtype)
-
-    def on_fit_start(self) -> None:
-        self._place_reference()
-        if self.reference is not None and self.hparams.precompute_ref_log_probs:
-            self.precompute_reference()
-
-    def on_validation_start(self) -> None:
-        self._place_reference()
-
-    def on_test_start(self) -> None:
-        self._place_reference()
-
-    @torch.no_grad()
-    def _reference_forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(2B,) reference log-probs: the frozen copy, or the policy with adapters disabled, in eval mode."""
-        model = self.reference.model
-        with eval_mode(model), self.reference.context():
-            return completion_logps(model, batch, self.hparams.padding_free, self.hparams.share_prompt).logps
-
-    def precompute_reference(self) -> None:
-        """One pass over every split of the data module; afterwards the frozen reference copy is released."""
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if datamodule is None or not hasattr(datamodule, "ordered_dataloaders"):
-            raise ValueError(
-                "precompute_ref_log_probs needs a data module with ordered_dataloaders() (PreferenceDataModule)"
-            )
-        # fork the RNG: creating DataLoader iterators draws from it, and the training order must not change
-        with torch.random.fork_rng(devices=[]), self.trainer.precision_plugin.forward_context():
-            for split, loader in datamodule.ordered_dataloaders().items():
-                chunks = []
-                for batch in loader:
-                    batch = {k: v.to(self.device) for k, v in batch.items()}
-                    logps = self._reference_forward(batch)
-                    chunks.append(torch.stack(logps.chunk(2), dim=1))
-                self._ref_cache[split] = torch.cat(chunks)
-        self.reference.drop()
-
-    def reference_logps(self, batch: dict[str, torch.Tensor], split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B,) reference log-probs of chosen and rejected: looked up when precomputed, else one forward."""
-        split = "val" if split == "test" else split  # the test loader is the validation split
-        if split in self._ref_cache:
-            pairs = self._ref_cache[split][batch["index"]]
-            return pairs[:, 0], pairs[:, 1]
-        chosen, rejected = self._reference_forward(batch).chunk(2)
-        return chosen, rejected
-
-    # ------------------------------------------------------------------ steps
-    def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+    # ------------------------------------------------------------------ the loss
+    def objective(self, policy, reference, batch, stage):
         hp = self.hparams
-        # 1. reference log-probs (precomputed, or under no_grad), unless reference-free; first, so that its
-        #    activations are freed before the policy's are built (a lower peak)
-        ref_chosen, ref_rejected = self.reference_logps(batch, stage) if self.uses_reference else (None, None)
-        # 2. policy log-probs of chosen and rejected rows in one forward
-        policy = completion_logps(self.policy, batch, hp.padding_free, hp.share_prompt)
         chosen, rejected = policy.logps.chunk(2)
         chosen_len, rejected_len = policy.lengths.chunk(2)
-        # 3. the loss
+        ref_chosen, ref_rejected = reference.chunk(2) if reference is not None else (None, None)
         out = dpo_loss(
             chosen,
             rejected,
@@ -180,22 +125,15 @@ class DPOModule(SharedStepModule):
             ref_rejected,
             beta=hp.beta,
             loss_type=hp.loss_type,
+            loss_weights=hp.loss_weights,
             label_smoothing=hp.label_smoothing,
             reference_free=hp.reference_free,
             chosen_lengths=chosen_len,
             rejected_lengths=rejected_len,
             gamma=hp.simpo_gamma,
+            discopop_tau=hp.discopop_tau,
         )
         loss = out.losses.mean()
-        # 4. metrics
-        metrics = {
-            "loss": loss,
-            "rewards/chosen": out.chosen_rewards,
-            "rewards/rejected": out.rejected_rewards,
-            "rewards/accuracies": preference_accuracy(out.chosen_rewards, out.rejected_rewards),
-            "rewards/margins": out.chosen_rewards - out.rejected_rewards,
-            "logps/chosen": chosen,
-            "logps/rejected": rejected,
-        }
+        metrics = {"loss": loss, **pair_metrics(out, chosen, rejected)}
         self.log_metrics(stage, metrics, batch_size=chosen.shape[0], prog_bar=("loss", "rewards/accuracies"))
         return loss
