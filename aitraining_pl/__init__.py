@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "NonFiniteGuard": "aitraining_pl.callbacks.guard",
     "SamplingCallback": "aitraining_pl.callbacks.sampling",
     "SyncReferenceCallback": "aitraining_pl.callbacks.reference_sync",
+    "CompletionLogCallback": "aitraining_pl.callbacks.completions",
     # strategy (FSDP2)
     "FSDP2Strategy": "aitraining_pl.strategies",
     # configs

@@ -181,6 +181,7 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     "top_entropy_quantile": PROBABILITY_OPEN,
     "ref_model_mixup_alpha": PROBABILITY_OPEN,
     "ref_model_sync_steps": COUNT,
+    "every_n_steps": COUNT,
     # sampling (``generation``)
     "max_new_tokens": COUNT,
     "top_p": PROBABILITY_OPEN,

@@ -15,7 +15,7 @@ TOP_LEVEL = {
     "GRPOModule", "RLOOModule",
     "SFTDataModule", "PreferenceDataModule", "ScoresDataModule", "PromptDataModule",
     "AdaptiveKLCallback", "ExactResumeCallback", "HFExportCallback", "NonFiniteGuard", "SamplingCallback",
-    "SyncReferenceCallback",
+    "SyncReferenceCallback", "CompletionLogCallback",
     "FSDP2Strategy", "LoRAConfig", "GenerationConfig", "AlignmentCLI", "main",
 }  # fmt: skip
 

@@ -75,14 +75,23 @@ class SamplingCallback(pl.Callback):
         return [{"prompt": p, "response": r, "reward": float(s)} for p, r, s in rows]
 
     def write(self, trainer: pl.Trainer, rows: list[dict]) -> None:
-        wandb_loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
-        if wandb_loggers:
-            columns = list(rows[0])
-            wandb_loggers[0].log_table(key="samples", columns=columns, data=[[r[c] for c in columns] for r in rows])
-            return
-        folder = trainer.log_dir or trainer.default_root_dir
-        os.makedirs(folder, exist_ok=True)
-        self.path = os.path.join(folder, self.filename)
-        with open(self.path, "a", encoding="utf-8") as handle:
-            for row in rows:
-                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.path = log_rows(trainer, "samples", rows, self.filename, jsonl_with_wandb=False)
+
+
+def log_rows(trainer: pl.Trainer, key: str, rows: list[dict], filename: str, jsonl_with_wandb: bool) -> str | None:
+    """Log ``rows`` (dicts with the same keys) as a W&B table ``key`` when a ``WandbLogger`` is attached, and append
+    them to ``<log_dir>/<filename>`` as JSONL when there is none or ``jsonl_with_wandb``. Returns the JSONL path
+    written, if any."""
+    wandb_loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+    if wandb_loggers and rows:
+        columns = list(rows[0])
+        wandb_loggers[0].log_table(key=key, columns=columns, data=[[r.get(c) for c in columns] for r in rows])
+        if not jsonl_with_wandb:
+            return None
+    folder = trainer.log_dir or trainer.default_root_dir
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, filename)
+    with open(path, "a", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path

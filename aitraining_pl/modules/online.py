@@ -70,6 +70,9 @@ class OnlineRLModule(AlignmentModule):
     samples_per_prompt: int = 1
     #: passes over each rollout batch
     update_epochs: int = 1
+    #: keep each iteration's ``completion_rows`` in ``last_completions`` (``CompletionLogCallback`` sets it)
+    record_completions: bool = False
+    last_completions: list[dict] = []
 
     def setup_online(self, reward: Any, generation: Any, lora: Any, with_reference: bool, kl_coef: float) -> None:
         """Store hyperparameters (primitives only), build the policy, reference and reward source."""
@@ -228,11 +231,32 @@ class OnlineRLModule(AlignmentModule):
         # 3. old / reference log-probs, values, advantages
         with torch.no_grad():
             experience, stats = self.make_experience(rollout)
+            if self.record_completions:  # asked for by ``CompletionLogCallback``
+                self.last_completions = self.completion_rows(batch["prompts"], rollout, experience.advantages)
         # 4. update_epochs passes over shuffled minibatches
         stats.update(self.update(experience, rollout.input_ids.shape[0]))
         # 5. log (one all-reduce of a fixed-size vector, never of ragged tensors)
         stats.update(self.rollout_stats(rollout))
         self.log_iteration(stats, n=rollout.input_ids.shape[0])
+
+    def completion_rows(self, prompts: list[str], rollout: RolloutBatch, advantages: torch.Tensor) -> list[dict]:
+        """One dict per response of this rank's rollout: ``step``, ``prompt``, ``completion``, ``reward`` (the score
+        trained on), each reward component (``reward/<name>``, ``None`` where it did not apply) and ``advantage``
+        (the mean over the response's tokens)."""
+        mask = rollout.mask.to(advantages.dtype)
+        advantage = ((advantages * mask).sum(1) / mask.sum(1).clamp_min(1.0)).tolist()
+        scores, step = rollout.scores.tolist(), self.global_step
+        return [
+            {
+                "step": step,
+                "prompt": prompts[g],
+                "completion": rollout.texts[i],
+                "reward": scores[i],
+                **{f"reward/{k}": v[i] for k, v in sorted(rollout.components.items())},
+                "advantage": advantage[i],
+            }
+            for i, g in enumerate(rollout.group.tolist())
+        ]
 
     def rollout_stats(self, rollout: RolloutBatch) -> dict[str, torch.Tensor]:
         """Reward and completion statistics of one rollout batch (this rank's)."""
