@@ -30,6 +30,7 @@ import contextlib
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -90,6 +91,9 @@ class Rollout:
     group: torch.Tensor  #: (N,) long: index of the prompt each row came from
     logprobs: torch.Tensor | None = None  #: (N, R) untruncated log-probs at temperature 1 (``with_logprobs``)
     sampling_logprobs: torch.Tensor | None = None  #: (N, R) log-probs under the distribution sampled from
+    #: multi-turn episodes (``environments.episode_rollout.EpisodeInfo``): then ``response_mask`` marks the
+    #: sampled tokens only and ``episodes.response_attention`` every real token (the environment's replies too)
+    episodes: Any = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -98,8 +102,10 @@ class Rollout:
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        """(N, P + R): the prompt mask, then the response mask (0 after the end)."""
-        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
+        """(N, P + R): the prompt mask, then the response mask (0 after the end); in an episode every real
+        token after the prompt (``episodes.response_attention``)."""
+        response = self.response_mask if self.episodes is None else self.episodes.response_attention
+        return torch.cat([self.prompt_mask, response.to(self.prompt_mask.dtype)], dim=1)
 
     @property
     def num_samples(self) -> int:
@@ -293,13 +299,14 @@ def place_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Put each sequence score on its response's last token (the end token itself when there is one).
 
     Args:
-        scores: (B,). mask: (B, R) prefix mask.
+        scores: (B,). mask: (B, R) response mask (a prefix, or with holes where an environment spoke).
 
     Returns:
-        (B, R) zeros except ``scores[b]`` at index ``mask[b].sum() - 1``.
+        (B, R) zeros except ``scores[b]`` at the last index where ``mask[b]`` is 1 (index 0 for an empty mask).
     """
     placed = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
-    last = (mask.sum(dim=1) - 1).clamp_min(0).long()
+    index = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    last = ((mask != 0).long() * index).max(dim=1).values.sub(1).clamp_min(0)
     placed[torch.arange(mask.shape[0], device=mask.device), last] = scores
     return placed
 
@@ -311,16 +318,19 @@ def token_rewards(
     mask: torch.Tensor,
     kl_coef: float,
     estimator: str = "k1",
+    placed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards of KL-regularised RLHF (Ziegler et al. 2019; Stiennon et al. 2020):
     ``r_t = -kl_coef * KL_t`` plus the sequence score on the last response token.
 
     Args:
         scores: (B,) reward-source scores. logprobs, ref_logprobs, mask: (B, R).
+        placed: (B, R) scores already on their tokens (an episode's per-turn rewards), instead of ``scores``.
 
     Returns:
         ``(rewards, kl)``: (B, R) each, zero outside the mask; ``kl`` is the per-token estimate in nats.
     """
     mask = mask.to(logprobs.dtype)
     kl = kl_penalty(logprobs, ref_logprobs, estimator) * mask
-    return (-kl_coef * kl + place_scores(scores.to(logprobs.dtype), mask)) * mask, kl
+    placed = place_scores(scores, mask) if placed is None else placed
+    return (-kl_coef * kl + placed.to(logprobs.dtype)) * mask, kl

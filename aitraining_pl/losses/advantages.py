@@ -93,13 +93,14 @@ def rloo_advantages(rewards, mask, group, values=None, gamma=1.0, lam=1.0, eps=1
 def reinforce_pp_advantages(rewards, mask, group, values=None, gamma=1.0, lam=1.0, eps=1e-4) -> torch.Tensor:
     """REINFORCE++ (Hu 2025): per-token returns-to-go ``G_t = sum_{s >= t} gamma^(s-t) r_s`` of the token
     rewards (score on the last token, ``-kl_coef * KL`` on every token), normalised over the whole batch's
-    tokens (mean and std over the mask), no critic and no group baseline."""
+    tokens (mean and std over the mask), no critic and no group baseline. Masked positions are skipped (holes
+    where an environment spoke carry the return across; after the end nothing is left to carry)."""
     mask = mask.to(rewards.dtype)
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = (rewards[:, t] + gamma * running) * mask[:, t]
-        returns[:, t] = running
+        running = torch.where(mask[:, t] > 0, rewards[:, t] + gamma * running, running)
+        returns[:, t] = running * mask[:, t]
     if mask.sum() < 2:
         return torch.zeros_like(returns)
     return masked_whiten(returns, mask, eps=eps**2)

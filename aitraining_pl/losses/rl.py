@@ -47,8 +47,10 @@ def gae(
     """Generalised advantage estimation (Schulman et al. 2016), per token.
 
     ``delta_t = r_t + gamma V_{t+1} - V_t``, ``A_t = delta_t + gamma lam A_{t+1}``. The value after a
-    response's last token is 0 (the episode ends there), and masked positions contribute nothing: their
-    value and advantage are treated as 0 when computing earlier positions.
+    response's last token is 0 (the episode ends there). Masked positions are skipped: ``t + 1`` is the next
+    position inside the mask, so in a multi-turn episode (a mask with holes where the environment spoke) the
+    recursion runs across the holes over the model's tokens only (Schulman et al. 2016 over agent steps; the
+    environment's tokens are not actions). For a prefix mask this is the usual per-token GAE.
 
     Args:
         rewards, values, mask: (B, T).
@@ -65,7 +67,9 @@ def gae(
     for t in reversed(range(values.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         advantages[:, t] = (delta + gamma * lam * next_adv) * mask[:, t]
-        next_value, next_adv = values[:, t], advantages[:, t]
+        inside = mask[:, t] > 0
+        next_value = torch.where(inside, values[:, t], next_value)
+        next_adv = torch.where(inside, advantages[:, t], next_adv)
     return advantages, (advantages + values) * mask
 
 

@@ -29,7 +29,7 @@ from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
 from aitraining_pl.optim import LRSchedule
-from aitraining_pl.rollout import GenerationConfig, place_scores, token_rewards
+from aitraining_pl.rollout import GenerationConfig, token_rewards
 
 
 @dataclass
@@ -43,6 +43,7 @@ class PolicyExperience:
     advantages: torch.Tensor
     old_logprobs: torch.Tensor | None  #: None when ``num_iterations == 1`` (the detached current ones are used)
     ref_logprobs: torch.Tensor | None  #: None unless the KL term is in the loss
+    response_mask: torch.Tensor | None = None  #: sampled tokens (the entropy's mask; holes in an episode)
 
 
 class CriticFreeModule(OnlineRLModule):
@@ -173,10 +174,10 @@ class CriticFreeModule(OnlineRLModule):
         old = self.frozen_logprobs(rollout, reference=False) if hp.num_iterations > 1 or kl_in_reward else None
         ref = self.frozen_logprobs(rollout, reference=True) if self.reference is not None and self.kl_coef else None
         if kl_in_reward:
-            rewards, kl = token_rewards(rollout.scores, old, ref, mask, self.kl_coef, "k1")
+            rewards, kl = token_rewards(rollout.scores, old, ref, mask, self.kl_coef, "k1", rollout.token_scores)
             stats["kl"] = kl.sum(1).mean()
         else:
-            rewards = place_scores(rollout.scores, mask)
+            rewards = rollout.placed_scores()
         advantages = compute_advantages(hp.advantage, rewards, mask, rollout.group)
         loss_mask = mask
         if hp.dynamic_sampling:
@@ -190,6 +191,7 @@ class CriticFreeModule(OnlineRLModule):
             advantages,
             old if hp.num_iterations > 1 else None,
             None if kl_in_reward else ref,
+            mask,
         )
         return experience, stats
 
@@ -216,7 +218,7 @@ class CriticFreeModule(OnlineRLModule):
         )
         return loss, {
             "loss": loss.detach(),
-            "entropy": masked_mean(out.entropy.detach(), exp.attention_mask[idx, exp.prompt_length :]),
+            "entropy": masked_mean(out.entropy.detach(), exp.response_mask[idx]),
             **stats,
         }
 

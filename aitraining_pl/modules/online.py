@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from aitraining_pl.environments.episode import is_episode_environment
+from aitraining_pl.environments.episode_rollout import sample_episodes
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.losses import group_statistics
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
@@ -31,7 +33,14 @@ from aitraining_pl.models.sharding import gathered
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import AlignmentModule
 from aitraining_pl.rewards import build_reward_source
-from aitraining_pl.rollout import GenerationConfig, Rollout, RolloutEngine, score_rollout, warn_truncated_sampling
+from aitraining_pl.rollout import (
+    GenerationConfig,
+    Rollout,
+    RolloutEngine,
+    place_scores,
+    score_rollout,
+    warn_truncated_sampling,
+)
 from aitraining_pl.validation import RENAMED
 
 
@@ -57,8 +66,14 @@ class RolloutBatch:
     ended: torch.Tensor  #: (N,) ended by EOS / stop string (False: truncated at max_new_tokens)
     group: torch.Tensor  #: (N,) index of the prompt each row answers
     texts: list[str]
-    scores: torch.Tensor  #: (N,) reward-source scores (minus the missing-EOS penalty)
+    scores: torch.Tensor  #: (N,) reward-source scores (minus the missing-EOS penalty); an episode's return
     components: dict[str, list[float]]
+    token_scores: torch.Tensor | None = None  #: (N, R) an episode's per-turn rewards on each turn's last token
+    episode_metrics: dict[str, list[float]] | None = None  #: per episode: turns, tool calls, ... (episodes only)
+
+    def placed_scores(self) -> torch.Tensor:
+        """(N, R) the scores on the tokens they reward: per turn in an episode, else on the last token."""
+        return self.token_scores if self.token_scores is not None else place_scores(self.scores, self.mask)
 
 
 class OnlineRLModule(AlignmentModule):
@@ -95,7 +110,8 @@ class OnlineRLModule(AlignmentModule):
         self.set_hparam("generation", asdict(self.generation))
         self.generation.validate(f"{type(self).__name__}.generation")
         warn_truncated_sampling(self.generation)
-        self._reward_source = [build_reward_source(reward)]  # in a list: never a submodule, never saved
+        source = reward if is_episode_environment(reward) else build_reward_source(reward)
+        self._reward_source = [source]  # in a list: never a submodule, never saved
         self.kl_coef = float(kl_coef)
         self.last_kl = 0.0  #: batch-mean KL(pi || ref) per response (nats), for the KL callback
         self.last_num_samples = 0  #: responses behind ``last_kl`` (all ranks)
@@ -103,8 +119,13 @@ class OnlineRLModule(AlignmentModule):
 
     @property
     def reward_source(self) -> Callable:
-        """The reward source (protocol in ``aitraining_pl.rewards``)."""
+        """The reward source (protocol in ``aitraining_pl.rewards``), or an episode environment."""
         return self._reward_source[0]
+
+    @property
+    def episodic(self) -> bool:
+        """Whether rollouts are multi-turn episodes (the reward is an ``EpisodeEnvironment``)."""
+        return is_episode_environment(self.reward_source)
 
     # ------------------------------------------------------------------ setup
     def on_fit_start(self) -> None:
@@ -163,7 +184,9 @@ class OnlineRLModule(AlignmentModule):
         return score_rollout(self.reward_source, prompts, metadata, rollout, self.hparams.missing_eos_penalty)
 
     def rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
-        """Sample ``samples`` responses per prompt of ``batch`` and score them."""
+        """Sample ``samples`` responses per prompt of ``batch`` and score them (or play that many episodes)."""
+        if self.episodic:
+            return self.episode_rollout(batch, samples)
         rollout = self.generate(batch["input_ids"], batch["attention_mask"], num_samples=samples)
         scores, components = self.score(batch["prompts"], batch["metadata"], rollout)
         return RolloutBatch(
@@ -176,6 +199,36 @@ class OnlineRLModule(AlignmentModule):
             rollout.texts,
             scores,
             components,
+        )
+
+    def episode_rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
+        """Play ``samples`` episodes per prompt (``environments.episode_rollout``); the score of an episode is
+        its return, minus ``missing_eos_penalty`` (on its last sampled token) when a limit cut it short."""
+        with gathered(self.policy):
+            rollout = sample_episodes(
+                self.engine,
+                self.policy,
+                self.reward_source,
+                batch["prompts"],
+                batch["metadata"],
+                batch["input_ids"],
+                batch["attention_mask"],
+                samples,
+            )
+        info, mask = rollout.episodes, rollout.response_mask
+        penalty = (~rollout.ended).float() * float(self.hparams.missing_eos_penalty or 0.0)
+        return RolloutBatch(
+            rollout.input_ids,
+            rollout.attention_mask,
+            rollout.prompt_ids.shape[1],
+            mask,
+            rollout.ended,
+            rollout.group,
+            rollout.texts,
+            info.returns - penalty,
+            {},
+            info.token_rewards - place_scores(penalty, mask),
+            info.metrics,
         )
 
     # ------------------------------------------------------------------ log-prob passes
@@ -276,7 +329,13 @@ class OnlineRLModule(AlignmentModule):
                 f"reward/{k}": torch.tensor([math.nan if x is None else x for x in v], dtype=torch.float32).nanmean()
                 for k, v in sorted(rollout.components.items())  # None: the component did not apply to that row
             },
+            **self.episode_stats(rollout),
         }
+
+    def episode_stats(self, rollout: RolloutBatch) -> dict[str, torch.Tensor]:
+        """Means over episodes of their metrics (``episode/turns``, ``episode/tool_calls``, ...); {} without."""
+        metrics = rollout.episode_metrics or {}
+        return {f"episode/{k}": torch.tensor(v, dtype=torch.float32).mean() for k, v in sorted(metrics.items())}
 
     def update(self, experience: Any, n: int) -> dict[str, torch.Tensor]:
         """``update_epochs`` passes over shuffled minibatches of the ``n`` rollouts with gradient accumulation
@@ -337,7 +396,9 @@ class OnlineRLModule(AlignmentModule):
         rollout = self.rollout(batch, 1)
         lengths = rollout.mask.sum(1).float()
         self.log_metrics(
-            "val", {"reward_mean": rollout.scores, "response_length": lengths}, batch_size=len(rollout.texts)
+            "val",
+            {"reward_mean": rollout.scores, "response_length": lengths, **self.episode_stats(rollout)},
+            batch_size=len(rollout.texts),
         )
 
     # ------------------------------------------------------------------ checkpoints

@@ -177,7 +177,9 @@ class PPOModule(OnlineRLModule):
         hp, mask, P = self.hparams, rollout.mask, rollout.prompt_length
         old_logprobs, old_values, ref_logprobs = self.old_and_reference(rollout.input_ids, rollout.attention_mask, P)
         # per-token rewards: -kl_coef * KL_t, plus the score on the last response token
-        rewards, kl = token_rewards(rollout.scores, old_logprobs, ref_logprobs, mask, self.kl_coef, hp.kl_estimator)
+        rewards, kl = token_rewards(
+            rollout.scores, old_logprobs, ref_logprobs, mask, self.kl_coef, hp.kl_estimator, rollout.token_scores
+        )
         _, returns = gae(rewards, old_values, mask, hp.gamma, hp.lam)
         advantages = compute_advantages("gae", rewards, mask, rollout.group, old_values, gamma=hp.gamma, lam=hp.lam)
         experience = Experience(

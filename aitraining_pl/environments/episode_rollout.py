@@ -1,0 +1,221 @@
+"""Episodes as rollouts: the rollout engine's settings, a multi-turn decoder and an episode environment give the
+same ``Rollout`` the online modules train on, with holes in the response mask where the environment spoke.
+
+The token sequence of an episode is exactly: the prompt tokens, each turn's tokens as sampled, and each reply
+of the environment rendered by the chat template and appended as tokens (``ChatFormat.reply_ids``), up to the
+end. ``response_mask`` is 1 on sampled tokens only; ``response_attention`` on every real token. Each turn's
+reward sits on that turn's last sampled token (``EpisodeInfo.token_rewards``); the episode return is their sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE
+from aitraining_pl.environments.episode import AssistantTurn, EpisodeEnvironment, EpisodeStep
+from aitraining_pl.environments.tools import ToolTemplateError
+from aitraining_pl.errors import RewardError
+from aitraining_pl.models.episode_decoding import EpisodeTokens, decode_episodes
+from aitraining_pl.models.generation import hf_generation_config
+from aitraining_pl.models.tokens import with_bos
+from aitraining_pl.models.training import eval_mode
+from aitraining_pl.rollout import Rollout, RolloutEngine
+
+#: content of the assistant message whose rendering shows what a template writes after an assistant turn
+_MARK = "\u2063ASSISTANT-TURN\u2063"
+
+
+class ChatFormat:
+    """Token ids of an episode's prompt and of the environment's replies, from the tokenizer's chat template
+    (``FALLBACK_CHAT_TEMPLATE`` when it has none).
+
+    A reply is what rendering the conversation with the reply adds after rendering it without (the delta of
+    ``[user, assistant] + reply`` over ``[user, assistant]``, with the generation prompt), preceded by what
+    the template writes after an assistant turn's text (``<|im_end|>\\n``, ``<|eot_id|>``, ``</s>``) less
+    the end token the model already sampled. Replies are rendered without the tool list (templates such as
+    Mistral's move it to the last user message; the prompt already showed it).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        tools: JSON schemas shown in the prompt; a template that never reads ``tools`` raises
+            ``ToolTemplateError``.
+    """
+
+    def __init__(self, tokenizer, tools: Sequence[dict] = ()):
+        self.tokenizer, self.tools = tokenizer, list(tools) or None
+        self.template = getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
+        if self.tools and "tools" not in self.template:
+            raise ToolTemplateError(
+                "tools are configured but the tokenizer's chat template does not render them (it never reads the "
+                "`tools` variable): use a tool-calling template (Qwen2.5 / Hermes, Llama 3.1+, Mistral v0.3+)"
+            )
+        self._base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
+        rendered = self.render(self._base)
+        self.glue_ids = self.encode(rendered[rendered.rindex(_MARK) + len(_MARK) :])
+
+    def render(self, messages: list[dict], tools=None, generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, chat_template=self.template, add_generation_prompt=generation_prompt
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The first messages with the tools and the generation prompt, BOS first (as the data module does)."""
+        return with_bos(self.encode(self.render(messages, self.tools, generation_prompt=True)), self.tokenizer)
+
+    def reply_ids(self, messages: list[dict], turn_ids: Sequence[int]) -> list[int]:
+        """Tokens appended after a turn that ended with ``turn_ids``: the rest of the template's end of an
+        assistant turn, then the reply messages and the generation prompt."""
+        head = self.render(self._base)
+        full = self.render(self._base + list(messages), generation_prompt=True)
+        if not full.startswith(head):
+            raise ValueError(
+                "the chat template renders a conversation differently once a reply is added, so replies cannot be "
+                f"appended as tokens: {head[-80:]!r} is not the start of {full[len(head) - 80 :][:160]!r}"
+            )
+        glue = self.glue_ids
+        if glue and turn_ids and turn_ids[-1] == glue[0]:
+            glue = glue[1:]
+        return glue + self.encode(full[len(head) :])
+
+
+@dataclass
+class EpisodeInfo:
+    """What an episode rollout adds to a ``Rollout`` (rows as in the rollout)."""
+
+    response_attention: torch.Tensor  #: (N, R) 1 on every real token after the prompt (model and environment)
+    token_rewards: torch.Tensor  #: (N, R) each turn's reward on its last sampled token
+    returns: torch.Tensor  #: (N,) episode returns (sum of the turn rewards)
+    metrics: dict[str, list[float]]  #: per episode: turns, tool_calls, tool_errors, truncated, env metrics
+    transcripts: list[list[dict]]  #: per episode: the assistant turns and replies as messages
+    prefilled: list[int] = field(default_factory=list)  #: tokens prefilled before each turn
+    sampled: list[int] = field(default_factory=list)  #: tokens sampled in each turn
+
+
+class _Episodes:
+    """The environments of a batch and the ``respond`` callback of the decoder."""
+
+    def __init__(self, environment: EpisodeEnvironment, chat: ChatFormat, tokenizer, rows: int, max_new_tokens: int):
+        self.envs = [environment.spawn() for _ in range(rows)]
+        self.chat, self.tokenizer, self.limits, self.max_new = chat, tokenizer, environment.limits, max_new_tokens
+        self.length = [0] * rows
+        self.done = [False] * rows
+        self.rewards: list[list[float]] = [[] for _ in range(rows)]
+        self.metrics: list[dict[str, float]] = [{"turns": 0.0, "truncated": 0.0} for _ in range(rows)]
+        self.transcripts: list[list[dict]] = [[] for _ in range(rows)]
+
+    def __call__(self, turn: int, rows: list[int], turns: list[list[int]], ended: list[bool]) -> list:
+        replies = []
+        for r, ids, closed in zip(rows, turns, ended):
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            raw = self.tokenizer.decode(ids, skip_special_tokens=False)
+            env = self.envs[r]
+            try:
+                result = env.step(AssistantTurn(text, raw, list(ids), closed, turn))
+            except Exception as err:
+                raise RewardError(f"episode environment {type(env).__name__!r}", f"step raised {err!r}") from err
+            if not isinstance(result, EpisodeStep):
+                raise RewardError(f"episode environment {type(env).__name__!r}", f"step returned {result!r}")
+            self.rewards[r].append(float(result.reward))
+            self.metrics[r]["turns"] += 1
+            for key, value in result.metrics.items():
+                self.metrics[r][key] = self.metrics[r].get(key, 0.0) + float(value)
+            self.transcripts[r].append({"role": "assistant", "content": text})
+            self.length[r] += len(ids)
+            reply = None
+            if result.done:
+                self.done[r] = True
+            elif turn + 1 < self.limits.max_turns:
+                reply = self.chat.reply_ids(result.messages, ids)
+                if self.length[r] + len(reply) + self.max_new > self.limits.max_total_tokens:
+                    reply = None
+            if reply is None:
+                self.metrics[r]["truncated"] = float(not self.done[r])
+            else:
+                self.length[r] += len(reply)
+                self.transcripts[r] += [dict(m) for m in result.messages]
+            replies.append(reply)
+        return replies
+
+
+def sample_episodes(
+    engine: RolloutEngine,
+    model: torch.nn.Module,
+    environment: EpisodeEnvironment,
+    prompts: Sequence[str],
+    metadata: Sequence[dict],
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    num_samples: int = 1,
+    *,
+    reprefill: bool = False,
+) -> Rollout:
+    """Play ``num_samples`` episodes per prompt with ``engine``'s settings (``max_new_tokens`` per turn) and
+    return their ``Rollout``, its ``episodes`` (``EpisodeInfo``) set. Prompts whose ``reset`` returns messages
+    are re-rendered from them (with the environment's tools); the others keep ``prompt_ids``."""
+    tokenizer, device = engine.tokenizer, prompt_ids.device
+    chat = ChatFormat(tokenizer, environment.tools)
+    if environment.tools:
+        environment.for_template(chat.template)
+    n = len(prompts) * num_samples
+    episodes = _Episodes(environment, chat, tokenizer, n, engine.generation.max_new_tokens)
+    group = torch.arange(len(prompts), device=device).repeat_interleave(num_samples)
+    first = [episodes.envs[r].reset(prompts[int(g)], dict(metadata[int(g)])) for r, g in enumerate(group.tolist())]
+    prompt_ids, prompt_mask = _prompts(chat, first[::num_samples], prompt_ids, prompt_mask, engine, model)
+    end_ids = engine.end_token_ids(model)
+    config = hf_generation_config(engine.generation, end_ids, engine.pad_token_id(model, end_ids))
+    with eval_mode(model):
+        tokens = decode_episodes(
+            model, prompt_ids, prompt_mask, config, episodes, engine.stop_rule or None, num_samples, reprefill
+        )
+    return _as_rollout(tokens, episodes, prompt_ids[group], prompt_mask[group], group, config.pad_token_id)
+
+
+def _prompts(chat: ChatFormat, first, prompt_ids, prompt_mask, engine, model):
+    if all(messages is None for messages in first):
+        return prompt_ids, prompt_mask
+    rows = [
+        prompt_ids[i][prompt_mask[i].bool()].tolist() if messages is None else chat.prompt_ids(messages)
+        for i, messages in enumerate(first)
+    ]
+    end_ids = engine.end_token_ids(model)
+    ids = torch.full((len(rows), max(map(len, rows))), engine.pad_token_id(model, end_ids), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, ids.shape[1] - len(row) :], mask[i, ids.shape[1] - len(row) :] = torch.tensor(row), 1
+    return ids.to(prompt_ids.device), mask.to(prompt_mask.device)
+
+
+def _as_rollout(tokens: EpisodeTokens, episodes: _Episodes, prompt_ids, prompt_mask, group, pad) -> Rollout:
+    n, device = len(tokens.tokens), prompt_ids.device
+    width = max(1, max(len(t) for t in tokens.tokens))
+    ids = torch.full((n, width), int(pad), dtype=torch.long)
+    model_mask, attention, rewards = torch.zeros_like(ids), torch.zeros_like(ids), torch.zeros(n, width)
+    for r in range(n):
+        length = len(tokens.tokens[r])
+        ids[r, :length] = torch.tensor(tokens.tokens[r], dtype=torch.long)
+        model_mask[r, :length] = torch.tensor(tokens.from_model[r], dtype=torch.long)
+        attention[r, :length] = 1
+        for end, reward in zip(tokens.turn_ends[r], episodes.rewards[r]):
+            rewards[r, end] += reward
+    # ended: the environment ended the episode after a turn that itself ended (not cut at max_new_tokens)
+    ended = torch.tensor([d and t[-1] for d, t in zip(episodes.done, tokens.turn_ended)], dtype=torch.bool)
+    texts = [episodes.tokenizer.decode(row[m.bool()], skip_special_tokens=True) for row, m in zip(ids, model_mask)]
+    keys = sorted({k for m in episodes.metrics for k in m})
+    info = EpisodeInfo(
+        attention.to(device),
+        rewards.to(device),
+        rewards.sum(1).to(device),
+        {k: [m.get(k, 0.0) for m in episodes.metrics] for k in keys},
+        episodes.transcripts,
+        tokens.prefilled,
+        tokens.sampled,
+    )
+    rollout = Rollout(prompt_ids, prompt_mask, ids.to(device), model_mask.to(device), ended.to(device), texts, group)
+    rollout.episodes = info
+    return rollout
