@@ -43,3 +43,10 @@ class RewardError(UserError, RuntimeError):
     than one finite float per response. Re-exported by ``aitraining_pl.rewards``."""
 
     what = "reward"
+
+
+class SandboxError(UserError):
+    """The code sandbox cannot run the candidate's code on this machine (e.g. an interpreter it cannot start):
+    raised once when the code environment is built, instead of scoring every test 0."""
+
+    what = "sandbox"

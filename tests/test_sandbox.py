@@ -14,12 +14,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from aitraining_pl.environments import create_code_generation_env, run_test_cases
+from aitraining_pl.environments.sandbox import SUPERVISOR_PATH, SandboxLimits, run_tests
 
 ADD_TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(7, 7) == 14"]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the full sandbox is Linux-only")
@@ -38,6 +40,13 @@ def _processes_with(marker: str, field: str = "cmdline") -> list:
         except OSError:
             pass
     return found
+
+
+def _parent(pid: str) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def _owner(pid: str) -> int:
@@ -358,3 +367,124 @@ def test_a_forged_builtins_sent_through_the_candidates_own_reply_channel_scores_
     ]
     result = run_test_cases(forge, tests, timeout=5.0)
     assert result.passed == 0, result
+
+
+def _base_stdlib() -> str:
+    import sysconfig
+
+    return os.path.realpath(sysconfig.get_paths()["stdlib"])
+
+
+def test_the_candidate_uses_the_trainers_base_interpreter_and_its_stdlib(tmp_path):
+    """Issue 26, item 3: an interpreter outside ``/usr`` (this venv's base, a fresh ``python -m venv`` in a
+    folder closed to other users) gets its standard library exposed in the jail: correct code scores, and with
+    the trainer's own stdlib (not whatever ``/usr/lib/python3.X`` the machine happens to have)."""
+    venv = tmp_path / "closed" / "venv"
+    (tmp_path / "closed").mkdir(mode=0o700)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True)
+    code = "import os\ndef add(a, b):\n    return a + b\nstdlib = os.path.realpath(os.path.dirname(os.__file__))"
+    tests = [*ADD_TESTS, f"assert stdlib == {_base_stdlib()!r}"]
+    for python in (None, str(venv / "bin" / "python")):
+        result = run_tests(code, tests, SandboxLimits(timeout=5.0), python=python)
+        assert result.passed == 4, (python, result)
+
+
+def test_a_unix_socket_listening_in_tmp_is_unreachable(tmp_path):
+    """Issue 26, item 6: a mode-0777 Unix socket in /tmp (and in /dev/shm) that a process outside listens on;
+    the candidate reaches for it with the raw ``_socket`` module."""
+    import socket
+
+    paths = [f"/tmp/sandbox-{uuid.uuid4().hex}.sock", f"/dev/shm/sandbox-{uuid.uuid4().hex}.sock"]
+    listeners = []
+    for path in paths:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        os.chmod(path, 0o777)
+        listener.listen(4)
+        listener.setblocking(False)
+        listeners.append(listener)
+    code = (
+        "import _socket\n"
+        f"reached = []\nfor path in {paths!r}:\n"
+        "    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)\n"
+        "    try:\n        s.connect(path)\n        reached.append(path)\n    except OSError:\n        pass\n"
+    )  # fmt: skip
+    try:
+        result = run_test_cases(code, ["assert reached == []"], timeout=5.0)
+        accepted = []
+        for listener in listeners:
+            try:
+                accepted.append(listener.accept())
+            except BlockingIOError:
+                pass
+    finally:
+        for listener, path in zip(listeners, paths):
+            listener.close()
+            os.unlink(path)
+    if "read-only-root" not in result.isolation:
+        pytest.skip(f"no mount namespace on this platform ({result.isolation})")
+    assert result.passed == 1 and accepted == []
+
+
+def test_the_scratch_space_is_capped_and_a_killed_trainer_leaves_no_work_dir():
+    """Issue 26, item 10: 1 MB files until the disk is full stop at ``scratch_bytes``; a trainer killed with
+    kill -9 in the middle of a run leaves at most an empty folder, removed by the next run."""
+    fill = (
+        "import os\nwritten = 0\n"
+        "try:\n    for i in range(64):\n"
+        "        with open(f'f{i}', 'wb') as handle:\n            handle.write(b'x' * (1 << 20))\n"
+        "        written += 1 << 20\nexcept OSError:\n    pass\n"
+    )  # fmt: skip
+    result = run_tests(fill, ["assert written <= 8 << 20"], SandboxLimits(timeout=10.0, scratch_bytes=8 << 20))
+    if "private-tmp" not in result.isolation:
+        pytest.skip(f"no mount namespace on this platform ({result.isolation})")
+    assert result.passed == 1, result
+    name = "filled" + uuid.uuid4().hex[:9]
+    trainer = (  # the sandbox module alone (standard library only): starts in a fraction of the package's time
+        "import importlib.util, sys\n"
+        "spec = importlib.util.spec_from_file_location('sandbox', sys.argv[2])\n"
+        "sandbox = sys.modules['sandbox'] = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(sandbox)\n"
+        "sandbox.run_tests(sys.argv[1], ['pass'], sandbox.SandboxLimits(timeout=30.0))"
+    )
+    fill += f"import ctypes, time\nctypes.CDLL(None).prctl(15, b'{name}', 0, 0, 0)\ntime.sleep(60)\n"
+    module = Path(SUPERVISOR_PATH).with_name("sandbox.py")
+    proc = subprocess.Popen([sys.executable, "-c", trainer, fill, str(module)])
+    folder = Path(tempfile.gettempdir())
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not _processes_with(name, "comm"):
+        time.sleep(0.05)
+    assert _processes_with(name, "comm"), "the candidate never filled its scratch space: the test shows nothing"
+    mine = [p for p in folder.glob("aitraining_pl_code_*") if _parent(p.name.split("_")[3]) == proc.pid]
+    assert len(mine) == 1, mine
+    proc.kill()
+    proc.wait()
+    pids = [p.name.split("_")[3] for p in mine]
+    deadline = time.monotonic() + 5  # the supervisor and the candidate die with it (PR_SET_PDEATHSIG)
+    while time.monotonic() < deadline and any(
+        Path(f"/proc/{pid}/cmdline").read_bytes() for pid in pids if Path(f"/proc/{pid}").exists()
+    ):
+        time.sleep(0.05)
+    assert sum(f.stat().st_size for f in mine[0].rglob("*") if f.is_file()) == 0, list(mine[0].iterdir())
+    run_test_cases("x = 1", ["assert x == 1"], timeout=5.0)
+    assert [p for p in mine if p.exists()] == []
+
+
+def test_a_candidate_that_cannot_start_is_one_sandbox_error_when_the_environment_is_built(monkeypatch, byte_tokenizer):
+    """Issue 26, item 3: where the candidate cannot start (here: a real sandbox whose address-space limit is too
+    small for an interpreter), building the code environment fails once with ``SandboxError``, instead of
+    every test scoring 0 with at most a warning."""
+    from aitraining_pl.environments import code_generation
+    from aitraining_pl.errors import SandboxError
+
+    def starved(code, tests, limits=None):
+        return run_tests(code, tests, SandboxLimits(timeout=5.0, memory_bytes=4 << 20))
+
+    code_generation.check_sandbox.cache_clear()
+    monkeypatch.setattr(code_generation, "run_tests", starved)
+    try:
+        with pytest.raises(SandboxError, match=r"the candidate cannot run `x = 1`") as caught:
+            create_code_generation_env(byte_tokenizer, timeout=5.0)
+        assert "\n" not in str(caught.value)
+        assert create_code_generation_env(byte_tokenizer, test_cases=[[]] * 6) is not None  # no tests: no check
+    finally:
+        code_generation.check_sandbox.cache_clear()

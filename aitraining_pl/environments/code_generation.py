@@ -10,6 +10,8 @@ the runner's frames cannot raise the score. See that module's docstring for what
 from __future__ import annotations
 
 import ast
+import os
+import sys
 import warnings
 from collections.abc import Sequence
 from functools import cache, lru_cache
@@ -17,6 +19,7 @@ from typing import Any
 
 from aitraining_pl.environments.sandbox import SandboxLimits, TestRunResult, run_tests  # noqa: F401 (re-export)
 from aitraining_pl.environments.text import MultiObjectiveRewardEnv
+from aitraining_pl.errors import SandboxError
 
 #: Built-in tasks: (prompt, test cases). Each test case is a Python statement that raises if it fails.
 DEFAULT_CODE_TASKS = (
@@ -54,6 +57,24 @@ def run_test_cases(code: str, tests: Sequence[str], timeout: float = 5.0) -> Tes
     if result.error.startswith(("could not start", "the code sandbox does not run")):
         _warn_once(result.error)
     return result
+
+
+@cache
+def check_sandbox(timeout: float = 30.0) -> None:
+    """Run ``x = 1`` and one test in the sandbox once per process; raise ``SandboxError`` when the candidate
+    cannot start (an interpreter the jail cannot run, a missing standard library), where every test would
+    otherwise score 0. Not run where the sandbox does not run at all (``run_test_cases`` warns there)."""
+    if os.name != "posix":
+        return
+    result = run_tests("x = 1", ["assert x == 1"], SandboxLimits(timeout=timeout))
+    if result.passed != 1:
+        why = result.error or "the probe test failed"
+        said = " ".join(result.output.split())[:200]
+        raise SandboxError(
+            f"code sandbox ({os.path.realpath(sys.executable)})",
+            f"the candidate cannot run `x = 1`: {why}{f' (it printed: {said})' if said else ''}; every test "
+            "would score 0 (see docs/sandbox.md)",
+        )
 
 
 @cache
@@ -159,6 +180,10 @@ class CodeGenerationEnv(MultiObjectiveRewardEnv):
         syntax_weight: weight of the syntax component.
         style_weight: weight of the style component.
         tests_weight: weight of the test-case component.
+
+    Raises:
+        SandboxError: at construction, when the sandbox cannot start the candidate on this machine (checked
+            once per process with ``check_sandbox``) and there are tests to run.
         **kwargs: other ``TextGenerationEnv`` arguments.
     """
 
@@ -180,6 +205,8 @@ class CodeGenerationEnv(MultiObjectiveRewardEnv):
         test_cases = list(test_cases) if test_cases is not None else [[] for _ in prompts]
         if len(test_cases) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(test_cases)} lists of test cases")
+        if tests_weight and any(test_cases):
+            check_sandbox()  # an environment that cannot run the tests fails here, once, not as a reward of 0
         super().__init__(
             tokenizer,
             list(prompts),

@@ -89,6 +89,8 @@ class SandboxLimits:
         output_bytes: candidate output kept (stdout and stderr together); the rest is read and dropped.
         reply_bytes: largest reply (one returned value) the supervisor accepts from the candidate.
         result_bytes: largest result line the trainer reads from the supervisor, besides the kept output.
+        scratch_bytes: size of the candidate's working directory, a private tmpfs (in memory) where a mount
+            namespace is available; elsewhere only ``file_bytes`` per file applies.
     """
 
     timeout: float = 5.0
@@ -100,6 +102,7 @@ class SandboxLimits:
     output_bytes: int = 4096
     reply_bytes: int = 1 << 20
     result_bytes: int = 1 << 16
+    scratch_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
@@ -167,8 +170,11 @@ def _parse_result(raw: bytes, total: int) -> TestRunResult:
         return TestRunResult(0, total, error="the sandbox supervisor returned no result")
 
 
-def run_tests(code: str, tests: Sequence[str], limits: SandboxLimits | None = None) -> TestRunResult:
-    """Run ``code`` and then each test statement (Python that raises when the test fails) in the sandbox."""
+def run_tests(
+    code: str, tests: Sequence[str], limits: SandboxLimits | None = None, python: str | None = None
+) -> TestRunResult:
+    """Run ``code`` and then each test statement (Python that raises when the test fails) in the sandbox.
+    ``python`` runs the supervisor (default: this interpreter); the candidate runs its base interpreter."""
     limits = limits or SandboxLimits()
     tests = [str(t) for t in tests]
     if not tests:
@@ -177,7 +183,7 @@ def run_tests(code: str, tests: Sequence[str], limits: SandboxLimits | None = No
         return TestRunResult(0, len(tests), error=f"the code sandbox does not run on {sys.platform}")
     spec = json.dumps({"code": code, "tests": tests, "limits": asdict(limits)}).encode()
     proc = subprocess.Popen(
-        [sys.executable, "-I", "-S", SUPERVISOR_PATH], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        [python or sys.executable, "-I", "-S", SUPERVISOR_PATH], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, env={}, start_new_session=True, close_fds=True,
     )  # fmt: skip
     # the supervisor enforces limits.timeout itself; this is the backstop if it hangs

@@ -29,6 +29,7 @@ CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000,
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 4, 38, 36
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, AT_RECURSIVE, AT_FDCWD = 0x1, 0x2, 0x8000, -100
+MNT_DETACH = 2
 SYS_MOUNT_SETATTR = 442 if platform.machine() in ("x86_64", "aarch64", "arm64") else None
 NOBODY = 65534
 #: The candidate runs the base interpreter (a venv's ``bin/python`` may be a link into a folder closed to others).
@@ -53,22 +54,69 @@ def _mount(source: bytes, target: bytes, fstype, flags: int, data=None) -> bool:
     return _LIBC.mount(source, target, fstype, ctypes.c_ulong(flags), data) == 0
 
 
-def _expose(path: str) -> bool:
-    """Inside a new mount namespace as root: make ``path`` reachable by other users when a parent folder is not
-    (e.g. an interpreter under ``/root``) with a tmpfs over the first closed parent and ``path`` bound into it."""
+def _interpreter_paths() -> list:
+    """What the candidate's interpreter needs: its ``bin/`` folder and its installation (``sys.base_prefix``:
+    the standard library, ``lib-dynload``, a shared ``libpython``), outermost folders only."""
+    paths = {os.path.dirname(INTERPRETER), os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}
+    paths = sorted(p for p in paths if os.path.isdir(p))
+    return [p for p in paths if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in paths)]
+
+
+def _closed_parent(path: str):
+    """The outermost parent folder of ``path`` that other users cannot enter, or None."""
     parts = path.strip("/").split("/")
-    parents = ("/" + "/".join(parts[:i]) for i in range(1, len(parts)))
-    closed = next((p for p in parents if not os.stat(p).st_mode & 1), None)
-    if closed is None:
-        return True
-    fd = os.open(path, os.O_PATH | os.O_DIRECTORY)
+    return next(
+        (p for p in ("/" + "/".join(parts[:i]) for i in range(1, len(parts))) if not os.stat(p).st_mode & 1), None
+    )
+
+
+def _expose(paths: list) -> bool:
+    """Inside a new mount namespace as root: make each of ``paths`` reachable by other users when a parent folder
+    is not (e.g. a pyenv interpreter under ``/root``, a venv's base in a home folder) with a tmpfs over the first
+    closed parent and the path bound into it."""
+    closed = {p: _closed_parent(p) for p in paths}
+    fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p, parent in closed.items() if parent is not None}
     try:
-        if not _mount(b"tmpfs", closed.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=0755,size=1m"):
-            return False
-        os.makedirs(path, exist_ok=True)
-        return _mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, MS_BIND | MS_REC)
+        for parent in sorted({c for c in closed.values() if c is not None}, key=len):
+            if not any(parent.startswith(other + "/") for other in closed.values() if other and other != parent):
+                if not _mount(b"tmpfs", parent.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=0755,size=1m"):
+                    return False
+        for path, fd in fds.items():
+            os.makedirs(path, exist_ok=True)
+            if not _mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, MS_BIND | MS_REC):
+                return False
+        return True
     finally:
-        os.close(fd)
+        for fd in fds.values():
+            os.close(fd)
+
+
+#: Folders where other processes put files and Unix sockets: an empty tmpfs over each in the candidate's view.
+HIDDEN = ("/tmp", "/var/tmp", "/run", "/var/run", "/dev/shm", "/var/lock")
+
+
+def _private_scratch(workdir: str, limits: dict, root: bool) -> bool:
+    """Inside a new mount namespace: an empty tmpfs over each of ``HIDDEN`` (so no Unix socket or file another
+    process left there is reachable), then a tmpfs of ``scratch_bytes`` at ``workdir`` owned by the candidate's
+    uid: its files live in memory, are capped in total, and vanish with the namespace (even after kill -9).
+    On any failure the mounts are undone and the on-disk ``workdir`` is used as before."""
+    mounted = []
+    try:
+        for folder in HIDDEN:
+            if os.path.isdir(folder) and not os.path.islink(folder):
+                if not _mount(b"tmpfs", folder.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=0755,size=64k"):
+                    raise OSError(f"cannot hide {folder}")
+                mounted.append(folder)
+        os.makedirs(workdir, exist_ok=True)
+        owner = f",uid={NOBODY},gid={NOBODY}" if root else ""
+        options = f"mode=0700,size={max(int(limits['scratch_bytes']), 4096)}{owner}".encode()
+        if not _mount(b"tmpfs", workdir.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options):
+            raise OSError("cannot mount the scratch tmpfs")
+        return True
+    except OSError:
+        for folder in reversed(mounted):
+            _LIBC.umount2(folder.encode(), MNT_DETACH)
+        return False
 
 
 def _mount_setattr(path: bytes, flags: int, set_: int = 0, clear: int = 0) -> bool:
@@ -107,8 +155,10 @@ def _jail(workdir: str, limits: dict, status_fd: int, root: bool, pidns: bool, n
     if _unshare(CLONE_NEWNS) and _mount(b"none", b"/", None, MS_REC | MS_PRIVATE):
         if pidns and _mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC):
             tags.append("private-proc")
-        if root and _expose(os.path.dirname(INTERPRETER)):
+        if root and _expose(_interpreter_paths()):
             tags.append("interpreter-exposed")
+        if _private_scratch(workdir, limits, root):
+            tags.append("private-tmp")
         work = workdir.encode()
         if (
             _mount(work, work, None, MS_BIND)
@@ -399,6 +449,37 @@ def _run(spec: dict, workdir: str, root: bool, tags: list, deadline: float) -> d
     return dict(result, output=output.finish(1.0))
 
 
+#: Working directories are ``<tmp>/aitraining_pl_code_<supervisor pid>_<random>``.
+WORKDIR_PREFIX = "aitraining_pl_code_"
+
+
+def _remove_stale_workdirs() -> None:
+    """Remove the working directories of supervisors that died without cleaning up (the trainer killed with
+    kill -9 takes its supervisor with it): those whose supervisor pid is gone."""
+    folder = tempfile.gettempdir()
+    for name in os.listdir(folder):
+        pid = name[len(WORKDIR_PREFIX) :].partition("_")[0]
+        if not name.startswith(WORKDIR_PREFIX) or not pid.isdigit():
+            continue
+        if not _alive(int(pid)):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a killed supervisor nobody has reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # someone else's
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
 def main() -> None:
     spec = json.loads(sys.stdin.buffer.read())
     sys.stdin.close()
@@ -407,11 +488,12 @@ def main() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     deadline = time.monotonic() + float(spec["limits"]["timeout"])
     tags = ["subreaper"] if _prctl(PR_SET_CHILD_SUBREAPER, 1) else []
-    _prctl(PR_SET_DUMPABLE, 0)
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     root = os.geteuid() == 0
-    tags += _enter_namespaces(root)
-    workdir = tempfile.mkdtemp(prefix="aitraining_pl_code_")
+    tags += _enter_namespaces(root)  # before the next line: a process that is not dumpable cannot write its uid_map
+    _prctl(PR_SET_DUMPABLE, 0)
+    _remove_stale_workdirs()
+    workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}_")
     try:
         if root:
             os.chown(workdir, NOBODY, NOBODY)
