@@ -131,7 +131,7 @@ PROBABILITY_OPEN = Range(0, 1, low_open=True)  #: 0 < value <= 1
 #: hyperparameter name -> allowed values (any module or data module that has the argument is checked).
 CONSTRAINTS: dict[str, Range | OneOf] = {
     # optimisation
-    "learning_rate": POSITIVE,
+    "learning_rate": Range(0, 3.4028234663852886e38, low_open=True),  # above float32's largest, every step is inf
     "warmup_ratio": FRACTION,
     "weight_decay": NON_NEGATIVE,
     "lr_schedule": OneOf(_registry("aitraining_pl.optim", "SCHEDULES")),

@@ -188,3 +188,37 @@ def test_skip_through_the_cli(tmp_path):
     main(cli_args)  # completes (no SystemExit)
     skipped = series(read_metrics(tmp_path), "train/skipped_nonfinite")
     assert len(skipped) == 4 and skipped[-1] >= 1 and skipped == sorted(skipped)
+
+
+class _OverflowingLearningRate(pl.Callback):
+    """Sets every learning rate to 1e39 when training starts (the range check refuses it as an argument):
+    AdamW's first step then writes inf/NaN into the weights while the loss and gradients are finite."""
+
+    def on_train_start(self, trainer, pl_module):
+        for group in trainer.optimizers[0].param_groups:
+            group["lr"] = 1e39
+
+
+def test_weights_made_non_finite_by_the_step_are_never_exported_or_checkpointed(tmp_path):
+    """Issue 26, item 4: lr 1e39 with an export and a checkpoint every step; before, step-1 and the checkpoint
+    were all inf/NaN and the message said 'stopped before the optimizer step'."""
+    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3)
+    export = HFExportCallback(tmp_path / "export", every_n_train_steps=1, keep_last_k=None)
+    ckpt = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}", save_last=True
+    )
+    trainer = _trainer(tmp_path, [_OverflowingLearningRate(), export, ckpt], max_steps=3)
+    with pytest.raises(NonFiniteError, match=r"non-finite weights \(.+\) after optimizer step 1 .*stopped") as caught:
+        trainer.fit(module, _data(module.tokenizer))
+    assert "before the optimizer step" not in str(caught.value)
+    assert not (tmp_path / "export").exists() or list((tmp_path / "export").iterdir()) == []
+    assert not (tmp_path / "ckpt").exists() or list((tmp_path / "ckpt").iterdir()) == []
+    with pytest.raises(NonFiniteError, match="export 'manual' not written"):
+        export.export(module, "manual")
+
+
+def test_a_learning_rate_above_float32s_range_is_refused():
+    from aitraining_pl.errors import HyperparameterError
+
+    with pytest.raises(HyperparameterError, match=r"DPOModule.learning_rate: must be 0 < value <= 3.40282e\+38"):
+        DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e39)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
+from aitraining_pl.callbacks.guard import NonFiniteError, check_parameters, first_nonfinite_parameter
 from aitraining_pl.models.lora import link_adapter_base
 from aitraining_pl.models.sharding import full_weights
 
@@ -83,7 +84,7 @@ class HFExportCallback(pl.Callback):
     module must implement ``save_pretrained(path, merge_lora=...)`` (every ``AlignmentModule`` does; it also
     writes the model card ``README.md``). A LoRA export whose base was saved beside it (``base/``, for an
     inline-config model) has its ``adapter_config.json`` pointed at the final folder's ``base/`` before it is
-    renamed into place.
+    renamed into place. Weights that hold a NaN or inf are never exported: the fit stops with ``NonFiniteError``.
 
     With ``push_to_hub``, the ``last`` export is uploaded after it is written (global rank 0 only):
     ``huggingface_hub.HfApi().create_repo(hub_model_id, private=hub_private, exist_ok=True)`` then
@@ -129,7 +130,11 @@ class HFExportCallback(pl.Callback):
         self._last_exported_step = -1
 
     def export(self, pl_module: pl.LightningModule, name: str) -> Path:
-        """Write ``pl_module`` to ``<dirpath>/<name>`` atomically; returns the final path."""
+        """Write ``pl_module`` to ``<dirpath>/<name>`` atomically; returns the final path. Refuses (with
+        ``NonFiniteError``) to write weights that hold a NaN or inf."""
+        bad = first_nonfinite_parameter(pl_module)
+        if bad is not None:
+            raise NonFiniteError(f"non-finite weights ({bad}): export {name!r} not written to {self.dirpath}")
         target = self.dirpath / name
         self.dirpath.mkdir(parents=True, exist_ok=True)
         tmp = self.dirpath / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -172,6 +177,7 @@ class HFExportCallback(pl.Callback):
         step = trainer.global_step
         if step == self._last_exported_step:
             return
+        check_parameters(trainer, pl_module, f"export step-{step} not written")  # all ranks, before gathering
         with full_weights(pl_module):  # FSDP2: every rank gathers, rank 0 writes
             if trainer.is_global_zero:
                 self.export(pl_module, f"step-{step}")
@@ -187,6 +193,7 @@ class HFExportCallback(pl.Callback):
         # on_fit_end runs only when fit finished without an exception
         if not self.save_last or trainer.interrupted or trainer.fast_dev_run:
             return
+        check_parameters(trainer, pl_module, "export 'last' not written")
         with full_weights(pl_module):  # FSDP2: every rank gathers, rank 0 writes
             last = self.export(pl_module, "last") if trainer.is_global_zero else None
         if last is not None and self.push_to_hub:

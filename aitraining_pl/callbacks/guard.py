@@ -1,4 +1,5 @@
-"""Stop (or skip the batch) when the training loss or the gradient norm is not finite."""
+"""Stop (or skip the batch) when the training loss or the gradient norm is not finite; stop when the weights
+become non-finite after an optimizer step."""
 
 from __future__ import annotations
 
@@ -26,6 +27,38 @@ def gradient_norm(parameters: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
 
 
+def first_nonfinite_parameter(module: torch.nn.Module) -> str | None:
+    """The name of the first trainable parameter holding a NaN or inf (local shards under FSDP2), else None.
+    One fused norm per parameter list (``torch._foreach_norm``) and one host sync: the norm of a tensor is finite
+    only when every element is."""
+    named = [
+        (n, p.to_local() if hasattr(p, "to_local") else p) for n, p in module.named_parameters() if p.requires_grad
+    ]
+    named = [(n, p.detach()) for n, p in named if p.numel()]
+    if not named:
+        return None
+    norms = torch.stack(torch._foreach_norm([p for _, p in named])).float()
+    finite = torch.isfinite(norms)
+    if bool(finite.all()):
+        return None
+    return named[int((~finite).nonzero()[0])][0]
+
+
+def check_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule, what: str) -> None:
+    """Raise ``NonFiniteError`` on every rank when any rank's trainable parameters hold a NaN or inf (after an
+    optimizer step, e.g. a learning rate that overflows); ``what`` says what is not written."""
+    bad = first_nonfinite_parameter(pl_module)
+    flag = torch.tensor([bad is not None], dtype=torch.float32)
+    if trainer.world_size > 1:  # every rank takes the same decision
+        flag = trainer.strategy.reduce(flag.to(pl_module.device), reduce_op="sum").cpu()
+    if bool(flag.any()):
+        batch = trainer.fit_loop.epoch_loop.batch_idx
+        raise NonFiniteError(
+            f"non-finite weights ({bad or 'on another rank'}) after optimizer step {trainer.global_step} (epoch "
+            f"{trainer.current_epoch}, batch {batch}); stopped, {what} (lower the learning rate)"
+        )
+
+
 class NonFiniteGuard(pl.Callback):
     """Checks every optimizer step, automatic (DPO, reward models) or manual (PPO): if a loss passed to
     backward since the previous step, or the gradient norm before clipping, is NaN or infinite, it either
@@ -38,6 +71,12 @@ class NonFiniteGuard(pl.Callback):
     ``NonFiniteGuard(action="skip")`` to the trainer's callbacks to skip instead. Under ``16-mixed`` only the
     loss is checked: the gradient scaler skips steps with infinite gradients itself. All ranks decide together.
 
+    After each batch that stepped the optimizer it also checks the weights themselves (one fused norm over the
+    trainable parameters): a step that made them NaN or inf (a learning rate that overflows, with finite loss
+    and gradients) stops the run, in either action, before a checkpoint is written from them
+    (``ModelCheckpoint`` runs after every other callback); ``HFExportCallback`` checks the weights itself
+    before each export.
+
     Args:
         action: ``stop`` (raise) or ``skip`` (drop the step's gradients and go on).
     """
@@ -48,6 +87,7 @@ class NonFiniteGuard(pl.Callback):
         self.action = action
         self.skipped = 0
         self._bad_loss: float | None = None  # first non-finite loss since the last optimizer step
+        self._checked_step = 0  # global_step whose weights were last checked
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._bad_loss is None and not bool(torch.isfinite(loss.detach()).all()):
@@ -78,6 +118,9 @@ class NonFiniteGuard(pl.Callback):
         self.skipped += 1
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step != self._checked_step:  # an optimizer step was taken in this batch
+            self._checked_step = trainer.global_step
+            check_parameters(trainer, pl_module, "no checkpoint or export written from this state")
         if self.action == "skip":
             pl_module.log("train/skipped_nonfinite", float(self.skipped), on_step=True, on_epoch=False, batch_size=1)
 
