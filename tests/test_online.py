@@ -224,6 +224,13 @@ ALGORITHMS = {
     "dapo": dict(cls=GRPOModule, loss_aggregation="token", epsilon_high=0.28, dynamic_sampling=True, kl_coef=0.0),
     "rloo": dict(cls=RLOOModule, num_iterations=2),
     "reinforce_pp": dict(cls=RLOOModule, advantage="reinforce_pp"),
+    # two passes, so the ratio leaves 1 and the sequence-level / CISPO terms differ from GRPO's
+    "gspo": dict(
+        cls=GRPOModule, num_iterations=2, scale_rewards="batch", policy_loss={"importance_sampling_level": "sequence"}
+    ),
+    "cispo": dict(
+        cls=GRPOModule, num_iterations=2, epsilon_high=4.0, loss_aggregation="token", policy_loss={"loss_type": "cispo"}
+    ),
 }
 
 

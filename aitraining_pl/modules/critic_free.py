@@ -11,19 +11,23 @@ batch has enough padding for packing to pay (``models.rollout_scoring.will_pack`
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from aitraining_pl.errors import ConfigError
 from aitraining_pl.losses import (
     CRITIC_ESTIMATORS,
+    PolicyLossConfig,
     clipped_policy_loss,
+    completed_rows,
     compute_advantages,
     group_statistics,
+    high_entropy_mask,
     masked_mean,
 )
-from aitraining_pl.losses.advantages import CriticFreeAdvantage
+from aitraining_pl.losses.advantages import CriticFreeAdvantage, ScaleRewards
 from aitraining_pl.losses.policy_gradient import LossAggregation
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.training import eval_mode
@@ -62,6 +66,8 @@ class CriticFreeModule(OnlineRLModule):
         num_generations: responses sampled per prompt (the group size G).
         advantage: ``grpo`` (group mean and std), ``dr_grpo`` (group mean only), ``rloo`` (leave-one-out mean)
             or ``reinforce_pp`` (per-token returns, batch-normalised).
+        scale_rewards: the std ``grpo`` divides by: ``group`` (GRPO), ``batch`` (the whole batch's, Liu et al.
+            2025's recommendation) or ``none`` (no division, as ``dr_grpo``); TRL's option. Only for ``grpo``.
         loss_aggregation: ``sequence`` (mean per response, then over responses; GRPO), ``token`` (mean over
             all tokens; DAPO) or ``constant`` (sum / (rows x max_new_tokens); Dr. GRPO).
         learning_rate: peak AdamW learning rate (warmup by ``warmup_ratio``, then ``lr_schedule``).
@@ -74,6 +80,10 @@ class CriticFreeModule(OnlineRLModule):
         kl_in_reward: put ``-kl_coef`` * k1 per token into the reward (RLOO, REINFORCE++) instead of
             ``kl_coef`` * k3 per token into the loss (GRPO).
         dynamic_sampling: DAPO's filter: groups whose rewards are all equal (no signal) leave the loss.
+        policy_loss: TRL's further loss options (``PolicyLossConfig``): ``loss_type`` (``clip`` or CISPO's
+            ``cispo``), ``importance_sampling_level`` (``token`` or GSPO's ``sequence``), ``delta`` (two-sided clip),
+            ``top_entropy_quantile`` (only the highest-entropy tokens carry the policy term) and
+            ``mask_truncated_completions`` (responses cut at ``max_new_tokens`` leave the loss).
         max_grad_norm: gradient clipping by global norm (0 = off).
         missing_eos_penalty: subtracted from the score of responses that end without EOS or stop string.
         padding_free: run the old, reference and policy forward passes on the packed real tokens when at least a
@@ -101,6 +111,7 @@ class CriticFreeModule(OnlineRLModule):
         generation: GenerationConfig = GenerationConfig(),
         num_generations: int = 8,
         advantage: CriticFreeAdvantage = "grpo",
+        scale_rewards: ScaleRewards = "group",
         loss_aggregation: LossAggregation = "sequence",
         learning_rate: float = 1e-6,
         mini_batch_size: int = 8,
@@ -111,6 +122,7 @@ class CriticFreeModule(OnlineRLModule):
         kl_coef: float = 0.04,
         kl_in_reward: bool = False,
         dynamic_sampling: bool = False,
+        policy_loss: PolicyLossConfig = PolicyLossConfig(),
         max_grad_norm: float = 1.0,
         missing_eos_penalty: float | None = None,
         padding_free: bool = True,
@@ -134,9 +146,22 @@ class CriticFreeModule(OnlineRLModule):
         if num_generations < 1 or num_iterations < 1:
             raise ValueError("num_generations and num_iterations must be >= 1")
         self.setup_online(reward, generation, lora, with_reference=bool(kl_coef), kl_coef=kl_coef)
+        self.policy_loss = self.loss_options(policy_loss)
         self.model, self.reference = self.load_policy_from_hparams(with_reference=bool(kl_coef))
         reference = self.reference.model if self.reference is not None else None
         self.apply_training_options(reference, getattr(self.reward_source, "model", self.reward_source))
+
+    def loss_options(self, policy_loss: Any) -> PolicyLossConfig:
+        """``policy_loss`` as a ``PolicyLossConfig`` (kept in hparams as a dict), checked against the other
+        arguments."""
+        options = policy_loss if isinstance(policy_loss, PolicyLossConfig) else PolicyLossConfig(**dict(policy_loss))
+        self.set_hparam("policy_loss", asdict(options))
+        owner = type(self).__name__
+        if self.hparams.scale_rewards != "group" and self.hparams.advantage != "grpo":
+            raise ConfigError(f"{owner}.scale_rewards", f"applies to advantage 'grpo', not {self.hparams.advantage!r}")
+        if options.loss_type == "cispo" and options.delta is not None:
+            raise ConfigError(f"{owner}.policy_loss.delta", "bounds the clipped surrogate; cispo clips its own weight")
+        return options
 
     @property
     def samples_per_prompt(self) -> int:
@@ -168,7 +193,8 @@ class CriticFreeModule(OnlineRLModule):
     # ------------------------------------------------------------------ one iteration (steps in OnlineRLModule)
     def make_experience(self, rollout: RolloutBatch) -> tuple[PolicyExperience, dict[str, torch.Tensor]]:
         """Old / reference log-probs as needed, token rewards (score, minus k1 KL when in the reward), the
-        registered advantages, and DAPO's filter of groups with no signal."""
+        registered advantages (``scale_rewards`` for ``grpo``), DAPO's filter of groups with no signal and of
+        truncated responses (``policy_loss.mask_truncated_completions``)."""
         hp, mask, stats = self.hparams, rollout.mask, {}
         kl_in_reward = bool(self.kl_coef) and hp.kl_in_reward
         old = self.frozen_logprobs(rollout, reference=False) if hp.num_iterations > 1 or kl_in_reward else None
@@ -178,11 +204,14 @@ class CriticFreeModule(OnlineRLModule):
             stats["kl"] = kl.sum(1).mean()
         else:
             rewards = rollout.placed_scores()
-        advantages = compute_advantages(hp.advantage, rewards, mask, rollout.group)
+        scaling = {"scale_rewards": hp.scale_rewards} if hp.advantage == "grpo" else {}
+        advantages = compute_advantages(hp.advantage, rewards, mask, rollout.group, **scaling)
         loss_mask = mask
         if hp.dynamic_sampling:
             count, _, std = group_statistics(rollout.scores, rollout.group)
             loss_mask = mask * ((std > 0) & (count > 1)).to(mask.dtype).unsqueeze(1)
+        if self.policy_loss.mask_truncated_completions:
+            loss_mask = completed_rows(loss_mask, rollout.ended)
         experience = PolicyExperience(
             rollout.input_ids,
             rollout.attention_mask,
@@ -204,6 +233,9 @@ class CriticFreeModule(OnlineRLModule):
         )
         old = exp.old_logprobs[idx] if exp.old_logprobs is not None else out.logprobs.detach()
         ref = exp.ref_logprobs[idx] if exp.ref_logprobs is not None else None
+        options = self.policy_loss
+        quantile = options.top_entropy_quantile
+        weights = high_entropy_mask(out.entropy, mask, quantile) if quantile < 1 else None  # Wang et al. 2025
         loss, stats = clipped_policy_loss(
             out.logprobs,
             old,
@@ -215,6 +247,10 @@ class CriticFreeModule(OnlineRLModule):
             self.generation.max_new_tokens,
             ref,
             self.kl_coef,
+            loss_type=options.loss_type,
+            importance_sampling_level=options.importance_sampling_level,
+            delta=options.delta,
+            token_weights=weights,
         )
         return loss, {
             "loss": loss.detach(),
@@ -226,7 +262,10 @@ class CriticFreeModule(OnlineRLModule):
 class GRPOModule(CriticFreeModule):
     """GRPO (Shao et al. 2024): group-normalised advantages, per-response mean loss, k3 KL in the loss.
     Arguments as ``CriticFreeModule``; for Dr. GRPO set ``advantage: dr_grpo`` and ``loss_aggregation: constant``,
-    for DAPO ``loss_aggregation: token``, ``epsilon_high: 0.28``, ``dynamic_sampling: true``, ``kl_coef: 0``.
+    for DAPO ``loss_aggregation: token``, ``epsilon_high: 0.28``, ``dynamic_sampling: true``, ``kl_coef: 0``
+    (and ``policy_loss: {mask_truncated_completions: true}``), for GSPO ``policy_loss: {importance_sampling_level:
+    sequence}`` with ``epsilon: 3.0e-4``, ``epsilon_high: 4.0e-4``, ``kl_coef: 0``, for CISPO ``policy_loss:
+    {loss_type: cispo}`` with ``epsilon_high: 4.0``.
 
     Args:
         advantage: advantage estimator (default ``grpo``).

@@ -100,7 +100,9 @@ class OnlineRLModule(AlignmentModule):
                 "required: a reward source (an import path "
                 "'pkg.module:function', a reward-model folder, a class_path dict or, in Python, a callable)",
             )
-        ignore = ["lora", "generation", *RENAMED] + ([] if primitive(reward) else ["reward"])  # old names: no hparams
+        ignore = ["lora", "generation", "policy_loss", *RENAMED] + (
+            [] if primitive(reward) else ["reward"]
+        )  # old names: no hparams
         self.save_hyperparameters(ignore=ignore, frame=inspect.currentframe().f_back)  # the caller's __init__
         self.drop_renamed_hparams(kl_coef=float(kl_coef))
         self.store_lora_hparam(lora)
