@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -51,7 +52,8 @@ def test_component_means_leave_out_the_rows_a_component_skipped():
         scores=torch.tensor([1.0, 2.0, 3.0]),
         components={"format": [1.0, None, 3.0], "answer": [None, None, None]},
     )
-    stats = OnlineRLModule.rollout_stats(None, rollout)
+    owner = SimpleNamespace(episode_stats=lambda r: OnlineRLModule.episode_stats(None, r))  # no model needed
+    stats = OnlineRLModule.rollout_stats(owner, rollout)
     assert stats["reward/format"].item() == pytest.approx(2.0)
     assert math.isnan(stats["reward/answer"].item())  # no row applied: no mean (not a made-up 0)
 
