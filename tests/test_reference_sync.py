@@ -104,3 +104,18 @@ def test_sync_refuses_a_reference_it_cannot_move(tmp_path, byte_tokenizer):
         SyncReferenceCallback(ref_model_mixup_alpha=0.0)
     with pytest.raises(HyperparameterError, match="ref_model_sync_steps"):
         SyncReferenceCallback(ref_model_sync_steps=0)
+
+
+def test_ppo_reference_mixes_in_the_policy_under_its_value_head_wrapper():
+    from test_online import TOY_REWARD
+
+    from aitraining_pl.modules.ppo import PPOModule
+
+    module = PPOModule(model_config=dict(TINY_LLAMA), tokenizer_name="byte", reward=TOY_REWARD)
+    with torch.no_grad():
+        for p in module.policy.parameters():
+            p.add_(0.01)
+    module.reference.mix_in_policy(1.0)
+    policy = dict(module.policy.named_parameters())
+    for name, param in module.reference.frozen_copy.named_parameters():
+        torch.testing.assert_close(param, policy[name])
