@@ -14,7 +14,8 @@ Every user-caused failure (bad data, option, model or reward folder, reward-sour
 range; the typed errors of ``aitraining_pl.errors``) is printed as one line on stderr,
 ``aitraining-pl: <what> error: <where>: <why>``, and the command exits with status 2, before training starts
 where the input allows. Internal errors keep their traceback; set ``AITRAINING_PL_DEBUG=1`` to see the full
-traceback of a user error too.
+traceback of a user error too. SIGTERM (a scheduler's preemption) ends the run with exit status 143 and one line
+naming the last checkpoint written.
 
 ``aitraining-pl`` alone (or ``--help``) lists the modules and the recipes in ``configs/``; ``--version`` prints the
 version. ``fit`` takes ``--output_dir`` (one folder for logs, checkpoints and exports), ``--run_name`` and
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from aitraining_pl.callbacks.guard import NonFiniteError
 from aitraining_pl.datamodules.io import DataValidationError  # noqa: F401 - a UserError (``what = "data"``)
@@ -210,6 +212,12 @@ class AlignmentCLI(LightningCLI):
             kwargs["callbacks"] = named + [CompactModelSummary()]
         return super().instantiate_trainer(**kwargs)
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except SIGTERMException:  # a SystemExit with no code (status 0): a scheduler would think the run finished
+            raise Terminated(terminated_line(self.trainer)) from None
+
     def after_fit(self) -> None:
         """One closing line: the final metrics and where the model was exported."""
         if self.trainer.is_global_zero:
@@ -293,6 +301,31 @@ def apply_run_arguments(config: Any) -> None:
             args["dirpath"] = os.path.join(output_dir, _CALLBACK_DIRS[kind])
     if not _as_list(trainer.get("logger")):
         trainer["default_root_dir"] = output_dir
+
+
+class Terminated(Exception):
+    """The run got SIGTERM (a scheduler's preemption or ``kill``); ``main`` prints the message and exits with
+    status 143 (128 + SIGTERM), as a process killed by the signal would."""
+
+    exit_code = 143
+
+
+def last_checkpoint(trainer: Any) -> str:
+    """The newest checkpoint file the run's checkpoint callbacks wrote, or ``""``."""
+    paths = []
+    for callback in getattr(trainer, "checkpoint_callbacks", None) or []:
+        paths += [getattr(callback, "last_model_path", ""), getattr(callback, "best_model_path", "")]
+        paths += list(getattr(callback, "best_k_models", None) or {})
+    existing = [Path(p) for p in paths if p and Path(p).is_file()]
+    return str(max(existing, key=lambda p: p.stat().st_mtime)) if existing else ""
+
+
+def terminated_line(trainer: Any) -> str:
+    """``aitraining-pl: stopped by SIGTERM after N steps; last checkpoint: <path> (resume: --ckpt_path <path>)``."""
+    path = last_checkpoint(trainer) if trainer is not None else ""
+    step = getattr(trainer, "global_step", 0)
+    where = f"last checkpoint: {path} (resume with --ckpt_path {path})" if path else "no checkpoint was written"
+    return f"aitraining-pl: stopped by SIGTERM after {step} steps; {where}"
 
 
 def closing_line(trainer: Any) -> str:
@@ -425,6 +458,9 @@ def main(args: list[str] | None = None) -> None:
     quiet_known_noise()
     try:
         build_cli(args)
+    except Terminated as err:
+        print(err, file=sys.stderr, flush=True)
+        raise SystemExit(Terminated.exit_code) from None
     except argparse.ArgumentError as err:  # jsonargparse's errors: a bad option or config value
         if os.environ.get("AITRAINING_PL_DEBUG"):
             raise

@@ -1,0 +1,56 @@
+"""Faults an unlucky operator meets (issue 26): SIGTERM from a scheduler, reward functions that hang or call
+``os._exit``. Each ends the run with a non-zero exit status and one line saying what happened."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from dpo_utils import write_config
+
+from aitraining_pl.cli import main
+
+
+class SigtermAtStep(pl.Callback):
+    """Sends SIGTERM to this process after optimizer step ``step`` (as SLURM or Kubernetes would)."""
+
+    def __init__(self, step: int = 2):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_exits_143_with_one_line_naming_the_last_checkpoint(tmp_path, capsys):
+    """Before: Lightning raised SIGTERMException, a SystemExit with no code, and the command exited 0."""
+    checkpoints = tmp_path / "ckpt"
+    config = write_config(tmp_path, trainer={"max_steps": 20, "enable_checkpointing": True})
+    args = [
+        "fit",
+        "--config",
+        str(config),
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.dirpath",
+        str(checkpoints),
+        "--trainer.callbacks.every_n_train_steps",
+        "1",
+        "--trainer.callbacks.save_top_k",
+        "-1",
+        "--trainer.callbacks+=test_faults.SigtermAtStep",
+    ]
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as info:
+            main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("aitraining-pl:")]
+    assert info.value.code == 143
+    assert len(lines) == 1 and lines[0].startswith("aitraining-pl: stopped by SIGTERM after "), lines
+    path = lines[0].split("last checkpoint: ", 1)[1].split(" ", 1)[0]
+    assert Path(path).is_file() and Path(path).parent == checkpoints, lines
+    assert f"--ckpt_path {path}" in lines[0]
