@@ -331,7 +331,7 @@ def terminated_line(trainer: Any) -> str:
 def closing_line(trainer: Any) -> str:
     """``aitraining-pl: done after N steps: <k>=<v> ...; export: <path>; checkpoint: <path>`` after a fit: the
     last ``train/loss`` and validation metrics (all ``train/`` metrics when there is no validation)."""
-    headline = ("train/loss", "train/reward_mean", "train/kl", "train/rewards/accuracies", "train/accuracy")
+    headline = ("train/loss", "train/reward_mean", "train/kl", "train/rewards/accuracies")
     metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val/") or k in headline}
     metrics = metrics or {k: v for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
     shown = " ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items()) if getattr(v, "numel", lambda: 1)() == 1)

@@ -30,6 +30,8 @@ RENAMED: dict[str, str] = {
     "horizon": "kl_horizon",  # AdaptiveKLCallback (the seed's PPOConfig.kl_horizon)
     "precompute_ref_logps": "precompute_ref_log_probs",  # DPOModule (TRL's DPOConfig name)
     "center_rewards_coef": "center_rewards_coefficient",  # RewardModule (TRL's RewardConfig name)
+    "ppo_epochs": "num_iterations",  # PPOModule (the seed's PPOConfig keeps ppo_epochs)
+    "clip_ratio": "epsilon",  # PPOModule (the seed's PPOConfig keeps clip_ratio)
 }
 
 
@@ -155,13 +157,12 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     "num_objectives": COUNT,
     "pooling_strategy": OneOf(_registry("aitraining_pl.losses", "POOLING_STRATEGIES")),
     # online RL (PPO, GRPO, RLOO)
-    "ppo_epochs": COUNT,
+    "ppo_epochs": Range(1, integer=True, optional=True),  # deprecated spelling of num_iterations
     "num_iterations": COUNT,
-    "update_epochs": COUNT,
     "num_generations": COUNT,
     "gamma": PROBABILITY_OPEN,
     "lam": FRACTION,
-    "clip_ratio": POSITIVE,
+    "clip_ratio": Range(0, low_open=True, optional=True),  # deprecated spelling of epsilon
     "epsilon": POSITIVE,
     "epsilon_high": Range(0, low_open=True, optional=True),
     "value_clip": Range(0, optional=True),
@@ -198,7 +199,6 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     "max_length": COUNT,
     "max_prompt_length": COUNT,
     "num_workers": Range(0, integer=True),
-    "samples_per_prompt": COUNT,
 }
 
 

@@ -10,7 +10,7 @@ load; the random model rarely samples EOS, so responses (PPO's and plain) mostly
 
 - ``ppo/<part>``: ``iteration`` (``training_step`` wall time), ``generation`` (``generate`` with KV cache,
   masks), ``scoring`` (decode + reward source), ``old_forward`` (policy log-probs and values, no grad),
-  ``reference_forward``, ``update`` (``ppo_epochs`` x minibatch forward/backward/optimizer steps) and
+  ``reference_forward``, ``update`` (``num_iterations`` x minibatch forward/backward/optimizer steps) and
   ``other`` (the rest: concatenation, rewards, GAE, whitening, logging and its all-reduce);
 - ``plain/<part>``: the same model's ``generate`` for the same prompts and length, one no-grad forward of
   the whole batch, and the update's forward/backward/AdamW steps on plain cross-entropy;
@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--mini-batch-size", type=int, default=4)
-    parser.add_argument("--ppo-epochs", type=int, default=4)
+    parser.add_argument("--num-iterations", type=int, default=4)
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--iterations", type=int, default=4, help="measured iterations (plus one warm-up)")
@@ -111,7 +111,7 @@ def main() -> None:
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0),
         learning_rate=1e-5,
         mini_batch_size=args.mini_batch_size,
-        ppo_epochs=args.ppo_epochs,
+        num_iterations=args.num_iterations,
     )
     prompts = [("x" * (args.prompt_length - 3)) + f"{i:03d}" for i in range(args.batch_size * (args.iterations + 1))]
     data = PromptDataModule(
@@ -122,7 +122,7 @@ def main() -> None:
     clock.wrap(module, "generate", "generation")
     clock.wrap(module, "score", "scoring")
     clock.wrap(module, "reference_logprobs", "reference_forward")
-    clock.wrap(module, "update", "update")  # OnlineRLModule.update: the ppo_epochs passes
+    clock.wrap(module, "update", "update")  # OnlineRLModule.update: the num_iterations passes
     # module.forward outside the update is the no-grad old log-probs / values pass
     clock.wrap(module, "forward", lambda a, k: "update_forward" if torch.is_grad_enabled() else "old_forward")
     clock.wrap(module, "training_step", "iteration")
@@ -167,7 +167,7 @@ def main() -> None:
             sync()
             plain["no_grad_forward"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            for _ in range(args.ppo_epochs):
+            for _ in range(args.num_iterations):
                 for start in range(0, args.batch_size, args.mini_batch_size):
                     chunk = out[start : start + args.mini_batch_size]
                     plain_model(input_ids=chunk, labels=chunk).loss.backward()
@@ -179,7 +179,7 @@ def main() -> None:
     class EndIteration(pl.Callback):
         def on_train_batch_end(self, trainer, *unused):
             clock.end_iteration()
-            lengths["ppo"].append(float(trainer.callback_metrics["train/response_length"]))
+            lengths["ppo"].append(float(trainer.callback_metrics["train/completion_length"]))
             plain_round()
 
     trainer = pl.Trainer(
@@ -207,7 +207,7 @@ def main() -> None:
         "layers": args.layers,
         "batch_size": args.batch_size,
         "mini_batch_size": args.mini_batch_size,
-        "ppo_epochs": args.ppo_epochs,
+        "num_iterations": args.num_iterations,
         "prompt_length": args.prompt_length,
         "max_new_tokens": args.max_new_tokens,
         "accelerator": args.accelerator,

@@ -176,7 +176,7 @@ def online(kind, strategy: str, out: str, do_sample: bool = False, **kwargs) -> 
 
 
 def case_ppo_step(strategy: str, out: str) -> dict:
-    return online(PPOModule, strategy, out, mini_batch_size=2, ppo_epochs=1, kl_coef=0.05)
+    return online(PPOModule, strategy, out, mini_batch_size=2, num_iterations=1, kl_coef=0.05)
 
 
 def case_rloo_step(strategy: str, out: str) -> dict:

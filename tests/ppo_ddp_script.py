@@ -42,7 +42,7 @@ def main(out: str, precision: str = "32-true") -> None:
         learning_rate=1e-3,
         mini_batch_size=2,
         gradient_accumulation_steps=2,
-        ppo_epochs=2,
+        num_iterations=2,
         kl_coef=0.05,
     )
     data = PromptDataModule(prompts=[f"prompt {i}" for i in range(8)], tokenizer="byte", batch_size=4)

@@ -39,7 +39,10 @@ def main(out: str) -> None:
         with torch.no_grad():
             scores = module.reward_model.score(batch["input_ids"], batch["attention_mask"])
         good, bad = scores.chunk(2)
-        local = {"val/accuracy": float((good > bad).float().mean()), "val/margin": float((good - bad).mean())}
+        local = {
+            "val/rewards/accuracies": float((good > bad).float().mean()),
+            "val/rewards/margins": float((good - bad).mean()),
+        }
         torch.save({"reduced": reduced, "local": local, "states": gathered, "steps": trainer.global_step},
                    os.path.join(out, "result.pt"))  # fmt: skip
 

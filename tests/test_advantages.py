@@ -163,9 +163,7 @@ def test_clipped_policy_loss_matches_a_loop(aggregation, with_ref):
         beta,
     )
     assert loss.item() == pytest.approx(expected, abs=1e-6)
-    assert stats["clip_ratio/low"].item() == pytest.approx(low) and stats["clip_ratio/high"].item() == pytest.approx(
-        high
-    )
+    assert stats["clipfrac/low"].item() == pytest.approx(low) and stats["clipfrac/high"].item() == pytest.approx(high)
     assert low > 0 and high > 0  # the random ratios exercise both sides
     assert ("kl" in stats) == with_ref
 

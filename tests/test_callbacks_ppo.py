@@ -54,7 +54,7 @@ def _module(**kwargs):
         generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0),
         learning_rate=1e-3,
         mini_batch_size=2,
-        ppo_epochs=1,
+        num_iterations=1,
         kl_coef=0.05,
     )
     return PPOModule(**{**defaults, **kwargs})

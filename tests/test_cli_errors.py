@@ -74,7 +74,7 @@ def _ppo(tmp: Path) -> list[str]:
             "reward": "aitraining_pl.rewards:length_reward",
             "generation": {"max_new_tokens": 3},
             "mini_batch_size": 2,
-            "ppo_epochs": 1,
+            "num_iterations": 1,
             "learning_rate": 1e-3,
         },
     }
@@ -323,11 +323,11 @@ CASES = {
         ["PPOModule.mini_batch_size: must be >= 1 (an integer), got 0"],
         True,
     ),
-    "hp-ppo-epochs": (
+    "hp-num-iterations": (
         _ppo,
-        lambda t: ["--model.init_args.ppo_epochs", "0"],
+        lambda t: ["--model.init_args.num_iterations", "0"],
         "hyperparameter",
-        ["PPOModule.ppo_epochs: must be >= 1 (an integer), got 0"],
+        ["PPOModule.num_iterations: must be >= 1 (an integer), got 0"],
         True,
     ),
     "hp-kl-coef": (
@@ -541,7 +541,7 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["config-not-a-number", "hp-ppo-epochs", "reward-system-exit"])
+@pytest.mark.parametrize("case", ["config-not-a-number", "hp-num-iterations", "reward-system-exit"])
 def test_console_command_prints_one_line_and_exits_2(case, tmp_path):
     """The real command in its own process: exit status 2 and the message as the last line of stderr (Lightning's
     own log lines, such as "Seed set to 0", may come before it), no usage dump, no traceback."""

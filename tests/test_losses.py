@@ -210,11 +210,12 @@ def test_gae_against_loop_and_terminal_value_zero():
 
 
 def test_ppo_policy_loss_clipping_hand_values():
+    # PPO's policy loss is clipped_policy_loss with the token-mean aggregation and no KL term
     old = torch.zeros(1, 3)
     logp = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))  # ratios 1.5, 0.5, 1.1
     adv = torch.tensor([[1.0, 1.0, -2.0]])
     mask = torch.ones(1, 3)
-    loss, stats = L.ppo_policy_loss(logp, old, adv, mask, clip_ratio=0.2)
+    loss, stats = L.clipped_policy_loss(logp, old, adv, mask, epsilon=0.2, aggregation="token")
     # token 0: max(-1.5, -1.2) = -1.2 (clipped); token 1: max(-0.5, -0.8) = -0.5; token 2: max(2.2, 2.2) = 2.2
     assert loss.item() == pytest.approx((-1.2 - 0.5 + 2.2) / 3, abs=1e-6)
     assert stats["clipfrac"].item() == pytest.approx(1 / 3)
@@ -232,25 +233,27 @@ def test_ppo_value_loss_hand_values():
 
 
 def test_group_and_rloo_advantages_against_loops():
+    # sequence scores on each response's last token; groups of 3 consecutive rows (the registry's estimators)
     r = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 6.0])
     g = 3
-    for scale in ("group", "batch", "none"):
-        got = L.group_advantages(r, g, scale=scale)
+    group = torch.arange(6) // g
+    rewards, mask = torch.zeros(6, 2), torch.ones(6, 2)
+    rewards[:, -1] = r
+    for name, scale in (("grpo", "group"), ("dr_grpo", "none")):
+        got = L.compute_advantages(name, rewards, mask, group)
         for i in range(6):
             grp = r[(i // g) * g : (i // g + 1) * g].tolist()
             mean = sum(grp) / g
             std = math.sqrt(sum((v - mean) ** 2 for v in grp) / (g - 1))
-            denom = {"group": std + 1e-4, "batch": r.std().item() + 1e-4, "none": 1.0}[scale]
-            assert got[i].item() == pytest.approx((r[i].item() - mean) / denom, abs=1e-5)
-    rloo = L.rloo_advantages(r, g)
+            denom = {"group": std + 1e-4, "none": 1.0}[scale]
+            assert got[i].tolist() == pytest.approx([(r[i].item() - mean) / denom] * 2, abs=1e-5)
+    rloo = L.compute_advantages("rloo", rewards, mask, group)
     for i in range(6):
         grp = r[(i // g) * g : (i // g + 1) * g].tolist()
         others = grp[: i % g] + grp[i % g + 1 :]
-        assert rloo[i].item() == pytest.approx(r[i].item() - sum(others) / (g - 1), abs=1e-6)
-    with pytest.raises(ValueError):
-        L.group_advantages(r, 4)
-    with pytest.raises(ValueError, match="group, batch, none"):
-        L.group_advantages(r, 3, scale="x")
+        assert rloo[i].tolist() == pytest.approx([r[i].item() - sum(others) / (g - 1)] * 2, abs=1e-6)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'x'"):
+        L.compute_advantages("x", rewards, mask, group)
 
 
 # ---------------------------------------------------------------- KL controllers

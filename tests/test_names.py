@@ -4,6 +4,7 @@ typed as Literal, the same optimiser arguments on every module, PPO's reward req
 from __future__ import annotations
 
 import inspect
+import re
 import warnings
 from pathlib import Path
 from typing import get_args
@@ -135,6 +136,18 @@ def test_ppo_kl_coef_and_its_old_name():
         _ppo(reward=TOY_REWARD, kl_coef=0.2, kl_penalty_coef=0.3)
 
 
+def test_ppo_num_iterations_and_epsilon_and_their_old_names():
+    module = _ppo(reward=TOY_REWARD, num_iterations=2, epsilon=0.1, epsilon_high=0.3)
+    assert (module.num_iterations, module.hparams.epsilon, module.hparams.epsilon_high) == (2, 0.1, 0.3)
+    with pytest.warns(RenamedArgumentWarning) as record:
+        old = _ppo(reward=TOY_REWARD, ppo_epochs=3, clip_ratio=0.3)
+    assert {str(w.message).split("'")[1] for w in record} == {"ppo_epochs", "clip_ratio"}
+    assert old.num_iterations == 3 and old.hparams.num_iterations == 3 and old.hparams.epsilon == 0.3
+    assert "ppo_epochs" not in old.hparams and "clip_ratio" not in old.hparams
+    with pytest.raises(ConfigError, match="PPOModule.num_iterations: given twice"):
+        _ppo(reward=TOY_REWARD, num_iterations=2, ppo_epochs=3)
+
+
 def test_ppo_logs_generation_and_optimiser_arguments():
     module = _ppo(reward=TOY_REWARD, generation={"max_new_tokens": 5}, lr_schedule="cosine", weight_decay=0.1)
     assert module.hparams_initial["generation"]["max_new_tokens"] == 5
@@ -173,7 +186,8 @@ def test_old_yaml_keys_still_run_with_a_warning(tmp_path):
     """A recipe written with the old spellings (module and callback) parses, builds and warns; the value is used."""
     text = (ROOT / "configs/quickstart/ppo.yaml").read_text()
     text = text.replace("    kl_coef: 0.01", "    kl_penalty_coef: 0.02").replace("kl_target:", "target:")
-    assert "kl_penalty_coef: 0.02" in text and "        target:" in text
+    text = text.replace("    num_iterations: 4", "    ppo_epochs: 2")
+    assert "kl_penalty_coef: 0.02" in text and "        target:" in text and "ppo_epochs: 2" in text
     config = tmp_path / "old.yaml"
     config.write_text(text)
     with pytest.warns(RenamedArgumentWarning) as record:
@@ -187,8 +201,8 @@ def test_old_yaml_keys_still_run_with_a_warning(tmp_path):
             run=False,
         )
     renamed = [str(w.message).split("'")[1] for w in record if w.category is RenamedArgumentWarning]
-    assert set(renamed) >= {"kl_penalty_coef", "target"}
-    assert cli.model.kl_coef == 0.02 and cli.model.hparams.kl_coef == 0.02
+    assert set(renamed) >= {"kl_penalty_coef", "target", "ppo_epochs"}
+    assert cli.model.kl_coef == 0.02 and cli.model.hparams.kl_coef == 0.02 and cli.model.num_iterations == 2
     kl = [c for c in cli.trainer.callbacks if isinstance(c, AdaptiveKLCallback)]
     assert kl and kl[0].kl_target == 6.0
 
@@ -210,3 +224,62 @@ def test_reward_missing_from_a_recipe_is_one_message(capsys):
     err = capsys.readouterr().err
     assert info.value.code == 2 and "aitraining-pl: config error: PPOModule.reward: required" in err, err
     torch.set_num_threads(torch.get_num_threads())  # (no thread setting leaked from the CLI)
+
+
+# ---------------------------------------------------------------- the naming table (docs/naming.md)
+
+
+def naming_table(section: str) -> tuple[set[str], set[str]]:
+    """The names (second column) and old names (last column) of a table in ``docs/naming.md``."""
+    text = (ROOT / "docs/naming.md").read_text().split(f"## {section}")[1].split("\n## ")[0]
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    names = {n for row in rows for n in re.findall(r"`([^`]+)`", row[1])}
+    return names, {n for row in rows for n in re.findall(r"`([^`]+)`", row[-1])}
+
+
+def test_naming_table_covers_the_renamed_arguments():
+    names, old = naming_table("Arguments and attributes")
+    assert set(RENAMED) <= old and set(RENAMED.values()) <= names
+    assert not names & old
+
+
+QUICKSTARTS = {
+    "ppo": ("ppo.yaml", []),
+    "grpo": ("grpo.yaml", []),
+    "rloo": ("grpo.yaml", ["--model.class_path", "aitraining_pl.modules.critic_free.RLOOModule"]),
+}
+
+
+@pytest.mark.parametrize("recipe", list(QUICKSTARTS))
+def test_quickstart_metric_names_follow_the_naming_table(recipe, tmp_path, monkeypatch):
+    """One iteration and one held-out batch of the PPO, GRPO and RLOO quickstarts: every logged metric name is a
+    name of the table's metric section, none is an old name."""
+    names, old = naming_table("Logged metrics")
+    config, extra = QUICKSTARTS[recipe]
+    monkeypatch.chdir(tmp_path)  # the recipes write under runs/
+    cli = build_cli(
+        [
+            "--config",
+            str(ROOT / "configs/quickstart" / config),
+            *extra,
+            "--data.init_args.data_path",
+            str(ROOT / "aitraining_pl/data/quickstart_prompts.jsonl"),
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.limit_train_batches",
+            "1",
+            "--trainer.limit_val_batches",
+            "1",
+            "--trainer.val_check_interval",
+            "1",
+        ],
+        run=False,
+    )
+    assert type(cli.model).__name__.lower().startswith(recipe)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    logged = {k.split("/", 1)[1] for k in cli.trainer.callback_metrics if k.startswith(("train/", "val/"))}
+    assert {"loss", "clipfrac", "completion_length", "reward_mean", "kl_coef"} <= logged
+    patterns = [re.compile(re.sub(r"<[a-z]+>", "[^/]+", re.escape(n))) for n in names]  # <component>: any name
+    unknown = {k for k in logged if not any(p.fullmatch(k) for p in patterns)}
+    assert not unknown, f"{recipe} logs names missing from docs/naming.md: {sorted(unknown)}"
+    assert not logged & old, f"{recipe} logs old names: {sorted(logged & old)}"

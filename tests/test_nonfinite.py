@@ -135,7 +135,7 @@ def test_ppo_manual_optimisation_is_guarded(tmp_path, action):
         reward="aitraining_pl.rewards:char_fraction_reward",
         learning_rate=1e-3,
         mini_batch_size=2,
-        ppo_epochs=1,
+        num_iterations=1,
         generation=GenerationConfig(max_new_tokens=4),
     )
     data = PromptDataModule(prompts=["ab", "cd", "ef", "gh", "ij", "kl"], tokenizer=module.tokenizer, batch_size=2)

@@ -272,8 +272,8 @@ def test_algorithm_learns_and_reference_stays(tmp_path, byte_tokenizer, name):
         "completion_length/max",
         "clipped_ratio",
         "entropy",
-        "clip_ratio/low",
-        "clip_ratio/high",
+        "clipfrac/low",
+        "clipfrac/high",
         "lr",
     ):
         assert f"train/{key}" in metrics, key

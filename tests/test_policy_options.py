@@ -42,7 +42,7 @@ def test_gspo_on_one_token_sequences_equals_the_token_level_loss(aggregation):
         logp = (old + 0.5 * torch.randn(6, 1, generator=torch.Generator().manual_seed(1))).requires_grad_()
         loss, stats = clipped_policy_loss(logp, old, adv, mask, 0.2, 0.28, aggregation, importance_sampling_level=level)
         loss.backward()
-        results[level] = (loss.detach(), logp.grad, stats["clip_ratio"])
+        results[level] = (loss.detach(), logp.grad, stats["clipfrac"])
     for a, b in zip(results["token"], results["sequence"]):
         torch.testing.assert_close(a, b)
     assert results["token"][2] > 0  # some ratios are clipped: the comparison covers the clip
@@ -75,7 +75,7 @@ def test_gspo_clips_per_sequence_hand_values():
     assert loss.item() == pytest.approx((-1.2 + s) / 2, abs=1e-6)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0], [s / 4, s / 4]]))
-    assert stats["clip_ratio/high"].item() == pytest.approx(0.5)  # both tokens of row 0
+    assert stats["clipfrac/high"].item() == pytest.approx(0.5)  # both tokens of row 0
 
 
 # ---------------------------------------------------------------- delta (two-sided clip)
@@ -109,7 +109,7 @@ def test_cispo_is_reinforce_weighted_by_the_clipped_detached_ratio():
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     loss.backward()  # the weight is detached: d/dlogp = -w A / 3, on every token (none dropped)
     torch.testing.assert_close(logp.grad, torch.tensor([[-w[0] * 2.0 / 3, -w[1] / 3, w[2] / 3]]))
-    assert stats["clip_ratio/high"].item() == pytest.approx(1 / 3)
+    assert stats["clipfrac/high"].item() == pytest.approx(1 / 3)
 
 
 def test_unknown_policy_loss_options_are_refused():

@@ -13,7 +13,7 @@ from conftest import TINY_LLAMA, quiet_trainer
 
 import aitraining_pl.rollout as rollout_module
 from aitraining_pl.datamodules.prompt import PromptDataModule
-from aitraining_pl.models import build_causal_lm
+from aitraining_pl.models import build_causal_lm, is_peft_model
 from aitraining_pl.modules.ppo import PPOModule
 from aitraining_pl.rollout import GenerationConfig
 
@@ -66,7 +66,7 @@ def _reference_ppo(model, ref_model, ids, attn, P, scores, hp, n_steps_total):
 
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=hp["lr"], weight_decay=0.0)
     losses = []
-    for step in range(hp["ppo_epochs"]):
+    for step in range(hp["num_iterations"]):
         for group in opt.param_groups:
             group["lr"] = hp["lr"] * max(0.0, 1 - step / n_steps_total)
         lp, v, ent = run(model, True)
@@ -93,7 +93,7 @@ def test_one_iteration_matches_a_hand_written_ppo_loop(tmp_path, monkeypatch, by
         gamma=0.9,
         lam=0.8,
         lr=1e-2,
-        ppo_epochs=3,
+        num_iterations=3,
         clip=0.2,
         vclip=0.2,
         vcoef=0.5,
@@ -107,10 +107,10 @@ def test_one_iteration_matches_a_hand_written_ppo_loop(tmp_path, monkeypatch, by
         generation=GenerationConfig(max_new_tokens=5, temperature=hp["temperature"]),
         learning_rate=hp["lr"],
         mini_batch_size=4,
-        ppo_epochs=hp["ppo_epochs"],
+        num_iterations=hp["num_iterations"],
         gamma=hp["gamma"],
         lam=hp["lam"],
-        clip_ratio=hp["clip"],
+        epsilon=hp["clip"],
         value_clip=hp["vclip"],
         max_grad_norm=hp["max_grad_norm"],
         kl_coef=hp["kl_coef"],
@@ -144,13 +144,13 @@ def test_one_iteration_matches_a_hand_written_ppo_loop(tmp_path, monkeypatch, by
     ]
     scores = torch.tensor(length_score(prompts, texts, None))
     ref_lm = build_causal_lm(TINY_LLAMA, seed=0).eval()
-    expected = _reference_ppo(reference_model, ref_lm, ids, attn, P, scores, hp, n_steps_total=hp["ppo_epochs"])
+    expected = _reference_ppo(reference_model, ref_lm, ids, attn, P, scores, hp, n_steps_total=hp["num_iterations"])
 
     got = [
         (h["loss"].item(), h["policy_loss"].item(), h["value_loss"].item(), h["entropy"].item())
         for h in module.update_history
     ]
-    assert len(got) == hp["ppo_epochs"]
+    assert len(got) == hp["num_iterations"]
     assert torch.allclose(torch.tensor(got), torch.tensor(expected), atol=1e-5, rtol=0)
     assert expected[0][2] > 0 and abs(expected[1][1] - expected[0][1]) > 1e-4  # non-trivial losses that changed
     for (name, p), q in zip(module.model.named_parameters(), reference_model.parameters()):
@@ -213,11 +213,11 @@ def test_quickstart_task_learns(tmp_path, byte_tokenizer, seed):
         generation=GenerationConfig(max_new_tokens=8, temperature=1.0, top_p=1.0),
         learning_rate=1e-2,
         mini_batch_size=8,
-        ppo_epochs=4,
+        num_iterations=4,
         kl_coef=0.01,
         entropy_coef=0.0,
         seed=seed,
-        clip_ratio=0.4,  # a wider trust region than the quickstart's 0.2, so that 12 iterations suffice
+        epsilon=0.4,  # a wider trust region than the quickstart's 0.2, so that 12 iterations suffice
     )
     dm = PromptDataModule(data_path=QUICKSTART_PROMPTS, tokenizer=byte_tokenizer, batch_size=16, val_split=0.2)
     rewards = []
@@ -288,9 +288,9 @@ def test_lora_policy_under_bf16_mixed(tmp_path, byte_tokenizer):
         generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0),
         learning_rate=1e-2,
         mini_batch_size=2,
-        ppo_epochs=2,
+        num_iterations=2,
     )
-    assert module.reference.shares_weights and module.uses_lora
+    assert module.reference.shares_weights and is_peft_model(module.policy)
     named = dict(module.model.named_parameters())
     lora = {n: p.detach().clone() for n, p in named.items() if "lora_B" in n}
     base = {n: p.detach().clone() for n, p in named.items() if "base_layer" in n}
@@ -313,7 +313,7 @@ def test_lora_policy_under_bf16_mixed(tmp_path, byte_tokenizer):
         "train/explained_variance",
         "train/reward_mean",
         "train/reward_std",
-        "train/response_length",
+        "train/completion_length",
     } <= set(metrics)
     named = dict(module.model.named_parameters())
     assert any(not torch.equal(named[n], p) for n, p in lora.items())

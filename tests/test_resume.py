@@ -167,7 +167,7 @@ def test_ppo_resume_is_bit_identical_with_kl_and_prompts(tmp_path, deterministic
             tokenizer_name="byte",
             learning_rate=1e-3,
             mini_batch_size=2,
-            ppo_epochs=1,
+            num_iterations=1,
             kl_coef=0.05,
             generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0),
         )
@@ -279,7 +279,7 @@ def test_ppo_validation_and_sampling_callback_do_not_shift_training_randomness(t
             tokenizer_name="byte",
             learning_rate=1e-3,
             mini_batch_size=2,
-            ppo_epochs=1,
+            num_iterations=1,
             generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0),
         )
         data = PromptDataModule(prompts=prompts, tokenizer=module.tokenizer, batch_size=2, val_split=0.25)

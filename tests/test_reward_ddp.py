@@ -23,5 +23,5 @@ def test_reward_module_ddp_reduces_metrics_and_keeps_ranks_in_sync(tmp_path):
     first, second = result["states"]
     for name, tensor in first.items():
         assert torch.equal(tensor, second[name]), name
-    for name in ("val/accuracy", "val/margin"):  # 16 pairs = 8 per rank, so no padded duplicates
+    for name in ("val/rewards/accuracies", "val/rewards/margins"):  # 16 pairs = 8 per rank, so no padded duplicates
         assert result["reduced"][name] == pytest.approx(result["local"][name], abs=1e-5), name

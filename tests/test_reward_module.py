@@ -63,7 +63,7 @@ def test_reward_module_learns_held_out_preferences_and_exports_for_ppo(tmp_path)
     head_before = module.reward_model.head.weight.detach().clone()
     trainer.fit(module, datamodule=data)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    assert metrics["val/accuracy"] >= 0.9 and metrics["val/loss"] < 0.5 * before
+    assert metrics["val/rewards/accuracies"] >= 0.9 and metrics["val/loss"] < 0.5 * before
     assert metrics["val/margin"] > 0 and "train/reward_mean" in metrics and "val/reward_mean" in metrics
     assert not torch.equal(module.reward_model.head.weight, head_before)
     # the exported folder is what PPO loads as its reward source
@@ -94,8 +94,8 @@ def test_shared_step_is_bradley_terry_with_margin_and_centring():
     )
     torch.testing.assert_close(loss, hand)
     torch.testing.assert_close(loss, bradley_terry_loss(chosen, rejected, batch["margin"], 0.5))
-    assert {"loss", "accuracy", "margin", "reward_mean"} <= set(logged)
-    torch.testing.assert_close(logged["accuracy"], (chosen > rejected).float())
+    assert {"loss", "rewards/accuracies", "rewards/margins", "reward_mean"} <= set(logged)
+    torch.testing.assert_close(logged["rewards/accuracies"], (chosen > rejected).float())
 
 
 def test_pairwise_module_trains_a_pairwise_model_and_logs_preference_prob():
@@ -227,7 +227,7 @@ def test_reward_model_trainer_seed_api(tmp_path, byte_tokenizer):
     _, val_chosen, val_rejected = synthetic_pairs(16, seed=1)
     metrics = trainer.train_on_preferences(chosen, rejected, num_epochs=2, batch_size=16,
                                            eval_chosen_texts=val_chosen, eval_rejected_texts=val_rejected)  # fmt: skip
-    assert {"train/loss", "train/accuracy", "val/accuracy"} <= set(metrics)
+    assert {"train/loss", "train/rewards/accuracies", "val/rewards/accuracies"} <= set(metrics)
     trainer.save_model(str(tmp_path / "reward_model.pt"))
     expected = model.predict_rewards(val_chosen, byte_tokenizer)
     fresh = RewardModelTrainer(RewardModel(config), byte_tokenizer, config)
@@ -263,7 +263,8 @@ def test_reward_quickstart_accuracy_rises_and_exports_a_loadable_folder(tmp_path
                "--trainer.max_steps", "24", "--trainer.limit_val_batches", "3",
                "--trainer.enable_progress_bar", "false"])  # fmt: skip
     (metrics_file,) = (tmp_path / "runs/quickstart-reward/csv").glob("version_*/metrics.csv")
-    accuracy = [float(r["val/accuracy"]) for r in csv.DictReader(metrics_file.open()) if r.get("val/accuracy")]
+    rows = csv.DictReader(metrics_file.open())
+    accuracy = [float(r["val/rewards/accuracies"]) for r in rows if r.get("val/rewards/accuracies")]
     assert len(accuracy) >= 5 and accuracy[0] < 0.8 and min(accuracy[-3:]) >= 0.9
     model = load_reward_model(tmp_path / "runs/quickstart-reward/export/last")
     good, bad = model.predict_rewards(

@@ -224,7 +224,7 @@ def test_ppo_with_a_sequence_classifier_reward_whose_tokenizer_differs(tmp_path,
     recorder = _Recorder(build_reward_source(folder))
     pl.seed_everything(0)
     module = PPOModule(
-        model_config=TINY_LLAMA, tokenizer_name="byte", reward=recorder, mini_batch_size=2, ppo_epochs=1,
+        model_config=TINY_LLAMA, tokenizer_name="byte", reward=recorder, mini_batch_size=2, num_iterations=1,
         generation=GenerationConfig(max_new_tokens=6, temperature=1.0, top_p=1.0),
     )  # fmt: skip
     dm = PromptDataModule(

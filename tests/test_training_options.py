@@ -87,8 +87,8 @@ def test_ppo_with_dropout_and_lora_starts_at_ratio_one(tmp_path, byte_tokenizer)
             generation=GenerationConfig(max_new_tokens=6, temperature=1.0, top_p=1.0),
             learning_rate=1e-3,
             mini_batch_size=2,
-            ppo_epochs=1,
-            clip_ratio=0.01,
+            num_iterations=1,
+            epsilon=0.01,
         )
         dm = PromptDataModule(prompts=["ab", "cde", "f", "ghij"], tokenizer=byte_tokenizer, batch_size=4)
         pl.Trainer(

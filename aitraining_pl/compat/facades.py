@@ -83,8 +83,8 @@ class PPOTrainer:
             model_name=c.model_name, model_config=c.model_config, tokenizer_name=c.tokenizer_name,
             generation=GenerationConfig(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p),
             learning_rate=c.learning_rate, mini_batch_size=c.mini_batch_size,
-            gradient_accumulation_steps=c.gradient_accumulation_steps, ppo_epochs=c.ppo_epochs, gamma=c.gamma,
-            lam=c.lam, clip_ratio=c.clip_ratio, value_clip=c.value_clip, max_grad_norm=c.max_grad_norm,
+            gradient_accumulation_steps=c.gradient_accumulation_steps, num_iterations=c.ppo_epochs, gamma=c.gamma,
+            lam=c.lam, epsilon=c.clip_ratio, value_clip=c.value_clip, max_grad_norm=c.max_grad_norm,
             kl_coef=c.kl_penalty_coef, entropy_coef=c.entropy_coef, value_coef=c.value_coef, seed=c.seed,
             **reward,
         )  # fmt: skip

@@ -70,7 +70,8 @@ class RewardModelTrainer:
         **trainer_kwargs: Any,
     ) -> dict[str, float]:
         """Fit on (chosen, rejected) text pairs; returns the last logged metrics (``train/loss``,
-        ``train/accuracy``, ``train/margin``, ``train/reward_mean``, and ``val/...`` when eval texts are given).
+        ``train/rewards/accuracies``, ``train/rewards/margins``, ``train/reward_mean``, and ``val/...`` when eval
+        texts are given).
 
         Args:
             chosen_texts, rejected_texts: the preferred and dispreferred text of each pair.

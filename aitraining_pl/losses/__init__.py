@@ -8,6 +8,7 @@ from aitraining_pl.losses.advantages import (
     CRITIC_ESTIMATORS,
     compute_advantages,
     group_statistics,
+    whitened_gae,
 )
 from aitraining_pl.losses.fused_head import DEFAULT_MEMORY_BUDGET, HeadLogps, chunk_rows, fused_head_logps
 from aitraining_pl.losses.kl_control import AdaptiveKLController, FixedKLController
@@ -49,14 +50,7 @@ from aitraining_pl.losses.reward import (
     pool_hidden_states,
     positions_from_mask,
 )
-from aitraining_pl.losses.rl import (
-    gae,
-    group_advantages,
-    kl_penalty,
-    ppo_policy_loss,
-    ppo_value_loss,
-    rloo_advantages,
-)
+from aitraining_pl.losses.rl import gae, kl_penalty, ppo_value_loss
 from aitraining_pl.losses.sft import sft_loss
 
 __all__ = [
@@ -71,6 +65,7 @@ __all__ = [
     "high_entropy_mask",
     "compute_advantages",
     "group_statistics",
+    "whitened_gae",
     "DEFAULT_MEMORY_BUDGET",
     "HeadLogps",
     "chunk_rows",
@@ -104,10 +99,7 @@ __all__ = [
     "kto_loss",
     "kto_reference_point",
     "gae",
-    "group_advantages",
     "kl_penalty",
-    "ppo_policy_loss",
     "ppo_value_loss",
-    "rloo_advantages",
     "sft_loss",
 ]

@@ -106,12 +106,24 @@ def reinforce_pp_advantages(rewards, mask, group, values=None, gamma=1.0, lam=1.
     return masked_whiten(returns, mask, eps=eps**2)
 
 
+def whitened_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al. 2016) whitened over the batch's tokens, and the returns (``advantages + values``
+    before whitening) the critic regresses on: PPO's advantages and value targets from one GAE pass.
+
+    Returns:
+        ``(advantages, returns)``, each (N, R), zero outside the mask.
+    """
+    advantages, returns = gae(rewards, values, mask, gamma, lam)
+    return masked_whiten(advantages, mask), returns
+
+
 def gae_advantages(rewards, mask, group, values=None, gamma=1.0, lam=1.0, eps=1e-4) -> torch.Tensor:
-    """GAE (Schulman et al. 2016) with a critic's ``values``, whitened over the batch (as PPO uses it)."""
+    """GAE (Schulman et al. 2016) with a critic's ``values``, whitened over the batch (``whitened_gae``)."""
     if values is None:
         raise ValueError("the gae advantage estimator needs a critic's values")
-    advantages, _ = gae(rewards, values, mask, gamma, lam)
-    return masked_whiten(advantages, mask)
+    return whitened_gae(rewards, values, mask, gamma, lam)[0]
 
 
 AdvantageEstimator = Callable[..., torch.Tensor]

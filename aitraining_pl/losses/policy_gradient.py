@@ -1,4 +1,5 @@
-"""The clipped policy-gradient loss of critic-free online RL (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE++).
+"""The clipped policy-gradient loss of online RL: PPO and the critic-free family (GRPO, Dr. GRPO, DAPO, RLOO,
+REINFORCE++) share it.
 
 Per token: ``l_t = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)) + beta * KL_t`` with
 ``rho = exp(logp - old_logp)`` (PPO's surrogate, Schulman et al. 2017; DAPO's clip-higher ``eps_high``,
@@ -79,9 +80,11 @@ def clipped_policy_loss(
             the KL term and the aggregation's normaliser keep ``mask``.
 
     Returns:
-        ``(loss, stats)``; stats (detached): ``clip_ratio/low`` (share of tokens with A < 0 whose ratio is
-        below ``1 - epsilon``), ``clip_ratio/high`` (A > 0, ratio above ``1 + epsilon_high``),
-        ``clip_ratio`` (either), ``kl`` (mean per-token k3 when a reference is given), ``approx_kl``.
+        ``(loss, stats)``; stats (detached): ``clipfrac/low`` (share of tokens with A < 0 whose ratio is
+        below ``1 - epsilon``), ``clipfrac/high`` (A > 0, ratio above ``1 + epsilon_high``), ``clipfrac``
+        (either: the share of tokens where the clipped term is the larger one, so its gradient is 0),
+        ``approx_kl`` (k3 estimate of KL(old || new), Schulman 2020) and ``kl`` (mean per-token k3 to the
+        reference, when one is given). With ``aggregation="token"`` and no KL term this is PPO's policy loss.
     """
     if aggregation not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {aggregation!r}; known: {', '.join(LOSS_AGGREGATIONS)}")
@@ -109,9 +112,9 @@ def clipped_policy_loss(
         low = ((ratio < 1 - epsilon) & (advantages < 0)).to(mask.dtype) * mask
         high = ((ratio > 1 + epsilon_high) & (advantages > 0)).to(mask.dtype) * mask
         stats = {
-            "clip_ratio/low": low.sum() / n,
-            "clip_ratio/high": high.sum() / n,
-            "clip_ratio": (low + high).sum() / n,
+            "clipfrac/low": low.sum() / n,
+            "clipfrac/high": high.sum() / n,
+            "clipfrac": (low + high).sum() / n,
             "approx_kl": ((torch.expm1(token_ratio) - token_ratio) * mask).sum() / n,
         }
         if kl is not None:

@@ -1,4 +1,5 @@
-"""Policy-gradient maths: KL estimators, GAE, clipped PPO losses and group baselines.
+"""Policy-gradient maths: KL estimators, GAE and PPO's clipped value loss (the clipped policy loss is
+``losses.policy_gradient.clipped_policy_loss``, the advantage estimators are in ``losses.advantages``).
 
 Pure tensor functions. Per-token tensors are (B, T) with a (B, T) 0/1 ``mask`` marking response tokens.
 """
@@ -73,35 +74,6 @@ def gae(
     return advantages, (advantages + values) * mask
 
 
-def ppo_policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_ratio: float,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate objective of PPO (Schulman et al. 2017), masked mean over tokens.
-
-    ``L = mean(max(-A rho, -A clip(rho, 1 - eps, 1 + eps)))`` with ``rho = exp(logp - old_logp)``.
-
-    Returns:
-        ``(loss, stats)``; stats (detached) hold ``clipfrac`` (share of tokens where clipping is active),
-        ``approx_kl`` (k3 estimate of KL(old || new), Schulman 2020) and ``ratio`` (mean ratio).
-    """
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
-    with torch.no_grad():
-        stats = {
-            "clipfrac": masked_mean((clipped > unclipped).float(), mask),
-            "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
-            "ratio": masked_mean(ratio, mask),
-        }
-    return loss, stats
-
-
 def ppo_value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, value_clip: float
 ) -> torch.Tensor:
@@ -109,48 +81,3 @@ def ppo_value_loss(
     ``0.5 * mean(max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2))`` over the mask."""
     clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
     return 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask)
-
-
-def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    if group_size < 2 or rewards.numel() % group_size:
-        raise ValueError(
-            f"rewards of length {rewards.numel()} cannot be split into groups of {group_size} (need group_size >= 2)"
-        )
-    return rewards.view(-1, group_size)
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
-    """GRPO advantages (Shao et al. 2024): each reward minus its group's mean, divided by a standard deviation.
-
-    Consecutive runs of ``group_size`` entries are completions of the same prompt. ``scale``: ``group``
-    divides by the group's standard deviation (GRPO), ``batch`` by the whole batch's (Hu et al. 2025,
-    REINFORCE++), ``none`` does not divide (Liu et al. 2025, Dr. GRPO). Standard deviations are
-    Bessel-corrected.
-
-    Args:
-        rewards: (N,) with N a multiple of ``group_size``.
-
-    Returns:
-        (N,) advantages.
-    """
-    groups = _grouped(rewards, group_size)
-    centred = groups - groups.mean(dim=1, keepdim=True)
-    if scale == "none":
-        return centred.view(-1)
-    if scale == "group":
-        return (centred / (groups.std(dim=1, keepdim=True) + eps)).view(-1)
-    if scale == "batch":
-        return (centred / (rewards.std() + eps)).view(-1)
-    raise ValueError(f"unknown scale {scale!r}; known: group, batch, none")
-
-
-def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """REINFORCE leave-one-out (Ahmadian et al. 2024; Kool et al. 2019): ``A_i = r_i - mean_{j != i} r_j``
-    within each group of ``group_size`` consecutive completions of one prompt.
-
-    Returns:
-        (N,) advantages.
-    """
-    groups = _grouped(rewards, group_size)
-    baseline = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
-    return (groups - baseline).view(-1)

@@ -59,11 +59,29 @@ def warpers(config: HFGenerationConfig) -> LogitsProcessorList:
     if config.do_sample:
         if config.temperature is not None and config.temperature != 1.0:
             out.append(TemperatureLogitsWarper(config.temperature))
-        if config.top_k:
-            out.append(TopKLogitsWarper(top_k=config.top_k))
-        if config.top_p is not None and config.top_p < 1.0:
-            out.append(TopPLogitsWarper(top_p=config.top_p))
+        out.extend(_filters(config.top_k, config.top_p))
     return out
+
+
+def _filters(top_k: int | None, top_p: float | None) -> list:
+    out = [TopKLogitsWarper(top_k=top_k)] if top_k else []
+    return out + ([TopPLogitsWarper(top_p=top_p)] if top_p is not None and top_p < 1.0 else [])
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Top-k then nucleus (top-p, Holtzman et al. 2020) filtering as ``generate`` and ``decode`` apply it (the
+    same warpers): removed entries become ``-inf``.
+
+    Args:
+        logits: (V,) or (B, V) scores (already divided by the temperature).
+        top_k: keep the ``top_k`` highest (0 keeps all).
+        top_p: keep the smallest set of tokens whose probability reaches ``top_p`` (1.0 keeps all).
+    """
+    rows = logits.unsqueeze(0) if logits.dim() == 1 else logits
+    ids = torch.zeros(rows.shape[0], 1, dtype=torch.long, device=logits.device)  # the warpers do not read them
+    for warp in _filters(top_k, top_p):
+        rows = warp(ids, rows)
+    return rows.reshape(logits.shape).clone()
 
 
 class _Forward:

@@ -164,14 +164,6 @@ class CriticFreeModule(OnlineRLModule):
         return options
 
     @property
-    def samples_per_prompt(self) -> int:
-        return self.hparams.num_generations
-
-    @property
-    def update_epochs(self) -> int:
-        return self.hparams.num_iterations
-
-    @property
     def policy(self) -> torch.nn.Module:
         """The language model being trained (peft model under LoRA); exported by ``save_pretrained``."""
         return self.model

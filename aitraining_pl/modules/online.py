@@ -3,11 +3,11 @@ over minibatches, metrics reduced across ranks, held-out reward and checkpoint s
 
 One ``training_step`` is one iteration on a prompt batch:
 
-1. rollout: ``samples_per_prompt`` responses per prompt (rows ``i*G .. i*G+G-1`` answer prompt ``i``, so each
+1. rollout: ``num_generations`` responses per prompt (rows ``i*G .. i*G+G-1`` answer prompt ``i``, so each
    prompt's group stays on the rank that drew the prompt);
 2. score them with the reward source;
 3. ``make_experience`` (the subclass): old / reference log-probs, values, advantages;
-4. ``update_epochs`` passes over shuffled minibatches of ``minibatch_loss`` (the subclass), with gradient
+4. ``num_iterations`` passes over shuffled minibatches of ``minibatch_loss`` (the subclass), with gradient
    accumulation and clipping; every rank makes the same number of optimizer steps (its row count is fixed);
 5. log the stats, averaged over ranks in one all-reduce of a fixed-size vector (extrema in one more).
 
@@ -79,18 +79,28 @@ class RolloutBatch:
 class OnlineRLModule(AlignmentModule):
     """Base class; subclasses call ``setup_online`` in ``__init__`` and implement ``make_experience`` and
     ``minibatch_loss``. They read ``mini_batch_size``, ``gradient_accumulation_steps``, ``max_grad_norm``,
-    ``learning_rate``, ``warmup_ratio``, ``seed`` and ``missing_eos_penalty`` from ``hparams``."""
+    ``learning_rate``, ``warmup_ratio``, ``seed``, ``missing_eos_penalty``, ``num_iterations`` and (when they
+    have it) ``num_generations`` from ``hparams``."""
 
-    #: responses sampled per prompt (``G``); 1 for PPO
-    samples_per_prompt: int = 1
-    #: passes over each rollout batch
-    update_epochs: int = 1
     #: keep each iteration's ``completion_rows`` in ``last_completions`` (``CompletionLogCallback`` sets it)
     record_completions: bool = False
     last_completions: list[dict] = []
 
-    def setup_online(self, reward: Any, generation: Any, lora: Any, with_reference: bool, kl_coef: float) -> None:
-        """Store hyperparameters (primitives only), build the policy, reference and reward source."""
+    @property
+    def num_generations(self) -> int:
+        """Responses sampled per prompt (the group size ``G``; 1 for PPO)."""
+        return int(self.hparam("num_generations", 1))
+
+    @property
+    def num_iterations(self) -> int:
+        """Passes over each rollout batch."""
+        return int(self.hparams.num_iterations)
+
+    def setup_online(
+        self, reward: Any, generation: Any, lora: Any, with_reference: bool, kl_coef: float, **resolved: Any
+    ) -> None:
+        """Store hyperparameters (primitives only; ``resolved``: values of arguments that also have an old name),
+        build the policy, reference and reward source."""
         self.automatic_optimization = False
         self.strict_loading = False  # the frozen reference and the reward model are never saved
         # a reward given as a Python object (not YAML-describable primitives) is not saved with the hyperparameters
@@ -104,7 +114,7 @@ class OnlineRLModule(AlignmentModule):
             [] if primitive(reward) else ["reward"]
         )  # old names: no hparams
         self.save_hyperparameters(ignore=ignore, frame=inspect.currentframe().f_back)  # the caller's __init__
-        self.drop_renamed_hparams(kl_coef=float(kl_coef))
+        self.drop_renamed_hparams(kl_coef=float(kl_coef), **resolved)
         self.store_lora_hparam(lora)
         self.generation = (
             generation if isinstance(generation, GenerationConfig) else GenerationConfig(**dict(generation))
@@ -139,14 +149,14 @@ class OnlineRLModule(AlignmentModule):
     def updates_per_iteration(self, batch_size: int) -> int:
         """Optimizer steps made by one iteration on ``batch_size`` prompts."""
         hp = self.hparams
-        rows, per_step = batch_size * self.samples_per_prompt, hp.mini_batch_size * hp.gradient_accumulation_steps
+        rows, per_step = batch_size * self.num_generations, hp.mini_batch_size * hp.gradient_accumulation_steps
         if rows % per_step:
             raise ValueError(
-                f"the rollouts per batch ({batch_size} prompts x {self.samples_per_prompt}) must be a multiple of "
+                f"the rollouts per batch ({batch_size} prompts x {self.num_generations}) must be a multiple of "
                 f"mini_batch_size * gradient_accumulation_steps "
                 f"({hp.mini_batch_size} * {hp.gradient_accumulation_steps})"
             )
-        return self.update_epochs * rows // per_step
+        return self.num_iterations * rows // per_step
 
     def configure_optimizers(self):
         trainer = self.trainer
@@ -282,13 +292,13 @@ class OnlineRLModule(AlignmentModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         # 1-2. rollout and scoring (errors, wrong lengths and NaNs of the reward source stop the run)
-        rollout = self.rollout(batch, self.samples_per_prompt)
+        rollout = self.rollout(batch, self.num_generations)
         # 3. old / reference log-probs, values, advantages
         with torch.no_grad():
             experience, stats = self.make_experience(rollout)
             if self.record_completions:  # asked for by ``CompletionLogCallback``
                 self.last_completions = self.completion_rows(batch["prompts"], rollout, experience.advantages)
-        # 4. update_epochs passes over shuffled minibatches
+        # 4. num_iterations passes over shuffled minibatches
         stats.update(self.update(experience, rollout.input_ids.shape[0]))
         # 5. log (one all-reduce of a fixed-size vector, never of ragged tensors)
         stats.update(self.rollout_stats(rollout))
@@ -322,10 +332,8 @@ class OnlineRLModule(AlignmentModule):
             "reward_sq": (scores**2).mean(),
             "frac_reward_zero_std": ((std == 0) | (count < 2)).float().mean(),
             "completion_length": lengths.mean(),
-            "response_length": lengths.mean(),
             "completion_length/min": lengths.min(),
             "completion_length/max": lengths.max(),
-            "ended": rollout.ended.float().mean(),
             "clipped_ratio": (~rollout.ended).float().mean(),
             **{
                 f"reward/{k}": torch.tensor([math.nan if x is None else x for x in v], dtype=torch.float32).nanmean()
@@ -340,16 +348,16 @@ class OnlineRLModule(AlignmentModule):
         return {f"episode/{k}": torch.tensor(v, dtype=torch.float32).mean() for k, v in sorted(metrics.items())}
 
     def update(self, experience: Any, n: int) -> dict[str, torch.Tensor]:
-        """``update_epochs`` passes over shuffled minibatches of the ``n`` rollouts with gradient accumulation
+        """``num_iterations`` passes over shuffled minibatches of the ``n`` rollouts with gradient accumulation
         and clipping; every rank makes the same number of (synchronised) optimizer steps. Returns the
         minibatch-mean stats."""
         hp = self.hparams
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         accum = hp.gradient_accumulation_steps
-        self.updates_per_iteration(n // self.samples_per_prompt)  # validates the batch split
+        self.updates_per_iteration(n // self.num_generations)  # validates the batch split
         generator = torch.Generator().manual_seed(hp.seed * 1_000_003 + self.global_step)
         history: list[dict[str, torch.Tensor]] = []
-        for _ in range(self.update_epochs):
+        for _ in range(self.num_iterations):
             order = torch.randperm(n, generator=generator).to(self.device)
             for i, start in enumerate(range(0, n, hp.mini_batch_size)):
                 last_micro = (i + 1) % accum == 0
@@ -399,13 +407,14 @@ class OnlineRLModule(AlignmentModule):
         lengths = rollout.mask.sum(1).float()
         self.log_metrics(
             "val",
-            {"reward_mean": rollout.scores, "response_length": lengths, **self.episode_stats(rollout)},
+            {"reward_mean": rollout.scores, "completion_length": lengths, **self.episode_stats(rollout)},
             batch_size=len(rollout.texts),
         )
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["ppo_kl_coef"] = self.kl_coef
+        checkpoint["kl_coef"] = self.kl_coef
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.kl_coef = float(checkpoint.get("ppo_kl_coef", self.kl_coef))
+        # ``ppo_kl_coef``: the key of checkpoints written before issue 25
+        self.kl_coef = float(checkpoint.get("kl_coef", checkpoint.get("ppo_kl_coef", self.kl_coef)))

@@ -3,7 +3,7 @@ LightningModule under ``Trainer.fit``: one ``training_step`` is one PPO iteratio
 rollout, scoring, update loop and logging are the online-RL family's (``modules/online.py``); PPO adds the
 critic (a value head on the policy), per-token KL-penalised rewards and GAE.
 
-Manual optimisation: an iteration makes ``ppo_epochs * batch / (mini_batch_size * gradient_accumulation_steps)``
+Manual optimisation: an iteration makes ``num_iterations * batch / (mini_batch_size * gradient_accumulation_steps)``
 optimizer steps, and Lightning's ``global_step`` counts each of them (bound the run with ``max_epochs`` over
 the prompts, or set ``max_steps`` in optimizer steps).
 """
@@ -17,16 +17,9 @@ from typing import Any
 
 import torch
 
-from aitraining_pl.losses import (
-    compute_advantages,
-    explained_variance,
-    gae,
-    masked_mean,
-    ppo_policy_loss,
-    ppo_value_loss,
-)
+from aitraining_pl.losses import clipped_policy_loss, explained_variance, masked_mean, ppo_value_loss, whitened_gae
 from aitraining_pl.losses.rl import KLEstimator
-from aitraining_pl.models import LoRAConfig, PolicyValueScores, PPOModel, is_peft_model
+from aitraining_pl.models import LoRAConfig, PolicyValueScores, PPOModel
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
 from aitraining_pl.optim import LRSchedule
@@ -71,10 +64,11 @@ class PPOModule(OnlineRLModule):
         learning_rate: peak AdamW learning rate (warmup by ``warmup_ratio``, then ``lr_schedule``).
         mini_batch_size: rollouts per forward/backward pass in the update.
         gradient_accumulation_steps: minibatches per optimizer step.
-        ppo_epochs: passes over each rollout batch.
+        num_iterations: passes over each rollout batch (TRL's ``num_ppo_epochs``; the seed's ``ppo_epochs``).
         gamma: discount factor of GAE.
         lam: lambda of GAE.
-        clip_ratio: PPO policy clip range epsilon.
+        epsilon: clip range of the policy ratio (``1 - epsilon``; TRL's ``cliprange``, the seed's ``clip_ratio``).
+        epsilon_high: upper clip range (``1 + epsilon_high``; default ``epsilon``).
         value_clip: clip range of value predictions around the old values.
         max_grad_norm: gradient clipping by global norm (0 = off).
         kl_coef: (initial) coefficient of the per-token KL penalty (``AdaptiveKLCallback`` adapts it); TRL's
@@ -96,6 +90,8 @@ class PPOModule(OnlineRLModule):
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
         kl_penalty_coef: deprecated spelling of ``kl_coef`` (accepted with a warning until the next release).
+        ppo_epochs: deprecated spelling of ``num_iterations``.
+        clip_ratio: deprecated spelling of ``epsilon``.
     """
 
     def __init__(
@@ -109,10 +105,11 @@ class PPOModule(OnlineRLModule):
         learning_rate: float = 1e-5,
         mini_batch_size: int = 4,
         gradient_accumulation_steps: int = 1,
-        ppo_epochs: int = 4,
+        num_iterations: int = 4,
         gamma: float = 0.99,
         lam: float = 0.95,
-        clip_ratio: float = 0.2,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
         value_clip: float = 0.2,
         max_grad_norm: float = 1.0,
         kl_coef: float = 0.01,
@@ -130,17 +127,23 @@ class PPOModule(OnlineRLModule):
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
         kl_penalty_coef: float | None = None,
+        ppo_epochs: int | None = None,
+        clip_ratio: float | None = None,
     ):
         super().__init__()
-        kl_coef = renamed(type(self).__name__, "kl_coef", kl_coef, 0.01, kl_penalty_coef=kl_penalty_coef)
-        self.setup_online(reward, generation, lora, with_reference=True, kl_coef=kl_coef)
+        owner = type(self).__name__
+        self.setup_online(
+            reward,
+            generation,
+            lora,
+            with_reference=True,
+            kl_coef=renamed(owner, "kl_coef", kl_coef, 0.01, kl_penalty_coef=kl_penalty_coef),
+            num_iterations=renamed(owner, "num_iterations", num_iterations, 4, ppo_epochs=ppo_epochs),
+            epsilon=renamed(owner, "epsilon", epsilon, 0.2, clip_ratio=clip_ratio),
+        )
         policy, self.reference = self.load_policy_from_hparams(with_reference=True)
         self.model = PPOModel(policy)
         self.apply_training_options(self.reference.model, getattr(self.reward_source, "model", self.reward_source))
-
-    @property
-    def update_epochs(self) -> int:
-        return self.hparams.ppo_epochs
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -180,8 +183,7 @@ class PPOModule(OnlineRLModule):
         rewards, kl = token_rewards(
             rollout.scores, old_logprobs, ref_logprobs, mask, self.kl_coef, hp.kl_estimator, rollout.token_scores
         )
-        _, returns = gae(rewards, old_values, mask, hp.gamma, hp.lam)
-        advantages = compute_advantages("gae", rewards, mask, rollout.group, old_values, gamma=hp.gamma, lam=hp.lam)
+        advantages, returns = whitened_gae(rewards, old_values, mask, hp.gamma, hp.lam)
         experience = Experience(
             rollout.input_ids, rollout.attention_mask, P, mask, old_logprobs, old_values, advantages, returns
         )
@@ -193,7 +195,9 @@ class PPOModule(OnlineRLModule):
         hp = self.hparams
         mask = exp.mask[idx]
         out = self(exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_length, with_entropy=True)
-        policy_loss, stats = ppo_policy_loss(out.logprobs, exp.logprobs[idx], exp.advantages[idx], mask, hp.clip_ratio)
+        policy_loss, stats = clipped_policy_loss(
+            out.logprobs, exp.logprobs[idx], exp.advantages[idx], mask, hp.epsilon, hp.epsilon_high, "token"
+        )
         value_loss = ppo_value_loss(out.values, exp.values[idx], exp.returns[idx], mask, hp.value_clip)
         entropy = masked_mean(out.entropy, mask)
         loss = policy_loss + hp.value_coef * value_loss - hp.entropy_coef * entropy
@@ -202,13 +206,8 @@ class PPOModule(OnlineRLModule):
             "policy_loss": policy_loss.detach(),
             "value_loss": value_loss.detach(),
             "entropy": entropy.detach(),
-            "clipfrac": stats["clipfrac"],
-            "approx_kl": stats["approx_kl"],
+            **stats,
         }
-
-    def ppo_update(self, exp: Experience) -> dict[str, torch.Tensor]:
-        """``ppo_epochs`` passes over shuffled minibatches (``OnlineRLModule.update``)."""
-        return self.update(exp, exp.input_ids.shape[0])
 
     # ------------------------------------------------------------------ export
     def save_pretrained(self, path: str | os.PathLike, merge_lora: bool = False) -> None:
@@ -219,7 +218,3 @@ class PPOModule(OnlineRLModule):
         super().save_pretrained(path, merge_lora=merge_lora)
         state = {k: v.detach().cpu().contiguous() for k, v in self.model.value_head.state_dict().items()}
         save_file(state, os.path.join(str(path), "value_head.safetensors"))
-
-    @property
-    def uses_lora(self) -> bool:
-        return is_peft_model(self.policy)

@@ -161,14 +161,14 @@ class RewardModule(SharedStepModule):
         # 3. metrics
         metrics = {
             "loss": loss,
-            "accuracy": (chosen > rejected).float(),
-            "margin": chosen - rejected,
+            "rewards/accuracies": (chosen > rejected).float(),
+            "rewards/margins": chosen - rejected,
             "reward_mean": rewards,
             "rewards/chosen": chosen,
             "rewards/rejected": rejected,
             **self.extra_metrics(chosen, rejected),
         }
-        self.log_metrics(stage, metrics, batch_size=chosen.shape[0], prog_bar=("loss", "accuracy"))
+        self.log_metrics(stage, metrics, batch_size=chosen.shape[0], prog_bar=("loss", "rewards/accuracies"))
         return loss
 
     def extra_metrics(self, chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:

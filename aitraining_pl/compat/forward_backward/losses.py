@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from aitraining_pl.losses import masked_mean, ppo_policy_loss, ppo_value_loss
+from aitraining_pl.losses import clipped_policy_loss, masked_mean, ppo_value_loss
 
 
 @dataclass
@@ -108,8 +108,9 @@ def ppo(
     are the rollout's old values, used for value clipping (no clipping without them)."""
     old = align(old_log_probs, inputs.logprobs, "old_log_probs")
     adv = align(advantages, inputs.logprobs, "advantages")
-    loss, stats = ppo_policy_loss(inputs.logprobs, old, adv, inputs.mask, clip_ratio)
-    out = {"policy_loss": loss.item(), **{k: v.item() for k, v in stats.items()}}
+    loss, stats = clipped_policy_loss(inputs.logprobs, old, adv, inputs.mask, clip_ratio, aggregation="token")
+    ratio = masked_mean(torch.exp(inputs.logprobs.detach() - old), inputs.mask)
+    out = {"policy_loss": loss.item(), **{k: v.item() for k, v in stats.items()}, "ratio": ratio.item()}
     if returns is not None:
         if inputs.values is None:
             raise ValueError(

@@ -1,5 +1,5 @@
 """Sampling of one sequence for the forward/backward pipeline (through the rollout engine), returning per-token
-log-probs; ``filter_logits`` is the top-k / top-p rule of ``generate``, written out (tests compare with it)."""
+log-probs; ``filter_logits`` (``models.decoding``) is the top-k / top-p rule the engine applies."""
 
 from __future__ import annotations
 
@@ -8,32 +8,13 @@ from typing import Any
 
 import torch
 
+from aitraining_pl.models.decoding import filter_logits
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine
+
+__all__ = ["GREEDY_TEMPERATURE", "filter_logits", "sample_with_cache"]
 
 #: temperatures at or below this sample greedily (argmax).
 GREEDY_TEMPERATURE = 1e-4
-
-
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Top-k then nucleus (top-p, Holtzman et al. 2020) filtering: removed entries become ``-inf``.
-
-    Args:
-        logits: (V,) or (B, V) scores (already divided by the temperature).
-        top_k: keep the ``top_k`` highest (0 keeps all).
-        top_p: keep the smallest set of tokens whose probability reaches ``top_p`` (1.0 keeps all).
-    """
-    logits = logits.clone()
-    if top_k and 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits[logits < kth] = float("-inf")
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the tokens before it already reach top_p (the first token always stays)
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits[drop] = float("-inf")
-    return logits
 
 
 def _stop_sequences(stop: Sequence[int | Sequence[int]] | None) -> list[list[int]]:
