@@ -9,6 +9,7 @@ reward sits on that turn's last sampled token (``EpisodeInfo.token_rewards``); t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,8 +54,9 @@ class ChatFormat:
                 "`tools` variable): use a tool-calling template (Qwen2.5 / Hermes, Llama 3.1+, Mistral v0.3+)"
             )
         self._base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
-        rendered = self.render(self._base)
-        self.glue_ids = self.encode(rendered[rendered.rindex(_MARK) + len(_MARK) :])
+        self._head = self.render(self._base)
+        self.glue_ids = self.encode(self._head[self._head.rindex(_MARK) + len(_MARK) :])
+        self._replies: dict[str, list[int]] = {}  # rendered replies by their messages (games repeat them)
 
     def render(self, messages: list[dict], tools=None, generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
@@ -71,17 +73,21 @@ class ChatFormat:
     def reply_ids(self, messages: list[dict], turn_ids: Sequence[int]) -> list[int]:
         """Tokens appended after a turn that ended with ``turn_ids``: the rest of the template's end of an
         assistant turn, then the reply messages and the generation prompt."""
-        head = self.render(self._base)
-        full = self.render(self._base + list(messages), generation_prompt=True)
-        if not full.startswith(head):
-            raise ValueError(
-                "the chat template renders a conversation differently once a reply is added, so replies cannot be "
-                f"appended as tokens: {head[-80:]!r} is not the start of {full[len(head) - 80 :][:160]!r}"
-            )
         glue = self.glue_ids
         if glue and turn_ids and turn_ids[-1] == glue[0]:
             glue = glue[1:]
-        return glue + self.encode(full[len(head) :])
+        key = json.dumps(messages, sort_keys=True, default=str)
+        if key not in self._replies:
+            head, full = self._head, self.render(self._base + list(messages), generation_prompt=True)
+            if not full.startswith(head):
+                raise ValueError(
+                    "the chat template renders a conversation differently once a reply is added, so replies cannot "
+                    f"be appended as tokens: {head[-80:]!r} is not the start of {full[len(head) - 80 :][:160]!r}"
+                )
+            if len(self._replies) > 4096:
+                self._replies.clear()
+            self._replies[key] = self.encode(full[len(head) :])
+        return glue + self._replies[key]
 
 
 @dataclass
