@@ -14,9 +14,10 @@ A source may also expose the per-component scores of its *last* call as an attri
 not apply); the online modules log each component's mean as ``train/reward/<name>``. RL environments act as
 reward sources by implementing this protocol.
 
-An exception (``SystemExit`` included), a result of the wrong length, a value that is not a number, or a
-non-finite value stops the run with a ``RewardError`` naming the source and the first bad index (see
-``score_responses``); the command line prints it as one line.
+An exception (``SystemExit`` included), ``os._exit``, a call that does not return within the timeout (the
+online modules' ``reward_timeout``, default ``DEFAULT_REWARD_TIMEOUT`` = 600 s), a result of the wrong length,
+a value that is not a number, or a non-finite value stops the run with a ``RewardError`` naming the source and
+the first bad index (see ``score_responses``); the command line prints it as one line.
 
 Reward sources are named in YAML by ``build_reward_source``:
 
@@ -48,6 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from aitraining_pl.errors import RewardError  # noqa: F401 - re-exported: raised by every check below
+from aitraining_pl.guarded_call import CallTimeout, ExitCalled, guarded_call
 
 
 @runtime_checkable
@@ -326,16 +328,19 @@ def _checked_call(
     metadata: Sequence[dict],
     name: str | None = None,
     allow_none: bool = False,
+    timeout: float | None = None,
 ) -> list[float]:
     where = f"reward source {name or _source_name(source)!r}"
     try:
-        result = source(list(prompts), list(responses), list(metadata))
+        result = guarded_call(source, (list(prompts), list(responses), list(metadata)), timeout)
     except RewardError:  # a component of a combined source, already named
         raise
-    except (Exception, SystemExit) as err:  # SystemExit from a reward source is an error, not the end of the run
-        first = _first_failing(source, prompts, responses, metadata)
+    except CallTimeout:
+        raise RewardError(where, f"did not return within {timeout:g} s (reward_timeout)") from None
+    except (Exception, SystemExit) as err:  # SystemExit (or os._exit) from a reward source is an error
+        first = _first_failing(source, prompts, responses, metadata, timeout)
         at = f" at index {first}" if first is not None else ""
-        raise RewardError(where, f"raised {_describe(err)}{at}") from err
+        raise RewardError(where, f"{_describe(err)}{at}") from err
     try:
         items = list(result)
     except TypeError:
@@ -362,37 +367,53 @@ def _checked_call(
 
 
 def _describe(err: BaseException) -> str:
+    if isinstance(err, ExitCalled):
+        return f"called os._exit({err.code!r})"
     if isinstance(err, SystemExit):
-        return f"SystemExit (sys.exit({err.code!r}))"
-    return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+        return f"raised SystemExit (sys.exit({err.code!r}))"
+    return f"raised {type(err).__name__}: {' '.join(str(err).split())[:200]}"
 
 
 def _first_failing(
-    source: Callable, prompts: Sequence[str], responses: Sequence[str], metadata: Sequence[dict]
+    source: Callable,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    metadata: Sequence[dict],
+    timeout: float | None = None,
 ) -> int | None:
-    """The first index whose response alone makes ``source`` raise (None if each passes alone)."""
+    """The first index whose response alone makes ``source`` raise or time out (None if each passes alone)."""
     for i in range(len(responses)):
         try:
-            source([prompts[i]], [responses[i]], [metadata[i]])
+            guarded_call(source, ([prompts[i]], [responses[i]], [metadata[i]]), timeout)
         except (Exception, SystemExit):
             return i
     return None
 
 
+#: seconds one call of a reward source may take by default (``reward_timeout`` of the online modules).
+DEFAULT_REWARD_TIMEOUT = 600.0
+
+
 def score_responses(
-    source: Callable, prompts: Sequence[str], responses: Sequence[str], metadata: Sequence[dict]
+    source: Callable,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    metadata: Sequence[dict],
+    timeout: float | None = DEFAULT_REWARD_TIMEOUT,
 ) -> tuple[list[float], dict[str, list[float]]]:
-    """Call a reward source and check its result.
+    """Call a reward source and check its result. The call runs in a worker thread (``guarded_call``) that
+    may take at most ``timeout`` seconds (``None``: no limit), and where ``os._exit`` raises.
 
     Returns:
         ``(scores, components)``: one float per response, and the source's ``last_components`` (or ``{}``).
 
     Raises:
-        RewardError: the source raised or exited, returned the wrong number of scores, a value that is not a
-            number, or a NaN/inf score; named with the first bad index. After an exception the source is
-            called again on one response at a time to find that index.
+        RewardError: the source raised, exited (``sys.exit`` or ``os._exit``), did not return within
+            ``timeout``, returned the wrong number of scores, a value that is not a number, or a NaN/inf score;
+            named with the first bad index. After an exception the source is called again on one response at a
+            time to find that index.
     """
-    scores = _checked_call(source, prompts, responses, metadata)
+    scores = _checked_call(source, prompts, responses, metadata, timeout=timeout)
     components = dict(getattr(source, "last_components", None) or {})
     for name, values in components.items():
         if len(values) != len(responses):

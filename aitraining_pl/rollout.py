@@ -38,7 +38,7 @@ from aitraining_pl.losses import kl_penalty, positions_from_mask, selective_log_
 from aitraining_pl.models.decoding import sample_responses
 from aitraining_pl.models.generation import SampledTokens, StopRule, hf_generation_config
 from aitraining_pl.models.training import eval_mode
-from aitraining_pl.rewards import score_responses
+from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, score_responses
 from aitraining_pl.validation import check_hparams
 
 
@@ -272,9 +272,11 @@ def score_rollout(
     metadata: Sequence[dict] | None,
     rollout: Rollout,
     missing_eos_penalty: float | None = None,
+    timeout: float | None = DEFAULT_REWARD_TIMEOUT,
 ) -> tuple[torch.Tensor, dict[str, list[float]]]:
     """Score every row of ``rollout`` with a reward source (through ``rewards.score_responses``, which raises
-    ``RewardError`` on failures); each row gets its prompt's text and metadata.
+    ``RewardError`` on failures, and on a call longer than ``timeout`` seconds); each row gets its prompt's text
+    and metadata.
 
     Returns:
         ``(scores, components)``: (N,) float32 on the rollout's device, minus ``missing_eos_penalty`` where a
@@ -283,7 +285,7 @@ def score_rollout(
     rows = rollout.group.tolist()
     metadata = list(metadata) if metadata is not None else [{} for _ in prompts]
     scores, components = score_responses(
-        reward_source, [prompts[i] for i in rows], rollout.texts, [metadata[i] for i in rows]
+        reward_source, [prompts[i] for i in rows], rollout.texts, [metadata[i] for i in rows], timeout=timeout
     )
     scores = torch.tensor(scores, dtype=torch.float32, device=rollout.ended.device)
     if missing_eos_penalty is not None:

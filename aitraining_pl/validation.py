@@ -183,6 +183,7 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     "ref_model_mixup_alpha": PROBABILITY_OPEN,
     "ref_model_sync_steps": COUNT,
     "every_n_steps": COUNT,
+    "reward_timeout": Range(0, low_open=True, optional=True),
     # sampling (``generation``)
     "max_new_tokens": COUNT,
     "top_p": PROBABILITY_OPEN,

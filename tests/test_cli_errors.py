@@ -50,6 +50,19 @@ def exiting_reward(prompts, responses, metadata):
     raise SystemExit(0)
 
 
+def sleeping_reward(prompts, responses, metadata):
+    """Never returns (issue 26, item 7: the run used to hang forever)."""
+    import time
+
+    while True:
+        time.sleep(3600)
+
+
+def os_exit_reward(prompts, responses, metadata):
+    """Ends the process (issue 26, item 8: the run used to exit 0 with no message)."""
+    os._exit(0)
+
+
 def short_reward(prompts, responses, metadata):
     return [0.0] * (len(responses) - 1)
 
@@ -485,6 +498,32 @@ CASES = {
         ["reward source 'string_reward': returned a str ('high') at index 1, not a float"],
         False,
     ),
+    "reward-sleeps": (
+        _ppo,
+        lambda t: [
+            "--model.init_args.reward",
+            "test_cli_errors:sleeping_reward",
+            "--model.init_args.reward_timeout",
+            "1",
+        ],
+        "reward",
+        ["reward source 'sleeping_reward': did not return within 1 s (reward_timeout)"],
+        False,
+    ),
+    "reward-os-exit": (
+        _ppo,
+        lambda t: ["--model.init_args.reward", "test_cli_errors:os_exit_reward"],
+        "reward",
+        ["reward source 'os_exit_reward': called os._exit(0) at index 0"],
+        False,
+    ),
+    "hp-reward-timeout": (
+        _ppo,
+        lambda t: ["--model.init_args.reward_timeout", "0"],
+        "hyperparameter",
+        ["PPOModule.reward_timeout: must be > 0 or null, got 0"],
+        True,
+    ),
     "reward-system-exit": (
         _ppo,
         lambda t: ["--model.init_args.reward", "test_cli_errors:exiting_reward"],
@@ -541,7 +580,7 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["config-not-a-number", "hp-num-iterations", "reward-system-exit"])
+@pytest.mark.parametrize("case", ["config-not-a-number", "hp-num-iterations", "reward-system-exit", "reward-os-exit"])
 def test_console_command_prints_one_line_and_exits_2(case, tmp_path):
     """The real command in its own process: exit status 2 and the message as the last line of stderr (Lightning's
     own log lines, such as "Seed set to 0", may come before it), no usage dump, no traceback."""

@@ -54,3 +54,28 @@ def test_sigterm_exits_143_with_one_line_naming_the_last_checkpoint(tmp_path, ca
     path = lines[0].split("last checkpoint: ", 1)[1].split(" ", 1)[0]
     assert Path(path).is_file() and Path(path).parent == checkpoints, lines
     assert f"--ckpt_path {path}" in lines[0]
+
+
+def test_guarded_calls_keep_the_callers_torch_mode_and_leave_other_exits_alone():
+    """The worker thread of a reward call runs under the caller's grad mode; ``os._exit`` raises only in that
+    thread, so a child the reward forks still exits with its status."""
+    import torch
+
+    from aitraining_pl.guarded_call import CallTimeout, ExitCalled, guarded_call
+
+    with torch.no_grad():
+        assert guarded_call(torch.is_grad_enabled, (), 5.0) is False
+    assert guarded_call(torch.is_grad_enabled, (), 5.0) is True
+
+    def fork_and_wait():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(3)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    assert guarded_call(fork_and_wait, (), 10.0) == 3
+    with pytest.raises(ExitCalled) as info:
+        guarded_call(os._exit, (5,), 5.0)
+    assert info.value.code == 5
+    with pytest.raises(CallTimeout, match="did not return within 0.2 s"):
+        guarded_call(__import__("time").sleep, (30,), 0.2)

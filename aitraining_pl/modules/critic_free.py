@@ -86,6 +86,8 @@ class CriticFreeModule(OnlineRLModule):
             ``mask_truncated_completions`` (responses cut at ``max_new_tokens`` leave the loss).
         max_grad_norm: gradient clipping by global norm (0 = off).
         missing_eos_penalty: subtracted from the score of responses that end without EOS or stop string.
+        reward_timeout: seconds one call of the reward source may take; a call that does not return by then
+            stops the run with a ``RewardError`` naming the source (``None``: no limit).
         padding_free: run the old, reference and policy forward passes on the packed real tokens when at least a
             quarter of the padded batch is padding (``models.packing.PACKING_THRESHOLD``).
         warmup_ratio: share of optimizer steps with linear warmup.
@@ -125,6 +127,7 @@ class CriticFreeModule(OnlineRLModule):
         policy_loss: PolicyLossConfig = PolicyLossConfig(),
         max_grad_norm: float = 1.0,
         missing_eos_penalty: float | None = None,
+        reward_timeout: float | None = 600.0,
         padding_free: bool = True,
         warmup_ratio: float = 0.0,
         seed: int = 0,

@@ -32,7 +32,7 @@ from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.sharding import gathered
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import AlignmentModule
-from aitraining_pl.rewards import build_reward_source
+from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, build_reward_source
 from aitraining_pl.rollout import (
     GenerationConfig,
     Rollout,
@@ -193,7 +193,10 @@ class OnlineRLModule(AlignmentModule):
     def score(self, prompts: list[str], metadata: list[dict], rollout: Rollout):
         """Scores (N,) from the reward source, minus ``missing_eos_penalty`` where a response did not end;
         and the source's per-component scores."""
-        return score_rollout(self.reward_source, prompts, metadata, rollout, self.hparams.missing_eos_penalty)
+        return score_rollout(
+            self.reward_source, prompts, metadata, rollout, self.hparams.missing_eos_penalty,
+            timeout=self.hparams.get("reward_timeout", DEFAULT_REWARD_TIMEOUT),
+        )  # fmt: skip
 
     def rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
         """Sample ``samples`` responses per prompt of ``batch`` and score them (or play that many episodes)."""

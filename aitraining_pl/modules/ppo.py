@@ -77,6 +77,8 @@ class PPOModule(OnlineRLModule):
         entropy_coef: weight of the entropy bonus.
         value_coef: weight of the value loss.
         missing_eos_penalty: subtracted from the score of responses that end without EOS or stop string.
+        reward_timeout: seconds one call of the reward source may take; a call that does not return by then
+            stops the run with a ``RewardError`` naming the source (``None``: no limit).
         warmup_ratio: share of optimizer steps with linear warmup.
         lr_schedule: decay after warmup: ``linear``, ``cosine`` or ``constant``.
         weight_decay: AdamW weight decay.
@@ -117,6 +119,7 @@ class PPOModule(OnlineRLModule):
         entropy_coef: float = 0.01,
         value_coef: float = 0.5,
         missing_eos_penalty: float | None = None,
+        reward_timeout: float | None = 600.0,
         warmup_ratio: float = 0.0,
         lr_schedule: LRSchedule = "linear",
         weight_decay: float = 0.0,
