@@ -270,7 +270,7 @@ CASES = {
         _dpo,
         lambda t: ["--model.init_args.learning_rate", "0"],
         "hyperparameter",
-        ["DPOModule.learning_rate: must be > 0, got 0.0"],
+        ["DPOModule.learning_rate: must be 0 < value <= 3.40282e+38, got 0.0"],
         True,
     ),
     "hp-warmup-ratio": (
