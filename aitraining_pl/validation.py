@@ -188,6 +188,13 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     "max_new_tokens": COUNT,
     "top_p": PROBABILITY_OPEN,
     "top_k": Range(0, integer=True),
+    "backend": OneOf(_fixed("hf", "vllm", "auto")),
+    # the vLLM backend (``generation.vllm``)
+    "gpu_memory_utilization": PROBABILITY_OPEN,
+    "cpu_kv_cache_gb": POSITIVE,
+    "tensor_parallel_size": COUNT,
+    "max_model_len": Range(1, integer=True, optional=True),
+    "importance_sampling_cap": Range(1),
     # models and LoRA (``lora.r``, ``lora.alpha``, ``lora.dropout``)
     "r": COUNT,
     "alpha": POSITIVE,

@@ -19,6 +19,7 @@ LAYERS = {
     "validation": 2,  # the hyperparameter range table
     "datamodules": 3,
     "rollout": 3,
+    "vllm_backend": 3,  # the vLLM generation backend, behind the rollout engine
     "rewards": 3,
     "callbacks": 3,
     "strategies": 3,

@@ -24,7 +24,7 @@ from aitraining_pl.losses.logprobs import (
     sequence_logps,
     token_logps,
 )
-from aitraining_pl.losses.policy_gradient import LOSS_AGGREGATIONS, clipped_policy_loss
+from aitraining_pl.losses.policy_gradient import LOSS_AGGREGATIONS, clipped_policy_loss, truncated_importance_weights
 from aitraining_pl.losses.policy_options import (
     IMPORTANCE_SAMPLING_LEVELS,
     POLICY_LOSSES,
@@ -58,6 +58,7 @@ __all__ = [
     "CRITIC_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "clipped_policy_loss",
+    "truncated_importance_weights",
     "IMPORTANCE_SAMPLING_LEVELS",
     "POLICY_LOSSES",
     "PolicyLossConfig",

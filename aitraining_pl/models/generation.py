@@ -92,12 +92,14 @@ class ResponseStoppingCriteria(StoppingCriteria):
 
 
 class SampledTokens(NamedTuple):
-    """What ``generate`` returned: response ids (N, R) and, when asked, the per-step logits (N, R, V) before
-    and after the sampling processors (temperature, top-k, top-p)."""
+    """What a sampler returned: response ids (N, R) and, when asked, the per-step logits (N, R, V) before and
+    after the sampling processors (temperature, top-k, top-p); a backend that returns no logits (vLLM) gives
+    the sampled tokens' log-probs under the distribution sampled from (N, R) instead."""
 
     response_ids: torch.Tensor
     logits: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    sampled_logprobs: torch.Tensor | None = None
 
 
 def hf_generation_config(

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from torch import nn
 
 
@@ -60,33 +62,38 @@ def _plain_key(key: str, adapter: str) -> str | None:
     return key.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
 
 
-def plain_state_dict(peft_model: nn.Module, merged: bool) -> dict:
-    """The weights of ``peft_model``'s base model under their plain names, as ``unload()`` (``merged=False``) or
-    ``merge_and_unload()`` (``merged=True``) would leave them, without copying or changing the model (so it works
-    on a model sharded with FSDP2 inside ``models.sharding.full_weights``, which cannot be deep-copied): a LoRA
-    layer's ``base_layer`` weights (plus ``get_delta_weight`` of the active adapter when ``merged``), the trained
-    copy of a ``modules_to_save`` module in place of its original, no adapter weights."""
+def plain_weights(peft_model: nn.Module, merged: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of ``peft_model``'s base model under their plain names, one at a time, as ``unload()``
+    (``merged=False``) or ``merge_and_unload()`` (``merged=True``) would leave them, without copying or changing
+    the model: a LoRA layer's ``base_layer`` weight (plus ``get_delta_weight`` of the active adapter when
+    ``merged``, computed when that weight is reached, so at most one merged matrix exists at a time), the trained
+    copy of a ``modules_to_save`` module in place of its original, no adapter weights. Works on a model sharded
+    with FSDP2 inside ``models.sharding.full_weights`` (which cannot be deep-copied), and feeds a generation
+    engine's ``load_weights`` (``aitraining_pl.vllm_backend``)."""
     base = peft_model.get_base_model()
     adapter = getattr(peft_model, "active_adapter", "default")
-    deltas = {}
+    lora_layers = {}
     if merged:
         for name, module in base.named_modules():
             if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight") and adapter in module.lora_A:
-                deltas[f"{name}.weight"] = module.get_delta_weight(adapter)
-    state = {}
+                lora_layers[f"{name}.weight"] = module
     for key, value in base.state_dict().items():
         if (key := _plain_key(key, adapter)) is not None:
             value = value.detach()
-            state[key] = (value + deltas[key].to(value.dtype)) if key in deltas else value
-    return state
+            if key in lora_layers:
+                value = value + lora_layers[key].get_delta_weight(adapter).detach().to(value.dtype)
+            yield key, value
+
+
+def plain_state_dict(peft_model: nn.Module, merged: bool) -> dict:
+    """``plain_weights(peft_model, merged)`` as a state dict (an export; the merged matrices all at once)."""
+    return dict(plain_weights(peft_model, merged))
 
 
 def save_plain(peft_model: nn.Module, folder: str | Path, merged: bool) -> None:
     """Write ``plain_state_dict(peft_model, merged)`` as a Hugging Face folder of the base model's class. Tied
     weights (input and output embeddings) that the merge made differ are written untied, with
     ``tie_word_embeddings: false`` in the config, as peft's ``merge_and_unload`` does."""
-    import torch
-
     base = peft_model.get_base_model()
     adapter = getattr(peft_model, "active_adapter", "default")
     state = plain_state_dict(peft_model, merged)

@@ -48,6 +48,7 @@ class PolicyExperience:
     old_logprobs: torch.Tensor | None  #: None when ``num_iterations == 1`` (the detached current ones are used)
     ref_logprobs: torch.Tensor | None  #: None unless the KL term is in the loss
     response_mask: torch.Tensor | None = None  #: sampled tokens (the entropy's mask; holes in an episode)
+    is_weights: torch.Tensor | None = None  #: truncated importance weights of a vLLM rollout (``sampler_correction``)
 
 
 class CriticFreeModule(OnlineRLModule):
@@ -192,8 +193,11 @@ class CriticFreeModule(OnlineRLModule):
         truncated responses (``policy_loss.mask_truncated_completions``)."""
         hp, mask, stats = self.hparams, rollout.mask, {}
         kl_in_reward = bool(self.kl_coef) and hp.kl_in_reward
-        old = self.frozen_logprobs(rollout, reference=False) if hp.num_iterations > 1 or kl_in_reward else None
+        sampled = rollout.sampling_logprobs is not None  # a vLLM rollout: the mismatch needs the trainer's log-probs
+        need_old = hp.num_iterations > 1 or kl_in_reward or sampled
+        old = self.frozen_logprobs(rollout, reference=False) if need_old else None
         ref = self.frozen_logprobs(rollout, reference=True) if self.reference is not None and self.kl_coef else None
+        weights, stats = self.sampler_correction(old, rollout)
         if kl_in_reward:
             rewards, kl = token_rewards(rollout.scores, old, ref, mask, self.kl_coef, "k1", rollout.token_scores)
             stats["kl"] = kl.sum(1).mean()
@@ -216,6 +220,7 @@ class CriticFreeModule(OnlineRLModule):
             old if hp.num_iterations > 1 else None,
             None if kl_in_reward else ref,
             mask,
+            weights,
         )
         return experience, stats
 
@@ -231,6 +236,8 @@ class CriticFreeModule(OnlineRLModule):
         options = self.policy_loss
         quantile = options.top_entropy_quantile
         weights = high_entropy_mask(out.entropy, mask, quantile) if quantile < 1 else None  # Wang et al. 2025
+        if exp.is_weights is not None:  # truncated importance sampling of a vLLM rollout (Yao et al. 2025)
+            weights = exp.is_weights[idx] if weights is None else weights * exp.is_weights[idx]
         loss, stats = clipped_policy_loss(
             out.logprobs,
             old,

@@ -27,7 +27,7 @@ import torch
 from aitraining_pl.environments.episode import is_episode_environment
 from aitraining_pl.environments.episode_rollout import sample_episodes
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.losses import group_statistics
+from aitraining_pl.losses import group_statistics, truncated_importance_weights
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.sharding import gathered
 from aitraining_pl.models.training import eval_mode
@@ -42,6 +42,7 @@ from aitraining_pl.rollout import (
     warn_truncated_sampling,
 )
 from aitraining_pl.validation import RENAMED
+from aitraining_pl.vllm_backend.engine import VLLMEngine, resolve_backend
 
 
 def primitive(value: Any) -> bool:
@@ -74,6 +75,8 @@ class RolloutBatch:
     def placed_scores(self) -> torch.Tensor:
         """(N, R) the scores on the tokens they reward: per turn in an episode, else on the last token."""
         return self.token_scores if self.token_scores is not None else place_scores(self.scores, self.mask)
+
+    sampling_logprobs: torch.Tensor | None = None  #: (N, R) the sampler's log-probs (vLLM backend), else None
 
 
 class OnlineRLModule(AlignmentModule):
@@ -124,6 +127,7 @@ class OnlineRLModule(AlignmentModule):
         warn_truncated_sampling(self.generation)
         source = reward if is_episode_environment(reward) else build_reward_source(reward)
         self._reward_source = [source]  # in a list: never a submodule, never saved
+        self._vllm: list[VLLMEngine | None] = [None]  # the colocated vLLM engine (``generation.backend: vllm``)
         self.kl_coef = float(kl_coef)
         self.last_kl = 0.0  #: batch-mean KL(pi || ref) per response (nats), for the KL callback
         self.last_num_samples = 0  #: responses behind ``last_kl`` (all ranks)
@@ -145,6 +149,31 @@ class OnlineRLModule(AlignmentModule):
             self.reference.to(self.device, next(self.policy.parameters()).dtype)
         if hasattr(self.reward_source, "to"):
             self.reward_source.to(self.device)
+
+    def setup(self, stage: str) -> None:
+        """Build the colocated vLLM engine when the generation backend is vLLM (one line naming the extra to
+        install when vLLM is missing). It gets the policy's weights before the first rollout (``generate``), so a
+        resumed run samples from the resumed weights."""
+        if resolve_backend(self.generation.backend, self.device) != "vllm" or self._vllm[0] is not None:
+            return
+        if is_episode_environment(self.reward_source):
+            raise ConfigError(
+                "generation.backend",
+                "multi-turn episodes are sampled by the hf decoder (their KV cache is kept across turns); "
+                "use backend: hf with an episode environment",
+            )
+        if self.trainer.world_size > 1:
+            raise ConfigError(
+                "generation.backend",
+                "the colocated vLLM engine runs in a single training process for now (world size "
+                f"{self.trainer.world_size}); use backend: hf with several processes",
+            )
+        self._vllm[0] = VLLMEngine(self.policy, self.tokenizer, self.generation.vllm, seed=int(self.hparam("seed", 0)))
+
+    def teardown(self, stage: str) -> None:
+        if self._vllm[0] is not None:
+            self._vllm[0].close()
+            self._vllm[0] = None
 
     def updates_per_iteration(self, batch_size: int) -> int:
         """Optimizer steps made by one iteration on ``batch_size`` prompts."""
@@ -173,8 +202,8 @@ class OnlineRLModule(AlignmentModule):
     # ------------------------------------------------------------------ rollout and scoring
     @property
     def engine(self) -> RolloutEngine:
-        """The rollout engine for ``generation`` with this module's tokenizer."""
-        return RolloutEngine(self.tokenizer, self.generation, warn_truncation=False)
+        """The rollout engine for ``generation`` with this module's tokenizer (and vLLM engine, if any)."""
+        return RolloutEngine(self.tokenizer, self.generation, warn_truncation=False, backend=self._vllm[0])
 
     @torch.no_grad()
     def generate(
@@ -185,8 +214,17 @@ class OnlineRLModule(AlignmentModule):
         num_samples: int = 1,
     ) -> Rollout:
         """Sample ``num_samples`` responses per left-padded prompt with the rollout engine (``generation``, or
-        ``config``), in eval mode; rows ``i*G .. i*G+G-1`` answer prompt ``i``."""
-        engine = self.engine if config is None else RolloutEngine(self.tokenizer, config)
+        ``config``), in eval mode; rows ``i*G .. i*G+G-1`` answer prompt ``i``. With the vLLM backend the engine
+        first loads the policy's weights if they changed since its last rollout (one sync per optimizer step
+        count), and the rollout carries vLLM's log-probs (``sampling_logprobs``)."""
+        vllm = self._vllm[0]
+        engine = self.engine if config is None else RolloutEngine(self.tokenizer, config, backend=vllm)
+        if vllm is not None:
+            vllm.sync(self.policy, version=self.global_step)
+            try:
+                return engine.sample(self.policy, prompt_ids, prompt_mask, num_samples)
+            finally:
+                vllm.sleep()
         with gathered(self.policy):  # FSDP2: one all-gather for the whole rollout; a no-op otherwise
             return engine.sample(self.policy, prompt_ids, prompt_mask, num_samples)
 
@@ -214,6 +252,7 @@ class OnlineRLModule(AlignmentModule):
             rollout.texts,
             scores,
             components,
+            rollout.sampling_logprobs,
         )
 
     def episode_rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
@@ -283,6 +322,20 @@ class OnlineRLModule(AlignmentModule):
         model = self.reference.model
         with eval_mode(model), self.reference.context():
             return self.response_scores(model, input_ids, attention_mask, prompt_length).logprobs
+
+    def sampler_correction(
+        self, logprobs: torch.Tensor | None, rollout: RolloutBatch
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """For a rollout sampled by vLLM: ``sampling/logp_gap/mean`` and ``/max`` (|logp_vllm - logp_trainer|
+        over response tokens, ``logprobs`` being the trainer's at rollout time) and, with
+        ``generation.vllm.importance_sampling_correction``, the truncated importance weights of the loss
+        (``losses.truncated_importance_weights``). ``(None, {})`` for other rollouts."""
+        if rollout.sampling_logprobs is None or logprobs is None:
+            return None, {}
+        options = self.generation.vllm
+        cap = options.importance_sampling_cap if options.importance_sampling_correction else None
+        weights, stats = truncated_importance_weights(logprobs, rollout.sampling_logprobs, rollout.mask, cap)
+        return weights, {f"sampling/{k}": v for k, v in stats.items()}
 
     # ------------------------------------------------------------------ one iteration
     def make_experience(self, rollout: RolloutBatch) -> tuple[Any, dict[str, torch.Tensor]]:

