@@ -4,6 +4,8 @@ equal to the single-response path, GAE / REINFORCE++ across holes, and GRPO lear
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import TINY_LLAMA, quiet_trainer
@@ -240,3 +242,23 @@ def test_ppo_trains_on_episodes_with_per_turn_rewards(tmp_path):
     assert holes.any() and (experience.advantages[holes] == 0).all() and (experience.returns[holes] == 0).all()
     assert torch.equal(rollout.token_scores.sum(1), rollout.scores)  # per-turn rewards sum to the return
     assert any(not torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))
+
+
+def test_sampling_callback_logs_whole_episodes_and_their_metrics():
+    from aitraining_pl.callbacks.sampling import SamplingCallback
+    from aitraining_pl.modules.critic_free import GRPOModule
+
+    module = GRPOModule(
+        model_config=dict(TINY_LLAMA),
+        tokenizer_name="byte",
+        reward=GuessingGame(max_turns=3),
+        generation=GenerationConfig(max_new_tokens=2, temperature=1.0),
+        kl_coef=0.0,
+    )
+    rows = SamplingCallback().sample(module, ["Guess 1-7:", "Guess!"], [{"secret": 2}, {"secret": 6}])
+    assert len(rows) == 2 and {"episode", "turns", "truncated", "success", "valid", "reward"} <= set(rows[0])
+
+    episode = json.loads(rows[0]["episode"])
+    assert (
+        episode[0]["role"] == "assistant" and len([m for m in episode if m["role"] == "assistant"]) == rows[0]["turns"]
+    )

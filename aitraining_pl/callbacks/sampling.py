@@ -16,7 +16,8 @@ from aitraining_pl.models.sharding import is_sharded
 
 class SamplingCallback(pl.Callback):
     """Every ``every_n_iterations`` PPO iterations, generate responses for fixed prompts and log
-    ``(iteration, step, prompt, response, reward)`` rows: as a W&B table (key ``samples``) when a
+    ``(iteration, step, prompt, response, reward)`` rows (for multi-turn episodes also the whole ``episode`` as
+    JSON messages and its metrics: turns, tool calls, tool errors, truncated): as a W&B table (key ``samples``) when a
     ``WandbLogger`` is attached, else appended to ``<log_dir>/samples.jsonl``. Rank zero only (under FSDP2
     every rank generates, since gathering the weights takes every rank, and rank zero logs).
 
@@ -69,10 +70,30 @@ class SamplingCallback(pl.Callback):
         dataset = PromptDataset(prompts, tokenizer, metadata)
         batch = PromptCollator(tokenizer.pad_token_id or 0)([dataset[i] for i in range(len(dataset))])
         device = pl_module.device
+        if getattr(pl_module, "episodic", False):
+            return self.sample_episodes(
+                pl_module, {**batch, **{k: batch[k].to(device) for k in ("input_ids", "attention_mask")}}
+            )
         rollout = pl_module.generate(batch["input_ids"].to(device), batch["attention_mask"].to(device))
         scores, _ = pl_module.score(batch["prompts"], batch["metadata"], rollout)
         rows = zip(batch["prompts"], rollout.texts, scores)
         return [{"prompt": p, "response": r, "reward": float(s)} for p, r, s in rows]
+
+    @staticmethod
+    def sample_episodes(pl_module: pl.LightningModule, batch: dict[str, Any]) -> list[dict]:
+        """One episode per prompt: the whole episode (assistant turns and the environment's replies, as JSON
+        messages), its return and its metrics (turns, tool calls, tool errors, truncated, the environment's)."""
+        rollout = pl_module.rollout(batch, 1)
+        metrics = rollout.episode_metrics or {}
+        info = pl_module.last_episodes
+        rows = []
+        for i, (prompt, score) in enumerate(zip(batch["prompts"], rollout.scores.tolist())):
+            episode = json.dumps(info.transcripts[i], ensure_ascii=False) if info is not None else rollout.texts[i]
+            rows.append(
+                {"prompt": prompt, "response": rollout.texts[i], "reward": float(score), "episode": episode}
+                | {name: float(values[i]) for name, values in sorted(metrics.items())}
+            )
+        return rows
 
     def write(self, trainer: pl.Trainer, rows: list[dict]) -> None:
         self.path = log_rows(trainer, "samples", rows, self.filename, jsonl_with_wandb=False)

@@ -132,6 +132,7 @@ class OnlineRLModule(AlignmentModule):
         self.last_kl = 0.0  #: batch-mean KL(pi || ref) per response (nats), for the KL callback
         self.last_num_samples = 0  #: responses behind ``last_kl`` (all ranks)
         self.update_history: list[dict[str, torch.Tensor]] = []
+        self.last_episodes = None  #: ``EpisodeInfo`` of the last episode rollout (multi-turn episodes only)
 
     @property
     def reward_source(self) -> Callable:
@@ -270,6 +271,7 @@ class OnlineRLModule(AlignmentModule):
                 samples,
             )
         info, mask = rollout.episodes, rollout.response_mask
+        self.last_episodes = info
         penalty = (~rollout.ended).float() * float(self.hparams.missing_eos_penalty or 0.0)
         return RolloutBatch(
             rollout.input_ids,
