@@ -101,3 +101,27 @@ def test_the_options_parse_from_the_command_line(capsys):
         main(args)
     out = capsys.readouterr().out
     assert "scale_rewards: batch" in out and "importance_sampling_level: sequence" in out and "loss_type: clip" in out
+
+
+def test_ppo_takes_the_token_level_options(monkeypatch):
+    import aitraining_pl.rollout as rollout_module
+    from aitraining_pl.modules.ppo import PPOModule
+    from aitraining_pl.rollout import GenerationConfig
+
+    make = dict(model_config=TINY_LLAMA, tokenizer_name="byte", reward=lambda p, r, m: [1.0, 0.0], mini_batch_size=2)
+    with pytest.raises(ConfigError, match="policy_loss.importance_sampling_level"):
+        PPOModule(**make, policy_loss={"importance_sampling_level": "sequence"})
+    options = {"loss_type": "cispo", "top_entropy_quantile": 0.5, "mask_truncated_completions": True}
+    module = PPOModule(**make, generation=GenerationConfig(max_new_tokens=2, top_p=1.0), policy_loss=options)
+    fixed = torch.tensor([[40, EOS], [41, 42]])  # row 1 is cut at max_new_tokens
+    monkeypatch.setattr(rollout_module, "sample_responses", lambda *a, **k: rollout_module.SampledTokens(fixed.clone()))
+    experience, _ = module.make_experience(module.rollout(_batch(), 1))
+    assert experience.mask.sum(1).tolist() == [2, 0]
+    loss, stats = module.minibatch_loss(experience, torch.arange(2))
+    out = module(experience.input_ids, experience.attention_mask, 2, with_entropy=True)
+    weights = high_entropy_mask(out.entropy, experience.mask, 0.5)
+    expected, _ = clipped_policy_loss(
+        out.logprobs, experience.logprobs, experience.advantages, experience.mask, 0.2, None, "token",
+        loss_type="cispo", token_weights=weights,
+    )  # fmt: skip
+    assert stats["policy_loss"].item() == pytest.approx(expected.item(), abs=1e-6) and torch.isfinite(loss)

@@ -11,7 +11,7 @@ batch has enough padding for packing to pay (``models.rollout_scoring.will_pack`
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,10 +21,8 @@ from aitraining_pl.losses import (
     CRITIC_ESTIMATORS,
     PolicyLossConfig,
     clipped_policy_loss,
-    completed_rows,
     compute_advantages,
     group_statistics,
-    high_entropy_mask,
     masked_mean,
 )
 from aitraining_pl.losses.advantages import CriticFreeAdvantage, ScaleRewards
@@ -150,22 +148,12 @@ class CriticFreeModule(OnlineRLModule):
         if num_generations < 1 or num_iterations < 1:
             raise ValueError("num_generations and num_iterations must be >= 1")
         self.setup_online(reward, generation, lora, with_reference=bool(kl_coef), kl_coef=kl_coef)
-        self.policy_loss = self.loss_options(policy_loss)
+        self.setup_policy_loss(policy_loss)
+        if scale_rewards != "group" and advantage != "grpo":
+            raise ConfigError(f"{type(self).__name__}.scale_rewards", f"applies to advantage 'grpo', not {advantage!r}")
         self.model, self.reference = self.load_policy_from_hparams(with_reference=bool(kl_coef))
         reference = self.reference.model if self.reference is not None else None
         self.apply_training_options(reference, getattr(self.reward_source, "model", self.reward_source))
-
-    def loss_options(self, policy_loss: Any) -> PolicyLossConfig:
-        """``policy_loss`` as a ``PolicyLossConfig`` (kept in hparams as a dict), checked against the other
-        arguments."""
-        options = policy_loss if isinstance(policy_loss, PolicyLossConfig) else PolicyLossConfig(**dict(policy_loss))
-        self.set_hparam("policy_loss", asdict(options))
-        owner = type(self).__name__
-        if self.hparams.scale_rewards != "group" and self.hparams.advantage != "grpo":
-            raise ConfigError(f"{owner}.scale_rewards", f"applies to advantage 'grpo', not {self.hparams.advantage!r}")
-        if options.loss_type == "cispo" and options.delta is not None:
-            raise ConfigError(f"{owner}.policy_loss.delta", "bounds the clipped surrogate; cispo clips its own weight")
-        return options
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -209,8 +197,7 @@ class CriticFreeModule(OnlineRLModule):
         if hp.dynamic_sampling:
             count, _, std = group_statistics(rollout.scores, rollout.group)
             loss_mask = mask * ((std > 0) & (count > 1)).to(mask.dtype).unsqueeze(1)
-        if self.policy_loss.mask_truncated_completions:
-            loss_mask = completed_rows(loss_mask, rollout.ended)
+        loss_mask = self.loss_mask(loss_mask, rollout.ended)
         experience = PolicyExperience(
             rollout.input_ids,
             rollout.attention_mask,
@@ -233,26 +220,9 @@ class CriticFreeModule(OnlineRLModule):
         )
         old = exp.old_logprobs[idx] if exp.old_logprobs is not None else out.logprobs.detach()
         ref = exp.ref_logprobs[idx] if exp.ref_logprobs is not None else None
-        options = self.policy_loss
-        quantile = options.top_entropy_quantile
-        weights = high_entropy_mask(out.entropy, mask, quantile) if quantile < 1 else None  # Wang et al. 2025
-        if exp.is_weights is not None:  # truncated importance sampling of a vLLM rollout (Yao et al. 2025)
-            weights = exp.is_weights[idx] if weights is None else weights * exp.is_weights[idx]
-        loss, stats = clipped_policy_loss(
-            out.logprobs,
-            old,
-            exp.advantages[idx],
-            mask,
-            hp.epsilon,
-            hp.epsilon_high,
-            hp.loss_aggregation,
-            self.generation.max_new_tokens,
-            ref,
-            self.kl_coef,
-            loss_type=options.loss_type,
-            importance_sampling_level=options.importance_sampling_level,
-            delta=options.delta,
-            token_weights=weights,
+        is_weights = exp.is_weights[idx] if exp.is_weights is not None else None  # vLLM rollouts (Yao et al. 2025)
+        loss, stats = self.policy_gradient_loss(
+            out.logprobs, out.entropy, old, exp.advantages[idx], mask, hp.loss_aggregation, ref, is_weights
         )
         return loss, {
             "loss": loss.detach(),

@@ -32,6 +32,7 @@ from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.sharding import gathered
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import AlignmentModule
+from aitraining_pl.modules.policy_loss import PolicyLossOptions
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, build_reward_source
 from aitraining_pl.rollout import (
     GenerationConfig,
@@ -79,7 +80,7 @@ class RolloutBatch:
     sampling_logprobs: torch.Tensor | None = None  #: (N, R) the sampler's log-probs (vLLM backend), else None
 
 
-class OnlineRLModule(AlignmentModule):
+class OnlineRLModule(PolicyLossOptions, AlignmentModule):
     """Base class; subclasses call ``setup_online`` in ``__init__`` and implement ``make_experience`` and
     ``minibatch_loss``. They read ``mini_batch_size``, ``gradient_accumulation_steps``, ``max_grad_norm``,
     ``learning_rate``, ``warmup_ratio``, ``seed``, ``missing_eos_penalty``, ``num_iterations`` and (when they

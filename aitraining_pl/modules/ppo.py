@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from aitraining_pl.losses import clipped_policy_loss, explained_variance, masked_mean, ppo_value_loss, whitened_gae
+from aitraining_pl.losses import PolicyLossConfig, explained_variance, masked_mean, ppo_value_loss, whitened_gae
 from aitraining_pl.losses.rl import KLEstimator
 from aitraining_pl.models import LoRAConfig, PolicyValueScores, PPOModel
 from aitraining_pl.models.training import eval_mode
@@ -70,6 +70,10 @@ class PPOModule(OnlineRLModule):
         lam: lambda of GAE.
         epsilon: clip range of the policy ratio (``1 - epsilon``; TRL's ``cliprange``, the seed's ``clip_ratio``).
         epsilon_high: upper clip range (``1 + epsilon_high``; default ``epsilon``).
+        policy_loss: options of the policy loss (``PolicyLossConfig``, as for ``GRPOModule``): ``loss_type``
+            (``clip`` or CISPO's ``cispo``), ``delta`` (two-sided clip), ``top_entropy_quantile`` and
+            ``mask_truncated_completions`` (truncated responses leave the policy, value and entropy terms);
+            ``importance_sampling_level`` stays ``token`` (GAE gives per-token advantages).
         value_clip: clip range of value predictions around the old values.
         max_grad_norm: gradient clipping by global norm (0 = off).
         kl_coef: (initial) coefficient of the per-token KL penalty (``AdaptiveKLCallback`` adapts it); TRL's
@@ -113,6 +117,7 @@ class PPOModule(OnlineRLModule):
         lam: float = 0.95,
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
+        policy_loss: PolicyLossConfig = PolicyLossConfig(),
         value_clip: float = 0.2,
         max_grad_norm: float = 1.0,
         kl_coef: float = 0.01,
@@ -145,6 +150,7 @@ class PPOModule(OnlineRLModule):
             num_iterations=renamed(owner, "num_iterations", num_iterations, 4, ppo_epochs=ppo_epochs),
             epsilon=renamed(owner, "epsilon", epsilon, 0.2, clip_ratio=clip_ratio),
         )
+        self.setup_policy_loss(policy_loss, sequence_level=False)
         policy, self.reference = self.load_policy_from_hparams(with_reference=True)
         self.model = PPOModel(policy)
         self.apply_training_options(self.reference.model, getattr(self.reward_source, "model", self.reward_source))
@@ -189,8 +195,17 @@ class PPOModule(OnlineRLModule):
         )
         advantages, returns = whitened_gae(rewards, old_values, mask, hp.gamma, hp.lam)
         weights, stats = self.sampler_correction(old_logprobs, rollout)
+        loss_mask = self.loss_mask(mask, rollout.ended)  # mask_truncated_completions
         experience = Experience(
-            rollout.input_ids, rollout.attention_mask, P, mask, old_logprobs, old_values, advantages, returns, weights
+            rollout.input_ids,
+            rollout.attention_mask,
+            P,
+            loss_mask,
+            old_logprobs,
+            old_values,
+            advantages,
+            returns,
+            weights,
         )
         stats.update(kl=kl.sum(1).mean(), explained_variance=explained_variance(old_values, returns, mask))
         return experience, stats
@@ -201,16 +216,9 @@ class PPOModule(OnlineRLModule):
         hp = self.hparams
         mask = exp.mask[idx]
         out = self(exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_length, with_entropy=True)
-        weights = exp.is_weights[idx] if exp.is_weights is not None else None
-        policy_loss, stats = clipped_policy_loss(
-            out.logprobs,
-            exp.logprobs[idx],
-            exp.advantages[idx],
-            mask,
-            hp.epsilon,
-            hp.epsilon_high,
-            "token",
-            token_weights=weights,
+        is_weights = exp.is_weights[idx] if exp.is_weights is not None else None
+        policy_loss, stats = self.policy_gradient_loss(
+            out.logprobs, out.entropy, exp.logprobs[idx], exp.advantages[idx], mask, "token", None, is_weights
         )
         value_loss = ppo_value_loss(out.values, exp.values[idx], exp.returns[idx], mask, hp.value_clip)
         entropy = masked_mean(out.entropy, mask)

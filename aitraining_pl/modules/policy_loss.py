@@ -1,0 +1,72 @@
+"""The ``policy_loss`` argument group of the online RL modules (``losses.PolicyLossConfig``: GSPO's sequence-level
+ratio, CISPO, the two-sided ``delta``, ``top_entropy_quantile``, ``mask_truncated_completions``), shared by
+``PPOModule`` and ``CriticFreeModule`` through ``OnlineRLModule``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from aitraining_pl.errors import ConfigError
+from aitraining_pl.losses import PolicyLossConfig, clipped_policy_loss, completed_rows, high_entropy_mask
+
+
+class PolicyLossOptions:
+    """Mixin of ``OnlineRLModule``: reads ``epsilon``, ``epsilon_high`` from ``hparams``, ``kl_coef`` and
+    ``generation`` from the module."""
+
+    policy_loss: PolicyLossConfig = PolicyLossConfig()
+
+    def setup_policy_loss(self, policy_loss: Any, sequence_level: bool = True) -> None:
+        """Keep ``policy_loss`` (a ``PolicyLossConfig`` or a dict) as ``self.policy_loss`` and in hparams as a dict;
+        refuse combinations that do not apply (``sequence_level=False``: per-token advantages, GSPO does not apply)."""
+        options = policy_loss if isinstance(policy_loss, PolicyLossConfig) else PolicyLossConfig(**dict(policy_loss))
+        self.set_hparam("policy_loss", asdict(options))
+        owner = f"{type(self).__name__}.policy_loss"
+        if options.loss_type == "cispo" and options.delta is not None:
+            raise ConfigError(f"{owner}.delta", "bounds the clipped surrogate; cispo clips its own weight")
+        if not sequence_level and options.importance_sampling_level != "token":
+            raise ConfigError(f"{owner}.importance_sampling_level", "sequence needs one advantage per response (GSPO)")
+        self.policy_loss = options
+
+    def loss_mask(self, mask: torch.Tensor, ended: torch.Tensor) -> torch.Tensor:
+        """``mask`` without the truncated responses when ``mask_truncated_completions`` (DAPO), else ``mask``."""
+        return completed_rows(mask, ended) if self.policy_loss.mask_truncated_completions else mask
+
+    def policy_gradient_loss(
+        self,
+        logprobs: torch.Tensor,
+        entropy: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        aggregation: str,
+        ref_logprobs: torch.Tensor | None = None,
+        is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``losses.clipped_policy_loss`` with the module's clip range, KL weight and ``policy_loss`` options; with
+        ``top_entropy_quantile < 1`` only the highest-entropy tokens of ``mask`` carry the policy term. ``is_weights``
+        (N, R): per-token weights of the policy term as well (the sampler correction of a vLLM rollout)."""
+        hp, options = self.hparams, self.policy_loss
+        quantile = options.top_entropy_quantile
+        weights = high_entropy_mask(entropy, mask, quantile) if quantile < 1 else None  # Wang et al. 2025
+        if is_weights is not None:
+            weights = is_weights if weights is None else weights * is_weights
+        return clipped_policy_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            hp.epsilon,
+            hp.epsilon_high,
+            aggregation,
+            self.generation.max_new_tokens,
+            ref_logprobs,
+            self.kl_coef,
+            loss_type=options.loss_type,
+            importance_sampling_level=options.importance_sampling_level,
+            delta=options.delta,
+            token_weights=weights,
+        )
