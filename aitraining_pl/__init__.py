@@ -54,7 +54,7 @@ _EXPORTS: dict[str, str] = {
 #: names the top level exported before 0.2, importable from here until the next release with a
 #: ``DeprecationWarning`` that names the module to import them from
 _MOVED: dict[str, str] = {
-    **dict.fromkeys(["AdaptiveKLController", "FixedKLController"], "aitraining_pl.losses"),
+    "AdaptiveKLController": "aitraining_pl.callbacks.kl",
     **dict.fromkeys(
         [
             "PPOModel",

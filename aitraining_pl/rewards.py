@@ -269,7 +269,7 @@ def _as_reward_error(build: Callable[..., Callable]) -> Callable[..., Callable]:
 
 
 @_as_reward_error
-def build_reward_source(spec: Any, *, kwargs: Mapping[str, Any] | None = None) -> Callable:
+def build_reward_source(spec: Any, *, kwargs: Mapping[str, Any] | None = None) -> RewardSource:
     """A reward source from its YAML/Python description (see the module docstring for the forms).
 
     A callable is returned as is (with ``kwargs`` bound if given).

@@ -166,11 +166,6 @@ def response_mask(
     return (positions[None, :] <= last[:, None]).long(), ended
 
 
-def stop_string_ends(tokenizer, response_ids: torch.Tensor, stop_strings: Sequence[str]) -> torch.Tensor:
-    """(N,) index of the token whose decoding first completes one of ``stop_strings``; -1 where none."""
-    return StopRule(tokenizer, stop_strings).ends(response_ids)
-
-
 def decode_responses(tokenizer, response_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     """Texts of the masked response tokens, special tokens (end tokens) removed."""
     lengths = mask.sum(1).tolist()

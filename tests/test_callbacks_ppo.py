@@ -34,16 +34,21 @@ def test_kl_coefficient_moves_towards_the_target(kl, direction):
     assert module.kl_coef == pytest.approx(0.1 * (1 + error * 100 / 1000))
 
 
-def test_kl_callback_state_round_trips():
+def test_kl_coefficient_has_one_owner_the_module():
+    """The callback moves the module's coefficient and keeps none of its own (issue 25): its checkpoint state is
+    empty, an old checkpoint's callback state loads without effect, a starting ``kl_coef`` is applied in ``setup``
+    (before a checkpoint is restored)."""
     callback = AdaptiveKLCallback(kl_target=1.0, kl_horizon=10)
     module = _fake_module(3.0)
-    callback.on_train_start(None, module)
     callback.on_train_batch_end(None, module)
-    restored = AdaptiveKLCallback(kl_target=1.0, kl_horizon=10)
-    restored.load_state_dict(callback.state_dict())
-    fresh = _fake_module(3.0)
-    restored.on_train_start(None, fresh)
-    assert fresh.kl_coef == module.kl_coef != 0.1
+    assert module.kl_coef != 0.1 and callback.state_dict() == {}
+    callback.load_state_dict({"value": 0.7, "target": 1.0, "horizon": 10.0})  # written before issue 25
+    module.kl_coef = 0.1
+    callback.on_train_batch_end(None, module)  # continues from the module's coefficient
+    assert module.kl_coef == pytest.approx(0.1 * (1 + 0.2 * 100 / 10))
+    started = _fake_module(3.0)
+    AdaptiveKLCallback(kl_target=1.0, kl_coef=0.3).setup(None, started, "fit")
+    assert started.kl_coef == 0.3
 
 
 def _module(**kwargs):
@@ -99,6 +104,11 @@ def test_resume_keeps_kl_coefficient_and_step(tmp_path, byte_tokenizer):
     bare = _module()
     bare.on_load_checkpoint(torch.load(ckpt.last_model_path, weights_only=True))
     assert bare.kl_coef == pytest.approx(saved_coef)
+    checkpoint = torch.load(ckpt.last_model_path, weights_only=True)
+    assert checkpoint["kl_coef"] == pytest.approx(saved_coef) and "ppo_kl_coef" not in checkpoint
+    old = _module()
+    old.on_load_checkpoint({"ppo_kl_coef": 0.25})  # a checkpoint written before issue 25
+    assert old.kl_coef == 0.25
 
 
 def test_sampling_callback_writes_jsonl_rows(tmp_path, byte_tokenizer):

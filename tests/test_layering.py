@@ -1,9 +1,10 @@
-"""The package's layers (DESIGN.md, CONTRIBUTING.md): a module imports only from its own layer or the layers
+"""The package's layers (docs/architecture.md, CONTRIBUTING.md): a module imports only from its own layer or the layers
 below it, the core never imports the seed-compatibility layer, and ``losses`` is pure tensor code."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,17 @@ LAYERS = {
     "forward_backward": 6,
 }
 COMPAT = 6
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def test_architecture_page_lists_every_layer():
+    """docs/architecture.md names every component of ``LAYERS`` in its layer table (and only real files)."""
+    text = ARCHITECTURE.read_text()
+    for component in LAYERS:
+        assert f"`{component}" in text, f"docs/architecture.md does not place {component}"
+    files = r"`((?:losses|models|modules|environments|datamodules|callbacks)/[a-z_]+\.py)`"
+    for path in re.findall(files, text):
+        assert (PACKAGE / path).is_file(), f"docs/architecture.md names {path}, which does not exist"
 
 
 def _component(path: Path) -> str:

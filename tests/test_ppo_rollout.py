@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from aitraining_pl.models.generation import StopRule
 from aitraining_pl.rewards import (
     RewardError,
     WeightedRewards,
@@ -19,7 +20,6 @@ from aitraining_pl.rollout import (
     place_scores,
     position_ids_from_mask,
     response_mask,
-    stop_string_ends,
     token_rewards,
 )
 
@@ -53,7 +53,7 @@ def test_stop_string_ends(byte_tokenizer):
     ids = byte_tokenizer(["ab\n\ncd", "abcdef"], add_special_tokens=False, padding=True, return_tensors="pt")[
         "input_ids"
     ]
-    ends = stop_string_ends(byte_tokenizer, ids, ["\n\n"])
+    ends = StopRule(byte_tokenizer, ["\n\n"]).ends(ids)
     assert ends.tolist() == [3, -1]  # the token completing "\n\n" is the 4th byte
 
 

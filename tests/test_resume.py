@@ -174,11 +174,11 @@ def test_ppo_resume_is_bit_identical_with_kl_and_prompts(tmp_path, deterministic
         return module, PromptDataModule(prompts=prompts, tokenizer=module.tokenizer, batch_size=2)
 
     kl = lambda: [AdaptiveKLCallback(kl_target=1e-3, kl_horizon=10)]  # noqa: E731
-    full, resumed, (a, first, b), (full_cbs, resumed_cbs) = _run_and_resume(tmp_path, make, 3, kl, max_epochs=2)
+    full, resumed, (a, first, b), _ = _run_and_resume(tmp_path, make, 3, kl, max_epochs=2)
     assert first.batches[:3] + b.batches == a.batches  # the prompts seen, iteration by iteration
     assert sorted(p for batch in a.batches[:4] for p in batch) == sorted(prompts)
     assert first.kl_coefs[:3] + b.kl_coefs == a.kl_coefs and len(set(a.kl_coefs)) > 1
-    assert resumed.kl_coef == full.kl_coef and resumed_cbs[0].controller.value == full_cbs[0].controller.value
+    assert resumed.kl_coef == full.kl_coef  # the module owns the coefficient; the callback keeps none
     _assert_same_weights(full, resumed)
 
 

@@ -69,7 +69,7 @@ class PPOTrainer:
         config: a ``PPOConfig``.
         tokenizer: the policy's tokenizer (default: loaded from ``tokenizer_name`` / ``model_name``).
         reward_fn: ``fn(prompts, responses, metadata) -> list[float]`` (any reward source, e.g. an RL
-            environment); default: ``PPOModule``'s built-in reward.
+            environment); default: ``aitraining_pl.rewards:char_fraction_reward`` (a toy reward for examples).
     """
 
     def __init__(self, config: PPOConfig, tokenizer: Any = None, reward_fn: Callable | None = None):

@@ -11,7 +11,6 @@ from aitraining_pl.losses.advantages import (
     whitened_gae,
 )
 from aitraining_pl.losses.fused_head import DEFAULT_MEMORY_BUDGET, HeadLogps, chunk_rows, fused_head_logps
-from aitraining_pl.losses.kl_control import AdaptiveKLController, FixedKLController
 from aitraining_pl.losses.kto import KTOOutput, kto_loss, kto_reference_point
 from aitraining_pl.losses.logprobs import (
     SequenceLogps,
@@ -75,8 +74,6 @@ __all__ = [
     "masked_objective_mse",
     "pool_hidden_states",
     "positions_from_mask",
-    "AdaptiveKLController",
-    "FixedKLController",
     "SequenceLogps",
     "entropy_from_logits",
     "explained_variance",
