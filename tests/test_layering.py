@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "aitraining_pl"
 LAYERS = {
     "losses": 1,
     "errors": 1,  # the typed user errors: no project imports
+    "guarded_call": 1,  # calling user code with a timeout (reward sources): no project imports
     "models": 2,
     "optim": 2,
     "validation": 2,  # the hyperparameter range table
