@@ -22,25 +22,30 @@ from aitraining_pl.rewards import build_reward_source, import_object
 
 
 class GuessingGame(EpisodeEnvironment):
-    """Guess a secret number in ``max_turns`` turns; after each wrong guess the environment answers ``higher``
-    or ``lower`` (or ``a number?`` when the turn holds none). The secret is the prompt's ``secret`` metadata.
-    Reward: 1 for the right guess, plus ``format_reward`` for each turn that holds a number; metrics:
-    ``success`` (1 when guessed) and ``valid`` (turns with a number).
+    """Guess a secret number between ``low`` and ``high`` in ``max_turns`` turns; after each wrong guess the
+    environment answers ``higher`` or ``lower`` (or ``a number?`` when the turn holds none). The secret is the
+    prompt's ``secret`` metadata. Reward: 1 for the right guess, plus, per turn, ``format_reward`` for a guess that
+    the answers so far have not ruled out (inside the range still open: a per-turn signal for using the answers);
+    metrics: ``success`` (1 when guessed) and ``valid`` (turns with a guess still possible).
 
     Args:
         max_turns: guesses per episode.
-        format_reward: reward for a turn that holds a number (a learning signal before the first success).
+        format_reward: reward of a turn whose guess is still possible.
+        low: smallest secret.
+        high: largest secret.
         reply_role: role of the environment's answers.
     """
 
-    def __init__(self, max_turns: int = 3, format_reward: float = 0.1, reply_role: str = "user"):
+    def __init__(
+        self, max_turns: int = 3, format_reward: float = 0.1, low: int = 1, high: int = 7, reply_role: str = "user"
+    ):
         self.limits = EpisodeLimits(max_turns=max_turns, max_total_tokens=1 << 16)
-        self.format_reward, self.reply_role = float(format_reward), reply_role
+        self.format_reward, self.range, self.reply_role = float(format_reward), (int(low), int(high)), reply_role
 
     def reset(self, prompt: str, metadata: dict) -> None:
         if "secret" not in metadata:
             raise ValueError(f"GuessingGame: the prompt {prompt[:80]!r} has no 'secret' in its metadata")
-        self.secret = int(metadata["secret"])
+        self.secret, (self.low, self.high) = int(metadata["secret"]), self.range
         return None
 
     def step(self, turn: AssistantTurn) -> EpisodeStep:
@@ -48,9 +53,15 @@ class GuessingGame(EpisodeEnvironment):
         if found is None:
             return self._reply("a number?", 0.0, success=0.0, valid=0.0)
         guess = int(found.group())
+        possible = float(self.low <= guess <= self.high)
         if guess == self.secret:
             return EpisodeStep(done=True, reward=1.0 + self.format_reward, metrics={"success": 1.0, "valid": 1.0})
-        return self._reply("higher" if guess < self.secret else "lower", self.format_reward, success=0.0, valid=1.0)
+        if guess < self.secret:
+            self.low = max(self.low, guess + 1)
+        else:
+            self.high = min(self.high, guess - 1)
+        reward = self.format_reward * possible
+        return self._reply("higher" if guess < self.secret else "lower", reward, success=0.0, valid=possible)
 
     def _reply(self, text: str, reward: float, **metrics: float) -> EpisodeStep:
         return EpisodeStep([{"role": self.reply_role, "content": text}], reward=reward, metrics=metrics)
