@@ -28,8 +28,10 @@ import argparse
 import importlib
 import logging
 import os
+import pickle
 import re
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from aitraining_pl.callbacks.guard import NonFiniteError
 from aitraining_pl.datamodules.io import DataValidationError  # noqa: F401 - a UserError (``what = "data"``)
-from aitraining_pl.errors import ConfigError, HyperparameterError, UserError
+from aitraining_pl.errors import ConfigError, HyperparameterError, ModelLoadError, UserError
+from aitraining_pl.models.loading import one_line
 from aitraining_pl.validation import RenamedArgumentWarning, check_hparams
 
 #: Errors that are the user's to fix: printed as one line, exit status 2. ``UserError`` (data, config,
@@ -294,6 +297,7 @@ def apply_run_arguments(config: Any) -> None:
                 args["version"] = run_name
     if output_dir is None:
         return
+    check_output_dir(output_dir)
     for callback in _as_list(trainer.get("callbacks")):
         kind = str(getattr(callback, "class_path", "")).rpartition(".")[2]
         args = getattr(callback, "init_args", None)
@@ -328,6 +332,19 @@ def terminated_line(trainer: Any) -> str:
     return f"aitraining-pl: stopped by SIGTERM after {step} steps; {where}"
 
 
+def check_output_dir(path: str) -> None:
+    """``ConfigError`` naming ``--output_dir`` when it is a file, cannot be created, or cannot be written
+    (before any model is loaded); creates the folder otherwise."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--output_dir {path}", "is a file, not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise ConfigError(f"--output_dir {path}", f"cannot be written: {err.strerror or err}") from None
+
+
 def closing_line(trainer: Any) -> str:
     """``aitraining-pl: done after N steps: <k>=<v> ...; export: <path>; checkpoint: <path>`` after a fit: the
     last ``train/loss`` and validation metrics (all ``train/`` metrics when there is no validation)."""
@@ -355,14 +372,21 @@ def _chain(err: BaseException | None):
         err = err.__cause__ or err.__context__
 
 
-def _user_error(err: BaseException) -> BaseException | None:
+def _user_error(err: BaseException, args: list[str] | None = None) -> BaseException | None:
     """The user error behind ``err``, or None. jsonargparse and Lightning wrap errors raised while building
     the model or data (a ``ValueError`` with the parser's dump), so a typed ``UserError`` anywhere in the
-    chain wins over the generic errors around it, and a generic one counts only as the root cause."""
+    chain wins over the generic errors around it, and a generic one counts only as the root cause. A checkpoint
+    that ``torch.load(weights_only=True)`` refuses (``--ckpt_path``) is a ``ModelLoadError`` naming it."""
     chain = list(_chain(err))
     typed = [e for e in chain if isinstance(e, UserError)]
     if typed:
         return typed[-1]
+    refused = next((e for e in chain if isinstance(e, pickle.UnpicklingError)), None)
+    if refused is not None:
+        argv = list(args or [])
+        paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--ckpt_path"]
+        paths += [a.split("=", 1)[1] for a in argv if a.startswith("--ckpt_path=")]
+        return ModelLoadError(f"--ckpt_path {paths[-1]}" if paths else "checkpoint", one_line(refused))
     root = chain[-1]  # a generic error counts only as the root cause (not jsonargparse's wrapper of a bug)
     return root if isinstance(root, USER_ERRORS) else None
 
@@ -467,7 +491,7 @@ def main(args: list[str] | None = None) -> None:
         print(format_error(parser_error(err, args)), file=sys.stderr)
         raise SystemExit(2) from None
     except Exception as err:  # noqa: BLE001 - only user errors are turned into a message
-        user = _user_error(err)
+        user = _user_error(err, argv)
         if user is None or os.environ.get("AITRAINING_PL_DEBUG"):
             raise
         print(format_error(user), file=sys.stderr)

@@ -138,6 +138,37 @@ def _reward_folder(tmp: Path, *drop: str) -> str:
     return str(folder)
 
 
+class _Exploit:
+    """Unpickling runs ``touch <marker>``: what a malicious checkpoint or ``pytorch_model.bin`` does."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _evil_checkpoint(tmp: Path) -> str:
+    import torch
+
+    torch.save({"state_dict": _Exploit(tmp / "EXPLOITED")}, tmp / "evil.ckpt")
+    return str(tmp / "evil.ckpt")
+
+
+def _evil_model_folder(tmp: Path) -> str:
+    import torch
+
+    folder = Path(_model_folder(tmp))
+    (folder / "model.safetensors").unlink()
+    torch.save({"weight": _Exploit(tmp / "EXPLOITED")}, folder / "pytorch_model.bin")
+    return str(folder)
+
+
+def _a_file(tmp: Path) -> Path:
+    (tmp / "a_file").write_text("not a folder")
+    return tmp / "a_file"
+
+
 # ----------------------------------------------------------------------------- the table
 #: id -> (config, extra arguments (a function of the temporary folder), what, expected parts, before_load)
 CASES = {
@@ -421,6 +452,34 @@ CASES = {
         ["DPOModule.tokenizer_name: folder './no-tokenizer' not found"],
         True,
     ),
+    "model-malicious-pickle": (
+        _dpo,
+        lambda t: ["--model.init_args.model_config", "null", "--model.init_args.model_name", _evil_model_folder(t)],
+        "model",
+        ["pytorch_model.bin: cannot load the model: refused by torch.load(weights_only=True)", "posix.system"],
+        False,
+    ),
+    "checkpoint-malicious-pickle": (
+        _dpo,
+        lambda t: ["--ckpt_path", _evil_checkpoint(t)],
+        "model",
+        ["--ckpt_path ", "evil.ckpt: refused by torch.load(weights_only=True)", "GLOBAL posix.system"],
+        False,
+    ),
+    "config-output-dir-is-a-file": (
+        _dpo,
+        lambda t: ["--output_dir", str(_a_file(t))],
+        "config",
+        ["--output_dir ", "a_file: is a file, not a folder"],
+        True,
+    ),
+    "config-output-dir-not-writable": (
+        _dpo,
+        lambda t: ["--output_dir", str(_a_file(t) / "run")],
+        "config",
+        ["a_file/run: cannot be written: Not a directory"],
+        True,
+    ),
     "model-corrupt-weights": (
         _dpo,
         lambda t: [
@@ -577,6 +636,7 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys, monkeypatch):
         assert part in message, message
     assert len(message) < 500, message
     assert not list(tmp_path.glob("csv/v/metrics.csv")) or what == "reward"  # nothing trained
+    assert not (tmp_path / "EXPLOITED").exists()  # a malicious pickle ran nothing
 
 
 @pytest.mark.slow

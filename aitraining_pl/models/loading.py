@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -167,18 +169,27 @@ def from_pretrained(load: Callable[..., Any], name: str, kind: str, **kwargs: An
 
 
 def is_load_error(err: Exception) -> bool:
-    """Errors of reading a folder or hub id: OS errors, bad config or weights files (safetensors, JSON)."""
-    return isinstance(err, (OSError, ValueError, KeyError)) or type(err).__module__.startswith("safetensors")
+    """Errors of reading a folder or hub id: OS errors, bad config or weights files (safetensors, JSON, a pickle
+    that ``torch.load(weights_only=True)`` refuses)."""
+    return isinstance(err, (OSError, ValueError, KeyError, pickle.UnpicklingError)) or type(err).__module__.startswith(
+        "safetensors"
+    )
 
 
 def one_line(err: BaseException, limit: int = 300) -> str:
-    """``"<Type>: <message>"`` on one line, at most ``limit`` characters of message."""
+    """``"<Type>: <message>"`` on one line, at most ``limit`` characters of message; a pickle refused by
+    ``weights_only`` loading is named by what it tried to load, without torch's advice to turn the check off."""
+    if isinstance(err, pickle.UnpicklingError):
+        found = re.search(r"(unsupported GLOBAL|Unsupported global:?) ([^\s]+)", str(err))
+        what = f" ({found.group(1)} {found.group(2)})" if found else ""
+        return f"refused by torch.load(weights_only=True): the file holds code or objects, not only tensors{what}"
     return f"{type(err).__name__}: {' '.join(str(err).split())[:limit]}"
 
 
 def where_load_failed(folder: str, err: BaseException) -> str | None:
     """The weights file of ``folder`` when ``err`` is about reading weights (a corrupt safetensors file)."""
     weights_error = type(err).__module__.startswith("safetensors") or "safetensors" in str(err).lower()
+    weights_error = weights_error or isinstance(err, pickle.UnpicklingError)
     return _weights_file(folder) if weights_error else (folder if os.path.isdir(folder) else None)
 
 
