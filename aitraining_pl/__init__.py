@@ -22,6 +22,9 @@ _EXPORTS: dict[str, str] = {
     # LightningModules
     "SFTModule": "aitraining_pl.modules.sft",
     "DPOModule": "aitraining_pl.modules.dpo",
+    "KTOModule": "aitraining_pl.modules.kto",
+    "ORPOModule": "aitraining_pl.modules.orpo",
+    "CPOModule": "aitraining_pl.modules.orpo",
     "RewardModule": "aitraining_pl.modules.reward",
     "PairwiseRewardModule": "aitraining_pl.modules.reward",
     "MultiObjectiveRewardModule": "aitraining_pl.modules.reward",
@@ -31,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     # DataModules
     "SFTDataModule": "aitraining_pl.datamodules.sft",
     "PreferenceDataModule": "aitraining_pl.datamodules.preference",
+    "KTODataModule": "aitraining_pl.datamodules.kto",
     "ScoresDataModule": "aitraining_pl.datamodules.scores",
     "PromptDataModule": "aitraining_pl.datamodules.prompt",
     # callbacks
@@ -45,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     "FSDP2Strategy": "aitraining_pl.strategies",
     # configs
     "LoRAConfig": "aitraining_pl.models",
+    "QuantizationConfig": "aitraining_pl.models.quantization",
     "GenerationConfig": "aitraining_pl.rollout",
     # command line
     "AlignmentCLI": "aitraining_pl.cli",

@@ -54,6 +54,9 @@ USER_ERRORS: tuple[type[BaseException], ...] = (UserError, FileNotFoundError, Va
 MODULES: tuple[tuple[str, str], ...] = (
     ("SFT", "aitraining_pl.modules.sft.SFTModule"),
     ("DPO", "aitraining_pl.modules.dpo.DPOModule"),
+    ("KTO", "aitraining_pl.modules.kto.KTOModule"),
+    ("ORPO", "aitraining_pl.modules.orpo.ORPOModule"),
+    ("CPO", "aitraining_pl.modules.orpo.CPOModule"),
     ("reward", "aitraining_pl.modules.reward.RewardModule"),
     ("pairwise", "aitraining_pl.modules.reward.PairwiseRewardModule"),
     ("multi-objective", "aitraining_pl.modules.reward.MultiObjectiveRewardModule"),
@@ -64,7 +67,11 @@ MODULES: tuple[tuple[str, str], ...] = (
 
 #: dataclass arguments with their own ``--model.<name>.help`` (jsonargparse advertises it but cannot print it
 #: inside a subclass-mode model).
-NESTED_HELP = {"lora": "aitraining_pl.models.lora.LoRAConfig", "generation": "aitraining_pl.rollout.GenerationConfig"}
+NESTED_HELP = {
+    "lora": "aitraining_pl.models.lora.LoRAConfig",
+    "quantization": "aitraining_pl.models.quantization.QuantizationConfig",
+    "generation": "aitraining_pl.rollout.GenerationConfig",
+}
 
 
 def _import(class_path: str) -> Any:
@@ -429,6 +436,14 @@ def parser_error(err: BaseException, args: list[str] | None = None) -> UserError
     option = keys[0] + (".init_args." if nested else ".") + ".".join(keys[1:]) if len(keys) > 1 else "".join(keys)
     why = (why or (lines[0] if lines else type(err).__name__)).lstrip("- ")
     choice = re.match(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", why)
+    if choice is None:  # a Literal inside a Union (a name or a list of names, as DPO's loss_type)
+        literal = next((x for x in lines if x.startswith("- Expected a typing.Literal[")), None)
+        given = next((x for x in lines if x.startswith("Given value: ")), None)
+        if literal and given:
+            choice = re.match(
+                r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)",
+                f"{literal[2:].rstrip('.')}. Got value: {given[len('Given value: ') :]}",
+            )
     owner = re.search(r"class_path '([\w.]+)'", " ".join(lines))
     if choice and keys:  # a choice outside a Literal: worded as the range table words it
         name, value = keys[-1], choice.group(2).strip()

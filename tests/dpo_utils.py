@@ -50,9 +50,13 @@ def write_config(
     model: dict | None = None,
     data: dict | None = None,
     trainer: dict | None = None,
+    model_class: str = MODEL,
+    data_class: str = DATA,
+    rows: list[dict] | None = None,
 ) -> Path:
-    """A CLI config (JSON is valid YAML) for a tiny DPO run writing CSV metrics under ``tmp_path``."""
-    data_path = write_jsonl(tmp_path / "prefs.jsonl", preference_rows(n_pairs))
+    """A CLI config (JSON is valid YAML) for a tiny DPO run writing CSV metrics under ``tmp_path`` (another
+    module / data module with ``model_class`` / ``data_class``; other rows than ``preference_rows`` with ``rows``)."""
+    data_path = write_jsonl(tmp_path / "prefs.jsonl", rows if rows is not None else preference_rows(n_pairs))
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -72,7 +76,7 @@ def write_config(
             **(trainer or {}),
         },
         "model": {
-            "class_path": MODEL,
+            "class_path": model_class,
             "init_args": {
                 "model_config": dict(TINY_LLAMA),
                 "tokenizer_name": "byte",
@@ -82,7 +86,7 @@ def write_config(
             },
         },
         "data": {
-            "class_path": DATA,
+            "class_path": data_class,
             "init_args": {
                 "data_path": str(data_path),
                 "val_split": 0.25,

@@ -185,8 +185,8 @@ def test_short_class_name_help_and_choices(capsys):
         main(["fit", "--model.help", "DPOModule"])
     out = capsys.readouterr().out
     assert info.value.code == 0 and "--model.beta" in out
-    assert "{sigmoid,robust,hinge,ipo,simpo}" in out and "{linear,cosine,constant}" in out
-    assert "--model.attn_implementation" in out
+    assert "{linear,cosine,constant}" in out and "--model.attn_implementation" in out
+    assert "--model.loss_type+ LOSS_TYPE" in out and "``sigmoid`` (DPO), ``robust``" in " ".join(out.split())
 
 
 @pytest.mark.parametrize(
@@ -195,6 +195,7 @@ def test_short_class_name_help_and_choices(capsys):
         ("--model.lora.help", "--alpha"),
         ("--model.init_args.lora.help", "--r"),
         ("--model.generation.help", "--max_new_tokens"),
+        ("--model.quantization.help", "--quant_type"),
     ],
 )
 def test_nested_help(option, field, capsys):

@@ -12,11 +12,11 @@ import aitraining_pl
 
 TOP_LEVEL = {
     "SFTModule", "DPOModule", "RewardModule", "PairwiseRewardModule", "MultiObjectiveRewardModule", "PPOModule",
-    "GRPOModule", "RLOOModule",
-    "SFTDataModule", "PreferenceDataModule", "ScoresDataModule", "PromptDataModule",
+    "GRPOModule", "RLOOModule", "KTOModule", "ORPOModule", "CPOModule",
+    "SFTDataModule", "PreferenceDataModule", "KTODataModule", "ScoresDataModule", "PromptDataModule",
     "AdaptiveKLCallback", "ExactResumeCallback", "HFExportCallback", "NonFiniteGuard", "SamplingCallback",
     "SyncReferenceCallback", "CompletionLogCallback",
-    "FSDP2Strategy", "LoRAConfig", "GenerationConfig", "AlignmentCLI", "main",
+    "FSDP2Strategy", "LoRAConfig", "QuantizationConfig", "GenerationConfig", "AlignmentCLI", "main",
 }  # fmt: skip
 
 

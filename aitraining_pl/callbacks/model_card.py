@@ -18,6 +18,7 @@ from typing import Any
 #: module class name -> algorithm tag on the hub.
 ALGORITHM_TAGS = {
     "SFTModule": "sft", "DPOModule": "dpo", "PPOModule": "ppo", "GRPOModule": "grpo", "RLOOModule": "rloo",
+    "KTOModule": "kto", "ORPOModule": "orpo", "CPOModule": "cpo",
     "RewardModule": "reward-model", "PairwiseRewardModule": "reward-model",
     "MultiObjectiveRewardModule": "reward-model",
 }  # fmt: skip

@@ -229,7 +229,41 @@ class LengthGroupedSampler(Sampler[int]):
         return iter([i for batch in first + rest for i in batch])
 
 
-class PreferenceDataModule(CachedDataModule):
+class RowPairsDataModule(CachedDataModule):
+    """What the preference and KTO data modules share: rows kept in a ``PreferenceDataset`` (optionally
+    length-grouped) and the loaders. A subclass declares its arguments (including ``group_by_length`` and
+    ``shuffle``) and encodes its rows."""
+
+    collator = PreferenceCollator
+
+    def _build(self, rows: Any, source: str) -> PreferenceDataset:
+        hp = self.hparams
+        return PreferenceDataset.from_encoded(rows, source, hp.max_length, hp.max_prompt_length)
+
+    # -- loaders
+    def train_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        if hp.group_by_length:
+            sampler = LengthGroupedSampler(self.train_dataset.lengths(), hp.batch_size, seed=hp.seed)
+            return self._loader(self.train_dataset, hp.batch_size, sampler=sampler)
+        if hp.shuffle:  # the order of an epoch depends on (seed, epoch) only: a resumed run sees the same
+            sampler = SeededShuffleSampler(len(self.train_dataset), seed=hp.seed)
+            return self._loader(self.train_dataset, hp.batch_size, sampler=sampler)
+        return self._loader(self.train_dataset, hp.batch_size)
+
+    def test_dataloader(self):
+        return self.val_dataloader()
+
+    def ordered_dataloaders(self) -> dict[str, DataLoader]:
+        """Unshuffled loaders over every split (``train``, ``val``) for one pass such as precomputing
+        reference log-probs; batches carry ``index`` into their split."""
+        loaders = {"train": self._loader(self.train_dataset)}
+        if self.val_dataset is not None:
+            loaders["val"] = self._loader(self.val_dataset)
+        return loaders
+
+
+class PreferenceDataModule(RowPairsDataModule):
     """Preference pairs from a file, a hub dataset or in-memory lists, checked before training starts, in any
     of TRL's preference layouts (explicit or implicit prompt, standard or conversational; see
     ``aitraining_pl.datamodules.formats``). File and hub rows are tokenised once into the ``datasets`` cache
@@ -266,8 +300,6 @@ class PreferenceDataModule(CachedDataModule):
         num_workers: DataLoader worker processes.
         seed: seed of the validation split and the sampling order.
     """
-
-    collator = PreferenceCollator
 
     def __init__(
         self,
@@ -362,29 +394,3 @@ class PreferenceDataModule(CachedDataModule):
         if not records:
             raise DataValidationError(IN_MEMORY, "no rows")
         return records
-
-    def _build(self, rows: Any, source: str) -> PreferenceDataset:
-        hp = self.hparams
-        return PreferenceDataset.from_encoded(rows, source, hp.max_length, hp.max_prompt_length)
-
-    # -- loaders
-    def train_dataloader(self) -> DataLoader:
-        hp = self.hparams
-        if hp.group_by_length:
-            sampler = LengthGroupedSampler(self.train_dataset.lengths(), hp.batch_size, seed=hp.seed)
-            return self._loader(self.train_dataset, hp.batch_size, sampler=sampler)
-        if hp.shuffle:  # the order of an epoch depends on (seed, epoch) only: a resumed run sees the same
-            sampler = SeededShuffleSampler(len(self.train_dataset), seed=hp.seed)
-            return self._loader(self.train_dataset, hp.batch_size, sampler=sampler)
-        return self._loader(self.train_dataset, hp.batch_size)
-
-    def test_dataloader(self):
-        return self.val_dataloader()
-
-    def ordered_dataloaders(self) -> dict[str, DataLoader]:
-        """Unshuffled loaders over every split (``train``, ``val``) for one pass such as precomputing
-        reference log-probs; batches carry ``index`` into their split."""
-        loaders = {"train": self._loader(self.train_dataset)}
-        if self.val_dataset is not None:
-            loaders["val"] = self._loader(self.val_dataset)
-        return loaders

@@ -6,6 +6,7 @@ Every ``*_logps`` argument is a (B,) tensor of summed completion-token log-proba
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -16,18 +17,24 @@ class KTOOutput(NamedTuple):
     rewards: torch.Tensor  #: (B,) implicit reward ``beta * log(pi / ref)``, detached
 
 
-def kto_reference_point(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
+def kto_reference_point(
+    policy_kl_logps: torch.Tensor,
+    ref_kl_logps: torch.Tensor,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """KTO's reference point z0: ``max(0, mean(log pi(y'|x) - log ref(y'|x)))`` over mismatched pairs (x, y')
     (a completion of another prompt of the batch), a biased but cheap estimate of ``KL(pi || ref)``; detached,
     as in the paper (no gradient flows through z0).
 
     Args:
         policy_kl_logps, ref_kl_logps: (B,) log-probs of the mismatched completions.
+        reduce: applied to the batch mean before the clamp, e.g. the average across data-parallel ranks.
 
     Returns:
-        scalar. Across data-parallel ranks, average the per-rank values before the clamp.
+        scalar.
     """
-    return (policy_kl_logps - ref_kl_logps).detach().mean().clamp_min(0)
+    mean = (policy_kl_logps - ref_kl_logps).detach().mean()
+    return (reduce(mean) if reduce is not None else mean).clamp_min(0)
 
 
 def kto_loss(

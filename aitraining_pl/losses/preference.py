@@ -301,8 +301,9 @@ def orpo_loss(
         chosen_logps_avg, rejected_logps_avg: (B,) per-token averaged log-probs (< 0).
         chosen_nll: (B,) or scalar NLL of the chosen completion.
     """
+    # log(1 - exp(x)) as log(-expm1(x)): exact also for x near 0 (a completion the model is sure of)
     log_odds = (chosen_logps_avg - rejected_logps_avg) - (
-        torch.log1p(-torch.exp(chosen_logps_avg)) - torch.log1p(-torch.exp(rejected_logps_avg))
+        torch.log(-torch.expm1(chosen_logps_avg)) - torch.log(-torch.expm1(rejected_logps_avg))
     )
     ratio = F.logsigmoid(log_odds)
     return ORPOOutput(chosen_nll - beta * ratio, ratio.detach(), log_odds.detach())

@@ -117,20 +117,31 @@ ADAPTER_BASE_DIR = "base"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 
 
-def save_adapter_base(peft_model: nn.Module, folder: str | Path, model_name: str | None, tokenizer=None) -> str:
+def save_adapter_base(
+    peft_model: nn.Module,
+    folder: str | Path,
+    model_name: str | None,
+    tokenizer=None,
+    full_base: nn.Module | None = None,
+) -> str:
     """Make the LoRA export in ``folder`` name a loadable base in ``adapter_config.json``'s
     ``base_model_name_or_path``, so ``peft.AutoPeftModelForCausalLM.from_pretrained(folder)`` works offline.
 
     The base is ``model_name`` (a hub id as given; a local folder as its absolute path), or, for a model built
     from an inline config (no folder, no hub id), its base weights (adapters removed, not merged) and
     ``tokenizer`` written to ``<folder>/base/`` and named by that folder's absolute path: peft resolves a
-    relative ``base_model_name_or_path`` against the current directory, not the adapter folder. After moving
-    the export, ``link_adapter_base(new_folder)`` points it at its ``base/`` again. Returns the name written."""
+    relative ``base_model_name_or_path`` against the current directory, not the adapter folder. ``full_base``
+    (a QLoRA policy's full-precision base) is written there instead of the peft model's own base weights. After
+    moving the export, ``link_adapter_base(new_folder)`` points it at its ``base/`` again. Returns the name
+    written."""
     folder = Path(folder)
     if model_name is not None:
         base = str(Path(model_name).resolve()) if Path(model_name).is_dir() else model_name
     else:
-        save_plain(peft_model, folder / ADAPTER_BASE_DIR, merged=False)
+        if full_base is not None:
+            full_base.save_pretrained(str(folder / ADAPTER_BASE_DIR), safe_serialization=True)
+        else:
+            save_plain(peft_model, folder / ADAPTER_BASE_DIR, merged=False)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(folder / ADAPTER_BASE_DIR))
         base = str((folder / ADAPTER_BASE_DIR).resolve())

@@ -39,6 +39,7 @@ from torchmetrics import MeanMetric
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.models import LoRAConfig, ReferencePolicy, is_peft_model, load_policy, load_tokenizer
 from aitraining_pl.models.lora import save_adapter_base, save_plain
+from aitraining_pl.models.quantization import is_quantized, merged_full_precision_state, quantization_hparam
 from aitraining_pl.models.sharding import is_sharded, shard
 from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing
 from aitraining_pl.optim import adamw_with_warmup, fused_adamw_applies
@@ -178,6 +179,23 @@ class AlignmentModule(pl.LightningModule):
             with_reference=with_reference,
             dtype=self.hparam("dtype"),
             attn_implementation=self.hparam("attn_implementation"),
+            trust_remote_code=bool(self.hparam("trust_remote_code", False)),
+            seed=int(self.hparam("seed", 0) or 0),
+            quantization=self.hparam("quantization"),
+        )
+
+    def store_quantization_hparam(self, quantization: Any) -> None:
+        """Keep ``quantization`` (``QuantizationConfig`` or dict) in hparams as a plain dict, ``None`` when off."""
+        self.set_hparam("quantization", quantization_hparam(quantization))
+
+    def full_precision_base(self) -> nn.Module:
+        """The policy's base model as loaded without quantization (the base a QLoRA export merges into)."""
+        from aitraining_pl.models.loading import load_causal_lm
+
+        return load_causal_lm(
+            self.hparam("model_name"),
+            self.hparam("model_config"),
+            dtype=self.hparam("dtype"),
             trust_remote_code=bool(self.hparam("trust_remote_code", False)),
             seed=int(self.hparam("seed", 0) or 0),
         )
@@ -343,7 +361,8 @@ class AlignmentModule(pl.LightningModule):
         (``README.md``, ``aitraining_pl.callbacks.model_card``) to ``path``.
 
         Under LoRA the adapters are written (``adapter_config.json`` + ``adapter_model.safetensors``), or,
-        with ``merge_lora=True``, the base weights with the adapters merged in (the live model is untouched).
+        with ``merge_lora=True``, the base weights with the adapters merged in (the live model is untouched; under
+        QLoRA the full-precision base reloaded from its source, so the export loads in plain transformers).
         The adapters name a loadable base (``base_model_name_or_path``): ``model_name``, or for an inline
         ``model_config`` the base weights written to ``<path>/base/`` (``models.lora.save_adapter_base``), so
         ``peft.AutoPeftModelForCausalLM.from_pretrained(path)`` loads the export offline.
@@ -351,13 +370,18 @@ class AlignmentModule(pl.LightningModule):
         from aitraining_pl.callbacks.model_card import write_model_card
 
         model = self.policy
+        quantized = is_quantized(model)
+        full = self.full_precision_base() if quantized and (merge_lora or self.hparam("model_name") is None) else None
         if is_peft_model(model) and merge_lora:
-            save_plain(model, path, merged=True)
+            if quantized:  # the adapters added to the full-precision base, not to its 4-bit rounding
+                full.save_pretrained(str(path), state_dict=merged_full_precision_state(model, full))
+            else:
+                save_plain(model, path, merged=True)
         else:
             model.save_pretrained(str(path), safe_serialization=True)
         self.tokenizer.save_pretrained(str(path))
         if is_peft_model(model) and not merge_lora:
-            save_adapter_base(model, path, self.hparam("model_name"), self.tokenizer)
+            save_adapter_base(model, path, self.hparam("model_name"), self.tokenizer, full_base=full)
         write_model_card(path, self)
 
 

@@ -13,6 +13,7 @@ from aitraining_pl.models.packing import (  # noqa: F401 - PackedBatch, can_pack
     pack_batch,
     prompt_lengths,
 )
+from aitraining_pl.models.quantization import QuantizationConfig
 from aitraining_pl.models.scoring import completion_logps  # noqa: F401 - re-exported
 from aitraining_pl.modules.preference import (  # noqa: F401 - preference_accuracy: re-exported
     PreferenceModule,
@@ -64,6 +65,8 @@ class DPOModule(PreferenceModule):
             training forwards are then deterministic.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
+        quantization: load the base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
+            ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``.
         precompute_ref_logps: deprecated spelling of ``precompute_ref_log_probs`` (TRL's name; accepted with a
             warning until the next release).
     """
@@ -94,6 +97,7 @@ class DPOModule(PreferenceModule):
         attn_implementation: str | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        quantization: QuantizationConfig | None = None,
         precompute_ref_logps: bool | None = None,
     ):
         super().__init__()
@@ -104,9 +108,10 @@ class DPOModule(PreferenceModule):
             False,
             precompute_ref_logps=precompute_ref_logps,
         )
-        self.save_hyperparameters(ignore=["lora", *RENAMED])
+        self.save_hyperparameters(ignore=["lora", "quantization", *RENAMED])
         self.drop_renamed_hparams(precompute_ref_log_probs=bool(precompute_ref_log_probs))
         self.store_lora_hparam(lora)
+        self.store_quantization_hparam(quantization)
         types = loss_types(loss_type)
         if loss_weights is not None and len(loss_weights) != len(types):
             raise ValueError(f"loss_weights has {len(loss_weights)} entries for {len(types)} loss types")

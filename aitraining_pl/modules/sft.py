@@ -10,6 +10,7 @@ import torch
 from aitraining_pl.losses import sft_loss
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.packing import pack_rows
+from aitraining_pl.models.quantization import QuantizationConfig
 from aitraining_pl.models.scoring import scoring_path, token_logps
 from aitraining_pl.modules.base import SharedStepModule
 from aitraining_pl.optim import LRSchedule
@@ -46,6 +47,8 @@ class SFTModule(SharedStepModule):
             transformers' and TRL's SFT trainers do).
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
+        quantization: load the base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
+            ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``.
     """
 
     def __init__(
@@ -65,10 +68,12 @@ class SFTModule(SharedStepModule):
         attn_implementation: str | None = None,
         disable_dropout: bool = False,
         gradient_checkpointing: bool = False,
+        quantization: QuantizationConfig | None = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["lora"])
+        self.save_hyperparameters(ignore=["lora", "quantization"])
         self.store_lora_hparam(lora)
+        self.store_quantization_hparam(quantization)
         self.policy, _ = self.load_policy_from_hparams(with_reference=False)
         self.apply_training_options()
         self.num_tokens = 0  #: real tokens trained on, summed over ranks (kept in checkpoints)

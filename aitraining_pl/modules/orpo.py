@@ -1,0 +1,191 @@
+"""Reference-free preference optimisation: ORPO (Hong et al. 2024) and CPO (Xu et al. 2024) as LightningModules.
+
+Both train on the preference batches of ``PreferenceDataModule`` with no reference model: a supervised term on
+the chosen completion plus a term that separates chosen from rejected, which is why they can start from a base
+model without an SFT stage (ORPO) or need no reference copy in memory (both).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from aitraining_pl.losses import DPOOutput, dpo_loss, orpo_loss
+from aitraining_pl.losses.preference import DPOLossType
+from aitraining_pl.models import LoRAConfig
+from aitraining_pl.models.quantization import QuantizationConfig
+from aitraining_pl.modules.preference import PreferenceModule, pair_metrics
+from aitraining_pl.optim import LRSchedule
+
+
+def chosen_nll(chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood per chosen completion token over the batch (the SFT term of ORPO and CPO)."""
+    return -chosen_logps.sum() / chosen_lengths.sum().clamp_min(1)
+
+
+class ORPOModule(PreferenceModule):
+    """ORPO, odds-ratio preference optimisation (Hong et al. 2024): with ``p`` the per-token average probability
+    of a completion, ``loss = NLL(chosen) - beta * log s(log odds(chosen) - log odds(rejected))``, where
+    ``odds = p / (1 - p)`` (``losses.orpo_loss``). Reference-free.
+
+    Metrics (``train/``, ``val/``): ``loss``, ``nll_loss``, ``log_odds_ratio``, ``log_odds_chosen`` and TRL's
+    pair metrics, with ``rewards/*`` = ``beta`` times the average token log-prob of each completion.
+
+    Args:
+        model_name: folder or hub id of the policy (a causal LM).
+        model_config: inline transformers config for a randomly initialised policy (instead of ``model_name``).
+        tokenizer_name: tokenizer folder, hub id or ``"byte"`` (default: ``model_name``); shared with the data.
+        lora: LoRA adapters on the policy (``LoRAConfig``, or a ``peft.LoraConfig`` in Python).
+        beta: weight of the odds-ratio term (the paper's lambda; TRL's ``beta``).
+        learning_rate: peak AdamW learning rate.
+        warmup_ratio: fraction of the optimizer steps spent in linear warmup.
+        lr_schedule: decay after warmup: ``linear``, ``cosine`` or ``constant``.
+        weight_decay: AdamW weight decay.
+        padding_free: run the batch's real tokens packed end to end in one row (as ``DPOModule``'s).
+        share_prompt: pack each pair as one sequence holding its prompt once (as ``DPOModule``'s).
+        dtype: weights dtype when loading (``bfloat16``, ``float32``, ...; default: as stored / float32).
+        seed: seed of the random initialisation when ``model_config`` is used.
+        trust_remote_code: allow custom model code from the hub (off by default).
+        attn_implementation: attention kernel passed to transformers (default: transformers' choice).
+        disable_dropout: set every dropout rate to 0, as TRL does.
+        gradient_checkpointing: recompute activations in backward instead of storing them.
+        quantization: load the base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
+            ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``.
+    """
+
+    def __init__(
+        self,
+        model_name: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        tokenizer_name: str | None = None,
+        lora: LoRAConfig | None = None,
+        beta: float = 0.1,
+        learning_rate: float = 1e-6,
+        warmup_ratio: float = 0.1,
+        lr_schedule: LRSchedule = "linear",
+        weight_decay: float = 0.0,
+        padding_free: bool = True,
+        share_prompt: bool = True,
+        dtype: str | None = None,
+        seed: int = 0,
+        trust_remote_code: bool = False,
+        attn_implementation: str | None = None,
+        disable_dropout: bool = True,
+        gradient_checkpointing: bool = False,
+        quantization: QuantizationConfig | None = None,
+    ):
+        super().__init__()
+        self.save_hyperparameters(ignore=["lora", "quantization"])
+        self.store_lora_hparam(lora)
+        self.store_quantization_hparam(quantization)
+        self.build_models(uses_reference=False)
+
+    def objective(self, policy, reference, batch, stage):
+        chosen, rejected = policy.logps.chunk(2)
+        chosen_len, rejected_len = (n.clamp_min(1) for n in policy.lengths.chunk(2))
+        chosen_avg, rejected_avg = chosen / chosen_len, rejected / rejected_len
+        nll = chosen_nll(chosen, chosen_len)
+        out = orpo_loss(chosen_avg, rejected_avg, nll, self.hparams.beta)
+        loss = out.losses.mean()
+        beta = self.hparams.beta
+        rewards = DPOOutput(out.losses, (beta * chosen_avg).detach(), (beta * rejected_avg).detach())
+        metrics = {
+            "loss": loss,
+            "nll_loss": nll,
+            "log_odds_ratio": out.log_odds_ratio,
+            "log_odds_chosen": out.log_odds,
+            **pair_metrics(rewards, chosen, rejected),
+        }
+        self.log_metrics(stage, metrics, batch_size=chosen.shape[0], prog_bar=("loss", "rewards/accuracies"))
+        return loss
+
+
+class CPOModule(PreferenceModule):
+    """CPO, contrastive preference optimisation (Xu et al. 2024): a DPO-family loss with the reference taken as
+    uniform, plus ``cpo_alpha`` times the chosen completions' token NLL: ``-log s(beta (log pi(w) - log pi(l))) +
+    alpha * NLL(w)`` for the default ``sigmoid`` (``losses.dpo_loss`` with ``reference_free=True`` and
+    ``loss_type=[loss_type, "sft"]``). With ``loss_type: simpo`` it is CPO-SimPO.
+
+    Metrics: ``loss``, ``nll_loss`` and TRL's pair metrics (``rewards/*`` = ``beta`` times the log-probs).
+
+    Args:
+        model_name: folder or hub id of the policy (a causal LM).
+        model_config: inline transformers config for a randomly initialised policy (instead of ``model_name``).
+        tokenizer_name: tokenizer folder, hub id or ``"byte"`` (default: ``model_name``); shared with the data.
+        lora: LoRA adapters on the policy (``LoRAConfig``, or a ``peft.LoraConfig`` in Python).
+        beta: temperature of the preference term.
+        loss_type: the preference term, a loss of ``losses.DPO_LOSSES`` (TRL's CPO: ``sigmoid``, ``hinge``,
+            ``ipo``, ``simpo``).
+        cpo_alpha: weight of the chosen NLL term (TRL's ``cpo_alpha``; 0 leaves only the preference term).
+        label_smoothing: assumed label-flip rate of ``sigmoid`` / ``robust`` (as ``DPOModule``'s).
+        simpo_gamma: target reward margin of ``simpo``.
+        learning_rate: peak AdamW learning rate.
+        warmup_ratio: fraction of the optimizer steps spent in linear warmup.
+        lr_schedule: decay after warmup: ``linear``, ``cosine`` or ``constant``.
+        weight_decay: AdamW weight decay.
+        padding_free: run the batch's real tokens packed end to end in one row (as ``DPOModule``'s).
+        share_prompt: pack each pair as one sequence holding its prompt once (as ``DPOModule``'s).
+        dtype: weights dtype when loading (``bfloat16``, ``float32``, ...; default: as stored / float32).
+        seed: seed of the random initialisation when ``model_config`` is used.
+        trust_remote_code: allow custom model code from the hub (off by default).
+        attn_implementation: attention kernel passed to transformers (default: transformers' choice).
+        disable_dropout: set every dropout rate to 0, as TRL does.
+        gradient_checkpointing: recompute activations in backward instead of storing them.
+        quantization: load the base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
+            ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``.
+    """
+
+    def __init__(
+        self,
+        model_name: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        tokenizer_name: str | None = None,
+        lora: LoRAConfig | None = None,
+        beta: float = 0.1,
+        loss_type: DPOLossType = "sigmoid",
+        cpo_alpha: float = 1.0,
+        label_smoothing: float = 0.0,
+        simpo_gamma: float = 0.5,
+        learning_rate: float = 1e-6,
+        warmup_ratio: float = 0.1,
+        lr_schedule: LRSchedule = "linear",
+        weight_decay: float = 0.0,
+        padding_free: bool = True,
+        share_prompt: bool = True,
+        dtype: str | None = None,
+        seed: int = 0,
+        trust_remote_code: bool = False,
+        attn_implementation: str | None = None,
+        disable_dropout: bool = True,
+        gradient_checkpointing: bool = False,
+        quantization: QuantizationConfig | None = None,
+    ):
+        super().__init__()
+        self.save_hyperparameters(ignore=["lora", "quantization"])
+        self.store_lora_hparam(lora)
+        self.store_quantization_hparam(quantization)
+        self.build_models(uses_reference=False)
+
+    def objective(self, policy, reference, batch, stage):
+        hp = self.hparams
+        chosen, rejected = policy.logps.chunk(2)
+        chosen_len, rejected_len = policy.lengths.chunk(2)
+        out = dpo_loss(
+            chosen,
+            rejected,
+            None,
+            None,
+            beta=hp.beta,
+            loss_type=[hp.loss_type, "sft"],
+            loss_weights=[1.0, hp.cpo_alpha],
+            label_smoothing=hp.label_smoothing,
+            reference_free=True,
+            chosen_lengths=chosen_len,
+            rejected_lengths=rejected_len,
+            gamma=hp.simpo_gamma,
+        )
+        loss = out.losses.mean()
+        metrics = {"loss": loss, "nll_loss": chosen_nll(chosen, chosen_len), **pair_metrics(out, chosen, rejected)}
+        self.log_metrics(stage, metrics, batch_size=chosen.shape[0], prog_bar=("loss", "rewards/accuracies"))
+        return loss

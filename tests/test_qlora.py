@@ -1,0 +1,108 @@
+"""QLoRA: 4-bit base weights through bitsandbytes (CPU ``Linear4bit`` forward and backward), adapters on top."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import TINY_LLAMA, quiet_trainer
+from dpo_utils import preference_data, preference_rows
+
+from aitraining_pl.errors import ConfigError
+from aitraining_pl.models import LoRAConfig, build_causal_lm
+from aitraining_pl.models.scoring import completion_logps
+from aitraining_pl.modules.dpo import DPOModule
+
+bnb = pytest.importorskip("bitsandbytes")
+
+QUANT = {"load_in_4bit": True, "quant_type": "nf4", "compute_dtype": "float32"}
+LORA = LoRAConfig(r=4, alpha=8, dropout=0.0)
+
+
+def _module(**kwargs):
+    return DPOModule(
+        model_config=TINY_LLAMA, tokenizer_name="byte", lora=LORA, quantization=QUANT, learning_rate=1e-2, **kwargs
+    )
+
+
+def _batch(module):
+    data = preference_data(preference_rows(8), module.tokenizer, val_split=0, batch_size=8)
+    data.setup("fit")
+    return next(iter(data.train_dataloader())), data
+
+
+def test_qlora_policy_has_4bit_layers_trains_only_adapters_and_its_reference_is_the_4bit_base(tmp_path):
+    module = _module()
+    policy = module.policy
+    linear4 = [m for m in policy.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(linear4) == 7 * TINY_LLAMA["num_hidden_layers"]  # q, k, v, o, gate, up, down in every layer
+    assert all(m.weight.dtype == torch.uint8 for m in linear4)
+    trainable = [name for name, p in module.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+    assert module.hparams.quantization == {**QUANT, "double_quant": False}
+    batch, data = _batch(module)
+    # the reference is the policy with adapters off, not a second (full-precision) copy
+    assert module.reference.shares_weights
+    with torch.no_grad(), policy.disable_adapter():
+        base = completion_logps(policy.eval(), batch).logps
+    torch.testing.assert_close(module._reference_forward(batch), base)
+    # training: the loss falls, the adapters move, the 4-bit weights and the reference stay
+    frozen = [m.weight.data.clone() for m in linear4]
+    trainer = quiet_trainer(tmp_path, max_steps=12, log_every_n_steps=1)
+    losses = []
+
+    class Record(__import__("lightning").pytorch.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    trainer.callbacks.append(Record())
+    trainer.fit(module, data)
+    assert sum(losses[-3:]) / 3 < 0.8 * losses[0], losses
+    assert all(torch.equal(m.weight.data, w) for m, w in zip(linear4, frozen))
+    torch.testing.assert_close(module._reference_forward(batch), base)
+    assert not torch.allclose(completion_logps(policy.eval(), batch).logps, base)
+
+
+def test_qlora_needs_lora():
+    with pytest.raises(ConfigError, match="set lora too"):
+        DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", quantization=QUANT)
+    off = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", quantization={**QUANT, "load_in_4bit": False})
+    assert off.hparams.quantization is None and not any(isinstance(m, bnb.nn.Linear4bit) for m in off.modules())
+
+
+def test_qlora_export_merges_into_the_full_precision_base(tmp_path):
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    module = _module()
+    torch.manual_seed(0)
+    for name, p in module.policy.named_parameters():  # adapters away from 0, as after training
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    module.save_pretrained(tmp_path / "merged", merge_lora=True)
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert "quantization_config" not in config
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    full = build_causal_lm(TINY_LLAMA, seed=0)  # the full-precision weights the 4-bit model was loaded from
+    layer = module.policy.get_base_model().model.layers[0].self_attn.q_proj
+    expected = full.model.layers[0].self_attn.q_proj.weight + layer.get_delta_weight("default")
+    got = merged.model.layers[0].self_attn.q_proj.weight
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected.detach())
+    torch.testing.assert_close(merged.model.embed_tokens.weight, full.model.embed_tokens.weight)
+    # the merged model computes what the live QLoRA policy does, up to the 4-bit rounding of the base (NF4 on
+    # tiny random weights: errors of about a tenth of the logits' range)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        live = module.policy.eval()(input_ids=ids).logits
+        exported = merged(input_ids=ids).logits
+    assert (live - exported).abs().max() < 0.25 * live.abs().max()
+    assert torch.corrcoef(torch.stack([live.flatten(), exported.flatten()]))[0, 1] > 0.95
+    # adapters only: they load onto the full-precision base written beside them
+    module.save_pretrained(tmp_path / "adapters")
+    assert (tmp_path / "adapters" / "base" / "model.safetensors").is_file()
+    assert "quantization_config" not in json.loads((tmp_path / "adapters" / "base" / "config.json").read_text())
+    loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapters").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, exported, rtol=1e-4, atol=1e-4)
