@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from aitraining_pl.losses import dpo_loss, loss_types, needs_reference
-from aitraining_pl.losses.preference import DPOLossType
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.packing import (  # noqa: F401 - PackedBatch, can_pack, pack_batch: re-exported
     PackedBatch,
@@ -78,7 +77,7 @@ class DPOModule(PreferenceModule):
         tokenizer_name: str | None = None,
         lora: LoRAConfig | None = None,
         beta: float = 0.1,
-        loss_type: DPOLossType | list[DPOLossType] = "sigmoid",
+        loss_type: str | list[str] = "sigmoid",
         loss_weights: list[float] | None = None,
         label_smoothing: float = 0.0,
         reference_free: bool = False,
