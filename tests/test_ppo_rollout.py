@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from aitraining_pl.losses import place_scores, token_rewards
+from aitraining_pl.losses import positions_from_mask as position_ids_from_mask
 from aitraining_pl.models.generation import StopRule
 from aitraining_pl.rewards import (
     RewardError,
@@ -15,13 +17,7 @@ from aitraining_pl.rewards import (
     char_fraction_reward,
     score_responses,
 )
-from aitraining_pl.rollout import (
-    decode_responses,
-    place_scores,
-    position_ids_from_mask,
-    response_mask,
-    token_rewards,
-)
+from aitraining_pl.rollout import decode_responses, response_mask
 
 EOS, PAD = 1, 0
 

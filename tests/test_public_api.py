@@ -57,3 +57,31 @@ def test_the_seed_paths_re_export_the_compat_objects():
     assert environments.Observation is importlib.import_module("aitraining_pl.environments").Observation
     for name in compat.__all__:
         assert getattr(compat, name) is not None
+
+
+@pytest.mark.parametrize(
+    "package, base",
+    [
+        ("aitraining_pl.modules", "lightning.pytorch.LightningModule"),
+        ("aitraining_pl.datamodules", "lightning.pytorch.LightningDataModule"),
+        ("aitraining_pl.callbacks", "lightning.pytorch.Callback"),
+    ],
+)
+def test_subpackages_export_their_classes(package, base):
+    """``modules/``, ``datamodules/`` and ``callbacks/`` export every module, data module and callback class from
+    their ``__init__``, as ``models/`` and ``losses/`` do (issue 25)."""
+    import inspect
+    import pkgutil
+
+    module_name, _, class_name = base.rpartition(".")
+    kind = getattr(importlib.import_module(module_name), class_name)
+    exported = importlib.import_module(package)
+    found = set()
+    for info in pkgutil.iter_modules(exported.__path__):
+        sub = importlib.import_module(f"{package}.{info.name}")
+        for name, obj in vars(sub).items():
+            if inspect.isclass(obj) and issubclass(obj, kind) and obj.__module__ == sub.__name__:
+                if not name.startswith("_"):
+                    found.add(name)
+    assert found and found <= set(exported.__all__), sorted(found - set(exported.__all__))
+    assert all(getattr(exported, name) is not None for name in exported.__all__)

@@ -10,6 +10,7 @@ import torch
 from conftest import TINY_LLAMA
 
 import aitraining_pl.rollout as rollout_module
+from aitraining_pl.losses import place_scores, token_rewards
 from aitraining_pl.models import build_causal_lm, load_causal_lm, load_tokenizer
 from aitraining_pl.rewards import RewardError
 from aitraining_pl.rollout import (
@@ -17,10 +18,8 @@ from aitraining_pl.rollout import (
     RolloutEngine,
     StopRule,
     end_token_ids,
-    place_scores,
     response_mask,
     score_rollout,
-    token_rewards,
 )
 
 TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need a reward source

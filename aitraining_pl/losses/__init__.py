@@ -19,6 +19,7 @@ from aitraining_pl.losses.logprobs import (
     masked_mean,
     masked_var,
     masked_whiten,
+    positions_from_mask,
     selective_log_softmax,
     sequence_logps,
     token_logps,
@@ -47,9 +48,8 @@ from aitraining_pl.losses.reward import (
     POOLING_STRATEGIES,
     masked_objective_mse,
     pool_hidden_states,
-    positions_from_mask,
 )
-from aitraining_pl.losses.rl import gae, kl_penalty, ppo_value_loss
+from aitraining_pl.losses.rl import gae, kl_penalty, place_scores, ppo_value_loss, token_rewards
 from aitraining_pl.losses.sft import sft_loss
 
 __all__ = [
@@ -99,5 +99,7 @@ __all__ = [
     "gae",
     "kl_penalty",
     "ppo_value_loss",
+    "place_scores",
+    "token_rewards",
     "sft_loss",
 ]

@@ -84,6 +84,14 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
 
 
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) position ids counting only real tokens (``cumsum - 1``: 0 at each row's first real token and on
+    the padding before it), so a left-padded row gets the same positions, hence the same hidden states, as its
+    right-padded twin; ``generate`` counts positions of left-padded prompts the same way. The one position
+    helper of the package (the rollout, the RL modules and the reward trunks use it)."""
+    return (attention_mask.to(torch.long).cumsum(-1) - 1).clamp_min(0)
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of ``x`` over positions where ``mask`` is 1 (over everything, or along ``dim``).
 

@@ -42,14 +42,6 @@ def pool_hidden_states(hidden: torch.Tensor, attention_mask: torch.Tensor, strat
     return hidden[rows, last]
 
 
-def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) position ids counting only real tokens (``cumsum - 1``: 0 at each row's first real token and on
-    the padding before it), so a left-padded row gets the same positions, hence the same hidden states, as its
-    right-padded twin; ``generate`` counts positions of left-padded prompts the same way. The one position
-    helper of the package (the rollout, the RL modules and the reward trunks use it)."""
-    return (attention_mask.to(torch.long).cumsum(-1) - 1).clamp_min(0)
-
-
 def known_objectives(targets: torch.Tensor, objective_mask: torch.Tensor | None = None) -> torch.Tensor:
     """(B, n) bool: where a multi-objective target is known (``objective_mask`` (B, n) or (n,) truthy; without a
     mask, where the target is finite)."""

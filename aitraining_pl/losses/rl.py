@@ -1,4 +1,5 @@
-"""Policy-gradient maths: KL estimators, GAE and PPO's clipped value loss (the clipped policy loss is
+"""Policy-gradient maths: KL estimators, reward shaping (scores on tokens, KL-penalised token rewards), GAE and
+PPO's clipped value loss (the clipped policy loss is
 ``losses.policy_gradient.clipped_policy_loss``, the advantage estimators are in ``losses.advantages``).
 
 Pure tensor functions. Per-token tensors are (B, T) with a (B, T) 0/1 ``mask`` marking response tokens.
@@ -81,3 +82,44 @@ def ppo_value_loss(
     ``0.5 * mean(max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2))`` over the mask."""
     clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
     return 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask)
+
+
+def place_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Put each sequence score on its response's last token (the end token itself when there is one).
+
+    Args:
+        scores: (B,). mask: (B, R) response mask (a prefix, or with holes where an environment spoke).
+
+    Returns:
+        (B, R) zeros except ``scores[b]`` at the last index where ``mask[b]`` is 1 (index 0 for an empty mask).
+    """
+    placed = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
+    index = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    last = ((mask != 0).long() * index).max(dim=1).values.sub(1).clamp_min(0)
+    placed[torch.arange(mask.shape[0], device=mask.device), last] = scores
+    return placed
+
+
+def token_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    estimator: str = "k1",
+    placed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards of KL-regularised RLHF (Ziegler et al. 2019; Stiennon et al. 2020):
+    ``r_t = -kl_coef * KL_t`` plus the sequence score on the last response token.
+
+    Args:
+        scores: (B,) reward-source scores. logprobs, ref_logprobs, mask: (B, R).
+        placed: (B, R) scores already on their tokens (an episode's per-turn rewards), instead of ``scores``.
+
+    Returns:
+        ``(rewards, kl)``: (B, R) each, zero outside the mask; ``kl`` is the per-token estimate in nats.
+    """
+    mask = mask.to(logprobs.dtype)
+    kl = kl_penalty(logprobs, ref_logprobs, estimator) * mask
+    placed = place_scores(scores, mask) if placed is None else placed
+    return (-kl_coef * kl + placed.to(logprobs.dtype)) * mask, kl

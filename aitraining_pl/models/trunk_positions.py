@@ -29,7 +29,7 @@ import logging
 import torch
 from torch import nn
 
-from aitraining_pl.losses.reward import positions_from_mask
+from aitraining_pl.losses import positions_from_mask
 from aitraining_pl.models.training import eval_mode
 
 log = logging.getLogger(__name__)

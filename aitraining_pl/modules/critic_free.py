@@ -24,6 +24,7 @@ from aitraining_pl.losses import (
     compute_advantages,
     group_statistics,
     masked_mean,
+    token_rewards,
 )
 from aitraining_pl.losses.advantages import CriticFreeAdvantage, ScaleRewards
 from aitraining_pl.losses.policy_gradient import LossAggregation
@@ -31,7 +32,7 @@ from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
 from aitraining_pl.optim import LRSchedule
-from aitraining_pl.rollout import GenerationConfig, token_rewards
+from aitraining_pl.rollout import GenerationConfig
 
 
 @dataclass

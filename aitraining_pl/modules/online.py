@@ -27,7 +27,7 @@ import torch
 from aitraining_pl.environments.episode import is_episode_environment
 from aitraining_pl.environments.episode_rollout import sample_episodes
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.losses import group_statistics, truncated_importance_weights
+from aitraining_pl.losses import group_statistics, place_scores, truncated_importance_weights
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.sharding import gathered
 from aitraining_pl.models.training import eval_mode
@@ -38,7 +38,6 @@ from aitraining_pl.rollout import (
     GenerationConfig,
     Rollout,
     RolloutEngine,
-    place_scores,
     score_rollout,
     warn_truncated_sampling,
 )

@@ -17,13 +17,20 @@ from typing import Any
 
 import torch
 
-from aitraining_pl.losses import PolicyLossConfig, explained_variance, masked_mean, ppo_value_loss, whitened_gae
+from aitraining_pl.losses import (
+    PolicyLossConfig,
+    explained_variance,
+    masked_mean,
+    ppo_value_loss,
+    token_rewards,
+    whitened_gae,
+)
 from aitraining_pl.losses.rl import KLEstimator
 from aitraining_pl.models import LoRAConfig, PolicyValueScores, PPOModel
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
 from aitraining_pl.optim import LRSchedule
-from aitraining_pl.rollout import GenerationConfig, token_rewards
+from aitraining_pl.rollout import GenerationConfig
 from aitraining_pl.validation import renamed
 
 
