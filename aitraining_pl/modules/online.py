@@ -253,7 +253,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             rollout.texts,
             scores,
             components,
-            rollout.sampling_logprobs,
+            sampling_logprobs=rollout.sampling_logprobs,
         )
 
     def episode_rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
