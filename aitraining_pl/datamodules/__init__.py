@@ -3,7 +3,8 @@
 from aitraining_pl.datamodules.base import TextDataModule
 from aitraining_pl.datamodules.cached import CachedDataModule
 from aitraining_pl.datamodules.io import DataSource, DataValidationError
-from aitraining_pl.datamodules.preference import PreferenceDataModule
+from aitraining_pl.datamodules.kto import KTODataModule
+from aitraining_pl.datamodules.preference import PreferenceDataModule, RowPairsDataModule
 from aitraining_pl.datamodules.prompt import PromptDataModule
 from aitraining_pl.datamodules.resumable import ResumableDataLoader, SeededShuffleSampler
 from aitraining_pl.datamodules.scores import ScoresDataModule
@@ -14,6 +15,8 @@ __all__ = [
     "CachedDataModule",
     "PromptDataModule",
     "PreferenceDataModule",
+    "KTODataModule",
+    "RowPairsDataModule",
     "SFTDataModule",
     "ScoresDataModule",
     "DataSource",
