@@ -4,7 +4,8 @@ loop around ``generate`` does), on the same randomly initialised Llama (``3m`` o
     python benchmarks/multiturn.py --sizes 25m --episodes 16 --max-new-tokens 32 --rounds 3 --threads 2
 
 Each episode plays 3 to 5 turns (its ``turns`` metadata, cycling 3, 4, 5); after each turn but the last the
-environment answers with a user message of about 40 characters, rendered by the fallback chat template. The
+environment answers with a user message of ``--reply-chars`` characters (40; a tool's output is often hundreds),
+rendered by the fallback chat template. The
 random model rarely samples its end token, so turns mostly run to ``--max-new-tokens``. Both modes draw the same
 tokens from the same seed (``models.episode_decoding``), so they do the same episodes.
 
@@ -33,9 +34,13 @@ from aitraining_pl.rollout import GenerationConfig, RolloutEngine
 
 
 class Talk(EpisodeEnvironment):
-    """Answers every turn with the same message until the episode's ``turns``."""
+    """Answers every turn with the same message (``reply_chars`` long) until the episode's ``turns``."""
 
     limits = EpisodeLimits(max_turns=5, max_total_tokens=1 << 20)
+
+    def __init__(self, reply_chars: int = 40):
+        base = "Thanks. Now tell me a little bit more. "
+        self.reply = (base * (1 + reply_chars // len(base)))[:reply_chars]
 
     def reset(self, prompt, metadata):
         self.turns = int(metadata["turns"])
@@ -44,10 +49,12 @@ class Talk(EpisodeEnvironment):
     def step(self, turn):
         if turn.index + 1 >= self.turns:
             return EpisodeStep(done=True, reward=1.0)
-        return EpisodeStep([{"role": "user", "content": "Thanks. Now tell me a little bit more."}])
+        return EpisodeStep([{"role": "user", "content": self.reply}])
 
 
-def run(size: str, episodes: int, max_new_tokens: int, rounds: int, reprefill: bool) -> tuple[dict, object]:
+def run(
+    size: str, episodes: int, max_new_tokens: int, rounds: int, reprefill: bool, reply_chars: int
+) -> tuple[dict, object]:
     tokenizer = load_tokenizer("byte")
     model = build_causal_lm(_model_config(size), seed=0).eval()
     prompts = [f"Episode {i}: tell me a story about the sea." for i in range(episodes)]
@@ -63,7 +70,7 @@ def run(size: str, episodes: int, max_new_tokens: int, rounds: int, reprefill: b
     for _ in range(rounds):
         torch.manual_seed(0)
         start = time.perf_counter()
-        out = sample_episodes(engine, model, Talk(), prompts, metadata, ids, mask, 1, reprefill=reprefill)
+        out = sample_episodes(engine, model, Talk(reply_chars), prompts, metadata, ids, mask, 1, reprefill=reprefill)
         seconds.append(time.perf_counter() - start)
     info = out.episodes
     episode_tokens = int(out.attention_mask.sum())
@@ -74,6 +81,7 @@ def run(size: str, episodes: int, max_new_tokens: int, rounds: int, reprefill: b
         "episodes": episodes,
         "turns": statistics.mean(info.metrics["turns"]),
         "max_new_tokens": max_new_tokens,
+        "reply_chars": reply_chars,
         "seconds": statistics.mean(steady),
         "episodes_per_s": episodes / statistics.mean(steady),
         "prefilled_per_turn": info.prefilled,
@@ -90,14 +98,15 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="rounds per mode; the first is a warm-up")
+    parser.add_argument("--reply-chars", type=int, default=40, help="length of each environment reply (a tool output)")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print_header(args.threads)
     for size in args.sizes:
-        again, slow = run(size, args.episodes, args.max_new_tokens, args.rounds, reprefill=True)
-        kept, fast = run(size, args.episodes, args.max_new_tokens, args.rounds, reprefill=False)
+        again, slow = run(size, args.episodes, args.max_new_tokens, args.rounds, True, args.reply_chars)
+        kept, fast = run(size, args.episodes, args.max_new_tokens, args.rounds, False, args.reply_chars)
         kept["speedup"] = kept["episodes_per_s"] / again["episodes_per_s"]
         kept["same_tokens"] = bool(torch.equal(fast.response_ids, slow.response_ids))
         for line in (again, kept):

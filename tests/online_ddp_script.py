@@ -1,4 +1,6 @@
 """Run by tests/test_online_ddp.py: 2-process CPU DDP GRPO; each rank saves its final state to OUT/rank<r>.pt.
+With ``episodes`` as the second argument the reward is the multi-turn ``GuessingGame`` (episodes of different
+lengths and turn counts on the two ranks).
 
 The ranks are given different ``max_new_tokens`` (ragged rollouts across ranks); the reward function records the
 prompt of every row it scores, so the test can check that each prompt's G samples stayed on one rank, together.
@@ -39,12 +41,15 @@ class Record(pl.Callback):
         self.batches.append(list(batch["prompts"]))
 
 
-def main(out: str) -> None:
+def main(out: str, mode: str = "responses") -> None:
+    from aitraining_pl.environments.multiturn import GuessingGame
+
     pl.seed_everything(0)
+    episodes = mode == "episodes"
     module = GRPOModule(
         model_config=TINY_LLAMA,
         tokenizer_name="byte",
-        reward=recording_reward,
+        reward=GuessingGame(max_turns=3) if episodes else recording_reward,
         num_generations=4,
         generation=GenerationConfig(max_new_tokens=4, temperature=1.0),
         learning_rate=1e-3,
@@ -53,7 +58,10 @@ def main(out: str) -> None:
         num_iterations=2,
         kl_coef=0.04,
     )
-    data = PromptDataModule(prompts=[f"prompt {i}" for i in range(8)], tokenizer="byte", batch_size=2)
+    metadata = [{"secret": 1 + i % 7} for i in range(8)] if episodes else None
+    data = PromptDataModule(
+        prompts=[f"prompt {i}" for i in range(8)], metadata=metadata, tokenizer="byte", batch_size=2
+    )
     record = Record()
     trainer = pl.Trainer(
         accelerator="cpu",

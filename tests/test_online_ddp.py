@@ -44,3 +44,20 @@ def test_two_rank_grpo_keeps_groups_together_and_ends_with_identical_weights(tmp
 
     initial = build_causal_lm(TINY_LLAMA, seed=0).state_dict()
     assert not torch.equal(initial["lm_head.weight"], r0["state"]["model.lm_head.weight"])
+
+
+@pytest.mark.ddp
+def test_two_rank_grpo_on_multi_turn_episodes_ends_with_identical_weights(tmp_path):
+    """Episodes of different lengths and turn counts on the two ranks: the same optimizer steps, metrics reduced
+    across ranks (the episode metrics too) and identical weights at the end."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(SCRIPT))}
+    command = [sys.executable, SCRIPT, str(tmp_path), "episodes"]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    assert r0["global_step"] == r1["global_step"] == 4
+    for key in ("train/reward_mean", "train/episode/turns", "train/episode/success", "train/episode/truncated"):
+        assert r0["metrics"][key] == pytest.approx(r1["metrics"][key]), key
+    for name, tensor in r0["state"].items():
+        assert torch.equal(tensor, r1["state"][name]), name
