@@ -180,10 +180,37 @@ def quiet_known_noise() -> None:
     warnings.simplefilter("default", RenamedArgumentWarning)  # a DeprecationWarning, hidden outside __main__
 
 
+def strict_yaml_load(stream: str) -> Any:
+    """jsonargparse's YAML loader, except that a mapping that gives a key twice (``beta`` twice: the second
+    would silently win) is a ``yaml.YAMLError`` naming the key and both lines."""
+    import yaml
+    from jsonargparse._loaders_dumpers import get_yaml_default_loader, yaml_load
+
+    class UniqueKeys(get_yaml_default_loader()):
+        def construct_mapping(self, node, deep=False):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (lines {seen[key] + 1} and {key_node.start_mark.line + 1})"
+                    )
+                seen[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep=deep)
+
+    yaml.load(stream, Loader=UniqueKeys)
+    return yaml_load(stream)
+
+
 class AlignmentCLI(LightningCLI):
     """LightningCLI with model and data in subclass mode and the tokenizer linked from model to data."""
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        import yaml
+        from jsonargparse import set_loader
+
+        # a key given twice in a config file is an error, not the last one wins
+        set_loader("yaml", strict_yaml_load, exceptions=(yaml.YAMLError,))
         # a bad option raises (``parser_error`` turns it into one line) instead of printing the usage dump
         return super().init_parser(**{"exit_on_error": False, **kwargs})
 

@@ -187,6 +187,43 @@ CASES = {
         ["c.jsonl: missing column(s) 'chosen', 'rejected'"],
         False,
     ),
+    "data-duplicate-key": (
+        _dpo,
+        lambda t: [
+            "--data.init_args.data_path",
+            _prefs(t, "d.jsonl", _row() + '{"prompt": "q", "chosen": "yes", "rejected": "no", "chosen": "no"}\n'),
+        ],
+        "data",
+        ["d.jsonl, row 2, field 'chosen': duplicate key"],
+        False,
+    ),
+    "data-chat-role-unknown": (
+        _dpo,
+        lambda t: [
+            "--data.init_args.data_path",
+            _prefs(t, "r.jsonl", _row() + _row(prompt=[{"role": "wizard", "content": "cast a spell"}])),
+        ],
+        "data",
+        ["r.jsonl, row 2, field 'prompt': message 0 has role 'wizard'; must be one of system, developer, user"],
+        False,
+    ),
+    "data-chat-role-not-a-string": (
+        _dpo,
+        lambda t: [
+            "--data.init_args.data_path",
+            _prefs(t, "r.jsonl", _row(chosen=[{"role": "user", "content": "q"}, {"role": 7, "content": "a"}])),
+        ],
+        "data",
+        ["r.jsonl, row 1, field 'chosen': message 1 has role 7; must be one of"],
+        False,
+    ),
+    "config-duplicate-key": (
+        _dpo,
+        lambda t: ["--config", _prefs(t, "dup.yaml", "model:\n  init_args:\n    beta: 0.1\n    beta: 0.5\n")],
+        "config",
+        ["dup.yaml: Problems parsing config: duplicate key 'beta' (lines 3 and 4)"],
+        True,
+    ),
     "data-malformed-json": (
         _dpo,
         lambda t: ["--data.init_args.data_path", _prefs(t, "m.jsonl", _row() + '{"prompt":\n')],

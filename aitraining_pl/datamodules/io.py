@@ -63,6 +63,29 @@ def _field_with_bad_byte(raw: bytes) -> str | None:
     return next((key for key, value in record.items() if "\ufffd" in json.dumps(value, ensure_ascii=False)), None)
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` of every JSON object read: a key given twice (the second would silently win) raises."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
+def _loads(text: str, path: Path, line_no: int | None) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as err:
+        raise DataValidationError(str(path), "duplicate key: the row gives it twice", line_no, err.key) from None
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     records = []
     with path.open("rb") as handle:
@@ -71,7 +94,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = _loads(line, path, line_no)
             except json.JSONDecodeError as err:
                 raise DataValidationError(
                     str(path), f"malformed JSON ({err.msg} at column {err.colno})", line_no
@@ -86,7 +109,7 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
     raw = path.read_bytes()
     text = "\n".join(_decode(line, path, n) for n, line in enumerate(raw.split(b"\n"), start=1))
     try:
-        data = json.loads(text)
+        data = _loads(text, path, None)
     except json.JSONDecodeError as err:
         raise DataValidationError(
             str(path), f"malformed JSON ({err.msg} at line {err.lineno}, column {err.colno})"
@@ -306,9 +329,13 @@ def check_columns(records: Sequence[dict[str, Any]], columns: Iterable[str], sou
         )
 
 
+#: the roles a chat message may have (those of the common chat templates).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+
+
 def check_text(value: Any, source: str, row: int, field: str, *, allow_messages: bool = True) -> None:
     """Raise unless ``value`` is a non-empty string, or (``allow_messages``) a non-empty list of
-    ``{"role", "content"}`` chat messages with string contents."""
+    ``{"role", "content"}`` chat messages with string contents and a role in ``CHAT_ROLES``."""
     if isinstance(value, str):
         if not value.strip():
             raise DataValidationError(source, "empty text", row, field)
@@ -318,6 +345,13 @@ def check_text(value: Any, source: str, row: int, field: str, *, allow_messages:
             if not (isinstance(message, dict) and isinstance(message.get("content"), str) and "role" in message):
                 raise DataValidationError(
                     source, f"message {i} is not a {{role, content}} dict with string content", row, field
+                )
+            if message["role"] not in CHAT_ROLES:
+                raise DataValidationError(
+                    source,
+                    f"message {i} has role {message['role']!r}; must be one of {', '.join(CHAT_ROLES)}",
+                    row,
+                    field,
                 )
         return
     kind = "empty list" if value == [] else type(value).__name__
