@@ -79,3 +79,39 @@ def test_guarded_calls_keep_the_callers_torch_mode_and_leave_other_exits_alone()
     assert info.value.code == 5
     with pytest.raises(CallTimeout, match="did not return within 0.2 s"):
         guarded_call(__import__("time").sleep, (30,), 0.2)
+
+
+def test_checkpoints_are_written_beside_their_target_and_leftovers_of_killed_runs_removed(tmp_path, monkeypatch):
+    """Issue 26, item 10: Lightning staged each checkpoint with ``tempfile.mkstemp()`` in /tmp (a killed write
+    left it there). Here /tmp staging fails outright, and a dead run's temporary file is cleaned up."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import torch
+    from conftest import TINY_LLAMA
+    from dpo_utils import preference_data, preference_rows
+
+    from aitraining_pl.modules.dpo import DPOModule
+
+    def no_tmp(*args, **kwargs):
+        raise AssertionError("a checkpoint was staged in the system temporary folder")
+
+    monkeypatch.setattr(tempfile, "mkstemp", no_tmp)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = folder / f".last.ckpt.tmp-{int(dead.stdout)}-0123abcd"
+    running = folder / f".last.ckpt.tmp-{os.getpid()}-89abcdef"  # a live run's write in progress: kept
+    leftover.write_bytes(b"x" * 1024)
+    running.write_bytes(b"x")
+    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_last=True)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[checkpoint],
+    )  # fmt: skip
+    trainer.fit(module, preference_data(preference_rows(16), module.tokenizer, val_split=0, batch_size=4))
+    assert not leftover.exists() and running.exists()
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 2
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == [running.name]

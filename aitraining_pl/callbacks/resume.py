@@ -58,6 +58,10 @@ class ExactResumeCallback(pl.Callback):
     ``AlignmentModule`` adds one to every fit (``configure_callbacks``) unless the trainer has one. Random
     states are per process: under ``torch.distributed`` every rank's states are gathered into the checkpoint
     and each rank gets its own back (resumed on another number of ranks, each starts from rank 0's).
+
+    When fit starts it also gives the trainer ``AtomicCheckpointIO`` (``aitraining_pl.callbacks.checkpoint_io``):
+    checkpoints are written beside their target and renamed into place, never staged in ``/tmp``, and the
+    temporary files of killed runs are removed.
     """
 
     def __init__(self) -> None:
@@ -80,6 +84,13 @@ class ExactResumeCallback(pl.Callback):
             self._pending = per_rank[torch.distributed.get_rank()]
         else:  # another world size: every rank continues from rank 0's states
             self._pending = state_dict.get("rng_states")
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Checkpoints are written beside their target (``AtomicCheckpointIO``), never staged in ``/tmp``."""
+        from aitraining_pl.callbacks.checkpoint_io import use_atomic_checkpoints
+
+        if stage == "fit":
+            use_atomic_checkpoints(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loop = trainer.fit_loop
