@@ -281,6 +281,13 @@ def _prints_a_gigabyte():
     return "done"
 
 
+def _dies():
+    """Exit the process without a result."""
+    import os
+
+    os._exit(3)
+
+
 def _returns_an_object():
     """Return a non-text value."""
     return object()
@@ -296,7 +303,8 @@ def _returns_bytes():
     [
         (_raises, "error: RuntimeError: boom", False),
         (_hangs, "error: the tool did not finish within 1 s", False),
-        (_prints_a_gigabyte, "xxxx", True),
+        (_prints_a_gigabyte, "... [1073742698 characters cut]\ndone", True),
+        (_dies, "error: the tool's process died without a result", False),
         (_returns_an_object, "<object object at", True),
         (_returns_bytes, "b'\\x00\\xff'", True),
     ],

@@ -157,12 +157,13 @@ def as_text(value: Any) -> str:
 
 
 def _child(fn: Callable, arguments: dict, limit: int, conn) -> None:
-    out = _CappedWriter(limit)
+    """Run the tool with its output captured: what it prints (first half of ``limit``), then its result."""
+    out = _CappedWriter(limit // 2)
     sys.stdout = sys.stderr = out
     try:
-        text = bounded(as_text(fn(**arguments)), limit)
+        result = as_text(fn(**arguments))
         printed = out.getvalue()
-        conn.send(("ok", text if not printed else bounded(printed + text, limit)))
+        conn.send(("ok", (printed + "\n" if printed else "") + bounded(result, limit - len(printed))))
     except BaseException as exc:  # noqa: BLE001 - every failure of a tool is a message to the model
         conn.send(("error", bounded(f"{type(exc).__name__}: {exc}", limit)))
     finally:
