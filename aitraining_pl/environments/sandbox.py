@@ -32,11 +32,19 @@ Layers, each applied where the platform allows and reported in ``TestRunResult.i
 - ``no-network``: a new network namespace with no interfaces but a down loopback.
 - ``read-only-root``: a new mount namespace where every mount is read-only except the private working directory
   (``mount_setattr``, Linux >= 5.12).
+- ``private-tmp``: in that mount namespace, an empty tmpfs over ``/tmp``, ``/var/tmp``, ``/run``, ``/var/run``,
+  ``/dev/shm`` and ``/var/lock`` (no Unix socket or file another process put there is reachable), and the
+  working directory is a tmpfs of ``scratch_bytes`` (default 64 MiB) owned by the candidate: its files live in
+  memory, are capped in total, and vanish with the namespace, even when the trainer is killed with ``kill -9``
+  (the empty folder left on disk is removed by the next run once its supervisor's pid is gone).
 - ``uid-nobody`` (when the trainer runs as root): the candidate runs as ``nobody`` with no groups, so it can
   neither write the user's files nor read the trainer's or supervisor's memory, and ``RLIMIT_NPROC`` applies.
-  ``interpreter-exposed``: an interpreter in a folder closed to other users (``/root/.pyenv``) is bound into
-  the candidate's mount namespace; without a mount namespace it must be executable by ``nobody``, otherwise
-  the candidate does not start and every test scores 0 (with a warning) rather than running as root.
+  ``interpreter-exposed``: an interpreter in a folder closed to other users (``/root/.pyenv``, a venv's base in
+  a home folder, conda) is bound into the candidate's mount namespace with its whole installation
+  (``sys.base_prefix``: standard library, ``lib-dynload``, ``libpython``), so the candidate runs the trainer's
+  own Python, not whatever ``/usr/lib/python3.X`` the machine has; without a mount namespace it must be
+  executable by ``nobody``, otherwise the candidate does not start: ``CodeGenerationEnv`` then raises
+  ``SandboxError`` once when it is built, rather than running the code as root or scoring every test 0.
   As a non-root user the namespaces come from an unprivileged user namespace (``user-namespace``) where the
   kernel allows it; the candidate keeps the user's uid (no capabilities after ``exec``).
 - ``rlimits``: CPU seconds, address space, file size, open files, no core dumps, and a process count.
@@ -45,8 +53,10 @@ Layers, each applied where the platform allows and reported in ``TestRunResult.i
   for the whole run.
 
 Not protected against: reading any file the candidate's uid may read (world-readable files, and all of the
-user's files when not root); kernel exploits and side channels; CPU and memory contention with the trainer
-within the limits; exhausting disk in the working directory up to ``file_bytes`` per file; and, without the
+user's files when not root); a Unix socket outside the hidden folders whose mode lets that uid connect (e.g. a
+``0777`` socket in a home folder); kernel exploits and side channels; CPU and memory contention with the trainer
+within the limits; filling ``scratch_bytes`` of memory (without ``private-tmp``: disk in the working directory,
+``file_bytes`` per file, with no total cap); and, without the
 namespaces (non-root without user namespaces, containers that forbid ``unshare``), network access, writes
 anywhere the user may write, and processes that escape a process-group kill before the subreaper sweep. On
 macOS and other POSIX systems only the rlimits, the process-group kill and the separate process apply; on
