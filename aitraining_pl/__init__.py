@@ -12,7 +12,6 @@ Everything else is imported from its subpackage (``aitraining_pl.losses``, ``.mo
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import Any
 
 __version__ = "0.1.0"
@@ -119,12 +118,9 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     if name in _MOVED:
-        warnings.warn(
-            f"'from aitraining_pl import {name}' is deprecated and will be removed in the next release: "
-            f"use 'from {_MOVED[name]} import {name}'",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        from aitraining_pl.compat.common import warn_moved
+
+        warn_moved(f"from aitraining_pl import {name}", f"from {_MOVED[name]} import {name}")
         return getattr(importlib.import_module(_MOVED[name]), name)
     raise AttributeError(f"module 'aitraining_pl' has no attribute {name!r}")
 

@@ -59,6 +59,29 @@ def test_the_seed_paths_re_export_the_compat_objects():
         assert getattr(compat, name) is not None
 
 
+def test_the_seed_paths_warn_with_one_policy():
+    """The four top-level seed import paths and the moved top-level names warn alike (docs/from_the_seed.md)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    import aitraining_pl.dpo, aitraining_pl.facades, aitraining_pl.reward_trainer\n"
+        "    import aitraining_pl.forward_backward\n"
+        "    from aitraining_pl import PPOConfig\n"
+        "for w in seen:\n"
+        "    if w.category is DeprecationWarning and 'aitraining_pl' in str(w.message):\n"
+        "        print(str(w.message))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    lines = [line for line in out.splitlines() if "will be removed in the next release: use" in line]
+    for name in ("dpo", "facades", "reward_trainer", "forward_backward"):
+        assert f"'import aitraining_pl.{name}' is deprecated" in out and f"'import aitraining_pl.compat.{name}'" in out
+    assert "'from aitraining_pl import PPOConfig' is deprecated" in out and len(set(lines)) == 5, out
+
+
 @pytest.mark.parametrize(
     "package, base",
     [

@@ -1,16 +1,27 @@
 """What the seed's facades share: the ``device`` argument as Trainer options, a metrics recorder, a
-checkpoint every N batches, and one quiet ``Trainer.fit`` call."""
+checkpoint every N batches, one quiet ``Trainer.fit`` call, and the one deprecation policy of old import paths."""
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-__all__ = ["accelerator_options", "MetricsHistory", "EveryNBatchesCheckpoint", "fit"]
+__all__ = ["accelerator_options", "MetricsHistory", "EveryNBatchesCheckpoint", "fit", "warn_moved"]
+
+
+def warn_moved(old: str, new: str, stacklevel: int = 3) -> None:
+    """The one deprecation policy of the seed's old import paths (docs/from_the_seed.md): each still works until
+    the next release, with a ``DeprecationWarning`` that names the statement to use instead."""
+    warnings.warn(
+        f"'{old}' is deprecated and will be removed in the next release: use '{new}'",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
 
 
 def accelerator_options(device: str | torch.device | None) -> dict[str, Any]:
