@@ -63,7 +63,7 @@ class RolloutBatch:
     input_ids: torch.Tensor  #: (N, P + R) prompt and response
     attention_mask: torch.Tensor  #: (N, P + R)
     prompt_length: int  #: P
-    mask: torch.Tensor  #: (N, R) response mask (a prefix: up to and including the end token)
+    mask: torch.Tensor  #: (N, R) response mask (a prefix up to the end token; holes where an environment spoke)
     ended: torch.Tensor  #: (N,) ended by EOS / stop string (False: truncated at max_new_tokens)
     group: torch.Tensor  #: (N,) index of the prompt each row answers
     texts: list[str]
@@ -71,12 +71,11 @@ class RolloutBatch:
     components: dict[str, list[float]]
     token_scores: torch.Tensor | None = None  #: (N, R) an episode's per-turn rewards on each turn's last token
     episode_metrics: dict[str, list[float]] | None = None  #: per episode: turns, tool calls, ... (episodes only)
+    sampling_logprobs: torch.Tensor | None = None  #: (N, R) the sampler's log-probs (vLLM backend), else None
 
     def placed_scores(self) -> torch.Tensor:
         """(N, R) the scores on the tokens they reward: per turn in an episode, else on the last token."""
         return self.token_scores if self.token_scores is not None else place_scores(self.scores, self.mask)
-
-    sampling_logprobs: torch.Tensor | None = None  #: (N, R) the sampler's log-probs (vLLM backend), else None
 
 
 class OnlineRLModule(PolicyLossOptions, AlignmentModule):
@@ -283,8 +282,8 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             rollout.texts,
             info.returns - penalty,
             {},
-            info.token_rewards - place_scores(penalty, mask),
-            info.metrics,
+            token_scores=info.token_rewards - place_scores(penalty, mask),
+            episode_metrics=info.metrics,
         )
 
     # ------------------------------------------------------------------ log-prob passes
