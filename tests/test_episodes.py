@@ -262,3 +262,18 @@ def test_sampling_callback_logs_whole_episodes_and_their_metrics():
     assert (
         episode[0]["role"] == "assistant" and len([m for m in episode if m["role"] == "assistant"]) == rows[0]["turns"]
     )
+
+
+def test_seed_environments_play_one_turn_episodes_with_their_own_scores(byte_tokenizer):
+    from aitraining_pl.environments import MathProblemEnv
+
+    env = MathProblemEnv()
+    prompts, ids, mask = _prompts(byte_tokenizer)
+    metadata = [{"answer": 4}, {"answer": 7}, {"answer": 1}]
+    engine = RolloutEngine(byte_tokenizer, GenerationConfig(max_new_tokens=6, temperature=1.0))
+    torch.manual_seed(0)
+    out = sample_episodes(engine, _model(), env.as_episode(), prompts, metadata, ids, mask, 2)
+    rows = out.group.tolist()
+    want = env([prompts[i] for i in rows], out.texts, [metadata[i] for i in rows])
+    assert out.episodes.returns.tolist() == pytest.approx(want)
+    assert out.episodes.metrics["turns"] == [1.0] * 6

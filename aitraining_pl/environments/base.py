@@ -121,6 +121,13 @@ class RLEnvironment(abc.ABC):
         self.last_components = components
         return totals
 
+    def as_episode(self):
+        """This environment as a one-turn episode (``environments.episode.OneTurnEpisode``): the same tokens and
+        scores as the single-response path."""
+        from aitraining_pl.environments.episode import OneTurnEpisode
+
+        return OneTurnEpisode(self)
+
     def metadata_for(self, prompt: str) -> dict:
         """Metadata the environment itself knows for ``prompt`` (merged under the caller's); {} by default."""
         return {}
