@@ -184,3 +184,20 @@ def test_kto_learns_from_unpaired_labels(tmp_path):
             chosen, rejected = (policy - reference).chunk(2)
             wins += (chosen > rejected).tolist()
     assert sum(wins) / len(wins) >= 0.8, wins
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["kto", "orpo"])
+def test_quickstart_recipe_runs_offline_with_train_and_val_loss(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    data = (
+        ROOT / "aitraining_pl" / "data" / ("quickstart_kto.jsonl" if name == "kto" else "quickstart_preferences.jsonl")
+    )
+    args = ["fit", "--config", str(ROOT / f"configs/quickstart/{name}.yaml"), "--data.init_args.data_path", str(data)]
+    args += ["--trainer.max_steps", "3", "--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "3"]
+    args += ["--trainer.log_every_n_steps", "1"]
+    cli = build_cli(args + ["--trainer.enable_progress_bar", "false"])
+    assert cli.trainer.global_step == 3
+    header = next((tmp_path / f"runs/quickstart-{name}/csv").glob("version_*/metrics.csv")).read_text().splitlines()[0]
+    assert {"train/loss", "val/loss"} <= set(header.split(","))
+    assert (tmp_path / f"runs/quickstart-{name}/export/last/model.safetensors").is_file()

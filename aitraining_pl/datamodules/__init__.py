@@ -1,4 +1,5 @@
-"""The data modules (prompts, preference pairs, SFT text, score vectors) and their shared pieces."""
+"""The data modules (prompts, preference pairs, unpaired labelled completions, SFT text, score vectors) and their
+shared pieces."""
 
 from aitraining_pl.datamodules.base import TextDataModule
 from aitraining_pl.datamodules.cached import CachedDataModule

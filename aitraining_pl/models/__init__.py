@@ -13,6 +13,7 @@ from aitraining_pl.models.loading import (
 from aitraining_pl.models.lora import LoRAConfig, apply_lora, is_peft_model, link_adapter_base, save_adapter_base
 from aitraining_pl.models.policy import load_policy
 from aitraining_pl.models.presets import MODEL_PRESETS, resolve_model_config
+from aitraining_pl.models.quantization import QuantizationConfig, is_quantized
 from aitraining_pl.models.reference import ReferencePolicy
 from aitraining_pl.models.reward import (
     MultiObjectiveRewardModel,
@@ -41,6 +42,8 @@ __all__ = [
     "resolve_model_config",
     "with_padding_side",
     "LoRAConfig",
+    "QuantizationConfig",
+    "is_quantized",
     "apply_lora",
     "is_peft_model",
     "ReferencePolicy",
