@@ -65,7 +65,7 @@ def test_kv_cache_across_turns_draws_what_reprefilling_draws_and_prefills_only_n
     env_tokens = (kept.episodes.response_attention - kept.response_mask).sum().item()
     turns = torch.tensor(kept.episodes.metrics["turns"])
     assert sum(kept.episodes.prefilled[1:]) == env_tokens + (turns - 1).sum().item()
-    assert kept.episodes.prefilled[0] == 3 + 10 + 2 + 6 - 3  # the three prompts' tokens, once each
+    assert kept.episodes.prefilled[0] == 10 + 2 + 6  # the three prompts' tokens, once each (not once per sample)
     assert reply > 10 and len(kept.episodes.prefilled) == 4
     total = kept.attention_mask.sum().item()
     assert sum(kept.episodes.prefilled) <= total  # never more than the episodes' own tokens
