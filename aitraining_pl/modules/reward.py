@@ -100,8 +100,6 @@ class RewardModule(SharedStepModule):
         if reward_model is not None:
             self._adopt_hparams(reward_model)
         self.reward_model = reward_model if reward_model is not None else self.build_reward_model(self.reward_config())
-        if self.reward_model.tokenizer is not None:
-            self._tokenizer = self.reward_model.tokenizer
         self.apply_training_options()
 
     def checkpointed_networks(self) -> list[torch.nn.Module]:
@@ -135,10 +133,13 @@ class RewardModule(SharedStepModule):
 
     @property
     def tokenizer(self):
-        tokenizer = super().tokenizer
-        if self.reward_model.tokenizer is None:
-            self.reward_model.tokenizer = tokenizer  # saved with the model, used by predict_rewards
-        return tokenizer
+        """The reward model's tokenizer (its one owner: saved with the model, used by ``predict_rewards``), loaded
+        from ``tokenizer_name`` / ``model_name`` on first use."""
+        return self.reward_model.get_tokenizer()
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Give the reward model ``tokenizer`` (an object, e.g. from the seed's facades)."""
+        self.reward_model.tokenizer = tokenizer
 
     def save_pretrained(self, path: str | os.PathLike, merge_lora: bool = True) -> None:
         """Write the reward model folder to ``path``: where the trunk allows, a standard
