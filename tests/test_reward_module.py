@@ -64,7 +64,7 @@ def test_reward_module_learns_held_out_preferences_and_exports_for_ppo(tmp_path)
     trainer.fit(module, datamodule=data)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert metrics["val/rewards/accuracies"] >= 0.9 and metrics["val/loss"] < 0.5 * before
-    assert metrics["val/margin"] > 0 and "train/reward_mean" in metrics and "val/reward_mean" in metrics
+    assert metrics["val/rewards/margins"] > 0 and "train/reward_mean" in metrics and "val/reward_mean" in metrics
     assert not torch.equal(module.reward_model.head.weight, head_before)
     # the exported folder is what PPO loads as its reward source
     from aitraining_pl.rewards import RewardModelSource
