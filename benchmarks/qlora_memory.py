@@ -1,11 +1,12 @@
 """Peak memory of ``DPOModule`` under QLoRA (4-bit NF4 base, bitsandbytes) against plain LoRA on the same model.
 
-A randomly initialised Llama (``--size``: ``25m`` hidden 512 x 8 layers, ``100m`` hidden 1024 x 8 layers; vocabulary
-32000) is written to a temporary folder once; each measurement then loads it by ``model_name`` in its own process,
-as a user would (``quantization`` loads it quantized layer by layer), with LoRA (r 16, all linear layers) and runs
-``--steps`` DPO optimizer steps on synthetic pairs (batch 4, 256 tokens). The reference is the base with the
-adapters off in both runs. On CPU it reports the peak RSS of the process after loading and after training; on a
-GPU (``--device cuda``) also ``torch.cuda.max_memory_allocated``. It also counts the bytes of the policy's weights
+A randomly initialised Llama (``--size``: ``25m`` hidden 512 x 8 layers, ``100m`` hidden 1024 x 8 layers;
+vocabulary 8000, so the linear layers QLoRA quantizes hold most weights) is written to a temporary folder once;
+each measurement then loads it by ``model_name`` in its own process, as a user would (``quantization`` loads it
+quantized layer by layer), with LoRA (r 16, all linear layers) and runs ``--steps`` DPO optimizer steps on
+synthetic pairs (batch 4, about 390 byte tokens per sequence). The reference is the base with the adapters off in
+both runs. On CPU it reports the peak RSS of the process after loading and after training; on a GPU
+(``--device cuda``) also ``torch.cuda.max_memory_allocated``. It also counts the bytes of the policy's weights
 (``nn.Module`` parameters and buffers, 4-bit weights as stored).
 
     python benchmarks/qlora_memory.py --size 25m --steps 2
@@ -95,7 +96,7 @@ def main() -> None:
     print_header(args.threads, size=args.size, steps=args.steps, device=args.device)
     from aitraining_pl.models import build_causal_lm
 
-    config = {"model_type": "llama", "vocab_size": 32000, "num_key_value_heads": 4, **SIZES[args.size]}
+    config = {"model_type": "llama", "vocab_size": 8000, "num_key_value_heads": 4, **SIZES[args.size]}
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         build_causal_lm(config, seed=0).save_pretrained(folder, safe_serialization=True)
