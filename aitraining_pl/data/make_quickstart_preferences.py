@@ -51,15 +51,31 @@ BAD = [
 ]
 
 
+def answer(rng: random.Random, t: str, d: str) -> str:
+    """A polite answer (one of ``GOOD``) saying topic ``t`` is ``d``."""
+    return rng.choice(GOOD).format(t=t, T=t[0].upper() + t[1:], d=d)
+
+
+def question(rng: random.Random) -> tuple[str, str, str]:
+    """A topic, a prompt asking about it and the polite answer defining it (three draws of ``rng``, in order)."""
+    t = rng.choice(list(TOPICS))
+    prompt = rng.choice(ASK).format(t=t)
+    return t, prompt, answer(rng, t, TOPICS[t])
+
+
+def write(rows: list[dict], name: str) -> None:
+    """Writes ``rows`` as JSON lines to ``name`` beside this file."""
+    out = Path(__file__).with_name(name)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    print(f"wrote {out}")
+
+
 def make(n: int = 480, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
-    topics = list(TOPICS)
     rows = []
     for _ in range(n):
-        t = rng.choice(topics)
+        t, prompt, chosen = question(rng)
         d = TOPICS[t]
-        prompt = rng.choice(ASK).format(t=t)
-        chosen = rng.choice(GOOD).format(t=t, T=t[0].upper() + t[1:], d=d)
         kind = rng.random()
         if kind < 0.15:
             rejected = rng.choice(BAD)
@@ -67,12 +83,10 @@ def make(n: int = 480, seed: int = 0) -> list[dict]:
             words = d.split()
             while words == d.split():
                 rng.shuffle(words)
-            rejected = rng.choice(GOOD).format(t=t, T=t[0].upper() + t[1:], d=" ".join(words))
+            rejected = answer(rng, t, " ".join(words))
         rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return rows
 
 
 if __name__ == "__main__":
-    out = Path(__file__).with_name("quickstart_preferences.jsonl")
-    out.write_text("".join(json.dumps(r) + "\n" for r in make()), encoding="utf-8")
-    print(f"wrote {out}")
+    write(make(), "quickstart_preferences.jsonl")

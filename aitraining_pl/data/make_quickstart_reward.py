@@ -8,11 +8,9 @@ held-out accuracy rising from chance. Run: ``python -m aitraining_pl.data.make_q
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
-from aitraining_pl.data.make_quickstart_preferences import ASK, GOOD, TOPICS
+from aitraining_pl.data.make_quickstart_preferences import question, write
 
 RUDE = [
     "ugh, {t} again? look it up yourself.",
@@ -30,15 +28,11 @@ def make(n: int = 400, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        t = rng.choice(list(TOPICS))
-        prompt = rng.choice(ASK).format(t=t)
-        chosen = rng.choice(GOOD).format(t=t, T=t[0].upper() + t[1:], d=TOPICS[t])
+        t, prompt, chosen = question(rng)
         rejected = rng.choice(RUDE).format(t=t)
         rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return rows
 
 
 if __name__ == "__main__":
-    out = Path(__file__).with_name("quickstart_reward.jsonl")
-    out.write_text("".join(json.dumps(r) + "\n" for r in make()), encoding="utf-8")
-    print(f"wrote {out}")
+    write(make(), "quickstart_reward.jsonl")

@@ -7,25 +7,19 @@ policy for the DPO quickstart: SFT -> DPO. Run: ``python -m aitraining_pl.data.m
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
-from aitraining_pl.data.make_quickstart_preferences import ASK, GOOD, TOPICS
+from aitraining_pl.data.make_quickstart_preferences import question, write
 
 
 def make(n: int = 400, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        t = rng.choice(list(TOPICS))
-        prompt = rng.choice(ASK).format(t=t)
-        completion = rng.choice(GOOD).format(t=t, T=t[0].upper() + t[1:], d=TOPICS[t])
+        _, prompt, completion = question(rng)
         rows.append({"prompt": prompt, "completion": completion})
     return rows
 
 
 if __name__ == "__main__":
-    out = Path(__file__).with_name("quickstart_sft.jsonl")
-    out.write_text("".join(json.dumps(r) + "\n" for r in make()), encoding="utf-8")
-    print(f"wrote {out}")
+    write(make(), "quickstart_sft.jsonl")

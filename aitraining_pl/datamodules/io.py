@@ -376,3 +376,14 @@ def pad_sequences(
             else:
                 out[i, longest - len(seq) :] = seq
     return out
+
+
+class PaddingCollator:
+    """Base of the collators that pad a list of examples into a batch (``__call__``, in each subclass).
+
+    Args:
+        pad_token_id: id used for padding (masked out everywhere).
+    """
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id

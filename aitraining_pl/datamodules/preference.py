@@ -29,7 +29,13 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from aitraining_pl.datamodules.base import IN_MEMORY
 from aitraining_pl.datamodules.cached import CachedDataModule
 from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE, preference_texts, split_preference
-from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
+from aitraining_pl.datamodules.io import (
+    DataValidationError,
+    PaddingCollator,
+    check_columns,
+    check_text,
+    pad_sequences,
+)
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 from aitraining_pl.models.tokens import with_bos
 
@@ -166,15 +172,11 @@ def check_lengths(max_length: int, max_prompt_length: int) -> None:
         raise ValueError(f"max_prompt_length ({max_prompt_length}) must be < max_length ({max_length})")
 
 
-class PreferenceCollator:
+class PreferenceCollator(PaddingCollator):
     """Pads a list of pairs into the batch contract (chosen rows first, then rejected, right padded).
 
-    Args:
-        pad_token_id: id used for padding (masked out everywhere).
+    ``PreferenceCollator(pad_token_id)``, as ``PaddingCollator``.
     """
-
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
 
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         sequences, completion = [], []

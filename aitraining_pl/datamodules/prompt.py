@@ -23,7 +23,13 @@ from torch.utils.data import DataLoader, Dataset
 from aitraining_pl.datamodules.base import IN_MEMORY
 from aitraining_pl.datamodules.cached import CachedDataModule
 from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE, prompt_text
-from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
+from aitraining_pl.datamodules.io import (
+    DataValidationError,
+    PaddingCollator,
+    check_columns,
+    check_text,
+    pad_sequences,
+)
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 from aitraining_pl.models.tokens import with_bos
 
@@ -110,15 +116,8 @@ class PromptDataset(Dataset):
         return {"input_ids": row[IDS], "prompt": row[TEXT], "metadata": self._metadata(row)}
 
 
-class PromptCollator:
-    """Left-pads prompts into the batch contract.
-
-    Args:
-        pad_token_id: id used for padding.
-    """
-
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
+class PromptCollator(PaddingCollator):
+    """Left-pads prompts into the batch contract. ``PromptCollator(pad_token_id)``, as ``PaddingCollator``."""
 
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         ids = [e["input_ids"] for e in examples]

@@ -27,7 +27,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
 from aitraining_pl.datamodules.formats import is_messages
-from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
+from aitraining_pl.datamodules.io import (
+    DataValidationError,
+    PaddingCollator,
+    check_columns,
+    check_text,
+    pad_sequences,
+)
 from aitraining_pl.datamodules.preference import FALLBACK_CHAT_TEMPLATE, LengthGroupedSampler
 
 log = logging.getLogger(__name__)
@@ -176,15 +182,8 @@ class SFTDataset(Dataset):
         return [len(e["input_ids"]) for e in self.examples]
 
 
-class SFTCollator:
-    """Right pads rows into the batch contract.
-
-    Args:
-        pad_token_id: id used for padding (masked out everywhere).
-    """
-
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
+class SFTCollator(PaddingCollator):
+    """Right pads rows into the batch contract. ``SFTCollator(pad_token_id)``, as ``PaddingCollator``."""
 
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         ids = [e["input_ids"] for e in examples]

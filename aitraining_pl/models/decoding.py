@@ -159,6 +159,13 @@ def plain_cache(cache) -> bool:
     return type(cache) is DynamicCache and (layers is None or all(type(layer) in PLAIN_LAYERS for layer in layers))
 
 
+def next_tokens(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """The next token of each row from its warped ``scores`` (N, V): sampled, or the argmax without sampling."""
+    if do_sample:
+        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    return scores.argmax(dim=-1)
+
+
 @torch.no_grad()
 def decode(
     model: torch.nn.Module,
@@ -205,10 +212,7 @@ def decode(
     mask, position, length = prompt_mask, positions[:, -1:], 0
     for t in range(config.max_new_tokens):
         scores = warp(responses[rows, :t], logits)
-        if config.do_sample:
-            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-        else:
-            tokens = scores.argmax(dim=-1)
+        tokens = next_tokens(scores, config.do_sample)
         responses[rows, t], length = tokens, t + 1
         if raw is not None:
             raw[rows, t], scored[rows, t] = logits, scores

@@ -27,7 +27,14 @@ from transformers import DynamicCache
 from transformers import GenerationConfig as HFGenerationConfig
 
 from aitraining_pl.losses import positions_from_mask
-from aitraining_pl.models.decoding import DynamicLayer, _Forward, _preallocate, _PreallocatedLayer, sample_responses
+from aitraining_pl.models.decoding import (
+    DynamicLayer,
+    _Forward,
+    _preallocate,
+    _PreallocatedLayer,
+    next_tokens,
+    sample_responses,
+)
 from aitraining_pl.models.decoding import warpers as make_warpers
 from aitraining_pl.models.generation import StopRule
 
@@ -173,10 +180,7 @@ def _decode_turn(step, cache, logits, mask, position, rows, config, ends, stop_r
     parked, tokens_by_row, ended_by_row = _Parked(), {}, {}
     for t in range(config.max_new_tokens):
         scores = warp(buffer[index, :t], logits)
-        if config.do_sample:
-            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-        else:
-            tokens = scores.argmax(dim=-1)
+        tokens = next_tokens(scores, config.do_sample)
         buffer[index, t] = tokens
         going = ~torch.isin(tokens, end_ids)
         if stop_rule:
