@@ -25,11 +25,8 @@ version. ``fit`` takes ``--output_dir`` (one folder for logs, checkpoints and ex
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
-import pickle
-import re
 import sys
 import tempfile
 import warnings
@@ -39,117 +36,26 @@ from typing import Any
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from aitraining_pl.callbacks.guard import NonFiniteError
-from aitraining_pl.datamodules.io import DataValidationError  # noqa: F401 - a UserError (``what = "data"``)
-from aitraining_pl.errors import ConfigError, HyperparameterError, ModelLoadError, UserError
-from aitraining_pl.models.loading import one_line
-from aitraining_pl.validation import RenamedArgumentWarning, check_hparams
-
-#: Errors that are the user's to fix: printed as one line, exit status 2. ``UserError`` (data, config,
-#: hyperparameter, model, reward) carries its own kind; the others are printed as ``input error`` (a NaN/inf
-#: loss or gradient norm comes from the data or the hyperparameters, e.g. a learning rate that blows up).
-USER_ERRORS: tuple[type[BaseException], ...] = (UserError, FileNotFoundError, ValueError, NonFiniteError)
-
-#: the modules the command lists (name, class path); ``--model DPOModule`` takes the short class name.
-MODULES: tuple[tuple[str, str], ...] = (
-    ("SFT", "aitraining_pl.modules.sft.SFTModule"),
-    ("DPO", "aitraining_pl.modules.dpo.DPOModule"),
-    ("KTO", "aitraining_pl.modules.kto.KTOModule"),
-    ("ORPO", "aitraining_pl.modules.orpo.ORPOModule"),
-    ("CPO", "aitraining_pl.modules.orpo.CPOModule"),
-    ("reward", "aitraining_pl.modules.reward.RewardModule"),
-    ("pairwise", "aitraining_pl.modules.reward.PairwiseRewardModule"),
-    ("multi-objective", "aitraining_pl.modules.reward.MultiObjectiveRewardModule"),
-    ("PPO", "aitraining_pl.modules.ppo.PPOModule"),
-    ("GRPO", "aitraining_pl.modules.critic_free.GRPOModule"),
-    ("RLOO", "aitraining_pl.modules.critic_free.RLOOModule"),
+from aitraining_pl.cli_errors import (  # noqa: F401 - re-exported: the command's error translation
+    USER_ERRORS,
+    Terminated,
+    _user_error,
+    format_error,
+    parser_error,
+    terminated_line,
 )
-
-#: dataclass arguments with their own ``--model.<name>.help`` (jsonargparse advertises it but cannot print it
-#: inside a subclass-mode model).
-NESTED_HELP = {
-    "lora": "aitraining_pl.models.lora.LoRAConfig",
-    "quantization": "aitraining_pl.models.quantization.QuantizationConfig",
-    "generation": "aitraining_pl.rollout.GenerationConfig",
-}
-
-
-def _import(class_path: str) -> Any:
-    module, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
-def available_modules() -> list[tuple[str, str, str]]:
-    """``(name, class path, first docstring line)`` of each module in ``MODULES`` that imports (importing them
-    registers the short class names with jsonargparse)."""
-    found = []
-    for name, path in MODULES:
-        try:
-            cls = _import(path)
-        except (ImportError, AttributeError):
-            continue
-        found.append((name, path, (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""))
-    return found
-
-
-def recipe_dir() -> Path | None:
-    """``configs/`` in the working directory, else beside the package (a source checkout)."""
-    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
-        if (root / "configs").is_dir():
-            return root / "configs"
-    return None
-
-
-def recipes() -> list[tuple[str, str]]:
-    """``(path, description)`` of every YAML recipe; the description is the file's first comment line."""
-    folder = recipe_dir()
-    if folder is None:
-        return []
-    found = []
-    for path in sorted(folder.rglob("*.y*ml")):
-        first = next((line for line in path.read_text().splitlines() if line.startswith("#")), "#")
-        try:
-            shown = path.relative_to(Path.cwd())
-        except ValueError:
-            shown = path
-        found.append((str(shown), first.lstrip("#").strip()))
-    return found
-
-
-def overview() -> str:
-    """The text of ``aitraining-pl`` with no subcommand: usage, modules and recipes."""
-    lines = [
-        "usage: aitraining-pl {fit,validate,test} --config RECIPE.yaml [--model.init_args.NAME VALUE ...]",
-        "       aitraining-pl fit --help | fit --model.help DPOModule | fit --model.lora.help | --version",
-        "",
-        "modules (--model CLASS; the short class name is enough):",
-    ]
-    mods = available_modules()
-    width = max((len(n) for n, _, _ in mods), default=0)
-    lines += [f"  {name:<{width}}  {path}" for name, path, _ in mods]
-    found = recipes()
-    if found:
-        lines += ["", "recipes (--config PATH):"]
-        width = max(len(p) for p, _ in found)
-        lines += [f"  {path:<{width}}  {text}" for path, text in found]
-    return "\n".join(lines)
-
-
-def version() -> str:
-    return f"aitraining-pl {sys.modules[__package__].__version__}"  # the package is imported with this module
-
-
-def nested_help(args: list[str]) -> str | None:
-    """The help of a dataclass argument (``--model.lora.help``, ``--model.init_args.generation.help``)."""
-    for arg in args:
-        match = re.fullmatch(r"--model\.(?:init_args\.)?(\w+)\.help", arg)
-        if match and match.group(1) in NESTED_HELP:
-            from jsonargparse import ArgumentParser
-
-            parser = ArgumentParser(prog=f"--model.{match.group(1)}", exit_on_error=False)
-            parser.add_class_arguments(_import(NESTED_HELP[match.group(1)]))
-            return parser.format_help()
-    return None
+from aitraining_pl.cli_help import (  # noqa: F401 - re-exported: the command's help
+    MODULES,
+    NESTED_HELP,
+    _import,
+    available_modules,
+    nested_help,
+    overview,
+    recipes,
+    version,
+)
+from aitraining_pl.errors import ConfigError
+from aitraining_pl.validation import RenamedArgumentWarning, check_hparams
 
 
 class _DropRecord(logging.Filter):
@@ -341,31 +247,6 @@ def apply_run_arguments(config: Any) -> None:
         trainer["default_root_dir"] = output_dir
 
 
-class Terminated(Exception):
-    """The run got SIGTERM (a scheduler's preemption or ``kill``); ``main`` prints the message and exits with
-    status 143 (128 + SIGTERM), as a process killed by the signal would."""
-
-    exit_code = 143
-
-
-def last_checkpoint(trainer: Any) -> str:
-    """The newest checkpoint file the run's checkpoint callbacks wrote, or ``""``."""
-    paths = []
-    for callback in getattr(trainer, "checkpoint_callbacks", None) or []:
-        paths += [getattr(callback, "last_model_path", ""), getattr(callback, "best_model_path", "")]
-        paths += list(getattr(callback, "best_k_models", None) or {})
-    existing = [Path(p) for p in paths if p and Path(p).is_file()]
-    return str(max(existing, key=lambda p: p.stat().st_mtime)) if existing else ""
-
-
-def terminated_line(trainer: Any) -> str:
-    """``aitraining-pl: stopped by SIGTERM after N steps; last checkpoint: <path> (resume: --ckpt_path <path>)``."""
-    path = last_checkpoint(trainer) if trainer is not None else ""
-    step = getattr(trainer, "global_step", 0)
-    where = f"last checkpoint: {path} (resume with --ckpt_path {path})" if path else "no checkpoint was written"
-    return f"aitraining-pl: stopped by SIGTERM after {step} steps; {where}"
-
-
 def check_output_dir(path: str) -> None:
     """``ConfigError`` naming ``--output_dir`` when it is a file, cannot be created, or cannot be written
     (before any model is loaded); creates the folder otherwise."""
@@ -396,98 +277,6 @@ def closing_line(trainer: Any) -> str:
     if path:
         parts.append(f"checkpoint: {path}")
     return "; ".join(parts)
-
-
-def _chain(err: BaseException | None):
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ or err.__context__
-
-
-def _user_error(err: BaseException, args: list[str] | None = None) -> BaseException | None:
-    """The user error behind ``err``, or None. jsonargparse and Lightning wrap errors raised while building
-    the model or data (a ``ValueError`` with the parser's dump), so a typed ``UserError`` anywhere in the
-    chain wins over the generic errors around it, and a generic one counts only as the root cause. A checkpoint
-    that ``torch.load(weights_only=True)`` refuses (``--ckpt_path``) is a ``ModelLoadError`` naming it."""
-    chain = list(_chain(err))
-    typed = [e for e in chain if isinstance(e, UserError)]
-    if typed:
-        return typed[-1]
-    refused = next((e for e in chain if isinstance(e, pickle.UnpicklingError)), None)
-    if refused is not None:
-        argv = list(args or [])
-        paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--ckpt_path"]
-        paths += [a.split("=", 1)[1] for a in argv if a.startswith("--ckpt_path=")]
-        return ModelLoadError(f"--ckpt_path {paths[-1]}" if paths else "checkpoint", one_line(refused))
-    root = chain[-1]  # a generic error counts only as the root cause (not jsonargparse's wrapper of a bug)
-    return root if isinstance(root, USER_ERRORS) else None
-
-
-#: lines of jsonargparse's union/class_path dump that say nothing about the problem.
-_DUMP_LINES = (
-    "Does not validate against",
-    "Subtypes:",
-    "Errors:",
-    "- Problem with given class_path",
-    "- Expected a <class 'NoneType'>",
-    "Given value type:",
-    "Given value:",
-    "tip:",
-    "usage:",
-)
-
-
-def parser_error(err: BaseException, args: list[str] | None = None) -> UserError:
-    """A jsonargparse error (``Parser key "model": ... Parser key "beta": Expected ...``, a 7-line dump) as
-    one ``ConfigError`` naming the option (``--model.init_args.beta``) and the innermost reason; a config file
-    that is not valid YAML is named by its path (from ``args``, default ``sys.argv``). A value outside a
-    ``Literal`` argument's choices is a ``HyperparameterError`` worded as the range table words it."""
-    lines = [line.strip() for line in str(err).replace(' in "<unicode string>",', "").splitlines() if line.strip()]
-    if lines and lines[0].startswith("Problems parsing config"):
-        argv = list(sys.argv[1:] if args is None else args)
-        files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
-        return ConfigError(f"--config {files[-1]}" if files else "--config", " ".join(lines)[:400])
-    keys, why = [], None
-    for line in lines:
-        key = re.match(r'Parser key "([^"]+)":?\s*(.*)', line)
-        if key:
-            keys.append(key.group(1))
-            why = key.group(2) or why
-        elif why is None or why.startswith(_DUMP_LINES):
-            why = line if not line.startswith(_DUMP_LINES) else why
-    unknown = re.search(r"Option '([^']+)' is not accepted", " ".join(lines))
-    keys += [unknown.group(1)] if unknown else []
-    nested = len(keys) > 1 and any(line.startswith("- Problem with given class_path") for line in lines)
-    option = keys[0] + (".init_args." if nested else ".") + ".".join(keys[1:]) if len(keys) > 1 else "".join(keys)
-    why = (why or (lines[0] if lines else type(err).__name__)).lstrip("- ")
-    choice = re.match(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", why)
-    if choice is None:  # a Literal inside a Union (a name or a list of names, as DPO's loss_type)
-        literal = next((x for x in lines if x.startswith("- Expected a typing.Literal[")), None)
-        given = next((x for x in lines if x.startswith("Given value: ")), None)
-        if literal and given:
-            choice = re.match(
-                r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)",
-                f"{literal[2:].rstrip('.')}. Got value: {given[len('Given value: ') :]}",
-            )
-    owner = re.search(r"class_path '([\w.]+)'", " ".join(lines))
-    if choice and keys:  # a choice outside a Literal: worded as the range table words it
-        name, value = keys[-1], choice.group(2).strip()
-        where = f"{owner.group(1).rpartition('.')[2]}.{name}" if owner else f"--{option}"
-        return HyperparameterError(where, f"unknown {name} {value!r}; must be one of {choice.group(1)}")
-    return ConfigError(f"--{option}" if option else "command line", why[:400])
-
-
-def format_error(err: BaseException) -> str:
-    """``aitraining-pl: <what> error: <where>: <why>``, on one line. ``what`` is the error's ``what`` attribute
-    (every ``UserError``; another class listed in ``USER_ERRORS`` may set one too), else ``input``."""
-    if isinstance(getattr(err, "what", None), str):
-        what, text = err.what, str(err)
-    else:
-        what, text = "input", f"{type(err).__name__}: {err}"
-    text = " ".join(text.split())
-    return f"aitraining-pl: {what} error: {text if len(text) <= 500 else text[:497] + '...'}"
 
 
 def build_cli(args: list[str] | None = None, run: bool = True) -> AlignmentCLI:

@@ -29,6 +29,8 @@ LAYERS = {
     "data": 3,
     "modules": 4,
     "cli": 5,
+    "cli_help": 5,  # the command's overview, --version and nested help
+    "cli_errors": 5,  # the command's error translation (one-line user errors, SIGTERM)
     # the seed's API (compatibility layer): on top, nothing below imports it
     "compat": 6,
     "facades": 6,

@@ -29,13 +29,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from aitraining_pl.datamodules.base import IN_MEMORY
 from aitraining_pl.datamodules.cached import CachedDataModule
 from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE, preference_texts, split_preference
-from aitraining_pl.datamodules.io import (
-    DataValidationError,
-    PaddingCollator,
-    check_columns,
-    check_text,
-    pad_sequences,
-)
+from aitraining_pl.datamodules.io import DataValidationError, PaddingCollator, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 from aitraining_pl.models.tokens import with_bos
 

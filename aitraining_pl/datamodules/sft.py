@@ -27,13 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
 from aitraining_pl.datamodules.formats import is_messages
-from aitraining_pl.datamodules.io import (
-    DataValidationError,
-    PaddingCollator,
-    check_columns,
-    check_text,
-    pad_sequences,
-)
+from aitraining_pl.datamodules.io import DataValidationError, PaddingCollator, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.preference import FALLBACK_CHAT_TEMPLATE, LengthGroupedSampler
 
 log = logging.getLogger(__name__)
