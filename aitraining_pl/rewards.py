@@ -25,7 +25,7 @@ Reward sources are named in YAML by ``build_reward_source``:
 - a folder path or hub id (``org/name``): a reward model, either saved by ``RewardModule``
   (``reward_config.json``; ``aitraining_pl.models.reward``) or any ``AutoModelForSequenceClassification``
   with one label (``aitraining_pl.models.sequence_classifier``: re-tokenized with its own tokenizer and chat
-  template); see ``load_reward_source``;
+  template); see ``aitraining_pl.models.reward_sources.load_reward_source``;
 - ``{"class_path": "package.module.Class", "init_args": {...}}``: an object built from a class, e.g. an
   RL environment;
 - ``{"components": {name: {"source": <any of the above>, "weight": w, "kwargs": {...}}, ...}}``: the
@@ -157,75 +157,7 @@ class ColumnKeywordReward:
         return self.func(prompts=prompts, completions=responses, **columns)
 
 
-class RewardModelSource:
-    """Scores ``prompt + separator + response`` with a reward-model folder saved by the reward module
-    (``aitraining_pl.models.reward``; its own tokenizer is in the folder), in eval mode (dropout off).
-
-    The model is held by this object, not by the LightningModule, so it never lands in a checkpoint;
-    ``PPOModule`` moves it to its device in ``on_fit_start``.
-
-    Args:
-        path: folder with the reward model and its tokenizer.
-        batch_size: texts scored per forward pass.
-        separator: put between prompt and response.
-        max_length: keep at most this many tokens of each text (its end); no limit when ``None``.
-        trust_remote_code: allow remote code for a tokenizer the folder names but does not hold (off unless
-            set here; the folder's own ``reward_config.json`` cannot set it).
-    """
-
-    def __init__(
-        self,
-        path: str,
-        batch_size: int = 16,
-        separator: str = "",
-        max_length: int | None = None,
-        trust_remote_code: bool = False,
-    ):
-        from aitraining_pl.models.reward import load_reward_model
-
-        self.path, self.batch_size, self.separator, self.max_length = path, batch_size, separator, max_length
-        self.model = load_reward_model(path, trust_remote_code=trust_remote_code).eval()
-        self.model.get_tokenizer()  # a missing or refused tokenizer fails here, before training starts
-        self.model.requires_grad_(False)
-
-    def to(self, device=None, dtype=None) -> RewardModelSource:
-        self.model.to(device=device, dtype=dtype)
-        return self
-
-    def __call__(self, prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
-        texts = [p + self.separator + r for p, r in zip(prompts, responses)]
-        return [float(x) for x in self.model.predict_rewards(texts, None, self.batch_size, self.max_length)]
-
-
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-
-
-def load_reward_source(name_or_path: str, **kwargs: Any) -> Callable:
-    """A reward-model source from a folder or hub id: this project's format when the folder holds
-    ``reward_config.json`` (``RewardModelSource``), else any one-label ``AutoModelForSequenceClassification``
-    (``SequenceClassifierReward``). ``kwargs`` are the chosen class's arguments."""
-    from aitraining_pl.models.reward import REWARD_CONFIG_FILE
-    from aitraining_pl.models.sequence_classifier import SequenceClassifierReward
-
-    folder = os.path.expanduser(name_or_path)
-    if os.path.isdir(folder):
-        if os.path.isfile(os.path.join(folder, REWARD_CONFIG_FILE)):
-            return RewardModelSource(folder, **kwargs)
-        if not os.path.isfile(os.path.join(folder, "config.json")):
-            raise ValueError(f"reward model folder {folder}: neither {REWARD_CONFIG_FILE} nor config.json is in it")
-        return SequenceClassifierReward(folder, **kwargs)
-    from transformers.utils import cached_file
-
-    own = cached_file(
-        name_or_path, REWARD_CONFIG_FILE, _raise_exceptions_for_missing_entries=False,
-        _raise_exceptions_for_connection_errors=False,
-    )  # fmt: skip
-    if own is not None:  # this project's format on the hub: fetch its JSON, safetensors and tokenizer files
-        from huggingface_hub import snapshot_download
-
-        patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
-        return RewardModelSource(snapshot_download(name_or_path, allow_patterns=patterns), **kwargs)
-    return SequenceClassifierReward(name_or_path, **kwargs)
 
 
 def import_object(path: str) -> Any:
@@ -279,6 +211,8 @@ def build_reward_source(spec: Any, *, kwargs: Mapping[str, Any] | None = None) -
         return _as_source(spec, kwargs)
     if isinstance(spec, str):
         if os.path.isdir(os.path.expanduser(spec)) or (not spec.startswith((".", "~")) and _HUB_ID.fullmatch(spec)):
+            from aitraining_pl.models.reward_sources import load_reward_source
+
             return load_reward_source(spec, **kwargs)
         if "/" in spec or os.sep in spec:
             raise ValueError(f"reward model folder {spec!r} does not exist (and it is not a hub id 'org/name')")
@@ -422,6 +356,10 @@ def score_responses(
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("RewardModelSource", "load_reward_source"):  # the reward-model sources live in ``models``
+        from aitraining_pl.models import reward_sources
+
+        return getattr(reward_sources, name)
     if name == "length_reward":  # renamed in 0.2: the environments' default reward counts words, this one characters
         import warnings
 
