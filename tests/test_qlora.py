@@ -106,3 +106,57 @@ def test_qlora_export_merges_into_the_full_precision_base(tmp_path):
     loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapters").eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, exported, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ online RL
+def _online(cls, **kwargs):
+    from aitraining_pl.rollout import GenerationConfig
+
+    return cls(
+        model_config=TINY_LLAMA,
+        tokenizer_name="byte",
+        lora=LORA,
+        quantization=QUANT,
+        reward=lambda p, r, m: [float(sum(c.islower() for c in x)) for x in r],
+        generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0),
+        learning_rate=1e-2,
+        num_iterations=2,
+        **{"mini_batch_size": 4, **kwargs},
+    )
+
+
+@pytest.mark.parametrize("name", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)])
+def test_qlora_online_policy_trains_adapters_and_its_reference_is_the_4bit_base(tmp_path, byte_tokenizer, name):
+    """GRPO and PPO on a 4-bit policy: Linear4bit layers, only adapters (+ PPO's value head) trainable, one
+    iteration moves the adapters and the policy's log-probs while the reference (adapters off) stays."""
+    from aitraining_pl.datamodules.prompt import PromptDataModule
+    from aitraining_pl.modules.critic_free import GRPOModule
+    from aitraining_pl.modules.ppo import PPOModule
+
+    module = _online(GRPOModule, num_generations=4) if name == "grpo" else _online(PPOModule, mini_batch_size=2)
+    policy = module.policy
+    linear4 = [m for m in policy.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(linear4) == 7 * TINY_LLAMA["num_hidden_layers"]
+    assert module.hparams.quantization == {**QUANT, "double_quant": False}
+    assert module.reference.shares_weights
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n or "value_head" in n for n in trainable), trainable
+    ids = torch.tensor([[97, 98, 99, 100, 101, 102]])
+    with torch.no_grad():
+        ref_before = module.reference(ids).clone()
+        policy_before = policy.eval()(input_ids=ids).logits.clone()
+    torch.testing.assert_close(ref_before, policy_before)  # adapters start at zero
+    lora = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_B" in n}
+    frozen = [m.weight.data.clone() for m in linear4]
+    dm = PromptDataModule(prompts=["ab", "cd", "ef", "gh"], tokenizer=byte_tokenizer, batch_size=2)
+    trainer = quiet_trainer(tmp_path, limit_train_batches=2)
+    trainer.fit(module, dm)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+    assert trainer.global_step > 0
+    named = dict(policy.named_parameters())
+    assert any(not torch.equal(named[n], p) for n, p in lora.items())
+    assert all(torch.equal(m.weight.data, w) for m, w in zip(linear4, frozen))
+    with torch.no_grad():
+        torch.testing.assert_close(module.reference(ids), ref_before)
+        assert not torch.allclose(policy.eval()(input_ids=ids).logits, policy_before)

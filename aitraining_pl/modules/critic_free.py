@@ -29,6 +29,7 @@ from aitraining_pl.losses import (
 from aitraining_pl.losses.advantages import CriticFreeAdvantage, ScaleRewards
 from aitraining_pl.losses.policy_gradient import LossAggregation
 from aitraining_pl.models import LoRAConfig
+from aitraining_pl.models.quantization import QuantizationConfig
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
 from aitraining_pl.optim import LRSchedule
@@ -101,6 +102,9 @@ class CriticFreeModule(OnlineRLModule):
         disable_dropout: set every dropout rate to 0 (policy, reference, reward model), as TRL does.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute).
+        quantization: load the policy's base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
+            ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``. The reference is
+            the same 4-bit base with the adapters off.
     """
 
     def __init__(
@@ -138,6 +142,7 @@ class CriticFreeModule(OnlineRLModule):
         attn_implementation: str | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        quantization: QuantizationConfig | None = None,
     ):
         super().__init__()
         if advantage in CRITIC_ESTIMATORS:
@@ -148,7 +153,9 @@ class CriticFreeModule(OnlineRLModule):
         )
         if num_generations < 1 or num_iterations < 1:
             raise ValueError("num_generations and num_iterations must be >= 1")
-        self.setup_online(reward, generation, lora, with_reference=bool(kl_coef), kl_coef=kl_coef)
+        self.setup_online(
+            reward, generation, lora, with_reference=bool(kl_coef), kl_coef=kl_coef, quantization=quantization
+        )
         self.setup_policy_loss(policy_loss)
         if scale_rewards != "group" and advantage != "grpo":
             raise ConfigError(f"{type(self).__name__}.scale_rewards", f"applies to advantage 'grpo', not {advantage!r}")

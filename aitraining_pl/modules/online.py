@@ -99,7 +99,14 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         return int(self.hparams.num_iterations)
 
     def setup_online(
-        self, reward: Any, generation: Any, lora: Any, with_reference: bool, kl_coef: float, **resolved: Any
+        self,
+        reward: Any,
+        generation: Any,
+        lora: Any,
+        with_reference: bool,
+        kl_coef: float,
+        quantization: Any = None,
+        **resolved: Any,
     ) -> None:
         """Store hyperparameters (primitives only; ``resolved``: values of arguments that also have an old name),
         build the policy, reference and reward source."""
@@ -112,12 +119,13 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
                 "required: a reward source (an import path "
                 "'pkg.module:function', a reward-model folder, a class_path dict or, in Python, a callable)",
             )
-        ignore = ["lora", "generation", "policy_loss", *RENAMED] + (
+        ignore = ["lora", "generation", "policy_loss", "quantization", *RENAMED] + (
             [] if primitive(reward) else ["reward"]
         )  # old names: no hparams
         self.save_hyperparameters(ignore=ignore, frame=inspect.currentframe().f_back)  # the caller's __init__
         self.drop_renamed_hparams(kl_coef=float(kl_coef), **resolved)
         self.store_lora_hparam(lora)
+        self.store_quantization_hparam(quantization)  # QLoRA: the reference is the 4-bit base, adapters off
         self.generation = (
             generation if isinstance(generation, GenerationConfig) else GenerationConfig(**dict(generation))
         )

@@ -27,6 +27,7 @@ from aitraining_pl.losses import (
 )
 from aitraining_pl.losses.rl import KLEstimator
 from aitraining_pl.models import LoRAConfig, PolicyValueScores, PPOModel
+from aitraining_pl.models.quantization import QuantizationConfig
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
 from aitraining_pl.optim import LRSchedule
@@ -103,6 +104,9 @@ class PPOModule(OnlineRLModule):
             does: training forwards are then deterministic.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
+        quantization: load the policy's base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
+            ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``. The reference is
+            the same 4-bit base with the adapters off.
         kl_penalty_coef: deprecated spelling of ``kl_coef`` (accepted with a warning until the next release).
         ppo_epochs: deprecated spelling of ``num_iterations``.
         clip_ratio: deprecated spelling of ``epsilon``.
@@ -142,6 +146,7 @@ class PPOModule(OnlineRLModule):
         attn_implementation: str | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        quantization: QuantizationConfig | None = None,
         kl_penalty_coef: float | None = None,
         ppo_epochs: int | None = None,
         clip_ratio: float | None = None,
@@ -153,6 +158,7 @@ class PPOModule(OnlineRLModule):
             generation,
             lora,
             with_reference=True,
+            quantization=quantization,
             kl_coef=renamed(owner, "kl_coef", kl_coef, 0.01, kl_penalty_coef=kl_penalty_coef),
             num_iterations=renamed(owner, "num_iterations", num_iterations, 4, ppo_epochs=ppo_epochs),
             epsilon=renamed(owner, "epsilon", epsilon, 0.2, clip_ratio=clip_ratio),
