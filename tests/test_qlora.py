@@ -67,6 +67,10 @@ def test_qlora_policy_has_4bit_layers_trains_only_adapters_and_its_reference_is_
 def test_qlora_needs_lora():
     with pytest.raises(ConfigError, match="set lora too"):
         DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", quantization=QUANT)
+    from aitraining_pl.modules.reward import RewardModule
+
+    with pytest.raises(ConfigError, match="set lora too"):
+        RewardModule(model_config=TINY_LLAMA, tokenizer_name="byte", quantization=QUANT)
     off = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", quantization={**QUANT, "load_in_4bit": False})
     assert off.hparams.quantization is None and not any(isinstance(m, bnb.nn.Linear4bit) for m in off.modules())
 
@@ -160,3 +164,55 @@ def test_qlora_online_policy_trains_adapters_and_its_reference_is_the_4bit_base(
     with torch.no_grad():
         torch.testing.assert_close(module.reference(ids), ref_before)
         assert not torch.allclose(policy.eval()(input_ids=ids).logits, policy_before)
+
+
+# ------------------------------------------------------------------------------------------------ reward models
+def test_qlora_reward_model_trains_adapters_and_head_and_exports_in_full_precision(tmp_path):
+    """The reward model's trunk in 4 bits with LoRA adapters, the head in full precision: only adapters and
+    head train, the Bradley-Terry loss falls, and the export (adapters merged into the full-precision trunk)
+    loads in plain transformers."""
+    from transformers import AutoModelForSequenceClassification
+
+    from aitraining_pl.models import load_backbone
+    from aitraining_pl.modules.reward import RewardModule
+
+    module = RewardModule(
+        model_config=TINY_LLAMA, tokenizer_name="byte", lora=LORA, quantization=QUANT, learning_rate=1e-2,
+        warmup_ratio=0.0, lr_schedule="constant",
+    )  # fmt: skip
+    model = module.reward_model
+    linear4 = [m for m in model.trunk.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(linear4) == 7 * TINY_LLAMA["num_hidden_layers"]
+    assert model.head.weight.dtype == torch.float32 and not isinstance(model.head, bnb.nn.Linear4bit)
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    assert any(n.startswith("reward_model.head.") for n in trainable)
+    assert all("lora_" in n or n.startswith("reward_model.head.") for n in trainable), trainable
+    data = preference_data(preference_rows(8), module.tokenizer, val_split=0, batch_size=8)
+    frozen = [m.weight.data.clone() for m in linear4]
+    lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    losses = []
+
+    class Record(__import__("lightning").pytorch.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    trainer = quiet_trainer(tmp_path, max_epochs=6, max_steps=6, log_every_n_steps=1, callbacks=[Record()])
+    trainer.fit(module, data)
+    assert sum(losses[-3:]) / 3 < 0.8 * losses[0], losses
+    assert all(torch.equal(m.weight.data, w) for m, w in zip(linear4, frozen))
+    named = dict(model.named_parameters())
+    assert any(not torch.equal(named[n], p) for n, p in lora.items())
+    # export: a plain sequence-classification model, the adapters merged into the full-precision trunk
+    module.save_pretrained(tmp_path / "rm")
+    assert "quantization_config" not in json.loads((tmp_path / "rm" / "config.json").read_text())
+    exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    full = load_backbone(model_config=TINY_LLAMA, seed=0)
+    layer = model.trunk.get_base_model().layers[0].self_attn.q_proj
+    expected = full.layers[0].self_attn.q_proj.weight + layer.get_delta_weight("default")
+    torch.testing.assert_close(exported.model.layers[0].self_attn.q_proj.weight, expected.detach())
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 2]])
+    with torch.no_grad():
+        live = model.eval().score(ids, torch.ones_like(ids))
+        plain = exported(input_ids=ids).logits[:, 0]
+    # equal up to the 4-bit rounding of the live trunk
+    assert (live - plain).abs().max() < 0.25 * (1 + live.abs().max()), (live, plain)

@@ -74,23 +74,31 @@ def _device_map() -> dict[str, Any]:
     return {"": "cpu"}
 
 
-def load_quantized(load_full: Callable[[], nn.Module], model_name: str | None, config: QuantizationConfig, **kwargs):
-    """A causal LM with 4-bit linear layers, ready for LoRA (``peft.prepare_model_for_kbit_training``: the
-    other weights in float32, input gradients on). From ``model_name`` it loads quantized directly; a model
-    built from an inline config (``load_full()``) goes through a temporary folder (small models only)."""
+def load_quantized(
+    load_full: Callable[[], nn.Module],
+    model_name: str | None,
+    config: QuantizationConfig,
+    auto_class: str = "AutoModelForCausalLM",
+    **kwargs,
+):
+    """A model (``auto_class``: a causal LM, or ``AutoModel`` for a reward model's trunk) with 4-bit linear
+    layers, ready for LoRA (``peft.prepare_model_for_kbit_training``: the other weights in float32, input
+    gradients on). From ``model_name`` it loads quantized directly; a model built from an inline config
+    (``load_full()``) goes through a temporary folder (small models only)."""
+    import transformers
     from peft import prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM
 
     from aitraining_pl.models.loading import from_pretrained
 
+    auto = getattr(transformers, auto_class)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     quant = {"quantization_config": bitsandbytes_config(config), "device_map": _device_map()}
     if model_name is not None:
-        model = from_pretrained(AutoModelForCausalLM.from_pretrained, model_name, "model", **kwargs, **quant)
+        model = from_pretrained(auto.from_pretrained, model_name, "model", **kwargs, **quant)
     else:
         with tempfile.TemporaryDirectory() as folder:
             load_full().save_pretrained(folder, safe_serialization=True)
-            model = AutoModelForCausalLM.from_pretrained(folder, **quant)
+            model = auto.from_pretrained(folder, **quant)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 

@@ -12,14 +12,25 @@ Each saves its reward model as a Hugging Face style folder (``save_pretrained``)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
 import torch
 
+from aitraining_pl.errors import ConfigError
 from aitraining_pl.losses import bradley_terry_loss, masked_objective_mse
 from aitraining_pl.losses.reward import PoolingStrategy, known_objectives
 from aitraining_pl.models import LoRAConfig
+from aitraining_pl.models.loading import load_backbone
+from aitraining_pl.models.quantization import (
+    QuantizationConfig,
+    as_quantization_config,
+    check_quantization,
+    is_quantized,
+    load_quantized,
+    merged_full_precision_state,
+)
 from aitraining_pl.models.reward import MultiObjectiveRewardModel, PairwiseRewardModel, RewardModel, RewardModelConfig
 from aitraining_pl.modules.base import SharedStepModule, as_lora_config
 from aitraining_pl.optim import LRSchedule
@@ -58,6 +69,9 @@ class RewardModule(SharedStepModule):
             training forwards are then deterministic.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
+        quantization: load the trunk's base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
+            ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``. The head stays
+            in full precision; the export merges the adapters into the full-precision trunk.
         center_rewards_coef: deprecated spelling of ``center_rewards_coefficient`` (TRL's name; accepted with a
             warning until the next release).
     """
@@ -84,6 +98,7 @@ class RewardModule(SharedStepModule):
         reward_model: RewardModel | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        quantization: QuantizationConfig | None = None,
         center_rewards_coef: float | None = None,
     ):
         super().__init__()
@@ -94,9 +109,13 @@ class RewardModule(SharedStepModule):
             0.0,
             center_rewards_coef=center_rewards_coef,
         )
-        self.save_hyperparameters(ignore=["lora", "reward_model", *RENAMED])
+        self.save_hyperparameters(ignore=["lora", "reward_model", "quantization", *RENAMED])
         self.drop_renamed_hparams(center_rewards_coefficient=float(center_rewards_coefficient))
         self.store_lora_hparam(lora)
+        self.store_quantization_hparam(quantization)
+        if self.hparams.quantization is not None and reward_model is not None:
+            raise ConfigError("quantization", "applies to a reward model loaded here, not to a given reward_model")
+        check_quantization(quantization, lora)
         if reward_model is not None:
             self._adopt_hparams(reward_model)
         self.reward_model = reward_model if reward_model is not None else self.build_reward_model(self.reward_config())
@@ -129,7 +148,32 @@ class RewardModule(SharedStepModule):
         self.set_hparam("lora", dataclasses.asdict(lora) if lora is not None else None)
 
     def build_reward_model(self, config: RewardModelConfig) -> RewardModel:
-        return self.model_class(config)
+        return self.model_class(config, trunk=self.quantized_trunk(config))
+
+    def quantized_trunk(self, config: RewardModelConfig) -> torch.nn.Module | None:
+        """The trunk with 4-bit linear layers under ``quantization`` (``None`` otherwise: loaded as usual)."""
+        quantized = as_quantization_config(self.hparams.get("quantization"))
+        if quantized is None:
+            return None
+        source = functools.partial(load_backbone, **self._trunk_source(config))
+        trust = config.trust_remote_code
+        return load_quantized(source, config.model_name, quantized, "AutoModel", trust_remote_code=trust)
+
+    @staticmethod
+    def _trunk_source(config: RewardModelConfig) -> dict[str, Any]:
+        names = ("model_name", "model_config", "dtype", "trust_remote_code", "seed")
+        return {name: getattr(config, name) for name in names}
+
+    def full_precision_copy(self) -> RewardModel:
+        """The QLoRA reward model as a plain one: the adapters merged into the trunk reloaded in full precision
+        (``models.quantization.merged_full_precision_state``, not into its 4-bit rounding), the head as trained."""
+        model = self.reward_model
+        full = load_backbone(**self._trunk_source(model.config))
+        trunk = {f"trunk.{k}": v for k, v in merged_full_precision_state(model.trunk, full).items()}
+        rest = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("trunk.")}
+        plain = type(model)._from_config(dataclasses.replace(model.config, use_lora=False), full)
+        plain.load_merged_state_dict({**trunk, **rest})
+        return plain
 
     @property
     def tokenizer(self):
@@ -145,11 +189,13 @@ class RewardModule(SharedStepModule):
         """Write the reward model folder to ``path``: where the trunk allows, a standard
         ``AutoModelForSequenceClassification`` folder whose one logit is the reward, with ``reward_config.json``
         and ``reward_head.safetensors`` beside (``aitraining_pl.models.reward_export``), the tokenizer and a
-        model card (``README.md``). LoRA adapters are always merged, so PPO, transformers and TRL load one
-        plain model."""
+        model card (``README.md``). LoRA adapters are always merged (under QLoRA into the full-precision trunk),
+        so PPO, transformers and TRL load one plain model."""
         from aitraining_pl.callbacks.model_card import write_model_card
 
-        self.reward_model.save_pretrained(path, tokenizer=self.tokenizer)
+        quantized = is_quantized(self.reward_model.trunk)
+        model = self.full_precision_copy() if quantized else self.reward_model
+        model.save_pretrained(path, tokenizer=self.tokenizer)
         write_model_card(path, self)
 
     # ------------------------------------------------------------------ steps
@@ -200,7 +246,7 @@ class MultiObjectiveRewardModule(RewardModule):
         objective_names: n names used in metric names (``train/loss/<name>``; default ``0``, ``1``, ...).
         model_name, model_config, tokenizer_name, lora, pooling_strategy, dropout_prob, temperature,
         learning_rate, warmup_ratio, lr_schedule, weight_decay, dtype, seed, trust_remote_code, reward_model,
-        disable_dropout, gradient_checkpointing: as in ``RewardModule``.
+        disable_dropout, gradient_checkpointing, quantization: as in ``RewardModule``.
     """
 
     model_class = MultiObjectiveRewardModel
@@ -227,6 +273,7 @@ class MultiObjectiveRewardModule(RewardModule):
         reward_model: MultiObjectiveRewardModel | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        quantization: QuantizationConfig | None = None,
     ):
         if objective_names is not None and len(objective_names) != num_objectives:
             raise ValueError(f"objective_names has {len(objective_names)} names for {num_objectives} objectives")
@@ -238,12 +285,13 @@ class MultiObjectiveRewardModule(RewardModule):
             learning_rate=learning_rate, warmup_ratio=warmup_ratio, lr_schedule=lr_schedule,
             weight_decay=weight_decay, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code,
             reward_model=reward_model, disable_dropout=disable_dropout, gradient_checkpointing=gradient_checkpointing,
+            quantization=quantization,
         )  # fmt: skip
         self.objective_names = list(objective_names or map(str, range(num_objectives)))
 
     def build_reward_model(self, config: RewardModelConfig) -> RewardModel:
         num_objectives, weights = self._objectives
-        return MultiObjectiveRewardModel(config, num_objectives, weights)
+        return MultiObjectiveRewardModel(config, num_objectives, weights, trunk=self.quantized_trunk(config))
 
     def _adopt_hparams(self, model: RewardModel) -> None:
         super()._adopt_hparams(model)
