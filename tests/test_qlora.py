@@ -216,3 +216,25 @@ def test_qlora_reward_model_trains_adapters_and_head_and_exports_in_full_precisi
         plain = exported(input_ids=ids).logits[:, 0]
     # equal up to the 4-bit rounding of the live trunk
     assert (live - plain).abs().max() < 0.25 * (1 + live.abs().max()), (live, plain)
+
+
+def test_reward_model_source_can_hold_its_trunk_in_4_bits(tmp_path):
+    """A reward-model folder loaded as an online run's reward source with ``quantization``: 4-bit trunk, the
+    head as saved, rewards close to the full-precision ones."""
+    from aitraining_pl.models import RewardModel, RewardModelConfig
+    from aitraining_pl.models.reward_sources import RewardModelSource
+
+    model = RewardModel(RewardModelConfig(model_config=TINY_LLAMA, tokenizer_name="byte", dropout_prob=0.0))
+    model.save_pretrained(tmp_path / "rm", tokenizer=model.get_tokenizer())
+    full = RewardModelSource(str(tmp_path / "rm"))
+    small = RewardModelSource(str(tmp_path / "rm"), quantization=QUANT)
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in small.model.trunk.modules())
+    assert not any(isinstance(m, bnb.nn.Linear4bit) for m in full.model.modules())
+    torch.testing.assert_close(small.model.head.weight, full.model.head.weight)
+    responses = ["abc", "hello there", "XYZ!", "a longer answer here"]
+    exact, rounded = (
+        torch.tensor(full([""] * 4, responses, [{}] * 4)),
+        torch.tensor(small([""] * 4, responses, [{}] * 4)),
+    )
+    assert not torch.equal(exact, rounded)
+    assert (exact - rounded).abs().max() < 0.25 * (1 + exact.abs().max()), (exact, rounded)

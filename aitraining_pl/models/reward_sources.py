@@ -10,6 +10,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from aitraining_pl.models.lora import is_peft_model
+from aitraining_pl.models.quantization import QuantizationConfig, as_quantization_config, load_quantized
 from aitraining_pl.models.reward import REWARD_CONFIG_FILE, load_reward_model
 from aitraining_pl.models.sequence_classifier import SequenceClassifierReward
 
@@ -30,6 +32,8 @@ class RewardModelSource:
         max_length: keep at most this many tokens of each text (its end); no limit when ``None``.
         trust_remote_code: allow remote code for a tokenizer the folder names but does not hold (off unless
             set here; the folder's own ``reward_config.json`` cannot set it).
+        quantization: hold the trunk's linear layers in 4 bits (``QuantizationConfig``, bitsandbytes; the head
+            stays in full precision): less memory beside the policy, rewards up to the 4-bit rounding.
     """
 
     def __init__(
@@ -39,9 +43,15 @@ class RewardModelSource:
         separator: str = "",
         max_length: int | None = None,
         trust_remote_code: bool = False,
+        quantization: QuantizationConfig | dict | None = None,
     ):
         self.path, self.batch_size, self.separator, self.max_length = path, batch_size, separator, max_length
         self.model = load_reward_model(path, trust_remote_code=trust_remote_code).eval()
+        quantized = as_quantization_config(quantization)
+        if quantized is not None:  # the loaded (merged, full-precision) trunk reloaded with 4-bit linear layers
+            trunk = self.model.trunk
+            plain = trunk.merge_and_unload() if is_peft_model(trunk) else trunk  # zeroed adapters: no change
+            self.model.trunk = load_quantized(lambda: plain, None, quantized, "AutoModel").eval()
         self.model.get_tokenizer()  # a missing or refused tokenizer fails here, before training starts
         self.model.requires_grad_(False)
 
