@@ -39,7 +39,7 @@ Layers, each applied where the platform allows and reported in ``TestRunResult.i
   (the empty folder left on disk is removed by the next run once its supervisor's pid is gone).
 - ``uid-nobody`` (when the trainer runs as root): the candidate runs as ``nobody`` with no groups, so it can
   neither write the user's files nor read the trainer's or supervisor's memory, and ``RLIMIT_NPROC`` applies.
-  ``interpreter-exposed``: an interpreter in a folder closed to other users (``/root/.pyenv``, a venv's base in
+  ``interpreter-exposed``: an interpreter in a folder closed to other users (``~/.pyenv``, a venv's base in
   a home folder, conda) is bound into the candidate's mount namespace with its whole installation
   (``sys.base_prefix``: standard library, ``lib-dynload``, ``libpython``), so the candidate runs the trainer's
   own Python, not whatever ``/usr/lib/python3.X`` the machine has; without a mount namespace it must be
