@@ -13,6 +13,7 @@ module passes through before it loads anything, so a new module argument needs o
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import warnings
@@ -54,6 +55,29 @@ def renamed(owner: str, new: str, value: Any, default: Any, **old: Any) -> Any:
         stacklevel=3,
     )
     return old_value
+
+
+def constructor_arguments(init: Callable, values: Mapping[str, Any], ignore: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The arguments of the constructor ``init`` by the names of its signature, read from ``values`` (the
+    constructor's own ``locals()`` once its arguments are normalised): the explicit alternative to Lightning's
+    caller-frame inspection. Left out: old names (``RENAMED``: their values were resolved into the new names) and
+    ``ignore`` (objects that are not saved, e.g. in-memory data)."""
+    names = list(inspect.signature(init).parameters)[1:]  # without ``self``
+    return {name: values[name] for name in names if name not in RENAMED and name not in ignore and name in values}
+
+
+def save_hparams(owner: Any, values: Mapping[str, Any]) -> None:
+    """Store ``values`` as the hyperparameters of ``owner`` (a module or data module) in one step: Lightning's
+    ``save_hyperparameters(dict)``, so checkpoints, ``hparams.yaml`` and every logger get exactly ``values``. Under
+    the LightningCLI, its two bookkeeping keys (``_class_path``, ``_instantiator``, which let
+    ``load_from_checkpoint`` rebuild the class the CLI built) are kept as well."""
+    from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
+
+    given = _given_hyperparameters.get() or {}
+    cli = {}
+    if str(given.get("_class_path", "")).rpartition(".")[2] == type(owner).__name__:  # not a module built inside
+        cli = {key: given[key] for key in ("_class_path", "_instantiator") if key in given}
+    owner.save_hyperparameters({**cli, **values})
 
 
 @dataclass(frozen=True)

@@ -56,15 +56,14 @@ class TextDataModule(pl.LightningDataModule):
         self.train_dataset: Any = None
         self.val_dataset: Any = None
 
-    def save_hyperparameters(self, *args: Any, frame=None, **kwargs: Any) -> None:
-        """Lightning's ``save_hyperparameters``, then every value checked against the range table
-        (``aitraining_pl.validation``: ``batch_size >= 1``, ``0 <= val_split < 1``, ...) before any reading."""
-        import inspect
+    def save_arguments(self, arguments: dict[str, Any]) -> None:
+        """Store the constructor's arguments (``validation.constructor_arguments``: in-memory data left out) as the
+        hyperparameters in one step, each checked against the range table first (``aitraining_pl.validation``:
+        ``batch_size >= 1``, ``0 <= val_split < 1``, ...) before any reading."""
+        from aitraining_pl.validation import check_hparams, save_hparams
 
-        from aitraining_pl.validation import check_hparams
-
-        super().save_hyperparameters(*args, frame=frame or inspect.currentframe().f_back, **kwargs)
-        check_hparams(self.hparams, type(self).__name__)
+        check_hparams(arguments, type(self).__name__)
+        save_hparams(self, arguments)
 
     @property
     def tokenizer(self):

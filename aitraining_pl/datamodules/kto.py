@@ -25,6 +25,7 @@ from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE
 from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.preference import RowPairsDataModule, check_lengths, encode_pair
 from aitraining_pl.errors import HyperparameterError
+from aitraining_pl.validation import constructor_arguments
 
 
 class KTOCollator:
@@ -113,7 +114,11 @@ class KTODataModule(RowPairsDataModule):
         seed: int = 0,
     ):
         super().__init__(tokenizer, (prompts, completions, labels))
-        self.save_hyperparameters(ignore=["tokenizer", "prompts", "completions", "labels"])
+        self.save_arguments(
+            constructor_arguments(
+                KTODataModule.__init__, locals(), ignore=("tokenizer", "prompts", "completions", "labels")
+            )
+        )
         check_lengths(max_length, max_prompt_length)
         for name_, size in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
             if size is not None and size < 2:

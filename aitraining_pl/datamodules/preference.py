@@ -32,6 +32,7 @@ from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE, preference
 from aitraining_pl.datamodules.io import DataValidationError, PaddingCollator, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 from aitraining_pl.models.tokens import with_bos
+from aitraining_pl.validation import constructor_arguments
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +326,11 @@ class PreferenceDataModule(RowPairsDataModule):
         seed: int = 0,
     ):
         super().__init__(tokenizer, (prompts, chosen, rejected))
-        self.save_hyperparameters(ignore=["tokenizer", "prompts", "chosen", "rejected"])
+        self.save_arguments(
+            constructor_arguments(
+                PreferenceDataModule.__init__, locals(), ignore=("tokenizer", "prompts", "chosen", "rejected")
+            )
+        )
         check_lengths(max_length, max_prompt_length)
         self._implicit: dict[str, bool] = {}  # source -> no prompt column
 

@@ -26,6 +26,7 @@ from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE, prompt_tex
 from aitraining_pl.datamodules.io import DataValidationError, PaddingCollator, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 from aitraining_pl.models.tokens import with_bos
+from aitraining_pl.validation import constructor_arguments
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,9 @@ class PromptDataModule(CachedDataModule):
         seed: int = 0,
     ):
         super().__init__(tokenizer, (prompts, metadata))
-        self.save_hyperparameters(ignore=["tokenizer", "prompts", "metadata"])
+        self.save_arguments(
+            constructor_arguments(PromptDataModule.__init__, locals(), ignore=("tokenizer", "prompts", "metadata"))
+        )
 
     @property
     def tokenizer(self):

@@ -21,6 +21,7 @@ from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
 from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 from aitraining_pl.models.reward import encode_for_reward
+from aitraining_pl.validation import constructor_arguments
 
 
 def check_scores(value: Any, num_objectives: int, source: str, row: int, field: str) -> list[float | None]:
@@ -112,7 +113,9 @@ class ScoresDataModule(TextDataModule):
         seed: int = 0,
     ):
         super().__init__(tokenizer, (texts, scores))
-        self.save_hyperparameters(ignore=["tokenizer", "texts", "scores"])
+        self.save_arguments(
+            constructor_arguments(ScoresDataModule.__init__, locals(), ignore=("tokenizer", "texts", "scores"))
+        )
 
     def _in_memory_records(self) -> list[dict]:
         hp = self.hparams

@@ -29,6 +29,7 @@ from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
 from aitraining_pl.datamodules.formats import is_messages
 from aitraining_pl.datamodules.io import DataValidationError, PaddingCollator, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.preference import FALLBACK_CHAT_TEMPLATE, LengthGroupedSampler
+from aitraining_pl.validation import constructor_arguments
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +239,7 @@ class SFTDataModule(TextDataModule):
         seed: int = 0,
     ):
         super().__init__(tokenizer, (rows,))
-        self.save_hyperparameters(ignore=["tokenizer", "rows"])
+        self.save_arguments(constructor_arguments(SFTDataModule.__init__, locals(), ignore=("tokenizer", "rows")))
 
     @property
     def columns(self) -> dict[str, str]:

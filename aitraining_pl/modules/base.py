@@ -16,15 +16,14 @@ It holds what every module needs and nothing algorithm-specific:
 - ``configure_model``: FSDP2 sharding of ``sharded_networks`` under Lightning's ``ModelParallelStrategy``;
 - ``configure_callbacks``: ``ExactResumeCallback`` (exact resume) and ``NonFiniteGuard`` (NaN/inf stops the run).
 
-A subclass calls ``super().__init__()``, then ``self.save_hyperparameters(...)`` and
-``self.store_lora_hparam(lora)``, and reads its arguments from ``self.hparams``; once its networks are built it
-calls ``self.apply_training_options(...)``.
+A subclass calls ``super().__init__()``, then ``self.save_arguments(constructor_arguments(<its __init__>,
+locals()))`` (its hyperparameters, stored once), and reads its arguments from ``self.hparams``; once its networks
+are built it calls ``self.apply_training_options(...)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -44,7 +43,7 @@ from aitraining_pl.models.sharding import is_sharded, shard
 from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing
 from aitraining_pl.optim import adamw_with_warmup, fused_adamw_applies
 from aitraining_pl.strategies import FSDP2Strategy  # noqa: F401 - registers the "fsdp2" strategy names
-from aitraining_pl.validation import RENAMED, check_hparams
+from aitraining_pl.validation import check_hparams, save_hparams
 
 #: stages whose values are averaged over the epoch with torchmetrics (training values are per step).
 EPOCH_STAGES = ("val", "test")
@@ -122,43 +121,25 @@ class AlignmentModule(pl.LightningModule):
         self._epoch_metrics = nn.ModuleDict()
 
     # ------------------------------------------------------------------ hyperparameters
-    def save_hyperparameters(self, *args: Any, frame=None, **kwargs: Any) -> None:
-        """Lightning's ``save_hyperparameters``, then every value checked against the range table
-        (``aitraining_pl.validation``): every module passes here before it loads a model."""
-        super().save_hyperparameters(*args, frame=frame or inspect.currentframe().f_back, **kwargs)
-        self.check_hparams()
+    def save_arguments(self, arguments: Mapping[str, Any]) -> None:
+        """Store the constructor's arguments as the hyperparameters, in one step and before any model loads.
 
-    def check_hparams(self) -> None:
-        """Raise ``HyperparameterError`` for a hyperparameter outside its allowed range."""
-        check_hparams(self.hparams, type(self).__name__)
+        ``arguments`` come normalised (``validation.constructor_arguments``: renamed ones under their new name,
+        option groups such as ``generation`` as plain dicts); ``lora`` and ``quantization`` are stored here as plain
+        dicts (``None`` when off: checkpoints load with ``weights_only=True``). Every value is checked against the
+        range table first (``aitraining_pl.validation``)."""
+        values = dict(arguments)
+        if "lora" in values:
+            config = as_lora_config(values["lora"])
+            values["lora"] = dataclasses.asdict(config) if config is not None else None
+        if "quantization" in values:
+            values["quantization"] = quantization_hparam(values["quantization"])
+        check_hparams(values, type(self).__name__)
+        save_hparams(self, values)
 
     def hparam(self, name: str, default: Any = None) -> Any:
         """``self.hparams[name]`` or ``default`` when the subclass does not have that argument."""
         return self.hparams.get(name, default)
-
-    def set_hparam(self, name: str, value: Any) -> None:
-        """Add ``name`` to the hyperparameters after ``save_hyperparameters`` (a value converted to primitives),
-        also to the logged ones (``hparams.yaml``, W&B, TensorBoard log ``hparams_initial``)."""
-        self.hparams[name] = value
-        initial = getattr(self, "_hparams_initial", None)
-        if initial is not None:
-            initial[name] = value
-
-    def drop_renamed_hparams(self, **resolved: Any) -> None:
-        """Remove the old spellings (``validation.RENAMED``) from the hyperparameters and set the resolved values
-        of their new names: under the CLI, Lightning stores the given arguments as they were spelled."""
-        for old in RENAMED:
-            self.hparams.pop(old, None)
-            getattr(self, "_hparams_initial", {}).pop(old, None)
-        for name, value in resolved.items():
-            self.set_hparam(name, value)
-
-    def store_lora_hparam(self, lora: Any) -> LoRAConfig | None:
-        """Keep ``lora`` (``LoRAConfig``, ``peft.LoraConfig`` or dict) in hparams as a plain dict (checkpoints
-        load with ``weights_only=True``) and in the logged hyperparameters."""
-        config = as_lora_config(lora)
-        self.set_hparam("lora", dataclasses.asdict(config) if config is not None else None)
-        return config
 
     # ------------------------------------------------------------------ models
     def load_policy_from_hparams(self, *, with_reference: bool) -> tuple[nn.Module, ReferencePolicy | None]:
@@ -166,7 +147,6 @@ class AlignmentModule(pl.LightningModule):
 
         Runs in a forked RNG seeded with ``seed``: LoRA initialisation is reproducible and building the
         module never shifts the caller's random stream (so data order is the same with or without LoRA)."""
-        self.check_hparams()  # again: arguments added to hparams after save_hyperparameters (``generation``)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(self.hparam("seed", 0) or 0))
             return self._load_policy(with_reference)
@@ -183,10 +163,6 @@ class AlignmentModule(pl.LightningModule):
             seed=int(self.hparam("seed", 0) or 0),
             quantization=self.hparam("quantization"),
         )
-
-    def store_quantization_hparam(self, quantization: Any) -> None:
-        """Keep ``quantization`` (``QuantizationConfig`` or dict) in hparams as a plain dict, ``None`` when off."""
-        self.set_hparam("quantization", quantization_hparam(quantization))
 
     def full_precision_base(self) -> nn.Module:
         """The policy's base model as loaded without quantization (the base a QLoRA export merges into)."""

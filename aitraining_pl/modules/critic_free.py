@@ -34,6 +34,7 @@ from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
 from aitraining_pl.optim import LRSchedule
 from aitraining_pl.rollout import GenerationConfig
+from aitraining_pl.validation import constructor_arguments
 
 
 @dataclass
@@ -153,10 +154,7 @@ class CriticFreeModule(OnlineRLModule):
         )
         if num_generations < 1 or num_iterations < 1:
             raise ValueError("num_generations and num_iterations must be >= 1")
-        self.setup_online(
-            reward, generation, lora, with_reference=bool(kl_coef), kl_coef=kl_coef, quantization=quantization
-        )
-        self.setup_policy_loss(policy_loss)
+        self.setup_online(constructor_arguments(CriticFreeModule.__init__, locals()))
         if scale_rewards != "group" and advantage != "grpo":
             raise ConfigError(f"{type(self).__name__}.scale_rewards", f"applies to advantage 'grpo', not {advantage!r}")
         self.model, self.reference = self.load_policy_from_hparams(with_reference=bool(kl_coef))

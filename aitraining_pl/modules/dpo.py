@@ -20,7 +20,7 @@ from aitraining_pl.modules.preference import (  # noqa: F401 - preference_accura
     preference_accuracy,
 )
 from aitraining_pl.optim import LRSchedule
-from aitraining_pl.validation import RENAMED, renamed
+from aitraining_pl.validation import constructor_arguments, renamed
 
 
 class DPOModule(PreferenceModule):
@@ -100,17 +100,16 @@ class DPOModule(PreferenceModule):
         precompute_ref_logps: bool | None = None,
     ):
         super().__init__()
-        precompute_ref_log_probs = renamed(
-            type(self).__name__,
-            "precompute_ref_log_probs",
-            precompute_ref_log_probs,
-            False,
-            precompute_ref_logps=precompute_ref_logps,
+        precompute_ref_log_probs = bool(
+            renamed(
+                type(self).__name__,
+                "precompute_ref_log_probs",
+                precompute_ref_log_probs,
+                False,
+                precompute_ref_logps=precompute_ref_logps,
+            )
         )
-        self.save_hyperparameters(ignore=["lora", "quantization", *RENAMED])
-        self.drop_renamed_hparams(precompute_ref_log_probs=bool(precompute_ref_log_probs))
-        self.store_lora_hparam(lora)
-        self.store_quantization_hparam(quantization)
+        self.save_arguments(constructor_arguments(DPOModule.__init__, locals()))
         types = loss_types(loss_type)
         if loss_weights is not None and len(loss_weights) != len(types):
             raise ValueError(f"loss_weights has {len(loss_weights)} entries for {len(types)} loss types")

@@ -11,6 +11,7 @@ from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.quantization import QuantizationConfig
 from aitraining_pl.modules.preference import PreferenceModule
 from aitraining_pl.optim import LRSchedule
+from aitraining_pl.validation import constructor_arguments
 
 
 class KTOModule(PreferenceModule):
@@ -75,9 +76,7 @@ class KTOModule(PreferenceModule):
         quantization: QuantizationConfig | None = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["lora", "quantization"])
-        self.store_lora_hparam(lora)
-        self.store_quantization_hparam(quantization)
+        self.save_arguments(constructor_arguments(KTOModule.__init__, locals()))
         self.build_models(uses_reference=True)
 
     def _mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:

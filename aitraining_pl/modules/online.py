@@ -16,7 +16,6 @@ Manual optimisation: Lightning's ``global_step`` counts optimizer steps.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -41,7 +40,6 @@ from aitraining_pl.rollout import (
     score_rollout,
     warn_truncated_sampling,
 )
-from aitraining_pl.validation import RENAMED
 from aitraining_pl.vllm_backend.engine import VLLMEngine, resolve_backend
 
 
@@ -98,44 +96,34 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         """Passes over each rollout batch."""
         return int(self.hparams.num_iterations)
 
-    def setup_online(
-        self,
-        reward: Any,
-        generation: Any,
-        lora: Any,
-        with_reference: bool,
-        kl_coef: float,
-        quantization: Any = None,
-        **resolved: Any,
-    ) -> None:
-        """Store hyperparameters (primitives only; ``resolved``: values of arguments that also have an old name),
-        build the policy, reference and reward source."""
+    def setup_online(self, arguments: dict[str, Any], sequence_level: bool = True) -> None:
+        """Store the hyperparameters (``arguments``: the subclass's constructor arguments, renamed ones resolved;
+        ``generation`` and ``policy_loss`` are stored as dicts, a ``reward`` given as a Python object is not stored)
+        and build the reward source; the subclass then builds the policy and reference."""
         self.automatic_optimization = False
         self.strict_loading = False  # the frozen reference and the reward model are never saved
-        # a reward given as a Python object (not YAML-describable primitives) is not saved with the hyperparameters
+        reward, generation = arguments["reward"], arguments["generation"]
         if reward is None:
             raise ConfigError(
                 f"{type(self).__name__}.reward",
                 "required: a reward source (an import path "
                 "'pkg.module:function', a reward-model folder, a class_path dict or, in Python, a callable)",
             )
-        ignore = ["lora", "generation", "policy_loss", "quantization", *RENAMED] + (
-            [] if primitive(reward) else ["reward"]
-        )  # old names: no hparams
-        self.save_hyperparameters(ignore=ignore, frame=inspect.currentframe().f_back)  # the caller's __init__
-        self.drop_renamed_hparams(kl_coef=float(kl_coef), **resolved)
-        self.store_lora_hparam(lora)
-        self.store_quantization_hparam(quantization)  # QLoRA: the reference is the 4-bit base, adapters off
         self.generation = (
             generation if isinstance(generation, GenerationConfig) else GenerationConfig(**dict(generation))
         )
-        self.set_hparam("generation", asdict(self.generation))
-        self.generation.validate(f"{type(self).__name__}.generation")
+        options = self.policy_loss_options(arguments["policy_loss"])
+        values = {**arguments, "kl_coef": float(arguments["kl_coef"])}
+        values.update(generation=asdict(self.generation), policy_loss=asdict(options))
+        if not primitive(reward):  # a Python object (not YAML-describable primitives) is not saved
+            del values["reward"]
+        self.save_arguments(values)
+        self.set_policy_loss(options, sequence_level)
         warn_truncated_sampling(self.generation)
         source = reward if is_episode_environment(reward) else build_reward_source(reward)
         self._reward_source = [source]  # in a list: never a submodule, never saved
         self._vllm: list[VLLMEngine | None] = [None]  # the colocated vLLM engine (``generation.backend: vllm``)
-        self.kl_coef = float(kl_coef)
+        self.kl_coef = values["kl_coef"]
         self.last_kl = 0.0  #: batch-mean KL(pi || ref) per response (nats), for the KL callback
         self.last_num_samples = 0  #: responses behind ``last_kl`` (all ranks)
         self.update_history: list[dict[str, torch.Tensor]] = []

@@ -17,6 +17,7 @@ from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.quantization import QuantizationConfig
 from aitraining_pl.modules.preference import PreferenceModule, pair_metrics
 from aitraining_pl.optim import LRSchedule
+from aitraining_pl.validation import constructor_arguments
 
 
 def chosen_nll(chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) -> torch.Tensor:
@@ -76,9 +77,7 @@ class ORPOModule(PreferenceModule):
         quantization: QuantizationConfig | None = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["lora", "quantization"])
-        self.store_lora_hparam(lora)
-        self.store_quantization_hparam(quantization)
+        self.save_arguments(constructor_arguments(ORPOModule.__init__, locals()))
         self.build_models(uses_reference=False)
 
     def objective(self, policy, reference, batch, stage):
@@ -162,9 +161,7 @@ class CPOModule(PreferenceModule):
         quantization: QuantizationConfig | None = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["lora", "quantization"])
-        self.store_lora_hparam(lora)
-        self.store_quantization_hparam(quantization)
+        self.save_arguments(constructor_arguments(CPOModule.__init__, locals()))
         self.build_models(uses_reference=False)
 
     def objective(self, policy, reference, batch, stage):

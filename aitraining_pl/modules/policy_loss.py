@@ -4,7 +4,6 @@ ratio, CISPO, the two-sided ``delta``, ``top_entropy_quantile``, ``mask_truncate
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -19,11 +18,14 @@ class PolicyLossOptions:
 
     policy_loss: PolicyLossConfig = PolicyLossConfig()
 
-    def setup_policy_loss(self, policy_loss: Any, sequence_level: bool = True) -> None:
-        """Keep ``policy_loss`` (a ``PolicyLossConfig`` or a dict) as ``self.policy_loss`` and in hparams as a dict;
-        refuse combinations that do not apply (``sequence_level=False``: per-token advantages, GSPO does not apply)."""
-        options = policy_loss if isinstance(policy_loss, PolicyLossConfig) else PolicyLossConfig(**dict(policy_loss))
-        self.set_hparam("policy_loss", asdict(options))
+    @staticmethod
+    def policy_loss_options(policy_loss: Any) -> PolicyLossConfig:
+        """``policy_loss`` (a ``PolicyLossConfig`` or a dict, as stored in hparams) as a ``PolicyLossConfig``."""
+        return policy_loss if isinstance(policy_loss, PolicyLossConfig) else PolicyLossConfig(**dict(policy_loss))
+
+    def set_policy_loss(self, options: PolicyLossConfig, sequence_level: bool = True) -> None:
+        """Keep ``options`` as ``self.policy_loss``; refuse combinations that do not apply (``sequence_level=False``:
+        per-token advantages, GSPO does not apply)."""
         owner = f"{type(self).__name__}.policy_loss"
         if options.loss_type == "cispo" and options.delta is not None:
             raise ConfigError(f"{owner}.delta", "bounds the clipped surrogate; cispo clips its own weight")

@@ -32,7 +32,7 @@ from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
 from aitraining_pl.optim import LRSchedule
 from aitraining_pl.rollout import GenerationConfig
-from aitraining_pl.validation import renamed
+from aitraining_pl.validation import constructor_arguments, renamed
 
 
 @dataclass
@@ -153,17 +153,10 @@ class PPOModule(OnlineRLModule):
     ):
         super().__init__()
         owner = type(self).__name__
-        self.setup_online(
-            reward,
-            generation,
-            lora,
-            with_reference=True,
-            quantization=quantization,
-            kl_coef=renamed(owner, "kl_coef", kl_coef, 0.01, kl_penalty_coef=kl_penalty_coef),
-            num_iterations=renamed(owner, "num_iterations", num_iterations, 4, ppo_epochs=ppo_epochs),
-            epsilon=renamed(owner, "epsilon", epsilon, 0.2, clip_ratio=clip_ratio),
-        )
-        self.setup_policy_loss(policy_loss, sequence_level=False)
+        kl_coef = renamed(owner, "kl_coef", kl_coef, 0.01, kl_penalty_coef=kl_penalty_coef)
+        num_iterations = renamed(owner, "num_iterations", num_iterations, 4, ppo_epochs=ppo_epochs)
+        epsilon = renamed(owner, "epsilon", epsilon, 0.2, clip_ratio=clip_ratio)
+        self.setup_online(constructor_arguments(PPOModule.__init__, locals()), sequence_level=False)
         policy, self.reference = self.load_policy_from_hparams(with_reference=True)
         self.model = PPOModel(policy)
         self.apply_training_options(self.reference.model, getattr(self.reward_source, "model", self.reward_source))

@@ -30,11 +30,12 @@ from aitraining_pl.models.quantization import (
     is_quantized,
     load_quantized,
     merged_full_precision_state,
+    quantization_hparam,
 )
 from aitraining_pl.models.reward import MultiObjectiveRewardModel, PairwiseRewardModel, RewardModel, RewardModelConfig
 from aitraining_pl.modules.base import SharedStepModule, as_lora_config
 from aitraining_pl.optim import LRSchedule
-from aitraining_pl.validation import RENAMED, renamed
+from aitraining_pl.validation import constructor_arguments, renamed
 
 #: RewardModelConfig fields that mirror a module argument of the same name.
 _SHARED_FIELDS = (
@@ -102,22 +103,23 @@ class RewardModule(SharedStepModule):
         center_rewards_coef: float | None = None,
     ):
         super().__init__()
-        center_rewards_coefficient = renamed(
-            type(self).__name__,
-            "center_rewards_coefficient",
-            center_rewards_coefficient,
-            0.0,
-            center_rewards_coef=center_rewards_coef,
+        center_rewards_coefficient = float(
+            renamed(
+                type(self).__name__,
+                "center_rewards_coefficient",
+                center_rewards_coefficient,
+                0.0,
+                center_rewards_coef=center_rewards_coef,
+            )
         )
-        self.save_hyperparameters(ignore=["lora", "reward_model", "quantization", *RENAMED])
-        self.drop_renamed_hparams(center_rewards_coefficient=float(center_rewards_coefficient))
-        self.store_lora_hparam(lora)
-        self.store_quantization_hparam(quantization)
-        if self.hparams.quantization is not None and reward_model is not None:
+        if quantization_hparam(quantization) is not None and reward_model is not None:
             raise ConfigError("quantization", "applies to a reward model loaded here, not to a given reward_model")
+        arguments = constructor_arguments(RewardModule.__init__, locals(), ignore=("reward_model",))
+        arguments.update(self.subclass_arguments())
+        if reward_model is not None:  # its settings, so that a checkpoint rebuilds the same model
+            arguments.update(self.adopted_arguments(reward_model))
+        self.save_arguments(arguments)
         check_quantization(quantization, lora)
-        if reward_model is not None:
-            self._adopt_hparams(reward_model)
         self.reward_model = reward_model if reward_model is not None else self.build_reward_model(self.reward_config())
         self.apply_training_options()
 
@@ -137,15 +139,15 @@ class RewardModule(SharedStepModule):
             config.lora_dropout, config.lora_target_modules = lora.dropout, lora.target_modules
         return config
 
-    def _adopt_hparams(self, model: RewardModel) -> None:
-        """Record a given model's settings as hyperparameters, so a checkpoint rebuilds the same model."""
+    def subclass_arguments(self) -> dict[str, Any]:
+        """The hyperparameters of a subclass's own constructor arguments (none here)."""
+        return {}
+
+    def adopted_arguments(self, model: RewardModel) -> dict[str, Any]:
+        """The settings of a given reward model, stored as the hyperparameters they replace."""
         if not isinstance(model, self.model_class):
             raise TypeError(f"{type(self).__name__} trains a {self.model_class.__name__}, got {type(model).__name__}")
-        config = model.config
-        for name in _SHARED_FIELDS:
-            self.hparams[name] = getattr(config, name)
-        lora = config.lora()
-        self.set_hparam("lora", dataclasses.asdict(lora) if lora is not None else None)
+        return {**{name: getattr(model.config, name) for name in _SHARED_FIELDS}, "lora": model.config.lora()}
 
     def build_reward_model(self, config: RewardModelConfig) -> RewardModel:
         return self.model_class(config, trunk=self.quantized_trunk(config))
@@ -277,8 +279,7 @@ class MultiObjectiveRewardModule(RewardModule):
     ):
         if objective_names is not None and len(objective_names) != num_objectives:
             raise ValueError(f"objective_names has {len(objective_names)} names for {num_objectives} objectives")
-        self._objectives = (num_objectives, objective_weights)
-        # the base class records every argument above (its save_hyperparameters sees this frame too)
+        self._objectives = (num_objectives, objective_weights, objective_names)  # read by ``subclass_arguments``
         super().__init__(
             model_name=model_name, model_config=model_config, tokenizer_name=tokenizer_name, lora=lora,
             pooling_strategy=pooling_strategy, dropout_prob=dropout_prob, temperature=temperature,
@@ -290,14 +291,17 @@ class MultiObjectiveRewardModule(RewardModule):
         self.objective_names = list(objective_names or map(str, range(num_objectives)))
 
     def build_reward_model(self, config: RewardModelConfig) -> RewardModel:
-        num_objectives, weights = self._objectives
+        num_objectives, weights, _ = self._objectives
         return MultiObjectiveRewardModel(config, num_objectives, weights, trunk=self.quantized_trunk(config))
 
-    def _adopt_hparams(self, model: RewardModel) -> None:
-        super()._adopt_hparams(model)
+    def subclass_arguments(self) -> dict[str, Any]:
+        return dict(zip(("num_objectives", "objective_weights", "objective_names"), self._objectives))
+
+    def adopted_arguments(self, model: RewardModel) -> dict[str, Any]:
+        arguments = super().adopted_arguments(model)
         if model.num_outputs != self._objectives[0]:
             raise ValueError(f"the given model has {model.num_outputs} objectives, not {self._objectives[0]}")
-        self.set_hparam("objective_weights", list(model.config.extra["objective_weights"]))
+        return {**arguments, "objective_weights": list(model.config.extra["objective_weights"])}
 
     def setup(self, stage: str) -> None:
         """Refuse a data module whose score vectors have another length, before training starts."""

@@ -14,6 +14,7 @@ from aitraining_pl.models.quantization import QuantizationConfig
 from aitraining_pl.models.scoring import scoring_path, token_logps
 from aitraining_pl.modules.base import SharedStepModule
 from aitraining_pl.optim import LRSchedule
+from aitraining_pl.validation import constructor_arguments
 
 
 class SFTModule(SharedStepModule):
@@ -71,9 +72,7 @@ class SFTModule(SharedStepModule):
         quantization: QuantizationConfig | None = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["lora", "quantization"])
-        self.store_lora_hparam(lora)
-        self.store_quantization_hparam(quantization)
+        self.save_arguments(constructor_arguments(SFTModule.__init__, locals()))
         self.policy, _ = self.load_policy_from_hparams(with_reference=False)
         self.apply_training_options()
         self.num_tokens = 0  #: real tokens trained on, summed over ranks (kept in checkpoints)
