@@ -322,3 +322,18 @@ def test_quickstart_config_runs_through_the_cli(tmp_path):
     assert len(train) == 2 and all(r.get("train/frac_reward_zero_std") for r in train)
     assert any(r.get("val/reward_mean") for r in rows)
     assert (tmp_path / "export").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("advantage", ["rloo", "reinforce_pp"])
+def test_kl_regularised_bandit_reaches_the_closed_form_optimum(tmp_path, advantage):
+    """RLOO and REINFORCE++ on the one-token bandit (``tests/bandit.py``) end within total variation 0.05 of
+    ``pi* = pi_ref exp(r / beta) / Z`` (0.36 away at the start). That closed form is the optimum of
+    ``E[r] - beta KL(pi || pi_ref)`` with the reverse KL, which is what the k1 estimator in the reward
+    (``kl_in_reward``, ``log pi - log pi_ref`` of the sampled token) estimates without bias; other estimators
+    or the KL in the loss have other fixed points under sampling. The ``vllm`` backend's run is in
+    ``test_vllm_training.py``."""
+    from bandit import train_bandit
+
+    policy, optimum = train_bandit(tmp_path, advantage, backend="hf")
+    assert 0.5 * (policy - optimum).abs().sum() < 0.05, (policy, optimum)
