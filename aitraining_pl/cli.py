@@ -17,6 +17,9 @@ where the input allows. Internal errors keep their traceback; set ``AITRAINING_P
 traceback of a user error too. SIGTERM (a scheduler's preemption) ends the run with exit status 143 and one line
 naming the last checkpoint written.
 
+``aitraining-pl vllm-serve --model MODEL`` serves a run's rollouts from a vLLM engine in its own process
+(``aitraining_pl.vllm_backend.server``; docs/vllm.md, Server mode).
+
 ``aitraining-pl`` alone (or ``--help``) lists the modules and the recipes in ``configs/``; ``--version`` prints the
 version. ``fit`` takes ``--output_dir`` (one folder for logs, checkpoints and exports), ``--run_name`` and
 ``--threads`` (CPU threads; see docs/cli.md). A closing line after ``fit`` gives the final metrics and the export.
@@ -309,9 +312,14 @@ def main(args: list[str] | None = None) -> None:
     if text is not None:
         print(text)
         raise SystemExit(0)
-    available_modules()  # imported: ``--model DPOModule`` resolves the short name
     quiet_known_noise()
     try:
+        if argv[0] == "vllm-serve":  # the generation server of ``generation.vllm.mode: server`` (docs/vllm.md)
+            from aitraining_pl.vllm_backend.server import main as serve
+
+            serve(argv[1:])
+            return
+        available_modules()  # imported: ``--model DPOModule`` resolves the short name
         build_cli(args)
     except Terminated as err:
         print(err, file=sys.stderr, flush=True)

@@ -50,3 +50,11 @@ class SandboxError(UserError):
     raised once when the code environment is built, instead of scoring every test 0."""
 
     what = "sandbox"
+
+
+class GenerationServerError(UserError, RuntimeError):
+    """The generation server (``aitraining-pl vllm-serve``, ``generation.vllm.mode: server``) could not be reached,
+    did not answer in time, closed the connection or refused a request: one line naming its ``host:port``, what
+    was being done, and how to go on (start it; resume the run from its last checkpoint with ``--ckpt_path``)."""
+
+    what = "generation server"

@@ -215,6 +215,9 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     "backend": OneOf(_fixed("hf", "vllm", "auto")),
     # the vLLM backend (``generation.vllm``)
     "gpu_memory_utilization": PROBABILITY_OPEN,
+    "vllm.mode": OneOf(_fixed("colocate", "server")),
+    "server_port": Range(0, 65535, integer=True),
+    "server_timeout": POSITIVE,
     "cpu_kv_cache_gb": POSITIVE,
     "tensor_parallel_size": COUNT,
     "max_model_len": Range(1, integer=True, optional=True),

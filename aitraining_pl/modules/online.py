@@ -17,6 +17,7 @@ Manual optimisation: Lightning's ``global_step`` counts optimizer steps.
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -40,6 +41,7 @@ from aitraining_pl.rollout import (
     score_rollout,
     warn_truncated_sampling,
 )
+from aitraining_pl.vllm_backend.client import VLLMServerClient
 from aitraining_pl.vllm_backend.engine import VLLMEngine, resolve_backend
 
 
@@ -158,6 +160,10 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
                 "multi-turn episodes are sampled by the hf decoder (their KV cache is kept across turns); "
                 "use backend: hf with an episode environment",
             )
+        if self.generation.vllm.mode == "server":  # ``aitraining-pl vllm-serve`` samples, rank 0 pushes weights
+            run = self.trainer.strategy.broadcast(uuid.uuid4().hex)  # one id for the run's weight versions
+            self._vllm[0] = VLLMServerClient(self.policy, self.generation.vllm, self.global_rank, run)
+            return
         if self.trainer.world_size > 1:
             raise ConfigError(
                 "generation.backend",

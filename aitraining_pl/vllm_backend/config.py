@@ -10,8 +10,21 @@ EXTRA_GPU, EXTRA_CPU = "vllm", "vllm-cpu"
 
 @dataclass
 class VLLMConfig:
-    """The colocated vLLM engine (one per training process, TRL's ``vllm_mode: colocate``) and the sampler /
-    trainer mismatch correction. Only read when ``generation.backend`` is ``vllm`` (or ``auto`` picks it)."""
+    """The colocated vLLM engine (one per training process, TRL's ``vllm_mode: colocate``) or a generation server
+    (``mode: server``), and the sampler / trainer mismatch correction. Only read when ``generation.backend`` is
+    ``vllm`` (or ``auto`` picks it)."""
+
+    mode: str = "colocate"
+    """``colocate``: one vLLM engine inside each training process. ``server``: a separate ``aitraining-pl
+    vllm-serve`` process samples (every rank sends its own prompts; rank 0 pushes the weights over TCP;
+    docs/vllm.md, Server mode). The engine options below then belong to ``vllm-serve``'s command line."""
+    server_host: str = "127.0.0.1"
+    """Host of the generation server (``mode: server``)."""
+    server_port: int = 8000
+    """TCP port of the generation server (``mode: server``)."""
+    server_timeout: float = 240.0
+    """Seconds the trainer waits for the generation server: to accept the connection at setup, and for each
+    answer (a rollout's samples, the acknowledgement of a weight push); past it the run stops with one line."""
 
     gpu_memory_utilization: float = 0.3
     """Share of the GPU's memory vLLM may take for its weights and KV cache (the rest stays for training;

@@ -30,7 +30,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -185,14 +185,19 @@ class VLLMEngine:
         loaded."""
         if self.version is not None and (version == self.version or not self.options.sync_weights):
             return False
+        self.load(policy_weights(policy), object() if version is None else version)
+        return True
+
+    @torch.no_grad()
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]], version: Any) -> None:
+        """Load ``(name, tensor)`` pairs (transformers names, consumed one at a time) into the engine in place,
+        drop its prefix cache and record ``version`` (``sync``; the generation server's weight push)."""
         start = time.perf_counter()
         self.wake()
-        weights = policy_weights(policy)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
-        self.version = object() if version is None else version
+        self.version = version
         self.sync_seconds = time.perf_counter() - start
-        return True
 
     def sleep(self) -> None:
         """Free the engine's GPU memory until the next rollout (``options.sleep``; a no-op otherwise)."""

@@ -1,0 +1,203 @@
+"""The trainer's side of server mode (``generation: {backend: vllm, vllm: {mode: server}}``, TRL's ``vllm_mode:
+server``): a client of ``aitraining-pl vllm-serve`` (``vllm_backend.server``) with the colocated engine's interface
+(``sync``, ``sample``, ``sleep``, ``close``), so the rollout engine and the online modules use either alike.
+
+Every training process connects on its own and sends its own prompts; rank 0 pushes the policy's weights before
+each rollout whose weights changed (the optimizer step count moved; once per rollout, as the colocated sync),
+streamed one tensor at a time over the framing of ``vllm_backend.wire`` (a LoRA policy's base weights with the
+deltas merged, ``models.lora.plain_weights``). A sample request names the weights version it needs (the run's id
+and the step count), and the server answers it only once it holds that version, so the other ranks never sample
+from stale weights. This module does not import vLLM: the trainer's processes need not have it installed.
+
+Any failure of the channel (nothing listening, a timeout, the server gone mid-run, a refused request) is one
+``GenerationServerError`` line naming ``host:port`` and what was being done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import socket
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from aitraining_pl.errors import ConfigError, GenerationServerError
+from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
+from aitraining_pl.models.sharding import is_sharded
+from aitraining_pl.vllm_backend.config import VLLMConfig
+from aitraining_pl.vllm_backend.engine import policy_weights
+from aitraining_pl.vllm_backend.wire import FrameError, read_frame, send_frame
+
+PROTOCOL = 1  #: version of the request/answer vocabulary below (``hello`` checks it)
+#: config fields the server and the policy must share (the weights are loaded by these shapes)
+MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+RESUME = "restart the server and resume the run from its last checkpoint with --ckpt_path"
+
+
+def model_description(config: Any) -> dict[str, Any]:
+    """The ``MODEL_FIELDS`` of a transformers config (what ``hello`` answers and the client compares)."""
+    return {name: getattr(config, name, None) for name in MODEL_FIELDS}
+
+
+class VLLMServerClient:
+    """A connection to a generation server for one training process.
+
+    Args:
+        policy: the policy being trained (its config is checked against the server's model).
+        options: ``server_host``, ``server_port``, ``server_timeout`` and ``sync_weights`` are read.
+        rank: this process's global rank; rank 0 pushes the weights.
+        run: an id shared by the run's ranks (rank 0's, broadcast), so that weights pushed by an earlier run
+            to the same server never count as this run's.
+    """
+
+    def __init__(self, policy: torch.nn.Module, options: VLLMConfig, rank: int = 0, run: str | None = None):
+        self.options, self.rank = options, int(rank)
+        self.address = f"{options.server_host}:{options.server_port}"
+        self.run = run or uuid.uuid4().hex
+        self.version: str | None = None  #: the weights version this process's rollouts need
+        self.calls = itertools.count()
+        self.sync_seconds = 0.0  #: time the last weight push took (rank 0)
+        self.sock = self.connect()
+        answer, _ = self.call({"op": "hello", "protocol": PROTOCOL, "rank": self.rank}, "connecting")
+        served, ours = answer.get("model") or {}, model_description(hf_model(policy).config)
+        wrong = [f"{k} {served.get(k)!r} (the policy's: {ours[k]!r})" for k in MODEL_FIELDS if served.get(k) != ours[k]]
+        if wrong:
+            self.close()
+            raise ConfigError(
+                "generation.vllm",
+                f"the server at {self.address} serves another model: {', '.join(wrong)}; start vllm-serve with the "
+                "policy's config (--model)",
+            )
+
+    # ------------------------------------------------------------------ channel
+    def error(self, doing: str, what: str) -> GenerationServerError:
+        return GenerationServerError(f"vLLM server {self.address}", f"{what} while {doing}; {RESUME}")
+
+    def connect(self) -> socket.socket:
+        """A connection to the server, retried until ``server_timeout`` (the server may still be starting)."""
+        options = self.options
+        host, port, timeout = options.server_host, int(options.server_port), float(options.server_timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                break
+            except OSError as err:
+                if time.monotonic() >= deadline:
+                    raise GenerationServerError(
+                        f"vLLM server {self.address}",
+                        f"could not connect for {timeout:g} s (generation.vllm.server_timeout) while starting the "
+                        f"rollouts ({err.strerror or err}): start it first (aitraining-pl vllm-serve --model ... "
+                        f"--port {port}; docs/vllm.md, Server mode); a run that had started resumes from its last "
+                        "checkpoint with --ckpt_path",
+                    ) from None
+                time.sleep(0.25)
+        sock.settimeout(timeout + 5.0)  # the server answers a version that never arrives itself, after timeout
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def call(
+        self, header: Mapping[str, Any], doing: str, tensors: Mapping[str, torch.Tensor] | None = None
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Send one request and read its answer; every failure is one ``GenerationServerError``."""
+        try:
+            send_frame(self.sock, header, tensors)
+            return self.answer(doing)
+        except OSError as err:
+            raise self.lost(doing, err) from None
+
+    def answer(self, doing: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        try:
+            answer, tensors = read_frame(self.sock)
+        except FrameError as err:
+            raise self.error(doing, f"the server broke the framing ({err})") from None
+        if answer["op"] == "error":
+            raise self.error(doing, f"the server refused: {answer.get('message', '')}")
+        return answer, tensors
+
+    def lost(self, doing: str, err: OSError) -> GenerationServerError:
+        if isinstance(err, socket.timeout):
+            what = f"no answer within {self.options.server_timeout:g} s (generation.vllm.server_timeout)"
+        else:
+            what = f"the connection was lost ({err.strerror or err})"
+        return self.error(doing, what)
+
+    # ------------------------------------------------------------------ the engine's interface
+    @torch.no_grad()
+    def sync(self, policy: torch.nn.Module, version: Any = None) -> bool:
+        """Rank 0: push ``policy``'s weights unless the server already holds ``version`` from this run (or
+        ``sync_weights`` is off after the first push); the other ranks record the version their next rollout
+        needs. Returns whether the weights changed."""
+        if is_sharded(policy):
+            raise ConfigError(
+                "generation.vllm.mode",
+                "server mode pushes whole tensors and does not gather FSDP2-sharded weights yet; use DDP",
+            )
+        key = f"{self.run}:{next(self.calls) if version is None else version}"
+        if self.version is not None and (key == self.version or not self.options.sync_weights):
+            return False
+        if self.rank == 0:
+            doing = f"pushing the weights of version {version}"
+            start = time.perf_counter()
+            try:
+                send_frame(self.sock, {"op": "load", "version": key})
+                count = 0
+                for name, tensor in policy_weights(policy):
+                    send_frame(self.sock, {"op": "weight"}, {name: tensor})
+                    count += 1
+                send_frame(self.sock, {"op": "end", "count": count})
+                self.answer(doing)
+            except OSError as err:
+                raise self.lost(doing, err) from None
+            self.sync_seconds = time.perf_counter() - start
+        self.version = key
+        return True
+
+    def sample(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        generation: Any,
+        end_ids: Sequence[int],
+        stop_rule: StopRule,
+        pad_token_id: int,
+        num_samples: int = 1,
+        seed: int | None = None,
+    ) -> SampledTokens:
+        """``VLLMEngine.sample`` on the server, once it holds this process's weights version: the same
+        ``SamplingParams`` (the server rebuilds ``generation`` and the stop rule's strings from the request)."""
+        fields = {k: v for k, v in dataclasses.asdict(generation).items() if k != "vllm"}
+        request = {
+            "op": "sample",
+            "version": self.version,
+            "timeout": float(self.options.server_timeout),
+            "generation": fields,
+            "end_ids": [int(t) for t in end_ids],
+            "stop_strings": list(stop_rule.stop_strings),
+            "skip_special_tokens": bool(stop_rule.skip_special_tokens),
+            "pad_token_id": int(pad_token_id),
+            "num_samples": int(num_samples),
+            "seed": seed,
+        }
+        prompts = {"prompt_ids": prompt_ids.long(), "prompt_mask": prompt_mask.long()}
+        doing = f"sampling {num_samples} responses for each of {prompt_ids.shape[0]} prompts (rank {self.rank})"
+        _, tensors = self.call(request, doing, prompts)
+        device = prompt_ids.device
+        logprobs = tensors["sampled_logprobs"].to(device)
+        return SampledTokens(tensors["response_ids"].to(device), sampled_logprobs=logprobs)
+
+    def sleep(self) -> None:
+        """Nothing to free: the server's memory is its own."""
+
+    def close(self) -> None:
+        sock, self.sock = getattr(self, "sock", None), None
+        if sock is not None:
+            try:
+                send_frame(sock, {"op": "bye"})
+            except OSError:
+                pass
+            sock.close()

@@ -1,0 +1,259 @@
+"""``aitraining-pl vllm-serve``: a vLLM engine in its own process (its own GPUs or node) that samples the rollouts
+of a training run in server mode (``generation.vllm.mode: server``; the client is ``vllm_backend.client``).
+
+The engine is the colocated backend's ``VLLMEngine``, built the same way (from the model's config and tokenizer
+with ``load_format="dummy"``: it holds no trained weights until the trainer pushes them) and sampling with the
+same ``sampling_params`` / ``sample``, so the distribution and the end rule are those of the colocated engine.
+
+The channel is TCP with the framing of ``vllm_backend.wire`` (JSON headers, raw tensor bytes; no pickle). Each
+training process keeps one connection; requests (``op`` of the header) and answers:
+
+- ``hello {protocol, rank}`` -> ``ready {model, version}``: the model's shape fields, which the client checks.
+- ``load {version}``, then one ``weight`` frame per tensor (one tensor each, transformers names), then ``end
+  {count}`` -> ``loaded {version, seconds}``: the weights streamed into the engine in place, one tensor at a
+  time, while no rollout runs. Sent by rank 0.
+- ``sample {version, timeout, generation, end_ids, stop_strings, skip_special_tokens, pad_token_id,
+  num_samples, seed}`` with tensors ``prompt_ids``, ``prompt_mask`` (B, P; left padded) -> ``samples`` with
+  ``response_ids`` and ``sampled_logprobs`` (N, R): answered once the engine holds ``version`` (waiting up to
+  ``timeout`` seconds for rank 0's push; then ``error``).
+- ``bye``: the client closes.
+
+A refused request is answered ``error {message}``. Requests of different connections are served one at a time
+(one engine). One training run per server at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import socketserver
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from aitraining_pl.errors import ConfigError
+from aitraining_pl.models.generation import StopRule
+from aitraining_pl.models.loading import build_causal_lm, from_pretrained, load_tokenizer, one_line, resolve_dtype
+from aitraining_pl.models.presets import MODEL_PRESETS
+from aitraining_pl.rollout import GenerationConfig
+from aitraining_pl.vllm_backend.client import PROTOCOL, model_description
+from aitraining_pl.vllm_backend.config import VLLMConfig
+from aitraining_pl.vllm_backend.engine import VLLMEngine, import_vllm
+from aitraining_pl.vllm_backend.wire import FrameError, read_frame, send_frame
+
+
+def is_inline(model: str) -> bool:
+    """Whether ``--model`` is a preset name or an inline JSON config (else a folder or a hub id)."""
+    return model in MODEL_PRESETS or model.lstrip().startswith("{")
+
+
+def meta_model(model: str, dtype: str | None) -> torch.nn.Module:
+    """The policy's architecture on the meta device (no memory, no weights): ``model`` is a folder with a
+    ``config.json``, a hub id, a preset name (``tiny-llama``) or an inline JSON config (``{"preset": ...}``)."""
+    import transformers
+
+    torch_dtype = resolve_dtype(dtype)
+    if is_inline(model):
+        try:
+            spec = json.loads(model) if model.lstrip().startswith("{") else model
+            with torch.device("meta"):
+                return build_causal_lm(spec, dtype=torch_dtype)
+        except ValueError as err:
+            raise ConfigError(f"--model {model}", one_line(err)) from None
+    config = from_pretrained(transformers.AutoConfig.from_pretrained, model, "model")
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch_dtype or getattr(config, "dtype", None) or torch.float32
+        )
+
+
+class _Weights:
+    """The ``weight`` frames of one push as ``(name, tensor)`` pairs, read as the engine consumes them."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.count, self.done = sock, 0, False
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while True:
+            header, tensors = read_frame(self.sock)
+            if header["op"] == "end":
+                if header.get("count") != self.count:
+                    raise FrameError(f"'end' says {header.get('count')} tensors, {self.count} came")
+                self.done = True
+                return
+            if header["op"] != "weight" or len(tensors) != 1:
+                raise FrameError(f"expected one tensor per 'weight' frame, got {header['op']!r} with {len(tensors)}")
+            self.count += 1
+            yield from tensors.items()
+
+
+class GenerationServer(socketserver.ThreadingTCPServer):
+    """A TCP server around one ``VLLMEngine`` (see the module docstring); ``serve_forever`` serves."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, engine: VLLMEngine, tokenizer: Any, model: dict[str, Any], host: str, port: int):
+        self.engine, self.tokenizer, self.model = engine, tokenizer, model
+        self.changed = threading.Condition()  #: held while the engine works; notified when weights arrive
+        super().__init__((host, port), _Connection)
+
+    def log(self, text: str) -> None:
+        print(f"aitraining-pl vllm-serve: {text}", file=sys.stderr, flush=True)
+
+    def load(self, sock: socket.socket, version: str) -> dict[str, Any]:
+        weights = _Weights(sock)
+        with self.changed:
+            self.engine.version = None  # no rollout from half-loaded weights
+            start = time.perf_counter()
+            self.engine.load(weights, version)
+            if not weights.done:
+                for _ in weights:  # the engine stopped early: read the rest of the push
+                    pass
+                self.engine.version = None
+                raise FrameError(f"the engine took {weights.count} of the pushed tensors")
+            self.changed.notify_all()
+        seconds = time.perf_counter() - start
+        self.log(f"loaded weights {version} ({weights.count} tensors, {seconds:.2f} s)")
+        return {"op": "loaded", "version": version, "seconds": seconds}
+
+    def sample(self, request: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+        wanted, timeout = request.get("version"), float(request.get("timeout") or 240.0)
+        with self.changed:
+            arrived = self.changed.wait_for(
+                lambda: self.engine.version is not None and wanted in (None, self.engine.version), timeout
+            )
+            if not arrived:
+                held = self.engine.version or "none"
+                message = f"weights {wanted} did not arrive within {timeout:g} s (held: {held})"
+                return {"op": "error", "message": message}, {}
+            skip_special = bool(request["skip_special_tokens"])
+            stop_rule = StopRule(self.tokenizer, request.get("stop_strings"), None, skip_special)
+            sampled = self.engine.sample(
+                tensors["prompt_ids"],
+                tensors["prompt_mask"],
+                GenerationConfig(**request["generation"]),
+                request["end_ids"],
+                stop_rule,
+                int(request["pad_token_id"]),
+                int(request["num_samples"]),
+                request.get("seed"),
+            )
+        return {"op": "samples"}, {"response_ids": sampled.response_ids, "sampled_logprobs": sampled.sampled_logprobs}
+
+
+class _Connection(socketserver.BaseRequestHandler):
+    """One training process's connection: requests served in order until ``bye`` or the connection closes."""
+
+    server: GenerationServer
+
+    def handle(self) -> None:
+        sock, server = self.request, self.server
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = ":".join(map(str, self.client_address[:2]))
+        while True:
+            try:
+                request, tensors = read_frame(sock)
+            except (OSError, FrameError) as err:
+                if not isinstance(err, ConnectionError) or "mid-frame" in str(err):
+                    server.log(f"{peer}: {one_line(err)}; connection closed")
+                return
+            op = request["op"]
+            try:
+                if op == "bye":
+                    return
+                if op == "hello":
+                    if request.get("protocol") != PROTOCOL:
+                        raise ValueError(f"protocol {request.get('protocol')} (this server speaks {PROTOCOL})")
+                    answer, out = {"op": "ready", "model": server.model, "version": server.engine.version}, {}
+                elif op == "load":
+                    answer, out = server.load(sock, str(request.get("version"))), {}
+                elif op == "sample":
+                    answer, out = server.sample(request, tensors)
+                else:
+                    raise ValueError(f"unknown request {op!r}")
+            except (OSError, FrameError) as err:  # the connection is unusable
+                server.log(f"{peer}: {op}: {one_line(err)}; connection closed")
+                return
+            except Exception as err:  # noqa: BLE001 - a refused request is answered, the server goes on
+                server.log(f"{peer}: {op} refused: {one_line(err)}")
+                answer, out = {"op": "error", "message": f"{op}: {one_line(err)}"}, {}
+            try:
+                send_frame(sock, answer, out)
+            except OSError:
+                return
+
+
+def parser() -> argparse.ArgumentParser:
+    defaults = VLLMConfig()
+    p = argparse.ArgumentParser(
+        prog="aitraining-pl vllm-serve",
+        description="Serve a training run's rollouts from a vLLM engine in this process (generation.vllm.mode: "
+        "server). The engine starts with the model's architecture and no trained weights; the trainer's rank 0 "
+        "pushes them before each rollout whose weights changed. docs/vllm.md, Server mode.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="the policy's architecture (its weights come from the trainer): a folder with config.json and the "
+        'tokenizer, a hub id, a preset (tiny-llama) or an inline JSON config ({"preset": "tiny-llama", ...})',
+    )
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder, hub id or 'byte' (default: --model's folder)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=defaults.server_port, help="TCP port (0: any free one, printed)")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the config's, else float32)")
+    p.add_argument("--seed", type=int, default=0, help="the engine's seed (requests with a seed use their own)")
+    p.add_argument("--max_model_len", type=int, default=None, help="longest prompt + response (default: the model's)")
+    p.add_argument("--gpu_memory_utilization", type=float, default=0.9, help="share of the GPU vLLM takes (0.9)")
+    p.add_argument("--tensor_parallel_size", type=int, default=1, help="GPUs the engine splits the model over")
+    p.add_argument("--cpu_kv_cache_gb", type=float, default=defaults.cpu_kv_cache_gb, help="KV cache on a CPU (GiB)")
+    p.add_argument("--enforce_eager", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
+                   help="no CUDA graphs (true: fast start; false on a GPU for speed)")  # fmt: skip
+    return p
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str]) -> None:
+    """Build the engine and serve until interrupted (``aitraining-pl vllm-serve --help``)."""
+    args = parser().parse_args(argv)
+    import_vllm()  # one line naming the extra when vLLM is missing
+    tokenizer_name = args.tokenizer or (None if is_inline(args.model) else args.model)
+    if tokenizer_name is None:
+        raise ConfigError("--tokenizer", f"needed with --model {args.model} (default: the model folder's or hub id's)")
+    policy = meta_model(args.model, None if args.dtype == "auto" else args.dtype)
+    tokenizer = load_tokenizer(tokenizer_name)
+    options = VLLMConfig(
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_kv_cache_gb=args.cpu_kv_cache_gb,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enforce_eager=args.enforce_eager,
+        max_model_len=args.max_model_len,
+    )
+    engine = VLLMEngine(policy, tokenizer, options, seed=args.seed)
+    description = model_description(policy.config)
+    try:
+        server = GenerationServer(engine, tokenizer, description, args.host, args.port)
+    except OSError as err:
+        engine.close()
+        where = f"--host {args.host} --port {args.port}"
+        raise ConfigError(where, f"cannot listen there ({err.strerror or err})") from None
+    host, port = server.server_address[:2]
+    kind = f"{description['model_type']}, {args.dtype}"
+    server.log(f"listening on {host}:{port} ({kind}; waiting for the trainer's weights)")
+    signal.signal(signal.SIGTERM, _interrupt)  # ``kill``: shut the engine down and delete its folder
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        engine.close()

@@ -1,0 +1,277 @@
+"""Server mode of the vLLM backend (``aitraining-pl vllm-serve`` + ``generation.vllm.mode: server``): 2 DDP ranks
+on gloo sampling from a server on loopback with rank 0 pushing the weights, the server's greedy and seeded
+rollouts equal to the colocated engine's, one clear error when the server dies mid-run, and the framing of the
+channel. The tests that start a server are marked ``vllm`` (skipped without vLLM; CI runs them in the vLLM venv);
+the framing and client-error tests need no vLLM and run everywhere."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.vllm_backend import VLLMConfig
+from aitraining_pl.vllm_backend.wire import MAGIC, FrameError, read_frame, send_frame
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).with_name("vllm_server_ddp_script.py")
+#: tiny-llama with two heads of 32 (vLLM's CPU attention has no kernel for heads of 16)
+SPEC = {"preset": "tiny-llama", "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+# ---------------------------------------------------------------------- a server process
+def start_server(log: Path) -> tuple[subprocess.Popen, int]:
+    """``aitraining-pl vllm-serve`` on a free loopback port; returns the process and the port it printed."""
+    pytest.importorskip("vllm")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "aitraining_pl.cli", "vllm-serve", "--model", json.dumps(SPEC)]
+    command += ["--tokenizer", "byte", "--port", "0"]
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        found = re.search(r"listening on 127\.0\.0\.1:(\d+)", log.read_text(errors="replace"))
+        if found:
+            return proc, int(found.group(1))
+        if proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError("vllm-serve did not start:\n" + log.read_text(errors="replace")[-3000:])
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc, port = start_server(tmp_path_factory.mktemp("server") / "serve.log")
+    yield port
+    stop(proc)
+
+
+def options(port: int, **kw) -> VLLMConfig:
+    return VLLMConfig(mode="server", server_port=port, **{"server_timeout": 60, **kw})
+
+
+# ---------------------------------------------------------------------- (a) DDP ranks + server
+@pytest.mark.vllm
+@pytest.mark.ddp
+def test_two_ddp_ranks_sample_their_own_prompts_from_pushed_weights(server, tmp_path):
+    """2 gloo ranks, one server: every rollout of every rank is sampled from the policy's current weights (the
+    server's log-probs of the sampled tokens equal the rank's policy's, conditioned on the rank's own prompts, to
+    1e-4 in fp32; the second rollout comes after optimizer steps, so rank 0 pushed and rank 1 waited for them)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), str(server)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for rank in ranks:
+        records = rank["records"]
+        assert [r["step"] for r in records] == [0, 2] and rank["global_step"] == 4  # 2 steps per rollout
+        assert all(r["rows"] == 2 * 4 for r in records)  # 2 prompts x G=4 samples back, for this rank's requests
+        assert max(r["gap"] for r in records) < 1e-4, records
+    prompts = [{p for r in rank["records"] for p in r["prompts"]} for rank in ranks]
+    assert prompts[0].isdisjoint(prompts[1]) and len(prompts[0] | prompts[1]) == 8
+    for name, tensor in ranks[0]["state"].items():
+        assert torch.equal(tensor, ranks[1]["state"][name]), name
+
+
+# ---------------------------------------------------------------------- (b) equal to the colocated engine
+@pytest.mark.vllm
+def test_server_rollouts_equal_the_colocated_engines(server):
+    """Greedy (with an end-of-turn id that greedy decoding reaches) and seeded sampling: the server's rollout
+    equals the colocated engine's for the same weights, token for token, with the same vLLM log-probs; a client
+    whose policy has another shape is refused at connection."""
+    from architectures import sharpen
+
+    from aitraining_pl.errors import ConfigError
+    from aitraining_pl.models import build_causal_lm, load_tokenizer
+    from aitraining_pl.rollout import GenerationConfig, RolloutEngine
+    from aitraining_pl.vllm_backend.client import VLLMServerClient
+    from aitraining_pl.vllm_backend.engine import VLLMEngine
+
+    tokenizer = load_tokenizer("byte", padding_side="left")
+    model = sharpen(build_causal_lm(SPEC, seed=0), 4.0).eval()
+    texts = ["hello there", "ab", "the quick brown fox"]
+    enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    greedy = GenerationConfig(max_new_tokens=16, do_sample=False)
+    first = RolloutEngine(tokenizer, greedy).sample(model, ids, mask, 2)
+    ends = [1, int(first.response_ids[0, 4])]
+    colocated = VLLMEngine(model, tokenizer, VLLMConfig(), max_length=256)
+    client = VLLMServerClient(model, options(server))
+    try:
+        colocated.sync(model)
+        client.sync(model)
+        for generation, seed in ((greedy, None), (dataclasses.replace(greedy, do_sample=True, temperature=1.0), 7)):
+            ours = RolloutEngine(tokenizer, generation, end_token_ids=ends, backend=colocated).sample(
+                model, ids, mask, 2, seed=seed
+            )
+            theirs = RolloutEngine(tokenizer, generation, end_token_ids=ends, backend=client).sample(
+                model, ids, mask, 2, seed=seed
+            )
+            assert torch.equal(theirs.response_ids, ours.response_ids)
+            assert torch.equal(theirs.response_mask, ours.response_mask) and theirs.texts == ours.texts
+            assert torch.equal(theirs.sampling_logprobs, ours.sampling_logprobs)
+            if seed is None:
+                assert ours.ended.any() and not ours.ended.all()  # the end rule was exercised
+    finally:
+        client.close()
+        colocated.close()
+    other = build_causal_lm({**SPEC, "num_hidden_layers": 3}, seed=0)
+    with pytest.raises(ConfigError, match="num_hidden_layers 2 .the policy's: 3"):
+        VLLMServerClient(other, options(server))
+
+
+# ---------------------------------------------------------------------- (c) the server dies mid-run
+class KillAfterFirstBatch(pl.Callback):
+    """Kills the server process after the first training batch."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 0:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+@pytest.mark.vllm
+def test_the_server_killed_mid_run_gives_one_clear_error(tmp_path):
+    """A GRPO run whose server is killed after its first iteration stops with one ``GenerationServerError``
+    line naming host:port, what was being done and the resume; a new connection then gets the refused line."""
+    from conftest import quiet_trainer
+
+    from aitraining_pl.cli_errors import _user_error, format_error
+    from aitraining_pl.datamodules.prompt import PromptDataModule
+    from aitraining_pl.modules.critic_free import GRPOModule
+    from aitraining_pl.rollout import GenerationConfig
+    from aitraining_pl.vllm_backend.client import VLLMServerClient
+
+    proc, port = start_server(tmp_path / "serve.log")
+    try:
+        module = GRPOModule(
+            model_config=SPEC,
+            tokenizer_name="byte",
+            reward="aitraining_pl.rewards:char_fraction_reward",
+            num_generations=2,
+            generation=GenerationConfig(max_new_tokens=4, backend="vllm", vllm=dataclasses.asdict(options(port))),
+            mini_batch_size=4,
+        )
+        data = PromptDataModule(prompts=[f"prompt {i}" for i in range(6)], tokenizer="byte", batch_size=2)
+        with pytest.raises(GenerationServerError) as caught:
+            quiet_trainer(tmp_path, callbacks=[KillAfterFirstBatch(proc)]).fit(module, data)
+    finally:
+        stop(proc)
+    line = format_error(_user_error(caught.value))
+    assert "\n" not in line, line
+    assert line.startswith(f"aitraining-pl: generation server error: vLLM server 127.0.0.1:{port}: "), line
+    assert "connection was lost" in line and "while pushing the weights of version 1" in line, line
+    assert "resume the run from its last checkpoint with --ckpt_path" in line, line
+    with pytest.raises(GenerationServerError, match=f"127.0.0.1:{port}: could not connect for 1 s"):
+        VLLMServerClient(module.policy, options(port, server_timeout=1))
+
+
+def test_a_silent_server_times_out_with_one_line():
+    """A server that accepts the connection and never answers: the client gives up after ``server_timeout``
+    (plus the grace it leaves the server to answer itself) with one line naming the timeout. No vLLM needed."""
+    from aitraining_pl.models import build_causal_lm
+    from aitraining_pl.vllm_backend.client import VLLMServerClient
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
+    config = options(listener.getsockname()[1], server_timeout=0.5)
+    try:
+        start = time.monotonic()
+        with pytest.raises(GenerationServerError, match=r"no answer within 0.5 s .* while connecting; restart"):
+            VLLMServerClient(build_causal_lm(SPEC), config)
+        assert time.monotonic() - start < 20
+    finally:
+        listener.close()
+
+
+# ---------------------------------------------------------------------- (d) the framing
+def test_frames_round_trip_tensors_of_several_dtypes():
+    a, b = socket.socketpair()
+    tensors = {
+        "f32": torch.randn(3, 4),
+        "bf16": torch.randn(5).to(torch.bfloat16),
+        "f16": torch.randn(2, 2, 2).to(torch.float16),
+        "i64": torch.arange(-3, 9).view(3, 4),
+        "bool": torch.tensor([True, False, True]),
+        "u8": torch.arange(256, dtype=torch.uint8),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 7, dtype=torch.int32),
+        "strided": torch.arange(12.0).view(3, 4).t(),  # not contiguous: sent in C order
+    }
+    try:
+        send_frame(a, {"op": "weight", "note": "é"}, tensors)
+        send_frame(a, {"op": "end"})
+        header, got = read_frame(b)
+        assert header == {"op": "weight", "note": "é"} and list(got) == list(tensors)
+        for name, tensor in tensors.items():
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+        assert read_frame(b) == ({"op": "end"}, {})
+    finally:
+        a.close()
+        b.close()
+
+
+def raw_frame(header: bytes, magic: bytes = MAGIC, length: int | None = None) -> bytes:
+    return magic + struct.pack(">I", len(header) if length is None else length) + header
+
+
+@pytest.mark.parametrize(
+    "frame, message",
+    [
+        (raw_frame(b'{"op": "x"}', magic=b"GET "), "bad magic"),
+        (raw_frame(b"", length=1 << 30), "over the"),
+        (raw_frame(b"\xff\xfe"), "not UTF-8 JSON"),
+        (raw_frame(b"[1, 2]"), 'string "op"'),
+        (raw_frame(b'{"tensors": []}'), 'string "op"'),
+        (raw_frame(b'{"op": "w", "tensors": [{"name": "x", "dtype": "object", "shape": [1]}]}'), "unknown dtype"),
+        (raw_frame(b'{"op": "w", "tensors": [{"name": "x", "dtype": "float32", "shape": [-1]}]}'), "non-negative"),
+        (raw_frame(b'{"op": "w", "tensors": [{"name": "x", "dtype": "float32", "shape": [1.5]}]}'), "non-negative"),
+        (raw_frame(b'{"op": "w", "tensors": {"x": 1}}'), "not a list"),
+    ],
+)
+def test_a_malformed_frame_is_refused(frame, message):
+    a, b = socket.socketpair()
+    try:
+        a.sendall(frame)
+        with pytest.raises(FrameError, match=message):
+            read_frame(b)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_frame_cut_short_is_a_connection_error():
+    a, b = socket.socketpair()
+    a.sendall(raw_frame(b'{"op": "w", "tensors": [{"name": "x", "dtype": "float32", "shape": [4]}]}') + b"\0" * 8)
+    a.close()
+    with pytest.raises(ConnectionError, match="mid-frame"):
+        read_frame(b)
+    b.close()
