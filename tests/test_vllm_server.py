@@ -144,6 +144,36 @@ def test_server_rollouts_equal_the_colocated_engines(server):
         VLLMServerClient(other, options(server))
 
 
+@pytest.mark.vllm
+def test_a_lora_push_and_a_version_that_never_arrives(server):
+    """A LoRA policy's push (base weights with the deltas merged on the fly) after optimizer steps: the server's
+    log-probs equal the policy's (1e-4, fp32). A rank waiting for weights that rank 0 never pushes gets one line
+    after ``server_timeout``."""
+    from test_vllm_backend import logp_gap, train_steps
+
+    from aitraining_pl.models import apply_lora, build_causal_lm, load_tokenizer
+    from aitraining_pl.models.lora import LoRAConfig
+    from aitraining_pl.rollout import GenerationConfig
+    from aitraining_pl.vllm_backend.client import VLLMServerClient
+
+    tokenizer = load_tokenizer("byte", padding_side="left")
+    model = apply_lora(build_causal_lm(SPEC, seed=1), LoRAConfig(r=4, alpha=8, dropout=0.0))
+    train_steps(model)
+    client = VLLMServerClient(model, options(server))
+    try:
+        assert client.sync(model, version=3) and not client.sync(model, version=3)  # once per version
+        assert logp_gap(client, model, tokenizer, GenerationConfig(max_new_tokens=8, temperature=1.0)) < 1e-4
+    finally:
+        client.close()
+    waiting = VLLMServerClient(model, options(server, server_timeout=1), rank=1)
+    try:
+        waiting.sync(model, version=4)  # rank 1 records the version; rank 0 never pushes it
+        with pytest.raises(GenerationServerError, match=r"did not arrive within 1 s"):
+            logp_gap(waiting, model, tokenizer, GenerationConfig(max_new_tokens=4))
+    finally:
+        waiting.close()
+
+
 # ---------------------------------------------------------------------- (c) the server dies mid-run
 class KillAfterFirstBatch(pl.Callback):
     """Kills the server process after the first training batch."""
