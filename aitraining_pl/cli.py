@@ -58,7 +58,7 @@ from aitraining_pl.cli_help import (  # noqa: F401 - re-exported: the command's 
     version,
 )
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.validation import RenamedArgumentWarning, check_hparams
+from aitraining_pl.validation import RenamedArgumentWarning, check_arguments
 
 
 class _DropRecord(logging.Filter):
@@ -128,16 +128,20 @@ class AlignmentCLI(LightningCLI):
         add_run_arguments(parser)
 
     def before_instantiate_classes(self) -> None:
-        """Check the model's and the data module's arguments against the range table before either is built,
-        so a bad data argument fails before any model is loaded (the bases check them again when built from
-        Python)."""
+        """Check the model's and the data module's arguments against their classes' ``argument_ranges`` before
+        either is built, so a bad data argument fails before any model is loaded (each class checks its arguments
+        when it is built, from Python too)."""
+        import importlib
+
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         for key in ("model", "data"):
             section = config.get(key) if config is not None else None
             init_args = getattr(section, "init_args", None)
             if init_args is not None:
-                owner = str(getattr(section, "class_path", key)).rpartition(".")[2]
-                check_hparams(init_args.as_dict() if hasattr(init_args, "as_dict") else dict(init_args), owner)
+                module, _, owner = str(getattr(section, "class_path", key)).rpartition(".")
+                cls = getattr(importlib.import_module(module), owner, None) if module else None
+                values = init_args.as_dict() if hasattr(init_args, "as_dict") else dict(init_args)
+                check_arguments(getattr(cls, "argument_ranges", {}), values, owner)
         if config is not None:
             apply_run_arguments(config)
 

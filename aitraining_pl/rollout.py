@@ -30,7 +30,7 @@ import contextlib
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -39,7 +39,7 @@ from aitraining_pl.models.decoding import sample_responses
 from aitraining_pl.models.generation import SampledTokens, StopRule, hf_generation_config
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, score_responses
-from aitraining_pl.validation import check_hparams
+from aitraining_pl.validation import POSITIVE, Ranges, check_arguments, rules
 from aitraining_pl.vllm_backend.config import VLLMConfig
 
 
@@ -53,6 +53,11 @@ class GenerationConfig:
     ``temperature``. With ``top_p < 1`` or ``top_k > 0`` the responses come from a truncated distribution, so
     those log-probs are not exactly of the distribution sampled from; the rollout engine warns once.
     """
+
+    #: allowed values of the fields (``validation.check_arguments``); ``temperature`` divides the logits here
+    argument_ranges: ClassVar[Ranges] = rules(
+        "max_new_tokens", "top_p", "top_k", "backend", temperature=POSITIVE, vllm=VLLMConfig.argument_ranges
+    )
 
     max_new_tokens: int = 128
     """Longest response, in tokens."""
@@ -89,7 +94,7 @@ class GenerationConfig:
 
     def validate(self, owner: str = "GenerationConfig") -> None:
         """Raise ``HyperparameterError`` for a value outside its range (``aitraining_pl.validation``)."""
-        check_hparams(asdict(self), owner)
+        check_arguments(self.argument_ranges, asdict(self), owner)
 
 
 @dataclass

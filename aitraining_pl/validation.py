@@ -1,11 +1,15 @@
-"""Range checks of every hyperparameter, in one declarative table, run before any model or data is loaded.
+"""The arguments of the package's classes: their allowed ranges, their old names and how they are stored.
 
-``CONSTRAINTS`` maps a hyperparameter name to its allowed values (a ``section.name`` entry, e.g.
-``policy_loss.loss_type``, wins over a plain ``name`` inside that nested section). ``check_hparams(hparams,
-owner)`` checks whichever of those names a module or data module has (nested dicts such as ``generation`` included, as
-``generation.temperature``) and raises a ``HyperparameterError`` naming the argument, the value and the
-allowed range. ``AlignmentModule`` and ``TextDataModule`` call it from ``save_hyperparameters``, which every
-module passes through before it loads anything, so a new module argument needs only a row here.
+Each class declares the ranges of its own arguments in ``argument_ranges`` (argument name -> ``Range`` / ``OneOf``,
+or a nested mapping for an options group such as ``generation``), usually built with ``rules(...)`` from
+``CONSTRAINTS``, the rules an argument name takes wherever it means the same thing; a name that means something
+else in a class gets that class's own rule (``temperature`` scales rewards in ``RewardModule`` and logits in
+``GenerationConfig``). ``check_arguments(ranges, values, owner)`` raises a ``HyperparameterError`` naming the
+argument, the value and the allowed range; every class runs it once, when it is built (modules and data modules
+from ``save_arguments``, before anything is loaded); the CLI runs the same check on the config before it builds
+anything, so that a bad data argument fails before a model loads.
+
+``constructor_arguments`` and ``save_hparams`` store a module's hyperparameters in one step, from its own arguments.
 
 ``RENAMED`` lists the arguments renamed to one spelling per concept (TRL's and peft's where they exist);
 ``renamed(...)`` accepts an old name for one release with a ``RenamedArgumentWarning`` (a ``DeprecationWarning``).
@@ -18,7 +22,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any
 
 from aitraining_pl.errors import ConfigError, HyperparameterError, ModelLoadError, RewardError
@@ -90,6 +94,7 @@ class Range:
     high_open: bool = False  #: ``value < high`` instead of ``<=``
     integer: bool = False
     optional: bool = False
+    reason: str = ""  #: why the range is what it is, when it is not obvious (added to the error)
 
     def describe(self) -> str:
         low = None if self.low is None else f"{self.low:g} {'<' if self.low_open else '<='} "
@@ -101,7 +106,8 @@ class Range:
         else:
             text = "a finite number"
         text += " (an integer)" if self.integer else ""
-        return text + (" or null" if self.optional else "")
+        text += " or null" if self.optional else ""
+        return text + (f" ({self.reason})" if self.reason else "")
 
     def allows(self, value: Any) -> bool:
         if value is None:
@@ -134,7 +140,9 @@ class OneOf:
         return (value is None and self.optional) or known is None or value in known
 
 
-def _registry(module: str, name: str, extra: tuple = ()) -> Callable[[], list[str] | None]:
+def registry(module: str, name: str, extra: tuple = ()) -> Callable[[], list[str] | None]:
+    """The names of the table ``name`` of ``module`` (imported when first checked), plus ``extra``."""
+
     def names() -> list[str] | None:
         import importlib
 
@@ -144,7 +152,9 @@ def _registry(module: str, name: str, extra: tuple = ()) -> Callable[[], list[st
     return names
 
 
-def _fixed(*names: str) -> Callable[[], list[str]]:
+def fixed(*names: str) -> Callable[[], list[str]]:
+    """The names given."""
+
     return lambda: list(names)
 
 
@@ -154,13 +164,17 @@ COUNT = Range(1, integer=True)  #: an integer >= 1
 FRACTION = Range(0, 1)  #: 0 <= value <= 1
 PROBABILITY_OPEN = Range(0, 1, low_open=True)  #: 0 < value <= 1
 
-#: hyperparameter name -> allowed values (any module or data module that has the argument is checked).
-CONSTRAINTS: dict[str, Range | OneOf] = {
+Rule = Range | OneOf
+#: argument name -> a ``Rule``, or the ``Ranges`` of an options group (a nested mapping, e.g. ``generation``)
+Ranges = Mapping[str, Any]
+
+#: argument name -> its allowed values wherever it means the same thing; a class takes these with ``rules(...)``.
+CONSTRAINTS: dict[str, Rule] = {
     # optimisation
     "learning_rate": Range(0, 3.4028234663852886e38, low_open=True),  # above float32's largest, every step is inf
     "warmup_ratio": FRACTION,
     "weight_decay": NON_NEGATIVE,
-    "lr_schedule": OneOf(_registry("aitraining_pl.optim", "SCHEDULES")),
+    "lr_schedule": OneOf(registry("aitraining_pl.optim", "SCHEDULES")),
     "max_grad_norm": Range(0, optional=True),
     "gradient_accumulation_steps": COUNT,
     "mini_batch_size": COUNT,
@@ -168,18 +182,17 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     "beta": POSITIVE,
     "label_smoothing": Range(0, 0.5, high_open=True),
     "simpo_gamma": NON_NEGATIVE,
-    "loss_type": OneOf(_registry("aitraining_pl.losses", "DPO_LOSSES"), many=True),
+    "loss_type": OneOf(registry("aitraining_pl.losses", "DPO_LOSSES"), many=True),
     "discopop_tau": POSITIVE,
     "cpo_alpha": NON_NEGATIVE,
     "desirable_weight": NON_NEGATIVE,
     "undesirable_weight": NON_NEGATIVE,
     # reward models
-    "temperature": POSITIVE,  # reward scaling and sampling temperature (``generation.temperature``)
     "dropout_prob": Range(0, 1, high_open=True),
     "center_rewards_coefficient": NON_NEGATIVE,
     "center_rewards_coef": Range(0, optional=True),  # deprecated spelling of center_rewards_coefficient
     "num_objectives": COUNT,
-    "pooling_strategy": OneOf(_registry("aitraining_pl.losses", "POOLING_STRATEGIES")),
+    "pooling_strategy": OneOf(registry("aitraining_pl.losses", "POOLING_STRATEGIES")),
     # online RL (PPO, GRPO, RLOO)
     "ppo_epochs": Range(1, integer=True, optional=True),  # deprecated spelling of num_iterations
     "num_iterations": COUNT,
@@ -196,12 +209,11 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     "kl_coef": NON_NEGATIVE,
     "kl_target": POSITIVE,
     "kl_horizon": POSITIVE,
-    "kl_estimator": OneOf(_registry("aitraining_pl.losses.rl", "_KL_ESTIMATORS")),
-    "advantage": OneOf(_registry("aitraining_pl.losses", "ADVANTAGE_ESTIMATORS")),
-    "loss_aggregation": OneOf(_registry("aitraining_pl.losses", "LOSS_AGGREGATIONS")),
-    "scale_rewards": OneOf(_fixed("group", "batch", "none")),
-    "policy_loss.loss_type": OneOf(_registry("aitraining_pl.losses", "POLICY_LOSSES")),
-    "importance_sampling_level": OneOf(_registry("aitraining_pl.losses", "IMPORTANCE_SAMPLING_LEVELS")),
+    "kl_estimator": OneOf(registry("aitraining_pl.losses.rl", "_KL_ESTIMATORS")),
+    "advantage": OneOf(registry("aitraining_pl.losses", "ADVANTAGE_ESTIMATORS")),
+    "loss_aggregation": OneOf(registry("aitraining_pl.losses", "LOSS_AGGREGATIONS")),
+    "scale_rewards": OneOf(fixed("group", "batch", "none")),
+    "importance_sampling_level": OneOf(registry("aitraining_pl.losses", "IMPORTANCE_SAMPLING_LEVELS")),
     "delta": Range(1, low_open=True, optional=True),
     "top_entropy_quantile": PROBABILITY_OPEN,
     "ref_model_mixup_alpha": PROBABILITY_OPEN,
@@ -212,10 +224,9 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     "max_new_tokens": COUNT,
     "top_p": PROBABILITY_OPEN,
     "top_k": Range(0, integer=True),
-    "backend": OneOf(_fixed("hf", "vllm", "auto")),
+    "backend": OneOf(fixed("hf", "vllm", "auto")),
     # the vLLM backend (``generation.vllm``)
     "gpu_memory_utilization": PROBABILITY_OPEN,
-    "vllm.mode": OneOf(_fixed("colocate", "server")),
     "server_port": Range(0, 65535, integer=True),
     "server_timeout": POSITIVE,
     "cpu_kv_cache_gb": POSITIVE,
@@ -226,7 +237,7 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
     "r": COUNT,
     "alpha": POSITIVE,
     "dropout": Range(0, 1, high_open=True),
-    "dtype": OneOf(_registry("aitraining_pl.models.loading", "_DTYPES", extra=("auto",)), optional=True),
+    "dtype": OneOf(registry("aitraining_pl.models.loading", "_DTYPES", extra=("auto",)), optional=True),
     # data modules
     "batch_size": COUNT,
     "eval_batch_size": Range(1, integer=True, optional=True),
@@ -237,21 +248,32 @@ CONSTRAINTS: dict[str, Range | OneOf] = {
 }
 
 
-def check_hparams(hparams: Mapping[str, Any], owner: str) -> None:
-    """Raise ``HyperparameterError`` for the first value in ``hparams`` outside ``CONSTRAINTS`` (nested
-    mappings are checked with dotted names); also the cross-field rules below. ``owner`` names the class."""
-    for name, value in hparams.items():
-        if isinstance(value, Mapping) and name not in ("model_config", "reward"):
-            check_hparams(value, f"{owner}.{name}")
-        rule = CONSTRAINTS.get(f"{owner.rsplit('.', 1)[-1]}.{name}", CONSTRAINTS.get(name))  # "section.name" first
-        if rule is not None and not rule.allows(value):
+def rules(*names: str, **own: Rule | Ranges) -> dict[str, Rule | Ranges]:
+    """A class's ``argument_ranges``: the shared rules of ``names`` (``CONSTRAINTS``) and ``own`` (rules of this
+    class only: a name that means something else here, or the ranges of a nested options group)."""
+    return {**{name: CONSTRAINTS[name] for name in names}, **own}
+
+
+def check_arguments(ranges: Ranges, values: Mapping[str, Any], owner: str) -> None:
+    """Raise ``HyperparameterError`` for the first value in ``values`` outside its rule in ``ranges`` (an options
+    group, as a mapping or a dataclass, is checked with dotted names: ``PPOModule.generation.max_new_tokens``); also
+    the rules between two arguments below. ``owner`` names the class."""
+    for name, value in values.items():
+        rule = ranges.get(name)
+        if rule is None:
+            continue
+        if isinstance(rule, Mapping):  # an options group
+            group = asdict(value) if is_dataclass(value) and not isinstance(value, type) else value
+            if isinstance(group, Mapping):
+                check_arguments(rule, group, f"{owner}.{name}")
+        elif not rule.allows(value):
             if isinstance(rule, OneOf):
                 why = f"unknown {name} {value!r}; must be {rule.describe()}"
             else:
                 why = f"must be {rule.describe()}, got {value!r}"
             raise HyperparameterError(f"{owner}.{name}", why)
-    _check_pairs(hparams, owner)
-    _check_paths(hparams, owner)
+    _check_pairs(values, owner)
+    _check_paths(values, owner)
 
 
 def _check_pairs(hparams: Mapping[str, Any], owner: str) -> None:

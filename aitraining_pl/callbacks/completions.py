@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import torch
 
 from aitraining_pl.callbacks.sampling import log_rows
-from aitraining_pl.validation import check_hparams
+from aitraining_pl.validation import check_arguments, rules
 
 
 class CompletionLogCallback(pl.Callback):
@@ -26,8 +26,10 @@ class CompletionLogCallback(pl.Callback):
         filename: JSONL file name inside the log folder.
     """
 
+    argument_ranges = rules("every_n_steps")
+
     def __init__(self, every_n_steps: int = 1, filename: str = "completions.jsonl"):
-        check_hparams({"every_n_steps": every_n_steps}, type(self).__name__)
+        check_arguments(self.argument_ranges, {"every_n_steps": every_n_steps}, type(self).__name__)
         self.every_n_steps, self.filename = int(every_n_steps), filename
         self.path: str | None = None
 

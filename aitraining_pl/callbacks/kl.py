@@ -11,7 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from aitraining_pl.validation import check_hparams, renamed
+from aitraining_pl.validation import Range, check_arguments, renamed, rules
 
 
 class AdaptiveKLController:
@@ -62,6 +62,9 @@ class AdaptiveKLCallback(pl.Callback):
         init_kl_coef: deprecated spelling of ``kl_coef``.
     """
 
+    #: ``kl_coef`` may be null here (the module's is used), unlike the modules' ``kl_coef``
+    argument_ranges = rules("kl_target", "kl_horizon", "init_kl_coef", kl_coef=Range(0, optional=True))
+
     def __init__(
         self,
         kl_target: float = 0.01,
@@ -76,7 +79,7 @@ class AdaptiveKLCallback(pl.Callback):
         self.kl_horizon = float(renamed(owner, "kl_horizon", kl_horizon, 10000, horizon=horizon))
         self.kl_coef = renamed(owner, "kl_coef", kl_coef, None, init_kl_coef=init_kl_coef)
         values = {"kl_target": self.kl_target, "kl_horizon": self.kl_horizon, "kl_coef": self.kl_coef}
-        check_hparams({k: v for k, v in values.items() if v is not None}, owner)
+        check_arguments(self.argument_ranges, values, owner)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # runs before a checkpoint is restored: a resumed module then takes the checkpoint's coefficient

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import torch
 
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.validation import check_hparams
+from aitraining_pl.validation import check_arguments, rules
 
 
 class SyncReferenceCallback(pl.Callback):
@@ -30,9 +30,11 @@ class SyncReferenceCallback(pl.Callback):
         ref_model_sync_steps: optimizer steps between updates (TRL's default 512).
     """
 
+    argument_ranges = rules("ref_model_mixup_alpha", "ref_model_sync_steps")
+
     def __init__(self, ref_model_mixup_alpha: float = 0.6, ref_model_sync_steps: int = 512):
         values = {"ref_model_mixup_alpha": ref_model_mixup_alpha, "ref_model_sync_steps": ref_model_sync_steps}
-        check_hparams(values, type(self).__name__)
+        check_arguments(self.argument_ranges, values, type(self).__name__)
         self.alpha = float(ref_model_mixup_alpha)
         self.sync_steps = int(ref_model_sync_steps)
         self.syncs = 0  #: updates made so far

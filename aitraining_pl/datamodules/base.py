@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from aitraining_pl.datamodules.io import DataSource, DataValidationError, data_sources, read_records
 from aitraining_pl.datamodules.resumable import ResumableDataLoader
+from aitraining_pl.validation import Ranges, check_arguments, rules, save_hparams
 
 #: Source name of in-memory data in error messages.
 IN_MEMORY = "<in-memory>"
@@ -41,6 +42,10 @@ def _read(source: DataSource) -> list[dict]:
     )
 
 
+#: ranges of the arguments every data module has; a data module adds its own.
+DATA_RANGES = rules("batch_size", "eval_batch_size", "val_split", "num_workers")
+
+
 class TextDataModule(pl.LightningDataModule):
     """Base of the text data modules. It declares no arguments: a subclass declares, documents and saves its
     own (``data_path``, ``split``, ``val_data_path``, ``val_split``, ``batch_size``, ``eval_batch_size``,
@@ -48,6 +53,9 @@ class TextDataModule(pl.LightningDataModule):
     every row; return what is split: records or tokenised examples), optionally ``_dataset(rows, source)``,
     a ``collator`` class and ``train_dataloader`` (usually ``self._loader(self.train_dataset, batch_size, ...)``).
     """
+
+    #: allowed values of the constructor's arguments (``validation.check_arguments``), checked by ``save_arguments``
+    argument_ranges: ClassVar[Ranges] = {}
 
     def __init__(self, tokenizer: Any, in_memory: tuple):
         super().__init__()
@@ -58,11 +66,9 @@ class TextDataModule(pl.LightningDataModule):
 
     def save_arguments(self, arguments: dict[str, Any]) -> None:
         """Store the constructor's arguments (``validation.constructor_arguments``: in-memory data left out) as the
-        hyperparameters in one step, each checked against the range table first (``aitraining_pl.validation``:
-        ``batch_size >= 1``, ``0 <= val_split < 1``, ...) before any reading."""
-        from aitraining_pl.validation import check_hparams, save_hparams
-
-        check_hparams(arguments, type(self).__name__)
+        hyperparameters in one step, each checked first, once, against the class's ``argument_ranges``
+        (``batch_size >= 1``, ``0 <= val_split < 1``, ...), before any reading."""
+        check_arguments(type(self).argument_ranges, arguments, type(self).__name__)
         save_hparams(self, arguments)
 
     @property

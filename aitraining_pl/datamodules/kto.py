@@ -15,17 +15,17 @@ Batch contract (``KTOModule``), following the preference contract so the same sc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from aitraining_pl.datamodules.base import IN_MEMORY
+from aitraining_pl.datamodules.base import DATA_RANGES, IN_MEMORY
 from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE
 from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
-from aitraining_pl.datamodules.preference import RowPairsDataModule, check_lengths, encode_pair
-from aitraining_pl.errors import HyperparameterError
-from aitraining_pl.validation import constructor_arguments
+from aitraining_pl.datamodules.preference import RowPairsDataModule, encode_pair
+from aitraining_pl.validation import Range, constructor_arguments, rules
 
 
 class KTOCollator:
@@ -53,6 +53,10 @@ class KTOCollator:
             "label": torch.tensor([bool(e["label"]) for e in examples]),
             "index": torch.tensor([e["index"] for e in examples], dtype=torch.long),
         }
+
+
+#: KTO's reference point pairs rows of the same batch: a batch holds at least two rows.
+PAIRED_BATCH = Range(2, integer=True, reason="KTO's reference point pairs rows of the same batch")
 
 
 class KTODataModule(RowPairsDataModule):
@@ -87,6 +91,13 @@ class KTODataModule(RowPairsDataModule):
         seed: seed of the validation split and the sampling order.
     """
 
+    argument_ranges = {
+        **DATA_RANGES,
+        **rules("max_length", "max_prompt_length"),
+        "batch_size": PAIRED_BATCH,
+        "eval_batch_size": dataclasses.replace(PAIRED_BATCH, optional=True),
+    }
+
     def __init__(
         self,
         data_path: str | None = None,
@@ -119,13 +130,6 @@ class KTODataModule(RowPairsDataModule):
                 KTODataModule.__init__, locals(), ignore=("tokenizer", "prompts", "completions", "labels")
             )
         )
-        check_lengths(max_length, max_prompt_length)
-        for name_, size in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
-            if size is not None and size < 2:
-                raise HyperparameterError(
-                    f"{type(self).__name__}.{name_}",
-                    f"must be >= 2 for KTO (its reference point pairs rows of the same batch), got {size}",
-                )
 
     @property
     def collate_fn(self):

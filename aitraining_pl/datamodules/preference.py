@@ -26,13 +26,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from aitraining_pl.datamodules.base import IN_MEMORY
+from aitraining_pl.datamodules.base import DATA_RANGES, IN_MEMORY
 from aitraining_pl.datamodules.cached import CachedDataModule
 from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE, preference_texts, split_preference
 from aitraining_pl.datamodules.io import DataValidationError, PaddingCollator, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 from aitraining_pl.models.tokens import with_bos
-from aitraining_pl.validation import constructor_arguments
+from aitraining_pl.validation import constructor_arguments, rules
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +298,8 @@ class PreferenceDataModule(RowPairsDataModule):
         seed: seed of the validation split and the sampling order.
     """
 
+    argument_ranges = {**DATA_RANGES, **rules("max_length", "max_prompt_length")}
+
     def __init__(
         self,
         data_path: str | None = None,
@@ -331,7 +333,6 @@ class PreferenceDataModule(RowPairsDataModule):
                 PreferenceDataModule.__init__, locals(), ignore=("tokenizer", "prompts", "chosen", "rejected")
             )
         )
-        check_lengths(max_length, max_prompt_length)
         self._implicit: dict[str, bool] = {}  # source -> no prompt column
 
     # -- reading and checking

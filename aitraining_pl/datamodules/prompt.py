@@ -20,13 +20,13 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from aitraining_pl.datamodules.base import IN_MEMORY
+from aitraining_pl.datamodules.base import DATA_RANGES, IN_MEMORY
 from aitraining_pl.datamodules.cached import CachedDataModule
 from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE, prompt_text
 from aitraining_pl.datamodules.io import DataValidationError, PaddingCollator, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 from aitraining_pl.models.tokens import with_bos
-from aitraining_pl.validation import constructor_arguments
+from aitraining_pl.validation import constructor_arguments, rules
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +160,8 @@ class PromptDataModule(CachedDataModule):
 
     collator = PromptCollator
     keep_columns = True  # the other columns are the metadata
+
+    argument_ranges = {**DATA_RANGES, **rules("max_prompt_length")}
 
     def __init__(
         self,

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
+from aitraining_pl.datamodules.base import DATA_RANGES, IN_MEMORY, TextDataModule
 from aitraining_pl.datamodules.io import DataValidationError, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 from aitraining_pl.models.reward import encode_for_reward
-from aitraining_pl.validation import constructor_arguments
+from aitraining_pl.validation import constructor_arguments, rules
 
 
 def check_scores(value: Any, num_objectives: int, source: str, row: int, field: str) -> list[float | None]:
@@ -92,6 +92,8 @@ class ScoresDataModule(TextDataModule):
     """
 
     collator = ScoresCollator
+
+    argument_ranges = {**DATA_RANGES, **rules("max_length", "num_objectives")}
 
     def __init__(
         self,

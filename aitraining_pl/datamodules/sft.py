@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule
+from aitraining_pl.datamodules.base import DATA_RANGES, IN_MEMORY, TextDataModule
 from aitraining_pl.datamodules.formats import is_messages
 from aitraining_pl.datamodules.io import DataValidationError, PaddingCollator, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.preference import FALLBACK_CHAT_TEMPLATE, LengthGroupedSampler
-from aitraining_pl.validation import constructor_arguments
+from aitraining_pl.validation import constructor_arguments, rules
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +216,8 @@ class SFTDataModule(TextDataModule):
     """
 
     collator = SFTCollator
+
+    argument_ranges = {**DATA_RANGES, **rules("max_length")}
 
     def __init__(
         self,

@@ -6,14 +6,20 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
+
+from aitraining_pl.validation import Ranges, rules
 
 
 @dataclass
 class LoRAConfig:
     """Low-rank adapters on the policy; the reference policy is then the same model with adapters disabled."""
+
+    #: allowed values of the fields (``validation.check_arguments``), checked with the module's ``lora`` group
+    argument_ranges: ClassVar[Ranges] = rules("r", "alpha", "dropout")
 
     r: int = 8
     """Rank of the adapter matrices."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -43,10 +43,15 @@ from aitraining_pl.models.sharding import is_sharded, shard
 from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing
 from aitraining_pl.optim import adamw_with_warmup, fused_adamw_applies
 from aitraining_pl.strategies import FSDP2Strategy  # noqa: F401 - registers the "fsdp2" strategy names
-from aitraining_pl.validation import check_hparams, save_hparams
+from aitraining_pl.validation import Ranges, check_arguments, rules, save_hparams
 
 #: stages whose values are averaged over the epoch with torchmetrics (training values are per step).
 EPOCH_STAGES = ("val", "test")
+
+#: ranges of the arguments every module has (the optimizer, the weights' dtype, LoRA); a module adds its own.
+MODULE_RANGES = rules(
+    "learning_rate", "warmup_ratio", "weight_decay", "lr_schedule", "dtype", lora=LoRAConfig.argument_ranges
+)
 
 
 #: ``peft.LoraConfig`` field -> ``LoRAConfig`` field (the fields this project's adapters carry).
@@ -114,6 +119,8 @@ class AlignmentModule(pl.LightningModule):
 
     #: attribute holding the trained network exported by ``save_pretrained`` (a subclass may change it).
     policy: nn.Module
+    #: allowed values of the constructor's arguments (``validation.check_arguments``), checked by ``save_arguments``
+    argument_ranges: ClassVar[Ranges] = {}
 
     def __init__(self) -> None:
         super().__init__()
@@ -126,15 +133,15 @@ class AlignmentModule(pl.LightningModule):
 
         ``arguments`` come normalised (``validation.constructor_arguments``: renamed ones under their new name,
         option groups such as ``generation`` as plain dicts); ``lora`` and ``quantization`` are stored here as plain
-        dicts (``None`` when off: checkpoints load with ``weights_only=True``). Every value is checked against the
-        range table first (``aitraining_pl.validation``)."""
+        dicts (``None`` when off: checkpoints load with ``weights_only=True``). Every value is checked first, once,
+        against the class's ``argument_ranges``."""
         values = dict(arguments)
         if "lora" in values:
             config = as_lora_config(values["lora"])
             values["lora"] = dataclasses.asdict(config) if config is not None else None
         if "quantization" in values:
             values["quantization"] = quantization_hparam(values["quantization"])
-        check_hparams(values, type(self).__name__)
+        check_arguments(type(self).argument_ranges, values, type(self).__name__)
         save_hparams(self, values)
 
     def hparam(self, name: str, default: Any = None) -> Any:

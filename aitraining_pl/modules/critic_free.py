@@ -31,10 +31,10 @@ from aitraining_pl.losses.policy_gradient import LossAggregation
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.quantization import QuantizationConfig
 from aitraining_pl.models.training import eval_mode
-from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
+from aitraining_pl.modules.online import ONLINE_RANGES, OnlineRLModule, RolloutBatch
 from aitraining_pl.optim import LRSchedule
 from aitraining_pl.rollout import GenerationConfig
-from aitraining_pl.validation import constructor_arguments
+from aitraining_pl.validation import constructor_arguments, rules
 
 
 @dataclass
@@ -108,6 +108,8 @@ class CriticFreeModule(OnlineRLModule):
             the same 4-bit base with the adapters off.
     """
 
+    argument_ranges = {**ONLINE_RANGES, **rules("num_generations", "advantage", "scale_rewards", "loss_aggregation")}
+
     def __init__(
         self,
         model_name: str | None = None,
@@ -152,8 +154,6 @@ class CriticFreeModule(OnlineRLModule):
         clipped_policy_loss(
             torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), aggregation=loss_aggregation
         )
-        if num_generations < 1 or num_iterations < 1:
-            raise ValueError("num_generations and num_iterations must be >= 1")
         self.setup_online(constructor_arguments(CriticFreeModule.__init__, locals()))
         if scale_rewards != "group" and advantage != "grpo":
             raise ConfigError(f"{type(self).__name__}.scale_rewards", f"applies to advantage 'grpo', not {advantage!r}")

@@ -14,13 +14,14 @@ from aitraining_pl.models.packing import (  # noqa: F401 - PackedBatch, can_pack
 )
 from aitraining_pl.models.quantization import QuantizationConfig
 from aitraining_pl.models.scoring import completion_logps  # noqa: F401 - re-exported
+from aitraining_pl.modules.base import MODULE_RANGES
 from aitraining_pl.modules.preference import (  # noqa: F401 - preference_accuracy: re-exported
     PreferenceModule,
     pair_metrics,
     preference_accuracy,
 )
 from aitraining_pl.optim import LRSchedule
-from aitraining_pl.validation import constructor_arguments, renamed
+from aitraining_pl.validation import constructor_arguments, renamed, rules
 
 
 class DPOModule(PreferenceModule):
@@ -69,6 +70,8 @@ class DPOModule(PreferenceModule):
         precompute_ref_logps: deprecated spelling of ``precompute_ref_log_probs`` (TRL's name; accepted with a
             warning until the next release).
     """
+
+    argument_ranges = {**MODULE_RANGES, **rules("beta", "loss_type", "label_smoothing", "simpo_gamma", "discopop_tau")}
 
     def __init__(
         self,

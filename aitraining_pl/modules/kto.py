@@ -9,9 +9,10 @@ import torch
 from aitraining_pl.losses import kto_loss, kto_reference_point
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.quantization import QuantizationConfig
+from aitraining_pl.modules.base import MODULE_RANGES
 from aitraining_pl.modules.preference import PreferenceModule
 from aitraining_pl.optim import LRSchedule
-from aitraining_pl.validation import constructor_arguments
+from aitraining_pl.validation import constructor_arguments, rules
 
 
 class KTOModule(PreferenceModule):
@@ -51,6 +52,8 @@ class KTOModule(PreferenceModule):
         quantization: load the base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
             ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``.
     """
+
+    argument_ranges = {**MODULE_RANGES, **rules("beta", "desirable_weight", "undesirable_weight")}
 
     def __init__(
         self,

@@ -31,8 +31,8 @@ from aitraining_pl.losses import group_statistics, place_scores, truncated_impor
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.sharding import gathered
 from aitraining_pl.models.training import eval_mode
-from aitraining_pl.modules.base import AlignmentModule
-from aitraining_pl.modules.policy_loss import PolicyLossOptions
+from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
+from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, build_reward_source
 from aitraining_pl.rollout import (
     GenerationConfig,
@@ -41,8 +41,26 @@ from aitraining_pl.rollout import (
     score_rollout,
     warn_truncated_sampling,
 )
+from aitraining_pl.validation import rules
 from aitraining_pl.vllm_backend.client import VLLMServerClient
 from aitraining_pl.vllm_backend.engine import VLLMEngine, resolve_backend
+
+#: ranges of the arguments every online RL module has; PPO and the critic-free module add their own.
+ONLINE_RANGES = {
+    **MODULE_RANGES,
+    **rules(
+        "mini_batch_size",
+        "gradient_accumulation_steps",
+        "num_iterations",
+        "epsilon",
+        "epsilon_high",
+        "max_grad_norm",
+        "kl_coef",
+        "reward_timeout",
+    ),
+    "generation": GenerationConfig.argument_ranges,
+    "policy_loss": POLICY_LOSS_RANGES,
+}
 
 
 def primitive(value: Any) -> bool:

@@ -15,9 +15,10 @@ from aitraining_pl.losses import DPOOutput, dpo_loss, orpo_loss
 from aitraining_pl.losses.preference import DPOLossType
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.quantization import QuantizationConfig
+from aitraining_pl.modules.base import MODULE_RANGES
 from aitraining_pl.modules.preference import PreferenceModule, pair_metrics
 from aitraining_pl.optim import LRSchedule
-from aitraining_pl.validation import constructor_arguments
+from aitraining_pl.validation import constructor_arguments, rules
 
 
 def chosen_nll(chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) -> torch.Tensor:
@@ -54,6 +55,8 @@ class ORPOModule(PreferenceModule):
         quantization: load the base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
             ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``.
     """
+
+    argument_ranges = {**MODULE_RANGES, **rules("beta")}
 
     def __init__(
         self,
@@ -134,6 +137,8 @@ class CPOModule(PreferenceModule):
         quantization: load the base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
             ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``.
     """
+
+    argument_ranges = {**MODULE_RANGES, **rules("beta", "loss_type", "cpo_alpha", "label_smoothing", "simpo_gamma")}
 
     def __init__(
         self,

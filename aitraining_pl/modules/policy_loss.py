@@ -10,6 +10,15 @@ import torch
 
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.losses import PolicyLossConfig, clipped_policy_loss, completed_rows, high_entropy_mask
+from aitraining_pl.validation import OneOf, registry, rules
+
+#: allowed values of the ``policy_loss`` group's fields (``PolicyLossConfig`` sits in ``losses``, below validation).
+POLICY_LOSS_RANGES = rules(
+    "importance_sampling_level",
+    "delta",
+    "top_entropy_quantile",
+    loss_type=OneOf(registry("aitraining_pl.losses", "POLICY_LOSSES")),  # not the DPO losses of ``loss_type``
+)
 
 
 class PolicyLossOptions:

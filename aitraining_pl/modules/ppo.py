@@ -29,10 +29,10 @@ from aitraining_pl.losses.rl import KLEstimator
 from aitraining_pl.models import LoRAConfig, PolicyValueScores, PPOModel
 from aitraining_pl.models.quantization import QuantizationConfig
 from aitraining_pl.models.training import eval_mode
-from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
+from aitraining_pl.modules.online import ONLINE_RANGES, OnlineRLModule, RolloutBatch
 from aitraining_pl.optim import LRSchedule
 from aitraining_pl.rollout import GenerationConfig
-from aitraining_pl.validation import constructor_arguments, renamed
+from aitraining_pl.validation import constructor_arguments, renamed, rules
 
 
 @dataclass
@@ -111,6 +111,13 @@ class PPOModule(OnlineRLModule):
         ppo_epochs: deprecated spelling of ``num_iterations``.
         clip_ratio: deprecated spelling of ``epsilon``.
     """
+
+    argument_ranges = {
+        **ONLINE_RANGES,
+        **rules(
+            "gamma", "lam", "value_clip", "value_coef", "kl_estimator", "kl_penalty_coef", "ppo_epochs", "clip_ratio"
+        ),
+    }
 
     def __init__(
         self,

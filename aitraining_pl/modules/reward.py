@@ -33,9 +33,12 @@ from aitraining_pl.models.quantization import (
     quantization_hparam,
 )
 from aitraining_pl.models.reward import MultiObjectiveRewardModel, PairwiseRewardModel, RewardModel, RewardModelConfig
-from aitraining_pl.modules.base import SharedStepModule, as_lora_config
+from aitraining_pl.modules.base import MODULE_RANGES, SharedStepModule, as_lora_config
 from aitraining_pl.optim import LRSchedule
-from aitraining_pl.validation import constructor_arguments, renamed
+from aitraining_pl.validation import POSITIVE, constructor_arguments, renamed, rules
+
+#: ranges of the reward-model arguments of the reward modules; ``temperature`` divides the rewards here.
+REWARD_MODEL_RANGES = {**MODULE_RANGES, **rules("pooling_strategy", "dropout_prob"), "temperature": POSITIVE}
 
 #: RewardModelConfig fields that mirror a module argument of the same name.
 _SHARED_FIELDS = (
@@ -78,6 +81,8 @@ class RewardModule(SharedStepModule):
     """
 
     model_class: type[RewardModel] = RewardModel
+
+    argument_ranges = {**REWARD_MODEL_RANGES, **rules("center_rewards_coefficient", "center_rewards_coef")}
 
     def __init__(
         self,
@@ -252,6 +257,8 @@ class MultiObjectiveRewardModule(RewardModule):
     """
 
     model_class = MultiObjectiveRewardModel
+
+    argument_ranges = {**REWARD_MODEL_RANGES, **rules("num_objectives")}
 
     def __init__(
         self,

