@@ -19,7 +19,7 @@ from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE
 from aitraining_pl.environments.episode import AssistantTurn, EpisodeEnvironment, EpisodeStep
 from aitraining_pl.environments.tools import ToolTemplateError
 from aitraining_pl.errors import RewardError
-from aitraining_pl.models.episode_decoding import EpisodeTokens, decode_episodes
+from aitraining_pl.models.episode_decoding import EpisodeTokens, TurnSample, decode_episodes, decode_turns
 from aitraining_pl.models.generation import hf_generation_config
 from aitraining_pl.models.tokens import with_bos
 from aitraining_pl.models.training import eval_mode
@@ -163,7 +163,9 @@ def sample_episodes(
 ) -> Rollout:
     """Play ``num_samples`` episodes per prompt with ``engine``'s settings (``max_new_tokens`` per turn) and
     return their ``Rollout``, its ``episodes`` (``EpisodeInfo``) set. Prompts whose ``reset`` returns messages
-    are re-rendered from them (with the environment's tools); the others keep ``prompt_ids``."""
+    are re-rendered from them (with the environment's tools); the others keep ``prompt_ids``. With a generation
+    backend on ``engine`` (vLLM), each turn sends every unfinished episode's whole token sequence to it
+    (``backend_turns``); the rollout then carries the backend's ``sampling_logprobs``."""
     tokenizer, device = engine.tokenizer, prompt_ids.device
     chat = ChatFormat(tokenizer, environment.tools)
     if environment.tools:
@@ -175,11 +177,33 @@ def sample_episodes(
     prompt_ids, prompt_mask = _prompts(chat, first[::num_samples], prompt_ids, prompt_mask, engine, model)
     end_ids = engine.end_token_ids(model)
     config = hf_generation_config(engine.generation, end_ids, engine.pad_token_id(model, end_ids))
-    with eval_mode(model):
-        tokens = decode_episodes(
-            model, prompt_ids, prompt_mask, config, episodes, engine.stop_rule or None, num_samples, reprefill
-        )
+    if engine.backend is not None:
+        sample = backend_turns(engine, model)
+        tokens = decode_turns(sample, prompt_ids, prompt_mask, config.pad_token_id, episodes, num_samples)
+    else:
+        with eval_mode(model):
+            tokens = decode_episodes(
+                model, prompt_ids, prompt_mask, config, episodes, engine.stop_rule or None, num_samples, reprefill
+            )
     return _as_rollout(tokens, episodes, prompt_ids[group], prompt_mask[group], group, config.pad_token_id)
+
+
+def backend_turns(engine: RolloutEngine, model: torch.nn.Module):
+    """``decode_turns``' sampler on ``engine``'s generation backend: each turn is ``engine.sample`` of the
+    histories as prompts (token ids as they are: vLLM's ``prompt_token_ids``), with the single-response path's
+    sampling settings, end ids and stop rule; the backend's prefix cache keeps the earlier turns' KV
+    (``prefilled``: the prompt tokens it did not find there, ``VLLMEngine.cached_tokens``)."""
+
+    def sample(ids: torch.Tensor, mask: torch.Tensor, samples: int) -> TurnSample:
+        drawn = engine.sample(model, ids, mask, samples)
+        lengths = drawn.response_mask.sum(1).tolist()
+        tokens = [row[:n].tolist() for row, n in zip(drawn.response_ids, lengths)]
+        logps = drawn.sampling_logprobs
+        logps = None if logps is None else [row[:n].tolist() for row, n in zip(logps, lengths)]
+        cached = int(getattr(engine.backend, "cached_tokens", 0) or 0)
+        return TurnSample(tokens, drawn.ended.tolist(), logps, int(mask.sum()) - cached)
+
+    return sample
 
 
 def _prompts(chat: ChatFormat, first, prompt_ids, prompt_mask, engine, model):
@@ -223,5 +247,10 @@ def _as_rollout(tokens: EpisodeTokens, episodes: _Episodes, prompt_ids, prompt_m
         tokens.sampled,
     )
     rollout = Rollout(prompt_ids, prompt_mask, ids.to(device), model_mask.to(device), ended.to(device), texts, group)
+    if tokens.sampled_logprobs is not None:
+        logps = torch.zeros(n, width)
+        for r, row in enumerate(tokens.sampled_logprobs):
+            logps[r, : len(row)] = torch.tensor(row, dtype=torch.float32)
+        rollout.sampling_logprobs = logps.to(device)
     rollout.episodes = info
     return rollout

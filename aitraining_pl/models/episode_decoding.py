@@ -14,13 +14,16 @@ sampled and as rendered: the model's text is never re-tokenised.
 
 ``reprefill=True`` (and models whose cache is not made of plain full-attention layers) runs the loop around
 ``generate`` instead: each turn samples from the whole history, prefilled again (what the benchmark compares
-against). With one turn and the same seed, both draw what the single-response decoder draws.
+against). With one turn and the same seed, both draw what the single-response decoder draws. That loop,
+``decode_turns``, takes any per-turn sampler of whole histories: the vLLM backend is one (its prefix cache keeps
+the earlier turns' KV, so only the new tokens are prefilled there too).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache
@@ -52,6 +55,23 @@ class EpisodeTokens:
     turn_ended: list[list[bool]]  #: each turn ended by an end token or stop (False: tokens-per-turn limit)
     prefilled: list[int] = field(default_factory=list)  #: real tokens run through the model before each turn
     sampled: list[int] = field(default_factory=list)  #: tokens sampled in each turn
+    #: per row, the sampler's log-prob of each token (0 on the environment's), when the sampler gives them (vLLM)
+    sampled_logprobs: list[list[float]] | None = None
+
+
+class TurnSample(NamedTuple):
+    """One turn of ``decode_turns``' sampler, per row: the tokens up to the turn's end, whether it ended (end
+    token or stop; False: ``max_new_tokens``), their log-probs under the distribution sampled from (or None);
+    and the tokens the sampler prefilled (not found in a cache)."""
+
+    tokens: list[list[int]]
+    ended: list[bool]
+    logprobs: list[list[float]] | None
+    prefilled: int
+
+
+#: ``sample(ids, mask, num_samples)``: one turn for each left-padded history (rows ``repeat_interleave``d)
+TurnSampler = Callable[[torch.Tensor, torch.Tensor, int], TurnSample]
 
 
 def _full_attention(cache) -> bool:
@@ -133,7 +153,8 @@ def decode_episodes(
     if not reprefill:
         logits, cache = step(prompt_ids, prompt_mask, positions_from_mask(prompt_mask))
     if reprefill or not _full_attention(cache):
-        return _reprefill_loop(model, prompt_ids, prompt_mask, config, respond, stop_rule, num_samples, out)
+        sample = hf_turn_sampler(model, config, stop_rule)
+        return decode_turns(sample, prompt_ids, prompt_mask, int(config.pad_token_id), respond, num_samples)
     out.prefilled.append(int(prompt_mask.sum()))
     mask, position = prompt_mask, positions_from_mask(prompt_mask)[:, -1:]
     if num_samples > 1:
@@ -207,29 +228,51 @@ def _decode_turn(step, cache, logits, mask, position, rows, config, ends, stop_r
     return parked, tokens_by_row, ended_by_row
 
 
-def _reprefill_loop(model, prompt_ids, prompt_mask, config, respond, stop_rule, num_samples, out: EpisodeTokens):
-    """Each turn samples from the whole history, prefilled again (the loop around ``generate``)."""
-    ends, pad = set(config.eos_token_id or []), int(config.pad_token_id)
+def hf_turn_sampler(model, config: HFGenerationConfig, stop_rule: StopRule | None) -> TurnSampler:
+    """``decode_turns``' sampler on the model's own decoder: each turn prefills the whole history again (the loop
+    around ``generate``)."""
+    ends = set(config.eos_token_id or [])
+
+    def sample(ids: torch.Tensor, mask: torch.Tensor, samples: int) -> TurnSample:
+        sampled = sample_responses(model, ids, mask, config, stop_rule, True, samples).response_ids.tolist()
+        turns = [_turn_end(row, ends, stop_rule) for row in sampled]
+        return TurnSample(
+            [row[:n] for row, (n, _) in zip(sampled, turns)], [e for _, e in turns], None, int(mask.sum())
+        )
+
+    return sample
+
+
+def decode_turns(
+    sample: TurnSampler,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    pad: int,
+    respond: Respond,
+    num_samples: int,
+) -> EpisodeTokens:
+    """Episodes of ``num_samples`` rows per left-padded prompt, each turn sampled by ``sample`` from every
+    unfinished episode's whole token sequence (prompt, sampled tokens, replies; never re-tokenised)."""
+    n = prompt_ids.shape[0] * num_samples
+    out = EpisodeTokens([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)])
     prompts = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
     prompts = [p for p in prompts for _ in range(num_samples)]
-    rows = list(range(len(prompts)))
-    ids, mask, samples = prompt_ids, prompt_mask, num_samples
+    rows, ids, mask, samples = list(range(n)), prompt_ids, prompt_mask, num_samples
     for turn in range(1 << 30):
-        out.prefilled.append(int(mask.sum()))
-        sampled = sample_responses(model, ids, mask, config, stop_rule, True, samples).response_ids.tolist()
-        turn_tokens, turn_ended = [], []
-        for row in sampled:
-            length, ended = _turn_end(row, ends, stop_rule)
-            turn_tokens.append(row[:length])
-            turn_ended.append(ended)
-        out.sampled.append(sum(len(t) for t in turn_tokens))
-        replies = respond(turn, rows, turn_tokens, turn_ended)
+        drawn = sample(ids, mask, samples)
+        out.prefilled.append(drawn.prefilled)
+        out.sampled.append(sum(len(t) for t in drawn.tokens))
+        if drawn.logprobs is not None and out.sampled_logprobs is None:
+            out.sampled_logprobs = [[] for _ in range(n)]
+        replies = respond(turn, rows, drawn.tokens, drawn.ended)
         going = []
-        for r, tokens, ended, reply in zip(rows, turn_tokens, turn_ended, replies):
+        for i, (r, tokens, reply) in enumerate(zip(rows, drawn.tokens, replies)):
             out.tokens[r] += tokens
             out.from_model[r] += [True] * len(tokens)
             out.turn_ends[r].append(len(out.tokens[r]) - 1)
-            out.turn_ended[r].append(ended)
+            out.turn_ended[r].append(drawn.ended[i])
+            if out.sampled_logprobs is not None:
+                out.sampled_logprobs[r] += list(drawn.logprobs[i]) + [0.0] * len(reply or ())
             if reply is not None:
                 out.tokens[r] += list(reply)
                 out.from_model[r] += [False] * len(reply)

@@ -16,6 +16,7 @@ Manual optimisation: Lightning's ``global_step`` counts optimizer steps.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import uuid
 from collections.abc import Callable
@@ -172,12 +173,6 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         resumed run samples from the resumed weights."""
         if resolve_backend(self.generation.backend, self.device) != "vllm" or self._vllm[0] is not None:
             return
-        if is_episode_environment(self.reward_source):
-            raise ConfigError(
-                "generation.backend",
-                "multi-turn episodes are sampled by the hf decoder (their KV cache is kept across turns); "
-                "use backend: hf with an episode environment",
-            )
         if self.generation.vllm.mode == "server":  # ``aitraining-pl vllm-serve`` samples, rank 0 pushes weights
             run = self.trainer.strategy.broadcast(uuid.uuid4().hex)  # one id for the run's weight versions
             self._vllm[0] = VLLMServerClient(self.policy, self.generation.vllm, self.global_rank, run)
@@ -237,16 +232,25 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         ``config``), in eval mode; rows ``i*G .. i*G+G-1`` answer prompt ``i``. With the vLLM backend the engine
         first loads the policy's weights if they changed since its last rollout (one sync per optimizer step
         count), and the rollout carries vLLM's log-probs (``sampling_logprobs``)."""
-        vllm = self._vllm[0]
-        engine = self.engine if config is None else RolloutEngine(self.tokenizer, config, backend=vllm)
-        if vllm is not None:
-            vllm.sync(self.policy, version=self.global_step)
-            try:
-                return engine.sample(self.policy, prompt_ids, prompt_mask, num_samples)
-            finally:
-                vllm.sleep()
-        with gathered(self.policy):  # FSDP2: one all-gather for the whole rollout; a no-op otherwise
+        engine = self.engine if config is None else RolloutEngine(self.tokenizer, config, backend=self._vllm[0])
+        with self.sampling():
             return engine.sample(self.policy, prompt_ids, prompt_mask, num_samples)
+
+    @contextlib.contextmanager
+    def sampling(self):
+        """Around a rollout: with the vLLM backend, its engine loads the policy's weights if they changed since
+        its last rollout (one sync per optimizer step count) and sleeps afterwards; else the policy's full
+        parameters (FSDP2: one all-gather for the whole rollout; a no-op otherwise)."""
+        vllm = self._vllm[0]
+        if vllm is None:
+            with gathered(self.policy):
+                yield
+            return
+        vllm.sync(self.policy, version=self.global_step)
+        try:
+            yield
+        finally:
+            vllm.sleep()
 
     def score(self, prompts: list[str], metadata: list[dict], rollout: Rollout):
         """Scores (N,) from the reward source, minus ``missing_eos_penalty`` where a response did not end;
@@ -278,7 +282,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
     def episode_rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
         """Play ``samples`` episodes per prompt (``environments.episode_rollout``); the score of an episode is
         its return, minus ``missing_eos_penalty`` (on its last sampled token) when a limit cut it short."""
-        with gathered(self.policy):
+        with self.sampling():
             rollout = sample_episodes(
                 self.engine,
                 self.policy,
@@ -304,6 +308,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             {},
             token_scores=info.token_rewards - place_scores(penalty, mask),
             episode_metrics=info.metrics,
+            sampling_logprobs=rollout.sampling_logprobs,
         )
 
     # ------------------------------------------------------------------ log-prob passes

@@ -175,6 +175,7 @@ class VLLMEngine:
         self.asleep = False
         self.version: Any = None  #: the policy version whose weights the engine holds (None: none loaded yet)
         self.sync_seconds = 0.0  #: time the last ``sync`` took
+        self.cached_tokens = 0  #: prompt tokens of the last ``sample`` found in vLLM's prefix cache (not prefilled)
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -264,6 +265,7 @@ class VLLMEngine:
             for i in range(len(prompts))
         ]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        self.cached_tokens = sum(int(getattr(out, "num_cached_tokens", 0) or 0) for out in outputs)
         completions = [c for out in outputs for c in out.outputs]
         length = max((len(c.token_ids) for c in completions), default=0)
         device = prompt_ids.device
