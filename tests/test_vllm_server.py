@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import socket
 import struct
 import subprocess
@@ -36,21 +35,10 @@ SPEC = {"preset": "tiny-llama", "num_attention_heads": 2, "num_key_value_heads":
 def start_server(log: Path) -> tuple[subprocess.Popen, int]:
     """``aitraining-pl vllm-serve`` on a free loopback port; returns the process and the port it printed."""
     pytest.importorskip("vllm")
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "aitraining_pl.cli", "vllm-serve", "--model", json.dumps(SPEC)]
-    command += ["--tokenizer", "byte", "--port", "0"]
-    with log.open("w") as sink:
-        proc = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        found = re.search(r"listening on 127\.0\.0\.1:(\d+)", log.read_text(errors="replace"))
-        if found:
-            return proc, int(found.group(1))
-        if proc.poll() is not None:
-            break
-        time.sleep(0.5)
-    proc.kill()
-    raise AssertionError("vllm-serve did not start:\n" + log.read_text(errors="replace")[-3000:])
+    from aitraining_pl.vllm_backend.server import launch
+
+    os.environ.setdefault("PYTHONPATH", str(ROOT))
+    return launch(["--model", json.dumps(SPEC), "--tokenizer", "byte", "--port", "0"], log)
 
 
 def stop(proc: subprocess.Popen) -> None:

