@@ -7,6 +7,7 @@ the framing and client-error tests need no vLLM and run everywhere."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import socket
@@ -293,3 +294,13 @@ def test_a_frame_cut_short_is_a_connection_error():
     with pytest.raises(ConnectionError, match="mid-frame"):
         read_frame(b)
     b.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_vllm_serve_without_vllm_is_one_line_naming_the_extra(capsys):
+    from aitraining_pl.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["vllm-serve", "--model", "tiny-llama", "--tokenizer", "byte"])
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and "\n" not in err and "pip install -e '.[vllm]'" in err, err
