@@ -61,6 +61,17 @@ def renamed(owner: str, new: str, value: Any, default: Any, **old: Any) -> Any:
     return old_value
 
 
+def replaced(owner: str, old: str, new: str) -> None:
+    """Warn (``RenamedArgumentWarning``, as ``renamed()`` does for one argument) that ``old``, a deprecated way to
+    write a setting (several fields, another library's class), is replaced by ``new``; the old spelling keeps
+    working until the next release."""
+    warnings.warn(
+        f"{owner}: {old} is replaced by {new}; the old spelling is accepted until the next release",
+        RenamedArgumentWarning,
+        stacklevel=3,
+    )
+
+
 def constructor_arguments(init: Callable, values: Mapping[str, Any], ignore: tuple[str, ...] = ()) -> dict[str, Any]:
     """The arguments of the constructor ``init`` by the names of its signature, read from ``values`` (the
     constructor's own ``locals()`` once its arguments are normalised): the explicit alternative to Lightning's

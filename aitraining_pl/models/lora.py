@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from aitraining_pl.validation import Ranges, rules
+from aitraining_pl.validation import Ranges, replaced, rules
 
 
 @dataclass
@@ -31,6 +33,65 @@ class LoRAConfig:
     """Module names to adapt, or ``all-linear`` for every linear layer except the output head."""
     modules_to_save: list[str] | None = field(default=None)
     """Extra modules trained in full and saved with the adapters."""
+
+
+#: ``peft.LoraConfig`` field -> ``LoRAConfig`` field (the fields this project's adapters carry).
+PEFT_LORA_FIELDS = {
+    "r": "r",
+    "lora_alpha": "alpha",
+    "lora_dropout": "dropout",
+    "target_modules": "target_modules",
+    "modules_to_save": "modules_to_save",
+}
+
+
+def as_lora_config(lora: Any, owner: str = "lora") -> LoRAConfig | None:
+    """``LoRAConfig`` from this project's dataclass, a dict of its fields (as stored in hparams, checkpoints and
+    ``reward_config.json``) or ``None``: the one spelling of LoRA settings. Deprecated spellings, accepted with a
+    ``RenamedArgumentWarning`` until the next release: a ``peft.LoraConfig`` and a dict with peft's field names
+    (``lora_alpha``, ``lora_dropout``, ``task_type``). ``owner`` names the argument in the warning."""
+    if lora is None or isinstance(lora, LoRAConfig):
+        return lora
+    if type(lora).__name__ == "LoraConfig" and dataclasses.is_dataclass(lora):
+        replaced(owner, "a peft.LoraConfig", "LoRAConfig (r, alpha, dropout, target_modules, modules_to_save)")
+        return _from_peft(lora)
+    values = dict(lora)
+    theirs = [k for k in values if PEFT_LORA_FIELDS.get(k, k) != k or k in ("task_type", "peft_type")]
+    if theirs:
+        replaced(owner, f"peft's field names ({', '.join(theirs)})", "LoRAConfig's (alpha, dropout)")
+    return LoRAConfig(
+        **{PEFT_LORA_FIELDS.get(k, k): v for k, v in values.items() if k not in ("task_type", "peft_type")}
+    )
+
+
+def _from_peft(lora: Any) -> LoRAConfig:
+    """``LoRAConfig`` from a ``peft.LoraConfig``; a warning names any other field set away from peft's default
+    (it is not applied)."""
+    from peft import LoraConfig
+
+    values = {ours: getattr(lora, theirs) for theirs, ours in PEFT_LORA_FIELDS.items()}
+    targets = values["target_modules"]
+    values["target_modules"] = (
+        "all-linear" if targets is None else targets if isinstance(targets, str) else sorted(targets)
+    )
+    values["modules_to_save"] = list(values["modules_to_save"]) if values["modules_to_save"] else None
+    default = LoraConfig()
+    ignored = [
+        f.name
+        for f in dataclasses.fields(lora)
+        if f.name not in PEFT_LORA_FIELDS
+        and f.name
+        not in ("task_type", "peft_type", "base_model_name_or_path", "revision", "inference_mode", "target_parameters")
+        and getattr(lora, f.name) != getattr(default, f.name)
+    ]
+    if ignored:
+        warnings.warn(
+            f"peft.LoraConfig fields not applied (LoRAConfig carries {', '.join(PEFT_LORA_FIELDS)}): "
+            f"{', '.join(ignored)}",
+            UserWarning,
+            stacklevel=4,
+        )
+    return LoRAConfig(**values)
 
 
 def apply_lora(model: nn.Module, config: LoRAConfig, task_type: str = "CAUSAL_LM") -> nn.Module:

@@ -19,19 +19,22 @@ import dataclasses
 import inspect
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from aitraining_pl.errors import ConfigError
 from aitraining_pl.losses import bradley_terry_loss
 from aitraining_pl.losses.reward import POOLING_STRATEGIES, masked_objective_mse, pool_hidden_states
 from aitraining_pl.models.loading import hidden_size_of, load_backbone, load_tokenizer, resolve_dtype
-from aitraining_pl.models.lora import LoRAConfig, apply_lora, is_peft_model, plain_state_dict
+from aitraining_pl.models.lora import LoRAConfig, apply_lora, as_lora_config, is_peft_model, plain_state_dict
 from aitraining_pl.models.tokens import with_bos
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.models.trunk_positions import POSITION_MODES, choose_position_mode, trunk_hidden
+from aitraining_pl.validation import replaced
 
 #: File names inside a saved reward-model folder.
 REWARD_CONFIG_FILE = "reward_config.json"
@@ -53,14 +56,16 @@ class RewardModelConfig:
     """Dropout before the head."""
     temperature: float = 1.0
     """Rewards are divided by this."""
-    use_lora: bool = False
-    """Train LoRA adapters on the trunk instead of all of its weights (the head is always trained in full)."""
-    lora_rank: int = 8
-    """LoRA rank."""
-    lora_alpha: int = 16
-    """LoRA scaling numerator."""
-    lora_dropout: float = 0.1
-    """Dropout on the LoRA input."""
+    use_lora: InitVar[bool | None] = None
+    """Deprecated (the seed's spelling): ``lora=LoRAConfig(...)``; ``True`` gives the seed's adapters (rank 8, alpha
+    16, dropout 0.1, ``all-linear``), which the four fields below change. Accepted with a warning until the next
+    release."""
+    lora_rank: InitVar[int | None] = None
+    """Deprecated: ``lora.r``."""
+    lora_alpha: InitVar[int | None] = None
+    """Deprecated: ``lora.alpha``."""
+    lora_dropout: InitVar[float | None] = None
+    """Deprecated: ``lora.dropout``."""
     learning_rate: float = 1e-4
     """Peak learning rate (used by ``RewardModelTrainer``)."""
     warmup_steps: int = 100
@@ -71,8 +76,8 @@ class RewardModelConfig:
     """Instead of ``model_name``: an inline trunk config (``{"model_type": "llama", ...}``), randomly initialised."""
     tokenizer_name: str | None = None
     """Tokenizer folder / hub id, or ``byte``; defaults to ``model_name``."""
-    lora_target_modules: str | list = "all-linear"
-    """Trunk modules that get adapters."""
+    lora_target_modules: InitVar[str | list | None] = None
+    """Deprecated: ``lora.target_modules``."""
     seed: int = 0
     """Seed of the random initialisation (inline trunk and head)."""
     trust_remote_code: bool = False
@@ -84,11 +89,50 @@ class RewardModelConfig:
     ``<Arch>ForSequenceClassification`` layout (whose ``score`` head has none; see ``reward_export``)."""
     extra: dict = field(default_factory=dict)
     """Model-specific settings (the multi-objective model keeps ``num_objectives`` and its weights here)."""
+    lora: LoRAConfig | None = None
+    """LoRA adapters on the trunk (``LoRAConfig``, or a dict of its fields), trained instead of all of its weights;
+    the head is always trained in full. ``None``: no adapters."""
 
-    def lora(self) -> LoRAConfig | None:
-        if not self.use_lora:
-            return None
-        return LoRAConfig(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_target_modules)
+    def __post_init__(self, use_lora, lora_rank, lora_alpha, lora_dropout, lora_target_modules) -> None:
+        old = {"use_lora": use_lora, "lora_rank": lora_rank, "lora_alpha": lora_alpha, "lora_dropout": lora_dropout}
+        old["lora_target_modules"] = lora_target_modules
+        given = [repr(name) for name, value in old.items() if value is not None]
+        self.lora = as_lora_config(self.lora, "RewardModelConfig.lora")
+        if given:
+            if self.lora is not None:
+                raise ConfigError("RewardModelConfig.lora", f"given twice: as 'lora' and as {', '.join(given)}")
+            replaced("RewardModelConfig", ", ".join(given), "lora=LoRAConfig(r, alpha, dropout, target_modules)")
+            self.lora = seed_lora(**old)
+
+    @classmethod
+    def from_saved(cls, values: dict) -> RewardModelConfig:
+        """The config of a saved ``reward_config.json``; one written before ``lora`` (with the seed's ``use_lora`` /
+        ``lora_*`` fields) is read as it was meant, without a warning (a file is not the user's spelling)."""
+        values = dict(values)
+        old = {name: values.pop(name) for name in ("use_lora", *SEED_LORA_FIELDS) if name in values}
+        return cls(**values, lora=seed_lora(**old)) if old else cls(**values)
+
+
+def seed_lora(use_lora: bool | None = None, **fields: Any) -> LoRAConfig | None:
+    """The ``LoRAConfig`` described by the seed's ``RewardModelConfig`` fields (``use_lora``, ``lora_rank``, ...;
+    the seed's default for each one not given), ``None`` without ``use_lora``."""
+    if not use_lora:
+        return None
+    return LoRAConfig(
+        **{
+            ours: default if fields.get(old) is None else fields[old]
+            for old, (ours, default) in SEED_LORA_FIELDS.items()
+        }
+    )
+
+
+#: the seed's LoRA fields of ``RewardModelConfig`` -> (``LoRAConfig`` field, the seed's default).
+SEED_LORA_FIELDS = {
+    "lora_rank": ("r", 8),
+    "lora_alpha": ("alpha", 16),
+    "lora_dropout": ("dropout", 0.1),
+    "lora_target_modules": ("target_modules", "all-linear"),
+}
 
 
 def encode_for_reward(tokenizer, text: str, max_length: int | None = None) -> list[int]:
@@ -128,7 +172,7 @@ class RewardModel(nn.Module):
         base = trunk.get_base_model() if is_peft_model(trunk) else trunk
         accepted = inspect.signature(base.forward).parameters
         self._takes_positions, self._takes_cache = "position_ids" in accepted, "use_cache" in accepted
-        lora = config.lora()
+        lora = config.lora
         self.trunk = (
             apply_lora(trunk, lora, task_type="FEATURE_EXTRACTION") if lora and not is_peft_model(trunk) else trunk
         )
@@ -281,10 +325,10 @@ class RewardModel(nn.Module):
         if saved_cls is None or not issubclass(saved_cls, cls):
             raise ValueError(f"{path} holds a {meta['class']}, which is not a {cls.__name__}")
         known = {f.name for f in dataclasses.fields(RewardModelConfig)}  # version 1 lacks head_bias: True
-        unknown = sorted(set(meta.get("config") or {}) - known)
+        unknown = sorted(set(meta.get("config") or {}) - known - {"use_lora", *SEED_LORA_FIELDS})
         if unknown:
             raise ValueError(f"{meta_file}: unknown reward-model config fields {unknown}")
-        config = dataclasses.replace(RewardModelConfig(**meta["config"]), trust_remote_code=trust_remote_code)
+        config = RewardModelConfig.from_saved({**meta["config"], "trust_remote_code": trust_remote_code})
         trunk_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         trunk = AutoModel.from_config(trunk_config, trust_remote_code=trust_remote_code)
         model = saved_cls._from_config(config, trunk)

@@ -37,7 +37,7 @@ from torchmetrics import MeanMetric
 
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.models import LoRAConfig, ReferencePolicy, is_peft_model, load_policy, load_tokenizer
-from aitraining_pl.models.lora import save_adapter_base, save_plain
+from aitraining_pl.models.lora import as_lora_config, save_adapter_base, save_plain
 from aitraining_pl.models.quantization import is_quantized, merged_full_precision_state, quantization_hparam
 from aitraining_pl.models.sharding import is_sharded, shard
 from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing
@@ -52,60 +52,6 @@ EPOCH_STAGES = ("val", "test")
 MODULE_RANGES = rules(
     "learning_rate", "warmup_ratio", "weight_decay", "lr_schedule", "dtype", lora=LoRAConfig.argument_ranges
 )
-
-
-#: ``peft.LoraConfig`` field -> ``LoRAConfig`` field (the fields this project's adapters carry).
-PEFT_LORA_FIELDS = {
-    "r": "r",
-    "lora_alpha": "alpha",
-    "lora_dropout": "dropout",
-    "target_modules": "target_modules",
-    "modules_to_save": "modules_to_save",
-}
-
-
-def _from_peft(lora: Any) -> LoRAConfig:
-    """``LoRAConfig`` from a ``peft.LoraConfig``; a warning names any other field set away from peft's default
-    (it is not applied)."""
-    import warnings
-
-    from peft import LoraConfig
-
-    values = {ours: getattr(lora, theirs) for theirs, ours in PEFT_LORA_FIELDS.items()}
-    targets = values["target_modules"]
-    values["target_modules"] = (
-        "all-linear" if targets is None else targets if isinstance(targets, str) else sorted(targets)
-    )
-    values["modules_to_save"] = list(values["modules_to_save"]) if values["modules_to_save"] else None
-    default = LoraConfig()
-    ignored = [
-        f.name
-        for f in dataclasses.fields(lora)
-        if f.name not in PEFT_LORA_FIELDS
-        and f.name
-        not in ("task_type", "peft_type", "base_model_name_or_path", "revision", "inference_mode", "target_parameters")
-        and getattr(lora, f.name) != getattr(default, f.name)
-    ]
-    if ignored:
-        warnings.warn(
-            f"peft.LoraConfig fields not applied (LoRAConfig carries {', '.join(PEFT_LORA_FIELDS)}): "
-            f"{', '.join(ignored)}",
-            UserWarning,
-            stacklevel=3,
-        )
-    return LoRAConfig(**values)
-
-
-def as_lora_config(lora: Any) -> LoRAConfig | None:
-    """``LoRAConfig`` from this project's dataclass, a ``peft.LoraConfig``, a plain dict (as stored in
-    hparams/checkpoints, or with peft's field names) or ``None``."""
-    if lora is None or isinstance(lora, LoRAConfig):
-        return lora
-    if type(lora).__name__ == "LoraConfig" and dataclasses.is_dataclass(lora):
-        return _from_peft(lora)
-    values = dict(lora)
-    values = {PEFT_LORA_FIELDS.get(k, k): v for k, v in values.items() if k not in ("task_type", "peft_type")}
-    return LoRAConfig(**values)
 
 
 class AlignmentModule(pl.LightningModule):
@@ -137,7 +83,7 @@ class AlignmentModule(pl.LightningModule):
         against the class's ``argument_ranges``."""
         values = dict(arguments)
         if "lora" in values:
-            config = as_lora_config(values["lora"])
+            config = as_lora_config(values["lora"], f"{type(self).__name__}.lora")
             values["lora"] = dataclasses.asdict(config) if config is not None else None
         if "quantization" in values:
             values["quantization"] = quantization_hparam(values["quantization"])

@@ -32,7 +32,7 @@ class DPOModule(PreferenceModule):
         model_name: folder or hub id of the policy (a causal LM).
         model_config: inline transformers config for a randomly initialised policy (instead of ``model_name``).
         tokenizer_name: tokenizer folder, hub id or ``"byte"`` (default: ``model_name``); shared with the data.
-        lora: LoRA adapters on the policy (``LoRAConfig``, or a ``peft.LoraConfig`` in Python); the reference is
+        lora: LoRA adapters on the policy (``LoRAConfig``); the reference is
             then the policy with adapters disabled.
         beta: temperature of the implicit reward ``beta * log(pi / pi_ref)``.
         loss_type: a loss of ``losses.DPO_LOSSES``: ``sigmoid`` (DPO), ``robust``, ``hinge`` (SLiC), ``ipo``,

@@ -31,7 +31,7 @@ class KTOModule(PreferenceModule):
         model_name: folder or hub id of the policy (a causal LM).
         model_config: inline transformers config for a randomly initialised policy (instead of ``model_name``).
         tokenizer_name: tokenizer folder, hub id or ``"byte"`` (default: ``model_name``); shared with the data.
-        lora: LoRA adapters on the policy (``LoRAConfig``, or a ``peft.LoraConfig`` in Python); the reference is
+        lora: LoRA adapters on the policy (``LoRAConfig``); the reference is
             then the policy with adapters disabled.
         beta: temperature of the implicit reward ``beta * log(pi / pi_ref)``.
         desirable_weight: weight of the desirable completions' loss (lambda_D).

@@ -38,7 +38,7 @@ class ORPOModule(PreferenceModule):
         model_name: folder or hub id of the policy (a causal LM).
         model_config: inline transformers config for a randomly initialised policy (instead of ``model_name``).
         tokenizer_name: tokenizer folder, hub id or ``"byte"`` (default: ``model_name``); shared with the data.
-        lora: LoRA adapters on the policy (``LoRAConfig``, or a ``peft.LoraConfig`` in Python).
+        lora: LoRA adapters on the policy (``LoRAConfig``).
         beta: weight of the odds-ratio term (the paper's lambda; TRL's ``beta``).
         learning_rate: peak AdamW learning rate.
         warmup_ratio: fraction of the optimizer steps spent in linear warmup.
@@ -115,7 +115,7 @@ class CPOModule(PreferenceModule):
         model_name: folder or hub id of the policy (a causal LM).
         model_config: inline transformers config for a randomly initialised policy (instead of ``model_name``).
         tokenizer_name: tokenizer folder, hub id or ``"byte"`` (default: ``model_name``); shared with the data.
-        lora: LoRA adapters on the policy (``LoRAConfig``, or a ``peft.LoraConfig`` in Python).
+        lora: LoRA adapters on the policy (``LoRAConfig``).
         beta: temperature of the preference term.
         loss_type: the preference term, a loss of ``losses.DPO_LOSSES`` (TRL's CPO: ``sigmoid``, ``hinge``,
             ``ipo``, ``simpo``).

@@ -60,7 +60,7 @@ class PPOModule(OnlineRLModule):
         model_name: policy as a local folder or hub id.
         model_config: policy as an inline config dict (random init), instead of ``model_name``.
         tokenizer_name: tokenizer (default: ``model_name``; ``"byte"`` for the byte-level tokenizer).
-        lora: LoRA adapters on the policy (``LoRAConfig``, or a ``peft.LoraConfig`` in Python; the reference is then
+        lora: LoRA adapters on the policy (``LoRAConfig``; the reference is then
             the policy with adapters disabled).
         reward: required: the reward source: an import path ``"pkg.module:function"``, a reward-model folder,
             ``{"class_path", "init_args"}`` or ``{"components": {name: {"source", "weight", "kwargs"}}}``

@@ -33,7 +33,7 @@ from aitraining_pl.models.quantization import (
     quantization_hparam,
 )
 from aitraining_pl.models.reward import MultiObjectiveRewardModel, PairwiseRewardModel, RewardModel, RewardModelConfig
-from aitraining_pl.modules.base import MODULE_RANGES, SharedStepModule, as_lora_config
+from aitraining_pl.modules.base import MODULE_RANGES, SharedStepModule
 from aitraining_pl.optim import LRSchedule
 from aitraining_pl.validation import POSITIVE, constructor_arguments, renamed, rules
 
@@ -54,7 +54,7 @@ class RewardModule(SharedStepModule):
         model_name: folder or hub id of the trunk (``AutoModel``: a decoder such as Llama or an encoder such as BERT).
         model_config: inline transformers config for a randomly initialised trunk (instead of ``model_name``).
         tokenizer_name: tokenizer folder, hub id or ``"byte"`` (default: ``model_name``); shared with the data.
-        lora: LoRA adapters on the trunk (``LoRAConfig``, or a ``peft.LoraConfig`` in Python; the reward head is
+        lora: LoRA adapters on the trunk (``LoRAConfig``; the reward head is
             always trained in full).
         pooling_strategy: ``last`` (last real token), ``mean`` or ``cls`` (first real token).
         dropout_prob: dropout before the reward head.
@@ -137,12 +137,7 @@ class RewardModule(SharedStepModule):
     # ------------------------------------------------------------------ the model
     def reward_config(self) -> RewardModelConfig:
         """The ``RewardModelConfig`` described by this module's hyperparameters."""
-        lora = as_lora_config(self.hparams.get("lora"))
-        config = RewardModelConfig(**{name: self.hparams[name] for name in _SHARED_FIELDS})
-        if lora is not None:
-            config.use_lora, config.lora_rank, config.lora_alpha = True, lora.r, lora.alpha
-            config.lora_dropout, config.lora_target_modules = lora.dropout, lora.target_modules
-        return config
+        return RewardModelConfig(**{name: self.hparams[name] for name in _SHARED_FIELDS}, lora=self.hparams.get("lora"))
 
     def subclass_arguments(self) -> dict[str, Any]:
         """The hyperparameters of a subclass's own constructor arguments (none here)."""
@@ -152,7 +147,7 @@ class RewardModule(SharedStepModule):
         """The settings of a given reward model, stored as the hyperparameters they replace."""
         if not isinstance(model, self.model_class):
             raise TypeError(f"{type(self).__name__} trains a {self.model_class.__name__}, got {type(model).__name__}")
-        return {**{name: getattr(model.config, name) for name in _SHARED_FIELDS}, "lora": model.config.lora()}
+        return {**{name: getattr(model.config, name) for name in _SHARED_FIELDS}, "lora": model.config.lora}
 
     def build_reward_model(self, config: RewardModelConfig) -> RewardModel:
         return self.model_class(config, trunk=self.quantized_trunk(config))
@@ -178,7 +173,7 @@ class RewardModule(SharedStepModule):
         full = load_backbone(**self._trunk_source(model.config))
         trunk = {f"trunk.{k}": v for k, v in merged_full_precision_state(model.trunk, full).items()}
         rest = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("trunk.")}
-        plain = type(model)._from_config(dataclasses.replace(model.config, use_lora=False), full)
+        plain = type(model)._from_config(dataclasses.replace(model.config, lora=None), full)
         plain.load_merged_state_dict({**trunk, **rest})
         return plain
 

@@ -30,7 +30,7 @@ class SFTModule(SharedStepModule):
         model_name: folder or hub id of the model (a causal LM).
         model_config: inline transformers config for a randomly initialised model (instead of ``model_name``).
         tokenizer_name: tokenizer folder, hub id or ``"byte"`` (default: ``model_name``); shared with the data.
-        lora: LoRA adapters on the model (``LoRAConfig``, or a ``peft.LoraConfig`` in Python; only they are trained
+        lora: LoRA adapters on the model (``LoRAConfig``; only they are trained
             and exported, unless merged on export).
         learning_rate: peak AdamW learning rate.
         warmup_ratio: fraction of the optimizer steps spent in linear warmup.
