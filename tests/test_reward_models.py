@@ -87,6 +87,8 @@ def test_bad_config_is_rejected():
 
 # ------------------------------------------------------------------ pairwise
 def test_pairwise_forward_and_bradley_terry_labels(byte_tokenizer):
+    from aitraining_pl.compat import PairwiseRewardModel  # the seed's methods are in the compatibility layer
+
     model = PairwiseRewardModel(_config()).eval()
     a, b = _encode(byte_tokenizer, "right", TEXTS[:2]), _encode(byte_tokenizer, "right", TEXTS[2:])
     ra, rb = model.score(**a), model.score(**b)
@@ -124,6 +126,8 @@ def test_masked_objective_mse_hand_values():
 
 
 def test_masked_objective_gets_no_gradient(byte_tokenizer):
+    from aitraining_pl.compat import MultiObjectiveRewardModel  # the seed's methods are in the compatibility layer
+
     model = MultiObjectiveRewardModel(_config(), num_objectives=3)
     enc = _encode(byte_tokenizer, "right")
     targets = torch.randn(4, 3)

@@ -10,9 +10,10 @@ seed import                                     this package
 ``autotrain.trainers.rl.forward_backward``      ``aitraining_pl.compat.forward_backward``
 =============================================== =================================================
 
-The facades (``facades``, ``reward_trainer``) share ``compat.common``; the seed's forward/backward pipeline is
-``compat.forward_backward``. The rest (models, environments, data) is the core's, re-exported here. Nothing
-outside this package imports it (tests/test_layering.py). Names load on first use.
+The facades (``facades``, ``reward_trainer``) share ``compat.common``; ``reward_models`` adds the seed's methods
+(``forward_pair``, ``compute_bradley_terry_loss``, ``compute_multi_objective_loss``) to the core reward models; the
+seed's forward/backward pipeline is ``compat.forward_backward``. The rest (models, environments, data) is the core's,
+re-exported here. Nothing outside this package imports it (tests/test_layering.py). Names load on first use.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ _EXPORTS: dict[str, str] = {
     "PreferenceDataset": "aitraining_pl.datamodules.preference",
     "RewardModel": "aitraining_pl.models",
     "RewardModelConfig": "aitraining_pl.models",
-    "PairwiseRewardModel": "aitraining_pl.models",
-    "MultiObjectiveRewardModel": "aitraining_pl.models",
+    "PairwiseRewardModel": "aitraining_pl.compat.reward_models",  # the core class + the seed's methods
+    "MultiObjectiveRewardModel": "aitraining_pl.compat.reward_models",
     "PPOModel": "aitraining_pl.models",
     "ValueHead": "aitraining_pl.models",
     "Observation": "aitraining_pl.environments",

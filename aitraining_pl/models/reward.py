@@ -27,8 +27,7 @@ import torch
 from torch import nn
 
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.losses import bradley_terry_loss
-from aitraining_pl.losses.reward import POOLING_STRATEGIES, masked_objective_mse, pool_hidden_states
+from aitraining_pl.losses.reward import POOLING_STRATEGIES, pool_hidden_states
 from aitraining_pl.models.loading import hidden_size_of, load_backbone, load_tokenizer, resolve_dtype
 from aitraining_pl.models.lora import LoRAConfig, apply_lora, as_lora_config, is_peft_model, plain_state_dict
 from aitraining_pl.models.tokens import with_bos
@@ -291,7 +290,8 @@ class RewardModel(nn.Module):
             base.config.save_pretrained(path)
             save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
         meta = {
-            "format": _FORMAT, "version": 2, "class": type(self).__name__, "config": dataclasses.asdict(self.config),
+            "format": _FORMAT, "version": 2, "class": self.saved_class().__name__,
+            "config": dataclasses.asdict(self.config),
             "weights": "sequence_classification" if record else "project", "standard": record,
         }  # fmt: skip
         (path / REWARD_CONFIG_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
@@ -322,8 +322,9 @@ class RewardModel(nn.Module):
         if meta.get("format") != _FORMAT:
             raise ValueError(f"{meta_file}: not a reward-model config (format {meta.get('format')!r})")
         saved_cls = REWARD_MODEL_CLASSES.get(meta["class"])
-        if saved_cls is None or not issubclass(saved_cls, cls):
+        if saved_cls is None or not issubclass(saved_cls, cls.saved_class()):
             raise ValueError(f"{path} holds a {meta['class']}, which is not a {cls.__name__}")
+        saved_cls = cls if saved_cls is cls.saved_class() else saved_cls  # a subclass of the saved class: itself
         known = {f.name for f in dataclasses.fields(RewardModelConfig)}  # version 1 lacks head_bias: True
         unknown = sorted(set(meta.get("config") or {}) - known - {"use_lora", *SEED_LORA_FIELDS})
         if unknown:
@@ -348,6 +349,12 @@ class RewardModel(nn.Module):
     @classmethod
     def _from_config(cls, config: RewardModelConfig, trunk: nn.Module) -> RewardModel:
         return cls(config, trunk=trunk)
+
+    @classmethod
+    def saved_class(cls) -> type[RewardModel]:
+        """The class a folder records (``REWARD_MODEL_CLASSES``): ``cls``, or the one it extends (the seed's API in
+        ``aitraining_pl.compat`` adds methods to these classes, and saves and loads the same folders)."""
+        return next(c for c in cls.__mro__ if REWARD_MODEL_CLASSES.get(c.__name__) is c)
 
     def load_merged_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load plain weights (as ``merged_state_dict`` gives) into this model, LoRA-wrapped or not. The
@@ -375,38 +382,15 @@ class RewardModel(nn.Module):
 
 
 class PairwiseRewardModel(RewardModel):
-    """A reward model used through direct comparisons (Bradley & Terry 1952): P(A > B) = s(r_A - r_B)."""
-
-    def forward_pair(
-        self,
-        input_ids_a: torch.Tensor,
-        attention_mask_a: torch.Tensor | None,
-        input_ids_b: torch.Tensor,
-        attention_mask_b: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """(B,) probability that A is preferred to B."""
-        return torch.sigmoid(self.score(input_ids_a, attention_mask_a) - self.score(input_ids_b, attention_mask_b))
-
-    def compute_bradley_terry_loss(
-        self,
-        input_ids_a: torch.Tensor,
-        attention_mask_a: torch.Tensor | None,
-        input_ids_b: torch.Tensor,
-        attention_mask_b: torch.Tensor | None,
-        labels: torch.Tensor,
-        margin: torch.Tensor | None = None,
-        center_coef: float = 0.0,
-    ) -> torch.Tensor:
-        """Scalar Bradley-Terry loss (``bradley_terry_loss``); ``labels`` (B,) is 1 where A is preferred, 0 where
-        B is."""
-        reward_a, reward_b = self.score(input_ids_a, attention_mask_a), self.score(input_ids_b, attention_mask_b)
-        a_wins = labels.to(reward_a.device).bool()
-        chosen, rejected = torch.where(a_wins, reward_a, reward_b), torch.where(a_wins, reward_b, reward_a)
-        return bradley_terry_loss(chosen, rejected, margin=margin, center_coef=center_coef)
+    """A reward model used through direct comparisons (Bradley & Terry 1952): P(A > B) = s(r_A - r_B);
+    ``PairwiseRewardModule`` trains it and logs that probability. The seed's ``forward_pair`` and
+    ``compute_bradley_terry_loss`` are in ``aitraining_pl.compat.PairwiseRewardModel``."""
 
 
 class MultiObjectiveRewardModel(RewardModel):
-    """One reward head per objective (helpfulness, safety, ...) on a shared trunk, combined by fixed weights.
+    """One reward head per objective (helpfulness, safety, ...) on a shared trunk, combined by fixed weights
+    (``MultiObjectiveRewardModule`` trains it; the seed's ``compute_multi_objective_loss`` is in
+    ``aitraining_pl.compat.MultiObjectiveRewardModel``).
 
     Args:
         config: a ``RewardModelConfig``.
@@ -457,18 +441,6 @@ class MultiObjectiveRewardModel(RewardModel):
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B,) the combined reward."""
         return self.forward(input_ids, attention_mask)[:, 0]
-
-    def compute_multi_objective_loss(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        target_rewards: torch.Tensor,
-        objective_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(total, per_objective)`` squared-error loss against (B, n) targets (``masked_objective_mse``);
-        ``objective_mask`` (B, n) or (n,) marks known targets, and a masked entry contributes nothing."""
-        rewards = self.forward(input_ids, attention_mask, return_all_objectives=True)["rewards"]
-        return masked_objective_mse(rewards, target_rewards.to(rewards), objective_mask)
 
 
 #: Saved class name -> class, the only classes ``from_pretrained`` will build.

@@ -225,8 +225,8 @@ class RewardModule(SharedStepModule):
 
 
 class PairwiseRewardModule(RewardModule):
-    """``RewardModule`` on a ``PairwiseRewardModel`` (``forward_pair`` / ``compute_bradley_terry_loss``);
-    also logs ``preference_prob``, the mean P(chosen preferred) = s(r_chosen - r_rejected).
+    """``RewardModule`` on a ``PairwiseRewardModel``; also logs ``preference_prob``, the mean P(chosen preferred)
+    = s(r_chosen - r_rejected).
 
     Args: as ``RewardModule``.
     """
