@@ -163,6 +163,40 @@ def test_a_lora_push_and_a_version_that_never_arrives(server):
         waiting.close()
 
 
+@pytest.mark.vllm
+def test_greedy_episodes_on_the_server_equal_the_colocated_engines(server):
+    """Multi-turn episodes (the guessing game) sampled turn by turn on the server equal the colocated engine's:
+    tokens, masks, rewards, transcripts and vLLM's log-probs."""
+    from architectures import sharpen
+    from test_vllm_episodes import SECRETS, _assert_same_episodes, _prompt_tensors
+
+    from aitraining_pl.environments.episode_rollout import sample_episodes
+    from aitraining_pl.environments.multiturn import GuessingGame
+    from aitraining_pl.models import build_causal_lm, load_tokenizer
+    from aitraining_pl.rollout import GenerationConfig, RolloutEngine
+    from aitraining_pl.vllm_backend.client import VLLMServerClient
+    from aitraining_pl.vllm_backend.engine import VLLMEngine
+
+    tokenizer = load_tokenizer("byte", padding_side="left")
+    model = sharpen(build_causal_lm(SPEC, seed=0), 4.0).eval()
+    texts = ["Guess 1-7:", "Go", "Guess a digit!"]
+    ids, mask = _prompt_tensors(tokenizer, texts)
+    generation, game = GenerationConfig(max_new_tokens=6, do_sample=False), GuessingGame(max_turns=3)
+    rollouts = []
+    colocated = VLLMEngine(model, tokenizer, VLLMConfig(), max_length=512)
+    for backend in (colocated, VLLMServerClient(model, options(server))):
+        try:
+            backend.sync(model)
+            engine = RolloutEngine(tokenizer, generation, backend=backend)
+            rollouts.append(sample_episodes(engine, model, game, texts, SECRETS, ids, mask, 2))
+        finally:
+            backend.close()
+    colocated, served = rollouts
+    assert max(colocated.episodes.metrics["turns"]) >= 2
+    _assert_same_episodes(colocated, served)
+    assert torch.equal(served.sampling_logprobs, colocated.sampling_logprobs)
+
+
 # ---------------------------------------------------------------------- (c) the server dies mid-run
 class KillAfterFirstBatch(pl.Callback):
     """Kills the server process after the first training batch."""
