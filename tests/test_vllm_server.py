@@ -65,14 +65,15 @@ def options(port: int, **kw) -> VLLMConfig:
 # ---------------------------------------------------------------------- (a) DDP ranks + server
 @pytest.mark.vllm
 @pytest.mark.ddp
-def test_two_ddp_ranks_sample_their_own_prompts_from_pushed_weights(server, tmp_path):
-    """2 gloo ranks, one server: every rollout of every rank is sampled from the policy's current weights (the
-    server's log-probs of the sampled tokens equal the rank's policy's, conditioned on the rank's own prompts, to
-    1e-4 in fp32; the second rollout comes after optimizer steps, so rank 0 pushed and rank 1 waited for them)."""
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_two_ranks_sample_their_own_prompts_from_pushed_weights(server, tmp_path, strategy):
+    """2 gloo ranks (DDP; FSDP2: every rank gathers each tensor, rank 0 sends it), one server: every rollout of every
+    rank is sampled from the policy's current weights (the server's log-probs of the sampled tokens equal the rank's
+    policy's, conditioned on the rank's own prompts, to 1e-4 in fp32; the second rollout comes after optimizer
+    steps, so rank 0 pushed and rank 1 waited for them)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), str(server)], env=env, capture_output=True, text=True, timeout=600
-    )
+    command = [sys.executable, str(SCRIPT), str(tmp_path), str(server), strategy]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     for rank in ranks:
@@ -82,7 +83,8 @@ def test_two_ddp_ranks_sample_their_own_prompts_from_pushed_weights(server, tmp_
         assert max(r["gap"] for r in records) < 1e-4, records
     prompts = [{p for r in rank["records"] for p in r["prompts"]} for rank in ranks]
     assert prompts[0].isdisjoint(prompts[1]) and len(prompts[0] | prompts[1]) == 8
-    for name, tensor in ranks[0]["state"].items():
+    assert all(rank["sharded"] == (strategy == "fsdp") for rank in ranks)
+    for name, tensor in ranks[0]["state"].items():  # DDP: the same weights on both ranks
         assert torch.equal(tensor, ranks[1]["state"][name]), name
 
 

@@ -1,9 +1,10 @@
-"""Run by tests/test_vllm_server.py: 2-process CPU DDP GRPO (gloo) sampling from a generation server
-(``generation.vllm.mode: server``) on 127.0.0.1:PORT. Each rank records, for each of its rollouts, the step
-count, its prompts, and the largest |logp_server - logp_policy| over the response tokens (the server's log-probs
-of the tokens it sampled against this rank's policy, conditioned on this rank's prompts), in OUT/rank<r>.pt.
+"""Run by tests/test_vllm_server.py: 2-process CPU GRPO (gloo; ``ddp`` or ``fsdp``: FSDP2) sampling from a
+generation server (``generation.vllm.mode: server``) on 127.0.0.1:PORT. Each rank records, for each of its
+rollouts, the step count, its prompts, and the largest |logp_server - logp_policy| over the response tokens (the
+server's log-probs of the tokens it sampled against this rank's policy, conditioned on this rank's prompts), in
+OUT/rank<r>.pt.
 
-    python tests/vllm_server_ddp_script.py OUT PORT
+    python tests/vllm_server_ddp_script.py OUT PORT ddp|fsdp
 """
 
 import os
@@ -17,6 +18,7 @@ import lightning.pytorch as pl  # noqa: E402
 
 from aitraining_pl.datamodules.prompt import PromptDataModule  # noqa: E402
 from aitraining_pl.models.rollout_scoring import response_logps  # noqa: E402
+from aitraining_pl.models.sharding import is_sharded  # noqa: E402
 from aitraining_pl.modules.critic_free import GRPOModule  # noqa: E402
 from aitraining_pl.rollout import GenerationConfig  # noqa: E402
 
@@ -40,7 +42,7 @@ class Recorded(GRPOModule):
         return rollout
 
 
-def main(out: str, port: str) -> None:
+def main(out: str, port: str, strategy: str) -> None:
     pl.seed_everything(0)
     vllm = {"mode": "server", "server_port": int(port), "server_timeout": 120}
     module = Recorded(
@@ -58,7 +60,7 @@ def main(out: str, port: str) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp",
+        strategy={"ddp": "ddp", "fsdp": "fsdp2"}[strategy],
         max_epochs=1,
         logger=False,
         enable_checkpointing=False,
@@ -66,8 +68,9 @@ def main(out: str, port: str) -> None:
         enable_model_summary=False,
     )
     trainer.fit(module, data)
-    state = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in module.policy.state_dict().items()} if strategy == "ddp" else {}
     result = {"records": module.records, "global_step": trainer.global_step, "state": state}
+    result["sharded"] = is_sharded(module.policy)
     torch.save(result, os.path.join(out, f"rank{trainer.global_rank}.pt"))
 
 

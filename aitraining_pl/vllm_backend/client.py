@@ -5,7 +5,8 @@ server``): a client of ``aitraining-pl vllm-serve`` (``vllm_backend.server``) wi
 Every training process connects on its own and sends its own prompts; rank 0 pushes the policy's weights before
 each rollout whose weights changed (the optimizer step count moved; once per rollout, as the colocated sync),
 streamed one tensor at a time over the framing of ``vllm_backend.wire`` (a LoRA policy's base weights with the
-deltas merged, ``models.lora.plain_weights``). A sample request names the weights version it needs (the run's id
+deltas merged, ``models.lora.plain_weights``; under FSDP2 every rank takes part in gathering each tensor, and
+rank 0 sends it). A sample request names the weights version it needs (the run's id
 and the step count), and the server answers it only once it holds that version, so the other ranks never sample
 from stale weights. This module does not import vLLM: the trainer's processes need not have it installed.
 
@@ -132,11 +133,6 @@ class VLLMServerClient:
         """Rank 0: push ``policy``'s weights unless the server already holds ``version`` from this run (or
         ``sync_weights`` is off after the first push); the other ranks record the version their next rollout
         needs. Returns whether the weights changed."""
-        if is_sharded(policy):
-            raise ConfigError(
-                "generation.vllm.mode",
-                "server mode pushes whole tensors and does not gather FSDP2-sharded weights yet; use DDP",
-            )
         key = f"{self.run}:{next(self.calls) if version is None else version}"
         if self.version is not None and (key == self.version or not self.options.sync_weights):
             return False
@@ -154,6 +150,9 @@ class VLLMServerClient:
             except OSError as err:
                 raise self.lost(doing, err) from None
             self.sync_seconds = time.perf_counter() - start
+        elif is_sharded(policy):  # FSDP2: gathering each tensor is a collective, so every rank walks the stream
+            for _ in policy_weights(policy):
+                pass
         self.version = key
         return True
 
