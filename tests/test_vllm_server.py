@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.models import build_causal_lm
 from aitraining_pl.vllm_backend import VLLMConfig
 from aitraining_pl.vllm_backend.wire import MAGIC, FrameError, read_frame, send_frame
 
@@ -97,7 +98,7 @@ def test_server_rollouts_equal_the_colocated_engines(server):
     from architectures import sharpen
 
     from aitraining_pl.errors import ConfigError
-    from aitraining_pl.models import build_causal_lm, load_tokenizer
+    from aitraining_pl.models import load_tokenizer
     from aitraining_pl.rollout import GenerationConfig, RolloutEngine
     from aitraining_pl.vllm_backend.client import VLLMServerClient
     from aitraining_pl.vllm_backend.engine import VLLMEngine
@@ -142,7 +143,7 @@ def test_a_lora_push_and_a_version_that_never_arrives(server):
     after ``server_timeout``."""
     from test_vllm_backend import logp_gap, train_steps
 
-    from aitraining_pl.models import apply_lora, build_causal_lm, load_tokenizer
+    from aitraining_pl.models import apply_lora, load_tokenizer
     from aitraining_pl.models.lora import LoRAConfig
     from aitraining_pl.rollout import GenerationConfig
     from aitraining_pl.vllm_backend.client import VLLMServerClient
@@ -174,7 +175,7 @@ def test_greedy_episodes_on_the_server_equal_the_colocated_engines(server):
 
     from aitraining_pl.environments.episode_rollout import sample_episodes
     from aitraining_pl.environments.multiturn import GuessingGame
-    from aitraining_pl.models import build_causal_lm, load_tokenizer
+    from aitraining_pl.models import load_tokenizer
     from aitraining_pl.rollout import GenerationConfig, RolloutEngine
     from aitraining_pl.vllm_backend.client import VLLMServerClient
     from aitraining_pl.vllm_backend.engine import VLLMEngine
@@ -213,10 +214,13 @@ class KillAfterFirstBatch(pl.Callback):
 
 
 @pytest.mark.vllm
-def test_the_server_killed_mid_run_gives_one_clear_error(tmp_path):
+def test_the_server_killed_mid_run_gives_one_clear_error_and_the_run_resumes(tmp_path):
     """A GRPO run whose server is killed after its first iteration stops with one ``GenerationServerError``
-    line naming host:port, what was being done and the resume; a new connection then gets the refused line."""
+    line naming host:port, what was being done and the resume; a new connection then gets the refused line. The
+    run resumed from its last checkpoint on a restarted server pushes the resumed weights before its first
+    rollout (the server's log-probs equal the policy's from the first resumed iteration on) and finishes."""
     from conftest import quiet_trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from aitraining_pl.cli_errors import _user_error, format_error
     from aitraining_pl.datamodules.prompt import PromptDataModule
@@ -224,8 +228,7 @@ def test_the_server_killed_mid_run_gives_one_clear_error(tmp_path):
     from aitraining_pl.rollout import GenerationConfig
     from aitraining_pl.vllm_backend.client import VLLMServerClient
 
-    proc, port = start_server(tmp_path / "serve.log")
-    try:
+    def run(port: int, callback: pl.Callback, ckpt_path: str | None = None) -> GRPOModule:
         module = GRPOModule(
             model_config=SPEC,
             tokenizer_name="byte",
@@ -233,10 +236,18 @@ def test_the_server_killed_mid_run_gives_one_clear_error(tmp_path):
             num_generations=2,
             generation=GenerationConfig(max_new_tokens=4, backend="vllm", vllm=dataclasses.asdict(options(port))),
             mini_batch_size=4,
+            learning_rate=0.01,
         )
         data = PromptDataModule(prompts=[f"prompt {i}" for i in range(6)], tokenizer="byte", batch_size=2)
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
+        trainer = quiet_trainer(tmp_path, enable_checkpointing=True, callbacks=[callback, checkpoints])
+        trainer.fit(module, data, ckpt_path=ckpt_path)
+        return module
+
+    proc, port = start_server(tmp_path / "serve.log")
+    try:
         with pytest.raises(GenerationServerError) as caught:
-            quiet_trainer(tmp_path, callbacks=[KillAfterFirstBatch(proc)]).fit(module, data)
+            run(port, KillAfterFirstBatch(proc))
     finally:
         stop(proc)
     line = format_error(_user_error(caught.value))
@@ -245,13 +256,34 @@ def test_the_server_killed_mid_run_gives_one_clear_error(tmp_path):
     assert "connection was lost" in line and "while pushing the weights of version 1" in line, line
     assert "resume the run from its last checkpoint with --ckpt_path" in line, line
     with pytest.raises(GenerationServerError, match=f"127.0.0.1:{port}: could not connect for 1 s"):
-        VLLMServerClient(module.policy, options(port, server_timeout=1))
+        VLLMServerClient(build_causal_lm(SPEC), options(port, server_timeout=1))
+
+    proc, port = start_server(tmp_path / "serve2.log")
+    gaps = Gaps()
+    try:
+        module = run(port, gaps, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    finally:
+        stop(proc)
+    assert module.global_step > 1 and gaps.steps[0] == 1, gaps.steps  # resumed after the first step
+    assert max(gaps.gaps) < 1e-4, gaps.gaps
+
+
+class Gaps(pl.Callback):
+    """The step count and the largest sampler/trainer log-prob gap of each training batch."""
+
+    def __init__(self):
+        self.steps, self.gaps = [], []
+
+    def on_train_batch_start(self, trainer, *args):
+        self.steps.append(trainer.global_step)
+
+    def on_train_batch_end(self, trainer, *args):
+        self.gaps.append(float(trainer.callback_metrics["train/sampling/logp_gap/max"]))
 
 
 def test_a_silent_server_times_out_with_one_line():
     """A server that accepts the connection and never answers: the client gives up after ``server_timeout``
     (plus the grace it leaves the server to answer itself) with one line naming the timeout. No vLLM needed."""
-    from aitraining_pl.models import build_causal_lm
     from aitraining_pl.vllm_backend.client import VLLMServerClient
 
     listener = socket.create_server(("127.0.0.1", 0))
