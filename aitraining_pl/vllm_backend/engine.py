@@ -195,7 +195,7 @@ class VLLMEngine:
                 )
             kwargs["distributed_executor_backend"] = "external_launcher"  # reads RANK / LOCAL_RANK / MASTER_*
             os.environ.setdefault("RANK", str(rank))
-            os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", str(rank)))
+            os.environ.setdefault("LOCAL_RANK", str(rank))  # Lightning sets both; a bare process group may not
             kwargs["seed"] = seed + rank  # per rank (the unseeded rollouts of each rank: ``sample``)
         with preserved_rng():  # the in-process engine seeds Python's, NumPy's and torch's global generators
             self.llm = vllm.LLM(**kwargs)
