@@ -9,28 +9,37 @@ rendered by the fallback chat template. The
 random model rarely samples its end token, so turns mostly run to ``--max-new-tokens``. Both modes draw the same
 tokens from the same seed (``models.episode_decoding``), so they do the same episodes.
 
-Prints one JSON line per mode and size (after a header line): ``episodes_per_s`` (mean over the rounds after the
-first, a warm-up), ``prefilled_per_turn`` (real tokens run through the model as prefill before each turn, summed
-over the batch), ``episode_tokens`` (prompt and response tokens of the batch), ``model_tokens`` (prefilled plus
-decoding steps, over ``episode_tokens``: 1.0 means every token of the episodes went through the model once) and,
-on the ``kv_cache`` line, ``speedup`` over ``reprefill``.
+Both modes run on the same model, alternated round by round (re-prefill first in even rounds, the kept cache
+first in odd ones) so that both see the same machine load. Prints one JSON line per mode and size (after a header
+line): ``seconds`` (median over the rounds after the first, a warm-up; ``seconds_all`` lists them),
+``episodes_per_s``, ``split_s`` (mean seconds per batch of episodes in the model's decoding steps, one new token
+per row, in its prefill passes, and in everything else: parking and merging caches, sampling, the environment),
+``prefilled_per_turn`` (real tokens run through the model as prefill before each turn, summed over the batch),
+``episode_tokens`` (prompt and response tokens of the batch), ``model_tokens_over_episode_tokens`` (prefilled plus
+decoding steps, over ``episode_tokens``: 1.0 means every token of the episodes went through the model once) and, on
+the ``kv_cache`` line, ``speedup`` (median seconds of ``reprefill`` over those of ``kv_cache``). ``cpu_seconds`` and
+``speedup_cpu``: the same from the process's CPU time, steadier than wall time on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
 
 import torch
-from _common import print_header
+from _common import Split, print_header
 from dpo_vs_trl import SIZES, _model_config
 
 from aitraining_pl.environments.episode import EpisodeEnvironment, EpisodeLimits, EpisodeStep
 from aitraining_pl.environments.episode_rollout import sample_episodes
 from aitraining_pl.models import build_causal_lm, load_tokenizer
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine
+
+MODES = ("reprefill", "kv_cache")
+PARTS = ("decode_steps", "prefill")
 
 
 class Talk(EpisodeEnvironment):
@@ -52,44 +61,16 @@ class Talk(EpisodeEnvironment):
         return EpisodeStep([{"role": "user", "content": self.reply}])
 
 
-def run(
-    size: str, episodes: int, max_new_tokens: int, rounds: int, reprefill: bool, reply_chars: int
-) -> tuple[dict, object]:
-    tokenizer = load_tokenizer("byte")
-    model = build_causal_lm(_model_config(size), seed=0).eval()
-    prompts = [f"Episode {i}: tell me a story about the sea." for i in range(episodes)]
-    metadata = [{"turns": 3 + i % 3} for i in range(episodes)]
-    rows = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    width = max(map(len, rows))
-    ids = torch.zeros(episodes, width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :], mask[i, width - len(row) :] = torch.tensor(row), 1
-    engine = RolloutEngine(tokenizer, GenerationConfig(max_new_tokens=max_new_tokens, temperature=1.0))
-    seconds, out = [], None
-    for _ in range(rounds):
-        torch.manual_seed(0)
-        start = time.perf_counter()
-        out = sample_episodes(engine, model, Talk(reply_chars), prompts, metadata, ids, mask, 1, reprefill=reprefill)
-        seconds.append(time.perf_counter() - start)
-    info = out.episodes
-    episode_tokens = int(out.attention_mask.sum())
-    steady = seconds[1:] or seconds
-    return {
-        "size": size,
-        "mode": "reprefill" if reprefill else "kv_cache",
-        "episodes": episodes,
-        "turns": statistics.mean(info.metrics["turns"]),
-        "max_new_tokens": max_new_tokens,
-        "reply_chars": reply_chars,
-        "seconds": statistics.mean(steady),
-        "episodes_per_s": episodes / statistics.mean(steady),
-        "prefilled_per_turn": info.prefilled,
-        "sampled_per_turn": info.sampled,
-        "episode_tokens": episode_tokens,
-        "prefilled_over_episode_tokens": sum(info.prefilled) / episode_tokens,
-        "model_tokens_over_episode_tokens": (sum(info.prefilled) + sum(info.sampled)) / episode_tokens,
-    }, out
+def timed_forward(model, split: Split) -> None:
+    """Charge ``model``'s forward calls to ``decode_steps`` (one new token per row, with a cache) or ``prefill``."""
+
+    def step(*args, **kwargs) -> bool:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        return kwargs["input_ids"].shape[1] == 1 and cache is not None
+
+    forward = model.forward
+    wrapped = split.timed("decode_steps", split.timed("prefill", forward, lambda *a, **k: not step(*a, **k)), step)
+    model.forward = functools.wraps(forward)(wrapped)  # the decoder reads forward's signature
 
 
 def main() -> None:
@@ -104,13 +85,76 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print_header(args.threads)
+    tokenizer = load_tokenizer("byte")
+    prompts = [f"Episode {i}: tell me a story about the sea." for i in range(args.episodes)]
+    metadata = [{"turns": 3 + i % 3} for i in range(args.episodes)]
+    rows = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    width = max(map(len, rows))
+    ids = torch.zeros(args.episodes, width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = torch.tensor(row), 1
+    engine = RolloutEngine(tokenizer, GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0))
     for size in args.sizes:
-        again, slow = run(size, args.episodes, args.max_new_tokens, args.rounds, True, args.reply_chars)
-        kept, fast = run(size, args.episodes, args.max_new_tokens, args.rounds, False, args.reply_chars)
-        kept["speedup"] = kept["episodes_per_s"] / again["episodes_per_s"]
-        kept["same_tokens"] = bool(torch.equal(fast.response_ids, slow.response_ids))
+        model = build_causal_lm(_model_config(size), seed=0).eval()  # one model for both modes
+        splits = {mode: Split(1, PARTS, rest="other") for mode in MODES}
+        outs, seconds, cpu_seconds = {}, {mode: [] for mode in MODES}, {mode: [] for mode in MODES}
+        for round_ in range(args.rounds):
+            for mode in MODES if round_ % 2 == 0 else MODES[::-1]:  # alternated: both see the same load
+                split = splits[mode]
+                timed_forward(model, split)
+                torch.manual_seed(0)
+                split.step_start()
+                start, cpu = time.perf_counter(), time.process_time()
+                outs[mode] = sample_episodes(
+                    engine,
+                    model,
+                    Talk(args.reply_chars),
+                    prompts,
+                    metadata,
+                    ids,
+                    mask,
+                    1,
+                    reprefill=mode == "reprefill",
+                )
+                seconds[mode].append(time.perf_counter() - start)
+                cpu_seconds[mode].append(time.process_time() - cpu)
+                split.step_end()
+                del model.forward
+        lines = {
+            mode: _line(size, mode, args, outs[mode], seconds[mode][1:] or seconds[mode], splits[mode])
+            for mode in MODES
+        }
+        kept, again = lines["kv_cache"], lines["reprefill"]
+        for mode in MODES:
+            lines[mode]["cpu_seconds"] = statistics.median(cpu_seconds[mode][1:] or cpu_seconds[mode])
+        kept["speedup"] = again["seconds"] / kept["seconds"]
+        kept["speedup_cpu"] = again["cpu_seconds"] / kept["cpu_seconds"]
+        kept["same_tokens"] = bool(torch.equal(outs["kv_cache"].response_ids, outs["reprefill"].response_ids))
         for line in (again, kept):
             print(json.dumps(line), flush=True)
+
+
+def _line(size: str, mode: str, args, out, seconds: list[float], split: Split) -> dict:
+    info, episode_tokens = out.episodes, int(out.attention_mask.sum())
+    return {
+        "size": size,
+        "mode": mode,
+        "episodes": args.episodes,
+        "turns": statistics.mean(info.metrics["turns"]),
+        "max_new_tokens": args.max_new_tokens,
+        "reply_chars": args.reply_chars,
+        "rounds": len(seconds),
+        "seconds": statistics.median(seconds),
+        "seconds_all": [round(x, 3) for x in seconds],
+        "episodes_per_s": args.episodes / statistics.median(seconds),
+        "split_s": split.step_split(),
+        "prefilled_per_turn": info.prefilled,
+        "sampled_per_turn": info.sampled,
+        "episode_tokens": episode_tokens,
+        "prefilled_over_episode_tokens": sum(info.prefilled) / episode_tokens,
+        "model_tokens_over_episode_tokens": (sum(info.prefilled) + sum(info.sampled)) / episode_tokens,
+    }
 
 
 if __name__ == "__main__":

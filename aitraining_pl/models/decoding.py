@@ -121,6 +121,16 @@ class _PreallocatedLayer(DynamicLayer):
         self._keys, self._values = (self._buffer(t, rows, capacity) for t in (layer.keys, layer.values))
         self._view()
 
+    @classmethod
+    def over(cls, keys: torch.Tensor, values: torch.Tensor, length: int) -> _PreallocatedLayer:
+        """A layer over buffers (rows, heads, capacity, dim) already holding its first ``length`` positions."""
+        layer = cls.__new__(cls)
+        DynamicLayer.__init__(layer)
+        layer.device, layer.is_initialized, layer.length = keys.device, True, length
+        layer._keys, layer._values = keys, values
+        layer._view()
+        return layer
+
     def _buffer(self, filled: torch.Tensor, rows: torch.Tensor, capacity: int) -> torch.Tensor:
         """A new buffer holding the first ``length`` positions of ``rows`` of ``filled`` (one copy)."""
         out = filled.new_empty(len(rows), *filled.shape[1:-2], capacity, filled.shape[-1])

@@ -1,22 +1,23 @@
-"""Multi-turn decoding: every unfinished episode of a batch decodes its turn together, and the KV cache is kept
-across turns, so each turn prefills only what is new (the environment's reply).
+"""Multi-turn decoding: every unfinished episode of a batch decodes its turn together, and the KV cache is kept across
+turns, so each turn prefills only what is new (the environment's reply).
 
-A turn decodes as ``models.decoding.decode`` does (the same warpers, draws and end rule; each row leaves the
-batch when its turn ends), but a row that ends its turn is *parked* (its KV cache rows copied aside) instead of
-thrown away. When every row has ended its turn, ``respond`` (the episode runner) gives each row the tokens to
-append (the environment's reply rendered by the chat template) or None when its episode is over. The parked
-caches of the rows that go on are put back into one batch (shorter ones padded on the right), and one forward
-pass prefills, per row, its turn's last sampled token (never fed to the model yet) and the reply tokens (left
-padded, so the last position of every row is real). Padding inside the cache is masked out of attention;
-positions count real tokens only, so the logits equal those of the dense sequence (prompt, sampled tokens,
-reply tokens) that training scores (``losses.positions_from_mask``). Tokens enter the sequence exactly as
-sampled and as rendered: the model's text is never re-tokenised.
+A turn decodes as ``models.decoding.decode`` does (the same warpers, draws and end rule; each row leaves the batch
+when its turn ends), but a row that ends its turn is *parked* (its KV cache rows copied aside; the rows that end at
+the turn's last step keep their tensors) instead of thrown away. When every row has ended its turn, ``respond`` (the
+episode runner) gives each row the tokens to append (the environment's reply rendered by the chat template) or None
+when its episode is over. The parked caches of the rows that go on are copied once into one batch of preallocated
+buffers (shorter ones padded on the right, with room for the reply and the next turn, which write in place), and one
+forward pass prefills, per row, its turn's last sampled token (never fed to the model yet) and the reply tokens
+(left padded, so the last position of every row is real). Padding inside the cache is masked out of attention;
+positions count real tokens only, so the logits equal those of the dense sequence (prompt, sampled tokens, reply
+tokens) that training scores (``losses.positions_from_mask``). Tokens enter the sequence exactly as sampled and as
+rendered: the model's text is never re-tokenised.
 
 ``reprefill=True`` (and models whose cache is not made of plain full-attention layers) runs the loop around
 ``generate`` instead: each turn samples from the whole history, prefilled again (what the benchmark compares
 against). With one turn and the same seed, both draw what the single-response decoder draws. That loop,
-``decode_turns``, takes any per-turn sampler of whole histories: the vLLM backend is one (its prefix cache keeps
-the earlier turns' KV, so only the new tokens are prefilled there too).
+``decode_turns``, takes any per-turn sampler of whole histories: the vLLM backend is one (its prefix cache keeps the
+earlier turns' KV, so only the new tokens are prefilled there too).
 """
 
 from __future__ import annotations
@@ -90,27 +91,36 @@ class _Parked:
         self.groups: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]] = []
 
     def add(self, rows: list[int], cache, index: torch.Tensor, mask: torch.Tensor, position: torch.Tensor) -> None:
-        kv = [(layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in cache.layers]
-        self.groups.append((rows, kv, mask.index_select(0, index), position.index_select(0, index)))
+        """Park rows ``index`` of the batch (copies; the batch's own tensors when it is every row: the turn is
+        over, nothing writes to them again)."""
+        whole = index.numel() == mask.shape[0]
+        pick = (lambda t: t) if whole else (lambda t: t.index_select(0, index))
+        kv = [(pick(layer.keys), pick(layer.values)) for layer in cache.layers]
+        self.groups.append((rows, kv, pick(mask), pick(position)))
 
-    def take(self, rows: list[int]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-        """One cache of ``rows`` (in this order), right padded to the longest; their mask and positions."""
+    def take(self, rows: list[int], room: int) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """One cache of ``rows`` (in this order), right padded to the longest, with ``room`` more positions
+        preallocated (``_PreallocatedLayer``: the reply's prefill and the next turn write in place); their mask and
+        positions. Each parked row is copied once."""
         where = {r: (g, i) for g, (members, *_) in enumerate(self.groups) for i, r in enumerate(members)}
         length = max(self.groups[where[r][0]][2].shape[1] for r in rows)
-        layers, masks, positions = [[] for _ in self.groups[0][1]], [], []
-        for r in rows:
-            g, i = where[r]
+        _, kv, mask, position = self.groups[0]
+        n = len(rows)
+        layers = [tuple(t.new_empty(n, t.shape[1], length + room, t.shape[-1]) for t in pair) for pair in kv]
+        masks, positions = mask.new_zeros(n, length), position.new_empty(n, position.shape[1])
+        for to, r in enumerate(rows):
+            g, at = where[r]
             _, kv, mask, position = self.groups[g]
-            pad = length - mask.shape[1]
-            for layer, (k, v) in zip(layers, kv):
-                layer.append(tuple(torch.nn.functional.pad(t[i : i + 1], (0, 0, 0, pad)) for t in (k, v)))
-            masks.append(torch.nn.functional.pad(mask[i : i + 1], (0, pad)))
-            positions.append(position[i : i + 1])
+            filled = mask.shape[1]
+            for buffers, pair in zip(layers, kv):
+                for buffer, t in zip(buffers, pair):
+                    buffer[to, :, :filled].copy_(t[at])
+                    buffer[to, :, filled:length].zero_()  # padding: masked out, never uninitialised (0 * NaN)
+            masks[to, :filled], positions[to] = mask[at], position[at]
         cache = DynamicCache()
-        for index, layer in enumerate(layers):
-            cache.update(torch.cat([k for k, _ in layer]), torch.cat([v for _, v in layer]), index)
+        cache.layers = [_PreallocatedLayer.over(keys, values, length) for keys, values in layers]
         self.groups = []
-        return cache, torch.cat(masks), torch.cat(positions)
+        return cache, masks, positions
 
 
 def _left_padded(chunks: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,8 +190,8 @@ def decode_episodes(
         if not going:
             return out
         rows = [r for r, _ in going]
-        cache, mask, position = parked.take(rows)
         ids, new = _left_padded([chunk for _, chunk in going], int(config.pad_token_id), prompt_ids.device)
+        cache, mask, position = parked.take(rows, new.shape[1] + config.max_new_tokens)
         mask = torch.cat([mask, new], dim=1)
         positions = position + new.cumsum(1)
         out.prefilled.append(int(new.sum()))
