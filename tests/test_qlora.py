@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_LLAMA, quiet_trainer
+from conftest import TINY_LLAMA as _TINY
+from conftest import quiet_trainer
 from dpo_utils import preference_data, preference_rows
 
 from aitraining_pl.errors import ConfigError
@@ -16,8 +17,29 @@ from aitraining_pl.modules.dpo import DPOModule
 
 bnb = pytest.importorskip("bitsandbytes")
 
+# Every linear layer's input size a multiple of bitsandbytes' 64-weight quantization block: on an AMD EPYC with
+# AVX512-BF16 (2026-12-02), bitsandbytes 0.50 quantizes rows shorter than a block wrongly (a 32x32 NF4 round trip
+# has a relative error of 0.37 there, 0.09 from 64 columns up), which no real model's layer meets.
+TINY_LLAMA = {**_TINY, "hidden_size": 64, "intermediate_size": 128}
+
 QUANT = {"load_in_4bit": True, "quant_type": "nf4", "compute_dtype": "float32"}
 LORA = LoRAConfig(r=4, alpha=8, dropout=0.0)
+
+
+def _load_live_weights(peft_base, target):
+    """Copy into ``target`` (the exported full-precision model's trunk) each 4-bit layer of ``peft_base``
+    dequantized, plus its adapter's delta: then ``target`` holds exactly the weights the live QLoRA model computes
+    with, so the two must agree to float rounding (the export path: head, pooling, names, everything but the
+    4-bit rounding of the base it merged into)."""
+    import bitsandbytes.functional as F
+
+    with torch.no_grad():
+        for name, layer in peft_base.named_modules():
+            if isinstance(layer, bnb.nn.Linear4bit):
+                owner = name.removesuffix(".base_layer")
+                delta = peft_base.get_submodule(owner).get_delta_weight("default")
+                weight = F.dequantize_4bit(layer.weight.data, layer.weight.quant_state).float()
+                target.get_submodule(owner).weight.copy_(weight + delta)
 
 
 def _module(**kwargs):
@@ -87,7 +109,7 @@ def test_qlora_export_merges_into_the_full_precision_base(tmp_path):
     module.save_pretrained(tmp_path / "merged", merge_lora=True)
     config = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert "quantization_config" not in config
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     full = build_causal_lm(TINY_LLAMA, seed=0)  # the full-precision weights the 4-bit model was loaded from
     layer = module.policy.get_base_model().model.layers[0].self_attn.q_proj
     expected = full.model.layers[0].self_attn.q_proj.weight + layer.get_delta_weight("default")
@@ -95,14 +117,12 @@ def test_qlora_export_merges_into_the_full_precision_base(tmp_path):
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected.detach())
     torch.testing.assert_close(merged.model.embed_tokens.weight, full.model.embed_tokens.weight)
-    # the merged model computes what the live QLoRA policy does, up to the 4-bit rounding of the base (NF4 on
-    # tiny random weights: errors of about a tenth of the logits' range)
+    # with the 4-bit rounding of the base put into its weights, the merged model computes what the live policy does
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
-        live = module.policy.eval()(input_ids=ids).logits
         exported = merged(input_ids=ids).logits
-    assert (live - exported).abs().max() < 0.25 * live.abs().max()
-    assert torch.corrcoef(torch.stack([live.flatten(), exported.flatten()]))[0, 1] > 0.95
+        _load_live_weights(module.policy.get_base_model().model, merged.model)
+        torch.testing.assert_close(merged(input_ids=ids).logits, module.policy.eval()(input_ids=ids).logits)
     # adapters only: they load onto the full-precision base written beside them
     module.save_pretrained(tmp_path / "adapters")
     assert (tmp_path / "adapters" / "base" / "model.safetensors").is_file()
@@ -211,11 +231,12 @@ def test_qlora_reward_model_trains_adapters_and_head_and_exports_in_full_precisi
     expected = full.layers[0].self_attn.q_proj.weight + layer.get_delta_weight("default")
     torch.testing.assert_close(exported.model.layers[0].self_attn.q_proj.weight, expected.detach())
     ids = torch.tensor([[1, 5, 6, 7, 8, 9, 2]])
+    _load_live_weights(model.trunk.get_base_model(), exported.model)
     with torch.no_grad():
         live = model.eval().score(ids, torch.ones_like(ids))
         plain = exported(input_ids=ids).logits[:, 0]
-    # equal up to the 4-bit rounding of the live trunk
-    assert (live - plain).abs().max() < 0.25 * (1 + live.abs().max()), (live, plain)
+    # the standard layout's head has no bias: the bias is the recorded constant offset (test_standard_exports.py)
+    torch.testing.assert_close(plain + model.head.bias.detach(), live)
 
 
 def test_reward_model_source_can_hold_its_trunk_in_4_bits(tmp_path):

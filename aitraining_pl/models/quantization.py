@@ -99,7 +99,23 @@ def load_quantized(
         with tempfile.TemporaryDirectory() as folder:
             load_full().save_pretrained(folder, safe_serialization=True)
             model = auto.from_pretrained(folder, **quant)
+    keep_one_weight_format(model)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def keep_one_weight_format(model: nn.Module) -> None:
+    """Turn off bitsandbytes' CPU repacking of 4-bit weights in every ``Linear4bit`` of ``model``.
+
+    On a CPU with AVX512-BF16, a ``Linear4bit`` that runs in eval mode without gradients (validation, the
+    reference pass: adapters off, ``no_grad``) repacks its weight in place for an inference kernel that computes in
+    bfloat16 (bitsandbytes 0.50). For training that is wrong twice: the reference log-probs would then come from
+    bfloat16 matmuls while the policy's come from ``compute_dtype`` (the KL and DPO margins would hold the rounding
+    difference, and only on some CPUs), and the repacking fails outright on layers whose input size is not a
+    multiple of the 64-weight quantization block (``shape '[32, 0]' is invalid``). Every pass here uses the one
+    dequantize-then-matmul path that training uses, on every CPU."""
+    for layer in model.modules():
+        if hasattr(layer, "support_avx512bf16_for_cpu"):
+            layer.support_avx512bf16_for_cpu = False
 
 
 def is_quantized(model: nn.Module) -> bool:
