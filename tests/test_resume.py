@@ -208,6 +208,36 @@ def test_grpo_resume_is_bit_identical_with_prompts(tmp_path, deterministic):
     _assert_same_weights(full, resumed)
 
 
+def test_grpo_resume_with_multi_turn_episodes_is_bit_identical(tmp_path, deterministic):
+    """Multi-turn episodes (the guessing game: the environment answers between turns) are played and trained on
+    within one training step, so a checkpoint never holds half an episode: the resumed run plays the same
+    episodes from the same prompts and ends with the same weights."""
+    from aitraining_pl.environments.multiturn import GuessingGame
+
+    path = tmp_path / "game.jsonl"
+    path.write_text("".join(f'{{"prompt": "Guess 1-7 (#{i}):", "secret": {1 + i % 7}}}\n' for i in range(8)))
+
+    def make():
+        module = GRPOModule(
+            reward=GuessingGame(max_turns=3),
+            model_config=TINY_LLAMA,
+            tokenizer_name="byte",
+            learning_rate=1e-3,
+            num_generations=2,
+            mini_batch_size=4,
+            kl_coef=0.05,
+            generation=GenerationConfig(max_new_tokens=2, temperature=1.0, top_p=1.0),
+        )
+        return module, PromptDataModule(data_path=str(path), batch_size=2)
+
+    full, resumed, (a, first, b), _ = _run_and_resume(tmp_path, make, 3, max_epochs=2)
+    assert first.batches[:3] + b.batches == a.batches
+    assert resumed.global_step == full.global_step == len(a.batches)
+    untrained = make()[0].state_dict()
+    assert any(not torch.equal(untrained[n], t) for n, t in full.state_dict().items())  # it did train
+    _assert_same_weights(full, resumed)
+
+
 # ------------------------------------------------------------------ the pieces
 def test_resumable_loader_skips_consumed_batches_without_loading_them():
     loaded = []
