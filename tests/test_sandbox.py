@@ -253,6 +253,34 @@ def test_writes_outside_the_working_directory_fail(tmp_path):
             target.unlink(missing_ok=True)
 
 
+def test_reads_outside_the_system_folders_fail(tmp_path):
+    """The run's own files (this checkout, the home folder, a top-level file such as a container's credentials)
+    are not readable: every top-level folder outside the system's is an empty tmpfs in the candidate's view."""
+    from aitraining_pl.environments.sandbox_supervisor import SYSTEM_FOLDERS
+
+    isolation = _isolation()
+    if "private-data" not in isolation:
+        pytest.skip(f"no mount namespace on this platform ({isolation})")
+    here = Path(__file__).resolve()
+    if here.parts[1] in SYSTEM_FOLDERS:
+        pytest.skip(f"this checkout lies in a system folder ({here.parts[1]})")
+    code = (
+        "import os\n"
+        "def readable(path):\n"
+        "    try:\n"
+        "        with open(path, 'rb') as handle:\n            return len(handle.read(1)) > 0\n"
+        "    except OSError:\n"
+        "        return False\n"
+        f"source = readable({str(here)!r})\n"
+        f"listed = os.path.isdir({str(here.parent)!r}) and len(os.listdir({str(here.parent)!r})) > 0\n"
+        "tops = [e for e in os.listdir('/') if os.path.isfile('/' + e) and readable('/' + e)]\n"
+        "system = readable('/etc/hostname') or readable('/usr/lib/os-release') or readable('/etc/os-release')\n"
+    )  # fmt: skip
+    tests = ["assert source is False", "assert listed is False", "assert tops == []", "assert system is True"]
+    result = run_test_cases(code, tests, timeout=5.0)
+    assert result.passed == 4, result
+
+
 def test_a_fork_bomb_is_bounded_and_killed():
     isolation = _isolation()
     if os.geteuid() == 0 and "uid-nobody" not in isolation:

@@ -32,6 +32,11 @@ Layers, each applied where the platform allows and reported in ``TestRunResult.i
 - ``no-network``: a new network namespace with no interfaces but a down loopback.
 - ``read-only-root``: a new mount namespace where every mount is read-only except the private working directory
   (``mount_setattr``, Linux >= 5.12).
+- ``private-data``: in that mount namespace, an empty tmpfs over every top-level folder but the system's
+  (``sandbox_supervisor.SYSTEM_FOLDERS``: ``/usr``, ``/lib*``, ``/bin``, ``/sbin``, ``/etc``, ``/dev``, ``/proc``,
+  ``/sys``, ``/tmp``, ``/run``, ``/nix``, ``/gnu``) and ``/dev/null`` over every top-level file, with only the
+  interpreter's folders bound back in: the candidate reads none of the run's data, code, checkpoints or home
+  folders, nor files such as a container's ``/container_info.json``.
 - ``private-tmp``: in that mount namespace, an empty tmpfs over ``/tmp``, ``/var/tmp``, ``/run``, ``/var/run``,
   ``/dev/shm`` and ``/var/lock`` (no Unix socket or file another process put there is reachable), and the
   working directory is a tmpfs of ``scratch_bytes`` (default 64 MiB) owned by the candidate: its files live in

@@ -91,6 +91,50 @@ def _expose(paths: list) -> bool:
             os.close(fd)
 
 
+#: Top-level folders the candidate sees as they are: the system's programs, libraries and configuration, and the
+#: package stores whose interpreters need other store paths (Nix, Guix). Every other top-level folder (``/home``,
+#: ``/root``, ``/opt``, ``/srv``, ``/mnt``, ``/var``, a project's ``/work`` or ``/data``, ...) is an empty tmpfs
+#: in its view, with only the interpreter's folders bound back in: it reads no data, checkpoint or code of the run.
+SYSTEM_FOLDERS = frozenset(
+    ("bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc", "sys", "tmp", "run", "nix", "gnu")
+)
+
+
+def _hide_data(paths: list) -> bool:
+    """Inside a new mount namespace: an empty tmpfs over every top-level folder outside ``SYSTEM_FOLDERS`` and
+    ``/dev/null`` over every top-level file, then each of ``paths`` (the interpreter's folders) that lay under a
+    hidden folder bound back at its own path. On any failure the mounts are undone (the candidate then sees the
+    read-only root as before) and False is returned."""
+    entries = sorted("/" + name for name in os.listdir("/") if name not in SYSTEM_FOLDERS)
+    tops = [e for e in entries if os.path.isdir(e) and not os.path.islink(e)]
+    files = [e for e in entries if os.path.isfile(e) and not os.path.islink(e)]
+    inside = [p for p in paths if any(p == top or p.startswith(top + "/") for top in tops)]
+    fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in inside}
+    mounted = []
+    try:
+        for top in tops:
+            if not _mount(b"tmpfs", top.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=0755,size=1m"):
+                raise OSError(f"cannot hide {top}")
+            mounted.append(top)
+        for file in files:
+            if not _mount(b"/dev/null", file.encode(), None, MS_BIND):
+                raise OSError(f"cannot hide {file}")
+            mounted.append(file)
+        for path, fd in fds.items():
+            os.makedirs(path, exist_ok=True)
+            if not _mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, MS_BIND | MS_REC):
+                raise OSError(f"cannot bind {path}")
+            mounted.append(path)
+        return True
+    except OSError:
+        for folder in reversed(mounted):
+            _LIBC.umount2(folder.encode(), MNT_DETACH)
+        return False
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
 #: Folders where other processes put files and Unix sockets: an empty tmpfs over each in the candidate's view.
 HIDDEN = ("/tmp", "/var/tmp", "/run", "/var/run", "/dev/shm", "/var/lock")
 
@@ -155,6 +199,8 @@ def _jail(workdir: str, limits: dict, status_fd: int, root: bool, pidns: bool, n
     if _unshare(CLONE_NEWNS) and _mount(b"none", b"/", None, MS_REC | MS_PRIVATE):
         if pidns and _mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC):
             tags.append("private-proc")
+        if _hide_data(_interpreter_paths()):
+            tags.append("private-data")
         if root and _expose(_interpreter_paths()):
             tags.append("interpreter-exposed")
         if _private_scratch(workdir, limits, root):
