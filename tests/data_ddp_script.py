@@ -61,3 +61,5 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    if torch.distributed.is_initialized():  # gloo's threads joined before the interpreter exits
+        torch.distributed.destroy_process_group()  # (a rare 'terminate called' abort at exit otherwise)
