@@ -199,9 +199,10 @@ def _jail(workdir: str, limits: dict, status_fd: int, root: bool, pidns: bool, n
     if _unshare(CLONE_NEWNS) and _mount(b"none", b"/", None, MS_REC | MS_PRIVATE):
         if pidns and _mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC):
             tags.append("private-proc")
-        if _hide_data(_interpreter_paths()):
+        interpreter = _interpreter_paths()
+        if _hide_data(interpreter):
             tags.append("private-data")
-        if root and _expose(_interpreter_paths()):
+        if root and _expose(interpreter):
             tags.append("interpreter-exposed")
         if _private_scratch(workdir, limits, root):
             tags.append("private-tmp")
