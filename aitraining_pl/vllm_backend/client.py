@@ -4,11 +4,13 @@ server``): a client of ``aitraining-pl vllm-serve`` (``vllm_backend.server``) wi
 
 Every training process connects on its own and sends its own prompts; rank 0 pushes the policy's weights before
 each rollout whose weights changed (the optimizer step count moved; once per rollout, as the colocated sync),
-streamed one tensor at a time over the framing of ``vllm_backend.wire`` (a LoRA policy's base weights with the
-deltas merged, ``models.lora.plain_weights``; under FSDP2 every rank takes part in gathering each tensor, and
-rank 0 sends it). A sample request names the weights version it needs (the run's id
-and the step count), and the server answers it only once it holds that version, so the other ranks never sample
-from stale weights. This module does not import vLLM: the trainer's processes need not have it installed.
+streamed one tensor at a time (a LoRA policy's base weights with the deltas merged, ``models.lora.plain_weights``;
+under FSDP2 every rank takes part in gathering each tensor, and rank 0 sends it): over the framing of
+``vllm_backend.wire`` (``weight_channel: tcp``), or by broadcast on a two-member process group with the server
+(``nccl`` GPU to GPU, ``gloo`` on CPUs; ``vllm_backend.weight_group``), the frames then naming each tensor only.
+A sample request names the weights version it needs (the run's id and the step count), and the server answers it
+only once it holds that version, so the other ranks never sample from stale weights. This module does not import
+vLLM: the trainer's processes need not have it installed.
 
 Any failure of the channel (nothing listening, a timeout, the server gone mid-run, a refused request) is one
 ``GenerationServerError`` line naming ``host:port`` and what was being done.
@@ -31,9 +33,10 @@ from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
 from aitraining_pl.models.sharding import is_sharded
 from aitraining_pl.vllm_backend.config import VLLMConfig
 from aitraining_pl.vllm_backend.engine import policy_weights
-from aitraining_pl.vllm_backend.wire import FrameError, read_frame, send_frame
+from aitraining_pl.vllm_backend.weight_group import WeightGroup, failure
+from aitraining_pl.vllm_backend.wire import FrameError, describe, read_frame, send_frame
 
-PROTOCOL = 1  #: version of the request/answer vocabulary below (``hello`` checks it)
+PROTOCOL = 2  #: version of the request/answer vocabulary below (``hello`` checks it)
 #: config fields the server and the policy must share (the weights are loaded by these shapes)
 MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 RESUME = "restart the server and resume the run from its last checkpoint with --ckpt_path"
@@ -42,6 +45,21 @@ RESUME = "restart the server and resume the run from its last checkpoint with --
 def model_description(config: Any) -> dict[str, Any]:
     """The ``MODEL_FIELDS`` of a transformers config (what ``hello`` answers and the client compares)."""
     return {name: getattr(config, name, None) for name in MODEL_FIELDS}
+
+
+def weight_channel(name: str, policy: torch.nn.Module, server_device: str | None) -> str:
+    """``tcp``, ``nccl`` or ``gloo`` for ``generation.vllm.weight_channel`` ``name``: ``auto`` is ``nccl`` when the
+    policy and the server are both on GPUs (and this torch has NCCL), else ``tcp``. ``nccl`` with either side on a
+    CPU is a ``ConfigError``."""
+    import torch.distributed as dist
+
+    on_gpu = next(policy.parameters()).device.type == "cuda" and server_device == "cuda"
+    if name == "auto":
+        return "nccl" if on_gpu and dist.is_nccl_available() else "tcp"
+    if name == "nccl" and not on_gpu:
+        where = f"the policy on {next(policy.parameters()).device.type}, the server on {server_device}"
+        raise ConfigError("generation.vllm.weight_channel", f"nccl needs GPUs on both sides ({where}): tcp or gloo")
+    return name
 
 
 class VLLMServerClient:
@@ -62,6 +80,7 @@ class VLLMServerClient:
         self.version: str | None = None  #: the weights version this process's rollouts need
         self.calls = itertools.count()
         self.sync_seconds = 0.0  #: time the last weight push took (rank 0)
+        self.group: WeightGroup | None = None  #: rank 0's collective weight channel, when one is used
         self.sock = self.connect()
         answer, _ = self.call({"op": "hello", "protocol": PROTOCOL, "rank": self.rank}, "connecting")
         served, ours = answer.get("model") or {}, model_description(hf_model(policy).config)
@@ -73,6 +92,21 @@ class VLLMServerClient:
                 f"the server at {self.address} serves another model: {', '.join(wrong)}; start vllm-serve with the "
                 "policy's config (--model)",
             )
+        if self.rank == 0:
+            self.open_channel(weight_channel(options.weight_channel, policy, answer.get("device")))
+
+    def open_channel(self, backend: str) -> None:
+        """Rank 0: open the collective weight channel ``backend`` (nothing for ``tcp``)."""
+        if backend == "tcp":
+            return
+        timeout = float(self.options.server_timeout)
+        doing = f"opening the {backend} weight channel (generation.vllm.weight_channel)"
+        answer, _ = self.call({"op": "channel", "backend": backend, "timeout": timeout}, doing)
+        try:
+            self.group = WeightGroup(backend, timeout, host=self.options.server_host, port=int(answer["port"]))
+        except RuntimeError as err:
+            self.close()
+            raise self.error(doing, f"could not join it on port {answer['port']} ({failure(err)})") from None
 
     # ------------------------------------------------------------------ channel
     def error(self, doing: str, what: str) -> GenerationServerError:
@@ -140,15 +174,22 @@ class VLLMServerClient:
             doing = f"pushing the weights of version {version}"
             start = time.perf_counter()
             try:
-                send_frame(self.sock, {"op": "load", "version": key})
+                group = self.group
+                send_frame(self.sock, {"op": "load", "version": key, "via": "frames" if group is None else "group"})
                 count = 0
                 for name, tensor in policy_weights(policy):
-                    send_frame(self.sock, {"op": "weight"}, {name: tensor})
+                    if group is None:
+                        send_frame(self.sock, {"op": "weight"}, {name: tensor})
+                    else:
+                        send_frame(self.sock, {"op": "weight", "tensor": describe(name, tensor)})
+                        group.send(tensor)
                     count += 1
                 send_frame(self.sock, {"op": "end", "count": count})
                 self.answer(doing)
-            except OSError as err:
-                raise self.lost(doing, err) from None
+            except (OSError, RuntimeError) as err:  # RuntimeError: a broadcast failed, the server left the group
+                broken = self.lost(doing, err) if isinstance(err, OSError) else None
+                self.close()  # a collective group left open to a dead peer aborts the process at exit
+                raise broken or self.error(doing, f"the weight channel broke ({failure(err)})") from None
             self.sync_seconds = time.perf_counter() - start
         elif is_sharded(policy):  # FSDP2: gathering each tensor is a collective, so every rank walks the stream
             for _ in policy_weights(policy):
@@ -193,6 +234,9 @@ class VLLMServerClient:
         """Nothing to free: the server's memory is its own."""
 
     def close(self) -> None:
+        group, self.group = getattr(self, "group", None), None
+        if group is not None:
+            group.close()
         sock, self.sock = getattr(self, "sock", None), None
         if sock is not None:
             try:

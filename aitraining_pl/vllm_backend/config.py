@@ -28,6 +28,11 @@ class VLLMConfig:
     server_timeout: float = 240.0
     """Seconds the trainer waits for the generation server: to accept the connection at setup, and for each
     answer (a rollout's samples, the acknowledgement of a weight push); past it the run stops with one line."""
+    weight_channel: str = "auto"
+    """How rank 0 pushes the weights to the generation server (``mode: server``): ``tcp`` (through the server's
+    connection, each tensor copied to host memory), ``nccl`` (broadcast GPU to GPU on a two-member process group
+    with the server; its store listens on ``vllm-serve --weight_port``), ``gloo`` (the same group on CPU tensors)
+    or ``auto`` (``nccl`` when the policy and the server are on GPUs, else ``tcp``)."""
 
     #: allowed values of the fields (``validation.check_arguments``), checked with the ``generation`` group
     argument_ranges: ClassVar[Ranges] = rules(
@@ -39,6 +44,7 @@ class VLLMConfig:
         "max_model_len",
         "importance_sampling_cap",
         mode=OneOf(fixed("colocate", "server")),
+        weight_channel=OneOf(fixed("auto", "tcp", "nccl", "gloo")),
     )
 
     gpu_memory_utilization: float = 0.3

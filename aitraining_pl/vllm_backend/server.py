@@ -8,10 +8,17 @@ same ``sampling_params`` / ``sample``, so the distribution and the end rule are 
 The channel is TCP with the framing of ``vllm_backend.wire`` (JSON headers, raw tensor bytes; no pickle). Each
 training process keeps one connection; requests (``op`` of the header) and answers:
 
-- ``hello {protocol, rank}`` -> ``ready {model, version}``: the model's shape fields, which the client checks.
-- ``load {version}``, then one ``weight`` frame per tensor (one tensor each, transformers names), then ``end
-  {count}`` -> ``loaded {version, seconds}``: the weights streamed into the engine in place, one tensor at a
-  time, while no rollout runs. Sent by rank 0.
+- ``hello {protocol, rank}`` -> ``ready {model, version, device}``: the model's shape fields, which the client
+  checks, and where the engine runs (``cuda`` or ``cpu``).
+- ``channel {backend, timeout}`` -> ``channel {port}``: open a collective weight channel (``nccl`` or ``gloo``;
+  ``vllm_backend.weight_group``) whose store listens on ``port`` (``--weight_port``); the server then waits up
+  to ``timeout`` seconds for the trainer to join it. Sent by rank 0 when ``generation.vllm.weight_channel`` is
+  not ``tcp``.
+- ``load {version, via}``, then one ``weight`` frame per tensor (transformers names), then ``end {count}`` ->
+  ``loaded {version, seconds}``: the weights streamed into the engine in place, one tensor at a time, while no
+  rollout runs. ``via: frames``: each frame carries its tensor; ``via: group``: each frame's ``tensor`` entry
+  names the tensor, dtype and shape and the bytes come by broadcast on the connection's weight channel. Sent by
+  rank 0.
 - ``sample {version, timeout, generation, end_ids, stop_strings, skip_special_tokens, pad_token_id,
   num_samples, seed}`` with tensors ``prompt_ids``, ``prompt_mask`` (B, P; left padded) -> ``samples`` with
   ``response_ids`` and ``sampled_logprobs`` (N, R): answered once the engine holds ``version`` (waiting up to
@@ -48,7 +55,8 @@ from aitraining_pl.rollout import GenerationConfig
 from aitraining_pl.vllm_backend.client import PROTOCOL, model_description
 from aitraining_pl.vllm_backend.config import VLLMConfig
 from aitraining_pl.vllm_backend.engine import VLLMEngine, import_vllm
-from aitraining_pl.vllm_backend.wire import FrameError, read_frame, send_frame
+from aitraining_pl.vllm_backend.weight_group import BACKENDS, WeightGroup, failure, host_store
+from aitraining_pl.vllm_backend.wire import FrameError, parse_entry, read_frame, send_frame
 
 
 def is_inline(model: str) -> bool:
@@ -77,10 +85,11 @@ def meta_model(model: str, dtype: str | None) -> torch.nn.Module:
 
 
 class _Weights:
-    """The ``weight`` frames of one push as ``(name, tensor)`` pairs, read as the engine consumes them."""
+    """The ``weight`` frames of one push as ``(name, tensor)`` pairs, read as the engine consumes them: each
+    frame's own tensor, or (``group``) the tensor its ``tensor`` entry describes, received by broadcast."""
 
-    def __init__(self, sock: socket.socket):
-        self.sock, self.count, self.done = sock, 0, False
+    def __init__(self, sock: socket.socket, group: WeightGroup | None = None):
+        self.sock, self.group, self.count, self.done = sock, group, 0, False
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         while True:
@@ -90,10 +99,18 @@ class _Weights:
                     raise FrameError(f"'end' says {header.get('count')} tensors, {self.count} came")
                 self.done = True
                 return
-            if header["op"] != "weight" or len(tensors) != 1:
+            if header["op"] != "weight" or len(tensors) != (0 if self.group else 1):
                 raise FrameError(f"expected one tensor per 'weight' frame, got {header['op']!r} with {len(tensors)}")
             self.count += 1
-            yield from tensors.items()
+            if self.group is None:
+                yield from tensors.items()
+                continue
+            name, dtype, shape = parse_entry(header.get("tensor"))
+            try:
+                tensor = self.group.receive(dtype, shape)
+            except RuntimeError as err:  # the trainer left the group: the push cannot go on
+                raise ConnectionError(f"the weight channel broke while receiving {name} ({failure(err)})") from None
+            yield name, tensor
 
 
 class GenerationServer(socketserver.ThreadingTCPServer):
@@ -102,16 +119,38 @@ class GenerationServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, engine: VLLMEngine, tokenizer: Any, model: dict[str, Any], host: str, port: int):
+    def __init__(
+        self, engine: VLLMEngine, tokenizer: Any, model: dict[str, Any], host: str, port: int, weight_port: int = 0
+    ):
         self.engine, self.tokenizer, self.model = engine, tokenizer, model
+        self.weight_port = weight_port  #: where a weight channel's store listens (0: any free port)
         self.changed = threading.Condition()  #: held while the engine works; notified when weights arrive
         super().__init__((host, port), _Connection)
 
     def log(self, text: str) -> None:
         print(f"aitraining-pl vllm-serve: {text}", file=sys.stderr, flush=True)
 
-    def load(self, sock: socket.socket, version: str) -> dict[str, Any]:
-        weights = _Weights(sock)
+    def open_channel(self, sock: socket.socket, request: dict[str, Any]) -> WeightGroup:
+        """Answer ``channel`` with the port of a new weight channel's store, then wait for the trainer to join."""
+        backend, timeout = request.get("backend"), float(request.get("timeout") or 240.0)
+        if backend not in BACKENDS:
+            raise ValueError(f"weight channel {backend!r}; known: {', '.join(BACKENDS)}")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("the nccl weight channel needs a GPU; this server runs on the CPU (use tcp or gloo)")
+        try:
+            store = host_store(self.server_address[0], self.weight_port, timeout)
+        except RuntimeError as err:
+            raise ValueError(f"cannot listen on --weight_port {self.weight_port} ({one_line(err)})") from None
+        send_frame(sock, {"op": "channel", "port": store.port})
+        try:
+            group = WeightGroup(backend, timeout, store=store)
+        except RuntimeError as err:
+            raise ConnectionError(f"the trainer did not join the {backend} weight channel ({failure(err)})") from None
+        self.log(f"weight channel {backend} open (store port {store.port})")
+        return group
+
+    def load(self, sock: socket.socket, version: str, group: WeightGroup | None = None) -> dict[str, Any]:
+        weights = _Weights(sock, group)
         with self.changed:
             self.engine.version = None  # no rollout from half-loaded weights
             start = time.perf_counter()
@@ -155,6 +194,11 @@ class _Connection(socketserver.BaseRequestHandler):
     """One training process's connection: requests served in order until ``bye`` or the connection closes."""
 
     server: GenerationServer
+    group: WeightGroup | None = None  #: this connection's weight channel (``channel``), if it opened one
+
+    def finish(self) -> None:
+        if self.group is not None:
+            self.group.close()
 
     def handle(self) -> None:
         sock, server = self.request, self.server
@@ -174,9 +218,17 @@ class _Connection(socketserver.BaseRequestHandler):
                 if op == "hello":
                     if request.get("protocol") != PROTOCOL:
                         raise ValueError(f"protocol {request.get('protocol')} (this server speaks {PROTOCOL})")
-                    answer, out = {"op": "ready", "model": server.model, "version": server.engine.version}, {}
+                    device = "cuda" if torch.cuda.is_available() else "cpu"
+                    answer = {"op": "ready", "model": server.model, "version": server.engine.version, "device": device}
+                    out = {}
+                elif op == "channel":
+                    self.group = server.open_channel(sock, request)  # answered before the trainer joins
+                    continue
                 elif op == "load":
-                    answer, out = server.load(sock, str(request.get("version"))), {}
+                    if request.get("via") == "group" and self.group is None:
+                        raise FrameError("weights pushed by the weight channel before a 'channel' request")
+                    group = self.group if request.get("via") == "group" else None
+                    answer, out = server.load(sock, str(request.get("version")), group), {}
                 elif op == "sample":
                     answer, out = server.sample(request, tensors)
                 else:
@@ -210,6 +262,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer folder, hub id or 'byte' (default: --model's folder)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=defaults.server_port, help="TCP port (0: any free one, printed)")
+    p.add_argument("--weight_port", type=int, default=0,
+                   help="TCP port of the weight channel's store when the trainer opens one (generation.vllm."
+                   "weight_channel nccl or gloo; 0: any free one)")  # fmt: skip
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the config's, else float32)")
     p.add_argument("--seed", type=int, default=0, help="the engine's seed (requests with a seed use their own)")
     p.add_argument("--max_model_len", type=int, default=None, help="longest prompt + response (default: the model's)")
@@ -266,7 +321,7 @@ def main(argv: list[str]) -> None:
     engine = VLLMEngine(policy, tokenizer, options, seed=args.seed)
     description = model_description(policy.config)
     try:
-        server = GenerationServer(engine, tokenizer, description, args.host, args.port)
+        server = GenerationServer(engine, tokenizer, description, args.host, args.port, args.weight_port)
     except OSError as err:
         engine.close()
         where = f"--host {args.host} --port {args.port}"

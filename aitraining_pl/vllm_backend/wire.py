@@ -9,7 +9,9 @@ A frame is::
                                    {"name": str, "dtype": one of ``DTYPES``, "shape": [int, ...]}
     payload                        each tensor's bytes in order: C order, little-endian, numel * itemsize bytes
 
-A weight push streams one tensor per frame, so neither side holds a second copy of the model. ``read_frame``
+A weight push streams one tensor per frame, so neither side holds a second copy of the model (over a collective
+weight channel, ``vllm_backend.weight_group``, each frame carries only a ``describe`` entry and the bytes go by
+broadcast). ``read_frame``
 refuses a wrong magic, an oversized or non-JSON header, a header that is not an object with an ``op``, an
 unknown dtype and a negative or non-integer shape with a ``FrameError`` before reading any payload.
 """
@@ -49,6 +51,23 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+def describe(name: str, tensor: torch.Tensor) -> dict[str, Any]:
+    """The header entry of a tensor: its name, dtype and shape."""
+    return {"name": name, "dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+
+
+def parse_entry(entry: Any) -> tuple[str, torch.dtype, list[int]]:
+    """``(name, dtype, shape)`` of a header entry (``describe``); ``FrameError`` when malformed."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+        raise FrameError(f"tensor entry {entry!r} has no string name")
+    dtype, shape = entry.get("dtype"), entry.get("shape")
+    if dtype not in DTYPES:
+        raise FrameError(f"tensor {entry['name']!r}: unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise FrameError(f"tensor {entry['name']!r}: shape {shape!r} is not a list of non-negative integers")
+    return entry["name"], DTYPES[dtype], shape
+
+
 def _raw(tensor: torch.Tensor) -> memoryview:
     """The bytes of ``tensor`` (C order) without a copy when it is already contiguous on the CPU."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
@@ -58,7 +77,7 @@ def _raw(tensor: torch.Tensor) -> memoryview:
 def encode(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None) -> list[bytes | memoryview]:
     """The pieces of one frame (``socket.sendall`` each in turn): ``header`` plus ``tensors`` in order."""
     tensors = dict(tensors or {})
-    entries = [{"name": k, "dtype": _dtype_name(t.dtype), "shape": list(t.shape)} for k, t in tensors.items()]
+    entries = [describe(k, t) for k, t in tensors.items()]
     text = json.dumps({**header, "tensors": entries} if entries else dict(header)).encode()
     if len(text) > MAX_HEADER:
         raise FrameError(f"header of {len(text)} bytes is over the {MAX_HEADER}-byte limit")
@@ -93,17 +112,7 @@ def parse_header(text: bytes) -> tuple[dict[str, Any], list[tuple[str, torch.dty
     entries = header.pop("tensors", [])
     if not isinstance(entries, list):
         raise FrameError('"tensors" is not a list')
-    parsed = []
-    for entry in entries:
-        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-            raise FrameError(f"tensor entry {entry!r} has no string name")
-        dtype, shape = entry.get("dtype"), entry.get("shape")
-        if dtype not in DTYPES:
-            raise FrameError(f"tensor {entry['name']!r}: unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise FrameError(f"tensor {entry['name']!r}: shape {shape!r} is not a list of non-negative integers")
-        parsed.append((entry["name"], DTYPES[dtype], shape))
-    return header, parsed
+    return header, [parse_entry(entry) for entry in entries]
 
 
 def read_frame(sock: socket.socket) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
