@@ -175,7 +175,8 @@ class VLLMServerClient:
             start = time.perf_counter()
             try:
                 group = self.group
-                send_frame(self.sock, {"op": "load", "version": key, "via": "frames" if group is None else "group"})
+                via, timeout = "frames" if group is None else "group", float(self.options.server_timeout)
+                send_frame(self.sock, {"op": "load", "version": key, "via": via, "timeout": timeout})
                 count = 0
                 for name, tensor in policy_weights(policy):
                     if group is None:

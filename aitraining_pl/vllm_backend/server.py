@@ -14,11 +14,11 @@ training process keeps one connection; requests (``op`` of the header) and answe
   ``vllm_backend.weight_group``) whose store listens on ``port`` (``--weight_port``); the server then waits up
   to ``timeout`` seconds for the trainer to join it. Sent by rank 0 when ``generation.vllm.weight_channel`` is
   not ``tcp``.
-- ``load {version, via}``, then one ``weight`` frame per tensor (transformers names), then ``end {count}`` ->
-  ``loaded {version, seconds}``: the weights streamed into the engine in place, one tensor at a time, while no
-  rollout runs. ``via: frames``: each frame carries its tensor; ``via: group``: each frame's ``tensor`` entry
-  names the tensor, dtype and shape and the bytes come by broadcast on the connection's weight channel. Sent by
-  rank 0.
+- ``load {version, via, timeout}``, then one ``weight`` frame per tensor (transformers names), then ``end
+  {count}`` -> ``loaded {version, seconds}``: the weights streamed into the engine in place, one tensor at a
+  time, while no rollout runs (a push that stalls for ``timeout`` seconds loses its connection). ``via: frames``:
+  each frame carries its tensor; ``via: group``: each frame's ``tensor`` entry names the tensor, dtype and shape
+  and the bytes come by broadcast on the connection's weight channel. Sent by rank 0.
 - ``sample {version, timeout, generation, end_ids, stop_strings, skip_special_tokens, pad_token_id,
   num_samples, seed}`` with tensors ``prompt_ids``, ``prompt_mask`` (B, P; left padded) -> ``samples`` with
   ``response_ids`` and ``sampled_logprobs`` (N, R): answered once the engine holds ``version`` (waiting up to
@@ -149,17 +149,25 @@ class GenerationServer(socketserver.ThreadingTCPServer):
         self.log(f"weight channel {backend} open (store port {store.port})")
         return group
 
-    def load(self, sock: socket.socket, version: str, group: WeightGroup | None = None) -> dict[str, Any]:
+    def load(
+        self, sock: socket.socket, version: str, group: WeightGroup | None = None, timeout: float = 240.0
+    ) -> dict[str, Any]:
+        """Stream one push into the engine. The engine is held for the whole push, so a pusher that stalls for
+        ``timeout`` seconds between two reads loses its connection (``socket.timeout``) and frees the engine."""
         weights = _Weights(sock, group)
         with self.changed:
             self.engine.version = None  # no rollout from half-loaded weights
             start = time.perf_counter()
-            self.engine.load(weights, version)
-            if not weights.done:
-                for _ in weights:  # the engine stopped early: read the rest of the push
-                    pass
-                self.engine.version = None
-                raise FrameError(f"the engine took {weights.count} of the pushed tensors")
+            sock.settimeout(timeout)
+            try:
+                self.engine.load(weights, version)
+                if not weights.done:
+                    for _ in weights:  # the engine stopped early: read the rest of the push
+                        pass
+                    self.engine.version = None
+                    raise FrameError(f"the engine took {weights.count} of the pushed tensors")
+            finally:
+                sock.settimeout(None)  # between requests a connection may idle
             self.changed.notify_all()
         seconds = time.perf_counter() - start
         self.log(f"loaded weights {version} ({weights.count} tensors, {seconds:.2f} s)")
@@ -228,7 +236,8 @@ class _Connection(socketserver.BaseRequestHandler):
                     if request.get("via") == "group" and self.group is None:
                         raise FrameError("weights pushed by the weight channel before a 'channel' request")
                     group = self.group if request.get("via") == "group" else None
-                    answer, out = server.load(sock, str(request.get("version")), group), {}
+                    timeout = float(request.get("timeout") or 240.0)
+                    answer, out = server.load(sock, str(request.get("version")), group, timeout), {}
                 elif op == "sample":
                     answer, out = server.sample(request, tensors)
                 else:
