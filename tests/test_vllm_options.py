@@ -14,7 +14,7 @@ from aitraining_pl.errors import ConfigError, HyperparameterError
 from aitraining_pl.losses import clipped_policy_loss, truncated_importance_weights
 from aitraining_pl.rollout import GenerationConfig
 from aitraining_pl.vllm_backend import VLLMConfig
-from aitraining_pl.vllm_backend.engine import resolve_backend, vllm_available
+from aitraining_pl.vllm_backend.engine import block_parts, resolve_backend, vllm_available
 
 
 def test_generation_backend_settings_parse_and_validate():
@@ -83,3 +83,25 @@ def test_importance_weights_scale_the_clipped_term_not_the_kl():
     )
     k3 = math.exp(-0.5) - (-0.5) - 1  # exp(ref - logp) - (ref - logp) - 1 on the first token; 0 on the second
     assert with_kl.item() == pytest.approx(1.75 + 0.1 * k3 / 2, abs=1e-6)
+
+
+def test_sync_parts_for_worker_processes_never_split_a_transformer_block():
+    """``block_parts``: at least ``min_bytes`` per part, cut only between blocks (``...layers.N.``) or at weights
+    outside them, every tensor once, in order, on the CPU."""
+    names = ["model.embed_tokens.weight"]
+    names += [f"model.layers.{i}.{m}.weight" for i in range(3) for m in ("self_attn.q_proj", "self_attn.k_proj", "mlp")]
+    names += ["model.norm.weight", "lm_head.weight"]
+    weights = [(name, torch.full((2, 2), float(i))) for i, name in enumerate(names)]  # 16 bytes each
+    parts = list(block_parts(weights, min_bytes=40))
+    assert (
+        [[n for n, _ in part] for part in parts]
+        == [
+            names[:4],  # the embedding (16 bytes < 40) goes on with block 0
+            names[4:7],  # block 1: 48 bytes
+            names[7:10],
+            names[10:],  # the last part may be short
+        ]
+    )
+    assert all(t.device.type == "cpu" for part in parts for _, t in part)
+    assert [float(t[0, 0]) for part in parts for _, t in part] == [float(i) for i in range(len(names))]
+    assert [len(p) for p in block_parts(weights, min_bytes=1)] == [1, 3, 3, 3, 1, 1]  # a block is never split

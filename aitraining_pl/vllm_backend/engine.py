@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -43,6 +44,10 @@ from aitraining_pl.vllm_backend.config import EXTRA_CPU, EXTRA_GPU, VLLMConfig
 
 #: apart the per-request seeds of two ranks' rollouts (``VLLMEngine.sample``): more than any rollout's rows
 RANK_SEED_STRIDE = 1_000_003
+#: least bytes of one part of a sync sent to vLLM's worker processes (``block_parts``; tensor parallel)
+PART_BYTES = 512 << 20
+#: the transformer block a weight belongs to (``model.layers.3.self_attn.q_proj.weight`` -> ``model.layers.3``)
+BLOCK = re.compile(r"^(.*?\.layers\.\d+)\.")
 
 
 def vllm_available() -> bool:
@@ -121,6 +126,28 @@ def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     weights = plain_weights(model, merged=True) if is_peft_model(model) else model.state_dict().items()
     for name, tensor in weights:
         yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+def block_parts(
+    weights: Iterable[tuple[str, torch.Tensor]], min_bytes: int = PART_BYTES
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``weights`` as lists of CPU tensors of at least ``min_bytes`` each (the last may hold less) that never split
+    a transformer block: vLLM processes a layer once per ``reload_weights`` call, so a fused layer (``qkv_proj``,
+    ``gate_up_proj``, the experts) whose checkpoint tensors came in two calls would keep garbage in the part the
+    second call does not bring. Weights outside the blocks (embeddings, final norm, head) are layers of their own."""
+    part: list[tuple[str, torch.Tensor]] = []
+    size, block = 0, None
+    for name, tensor in weights:
+        found = BLOCK.match(name)
+        key = found.group(1) if found else name
+        if part and key != block and size >= min_bytes:
+            yield part
+            part, size = [], 0
+        part.append((name, tensor.detach().to("cpu")))
+        size += tensor.numel() * tensor.element_size()
+        block = key
+    if part:
+        yield part
 
 
 def process_group() -> tuple[int, int]:
@@ -219,10 +246,15 @@ class VLLMEngine:
     @torch.no_grad()
     def load(self, weights: Iterable[tuple[str, torch.Tensor]], version: Any) -> None:
         """Load ``(name, tensor)`` pairs (transformers names, consumed one at a time) into the engine in place,
-        drop its prefix cache and record ``version`` (``sync``; the generation server's weight push)."""
+        drop its prefix cache and record ``version`` (``sync``; the generation server's weight push). With
+        ``tensor_parallel_size > 1`` vLLM's workers are other processes, which cannot take an iterator: the
+        weights go to them in ``block_parts`` (about ``PART_BYTES`` of CPU tensors at a time)."""
         start = time.perf_counter()
         self.wake()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        parts = [weights] if self.options.tensor_parallel_size == 1 else block_parts(weights, PART_BYTES)
+        for part in parts:
+            kwargs = {"weights_iterator": part, "is_checkpoint_format": True}
+            self.llm.collective_rpc("reload_weights", kwargs=kwargs)
         self.llm.reset_prefix_cache()
         self.version = version
         self.sync_seconds = time.perf_counter() - start
