@@ -134,21 +134,27 @@ def test_weight_sync_after_optimizer_steps_plain_and_lora(tokenizer):
         engine.close()
 
 
+def check_sync_follows_training(engine, model, tokenizer) -> None:
+    """The synced engine's log-probs equal the policy's (1e-4); after optimizer steps they differ (> 1e-2) until
+    the next sync, and equal again after it."""
+    generation = GenerationConfig(max_new_tokens=8, temperature=1.0)
+    engine.sync(model, version=0)
+    assert logp_gap(engine, model, tokenizer, generation) < 1e-4
+    train_steps(model)
+    assert logp_gap(engine, model, tokenizer, generation) > 1e-2
+    assert engine.sync(model, version=3)
+    assert logp_gap(engine, model, tokenizer, generation) < 1e-4
+
+
 @pytest.mark.parametrize("model_type", [t for t in VLLM_ARCHITECTURES if t not in ("llama", "gpt_neox")])
 def test_weight_sync_on_the_architecture_matrix(model_type, tokenizer):
     """The sync's name mapping on each architecture vLLM serves natively (fused qkv / gate-up projections,
     Gemma's offset norms, tied heads): after optimizer steps the synced engine's log-probs equal the policy's, and
     they do not before the sync. (LoRA and the distributed syncs: the llama tests.)"""
-    generation = GenerationConfig(max_new_tokens=8, temperature=1.0)
     model = build_causal_lm(vllm_spec(model_type), seed=0)
     engine = VLLMEngine(model, tokenizer, VLLMConfig(), max_length=256)
     try:
-        engine.sync(model, version=0)
-        assert logp_gap(engine, model, tokenizer, generation) < 1e-4
-        train_steps(model)
-        assert logp_gap(engine, model, tokenizer, generation) > 1e-2
-        assert engine.sync(model, version=3)
-        assert logp_gap(engine, model, tokenizer, generation) < 1e-4
+        check_sync_follows_training(engine, model, tokenizer)
     finally:
         engine.close()
 
@@ -167,16 +173,10 @@ def test_weight_sync_into_a_tensor_parallel_engine(tokenizer, monkeypatch):
     if not torch.cuda.is_available():  # vLLM binds each CPU worker to a NUMA node unless told which cores to use
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
     monkeypatch.setattr(engine_module, "PART_BYTES", 1)
-    generation = GenerationConfig(max_new_tokens=8, temperature=1.0)
     model = build_causal_lm({**vllm_spec("llama"), "num_key_value_heads": 2}, seed=0)
     engine = VLLMEngine(model, tokenizer, VLLMConfig(tensor_parallel_size=2), max_length=128)
     try:
-        engine.sync(model, version=0)
-        assert logp_gap(engine, model, tokenizer, generation) < 1e-4
-        train_steps(model)
-        assert logp_gap(engine, model, tokenizer, generation) > 1e-2
-        assert engine.sync(model, version=3)
-        assert logp_gap(engine, model, tokenizer, generation) < 1e-4
+        check_sync_follows_training(engine, model, tokenizer)
     finally:
         engine.close()
 
