@@ -134,6 +134,16 @@ def test_weight_sync_after_optimizer_steps_plain_and_lora(tokenizer):
         engine.close()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
+def test_sleep_on_a_cpu_is_one_line_before_the_engine_is_built(tokenizer):
+    from aitraining_pl.errors import ConfigError
+
+    model = build_causal_lm(vllm_spec("llama"), seed=0)
+    with pytest.raises(ConfigError, match=r"generation.vllm.sleep.*needs a GPU") as caught:
+        VLLMEngine(model, tokenizer, VLLMConfig(sleep=True), max_length=64)
+    assert "\n" not in str(caught.value)
+
+
 def check_sync_follows_training(engine, model, tokenizer) -> None:
     """The synced engine's log-probs equal the policy's (1e-4); after optimizer steps they differ (> 1e-2) until
     the next sync, and equal again after it."""

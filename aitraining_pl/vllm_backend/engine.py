@@ -182,6 +182,12 @@ class VLLMEngine:
         vllm = import_vllm()
         self.options = options
         on_cpu = not torch.cuda.is_available()
+        if on_cpu and options.sleep:  # vLLM refuses it with a multi-line pydantic error
+            raise ConfigError(
+                "generation.vllm.sleep",
+                "needs a GPU (vLLM's sleep mode frees GPU memory between rollouts); this engine runs on the CPU: "
+                "set it false",
+            )
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(options.cpu_kv_cache_gb))))
         self.folder = tempfile.mkdtemp(prefix="aitraining-pl-vllm-")
