@@ -217,7 +217,11 @@ class VLLMEngine:
             max_model_len=max_length,
             enable_sleep_mode=options.sleep,
         )
-        if not on_cpu:
+        if on_cpu:  # vLLM 0.32 rewinds a seeded request's generator after a partial (chunked) prefill with
+            # Generator.set_offset, which CPU generators lack ("CPU Generator does not use offset"): a step whose
+            # prefill exceeded the token budget crashed (seeded rollouts; under DDP every rollout is seeded)
+            kwargs["enable_chunked_prefill"] = False
+        else:
             kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
         self.rank, self.world_size = rank, world_size = process_group()
         if world_size > 1:  # one engine per training process (TRL's colocate mode): vLLM joins the process group
