@@ -1,9 +1,11 @@
 """Run by tests/test_vllm_distributed.py: GRPO on the colocated vLLM backend in 2 CPU processes (gloo), one vLLM
-engine per process (``external_launcher``). ``python vllm_ddp_script.py OUT STRATEGY SYNC``: ``STRATEGY`` is
-``ddp`` or ``fsdp`` (``fsdp2``: the sync all-gathers one parameter at a time), ``SYNC`` ``on`` or ``off``
-(``generation.vllm.sync_weights``). After training each rank syncs its engine once more and writes
-``OUT/rank<r>.pt``: the largest |logp_engine - logp_policy| over a sampled rollout, the optimizer steps made and
-the tokens its engine drew without a seed (the ranks' engines are seeded differently)."""
+engine per process (``external_launcher``). ``python vllm_ddp_script.py OUT STRATEGY SYNC WEIGHTS``: ``STRATEGY``
+is ``ddp`` or ``fsdp`` (``fsdp2``: the sync all-gathers one parameter at a time), ``SYNC`` ``on`` or ``off``
+(``generation.vllm.sync_weights``), ``WEIGHTS`` ``full`` or ``lora`` (LoRA adapters on the policy, merged into
+the engine's weights as they stream). After training each rank syncs its engine once more and writes
+``OUT/rank<r>.pt``: the largest |logp_engine - logp_policy| over a sampled rollout (with LoRA also against the
+policy with its adapters off), the optimizer steps made and the tokens its engine drew without a seed (the ranks'
+engines are seeded differently)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import lightning.pytorch as pl  # noqa: E402
 
 from aitraining_pl.datamodules.prompt import PromptDataModule  # noqa: E402
+from aitraining_pl.models import LoRAConfig, is_peft_model  # noqa: E402
 from aitraining_pl.models.sharding import is_sharded  # noqa: E402
 from aitraining_pl.models.training import eval_mode  # noqa: E402
 from aitraining_pl.modules.critic_free import GRPOModule  # noqa: E402
@@ -48,20 +51,25 @@ class Probe(pl.Callback):
         rollout = sampler.sample(module.policy, ids, mask, 4, seed=0)
         with eval_mode(module.policy):
             policy = module.response_scores(module.policy, rollout.input_ids, rollout.attention_mask, ids.shape[1])
-        gap = ((rollout.sampling_logprobs - policy.logprobs).abs() * rollout.response_mask).max()
-        unseeded = sampler.sample(module.policy, ids, mask, 4).response_ids
-        torch.save(
-            {
-                "gap": float(gap),
-                "global_step": trainer.global_step,
-                "unseeded": unseeded,
-                "sharded": is_sharded(module.policy),  # FSDP2: the policy stays sharded through the sync
-            },
-            os.path.join(self.out, f"rank{trainer.global_rank}.pt"),
-        )
+        result = {
+            "gap": self.gap(rollout, policy.logprobs),
+            "global_step": trainer.global_step,
+            "unseeded": sampler.sample(module.policy, ids, mask, 4).response_ids,
+            "sharded": is_sharded(module.policy),  # FSDP2: the policy stays sharded through the sync
+        }
+        if is_peft_model(module.policy):  # the trained adapters changed the model: the engine is not the base
+            with eval_mode(module.policy), module.policy.disable_adapter():
+                base = module.response_scores(module.policy, rollout.input_ids, rollout.attention_mask, ids.shape[1])
+            result["base_gap"] = self.gap(rollout, base.logprobs)
+        torch.save(result, os.path.join(self.out, f"rank{trainer.global_rank}.pt"))
+
+    @staticmethod
+    def gap(rollout, logprobs: torch.Tensor) -> float:
+        """Largest |logp_engine - logprobs| over the response tokens of ``rollout``."""
+        return float(((rollout.sampling_logprobs - logprobs).abs() * rollout.response_mask).max())
 
 
-def main(out: str, strategy: str, sync: str) -> None:
+def main(out: str, strategy: str, sync: str, weights: str) -> None:
     pl.seed_everything(0)
     module = GRPOModule(
         model_config=POLICY,
@@ -74,6 +82,7 @@ def main(out: str, strategy: str, sync: str) -> None:
         learning_rate=0.02,
         mini_batch_size=4,
         kl_coef=0.0,
+        lora=LoRAConfig(r=4, alpha=8, dropout=0.0) if weights == "lora" else None,
     )
     data = PromptDataModule(prompts=[f"prompt {i}" for i in range(8)], tokenizer="byte", batch_size=2)
     trainer = pl.Trainer(
@@ -92,4 +101,4 @@ def main(out: str, strategy: str, sync: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
