@@ -41,13 +41,13 @@ def main() -> None:
     from aitraining_pl.models import build_causal_lm, load_tokenizer
     from aitraining_pl.vllm_backend import VLLMConfig
     from aitraining_pl.vllm_backend.client import VLLMServerClient
-    from aitraining_pl.vllm_backend.engine import VLLMEngine
+    from aitraining_pl.vllm_backend.engine import VLLMEngine, policy_weights
     from aitraining_pl.vllm_backend.server import launch
 
     print_header(args.threads, size=args.size)
     config = dict(QWEN_05B) if args.size == "0.5b" else _model_config(args.size)
     model = build_causal_lm(config, seed=0)
-    megabytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
+    megabytes = sum(t.numel() * t.element_size() for _, t in policy_weights(model)) / 2**20  # what a sync sends
 
     def timed(sync, version: int) -> float:
         with torch.no_grad():
