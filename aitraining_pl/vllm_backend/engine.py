@@ -15,8 +15,9 @@ behind our back), and the engine ignores the checkpoint's ``generation_config.js
 (``generation_config="vllm"``). Stop strings are passed to vLLM so that it stops early, but the rollout engine
 decides where a response ends with its own ``StopRule`` on the returned token ids (the tokens vLLM drew after a
 stop, if any, become padding). Each prompt's ``G`` samples come from one request with ``n=G`` (its prompt is
-prefilled once). The log-probs of the sampled tokens come back under the distribution sampled from
-(``logprobs_mode="processed_logprobs"``: after temperature and top-p / top-k).
+prefilled once); ``sample_many`` draws several calls' prompts in one ``generate`` (the generation server's
+merged requests), each with the seeds it would have alone. The log-probs of the sampled tokens come back under
+the distribution sampled from (``logprobs_mode="processed_logprobs"``: after temperature and top-p / top-k).
 
 vLLM's in-process engine is used (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here when unset): the weights are
 loaded by a function run on the model in this process (``LLM.apply_model``).
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import re
 import shutil
@@ -48,6 +50,20 @@ RANK_SEED_STRIDE = 1_000_003
 PART_BYTES = 512 << 20
 #: the transformer block a weight belongs to (``model.layers.3.self_attn.q_proj.weight`` -> ``model.layers.3``)
 BLOCK = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+@dataclasses.dataclass
+class SampleRequest:
+    """The arguments of one ``VLLMEngine.sample`` call (``sample_many`` serves several in one ``generate``)."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    generation: Any
+    end_ids: Sequence[int]
+    stop_rule: StopRule
+    pad_token_id: int
+    num_samples: int = 1
+    seed: int | None = None
 
 
 def vllm_available() -> bool:
@@ -259,6 +275,7 @@ class VLLMEngine:
         self.version: Any = None  #: the policy version whose weights the engine holds (None: none loaded yet)
         self.sync_seconds = 0.0  #: time the last ``sync`` took
         self.cached_tokens = 0  #: prompt tokens of the last ``sample`` found in vLLM's prefix cache (not prefilled)
+        self.cached_each: list[int] = []  #: the same, for each request of the last ``sample_many``
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -344,23 +361,50 @@ class VLLMEngine:
         every sample has its own stream; None: from torch's global generator (``seed_everything``), which is the
         same on every training process, so with several the seed is drawn from it and offset by the rank
         (``RANK_SEED_STRIDE``): each rank draws its own samples."""
+        args = prompt_ids, prompt_mask, generation, end_ids, stop_rule, pad_token_id, num_samples, seed
+        return self.sample_many([SampleRequest(*args)])[0]
+
+    def sample_many(self, requests: Sequence[SampleRequest]) -> list[SampledTokens]:
+        """What ``sample`` answers to each of ``requests``, drawn in one ``generate`` call (vLLM batches all
+        their prompts together; the generation server's merged requests). A seeded request's samples have the
+        seeds ``sample`` gives them, whatever they are batched with. ``cached_tokens``: of all the requests;
+        ``cached_each``: of each."""
+        self.wake()
+        inputs = [self.vllm_inputs(request) for request in requests]
+        outputs = self.llm.generate(
+            [p for prompts, _ in inputs for p in prompts], [s for _, params in inputs for s in params], use_tqdm=False
+        )
+        results, self.cached_each, start = [], [], 0
+        for request, (prompts, _) in zip(requests, inputs):
+            own, start = outputs[start : start + len(prompts)], start + len(prompts)
+            self.cached_each.append(sum(int(getattr(out, "num_cached_tokens", 0) or 0) for out in own))
+            results.append(self.collect(own, request.pad_token_id, request.prompt_ids.device))
+        self.cached_tokens = sum(self.cached_each)
+        return results
+
+    def vllm_inputs(self, request: SampleRequest) -> tuple[list[Any], list[Any]]:
+        """``request``'s vLLM prompts (its unpadded token ids) and their ``SamplingParams`` (``sample``'s seeds)."""
         from vllm.inputs import TokensPrompt
 
-        self.wake()
+        seed, generation, num_samples = request.seed, request.generation, request.num_samples
         if seed is None and self.world_size > 1:  # torch's global generator is the same on every rank: offset it
             seed = int(torch.randint(0, 2**31, (1,))) + self.rank * RANK_SEED_STRIDE
-        prompts = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist()) for ids, m in zip(prompt_ids, prompt_mask)]
+        pairs = zip(request.prompt_ids, request.prompt_mask)
+        prompts = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist()) for ids, m in pairs]
         n = num_samples if generation.do_sample else 1  # vLLM refuses n > 1 when greedy: repeat the prompts
         prompts = prompts if n == num_samples else [p for p in prompts for _ in range(num_samples)]
+        end_ids, stop_rule = request.end_ids, request.stop_rule
         params = [
             self.sampling_params(generation, end_ids, stop_rule, n, None if seed is None else (seed + i * n) % 2**31)
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        self.cached_tokens = sum(int(getattr(out, "num_cached_tokens", 0) or 0) for out in outputs)
+        return prompts, params
+
+    @staticmethod
+    def collect(outputs: Sequence[Any], pad_token_id: int, device: torch.device) -> SampledTokens:
+        """vLLM's ``RequestOutput``s of one request as ``SampledTokens`` on ``device`` (``sample``'s layout)."""
         completions = [c for out in outputs for c in out.outputs]
         length = max((len(c.token_ids) for c in completions), default=0)
-        device = prompt_ids.device
         ids = torch.full((len(completions), length), int(pad_token_id), dtype=torch.long)
         logps = torch.zeros(len(completions), length)
         for row, completion in enumerate(completions):
