@@ -34,13 +34,13 @@ SPEC = {"preset": "tiny-llama", "num_attention_heads": 2, "num_key_value_heads":
 
 
 # ---------------------------------------------------------------------- a server process
-def start_server(log: Path) -> tuple[subprocess.Popen, int]:
+def start_server(log: Path, *argv: str) -> tuple[subprocess.Popen, int]:
     """``aitraining-pl vllm-serve`` on a free loopback port; returns the process and the port it printed."""
     pytest.importorskip("vllm")
     from aitraining_pl.vllm_backend.server import launch
 
     os.environ.setdefault("PYTHONPATH", str(ROOT))
-    return launch(["--model", json.dumps(SPEC), "--tokenizer", "byte", "--port", "0"], log)
+    return launch(["--model", json.dumps(SPEC), "--tokenizer", "byte", "--port", "0", *argv], log)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -54,7 +54,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc, port = start_server(tmp_path_factory.mktemp("server") / "serve.log")
+    # the connected ranks' requests always meet in one batch (each test's connections all sample; a batch waits
+    # for every open connection's request, up to this long)
+    proc, port = start_server(tmp_path_factory.mktemp("server") / "serve.log", "--batch_wait_ms", "20000")
     yield port
     stop(proc)
 
@@ -71,8 +73,9 @@ def test_two_ranks_sample_their_own_prompts_from_pushed_weights(server, tmp_path
     """2 gloo ranks (DDP; FSDP2: every rank gathers each tensor, rank 0 sends it), one server: every rollout of every
     rank is sampled from the policy's current weights (the server's log-probs of the sampled tokens equal the rank's
     policy's, conditioned on the rank's own prompts, to 1e-4 in fp32; the second rollout comes after optimizer
-    steps, so rank 0 pushed and rank 1 waited for them). Rank 0 pushes over the TCP connection (DDP) or by
-    broadcast on a gloo weight channel while the other rank gathers the next tensor (FSDP2)."""
+    steps, so rank 0 pushed and rank 1 waited for them); each rollout's requests of the two ranks are drawn by one
+    ``generate`` of the server. Rank 0 pushes over the TCP connection (DDP) or by broadcast on a gloo weight
+    channel while the other rank gathers the next tensor (FSDP2)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, str(SCRIPT), str(tmp_path), str(server), strategy, channel]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -82,6 +85,7 @@ def test_two_ranks_sample_their_own_prompts_from_pushed_weights(server, tmp_path
         records = rank["records"]
         assert [r["step"] for r in records] == [0, 2] and rank["global_step"] == 4  # 2 steps per rollout
         assert all(r["rows"] == 2 * 4 for r in records)  # 2 prompts x G=4 samples back, for this rank's requests
+        assert all(r["batched"] == 2 for r in records)  # both ranks' requests in one generate of the server
         assert max(r["gap"] for r in records) < 1e-4, records
     prompts = [{p for r in rank["records"] for p in r["prompts"]} for rank in ranks]
     assert prompts[0].isdisjoint(prompts[1]) and len(prompts[0] | prompts[1]) == 8
@@ -324,6 +328,51 @@ def test_greedy_episodes_on_the_server_equal_the_colocated_engines(server):
     assert max(colocated.episodes.metrics["turns"]) >= 2
     _assert_same_episodes(colocated, served)
     assert torch.equal(served.sampling_logprobs, colocated.sampling_logprobs)
+
+
+@pytest.mark.vllm
+def test_two_ranks_requests_are_served_in_one_generate_with_the_rows_each_gets_alone(server):
+    """Two ranks' seeded requests sent at once (other prompts, samples per prompt, seeds, lengths and top-k) are
+    drawn by one ``generate`` of the server (``batched``: 2), and each gets exactly the rows it gets alone:
+    the same tokens and log-probs (a seeded request's samples do not depend on what it is batched with)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from aitraining_pl.models import load_tokenizer
+    from aitraining_pl.models.generation import StopRule
+    from aitraining_pl.rollout import GenerationConfig
+    from aitraining_pl.vllm_backend.client import VLLMServerClient
+
+    tokenizer = load_tokenizer("byte", padding_side="left")
+    model = build_causal_lm(SPEC, seed=2)
+    sampling = GenerationConfig(max_new_tokens=8, temperature=1.0)
+    requests = [  # each rank's: prompts, samples per prompt, seed, generation
+        (["hello there", "ab"], 3, 7, sampling),
+        (["the quick brown fox", "x", "yes"], 2, 11, dataclasses.replace(sampling, max_new_tokens=5, top_k=20)),
+    ]
+
+    def draw(client, texts, samples, seed, generation):
+        enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+        sampled = client.sample(ids, mask, generation, [1], StopRule(), 0, samples, seed)
+        return sampled, client.batched
+
+    ranks = [VLLMServerClient(model, options(server), rank=0, run="batching")]
+    try:
+        ranks[0].sync(model, version=1)
+        alone = [draw(ranks[0], *request) for request in requests]  # the only connection: served alone
+        ranks.append(VLLMServerClient(model, options(server), rank=1, run="batching"))
+        ranks[1].sync(model, version=1)
+        with ThreadPoolExecutor(2) as pool:
+            batched = list(pool.map(lambda args: draw(*args), [(c, *r) for c, r in zip(ranks, requests)]))
+    finally:
+        for client in ranks:
+            client.close()
+    assert [n for _, n in alone] == [1, 1] and [n for _, n in batched] == [2, 2]
+    for (ours, _), (theirs, _), (texts, samples, _, _) in zip(alone, batched, requests):
+        assert ours.response_ids.shape[0] == len(texts) * samples
+        assert torch.equal(theirs.response_ids, ours.response_ids)
+        assert torch.equal(theirs.sampled_logprobs, ours.sampled_logprobs)
+    assert not torch.equal(alone[0][0].response_ids[0], alone[0][0].response_ids[1])  # sampled, not greedy
 
 
 # ---------------------------------------------------------------------- (c) the server dies mid-run

@@ -1,8 +1,9 @@
 """Run by tests/test_vllm_server.py: 2-process CPU GRPO (gloo; ``ddp`` or ``fsdp``: FSDP2) sampling from a
 generation server (``generation.vllm.mode: server``) on 127.0.0.1:PORT. Each rank records, for each of its
-rollouts, the step count, its prompts, and the largest |logp_server - logp_policy| over the response tokens (the
-server's log-probs of the tokens it sampled against this rank's policy, conditioned on this rank's prompts), in
-OUT/rank<r>.pt. CHANNEL (default tcp) is ``generation.vllm.weight_channel``: how rank 0 pushes the weights.
+rollouts, the step count, its prompts, how many requests the server's ``generate`` served with it, and the
+largest |logp_server - logp_policy| over the response tokens (the server's log-probs of the tokens it sampled
+against this rank's policy, conditioned on this rank's prompts), in OUT/rank<r>.pt. CHANNEL (default tcp) is
+``generation.vllm.weight_channel``: how rank 0 pushes the weights.
 
     python tests/vllm_server_ddp_script.py OUT PORT ddp|fsdp [tcp|gloo]
 """
@@ -38,7 +39,9 @@ class Recorded(GRPOModule):
             ours = response_logps(policy, rollout.input_ids, rollout.attention_mask, prompt_ids.shape[1], 1.0)
         gap = float(((rollout.sampling_logprobs - ours.logprobs).abs() * rollout.response_mask).max())
         prompts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
-        self.records.append({"step": self.global_step, "gap": gap, "prompts": prompts, "rows": len(rollout.texts)})
+        batched = self._vllm[0].batched  # the ranks' requests the server's generate served together
+        record = {"step": self.global_step, "gap": gap, "prompts": prompts, "rows": len(rollout.texts)}
+        self.records.append({**record, "batched": batched})
         return rollout
 
 

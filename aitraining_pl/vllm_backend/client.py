@@ -81,6 +81,8 @@ class VLLMServerClient:
         self.calls = itertools.count()
         self.sync_seconds = 0.0  #: time the last weight push took (rank 0)
         self.group: WeightGroup | None = None  #: rank 0's collective weight channel, when one is used
+        self.cached_tokens = 0  #: prompt tokens of the last ``sample`` found in the server's prefix cache
+        self.batched = 0  #: requests (of all ranks) the server's ``generate`` that drew the last ``sample`` served
         self.sock = self.connect()
         answer, _ = self.call({"op": "hello", "protocol": PROTOCOL, "rank": self.rank}, "connecting")
         served, ours = answer.get("model") or {}, model_description(hf_model(policy).config)
@@ -226,7 +228,8 @@ class VLLMServerClient:
         }
         prompts = {"prompt_ids": prompt_ids.long(), "prompt_mask": prompt_mask.long()}
         doing = f"sampling {num_samples} responses for each of {prompt_ids.shape[0]} prompts (rank {self.rank})"
-        _, tensors = self.call(request, doing, prompts)
+        answer, tensors = self.call(request, doing, prompts)
+        self.cached_tokens, self.batched = int(answer.get("cached_tokens", 0)), int(answer.get("batched", 1))
         device = prompt_ids.device
         logprobs = tensors["sampled_logprobs"].to(device)
         return SampledTokens(tensors["response_ids"].to(device), sampled_logprobs=logprobs)

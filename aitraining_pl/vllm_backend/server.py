@@ -20,13 +20,28 @@ training process keeps one connection; requests (``op`` of the header) and answe
   each frame carries its tensor; ``via: group``: each frame's ``tensor`` entry names the tensor, dtype and shape
   and the bytes come by broadcast on the connection's weight channel. Sent by rank 0.
 - ``sample {version, timeout, generation, end_ids, stop_strings, skip_special_tokens, pad_token_id,
-  num_samples, seed}`` with tensors ``prompt_ids``, ``prompt_mask`` (B, P; left padded) -> ``samples`` with
-  ``response_ids`` and ``sampled_logprobs`` (N, R): answered once the engine holds ``version`` (waiting up to
-  ``timeout`` seconds for rank 0's push; then ``error``).
+  num_samples, seed}`` with tensors ``prompt_ids``, ``prompt_mask`` (B, P; left padded) -> ``samples {batched,
+  cached_tokens}`` with ``response_ids`` and ``sampled_logprobs`` (N, R): answered once the engine holds
+  ``version`` (waiting up to ``timeout`` seconds for rank 0's push; then ``error``); ``batched``: how many
+  requests the ``generate`` call that drew it served, ``cached_tokens``: its prompt tokens found in the prefix
+  cache.
 - ``bye``: the client closes.
 
-A refused request is answered ``error {message}``. Requests of different connections are served one at a time
-(one engine). One training run per server at a time.
+A refused request is answered ``error {message}``. One training run per server at a time.
+
+**Batching.** The sample requests of different connections (ranks) are merged, so vLLM's continuous batching
+sees every rank's prompts at once, as with one trainer process: each request joins a queue, and a handler that
+finds the engine free takes every queued request whose weights version the engine holds and serves them in one
+``generate`` (``VLLMEngine.sample_many``; each answer holds that request's rows only, and a seeded request's
+samples have the seeds they have alone: the same tokens, as tested on a CPU; a GPU's kernels may round a bigger
+batch differently). Before taking them it waits until every open connection has a request queued, at most
+``--batch_wait_ms`` (50 ms): the ranks of a step ask at about the same time (the others queued while rank 0
+pushed), so the batch has them all, and a rank that does not sample this time (uneven episodes, a connection
+that only pushes) costs that wait, nothing more. The engine's lock (``changed``) is held from taking the batch
+to its answers, as during a weight load: a load never runs while a batch generates, and no request samples from
+half-loaded weights (``engine.version`` is None during a load). A request whose version has not arrived stays
+queued; if its batch fails, each of its requests is served alone, so that one request's fault (a prompt too
+long) is answered to that request only.
 """
 
 from __future__ import annotations
@@ -48,13 +63,13 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.models.generation import StopRule
+from aitraining_pl.models.generation import SampledTokens, StopRule
 from aitraining_pl.models.loading import build_causal_lm, from_pretrained, load_tokenizer, one_line, resolve_dtype
 from aitraining_pl.models.presets import MODEL_PRESETS
 from aitraining_pl.rollout import GenerationConfig
 from aitraining_pl.vllm_backend.client import PROTOCOL, model_description
 from aitraining_pl.vllm_backend.config import VLLMConfig
-from aitraining_pl.vllm_backend.engine import VLLMEngine, import_vllm
+from aitraining_pl.vllm_backend.engine import SampleRequest, VLLMEngine, import_vllm
 from aitraining_pl.vllm_backend.weight_group import BACKENDS, WeightGroup, failure, host_store
 from aitraining_pl.vllm_backend.wire import FrameError, parse_entry, read_frame, send_frame
 
@@ -120,11 +135,24 @@ class GenerationServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
 
     def __init__(
-        self, engine: VLLMEngine, tokenizer: Any, model: dict[str, Any], host: str, port: int, weight_port: int = 0
+        self,
+        engine: VLLMEngine,
+        tokenizer: Any,
+        model: dict[str, Any],
+        host: str,
+        port: int,
+        weight_port: int = 0,
+        batch_wait: float = 0.05,
     ):
         self.engine, self.tokenizer, self.model = engine, tokenizer, model
         self.weight_port = weight_port  #: where a weight channel's store listens (0: any free port)
-        self.changed = threading.Condition()  #: held while the engine works; notified when weights arrive
+        self.changed = threading.Condition()  #: held while the engine works; notified when weights arrive, a
+        # request is queued, a batch is served or a connection closes
+        self.batch_wait = batch_wait  #: seconds a batch waits for every connection to have a request queued
+        self.pending: list[_Job] = []  #: sample requests not served yet (under ``changed``)
+        self.gathering = False  #: a handler is gathering a batch (under ``changed``)
+        self.connections = 0  #: open connections (under ``counting``)
+        self.counting = threading.Lock()
         super().__init__((host, port), _Connection)
 
     def log(self, text: str) -> None:
@@ -174,28 +202,84 @@ class GenerationServer(socketserver.ThreadingTCPServer):
         return {"op": "loaded", "version": version, "seconds": seconds}
 
     def sample(self, request: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+        """Queue the request and wait until a batch has served it (the module docstring's Batching)."""
         wanted, timeout = request.get("version"), float(request.get("timeout") or 240.0)
-        with self.changed:
-            arrived = self.changed.wait_for(
-                lambda: self.engine.version is not None and wanted in (None, self.engine.version), timeout
-            )
-            if not arrived:
-                held = self.engine.version or "none"
-                message = f"weights {wanted} did not arrive within {timeout:g} s (held: {held})"
-                return {"op": "error", "message": message}, {}
-            skip_special = bool(request["skip_special_tokens"])
-            stop_rule = StopRule(self.tokenizer, request.get("stop_strings"), None, skip_special)
-            sampled = self.engine.sample(
+        skip_special = bool(request["skip_special_tokens"])
+        job = _Job(
+            wanted,
+            SampleRequest(
                 tensors["prompt_ids"],
                 tensors["prompt_mask"],
                 GenerationConfig(**request["generation"]),
                 request["end_ids"],
-                stop_rule,
+                StopRule(self.tokenizer, request.get("stop_strings"), None, skip_special),
                 int(request["pad_token_id"]),
                 int(request["num_samples"]),
                 request.get("seed"),
-            )
-        return {"op": "samples"}, {"response_ids": sampled.response_ids, "sampled_logprobs": sampled.sampled_logprobs}
+            ),
+        )
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            self.pending.append(job)
+            self.changed.notify_all()  # a gathering batch counts it
+            while job.sampled is None and job.error is None:
+                if self.holds(job) and not self.gathering:
+                    self.serve_batch()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0 and not self.holds(job):
+                    self.pending.remove(job)
+                    held = self.engine.version or "none"
+                    message = f"weights {wanted} did not arrive within {timeout:g} s (held: {held})"
+                    return {"op": "error", "message": message}, {}
+                self.changed.wait(left if left > 0 else None)  # held and gathering: that batch takes it
+        if job.error is not None:
+            raise RuntimeError(job.error)
+        sampled, answer = job.sampled, {"op": "samples", "batched": job.batched, "cached_tokens": job.cached_tokens}
+        return answer, {"response_ids": sampled.response_ids, "sampled_logprobs": sampled.sampled_logprobs}
+
+    def holds(self, job: _Job) -> bool:
+        """Whether the engine holds the weights ``job`` is for (not during a load)."""
+        return self.engine.version is not None and job.version in (None, self.engine.version)
+
+    def serve_batch(self) -> None:
+        """With ``changed`` held: wait until every open connection has a request queued (at most
+        ``batch_wait``), then serve the queued requests whose weights the engine holds in one ``generate``."""
+        self.gathering = True
+        try:
+            self.changed.wait_for(lambda: len(self.pending) >= self.connections, self.batch_wait)
+            batch = [job for job in self.pending if self.holds(job)]  # a load may have come meanwhile
+            self.pending = [job for job in self.pending if job not in batch]
+            self.generate(batch)
+        finally:
+            self.gathering = False
+            self.changed.notify_all()
+
+    def generate(self, batch: list[_Job]) -> None:
+        """Serve ``batch`` in one ``generate``; if it fails, each of its requests alone (its own error)."""
+        if not batch:
+            return
+        try:
+            sampled = self.engine.sample_many([job.request for job in batch])
+        except Exception as err:  # noqa: BLE001 - answered to the requests that caused it
+            if len(batch) == 1:
+                batch[0].error = one_line(err)
+            else:
+                for job in batch:
+                    self.generate([job])
+            return
+        for job, rows, cached in zip(batch, sampled, self.engine.cached_each):
+            job.sampled, job.batched, job.cached_tokens = rows, len(batch), cached
+
+
+class _Job:
+    """One connection's ``sample`` request, queued until a batch serves it (``GenerationServer.sample``)."""
+
+    def __init__(self, version: Any, request: SampleRequest):
+        self.version, self.request = version, request  #: the weights version it needs; ``sample``'s arguments
+        self.sampled: SampledTokens | None = None  #: its rows, once served
+        self.error: str | None = None  #: or why it could not be
+        self.batched = self.cached_tokens = 0  #: requests in the ``generate`` that served it; its cached tokens
 
 
 class _Connection(socketserver.BaseRequestHandler):
@@ -204,9 +288,17 @@ class _Connection(socketserver.BaseRequestHandler):
     server: GenerationServer
     group: WeightGroup | None = None  #: this connection's weight channel (``channel``), if it opened one
 
+    def setup(self) -> None:
+        with self.server.counting:
+            self.server.connections += 1
+
     def finish(self) -> None:
         if self.group is not None:
             self.group.close()
+        with self.server.counting:
+            self.server.connections -= 1
+        with self.server.changed:
+            self.server.changed.notify_all()  # a gathering batch waits for one connection fewer
 
     def handle(self) -> None:
         sock, server = self.request, self.server
@@ -280,6 +372,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu_memory_utilization", type=float, default=0.9, help="share of the GPU vLLM takes (0.9)")
     p.add_argument("--tensor_parallel_size", type=int, default=1, help="GPUs the engine splits the model over")
     p.add_argument("--cpu_kv_cache_gb", type=float, default=defaults.cpu_kv_cache_gb, help="KV cache on a CPU (GiB)")
+    p.add_argument(
+        "--batch_wait_ms",
+        type=float,
+        default=50.0,
+        help="how long the ranks' sample requests wait for each other, to be served in one batch (50; docstring)",
+    )
     p.add_argument("--enforce_eager", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                    help="no CUDA graphs (true: fast start; false on a GPU for speed)")  # fmt: skip
     return p
@@ -330,7 +428,8 @@ def main(argv: list[str]) -> None:
     engine = VLLMEngine(policy, tokenizer, options, seed=args.seed)
     description = model_description(policy.config)
     try:
-        server = GenerationServer(engine, tokenizer, description, args.host, args.port, args.weight_port)
+        batch_wait = args.batch_wait_ms / 1000
+        server = GenerationServer(engine, tokenizer, description, args.host, args.port, args.weight_port, batch_wait)
     except OSError as err:
         engine.close()
         where = f"--host {args.host} --port {args.port}"
