@@ -376,7 +376,8 @@ def parser() -> argparse.ArgumentParser:
         "--batch_wait_ms",
         type=float,
         default=50.0,
-        help="how long the ranks' sample requests wait for each other, to be served in one batch (50 ms; docs/vllm.md, Batching)",
+        help="how long the ranks' sample requests wait for each other, to be served in one batch "
+        "(50 ms; docs/vllm.md, Batching)",
     )
     p.add_argument("--enforce_eager", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                    help="no CUDA graphs (true: fast start; false on a GPU for speed)")  # fmt: skip
