@@ -109,7 +109,7 @@ def run(args) -> dict:
         generation=GenerationConfig(
             max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, backend=args.backend, vllm=vllm
         ),
-        mini_batch_size=args.num_prompts * args.num_generations,
+        mini_batch_size=args.mini_batch_size or args.num_prompts * args.num_generations,
         max_grad_norm=1.0,
     )
     generate = module.generate
@@ -166,6 +166,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--end-rate", type=float, default=0.02, help="per-step chance of the end token")
+    parser.add_argument(
+        "--mini-batch-size", type=int, default=None, help="rows per update / log-prob pass (default: the whole step)"
+    )
     parser.add_argument("--vocab-size", type=int, default=384)
     parser.add_argument("--is-correction", action="store_true", help="truncated importance-sampling correction")
     parser.add_argument("--backend", help=argparse.SUPPRESS)  # child process: one measurement
@@ -191,6 +194,7 @@ def main() -> None:
                     command += ["--threads", str(args.threads), "--max-new-tokens", str(args.max_new_tokens)]
                     command += ["--num-prompts", str(args.num_prompts), "--num-generations", str(args.num_generations)]
                     command += ["--is-correction"] if args.is_correction else []
+                    command += ["--mini-batch-size", str(args.mini_batch_size)] if args.mini_batch_size else []
                     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
                     result = run_child(command, args.threads, f"{backend} at {size}", **env)
                     print(json.dumps({"size": size, "backend": backend, "round": round_, **result}), flush=True)
