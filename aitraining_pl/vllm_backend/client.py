@@ -33,7 +33,7 @@ from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
 from aitraining_pl.models.sharding import is_sharded
 from aitraining_pl.vllm_backend.config import VLLMConfig
 from aitraining_pl.vllm_backend.engine import policy_weights
-from aitraining_pl.vllm_backend.weight_group import WeightGroup, failure
+from aitraining_pl.vllm_backend.weight_group import ChannelBroken, WeightGroup, failure
 from aitraining_pl.vllm_backend.wire import FrameError, describe, read_frame, send_frame
 
 PROTOCOL = 2  #: version of the request/answer vocabulary below (``hello`` checks it)
@@ -159,6 +159,8 @@ class VLLMServerClient:
     def lost(self, doing: str, err: OSError) -> GenerationServerError:
         if isinstance(err, socket.timeout):
             what = f"no answer within {self.options.server_timeout:g} s (generation.vllm.server_timeout)"
+        elif isinstance(err, ChannelBroken):
+            what = str(err)
         else:
             what = f"the connection was lost ({err.strerror or err})"
         return self.error(doing, what)
@@ -189,10 +191,9 @@ class VLLMServerClient:
                     count += 1
                 send_frame(self.sock, {"op": "end", "count": count})
                 self.answer(doing)
-            except (OSError, RuntimeError) as err:  # RuntimeError: a broadcast failed, the server left the group
-                broken = self.lost(doing, err) if isinstance(err, OSError) else None
+            except OSError as err:  # the connection or the weight channel (``ChannelBroken``) is gone
                 self.close()  # a collective group left open to a dead peer aborts the process at exit
-                raise broken or self.error(doing, f"the weight channel broke ({failure(err)})") from None
+                raise self.lost(doing, err) from None
             self.sync_seconds = time.perf_counter() - start
         elif is_sharded(policy):  # FSDP2: gathering each tensor is a collective, so every rank walks the stream
             for _ in policy_weights(policy):

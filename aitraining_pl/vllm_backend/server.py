@@ -70,7 +70,7 @@ from aitraining_pl.rollout import GenerationConfig
 from aitraining_pl.vllm_backend.client import PROTOCOL, model_description
 from aitraining_pl.vllm_backend.config import VLLMConfig
 from aitraining_pl.vllm_backend.engine import SampleRequest, VLLMEngine, import_vllm
-from aitraining_pl.vllm_backend.weight_group import BACKENDS, WeightGroup, failure, host_store
+from aitraining_pl.vllm_backend.weight_group import BACKENDS, ChannelBroken, WeightGroup, failure, host_store
 from aitraining_pl.vllm_backend.wire import FrameError, parse_entry, read_frame, send_frame
 
 
@@ -123,8 +123,8 @@ class _Weights:
             name, dtype, shape = parse_entry(header.get("tensor"))
             try:
                 tensor = self.group.receive(dtype, shape)
-            except RuntimeError as err:  # the trainer left the group: the push cannot go on
-                raise ConnectionError(f"the weight channel broke while receiving {name} ({failure(err)})") from None
+            except ChannelBroken as err:  # the trainer left the group: the push cannot go on
+                raise ChannelBroken(f"{err} while receiving {name}") from None
             yield name, tensor
 
 

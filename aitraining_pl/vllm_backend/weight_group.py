@@ -24,6 +24,10 @@ SERVER, TRAINER = 0, 1  #: the members of the group: the server hosts the store,
 PREFIX = "aitraining-pl/weights"  #: the keys of the group's store
 
 
+class ChannelBroken(ConnectionError):
+    """A broadcast on the weight channel failed: the other member left (or timed out)."""
+
+
 def failure(err: BaseException) -> str:
     """The gist of a failed collective's message (gloo's and NCCL's carry a source location and advice): e.g.
     ``Read error [127.0.0.1]:20882: Connection reset by peer``."""
@@ -78,10 +82,14 @@ class WeightGroup:
 
         options = BroadcastOptions()
         options.rootRank = TRAINER
-        self.group.broadcast([tensor], options).wait()
+        try:
+            self.group.broadcast([tensor], options).wait()
+        except RuntimeError as err:
+            raise ChannelBroken(f"the weight channel broke ({failure(err)})") from None
 
     def send(self, tensor: torch.Tensor) -> None:
-        """The trainer: broadcast ``tensor`` to the server (copied to the group's device when it lies elsewhere)."""
+        """The trainer: broadcast ``tensor`` to the server (copied to the group's device when it lies elsewhere);
+        ``ChannelBroken`` when the server has left."""
         self._broadcast(tensor.detach().to(self.device).contiguous())
 
     def receive(self, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
