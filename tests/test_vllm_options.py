@@ -14,7 +14,7 @@ from aitraining_pl.errors import ConfigError, HyperparameterError
 from aitraining_pl.losses import clipped_policy_loss, truncated_importance_weights
 from aitraining_pl.rollout import GenerationConfig
 from aitraining_pl.vllm_backend import VLLMConfig
-from aitraining_pl.vllm_backend.engine import block_parts, policy_weights, resolve_backend, vllm_available
+from aitraining_pl.vllm_backend.engine import block_parts, resolve_backend, vllm_available
 
 
 def test_generation_backend_settings_parse_and_validate():
@@ -105,17 +105,3 @@ def test_sync_parts_for_worker_processes_never_split_a_transformer_block():
     assert all(t.device.type == "cpu" for part in parts for _, t in part)
     assert [float(t[0, 0]) for part in parts for _, t in part] == [float(i) for i in range(len(names))]
     assert [len(p) for p in block_parts(weights, min_bytes=1)] == [1, 3, 3, 3, 1, 1]  # a block is never split
-
-
-def test_a_tied_output_head_is_synced_once():
-    """``policy_weights`` gives the embedding of a model with tied embeddings once (vLLM ties the head itself) and
-    every other tensor of the state dict, equal to it; an untied head is given."""
-    from aitraining_pl.models import build_causal_lm
-
-    for tied in (True, False):
-        model = build_causal_lm({**TINY_LLAMA, "tie_word_embeddings": tied}, seed=0)
-        state = model.state_dict()
-        given = dict(policy_weights(model))
-        assert ("lm_head.weight" in given) != tied
-        assert set(state) - set(given) == ({"lm_head.weight"} if tied else set())
-        assert all(torch.equal(t, state[name]) for name, t in given.items())

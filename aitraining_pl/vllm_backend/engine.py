@@ -135,32 +135,13 @@ def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     """``(name, tensor)`` of ``model`` under the plain transformers names, one at a time: a ``peft`` model's base
     weights with the LoRA deltas merged (``plain_weights``), a plain model's ``state_dict``. Under FSDP2 each
     sharded tensor is all-gathered when it is reached (``DTensor.full_tensor``) and dropped after vLLM has copied
-    it, so at most one full parameter exists at a time; every rank must consume the whole stream. A tensor that
-    shares its memory with one already given (a tied output head: ``lm_head.weight`` is the embedding) is left
-    out: vLLM ties it itself from the same config, and it is the largest matrix of most models (a quarter of
-    Qwen2.5-0.5B's push)."""
+    it, so at most one full parameter exists at a time; every rank must consume the whole stream."""
     from torch.distributed.tensor import DTensor
 
     reshard(model)  # the state dict then holds the shards, not the parameters a forward left gathered
-    tied = tied_names(hf_model(model))
     weights = plain_weights(model, merged=True) if is_peft_model(model) else model.state_dict().items()
     for name, tensor in weights:
-        if name not in tied:
-            yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
-
-
-def tied_names(model: torch.nn.Module) -> set[str]:
-    """Names of ``model``'s state dict whose tensor shares its memory with an earlier entry (a tied head)."""
-    from torch.distributed.tensor import DTensor
-
-    seen, tied = set(), set()
-    for name, tensor in model.state_dict().items():
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        memory = (local.data_ptr(), tuple(local.shape), local.dtype)
-        if local.numel() and memory in seen:
-            tied.add(name)
-        seen.add(memory)
-    return tied
+        yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 
 def block_parts(
