@@ -6,6 +6,7 @@ the framing and client-error tests need no vLLM and run everywhere."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -216,51 +217,58 @@ class RecordingEngine:
         self.version = version
 
 
+@contextlib.contextmanager
+def serving(engine, model):
+    """A ``GenerationServer`` around ``engine`` (a stand-in) for ``model``'s shape, served from a thread on a free
+    loopback port (yielded) until the block ends."""
+    from aitraining_pl.vllm_backend.client import model_description
+    from aitraining_pl.vllm_backend.server import GenerationServer
+
+    server = GenerationServer(engine, None, model_description(model.config), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_the_gloo_weight_channel_carries_every_tensor_exactly_and_a_broken_push_is_one_line():
     """A ``GenerationServer`` (its engine replaced by a recorder; no vLLM needed) and a client with ``weight_channel:
     gloo``: every tensor of the state dict arrives bit for bit by broadcast, under its name; when the server drops
     the connection in the middle of the next push, the client stops with one ``GenerationServerError`` line."""
-    from aitraining_pl.vllm_backend.client import VLLMServerClient, model_description
-    from aitraining_pl.vllm_backend.server import GenerationServer
+    from aitraining_pl.vllm_backend.client import VLLMServerClient
 
     model = build_causal_lm(SPEC, seed=3)
     engine = RecordingEngine(fail_at=1)
-    server = GenerationServer(engine, None, model_description(model.config), "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    client = VLLMServerClient(model, options(server.server_address[1], weight_channel="gloo", server_timeout=20))
-    try:
-        assert client.sync(model, version=1)
-        state = model.state_dict()
-        assert list(engine.pushes[0]) == list(state)
-        for name, tensor in state.items():
-            assert torch.equal(engine.pushes[0][name], tensor), name
-        with torch.no_grad():
-            next(model.parameters()).add_(1.0)
-        with pytest.raises(GenerationServerError) as caught:
-            client.sync(model, version=2)
-        message = str(caught.value)
-        assert "\n" not in message and "while pushing the weights of version 2" in message, message
-        assert "resume the run from its last checkpoint" in message, message
-    finally:
-        client.close()
-        server.shutdown()
-        server.server_close()
+    with serving(engine, model) as port:
+        client = VLLMServerClient(model, options(port, weight_channel="gloo", server_timeout=20))
+        try:
+            assert client.sync(model, version=1)
+            state = model.state_dict()
+            assert list(engine.pushes[0]) == list(state)
+            for name, tensor in state.items():
+                assert torch.equal(engine.pushes[0][name], tensor), name
+            with torch.no_grad():
+                next(model.parameters()).add_(1.0)
+            with pytest.raises(GenerationServerError) as caught:
+                client.sync(model, version=2)
+            message = str(caught.value)
+            assert "\n" not in message and "while pushing the weights of version 2" in message, message
+            assert "resume the run from its last checkpoint" in message, message
+        finally:
+            client.close()
 
 
 def test_a_push_that_stalls_frees_the_engine_after_its_timeout():
     """A pusher that sends one weight frame and then nothing holds the engine only for the push's ``timeout``:
     the server drops its connection and a second client's push and acknowledgement go through. (Before, the
     engine stayed locked and every rank's rollout waited until its own timeout.) No vLLM needed."""
-    from aitraining_pl.vllm_backend.client import VLLMServerClient, model_description
-    from aitraining_pl.vllm_backend.server import GenerationServer
+    from aitraining_pl.vllm_backend.client import VLLMServerClient
 
     model = build_causal_lm(SPEC, seed=3)
     engine = RecordingEngine()
-    server = GenerationServer(engine, None, model_description(model.config), "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    port = server.server_address[1]
-    stalled = socket.create_connection(("127.0.0.1", port))
-    try:
+    with serving(engine, model) as port, socket.create_connection(("127.0.0.1", port)) as stalled:
         send_frame(stalled, {"op": "load", "version": "stalled", "via": "frames", "timeout": 0.5})
         send_frame(stalled, {"op": "weight"}, {"model.embed_tokens.weight": torch.zeros(2, 2)})
         time.sleep(0.2)  # the server is now inside the stalled push
@@ -274,10 +282,6 @@ def test_a_push_that_stalls_frees_the_engine_after_its_timeout():
         assert engine.version == f"{client.run}:1" and len(engine.pushes) == 1
         with pytest.raises(ConnectionError):  # the stalled pusher's connection was closed
             read_frame(stalled)
-    finally:
-        stalled.close()
-        server.shutdown()
-        server.server_close()
 
 
 def test_the_weight_channel_setting_resolves_per_device():

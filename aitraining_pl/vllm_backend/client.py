@@ -53,11 +53,12 @@ def weight_channel(name: str, policy: torch.nn.Module, server_device: str | None
     CPU is a ``ConfigError``."""
     import torch.distributed as dist
 
-    on_gpu = next(policy.parameters()).device.type == "cuda" and server_device == "cuda"
+    policy_device = next(policy.parameters()).device.type
+    on_gpu = policy_device == "cuda" and server_device == "cuda"
     if name == "auto":
         return "nccl" if on_gpu and dist.is_nccl_available() else "tcp"
     if name == "nccl" and not on_gpu:
-        where = f"the policy on {next(policy.parameters()).device.type}, the server on {server_device}"
+        where = f"the policy on {policy_device}, the server on {server_device}"
         raise ConfigError("generation.vllm.weight_channel", f"nccl needs GPUs on both sides ({where}): tcp or gloo")
     return name
 

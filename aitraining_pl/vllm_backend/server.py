@@ -74,6 +74,11 @@ from aitraining_pl.vllm_backend.weight_group import BACKENDS, ChannelBroken, Wei
 from aitraining_pl.vllm_backend.wire import FrameError, parse_entry, read_frame, send_frame
 
 
+def request_timeout(request: dict[str, Any]) -> float:
+    """The seconds a request allows (its ``timeout``; the client's ``server_timeout``), else the default's."""
+    return float(request.get("timeout") or VLLMConfig.server_timeout)
+
+
 def is_inline(model: str) -> bool:
     """Whether ``--model`` is a preset name or an inline JSON config (else a folder or a hub id)."""
     return model in MODEL_PRESETS or model.lstrip().startswith("{")
@@ -160,7 +165,7 @@ class GenerationServer(socketserver.ThreadingTCPServer):
 
     def open_channel(self, sock: socket.socket, request: dict[str, Any]) -> WeightGroup:
         """Answer ``channel`` with the port of a new weight channel's store, then wait for the trainer to join."""
-        backend, timeout = request.get("backend"), float(request.get("timeout") or 240.0)
+        backend, timeout = request.get("backend"), request_timeout(request)
         if backend not in BACKENDS:
             raise ValueError(f"weight channel {backend!r}; known: {', '.join(BACKENDS)}")
         if backend == "nccl" and not torch.cuda.is_available():
@@ -177,9 +182,7 @@ class GenerationServer(socketserver.ThreadingTCPServer):
         self.log(f"weight channel {backend} open (store port {store.port})")
         return group
 
-    def load(
-        self, sock: socket.socket, version: str, group: WeightGroup | None = None, timeout: float = 240.0
-    ) -> dict[str, Any]:
+    def load(self, sock: socket.socket, version: str, group: WeightGroup | None, timeout: float) -> dict[str, Any]:
         """Stream one push into the engine. The engine is held for the whole push, so a pusher that stalls for
         ``timeout`` seconds between two reads loses its connection (``socket.timeout``) and frees the engine."""
         weights = _Weights(sock, group)
@@ -203,7 +206,7 @@ class GenerationServer(socketserver.ThreadingTCPServer):
 
     def sample(self, request: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
         """Queue the request and wait until a batch has served it (the module docstring's Batching)."""
-        wanted, timeout = request.get("version"), float(request.get("timeout") or 240.0)
+        wanted, timeout = request.get("version"), request_timeout(request)
         skip_special = bool(request["skip_special_tokens"])
         job = _Job(
             wanted,
@@ -328,7 +331,7 @@ class _Connection(socketserver.BaseRequestHandler):
                     if request.get("via") == "group" and self.group is None:
                         raise FrameError("weights pushed by the weight channel before a 'channel' request")
                     group = self.group if request.get("via") == "group" else None
-                    timeout = float(request.get("timeout") or 240.0)
+                    timeout = request_timeout(request)
                     answer, out = server.load(sock, str(request.get("version")), group, timeout), {}
                 elif op == "sample":
                     answer, out = server.sample(request, tensors)
