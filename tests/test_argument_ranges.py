@@ -15,11 +15,11 @@ from aitraining_pl.callbacks.kl import AdaptiveKLCallback
 from aitraining_pl.callbacks.reference_sync import SyncReferenceCallback
 from aitraining_pl.datamodules import KTODataModule, PreferenceDataModule, TextDataModule
 from aitraining_pl.errors import HyperparameterError
+from aitraining_pl.generation.config import VLLMConfig
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.modules import AlignmentModule, PPOModule, RewardModule
 from aitraining_pl.rollout import GenerationConfig
 from aitraining_pl.validation import CONSTRAINTS
-from aitraining_pl.vllm_backend.config import VLLMConfig
 
 
 def _subclasses(cls: type) -> list[type]:

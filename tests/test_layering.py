@@ -20,13 +20,16 @@ LAYERS = {
     "optim": 2,
     "validation": 2,  # the hyperparameter range table
     "datamodules": 3,
-    "rollout": 3,
-    "vllm_backend": 3,  # the vLLM generation backend, behind the rollout engine
+    # within layer 3 the generation side is ordered: configs and the backend seam, then the backends, then the
+    # rollout engine on top of them, then the environments that drive it (so no backend imports the engine)
+    "generation": 3.0,  # GenerationConfig (a leaf) and the backend protocol, registry and factory
+    "rollout": 3.2,
+    "vllm_backend": 3.1,  # the vLLM generation backend, behind the rollout engine
     "rewards": 3,
     "callbacks": 3,
     "strategies": 3,
-    "environments": 3,
-    "data": 3,
+    "environments": 3.3,
+    "data": 3.3,  # scripts that build the shipped data (they use the environments)
     "modules": 4,
     "cli": 5,
     "cli_help": 5,  # the command's overview, --version and nested help

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
+from aitraining_pl.generation.config import VLLMConfig
 from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
 from aitraining_pl.models.sharding import is_sharded
-from aitraining_pl.vllm_backend.config import VLLMConfig
 from aitraining_pl.vllm_backend.engine import policy_weights
 from aitraining_pl.vllm_backend.weight_group import ChannelBroken, WeightGroup, failure
 from aitraining_pl.vllm_backend.wire import FrameError, describe, read_frame, send_frame

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import ConfigError
+from aitraining_pl.generation.config import EXTRA_CPU, EXTRA_GPU, VLLMConfig
 from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
 from aitraining_pl.models.lora import is_peft_model, plain_weights
 from aitraining_pl.models.sharding import reshard
-from aitraining_pl.vllm_backend.config import EXTRA_CPU, EXTRA_GPU, VLLMConfig
 
 #: apart the per-request seeds of two ranks' rollouts (``VLLMEngine.sample``): more than any rollout's rows
 RANK_SEED_STRIDE = 1_000_003

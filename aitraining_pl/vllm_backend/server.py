@@ -63,12 +63,11 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import ConfigError
+from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
 from aitraining_pl.models.generation import SampledTokens, StopRule
 from aitraining_pl.models.loading import build_causal_lm, from_pretrained, load_tokenizer, one_line, resolve_dtype
 from aitraining_pl.models.presets import MODEL_PRESETS
-from aitraining_pl.rollout import GenerationConfig
 from aitraining_pl.vllm_backend.client import PROTOCOL, model_description
-from aitraining_pl.vllm_backend.config import VLLMConfig
 from aitraining_pl.vllm_backend.engine import SampleRequest, VLLMEngine, import_vllm
 from aitraining_pl.vllm_backend.weight_group import BACKENDS, ChannelBroken, WeightGroup, failure, host_store
 from aitraining_pl.vllm_backend.wire import FrameError, parse_entry, read_frame, send_frame
