@@ -16,6 +16,10 @@ the same seed (tested); afterwards each row still samples from the same distribu
 the random stream. Each full-attention layer's keys and values live in a buffer with room for the whole response
 (``_PreallocatedLayer``): a step writes one position instead of copying the cache to append it.
 
+The loop itself (``sample_steps``: warp, draw, end or stop, drop ended rows) is the one both decoders run: the
+episode decoder (``models.episode_decoding``) passes a ``park`` hook that keeps the cache of each row that ended its
+turn, to resume it after the environment's reply.
+
 It needs a model whose forward builds a ``DynamicCache`` of plain attention layers, which every transformers
 decoder of the test matrix does except hybrid state-space ones (falcon_h1). ``decode`` returns None for any
 other model, before any sampling, and ``sample_responses`` (the rollout engine's sampler) then calls
@@ -26,6 +30,9 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import (
@@ -84,9 +91,9 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return rows.reshape(logits.shape).clone()
 
 
-class _Forward:
-    """One decoder step of a transformers causal LM, whatever its version calls the cache
-    (``cache`` in transformers 5, ``past_key_values`` before)."""
+class Forward:
+    """One forward pass of a transformers causal LM with its KV cache, whatever its version calls the cache
+    (``cache`` in transformers 5, ``past_key_values`` before): the last position's logits (float32) and the cache."""
 
     def __init__(self, model: torch.nn.Module):
         params = inspect.signature(hf_model(model).forward).parameters
@@ -163,10 +170,25 @@ def _preallocate(cache: DynamicCache, capacity: int) -> None:
             cache.layers[i] = _PreallocatedLayer(layer, capacity)
 
 
-def plain_cache(cache) -> bool:
-    """Whether ``cache`` is a ``DynamicCache`` of plain attention layers (rows can be selected)."""
+def preallocated_cache(layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> DynamicCache:
+    """A ``DynamicCache`` over per-layer (keys, values) buffers (rows, heads, capacity, dim) whose first ``length``
+    positions are filled; later steps write into the rest in place (``_PreallocatedLayer``)."""
+    cache = DynamicCache()
+    cache.layers = [_PreallocatedLayer.over(keys, values, length) for keys, values in layers]
+    return cache
+
+
+def plain_cache(cache, sliding: bool = True) -> bool:
+    """Whether ``cache`` is a ``DynamicCache`` of plain attention layers, whose rows can be selected (``decode``).
+
+    ``sliding=False`` asks for full-attention layers only, held as layer objects: the episode decoder pads parked
+    rows inside the cache, which a sliding window would count as positions (the window would shift)."""
     layers = getattr(cache, "layers", None)
-    return type(cache) is DynamicCache and (layers is None or all(type(layer) in PLAIN_LAYERS for layer in layers))
+    if type(cache) is not DynamicCache:
+        return False
+    if not sliding:
+        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+    return layers is None or all(type(layer) in PLAIN_LAYERS for layer in layers)
 
 
 def next_tokens(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
@@ -174,6 +196,115 @@ def next_tokens(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     if do_sample:
         return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
     return scores.argmax(dim=-1)
+
+
+@dataclass
+class DecodeBatch:
+    """The rows being decoded: each row's next-token logits (N, V), their KV cache, attention mask (N, L) and
+    last positions (N, 1)."""
+
+    logits: torch.Tensor
+    cache: DynamicCache
+    mask: torch.Tensor
+    position: torch.Tensor
+
+
+class SampledSteps(NamedTuple):
+    """What ``sample_steps`` drew, per row: the tokens (N, R), padded after each row's end, R the steps until the
+    last row ended; how many tokens each row sampled (N,); whether it ended by an end token or stop (N,; False:
+    ``max_new_tokens``); with ``output_logits`` the raw logits and warped scores (N, R, V), zeros after the end."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    ended: torch.Tensor
+    logits: torch.Tensor | None
+    scores: torch.Tensor | None
+
+
+#: ``park(rows, index, batch)``: rows ``index`` of ``batch`` (response rows ``rows``) ended; called before they
+#: leave the batch, so a caller can keep their cache (the episode decoder resumes them after the environment's reply)
+Park = Callable[[torch.Tensor, torch.Tensor, DecodeBatch], None]
+
+
+def prefill(
+    forward: Forward, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_samples: int, sliding: bool = True
+) -> DecodeBatch | None:
+    """Run the left-padded prompts (B, P) through the model once and repeat each prompt's cache, mask, position
+    and logits for its ``num_samples`` rows (``repeat_interleave`` order). None when the cache the model built is
+    not ``plain_cache(cache, sliding)`` (the caller then leaves the prompts to ``generate``)."""
+    positions = positions_from_mask(prompt_mask)
+    logits, cache = forward(prompt_ids, prompt_mask, positions)
+    if not plain_cache(cache, sliding):
+        return None
+    mask, position = prompt_mask, positions[:, -1:]
+    if num_samples > 1:  # every sample of a prompt starts from the prompt's one cache
+        cache.batch_repeat_interleave(num_samples)
+        logits, mask, position = (t.repeat_interleave(num_samples, 0) for t in (logits, mask, position))
+    return DecodeBatch(logits, cache, mask, position)
+
+
+def _going(tokens, ends, stop_rule, responses, rows, t) -> torch.Tensor:
+    """(N,) bool: the rows whose token ``t`` (``tokens``) is neither an end id nor completes a stop."""
+    going = ~torch.isin(tokens, ends)
+    if stop_rule:
+        for i in going.nonzero().flatten().tolist():
+            going[i] = not stop_rule.stops(responses[rows[i], : t + 1].tolist())
+    return going
+
+
+@torch.no_grad()
+def sample_steps(
+    forward: Forward,
+    batch: DecodeBatch,
+    config: HFGenerationConfig,
+    stop_rule: StopRule | None = None,
+    park: Park | None = None,
+) -> SampledSteps:
+    """The one sampling loop of both decoders: up to ``config.max_new_tokens`` tokens for each row of ``batch``.
+
+    Each step warps the logits as ``generate`` does (``warpers``), draws (``next_tokens``), ends the rows whose
+    token is an end id or completes a stop, hands them to ``park`` (all rows still going at the last step too),
+    and drops them from the batch and its cache before the next forward pass. The cache's full-attention layers
+    are preallocated for the whole response (``_PreallocatedLayer``)."""
+    steps, logits, cache, mask, position = config.max_new_tokens, batch.logits, batch.cache, batch.mask, batch.position
+    n, device, warp = logits.shape[0], logits.device, warpers(config)
+    ends = torch.tensor(list(config.eos_token_id or []), dtype=torch.long, device=device)
+    _preallocate(cache, mask.shape[1] + steps)
+    responses = torch.full((n, steps), int(config.pad_token_id), dtype=torch.long, device=device)
+    raw = scored = None
+    if config.output_logits:
+        raw = torch.zeros(n, steps, logits.shape[-1], device=device)
+        scored = torch.zeros_like(raw)
+    lengths = torch.zeros(n, dtype=torch.long, device=device)
+    ended = torch.zeros(n, dtype=torch.bool, device=device)
+    rows = torch.arange(n, device=device)  # the response row of each batch row; every batch row is unfinished
+    for t in range(steps):
+        scores = warp(responses[rows, :t], logits)
+        tokens = next_tokens(scores, config.do_sample)
+        responses[rows, t] = tokens
+        if raw is not None:
+            raw[rows, t], scored[rows, t] = logits, scores
+        going = _going(tokens, ends, stop_rule, responses, rows, t)
+        stopped = ~going
+        if t + 1 == steps:
+            going = torch.zeros_like(going)
+        if not going.all():
+            done = (~going).nonzero().flatten()
+            lengths[rows[done]], ended[rows[done]] = t + 1, stopped[done]
+            if park is not None:
+                park(rows[done], done, DecodeBatch(logits, cache, mask, position))
+            if not going.any():
+                break
+            keep = going.nonzero().flatten()  # drop the ended rows (one copy of the cache, as a step's append makes)
+            cache.batch_select_indices(keep)
+            rows, mask, position, tokens = rows[keep], mask[keep], position[keep], tokens[keep]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        position = position + 1
+        logits, cache = forward(tokens[:, None], mask, position, cache)
+    width = int(lengths.max()) if n else 0
+    if raw is not None:
+        raw, scored = raw[:, :width], scored[:, :width]
+    return SampledSteps(responses[:, :width], lengths, ended, raw, scored)
 
 
 @torch.no_grad()
@@ -200,50 +331,13 @@ def decode(
     """
     if model in _UNSUPPORTED:
         return None
-    step, warp = _Forward(model), warpers(config)
-    n, device = prompt_ids.shape[0] * num_samples, prompt_ids.device
-    ends = torch.tensor(list(config.eos_token_id or []), dtype=torch.long, device=device)
-    pad = int(config.pad_token_id)
-    positions = positions_from_mask(prompt_mask)
-    logits, cache = step(prompt_ids, prompt_mask, positions)
-    if not plain_cache(cache):
+    forward = Forward(model)
+    batch = prefill(forward, prompt_ids, prompt_mask, num_samples)
+    if batch is None:
         _UNSUPPORTED.add(model)
         return None
-    if num_samples > 1:  # every sample of a prompt starts from the prompt's one cache
-        cache.batch_repeat_interleave(num_samples)
-        logits, prompt_mask, positions = (t.repeat_interleave(num_samples, 0) for t in (logits, prompt_mask, positions))
-    _preallocate(cache, prompt_ids.shape[1] + config.max_new_tokens)
-    responses = torch.full((n, config.max_new_tokens), pad, dtype=torch.long, device=device)
-    raw = scored = None
-    if config.output_logits:
-        raw = torch.zeros(n, config.max_new_tokens, logits.shape[-1], device=device)
-        scored = torch.zeros_like(raw)
-    rows = torch.arange(n, device=device)  # the response row of each batch row; every batch row is unfinished
-    mask, position, length = prompt_mask, positions[:, -1:], 0
-    for t in range(config.max_new_tokens):
-        scores = warp(responses[rows, :t], logits)
-        tokens = next_tokens(scores, config.do_sample)
-        responses[rows, t], length = tokens, t + 1
-        if raw is not None:
-            raw[rows, t], scored[rows, t] = logits, scores
-        going = ~torch.isin(tokens, ends)
-        if stop_rule:
-            for i in going.nonzero().flatten().tolist():
-                going[i] = not stop_rule.stops(responses[rows[i], : t + 1].tolist())
-        if not going.any() or length == config.max_new_tokens:
-            break
-        if not going.all():  # drop the rows that ended (one copy of the cache, as each step's append makes)
-            keep = going.nonzero().flatten()
-            cache.batch_select_indices(keep)
-            rows, mask, position, tokens = rows[keep], mask[keep], position[keep], tokens[keep]
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        position = position + 1
-        logits, cache = step(tokens[:, None], mask, position, cache)
-    return SampledTokens(
-        responses[:, :length],
-        None if raw is None else raw[:, :length],
-        None if scored is None else scored[:, :length],
-    )
+    drawn = sample_steps(forward, batch, config, stop_rule)
+    return SampledTokens(drawn.tokens, drawn.logits, drawn.scores)
 
 
 def sample_responses(

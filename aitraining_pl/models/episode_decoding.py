@@ -1,45 +1,45 @@
 """Multi-turn decoding: every unfinished episode of a batch decodes its turn together, and the KV cache is kept across
 turns, so each turn prefills only what is new (the environment's reply).
 
-A turn decodes as ``models.decoding.decode`` does (the same warpers, draws and end rule; each row leaves the batch
-when its turn ends), but a row that ends its turn is *parked* (its KV cache rows copied aside; the rows that end at
-the turn's last step keep their tensors) instead of thrown away. When every row has ended its turn, ``respond`` (the
-episode runner) gives each row the tokens to append (the environment's reply rendered by the chat template) or None
-when its episode is over. The parked caches of the rows that go on are copied once into one batch of preallocated
-buffers (shorter ones padded on the right, with room for the reply and the next turn, which write in place), and one
-forward pass prefills, per row, its turn's last sampled token (never fed to the model yet) and the reply tokens
-(left padded, so the last position of every row is real). Padding inside the cache is masked out of attention;
-positions count real tokens only, so the logits equal those of the dense sequence (prompt, sampled tokens, reply
-tokens) that training scores (``losses.positions_from_mask``). Tokens enter the sequence exactly as sampled and as
-rendered: the model's text is never re-tokenised.
+A turn is ``models.decoding.sample_steps``, the loop ``decode`` runs (the same warpers, draws and end rule; each row
+leaves the batch when its turn ends), with a ``park`` hook: a row that ends its turn is *parked* (its KV cache rows
+copied aside; the rows that end at the turn's last step keep their tensors) instead of thrown away. When every row
+has ended its turn, ``respond`` (the episode runner) gives each row the tokens to append (the environment's reply
+rendered by the chat template) or None when its episode is over. The parked caches of the rows that go on are copied
+once into one batch of preallocated buffers (shorter ones padded on the right, with room for the reply and the next
+turn, which write in place), and one forward pass prefills, per row, its turn's last sampled token (never fed to the
+model yet) and the reply tokens (left padded, so the last position of every row is real). Padding inside the cache
+is masked out of attention; positions count real tokens only, so the logits equal those of the dense sequence
+(prompt, sampled tokens, reply tokens) that training scores (``losses.positions_from_mask``). Tokens enter the
+sequence exactly as sampled and as rendered: the model's text is never re-tokenised.
 
-``reprefill=True`` (and models whose cache is not made of plain full-attention layers) runs the loop around
-``generate`` instead: each turn samples from the whole history, prefilled again (what the benchmark compares
-against). With one turn and the same seed, both draw what the single-response decoder draws. That loop,
-``decode_turns``, takes any per-turn sampler of whole histories: the vLLM backend is one (its prefix cache keeps the
-earlier turns' KV, so only the new tokens are prefilled there too).
+``reprefill=True``, and models whose cache is not made of plain full-attention layers (``plain_cache(cache,
+sliding=False)``: sliding-window layers would count the padding inside the cache as positions; hybrid state-space
+caches hold no rows to park), run the loop around ``generate`` instead: each turn samples from the whole history,
+prefilled again (what the benchmark compares against). With one turn and the same seed, both draw what the
+single-response decoder draws. That loop, ``decode_turns``, takes any per-turn sampler of whole histories: the vLLM
+backend is one (its prefix cache keeps the earlier turns' KV, so only the new tokens are prefilled there too).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import count
 from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache
 from transformers import GenerationConfig as HFGenerationConfig
 
-from aitraining_pl.losses import positions_from_mask
 from aitraining_pl.models.decoding import (
-    DynamicLayer,
-    _Forward,
-    _preallocate,
-    _PreallocatedLayer,
-    next_tokens,
+    DecodeBatch,
+    Forward,
+    preallocated_cache,
+    prefill,
     sample_responses,
+    sample_steps,
 )
-from aitraining_pl.models.decoding import warpers as make_warpers
 from aitraining_pl.models.generation import StopRule
 
 #: ``respond(turn, rows, turn_tokens, turn_ended)`` -> per row the tokens to append, or None: episode over
@@ -59,6 +59,26 @@ class EpisodeTokens:
     #: per row, the sampler's log-prob of each token (0 on the environment's), when the sampler gives them (vLLM)
     sampled_logprobs: list[list[float]] | None = None
 
+    @classmethod
+    def empty(cls, n: int) -> EpisodeTokens:
+        """No tokens yet for ``n`` episode rows."""
+        return cls(*([[] for _ in range(n)] for _ in range(4)))
+
+    def add_turn(
+        self, row: int, tokens: list[int], ended: bool, reply: list[int] | None, logprobs: list[float] | None = None
+    ) -> None:
+        """Append one turn of ``row``: its sampled ``tokens`` (and their ``logprobs``, when kept), then the
+        environment's ``reply`` (None: the episode is over)."""
+        self.tokens[row] += tokens
+        self.from_model[row] += [True] * len(tokens)
+        self.turn_ends[row].append(len(self.tokens[row]) - 1)
+        self.turn_ended[row].append(ended)
+        if self.sampled_logprobs is not None:
+            self.sampled_logprobs[row] += list(logprobs) + [0.0] * len(reply or ())
+        if reply is not None:
+            self.tokens[row] += list(reply)
+            self.from_model[row] += [False] * len(reply)
+
 
 class TurnSample(NamedTuple):
     """One turn of ``decode_turns``' sampler, per row: the tokens up to the turn's end, whether it ended (end
@@ -75,32 +95,25 @@ class TurnSample(NamedTuple):
 TurnSampler = Callable[[torch.Tensor, torch.Tensor, int], TurnSample]
 
 
-def _full_attention(cache) -> bool:
-    layers = getattr(cache, "layers", None)
-    return (
-        type(cache) is DynamicCache
-        and bool(layers)
-        and all(type(x) in (DynamicLayer, _PreallocatedLayer) for x in layers)
-    )
-
-
 class _Parked:
-    """KV cache rows, attention mask and last positions of rows whose turn has ended."""
+    """KV cache rows, attention mask and last positions of the episode rows whose turn has ended (``sample_steps``'
+    ``park`` hook)."""
 
-    def __init__(self):
+    def __init__(self, rows: list[int]):
+        self.rows = rows  #: the episode row of each response row of the turn
         self.groups: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]] = []
 
-    def add(self, rows: list[int], cache, index: torch.Tensor, mask: torch.Tensor, position: torch.Tensor) -> None:
-        """Park rows ``index`` of the batch (copies; the batch's own tensors when it is every row: the turn is
-        over, nothing writes to them again)."""
-        whole = index.numel() == mask.shape[0]
+    def add(self, at: torch.Tensor, index: torch.Tensor, batch: DecodeBatch) -> None:
+        """Park rows ``index`` of the batch (response rows ``at``): copies, or the batch's own tensors when it is
+        every row (the turn is over, nothing writes to them again)."""
+        whole = index.numel() == batch.mask.shape[0]
         pick = (lambda t: t) if whole else (lambda t: t.index_select(0, index))
-        kv = [(pick(layer.keys), pick(layer.values)) for layer in cache.layers]
-        self.groups.append((rows, kv, pick(mask), pick(position)))
+        kv = [(pick(layer.keys), pick(layer.values)) for layer in batch.cache.layers]
+        self.groups.append(([self.rows[i] for i in at.tolist()], kv, pick(batch.mask), pick(batch.position)))
 
     def take(self, rows: list[int], room: int) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         """One cache of ``rows`` (in this order), right padded to the longest, with ``room`` more positions
-        preallocated (``_PreallocatedLayer``: the reply's prefill and the next turn write in place); their mask and
+        preallocated (``preallocated_cache``: the reply's prefill and the next turn write in place); their mask and
         positions. Each parked row is copied once."""
         where = {r: (g, i) for g, (members, *_) in enumerate(self.groups) for i, r in enumerate(members)}
         length = max(self.groups[where[r][0]][2].shape[1] for r in rows)
@@ -117,10 +130,19 @@ class _Parked:
                     buffer[to, :, :filled].copy_(t[at])
                     buffer[to, :, filled:length].zero_()  # padding: masked out, never uninitialised (0 * NaN)
             masks[to, :filled], positions[to] = mask[at], position[at]
-        cache = DynamicCache()
-        cache.layers = [_PreallocatedLayer.over(keys, values, length) for keys, values in layers]
         self.groups = []
-        return cache, masks, positions
+        return preallocated_cache(layers, length), masks, positions
+
+    def resume(self, forward: Forward, going: list[tuple[int, list[int]]], pad: int, steps: int) -> DecodeBatch:
+        """The batch of the ``going`` rows (episode row, tokens to prefill: the turn's last sampled token and the
+        reply) after one forward pass over those tokens, left padded, on their parked caches."""
+        rows, chunks = [r for r, _ in going], [chunk for _, chunk in going]
+        ids, new = _left_padded(chunks, pad, self.groups[0][2].device)  # the parked masks' device
+        cache, mask, position = self.take(rows, new.shape[1] + steps)
+        mask = torch.cat([mask, new], dim=1)
+        positions = position + new.cumsum(1)
+        logits, cache = forward(ids, mask, positions, cache)
+        return DecodeBatch(logits, cache, mask, positions[:, -1:])
 
 
 def _left_padded(chunks: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,86 +178,29 @@ def decode_episodes(
     """Decode episodes of ``num_samples`` rows per left-padded prompt (B, P) (rows in ``repeat_interleave``
     order), ``config.max_new_tokens`` tokens per turn at most, until ``respond`` ends every episode (see the
     module docstring)."""
-    n = prompt_ids.shape[0] * num_samples
-    out = EpisodeTokens([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)])
-    ends = list(config.eos_token_id or [])
-    step = _Forward(model)
-    if not reprefill:
-        logits, cache = step(prompt_ids, prompt_mask, positions_from_mask(prompt_mask))
-    if reprefill or not _full_attention(cache):
+    forward = Forward(model)
+    batch = None if reprefill else prefill(forward, prompt_ids, prompt_mask, num_samples, sliding=False)
+    if batch is None:
         sample = hf_turn_sampler(model, config, stop_rule)
         return decode_turns(sample, prompt_ids, prompt_mask, int(config.pad_token_id), respond, num_samples)
+    rows = list(range(prompt_ids.shape[0] * num_samples))
+    out = EpisodeTokens.empty(len(rows))
     out.prefilled.append(int(prompt_mask.sum()))
-    mask, position = prompt_mask, positions_from_mask(prompt_mask)[:, -1:]
-    if num_samples > 1:
-        cache.batch_repeat_interleave(num_samples)
-        logits, mask, position = (t.repeat_interleave(num_samples, 0) for t in (logits, mask, position))
-    rows = list(range(n))
-    for turn in range(1 << 30):
-        parked, turn_tokens, turn_ended = _decode_turn(
-            step, cache, logits, mask, position, rows, config, ends, stop_rule
-        )
-        out.sampled.append(sum(len(t) for t in turn_tokens.values()))
-        replies = respond(turn, rows, [turn_tokens[r] for r in rows], [turn_ended[r] for r in rows])
-        going = []
-        for r, reply in zip(rows, replies):
-            out.tokens[r] += turn_tokens[r]
-            out.from_model[r] += [True] * len(turn_tokens[r])
-            out.turn_ends[r].append(len(out.tokens[r]) - 1)
-            out.turn_ended[r].append(turn_ended[r])
-            if reply is not None:
-                out.tokens[r] += list(reply)
-                out.from_model[r] += [False] * len(reply)
-                going.append((r, [turn_tokens[r][-1], *reply]))
+    for turn in count():
+        parked = _Parked(rows)
+        drawn = sample_steps(forward, batch, config, stop_rule, parked.add)
+        tokens = [row[:n] for row, n in zip(drawn.tokens.tolist(), drawn.lengths.tolist())]
+        ended = drawn.ended.tolist()
+        out.sampled.append(sum(map(len, tokens)))
+        replies = respond(turn, rows, tokens, ended)
+        for r, turn_tokens, turn_ended, reply in zip(rows, tokens, ended, replies):
+            out.add_turn(r, turn_tokens, turn_ended, reply)
+        going = [(r, [t[-1], *reply]) for r, t, reply in zip(rows, tokens, replies) if reply is not None]
         if not going:
             return out
+        out.prefilled.append(sum(len(chunk) for _, chunk in going))
+        batch = parked.resume(forward, going, int(config.pad_token_id), config.max_new_tokens)
         rows = [r for r, _ in going]
-        ids, new = _left_padded([chunk for _, chunk in going], int(config.pad_token_id), prompt_ids.device)
-        cache, mask, position = parked.take(rows, new.shape[1] + config.max_new_tokens)
-        mask = torch.cat([mask, new], dim=1)
-        positions = position + new.cumsum(1)
-        out.prefilled.append(int(new.sum()))
-        logits, cache = step(ids, mask, positions, cache)
-        position = positions[:, -1:]
-    return out
-
-
-def _decode_turn(step, cache, logits, mask, position, rows, config, ends, stop_rule):
-    """One turn of every row of the batch; the parked caches, sampled tokens and ended flags by row."""
-    device, warp = logits.device, make_warpers(config)
-    end_ids = torch.tensor(ends, dtype=torch.long, device=device)
-    batch = torch.tensor(rows, device=device)
-    buffer = torch.full((len(rows), config.max_new_tokens), int(config.pad_token_id), dtype=torch.long, device=device)
-    index = torch.arange(len(rows), device=device)  # each batch row's row in ``buffer``
-    _preallocate(cache, mask.shape[1] + config.max_new_tokens)
-    parked, tokens_by_row, ended_by_row = _Parked(), {}, {}
-    for t in range(config.max_new_tokens):
-        scores = warp(buffer[index, :t], logits)
-        tokens = next_tokens(scores, config.do_sample)
-        buffer[index, t] = tokens
-        going = ~torch.isin(tokens, end_ids)
-        if stop_rule:
-            for i in going.nonzero().flatten().tolist():
-                going[i] = not stop_rule.stops(buffer[index[i], : t + 1].tolist())
-        ended = ~going
-        if t + 1 == config.max_new_tokens:
-            going[:] = False
-        if not going.all():
-            done = (~going).nonzero().flatten()
-            members = batch[done].tolist()
-            parked.add(members, cache, done, mask, position)
-            for i, r in zip(done.tolist(), members):
-                tokens_by_row[r] = buffer[index[i], : t + 1].tolist()
-                ended_by_row[r] = bool(ended[i])
-            if not going.any():
-                break
-            keep = going.nonzero().flatten()
-            cache.batch_select_indices(keep)
-            batch, index, mask, position, tokens = batch[keep], index[keep], mask[keep], position[keep], tokens[keep]
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        position = position + 1
-        logits, cache = step(tokens[:, None], mask, position, cache)
-    return parked, tokens_by_row, ended_by_row
 
 
 def hf_turn_sampler(model, config: HFGenerationConfig, stop_rule: StopRule | None) -> TurnSampler:
@@ -264,31 +229,22 @@ def decode_turns(
     """Episodes of ``num_samples`` rows per left-padded prompt, each turn sampled by ``sample`` from every
     unfinished episode's whole token sequence (prompt, sampled tokens, replies; never re-tokenised)."""
     n = prompt_ids.shape[0] * num_samples
-    out = EpisodeTokens([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)])
+    out = EpisodeTokens.empty(n)
     prompts = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
     prompts = [p for p in prompts for _ in range(num_samples)]
     rows, ids, mask, samples = list(range(n)), prompt_ids, prompt_mask, num_samples
-    for turn in range(1 << 30):
+    for turn in count():
         drawn = sample(ids, mask, samples)
         out.prefilled.append(drawn.prefilled)
         out.sampled.append(sum(len(t) for t in drawn.tokens))
         if drawn.logprobs is not None and out.sampled_logprobs is None:
             out.sampled_logprobs = [[] for _ in range(n)]
         replies = respond(turn, rows, drawn.tokens, drawn.ended)
-        going = []
-        for i, (r, tokens, reply) in enumerate(zip(rows, drawn.tokens, replies)):
-            out.tokens[r] += tokens
-            out.from_model[r] += [True] * len(tokens)
-            out.turn_ends[r].append(len(out.tokens[r]) - 1)
-            out.turn_ended[r].append(drawn.ended[i])
-            if out.sampled_logprobs is not None:
-                out.sampled_logprobs[r] += list(drawn.logprobs[i]) + [0.0] * len(reply or ())
-            if reply is not None:
-                out.tokens[r] += list(reply)
-                out.from_model[r] += [False] * len(reply)
-                going.append(r)
+        logprobs = drawn.logprobs if drawn.logprobs is not None else [None] * len(rows)
+        for r, tokens, ended, reply, row_logprobs in zip(rows, drawn.tokens, drawn.ended, replies, logprobs):
+            out.add_turn(r, tokens, ended, reply, row_logprobs)
+        going = [r for r, reply in zip(rows, replies) if reply is not None]
         if not going:
             return out
         rows, samples = going, 1
         ids, mask = _left_padded([prompts[r] + out.tokens[r] for r in rows], pad, prompt_ids.device)
-    return out
