@@ -35,6 +35,7 @@ def test_options_are_one_group_in_hparams_and_checked():
         "delta": None,
         "top_entropy_quantile": 0.2,
         "mask_truncated_completions": False,
+        "use_bias_correction_kl": False,
     }
     assert module.policy_loss == PolicyLossConfig(loss_type="cispo", top_entropy_quantile=0.2)
     make = dict(reward=TOY_REWARD, model_config=TINY_LLAMA, tokenizer_name="byte")

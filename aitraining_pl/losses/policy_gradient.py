@@ -3,7 +3,8 @@ REINFORCE++) share it.
 
 Per token: ``l_t = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)) + beta * KL_t`` with
 ``rho = exp(logp - old_logp)`` (PPO's surrogate, Schulman et al. 2017; DAPO's clip-higher ``eps_high``,
-Yu et al. 2025) and, when the KL is in the loss, GRPO's k3 estimate of KL(pi || ref) (Shao et al. 2024).
+Yu et al. 2025) and, when the KL is in the loss, GRPO's k3 estimate of KL(pi || ref) (Shao et al. 2024), optionally
+weighted by the importance ratio (DeepSeek-V3.2's bias-corrected KL, ``use_bias_correction_kl``).
 The per-token losses are reduced by a registered aggregation. GSPO's sequence-level ratio, CISPO's surrogate,
 the two-sided ``delta`` bound and per-token weights (the high-entropy mask) come from ``policy_options``. When the
 responses were sampled by another engine (vLLM) whose numerics differ from the trainer's, the policy term of each
@@ -23,8 +24,12 @@ from aitraining_pl.losses.rl import kl_penalty
 
 
 def sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, max_length: int) -> torch.Tensor:
-    """GRPO (Shao et al. 2024): mean over each response's tokens, then over responses (rows with no token
-    in the mask, e.g. dropped groups, are left out)."""
+    """GRPO (Shao et al. 2024): mean over each response's tokens, then over the responses that have a token in the
+    mask. A row with an empty mask (a group dropped by ``dynamic_sampling``, a response cut by
+    ``mask_truncated_completions``) is left out of the mean, not counted as 0: with one empty row of eight the
+    loss is the mean of the seven others, 8/7 of TRL 1.16's ``loss_type: grpo`` (which divides by all N rows).
+    Chosen so that the gradient's scale does not shrink with the share of responses the filters drop (each kept
+    response weighs 1 / kept, as DAPO's filtered batch and the ``token`` aggregation's normaliser have it)."""
     lengths = mask.sum(1)
     rows = lengths > 0
     if not rows.any():
@@ -68,6 +73,7 @@ def clipped_policy_loss(
     importance_sampling_level: str = "token",
     delta: float | None = None,
     token_weights: torch.Tensor | None = None,
+    use_bias_correction_kl: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss with optional k3 KL term, reduced by ``aggregation``.
 
@@ -81,13 +87,17 @@ def clipped_policy_loss(
             ``sequence``). delta: upper bound on the unclipped ratio (``clip`` only; None: none).
         token_weights: (N, R) multiplies the policy term per token (e.g. ``policy_options.high_entropy_mask``);
             the KL term and the aggregation's normaliser keep ``mask``.
+        use_bias_correction_kl: multiply each token's k3 by the importance ratio ``pi_theta / pi_old`` of
+            ``importance_sampling_level`` (not detached; DeepSeek-V3.2, 2025; TRL's ``use_bias_correction_kl``), so
+            the KL term's gradient is the unbiased gradient of KL(pi || ref) (plain k3's is that of KL(ref || pi)).
 
     Returns:
         ``(loss, stats)``; stats (detached): ``clipfrac/low`` (share of tokens with A < 0 whose ratio is
         below ``1 - epsilon``), ``clipfrac/high`` (A > 0, ratio above ``1 + epsilon_high``), ``clipfrac``
         (either: the share of tokens where the clipped term is the larger one, so its gradient is 0),
         ``approx_kl`` (k3 estimate of KL(old || new), Schulman 2020) and ``kl`` (mean per-token k3 to the
-        reference, when one is given). With ``aggregation="token"`` and no KL term this is PPO's policy loss.
+        reference as it enters the loss, bias-corrected when asked; when one is given). With
+        ``aggregation="token"`` and no KL term this is PPO's policy loss.
     """
     if aggregation not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {aggregation!r}; known: {', '.join(LOSS_AGGREGATIONS)}")
@@ -107,6 +117,8 @@ def clipped_policy_loss(
     kl = None
     if ref_logprobs is not None and kl_coef:
         kl = kl_penalty(logprobs, ref_logprobs, "k3")
+        if use_bias_correction_kl:  # the samples came from pi_old: weight by pi_theta / pi_old, gradient kept
+            kl = kl * ratio
         per_token = per_token + kl_coef * kl
     loss = LOSS_AGGREGATIONS[aggregation](per_token, mask, max_length or mask.shape[1])
     with torch.no_grad():

@@ -13,6 +13,8 @@ taken, what the surrogate is, which tokens enter the loss. Each is a small pure 
   the policy term (Wang et al. 2025, "Beyond the 80/20 rule").
 - ``mask_truncated_completions`` (``completed_rows``): responses cut at ``max_new_tokens`` leave the loss (DAPO,
   Yu et al. 2025).
+- ``use_bias_correction_kl``: the k3 KL term weighted by the importance ratio (DeepSeek-V3.2, 2025; applied in
+  ``policy_gradient.clipped_policy_loss``).
 """
 
 from __future__ import annotations
@@ -121,14 +123,20 @@ class PolicyLossConfig:
 
     Args:
         loss_type: ``clip`` (PPO's clipped surrogate) or ``cispo`` (MiniMax-M1: clipped, stop-gradient importance
-            weight on the REINFORCE term; the weight is bounded by ``1 + epsilon_high``, e.g. ``epsilon_high: 4.0``).
+            weight on the REINFORCE term; the weight is bounded by ``1 + epsilon_high``, e.g. ``epsilon_high: 4.0``,
+            which is TRL's ``epsilon_high: 5.0``: TRL bounds it by ``epsilon_high``).
         importance_sampling_level: ``token`` (one ratio per token) or ``sequence`` (GSPO: the length-normalised
             sequence ratio, clipped per response; GSPO uses ``epsilon: 3e-4``, ``epsilon_high: 4e-4``).
         delta: upper bound on the unclipped ratio for every advantage sign (two-sided clip; TRL's ``delta``;
             ``null``: none). Must be above 1; INTELLECT-2 uses 4.
         top_entropy_quantile: share of the response tokens, the highest-entropy ones, that carry the policy term
             (Wang et al. 2025 keep 0.2); 1.0 keeps all.
-        mask_truncated_completions: responses cut at ``max_new_tokens`` leave the loss (DAPO).
+        mask_truncated_completions: responses cut at ``max_new_tokens`` leave the loss (DAPO). With
+            ``loss_aggregation: sequence`` the mean is over the responses left (TRL averages over all of them).
+        use_bias_correction_kl: multiply each token's k3 KL term by the importance ratio ``pi_theta / pi_old``
+            (DeepSeek-V3.2; TRL's ``use_bias_correction_kl``, default ``true`` there): the KL term's gradient becomes
+            the unbiased gradient of KL(policy || reference). Off by default (GRPO's plain k3, Shao et al. 2024).
+            Needs the KL term in the loss (``kl_coef > 0``, ``kl_in_reward: false``).
     """
 
     loss_type: PolicyLossType = "clip"
@@ -136,3 +144,4 @@ class PolicyLossConfig:
     delta: float | None = None
     top_entropy_quantile: float = 1.0
     mask_truncated_completions: bool = False
+    use_bias_correction_kl: bool = False

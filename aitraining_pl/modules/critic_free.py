@@ -70,8 +70,8 @@ class CriticFreeModule(OnlineRLModule):
             or ``reinforce_pp`` (per-token returns, batch-normalised).
         scale_rewards: the std ``grpo`` divides by: ``group`` (GRPO), ``batch`` (the whole batch's, Liu et al.
             2025's recommendation) or ``none`` (no division, as ``dr_grpo``); TRL's option. Only for ``grpo``.
-        loss_aggregation: ``sequence`` (mean per response, then over responses; GRPO), ``token`` (mean over
-            all tokens; DAPO) or ``constant`` (sum / (rows x max_new_tokens); Dr. GRPO).
+        loss_aggregation: ``sequence`` (mean per response, then over the responses with a token in the loss;
+            GRPO), ``token`` (mean over all tokens; DAPO) or ``constant`` (sum / (rows x max_new_tokens); Dr. GRPO).
         learning_rate: peak AdamW learning rate (warmup by ``warmup_ratio``, then ``lr_schedule``).
         mini_batch_size: rollouts per forward/backward pass in the update.
         gradient_accumulation_steps: minibatches per optimizer step.
@@ -84,8 +84,9 @@ class CriticFreeModule(OnlineRLModule):
         dynamic_sampling: DAPO's filter: groups whose rewards are all equal (no signal) leave the loss.
         policy_loss: TRL's further loss options (``PolicyLossConfig``): ``loss_type`` (``clip`` or CISPO's
             ``cispo``), ``importance_sampling_level`` (``token`` or GSPO's ``sequence``), ``delta`` (two-sided clip),
-            ``top_entropy_quantile`` (only the highest-entropy tokens carry the policy term) and
-            ``mask_truncated_completions`` (responses cut at ``max_new_tokens`` leave the loss).
+            ``top_entropy_quantile`` (only the highest-entropy tokens carry the policy term),
+            ``mask_truncated_completions`` (responses cut at ``max_new_tokens`` leave the loss) and
+            ``use_bias_correction_kl`` (the k3 KL term weighted by the importance ratio, DeepSeek-V3.2).
         max_grad_norm: gradient clipping by global norm (0 = off).
         missing_eos_penalty: subtracted from the score of responses that end without EOS or stop string.
         reward_timeout: seconds one call of the reward source may take; a call that does not return by then
@@ -157,6 +158,11 @@ class CriticFreeModule(OnlineRLModule):
         self.setup_online(constructor_arguments(CriticFreeModule.__init__, locals()))
         if scale_rewards != "group" and advantage != "grpo":
             raise ConfigError(f"{type(self).__name__}.scale_rewards", f"applies to advantage 'grpo', not {advantage!r}")
+        if self.policy_loss.use_bias_correction_kl and (not kl_coef or kl_in_reward):
+            raise ConfigError(
+                f"{type(self).__name__}.policy_loss.use_bias_correction_kl",
+                "weights the k3 KL term of the loss: needs kl_coef > 0 and kl_in_reward: false",
+            )
         self.model, self.reference = self.load_policy_from_hparams(with_reference=bool(kl_coef))
         reference = self.reference.model if self.reference is not None else None
         self.apply_training_options(reference, getattr(self.reward_source, "model", self.reward_source))
@@ -243,7 +249,8 @@ class GRPOModule(CriticFreeModule):
     for DAPO ``loss_aggregation: token``, ``epsilon_high: 0.28``, ``dynamic_sampling: true``, ``kl_coef: 0``
     (and ``policy_loss: {mask_truncated_completions: true}``), for GSPO ``policy_loss: {importance_sampling_level:
     sequence}`` with ``epsilon: 3.0e-4``, ``epsilon_high: 4.0e-4``, ``kl_coef: 0``, for CISPO ``policy_loss:
-    {loss_type: cispo}`` with ``epsilon_high: 4.0``.
+    {loss_type: cispo}`` with ``epsilon_high: 4.0`` (TRL's ``epsilon_high: 5.0``: TRL's bound is ``epsilon_high``,
+    ours ``1 + epsilon_high``).
 
     Args:
         advantage: advantage estimator (default ``grpo``).

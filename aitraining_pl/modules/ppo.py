@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from aitraining_pl.errors import ConfigError
 from aitraining_pl.losses import (
     PolicyLossConfig,
     explained_variance,
@@ -81,7 +82,8 @@ class PPOModule(OnlineRLModule):
         policy_loss: options of the policy loss (``PolicyLossConfig``, as for ``GRPOModule``): ``loss_type``
             (``clip`` or CISPO's ``cispo``), ``delta`` (two-sided clip), ``top_entropy_quantile`` and
             ``mask_truncated_completions`` (truncated responses leave the policy, value and entropy terms);
-            ``importance_sampling_level`` stays ``token`` (GAE gives per-token advantages).
+            ``importance_sampling_level`` stays ``token`` (GAE gives per-token advantages) and
+            ``use_bias_correction_kl`` off (PPO's KL is in the reward).
         value_clip: clip range of value predictions around the old values.
         max_grad_norm: gradient clipping by global norm (0 = off).
         kl_coef: (initial) coefficient of the per-token KL penalty (``AdaptiveKLCallback`` adapts it); TRL's
@@ -164,6 +166,8 @@ class PPOModule(OnlineRLModule):
         num_iterations = renamed(owner, "num_iterations", num_iterations, 4, ppo_epochs=ppo_epochs)
         epsilon = renamed(owner, "epsilon", epsilon, 0.2, clip_ratio=clip_ratio)
         self.setup_online(constructor_arguments(PPOModule.__init__, locals()), sequence_level=False)
+        if self.policy_loss.use_bias_correction_kl:  # the KL is in PPO's reward, not in its loss
+            raise ConfigError(f"{owner}.policy_loss.use_bias_correction_kl", "PPO's KL is in the reward, not the loss")
         policy, self.reference = self.load_policy_from_hparams(with_reference=True)
         self.model = PPOModel(policy)
         self.apply_training_options(self.reference.model, getattr(self.reward_source, "model", self.reward_source))
