@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 
-from aitraining_pl.losses import DPOOutput, dpo_loss, orpo_loss
+from aitraining_pl.losses import DPOOutput, SequenceLogps, dpo_loss, orpo_loss
 from aitraining_pl.losses.preference import DPOLossType
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.quantization import QuantizationConfig
+from aitraining_pl.models.scoring import is_contiguous, pack_rows, scoring_path, token_logps
 from aitraining_pl.modules.base import MODULE_RANGES
 from aitraining_pl.modules.preference import PreferenceModule, pair_metrics
 from aitraining_pl.optim import LRSchedule
@@ -26,10 +27,35 @@ def chosen_nll(chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) -> torc
     return -chosen_logps.sum() / chosen_lengths.sum().clamp_min(1)
 
 
+def logps_with_chosen_prompts(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], padding_free: bool
+) -> tuple[SequenceLogps, SequenceLogps]:
+    """One forward scoring the completions of all 2B rows and, in the B chosen rows, the prompt tokens too.
+
+    Returns:
+        ``(completions, chosen_rows)``: the (2B,) summed completion log-probs with their token counts (as
+        ``models.scoring.completion_logps``), and the (B,) summed log-probs of every real token of each chosen
+        row but the first (prompt and completion: TRL's ORPO NLL) with their counts. ``padding_free`` packs one
+        block per row (``pack_rows``); a prompt is not shared between the rows of a pair.
+    """
+    b = batch["input_ids"].shape[0] // 2
+    completion, real = batch["completion_mask"], batch["attention_mask"]
+    scored = torch.cat([real[:b], completion[b:]]).to(completion.dtype)
+    packed = None
+    if padding_free and scoring_path(model).packed and is_contiguous(batch):
+        packed = pack_rows({**batch, "completion_mask": scored})
+    token = token_logps(model, batch["input_ids"], real, scored, packed=packed)
+    completion = completion[:, 1:].to(token.dtype)
+    completions = SequenceLogps((token * completion).sum(-1), completion.sum(-1))
+    return completions, SequenceLogps(token[:b].sum(-1), scored[:b, 1:].sum(-1).to(token.dtype))
+
+
 class ORPOModule(PreferenceModule):
     """ORPO, odds-ratio preference optimisation (Hong et al. 2024): with ``p`` the per-token average probability
     of a completion, ``loss = NLL(chosen) - beta * log s(log odds(chosen) - log odds(rejected))``, where
-    ``odds = p / (1 - p)`` (``losses.orpo_loss``). Reference-free.
+    ``odds = p / (1 - p)`` (``losses.orpo_loss``). Reference-free. The NLL is the mean over the chosen
+    completions' tokens (``disable_prompt_loss: true``, the default) or over the chosen rows' prompt and completion
+    tokens (``false``: TRL 1.16's ORPO and the original ORPO code's default); the odds always use the completions.
 
     Metrics (``train/``, ``val/``): ``loss``, ``nll_loss``, ``log_odds_ratio``, ``log_odds_chosen`` and TRL's
     pair metrics, with ``rewards/*`` = ``beta`` times the average token log-prob of each completion.
@@ -40,6 +66,10 @@ class ORPOModule(PreferenceModule):
         tokenizer_name: tokenizer folder, hub id or ``"byte"`` (default: ``model_name``); shared with the data.
         lora: LoRA adapters on the policy (``LoRAConfig``).
         beta: weight of the odds-ratio term (the paper's lambda; TRL's ``beta``).
+        disable_prompt_loss: the NLL term on the chosen completion's tokens only (default: the paper's
+            ``-log P(y_w | x)``, as CPO's and RPO's NLL); ``false`` averages it over the chosen rows' prompt and
+            completion tokens, as TRL 1.16 does (the original ORPO code's option); ``share_prompt`` then does not
+            apply (each row is scored on its own).
         learning_rate: peak AdamW learning rate.
         warmup_ratio: fraction of the optimizer steps spent in linear warmup.
         lr_schedule: decay after warmup: ``linear``, ``cosine`` or ``constant``.
@@ -65,6 +95,7 @@ class ORPOModule(PreferenceModule):
         tokenizer_name: str | None = None,
         lora: LoRAConfig | None = None,
         beta: float = 0.1,
+        disable_prompt_loss: bool = True,
         learning_rate: float = 1e-6,
         warmup_ratio: float = 0.1,
         lr_schedule: LRSchedule = "linear",
@@ -83,11 +114,21 @@ class ORPOModule(PreferenceModule):
         self.save_arguments(constructor_arguments(ORPOModule.__init__, locals()))
         self.build_models(uses_reference=False)
 
-    def objective(self, policy, reference, batch, stage):
+    def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        """As ``PreferenceModule``'s; with ``disable_prompt_loss: false`` the same forward also scores the chosen
+        rows' prompt tokens, for the NLL."""
+        if self.hparam("disable_prompt_loss", True):
+            return super().shared_step(batch, stage)
+        hp = self.hparams
+        policy, chosen_rows = logps_with_chosen_prompts(self.policy, batch, hp.padding_free or hp.share_prompt)
+        return self.objective(policy, None, batch, stage, nll=chosen_nll(chosen_rows.logps, chosen_rows.lengths))
+
+    def objective(self, policy, reference, batch, stage, nll: torch.Tensor | None = None):
+        """``nll``: the NLL term when it is not the chosen completions' (``disable_prompt_loss: false``)."""
         chosen, rejected = policy.logps.chunk(2)
         chosen_len, rejected_len = (n.clamp_min(1) for n in policy.lengths.chunk(2))
         chosen_avg, rejected_avg = chosen / chosen_len, rejected / rejected_len
-        nll = chosen_nll(chosen, chosen_len)
+        nll = chosen_nll(chosen, chosen_len) if nll is None else nll
         out = orpo_loss(chosen_avg, rejected_avg, nll, self.hparams.beta)
         loss = out.losses.mean()
         beta = self.hparams.beta
