@@ -26,7 +26,6 @@ model's own ``generation_config`` swapped for a blank one during the call.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,12 +33,47 @@ from typing import Any
 
 import torch
 
+from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.losses import selective_log_softmax
-from aitraining_pl.models.decoding import sample_responses
-from aitraining_pl.models.generation import SampledTokens, StopRule, hf_generation_config
-from aitraining_pl.models.training import eval_mode
+from aitraining_pl.models.generation import SampledTokens, StopRule
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, score_responses
+from aitraining_pl.vllm_backend.client import VLLMServerClient
+from aitraining_pl.vllm_backend.engine import VLLMEngine, vllm_available
+
+#: the generation backends by name (``resolve_backend``): a new backend is a class with the ``GenerationBackend``
+#: methods and a ``from_context(generation, context)`` constructor, and one line here
+BACKENDS: dict[str, type] = {
+    "hf": HFBackend,
+    "vllm": VLLMEngine,  # vLLM colocated: an engine in each training process
+    "vllm-server": VLLMServerClient,  # vLLM as a server (``aitraining-pl vllm-serve``)
+}
+
+
+def resolve_backend(generation: GenerationConfig, device: torch.device | str | None = None) -> str:
+    """The ``BACKENDS`` key for ``generation`` on ``device``: ``backend: auto`` is vLLM on a CUDA device when vLLM
+    is installed, else ``hf``; vLLM in ``vllm.mode: server`` is ``vllm-server``."""
+    name = generation.backend
+    if name == "auto":
+        name = "vllm" if torch.device(device or "cpu").type == "cuda" and vllm_available() else "hf"
+    return "vllm-server" if name == "vllm" and generation.vllm.mode == "server" else name
+
+
+def build_backend(
+    generation: GenerationConfig, context: BackendContext, device: torch.device | str | None = None
+) -> GenerationBackend:
+    """The backend that samples ``generation``'s rollouts for ``context.policy`` on ``device``. In server mode
+    the engine options (``VLLMConfig.SERVER_OWNED``) belong to ``vllm-serve``: any set here is named in a warning."""
+    name = resolve_backend(generation, device)
+    overridden = generation.vllm.server_owned_overrides() if name == "vllm-server" else []
+    if overridden:
+        warnings.warn(
+            f"generation.vllm.{', '.join(overridden)}: ignored in server mode (the generation server owns its "
+            "engine: give them to aitraining-pl vllm-serve on its command line)",
+            UserWarning,
+            stacklevel=2,
+        )
+    return BACKENDS[name].from_context(generation, context)
 
 
 @dataclass
@@ -152,9 +186,8 @@ class RolloutEngine:
         stop_sequences: token-id sequences that end a response, besides ``generation.stop_strings``.
         warn_truncation: warn (once) that ``top_p`` / ``top_k`` make the training log-probs off-policy.
         skip_special_tokens: match stop strings in the text without special tokens (``StopRule``).
-        backend: a generation backend that samples instead of the model's own decoder (an object with
-            ``sample(prompt_ids, prompt_mask, generation, end_ids, stop_rule, pad_token_id, num_samples, seed)``
-            returning ``SampledTokens``, such as ``vllm_backend.VLLMEngine``); None: ``models.decoding``.
+        backend: the ``GenerationBackend`` that samples (``build_backend``); None, or one whose ``location`` is
+            ``policy``: the model given to ``sample`` samples itself (``HFBackend``).
     """
 
     def __init__(
@@ -165,7 +198,7 @@ class RolloutEngine:
         stop_sequences: Sequence[Sequence[int]] | None = None,
         warn_truncation: bool = True,
         skip_special_tokens: bool = False,
-        backend: Any = None,
+        backend: GenerationBackend | None = None,
     ):
         generation.validate()
         self.tokenizer, self.generation, self.backend = tokenizer, generation, backend
@@ -208,22 +241,13 @@ class RolloutEngine:
         pad = self.pad_token_id(model, end_ids)
         if isinstance(seed, torch.Generator):
             seed = int(torch.randint(0, 2**62, (1,), generator=seed, device=seed.device))
-        if self.backend is not None:
-            seed = None if seed is None else seed % 2**31
-            sampled = self.backend.sample(
-                prompt_ids, prompt_mask, self.generation, end_ids, self.stop_rule, pad, num_samples, seed
-            )
-            return self.rollout(prompt_ids[group], prompt_mask[group], sampled, group, end_ids, pad)
-        config = hf_generation_config(self.generation, end_ids, pad, with_logprobs)
-        devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
-        seeded = torch.random.fork_rng(devices=devices) if seed is not None else contextlib.nullcontext()
-        with seeded, eval_mode(model):
-            if seed is not None:
-                torch.manual_seed(seed)
-            sampled = sample_responses(
-                model, prompt_ids, prompt_mask, config, self.stop_rule, self.generation.drop_ended, num_samples
-            )
-        return self.rollout(prompt_ids[group], prompt_mask[group], sampled, group, end_ids)
+        backend = self.backend
+        if backend is None or backend.location == "policy":  # the model given samples itself
+            backend = HFBackend(model, with_logprobs)
+        sampled = backend.sample(
+            prompt_ids, prompt_mask, self.generation, end_ids, self.stop_rule, pad, num_samples, seed
+        )
+        return self.rollout(prompt_ids[group], prompt_mask[group], sampled, group, end_ids, pad)
 
     def rollout(
         self, prompt_ids, prompt_mask, sampled: SampledTokens, group: torch.Tensor, end_ids, pad: int | None = None

@@ -8,7 +8,7 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import TINY_LLAMA, quiet_trainer
+from conftest import SAMPLER, TINY_LLAMA, quiet_trainer
 
 import aitraining_pl.rollout as rollout_module
 from aitraining_pl.datamodules.prompt import PromptDataModule
@@ -119,7 +119,7 @@ def _fixed_rollout_module(monkeypatch, scores, fixed, **kwargs):
         generation=GenerationConfig(max_new_tokens=fixed.shape[1], temperature=1.0, top_p=1.0),
         **kwargs,
     )
-    monkeypatch.setattr(rollout_module, "sample_responses", lambda *a, **k: rollout_module.SampledTokens(fixed.clone()))
+    monkeypatch.setattr(SAMPLER, lambda *a, **k: rollout_module.SampledTokens(fixed.clone()))
     return module
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_LLAMA
+from conftest import SAMPLER, TINY_LLAMA
 from test_online import EOS, TOY_REWARD, _fixed_rollout_module
 
 from aitraining_pl.errors import ConfigError, HyperparameterError
@@ -115,7 +115,7 @@ def test_ppo_takes_the_token_level_options(monkeypatch):
     options = {"loss_type": "cispo", "top_entropy_quantile": 0.5, "mask_truncated_completions": True}
     module = PPOModule(**make, generation=GenerationConfig(max_new_tokens=2, top_p=1.0), policy_loss=options)
     fixed = torch.tensor([[40, EOS], [41, 42]])  # row 1 is cut at max_new_tokens
-    monkeypatch.setattr(rollout_module, "sample_responses", lambda *a, **k: rollout_module.SampledTokens(fixed.clone()))
+    monkeypatch.setattr(SAMPLER, lambda *a, **k: rollout_module.SampledTokens(fixed.clone()))
     experience, _ = module.make_experience(module.rollout(_batch(), 1))
     assert experience.mask.sum(1).tolist() == [2, 0]
     loss, stats = module.minibatch_loss(experience, torch.arange(2))

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_LLAMA, quiet_trainer
+from conftest import SAMPLER, TINY_LLAMA, quiet_trainer
 
 import aitraining_pl.rollout as rollout_module
 from aitraining_pl.datamodules.prompt import PromptDataModule
@@ -122,7 +122,7 @@ def test_one_iteration_matches_a_hand_written_ppo_loop(tmp_path, monkeypatch, by
     reference_model = copy.deepcopy(module.model)
     # a fixed "sampled" rollout: EOS mid-sequence, EOS first, no EOS, EOS then garbage
     fixed = torch.tensor([[40, 41, EOS, 0, 0], [EOS, 0, 0, 0, 0], [50, 51, 52, 53, 54], [60, EOS, 70, 71, 72]])
-    monkeypatch.setattr(rollout_module, "sample_responses", lambda *a, **k: rollout_module.SampledTokens(fixed.clone()))
+    monkeypatch.setattr(SAMPLER, lambda *a, **k: rollout_module.SampledTokens(fixed.clone()))
     prompts = ["hello", "hi", "abc", "a longer prompt"]
     dm = PromptDataModule(prompts=prompts, tokenizer=byte_tokenizer, batch_size=4)
     monkeypatch.setattr(

@@ -278,14 +278,16 @@ def test_the_three_samplers_call_the_engine(monkeypatch, tiny_config, byte_token
     from aitraining_pl.environments import TextGenerationEnv
     from aitraining_pl.modules.ppo import PPOModule
 
+    from aitraining_pl.generation import backend as backend_module
+
     calls = []
-    real = rollout_module.sample_responses
+    real = backend_module.sample_responses
 
     def spy(*args, **kwargs):
         calls.append(args[1].shape[0])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rollout_module, "sample_responses", spy)
+    monkeypatch.setattr(backend_module, "sample_responses", spy)
     model = build_causal_lm(tiny_config, seed=0)
     with ForwardBackwardPipeline(model, device="cpu") as pipe:
         pipe.sample([70, 71], max_tokens=3)

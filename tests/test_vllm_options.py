@@ -12,16 +12,16 @@ from conftest import TINY_LLAMA, quiet_trainer
 
 from aitraining_pl.errors import ConfigError, HyperparameterError
 from aitraining_pl.losses import clipped_policy_loss, truncated_importance_weights
-from aitraining_pl.rollout import GenerationConfig
+from aitraining_pl.rollout import GenerationConfig, resolve_backend
 from aitraining_pl.vllm_backend import VLLMConfig
-from aitraining_pl.vllm_backend.engine import block_parts, resolve_backend, vllm_available
+from aitraining_pl.vllm_backend.engine import block_parts, vllm_available
 
 
 def test_generation_backend_settings_parse_and_validate():
     options = {"importance_sampling_correction": True, "importance_sampling_cap": 3}
     config = GenerationConfig(backend="vllm", vllm=options)
     assert isinstance(config.vllm, VLLMConfig) and config.vllm.importance_sampling_cap == 3
-    assert GenerationConfig().backend == "hf" and not GenerationConfig().vllm.importance_sampling_correction
+    assert GenerationConfig().backend == "hf" and GenerationConfig().vllm.importance_sampling_correction == "auto"
     with pytest.raises(HyperparameterError, match="generation.backend"):
         GenerationConfig(backend="sglang").validate("generation")
     with pytest.raises(HyperparameterError, match="gpu_memory_utilization"):
@@ -30,9 +30,50 @@ def test_generation_backend_settings_parse_and_validate():
         GenerationConfig(vllm={"importance_sampling_cap": 0.5}).validate("generation")
 
 
-def test_auto_backend_is_hf_on_a_cpu():
-    assert resolve_backend("auto", "cpu") == "hf"
-    assert resolve_backend("vllm", "cpu") == "vllm" and resolve_backend("hf", "cuda") == "hf"
+def test_auto_backend_is_hf_on_a_cpu_and_server_mode_is_its_own_backend():
+    assert resolve_backend(GenerationConfig(backend="auto"), "cpu") == "hf"
+    assert resolve_backend(GenerationConfig(backend="vllm"), "cpu") == "vllm"
+    assert resolve_backend(GenerationConfig(backend="hf"), "cuda") == "hf"
+    assert resolve_backend(GenerationConfig(backend="vllm", vllm={"mode": "server"})) == "vllm-server"
+
+
+def test_auto_engine_options_follow_the_device():
+    """``enforce_eager`` and the importance-sampling correction default to ``auto``: eager and uncorrected on a
+    CPU (the CPU CI), CUDA graphs and corrected on a GPU (TRL 1.16's default); an explicit value wins."""
+    auto = VLLMConfig()
+    assert auto.eager("cpu") and not auto.eager("cuda")
+    assert not auto.corrects("cpu") and auto.corrects("cuda")
+    fixed = VLLMConfig(enforce_eager=True, importance_sampling_correction=False)
+    assert fixed.eager("cuda") and not fixed.corrects("cuda")
+    assert VLLMConfig(importance_sampling_correction=True).corrects("cpu")
+
+
+def test_engine_options_in_server_mode_warn_that_the_server_owns_them():
+    """Server mode: engine options set in the trainer's config are named in a warning (the server owns them),
+    before any connection is tried."""
+    from aitraining_pl.generation.backend import BackendContext
+    from aitraining_pl.rollout import BACKENDS, build_backend
+
+    built = []
+
+    class Recorder:
+        location = "server"
+
+        @classmethod
+        def from_context(cls, generation, context):
+            built.append((generation, context))
+            return cls()
+
+    config = GenerationConfig(backend="vllm", vllm={"mode": "server", "gpu_memory_utilization": 0.8, "sleep": True})
+    original = BACKENDS["vllm-server"]
+    BACKENDS["vllm-server"] = Recorder
+    try:
+        with pytest.warns(UserWarning, match=r"gpu_memory_utilization, sleep: ignored in server mode"):
+            backend = build_backend(config, BackendContext(torch.nn.Linear(1, 1)), "cpu")
+    finally:
+        BACKENDS["vllm-server"] = original
+    assert isinstance(backend, Recorder) and len(built) == 1
+    assert VLLMConfig().server_owned_overrides() == []
 
 
 @pytest.mark.skipif(vllm_available(), reason="checks the error shown when vLLM is not installed")

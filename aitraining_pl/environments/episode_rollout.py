@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 import torch
 
 from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE
-from aitraining_pl.environments.episode import AssistantTurn, EpisodeEnvironment, EpisodeStep
+from aitraining_pl.environments.episode import AssistantTurn, EpisodeEnvironment
+from aitraining_pl.environments.episode_guard import guarded_reset, guarded_step
 from aitraining_pl.environments.tools import ToolTemplateError
-from aitraining_pl.errors import RewardError
 from aitraining_pl.models.episode_decoding import EpisodeTokens, TurnSample, decode_episodes, decode_turns
 from aitraining_pl.models.generation import hf_generation_config
 from aitraining_pl.models.tokens import with_bos
 from aitraining_pl.models.training import eval_mode
+from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT
 from aitraining_pl.rollout import Rollout, RolloutEngine
 
 #: content of the assistant message whose rendering shows what a template writes after an assistant turn
@@ -106,8 +107,10 @@ class EpisodeInfo:
 class _Episodes:
     """The environments of a batch and the ``respond`` callback of the decoder."""
 
-    def __init__(self, environment: EpisodeEnvironment, chat: ChatFormat, tokenizer, rows: int, max_new_tokens: int):
-        self.envs = [environment.spawn() for _ in range(rows)]
+    def __init__(
+        self, environment: EpisodeEnvironment, chat: ChatFormat, tokenizer, rows: int, max_new_tokens: int, timeout
+    ):
+        self.envs, self.timeout = [environment.spawn() for _ in range(rows)], timeout
         self.chat, self.tokenizer, self.limits, self.max_new = chat, tokenizer, environment.limits, max_new_tokens
         self.length = [0] * rows
         self.done = [False] * rows
@@ -120,17 +123,11 @@ class _Episodes:
         for r, ids, closed in zip(rows, turns, ended):
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             raw = self.tokenizer.decode(ids, skip_special_tokens=False)
-            env = self.envs[r]
-            try:
-                result = env.step(AssistantTurn(text, raw, list(ids), closed, turn))
-            except Exception as err:
-                raise RewardError(f"episode environment {type(env).__name__!r}", f"step raised {err!r}") from err
-            if not isinstance(result, EpisodeStep):
-                raise RewardError(f"episode environment {type(env).__name__!r}", f"step returned {result!r}")
-            self.rewards[r].append(float(result.reward))
+            result = guarded_step(self.envs[r], AssistantTurn(text, raw, list(ids), closed, turn), self.timeout)
+            self.rewards[r].append(result.reward)
             self.metrics[r]["turns"] += 1
             for key, value in result.metrics.items():
-                self.metrics[r][key] = self.metrics[r].get(key, 0.0) + float(value)
+                self.metrics[r][key] = self.metrics[r].get(key, 0.0) + value
             self.transcripts[r].append({"role": "assistant", "content": text})
             self.length[r] += len(ids)
             reply = None
@@ -160,24 +157,30 @@ def sample_episodes(
     num_samples: int = 1,
     *,
     reprefill: bool = False,
+    timeout: float | None = DEFAULT_REWARD_TIMEOUT,
 ) -> Rollout:
     """Play ``num_samples`` episodes per prompt with ``engine``'s settings (``max_new_tokens`` per turn) and
     return their ``Rollout``, its ``episodes`` (``EpisodeInfo``) set. Prompts whose ``reset`` returns messages
     are re-rendered from them (with the environment's tools); the others keep ``prompt_ids``. With a generation
     backend on ``engine`` (vLLM), each turn sends every unfinished episode's whole token sequence to it
-    (``backend_turns``); the rollout then carries the backend's ``sampling_logprobs``."""
+    (``backend_turns``); the rollout then carries the backend's ``sampling_logprobs``. The environment's ``reset``
+    and ``step`` run guarded (``episode_guard``): each call at most ``timeout`` seconds (the online modules'
+    ``reward_timeout``), and any fault stops the run with one ``RewardError`` naming the environment."""
     tokenizer, device = engine.tokenizer, prompt_ids.device
     chat = ChatFormat(tokenizer, environment.tools)
     if environment.tools:
         environment.for_template(chat.template)
     n = len(prompts) * num_samples
-    episodes = _Episodes(environment, chat, tokenizer, n, engine.generation.max_new_tokens)
+    episodes = _Episodes(environment, chat, tokenizer, n, engine.generation.max_new_tokens, timeout)
     group = torch.arange(len(prompts), device=device).repeat_interleave(num_samples)
-    first = [episodes.envs[r].reset(prompts[int(g)], dict(metadata[int(g)])) for r, g in enumerate(group.tolist())]
+    first = [
+        guarded_reset(episodes.envs[r], prompts[int(g)], dict(metadata[int(g)]), timeout)
+        for r, g in enumerate(group.tolist())
+    ]
     prompt_ids, prompt_mask = _prompts(chat, first[::num_samples], prompt_ids, prompt_mask, engine, model)
     end_ids = engine.end_token_ids(model)
     config = hf_generation_config(engine.generation, end_ids, engine.pad_token_id(model, end_ids))
-    if engine.backend is not None:
+    if engine.backend is not None and engine.backend.location != "policy":
         sample = backend_turns(engine, model)
         tokens = decode_turns(sample, prompt_ids, prompt_mask, config.pad_token_id, episodes, num_samples)
     else:

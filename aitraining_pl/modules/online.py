@@ -28,9 +28,9 @@ import torch
 from aitraining_pl.environments.episode import is_episode_environment
 from aitraining_pl.environments.episode_rollout import sample_episodes
 from aitraining_pl.errors import ConfigError
+from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
 from aitraining_pl.losses import group_statistics, place_scores, truncated_importance_weights
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
-from aitraining_pl.models.sharding import gathered
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
 from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions
@@ -39,12 +39,11 @@ from aitraining_pl.rollout import (
     GenerationConfig,
     Rollout,
     RolloutEngine,
+    build_backend,
     score_rollout,
     warn_truncated_sampling,
 )
 from aitraining_pl.validation import rules
-from aitraining_pl.vllm_backend.client import VLLMServerClient
-from aitraining_pl.vllm_backend.engine import VLLMEngine, resolve_backend
 
 #: ranges of the arguments every online RL module has; PPO and the critic-free module add their own.
 ONLINE_RANGES = {
@@ -143,7 +142,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         warn_truncated_sampling(self.generation)
         source = reward if is_episode_environment(reward) else build_reward_source(reward)
         self._reward_source = [source]  # in a list: never a submodule, never saved
-        self._vllm: list[VLLMEngine | None] = [None]  # the colocated vLLM engine (``generation.backend: vllm``)
+        self._backend: list[GenerationBackend | None] = [None]  # what samples the rollouts (built in ``setup``)
         self.kl_coef = values["kl_coef"]
         self.last_kl = 0.0  #: batch-mean KL(pi || ref) per response (nats), for the KL callback
         self.last_num_samples = 0  #: responses behind ``last_kl`` (all ranks)
@@ -168,21 +167,25 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             self.reward_source.to(self.device)
 
     def setup(self, stage: str) -> None:
-        """Build the colocated vLLM engine when the generation backend is vLLM (one line naming the extra to
-        install when vLLM is missing). It gets the policy's weights before the first rollout (``generate``), so a
-        resumed run samples from the resumed weights."""
-        if resolve_backend(self.generation.backend, self.device) != "vllm" or self._vllm[0] is not None:
+        """Build the generation backend (``rollout.build_backend``: the policy itself, a colocated vLLM engine or
+        a generation server's client; one line naming the extra to install when vLLM is missing). It gets the
+        policy's weights before the first rollout (``generate``), so a resumed run samples from the resumed
+        weights."""
+        if self._backend[0] is not None:
             return
-        if self.generation.vllm.mode == "server":  # ``aitraining-pl vllm-serve`` samples, rank 0 pushes weights
-            run = self.trainer.strategy.broadcast(uuid.uuid4().hex)  # one id for the run's weight versions
-            self._vllm[0] = VLLMServerClient(self.policy, self.generation.vllm, self.global_rank, run)
-            return
-        self._vllm[0] = VLLMEngine(self.policy, self.tokenizer, self.generation.vllm, seed=int(self.hparam("seed", 0)))
+        run = self.trainer.strategy.broadcast(uuid.uuid4().hex)  # one id for the run's weight versions (servers)
+        context = BackendContext(self.policy, self.tokenizer, self.global_rank, run, int(self.hparam("seed", 0)))
+        self._backend[0] = build_backend(self.generation, context, self.device)
+
+    @property
+    def backend(self) -> GenerationBackend:
+        """What samples the rollouts (``generation.backend``); the policy itself before ``setup``."""
+        return self._backend[0] if self._backend[0] is not None else HFBackend(self.policy)
 
     def teardown(self, stage: str) -> None:
-        if self._vllm[0] is not None:
-            self._vllm[0].close()
-            self._vllm[0] = None
+        if self._backend[0] is not None:
+            self._backend[0].close()
+            self._backend[0] = None
 
     def updates_per_iteration(self, batch_size: int) -> int:
         """Optimizer steps made by one iteration on ``batch_size`` prompts."""
@@ -210,9 +213,9 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
 
     # ------------------------------------------------------------------ rollout and scoring
     @property
-    def engine(self) -> RolloutEngine:
-        """The rollout engine for ``generation`` with this module's tokenizer (and vLLM engine, if any)."""
-        return RolloutEngine(self.tokenizer, self.generation, warn_truncation=False, backend=self._vllm[0])
+    def rollout_engine(self) -> RolloutEngine:
+        """The rollout engine for ``generation`` with this module's tokenizer and generation backend."""
+        return RolloutEngine(self.tokenizer, self.generation, warn_truncation=False, backend=self.backend)
 
     @torch.no_grad()
     def generate(
@@ -226,25 +229,21 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         ``config``), in eval mode; rows ``i*G .. i*G+G-1`` answer prompt ``i``. With the vLLM backend the engine
         first loads the policy's weights if they changed since its last rollout (one sync per optimizer step
         count), and the rollout carries vLLM's log-probs (``sampling_logprobs``)."""
-        engine = self.engine if config is None else RolloutEngine(self.tokenizer, config, backend=self._vllm[0])
+        engine = self.rollout_engine if config is None else RolloutEngine(self.tokenizer, config, backend=self.backend)
         with self.sampling():
             return engine.sample(self.policy, prompt_ids, prompt_mask, num_samples)
 
     @contextlib.contextmanager
     def sampling(self):
-        """Around a rollout: with the vLLM backend, its engine loads the policy's weights if they changed since
-        its last rollout (one sync per optimizer step count) and sleeps afterwards; else the policy's full
-        parameters (FSDP2: one all-gather for the whole rollout; a no-op otherwise)."""
-        vllm = self._vllm[0]
-        if vllm is None:
-            with gathered(self.policy):
-                yield
-            return
-        vllm.sync(self.policy, version=self.global_step)
+        """Around a rollout: the backend takes the policy's weights of this optimizer step (a vLLM engine or server
+        loads them if they changed since its last rollout; the policy itself gathers its full parameters under
+        FSDP2: one all-gather for the whole rollout) and sleeps afterwards."""
+        backend = self.backend
+        backend.sync(self.policy, version=self.global_step)
         try:
             yield
         finally:
-            vllm.sleep()
+            backend.sleep()
 
     def score(self, prompts: list[str], metadata: list[dict], rollout: Rollout):
         """Scores (N,) from the reward source, minus ``missing_eos_penalty`` where a response did not end;
@@ -278,7 +277,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         its return, minus ``missing_eos_penalty`` (on its last sampled token) when a limit cut it short."""
         with self.sampling():
             rollout = sample_episodes(
-                self.engine,
+                self.rollout_engine,
                 self.policy,
                 self.reward_source,
                 batch["prompts"],
@@ -348,12 +347,12 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """For a rollout sampled by vLLM: ``sampling/logp_gap/mean`` and ``/max`` (|logp_vllm - logp_trainer|
         over response tokens, ``logprobs`` being the trainer's at rollout time) and, with
-        ``generation.vllm.importance_sampling_correction``, the truncated importance weights of the loss
-        (``losses.truncated_importance_weights``). ``(None, {})`` for other rollouts."""
+        ``generation.vllm.importance_sampling_correction`` (``auto``: on a GPU), the truncated importance weights of
+        the loss (``losses.truncated_importance_weights``). ``(None, {})`` for other rollouts."""
         if rollout.sampling_logprobs is None or logprobs is None:
             return None, {}
         options = self.generation.vllm
-        cap = options.importance_sampling_cap if options.importance_sampling_correction else None
+        cap = options.importance_sampling_cap if options.corrects(self.device.type) else None
         weights, stats = truncated_importance_weights(logprobs, rollout.sampling_logprobs, rollout.mask, cap)
         return weights, {f"sampling/{k}": v for k, v in stats.items()}
 

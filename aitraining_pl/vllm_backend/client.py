@@ -12,14 +12,18 @@ A sample request names the weights version it needs (the run's id and the step c
 only once it holds that version, so the other ranks never sample from stale weights. This module does not import
 vLLM: the trainer's processes need not have it installed.
 
-Any failure of the channel (nothing listening, a timeout, the server gone mid-run, a refused request) is one
-``GenerationServerError`` line naming ``host:port`` and what was being done.
+Every connection proves the server's token at ``hello`` (``wire.proof``: an HMAC of the server's nonce; the token
+never travels): from ``generation.vllm.server_token_file``, else ``AITRAINING_PL_SERVER_TOKEN``, else, for a server
+on this machine, the owner-only file ``vllm-serve`` wrote (``wire.token_path``). Any failure of the channel
+(nothing listening, a timeout, the server gone mid-run, a refused request or token) is one
+``GenerationServerError`` line naming ``host:port`` and what was being done; the token is never in it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import socket
 import time
 import uuid
@@ -32,19 +36,43 @@ from aitraining_pl.errors import ConfigError, GenerationServerError
 from aitraining_pl.generation.config import VLLMConfig
 from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
 from aitraining_pl.models.sharding import is_sharded
+from aitraining_pl.validation import check_arguments
 from aitraining_pl.vllm_backend.engine import policy_weights
+from aitraining_pl.vllm_backend.guards import read_token
 from aitraining_pl.vllm_backend.weight_group import ChannelBroken, WeightGroup, failure
-from aitraining_pl.vllm_backend.wire import FrameError, describe, read_frame, send_frame
+from aitraining_pl.vllm_backend.wire import (
+    MODEL_FIELDS,
+    PROTOCOL,
+    RESUME,
+    TOKEN_ENV,
+    FrameError,
+    describe,
+    is_loopback,
+    model_description,
+    proof,
+    read_frame,
+    send_frame,
+    token_path,
+)
 
-PROTOCOL = 2  #: version of the request/answer vocabulary below (``hello`` checks it)
-#: config fields the server and the policy must share (the weights are loaded by these shapes)
-MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-RESUME = "restart the server and resume the run from its last checkpoint with --ckpt_path"
 
-
-def model_description(config: Any) -> dict[str, Any]:
-    """The ``MODEL_FIELDS`` of a transformers config (what ``hello`` answers and the client compares)."""
-    return {name: getattr(config, name, None) for name in MODEL_FIELDS}
+def find_token(options: VLLMConfig) -> tuple[str, str]:
+    """The server's token and where it came from (for messages; never the token itself):
+    ``options.server_token_file``, else ``TOKEN_ENV``, else the file ``vllm-serve`` writes on loopback."""
+    if options.server_token_file:
+        return read_token(options.server_token_file), f"generation.vllm.server_token_file {options.server_token_file}"
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV], f"${TOKEN_ENV}"
+    path = token_path(options.server_port)
+    if is_loopback(options.server_host) and path.is_file():
+        return read_token(path), str(path)
+    where = f"{options.server_host}:{options.server_port}"
+    raise ConfigError(
+        "generation.vllm.server_token_file",
+        f"no token for the generation server at {where}: set {TOKEN_ENV} or generation.vllm.server_token_file "
+        f"to the server's (a vllm-serve on this machine that made its own writes it to {path}); docs/vllm.md, "
+        "Server mode",
+    )
 
 
 def weight_channel(name: str, policy: torch.nn.Module, server_device: str | None) -> str:
@@ -74,6 +102,13 @@ class VLLMServerClient:
             to the same server never count as this run's.
     """
 
+    location = "server"  #: a ``GenerationBackend`` in another process (``aitraining-pl vllm-serve``)
+
+    @classmethod
+    def from_context(cls, generation: Any, context: Any) -> VLLMServerClient:
+        """The client for ``generation.vllm`` and a ``generation.backend.BackendContext`` (``rollout.BACKENDS``)."""
+        return cls(context.policy, generation.vllm, context.rank, context.run)
+
     def __init__(self, policy: torch.nn.Module, options: VLLMConfig, rank: int = 0, run: str | None = None):
         self.options, self.rank = options, int(rank)
         self.address = f"{options.server_host}:{options.server_port}"
@@ -84,8 +119,9 @@ class VLLMServerClient:
         self.group: WeightGroup | None = None  #: rank 0's collective weight channel, when one is used
         self.cached_tokens = 0  #: prompt tokens of the last ``sample`` found in the server's prefix cache
         self.batched = 0  #: requests (of all ranks) the server's ``generate`` that drew the last ``sample`` served
+        check_arguments(VLLMConfig.argument_ranges, dataclasses.asdict(options), "generation.vllm")
         self.sock = self.connect()
-        answer, _ = self.call({"op": "hello", "protocol": PROTOCOL, "rank": self.rank}, "connecting")
+        answer = self.hello()
         served, ours = answer.get("model") or {}, model_description(hf_model(policy).config)
         wrong = [f"{k} {served.get(k)!r} (the policy's: {ours[k]!r})" for k in MODEL_FIELDS if served.get(k) != ours[k]]
         if wrong:
@@ -98,13 +134,32 @@ class VLLMServerClient:
         if self.rank == 0:
             self.open_channel(weight_channel(options.weight_channel, policy, answer.get("device")))
 
+    def hello(self) -> dict[str, Any]:
+        """``hello``, then the answer to the server's challenge (the token's proof): the server's ``ready``."""
+        hello = {"op": "hello", "protocol": PROTOCOL, "rank": self.rank, "run": self.run}
+        challenge, _ = self.call(hello, "connecting")
+        token, source = find_token(self.options)
+        try:
+            answer, _ = self.call({"op": "auth", "proof": proof(token, challenge["nonce"], self.run, self.rank)},
+                                  "connecting")  # fmt: skip
+        except GenerationServerError as err:
+            self.close()
+            if "the token does not match" not in str(err):
+                raise
+            raise GenerationServerError(
+                f"vLLM server {self.address}",
+                f"it refused the token from {source}: give the trainer the server's token ({TOKEN_ENV} or "
+                "generation.vllm.server_token_file; docs/vllm.md, Server mode)",
+            ) from None
+        return answer
+
     def open_channel(self, backend: str) -> None:
         """Rank 0: open the collective weight channel ``backend`` (nothing for ``tcp``)."""
         if backend == "tcp":
             return
         timeout = float(self.options.server_timeout)
         doing = f"opening the {backend} weight channel (generation.vllm.weight_channel)"
-        answer, _ = self.call({"op": "channel", "backend": backend, "timeout": timeout}, doing)
+        answer, _ = self.call({"op": "channel", "backend": backend}, doing)
         try:
             self.group = WeightGroup(backend, timeout, host=self.options.server_host, port=int(answer["port"]))
         except RuntimeError as err:
@@ -180,8 +235,8 @@ class VLLMServerClient:
             start = time.perf_counter()
             try:
                 group = self.group
-                via, timeout = "frames" if group is None else "group", float(self.options.server_timeout)
-                send_frame(self.sock, {"op": "load", "version": key, "via": via, "timeout": timeout})
+                via = "frames" if group is None else "group"
+                send_frame(self.sock, {"op": "load", "version": key, "via": via})
                 count = 0
                 for name, tensor in policy_weights(policy):
                     if group is None:
@@ -245,8 +300,10 @@ class VLLMServerClient:
             group.close()
         sock, self.sock = getattr(self, "sock", None), None
         if sock is not None:
-            try:
+            try:  # the server's answer says this connection no longer counts for the run (the next run may own it)
+                sock.settimeout(5.0)
                 send_frame(sock, {"op": "bye"})
-            except OSError:
+                read_frame(sock)
+            except (OSError, FrameError):
                 pass
             sock.close()

@@ -122,15 +122,6 @@ def check_cpu_head_size(config: Any) -> None:
         )
 
 
-def resolve_backend(name: str, device: torch.device | str | None = None) -> str:
-    """``hf`` or ``vllm`` for ``generation.backend`` on ``device``: ``auto`` is vLLM on a CUDA device when vLLM
-    is installed, else ``hf`` (on a CPU the ``hf`` decoder was 4.6x faster at 3M,
-    ``benchmarks/generation_backends.py``)."""
-    if name != "auto":
-        return name
-    return "vllm" if torch.device(device or "cpu").type == "cuda" and vllm_available() else "hf"
-
-
 def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of ``model`` under the plain transformers names, one at a time: a ``peft`` model's base
     weights with the LoRA deltas merged (``plain_weights``), a plain model's ``state_dict``. Under FSDP2 each
@@ -187,6 +178,13 @@ class VLLMEngine:
             without a per-call seed draws from torch's global generator, which ``seed_everything`` seeds).
     """
 
+    location = "colocated"  #: a ``GenerationBackend`` with its own copy of the weights in this process
+
+    @classmethod
+    def from_context(cls, generation: Any, context: Any) -> VLLMEngine:
+        """The engine for ``generation.vllm`` and a ``generation.backend.BackendContext`` (``rollout.BACKENDS``)."""
+        return cls(context.policy, context.tokenizer, generation.vllm, seed=context.seed)
+
     def __init__(
         self,
         policy: torch.nn.Module,
@@ -226,7 +224,7 @@ class VLLMEngine:
             load_format="dummy",
             dtype=str(dtype).removeprefix("torch."),
             seed=seed,
-            enforce_eager=options.enforce_eager,
+            enforce_eager=options.eager("cpu" if on_cpu else "cuda"),
             tensor_parallel_size=options.tensor_parallel_size,
             generation_config="vllm",
             logprobs_mode="processed_logprobs",
