@@ -1,9 +1,12 @@
-"""Tiny random configs of real transformers architectures (``AutoConfig.for_model``) for the matrix tests."""
+"""The test suite's one table of tiny random configs of real transformers architectures (``ARCHITECTURES``): each row
+names the uses it serves (the matrix of every model-facing path, the head post-processings, SFT, vLLM, ...), and a
+test selects its rows with ``names(use, ...)``."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
-from transformers import AutoConfig
 
 from aitraining_pl.models import build_causal_lm
 
@@ -32,84 +35,148 @@ GPT2 = {
     "eos_token_id": 2,
 }
 
-#: model type -> config overrides (the keys each config class understands)
-ARCHITECTURES = {
-    "llama": {},
-    "mistral": {"sliding_window": None},
-    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
-    "qwen2": {},
-    "qwen2_moe": {
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32,
-    },
-    "qwen3": {"head_dim": 8},
-    "gemma": {"head_dim": 8},
-    "gemma2": {"head_dim": 8, "sliding_window": 64, "final_logit_softcapping": 5.0},
-    "gemma3_text": {"head_dim": 8, "sliding_window": 64, "final_logit_softcapping": 5.0},
-    "phi": {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attention_dropout": 0.1, "partial_rotary_factor": 0.5},
-    "phi3": {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attention_dropout": 0.1},
-    "granite": {
-        "logits_scaling": 4.0,
-        "embedding_multiplier": 2.0,
-        "residual_multiplier": 0.5,
-        "attention_multiplier": 0.25,
-    },
-    "olmo2": {},
-    "cohere": {"logit_scale": 0.5},
-    "gpt2": {**GPT2, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1},
-    "opt": {
-        "vocab_size": VOCAB,
-        "hidden_size": 32,
-        "ffn_dim": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "word_embed_proj_dim": 32,
-        "max_position_embeddings": 128,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "dropout": 0.1,
-        "attention_dropout": 0.1,
-    },
-    "gpt_neox": {"rotary_pct": 0.5, "attention_dropout": 0.1, "hidden_dropout": 0.1},
-    "stablelm": {"partial_rotary_factor": 0.5},
-    "falcon": {
-        "new_decoder_architecture": True,
-        "num_kv_heads": 2,
-        "alibi": False,
-        "hidden_dropout": 0.1,
-        "attention_dropout": 0.1,
-    },
-    "starcoder2": {"sliding_window": None},
-    "falcon_h1": {
-        "head_dim": 8,
-        "mamba_d_ssm": 32,
-        "mamba_n_heads": 4,
-        "mamba_d_head": 8,
-        "mamba_n_groups": 1,
-        "mamba_d_state": 8,
-        "lm_head_multiplier": 0.3,
-    },
+# The uses a row of the table serves (``names`` selects rows by them)
+MATRIX = "matrix"  #: a real architecture of the matrix: every model-facing path is tested on these
+HYBRID = "hybrid"  #: a hybrid state-space cache (no plain ``DynamicCache``; Mamba on slow reference kernels on CPU)
+SLIDING = "sliding"  #: sliding-window attention layers in its cache (the episode decoder re-prefills each turn)
+DROPOUT = "dropout"  #: its config carries dropout (the dropout tests)
+HEAD = "head"  #: a post-processing of the LM head's output the fused head reproduces (``test_lm_head``)
+SFT = "sft"  #: SFT's loss against the model's own cross-entropy, padded and packed (``test_sft``)
+VLLM = "vllm"  #: vLLM serves it (``test_vllm_backend``)
+
+
+class Arch(NamedTuple):
+    """One row of the table: config overrides (the keys its config class understands; ``model_type`` where the
+    row's name is not one) and the uses it serves."""
+
+    overrides: dict
+    uses: frozenset[str]
+
+
+def _row(overrides: dict, *uses: str) -> Arch:
+    return Arch(overrides, frozenset(uses))
+
+
+#: name -> tiny random config of a real transformers architecture and its uses: the one table of the test suite
+ARCHITECTURES: dict[str, Arch] = {
+    "llama": _row({}, MATRIX, HEAD, SFT, VLLM),
+    "mistral": _row({"sliding_window": None}, MATRIX, VLLM),
+    "mixtral": _row({"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}, MATRIX),
+    "qwen2": _row({}, MATRIX, SFT, VLLM),
+    "qwen2_moe": _row(
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        },
+        MATRIX,
+    ),
+    "qwen3": _row({"head_dim": 8}, MATRIX, VLLM),
+    "gemma": _row({"head_dim": 8}, MATRIX, VLLM),
+    "gemma2": _row({"head_dim": 8, "sliding_window": 64, "final_logit_softcapping": 5.0}, MATRIX, SLIDING, SFT),
+    "gemma3_text": _row({"head_dim": 8, "sliding_window": 64, "final_logit_softcapping": 5.0}, MATRIX, SLIDING),
+    "phi": _row(
+        {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attention_dropout": 0.1, "partial_rotary_factor": 0.5},
+        MATRIX,
+        DROPOUT,
+    ),
+    "phi3": _row({"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attention_dropout": 0.1}, MATRIX, VLLM),
+    "granite": _row(
+        {
+            "logits_scaling": 4.0,
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.25,
+        },
+        MATRIX,
+    ),
+    "olmo2": _row({}, MATRIX),
+    "cohere": _row({"logit_scale": 0.5}, MATRIX),
+    "gpt2": _row({**GPT2, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}, MATRIX, DROPOUT, SFT),
+    "opt": _row(
+        {
+            "vocab_size": VOCAB,
+            "hidden_size": 32,
+            "ffn_dim": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "word_embed_proj_dim": 32,
+            "max_position_embeddings": 128,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "dropout": 0.1,
+            "attention_dropout": 0.1,
+        },
+        MATRIX,
+        DROPOUT,
+    ),
+    "gpt_neox": _row({"rotary_pct": 0.5, "attention_dropout": 0.1, "hidden_dropout": 0.1}, MATRIX, VLLM),
+    "stablelm": _row({"partial_rotary_factor": 0.5}, MATRIX),
+    "falcon": _row(
+        {
+            "new_decoder_architecture": True,
+            "num_kv_heads": 2,
+            "alibi": False,
+            "hidden_dropout": 0.1,
+            "attention_dropout": 0.1,
+        },
+        MATRIX,
+    ),
+    "starcoder2": _row({"sliding_window": None}, MATRIX),
+    "falcon_h1": _row(
+        {
+            "head_dim": 8,
+            "mamba_d_ssm": 32,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 8,
+            "mamba_n_groups": 1,
+            "mamba_d_state": 8,
+            "lm_head_multiplier": 0.3,
+        },
+        MATRIX,
+        HYBRID,
+    ),
+    # variants of a matrix row: strong head post-processings, so a fused head that skipped one would show
+    "llama_tied": _row({"model_type": "llama", "tie_word_embeddings": True}, HEAD),
+    "granite_divide": _row({"model_type": "granite", "logits_scaling": 0.05}, HEAD),
+    "cohere_multiply": _row({"model_type": "cohere", "logit_scale": 8.0}, HEAD),
+    "gemma2_softcap": _row({"model_type": "gemma2", "final_logit_softcapping": 0.05, "head_dim": 8}, HEAD),
 }
+
+
+def names(*uses: str, without: tuple[str, ...] = ()) -> list[str]:
+    """The rows serving every one of ``uses`` and none of ``without``, in the table's order."""
+    return [
+        name for name, row in ARCHITECTURES.items() if row.uses.issuperset(uses) and not row.uses.intersection(without)
+    ]
+
+
 #: architectures whose configs carry dropout (for the dropout tests)
-WITH_DROPOUT = ("gpt2", "opt", "phi")
+WITH_DROPOUT = tuple(names(DROPOUT))
 
 
-def arch_config(model_type: str):
-    return AutoConfig.for_model(model_type, **spec(model_type))
+def model_type(name: str) -> str:
+    """The transformers model type of row ``name``."""
+    return ARCHITECTURES[name].overrides.get("model_type", name)
 
 
-def spec(model_type: str) -> dict:
-    """The inline ``model_config`` dict (``model_type`` excluded) of the tiny ``model_type`` model."""
-    return {**({} if model_type in ("gpt2", "opt") else COMMON), **ARCHITECTURES[model_type]}
+def spec(name: str) -> dict:
+    """The inline ``model_config`` dict (``model_type`` excluded) of the tiny model of row ``name``."""
+    overrides = {k: v for k, v in ARCHITECTURES[name].overrides.items() if k != "model_type"}
+    return {**({} if model_type(name) in ("gpt2", "opt") else COMMON), **overrides}
 
 
-def build_sharpened(model_type: str, seed: int = 0, scale: float = 8.0):
-    """A randomly initialised model whose embeddings and head are scaled by ``scale`` (large logits, so
-    small errors in log-probs show)."""
-    return sharpen(build_causal_lm({"model_type": model_type, **spec(model_type)}, seed=seed), scale)
+def model_config(name: str) -> dict:
+    """The inline ``model_config`` dict (``model_type`` included) of the tiny model of row ``name``."""
+    return {"model_type": model_type(name), **spec(name)}
+
+
+def build_sharpened(name: str, seed: int = 0, scale: float = 8.0):
+    """A randomly initialised model of row ``name`` whose embeddings and head are scaled by ``scale`` (large
+    logits, so small errors in log-probs show)."""
+    return sharpen(build_causal_lm(model_config(name), seed=seed), scale)
 
 
 def sharpen(model, scale: float = 8.0):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from architectures import ARCHITECTURES, VOCAB, build_sharpened, sharpen, spec
+from architectures import HYBRID, MATRIX, VOCAB, build_sharpened, names, sharpen, spec
 
 from aitraining_pl.models.scoring import completion_logps, scoring_path
 from aitraining_pl.models.training import disable_dropout
@@ -18,7 +18,7 @@ TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need 
 
 RESULTS: dict[str, dict[str, object]] = {}
 #: FalconH1 runs its Mamba layers on transformers' slow reference kernels on CPU (seconds): marked slow
-MATRIX = [pytest.param(name, marks=pytest.mark.slow) if name == "falcon_h1" else name for name in ARCHITECTURES]
+ROWS = [pytest.param(n, marks=pytest.mark.slow) if n in names(HYBRID) else n for n in names(MATRIX)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -69,7 +69,7 @@ def models():
     return {}  # model type -> the sharpened model, built once for this module's tests
 
 
-@pytest.mark.parametrize("model_type", MATRIX)
+@pytest.mark.parametrize("model_type", ROWS)
 def test_dpo_completion_logps_equal_the_models_own_forward(model_type, models):
     model = models.setdefault(model_type, build_sharpened(model_type))
     disable_dropout(model)  # as DPOModule does by default; the policy forward runs in training mode
@@ -84,7 +84,7 @@ def test_dpo_completion_logps_equal_the_models_own_forward(model_type, models):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", MATRIX)
+@pytest.mark.parametrize("model_type", ROWS)
 def test_ppo_old_logprobs_equal_the_models_own_forward(model_type):
     module = PPOModule(
         reward=TOY_REWARD,

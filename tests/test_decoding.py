@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from architectures import ARCHITECTURES, spec
+from architectures import HYBRID, MATRIX, names, spec
 from transformers import StoppingCriteriaList
 
 import aitraining_pl.models.decoding as decoding
@@ -15,7 +15,7 @@ from aitraining_pl.models.decoding import decode, sample_responses
 from aitraining_pl.models.generation import ResponseStoppingCriteria, StopRule, hf_generate, hf_generation_config
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine
 
-PLAIN = [m for m in ARCHITECTURES if m != "falcon_h1"]  # falcon_h1: a hybrid state-space cache
+PLAIN = names(MATRIX, without=(HYBRID,))  # falcon_h1: a hybrid state-space cache
 ENDS = [5, 9, 11, 13, 17, 19, 23, 29]  # frequent enough that rows end at different steps
 
 

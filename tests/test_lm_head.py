@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from architectures import HEAD, model_config, names
 from conftest import TINY_LLAMA, saved_for_backward
 from transformers import AutoConfig
 
@@ -27,13 +28,6 @@ BATCH = {  # pair: prompt [5, 6], chosen [7, 1], rejected [8, 9, 1]; pair: promp
     "attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]),
     "completion_mask": torch.tensor([[0, 0, 1, 1, 0], [0, 1, 0, 0, 0], [0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]),
 }
-ARCHITECTURES = {  # name: config overrides; each post-processing of the head's output the fused head reproduces
-    "llama": {},
-    "llama_tied": {"tie_word_embeddings": True},
-    "granite_divide": {"model_type": "granite", "logits_scaling": 0.05},
-    "cohere_multiply": {"model_type": "cohere", "logit_scale": 8.0},
-    "gemma2_softcap": {"model_type": "gemma2", "final_logit_softcapping": 0.05, "head_dim": 8},
-}
 
 
 def _own_forward(model, batch):
@@ -47,9 +41,9 @@ def _grads(model, logps):
     return [p.grad.clone() for p in model.parameters() if p.requires_grad and p.grad is not None]
 
 
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("arch", names(HEAD))  # each post-processing of the head's output
 def test_fused_head_equals_the_models_own_forward(arch):
-    model = build_causal_lm({**TINY_LLAMA, **ARCHITECTURES[arch]}, seed=0)
+    model = build_causal_lm(model_config(arch), seed=0)
     assert head_parameters(model.get_output_embeddings()) is not None
     _, head, config = _decoder_and_head(model)
     assert scoring_path(model).head  # the decoder + head path, which runs chunked for this head and config:

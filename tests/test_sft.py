@@ -9,6 +9,7 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
+from architectures import SFT, model_config, names
 from conftest import TINY_LLAMA
 from dpo_utils import read_metrics, series, write_config, write_jsonl
 
@@ -99,20 +100,12 @@ def test_pack_rows_layout():
     assert packed.columns.tolist() == [2, 3, 1, 1, 3, 4]
 
 
-ARCHITECTURES = {
-    "llama": TINY_LLAMA,
-    "qwen2": {**TINY_LLAMA, "model_type": "qwen2"},
-    "gemma2-softcap": {**TINY_LLAMA, "model_type": "gemma2", "head_dim": 8, "final_logit_softcapping": 30.0},
-    "gpt2": {"model_type": "gpt2", "vocab_size": 384, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
-}
-
-
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("arch", names(SFT))
 def test_loss_equals_the_model_cross_entropy(arch, padding_free):
     """The loss is the model's own causal-LM cross-entropy with labels -100 off the scored tokens, with the
     same gradients, padded or packed, on every architecture (unsupported ones fall back to padded rows)."""
-    model = build_causal_lm(ARCHITECTURES[arch], seed=0)
+    model = build_causal_lm(model_config(arch), seed=0)
     model.eval()  # no dropout: both forwards must see the same network
     labels = HAND_BATCH["input_ids"].masked_fill(
         ~(HAND_BATCH["completion_mask"].bool() & HAND_BATCH["attention_mask"].bool()), -100

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from architectures import ARCHITECTURES, build_sharpened, spec
+from architectures import MATRIX, build_sharpened, names, spec
 from conftest import TINY_LLAMA
 
 from aitraining_pl.models.scoring import token_scores
@@ -29,7 +29,7 @@ def mesh(tmp_path_factory):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("model_type", sorted(names(MATRIX)))
 def test_transformer_blocks_are_the_decoder_layers(model_type):
     model = build_sharpened(model_type)
     layers = spec(model_type).get("num_hidden_layers", spec(model_type).get("n_layer"))

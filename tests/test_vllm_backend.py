@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from architectures import sharpen, spec  # noqa: E402
+from architectures import VLLM, names, sharpen, spec  # noqa: E402
 
 from aitraining_pl.models import apply_lora, build_causal_lm, load_tokenizer  # noqa: E402
 from aitraining_pl.models.lora import LoRAConfig  # noqa: E402
@@ -27,7 +27,7 @@ from aitraining_pl.vllm_backend.engine import VLLMEngine  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 #: architectures of the matrix (tests/architectures.py) that vLLM serves
-VLLM_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gpt_neox", "phi3")
+VLLM_ARCHITECTURES = tuple(names(VLLM))
 #: vLLM's CPU attention needs head sizes of 32 or more: two heads of 32 over the byte tokenizer's vocabulary
 WIDER = {"vocab_size": 384, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "eos_token_id": 1}
 
