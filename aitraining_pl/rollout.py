@@ -48,6 +48,8 @@ BACKENDS: dict[str, type] = {
     "vllm": VLLMEngine,  # vLLM colocated: an engine in each training process
     "vllm-server": VLLMServerClient,  # vLLM as a server (``aitraining-pl vllm-serve``)
 }
+#: the values of ``generation.backend`` (besides ``auto``): a ``<name>-server`` entry is ``<name>`` in server mode
+BACKEND_NAMES = sorted({name.removesuffix("-server") for name in BACKENDS})
 
 
 def resolve_backend(generation: GenerationConfig, device: torch.device | str | None = None) -> str:

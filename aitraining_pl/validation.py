@@ -235,7 +235,7 @@ CONSTRAINTS: dict[str, Rule] = {
     "max_new_tokens": COUNT,
     "top_p": PROBABILITY_OPEN,
     "top_k": Range(0, integer=True),
-    "backend": OneOf(fixed("hf", "vllm", "auto")),
+    "backend": OneOf(registry("aitraining_pl.rollout", "BACKEND_NAMES", ("auto",))),
     # the vLLM backend (``generation.vllm``)
     "gpu_memory_utilization": PROBABILITY_OPEN,
     "server_port": Range(0, 65535, integer=True),
