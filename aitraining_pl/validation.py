@@ -140,6 +140,8 @@ class OneOf:
     names: Callable[[], list[str] | None]
     optional: bool = False
     many: bool = False
+    #: (value, advice) pairs: what to use instead of a value another library gives this argument (e.g. TRL's)
+    hints: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
         return "one of " + ", ".join(map(repr, self.names() or [])) + (" (or a list of them)" if self.many else "")
@@ -280,6 +282,7 @@ def check_arguments(ranges: Ranges, values: Mapping[str, Any], owner: str) -> No
         elif not rule.allows(value):
             if isinstance(rule, OneOf):
                 why = f"unknown {name} {value!r}; must be {rule.describe()}"
+                why += "".join(f" ({advice})" for known, advice in rule.hints if known == value)
             else:
                 why = f"must be {rule.describe()}, got {value!r}"
             raise HyperparameterError(f"{owner}.{name}", why)

@@ -115,12 +115,13 @@ def run(args) -> dict:
     generate = module.generate
 
     def timed_generate(*a, **k):  # generation time without the weight sync inside it
-        engine, t0 = module._vllm[0], time.perf_counter()
-        before = engine.version if engine is not None else None
+        backend, t0 = module.backend, time.perf_counter()
+        before = getattr(backend, "version", None)  # the HF backend samples with the policy itself: no sync
         try:
             return generate(*a, **k)
         finally:
-            sync = engine.sync_seconds if engine is not None and engine.version is not before else 0.0
+            moved = getattr(backend, "version", None) is not before
+            sync = getattr(backend, "sync_seconds", 0.0) if moved else 0.0
             split.add("weight_sync", sync)
             split.add("generation", time.perf_counter() - t0 - sync)
 

@@ -93,7 +93,7 @@ def test_a_resumed_run_samples_from_the_resumed_weights(tmp_path, byte_tokenizer
     resumed_trainer = quiet_trainer(tmp_path, max_steps=8, max_epochs=2, limit_val_batches=0, callbacks=[recorder])
     resumed_trainer.fit(resumed, dm, ckpt_path=checkpoint)
     assert len(recorder.gaps) == 2 and max(recorder.gaps) < 1e-3, recorder.gaps
-    assert resumed._vllm[0] is None  # closed at teardown
+    assert resumed._backend[0] is None  # closed at teardown
     with torch.no_grad():
         assert any((resumed.policy.state_dict()[k] - fresh[k]).abs().max() > 0 for k in fresh)
 

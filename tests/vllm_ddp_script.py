@@ -41,7 +41,7 @@ class Probe(pl.Callback):
 
     @torch.no_grad()
     def on_train_end(self, trainer, module):
-        engine = module._vllm[0]
+        engine = module.backend
         engine.sync(module.policy, version=trainer.global_step)
         tokenizer = module.tokenizer
         tokenizer.padding_side = "left"

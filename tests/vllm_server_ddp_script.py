@@ -39,7 +39,7 @@ class Recorded(GRPOModule):
             ours = response_logps(policy, rollout.input_ids, rollout.attention_mask, prompt_ids.shape[1], 1.0)
         gap = float(((rollout.sampling_logprobs - ours.logprobs).abs() * rollout.response_mask).max())
         prompts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
-        batched = self._vllm[0].batched  # the ranks' requests the server's generate served together
+        batched = self.backend.batched  # the ranks' requests the server's generate served together
         record = {"step": self.global_step, "gap": gap, "prompts": prompts, "rows": len(rollout.texts)}
         self.records.append({**record, "batched": batched})
         return rollout

@@ -12,12 +12,19 @@ from aitraining_pl.errors import ConfigError
 from aitraining_pl.losses import PolicyLossConfig, clipped_policy_loss, completed_rows, high_entropy_mask
 from aitraining_pl.validation import OneOf, registry, rules
 
+#: TRL's GRPO ``loss_type`` values that are an aggregation here (``loss_aggregation``; docs/from_trl.md)
+TRL_LOSS_TYPES = {
+    name: f"TRL's loss_type {name!r} is loss_aggregation: {aggregation} here; policy_loss.loss_type is the surrogate"
+    for name, aggregation in {"grpo": "sequence", "bnpo": "token", "dapo": "token", "dr_grpo": "constant"}.items()
+}
+
 #: allowed values of the ``policy_loss`` group's fields (``PolicyLossConfig`` sits in ``losses``, below validation).
 POLICY_LOSS_RANGES = rules(
     "importance_sampling_level",
     "delta",
     "top_entropy_quantile",
-    loss_type=OneOf(registry("aitraining_pl.losses", "POLICY_LOSSES")),  # not the DPO losses of ``loss_type``
+    # not the DPO losses of ``loss_type``; TRL's GRPO ``loss_type`` names an aggregation, ours is ``loss_aggregation``
+    loss_type=OneOf(registry("aitraining_pl.losses", "POLICY_LOSSES"), hints=tuple(TRL_LOSS_TYPES.items())),
 )
 
 
@@ -80,4 +87,5 @@ class PolicyLossOptions:
             importance_sampling_level=options.importance_sampling_level,
             delta=options.delta,
             token_weights=weights,
+            use_bias_correction_kl=options.use_bias_correction_kl,
         )

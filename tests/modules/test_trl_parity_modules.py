@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import TINY_LLAMA
 
 from aitraining_pl.cli import main
-from aitraining_pl.errors import ConfigError
+from aitraining_pl.errors import ConfigError, HyperparameterError
 from aitraining_pl.losses import clipped_policy_loss
 from aitraining_pl.modules.critic_free import GRPOModule, PolicyExperience, RLOOModule
 from aitraining_pl.modules.orpo import ORPOModule
@@ -115,12 +115,6 @@ def test_bias_correction_kl_is_stored_and_refused_where_no_kl_is_in_the_loss():
         PPOModule(**MAKE, policy_loss={"use_bias_correction_kl": True})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="wiring pending: modules/policy_loss.py (PolicyLossOptions.policy_gradient_loss) must pass "
-    "use_bias_correction_kl=options.use_bias_correction_kl to clipped_policy_loss; remove this marker then",
-)
 def test_grpo_minibatch_loss_weights_the_kl_term_by_the_ratio():
     """The module's loss is ``clipped_policy_loss`` with the correction, off-policy (old and reference log-probs
     moved away from the policy's, so the ratio and k3 are not trivial)."""
@@ -143,3 +137,11 @@ def test_grpo_minibatch_loss_weights_the_kl_term_by_the_ratio():
     )  # fmt: skip
     assert losses[True].item() == pytest.approx(expected.item(), abs=1e-6)
     assert not math.isclose(losses[True].item(), losses[False].item(), abs_tol=1e-4)
+
+
+@pytest.mark.parametrize("name, aggregation", [("dapo", "token"), ("dr_grpo", "constant"), ("grpo", "sequence")])
+def test_trl_grpo_loss_type_names_point_to_loss_aggregation(name, aggregation):
+    """TRL's GRPO ``loss_type`` holds the aggregation; ours is the surrogate: TRL's names are refused with the
+    ``loss_aggregation`` to use (one registry per concept, each under TRL's name for that trainer)."""
+    with pytest.raises(HyperparameterError, match=f"loss_aggregation: {aggregation} here"):
+        GRPOModule(**MAKE, policy_loss={"loss_type": name})
