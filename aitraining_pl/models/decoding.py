@@ -243,7 +243,14 @@ def prefill(
     return DecodeBatch(logits, cache, mask, position)
 
 
-def _going(tokens, ends, stop_rule, responses, rows, t) -> torch.Tensor:
+def _going(
+    tokens: torch.Tensor,
+    ends: torch.Tensor,
+    stop_rule: StopRule | None,
+    responses: torch.Tensor,
+    rows: torch.Tensor,
+    t: int,
+) -> torch.Tensor:
     """(N,) bool: the rows whose token ``t`` (``tokens``) is neither an end id nor completes a stop."""
     going = ~torch.isin(tokens, ends)
     if stop_rule:
