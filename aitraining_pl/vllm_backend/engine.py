@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import os
 import re
 import shutil
@@ -166,6 +167,20 @@ def process_group() -> tuple[int, int]:
     return 0, 1
 
 
+def closed_on_failure(init: Any) -> Any:
+    """``VLLMEngine.__init__`` that closes what it had built (its temporary folder, an engine) when it fails."""
+
+    @functools.wraps(init)
+    def build(self: VLLMEngine, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            self.close()
+            raise
+
+    return build
+
+
 class VLLMEngine:
     """One vLLM ``LLM`` for ``policy`` (see the module docstring).
 
@@ -185,6 +200,7 @@ class VLLMEngine:
         """The engine for ``generation.vllm`` and a ``generation.backend.BackendContext`` (``rollout.BACKENDS``)."""
         return cls(context.policy, context.tokenizer, generation.vllm, seed=context.seed)
 
+    @closed_on_failure
     def __init__(
         self,
         policy: torch.nn.Module,

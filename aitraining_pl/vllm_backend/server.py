@@ -8,26 +8,33 @@ same ``sampling_params`` / ``sample``, so the distribution and the end rule are 
 The channel is TCP with the framing of ``vllm_backend.wire`` (JSON headers, raw tensor bytes; no pickle). Each
 training process keeps one connection; requests (``op`` of the header) and answers:
 
-- ``hello {protocol, rank}`` -> ``ready {model, version, device}``: the model's shape fields, which the client
-  checks, and where the engine runs (``cuda`` or ``cpu``).
-- ``channel {backend, timeout}`` -> ``channel {port}``: open a collective weight channel (``nccl`` or ``gloo``;
+- ``hello {protocol, rank, run}`` -> ``challenge {nonce}``, then ``auth {proof}`` -> ``ready {model, version,
+  device}``: the connection proves the server's token (``wire.proof``, an HMAC of the nonce; the token never
+  travels), and its run must own the server (``guards.Ownership``); then the model's shape fields, which the
+  client checks, and where the engine runs (``cuda`` or ``cpu``). Nothing else is answered before ``ready``.
+- ``channel {backend}`` -> ``channel {port}``: open a collective weight channel (``nccl`` or ``gloo``;
   ``vllm_backend.weight_group``) whose store listens on ``port`` (``--weight_port``); the server then waits up
-  to ``timeout`` seconds for the trainer to join it. Sent by rank 0 when ``generation.vllm.weight_channel`` is
+  to its ``--timeout`` for the trainer to join it. Sent by rank 0 when ``generation.vllm.weight_channel`` is
   not ``tcp``.
-- ``load {version, via, timeout}``, then one ``weight`` frame per tensor (transformers names), then ``end
-  {count}`` -> ``loaded {version, seconds}``: the weights streamed into the engine in place, one tensor at a
-  time, while no rollout runs (a push that stalls for ``timeout`` seconds loses its connection). ``via: frames``:
-  each frame carries its tensor; ``via: group``: each frame's ``tensor`` entry names the tensor, dtype and shape
-  and the bytes come by broadcast on the connection's weight channel. Sent by rank 0.
+- ``load {version, via}``, then one ``weight`` frame per tensor of the model (transformers names), then ``end
+  {count}`` -> ``loaded {version, seconds}``: the push is checked tensor by tensor against the served model
+  (``guards.WeightSpecs``: names, shapes and dtypes before the bytes are read, then finiteness) and staged in
+  host memory; only a push that passed is loaded into the engine, in place, while no rollout runs. A refused
+  push is read to its end and answered ``error``, the engine keeping its weights. ``version`` is ``run:step``
+  with a step above the run's last push. ``via: frames``: each frame carries its tensor; ``via: group``: each
+  frame's ``tensor`` entry names the tensor, dtype and shape and the bytes come by broadcast on the
+  connection's weight channel. A push silent for ``--timeout`` seconds loses its connection. Sent by rank 0.
 - ``sample {version, timeout, generation, end_ids, stop_strings, skip_special_tokens, pad_token_id,
   num_samples, seed}`` with tensors ``prompt_ids``, ``prompt_mask`` (B, P; left padded) -> ``samples {batched,
   cached_tokens}`` with ``response_ids`` and ``sampled_logprobs`` (N, R): answered once the engine holds
-  ``version`` (waiting up to ``timeout`` seconds for rank 0's push; then ``error``); ``batched``: how many
-  requests the ``generate`` call that drew it served, ``cached_tokens``: its prompt tokens found in the prefix
-  cache.
-- ``bye``: the client closes.
+  ``version`` (waiting up to ``timeout`` seconds, at most ``--timeout``, for rank 0's push; then ``error``);
+  ``batched``: how many requests the ``generate`` call that drew it served, ``cached_tokens``: its prompt
+  tokens found in the prefix cache.
+- ``bye`` -> ``bye``: the client closes (its run frees the server once its last connection has said it).
 
-A refused request is answered ``error {message}``. One training run per server at a time.
+A refused request is answered ``error {message}``. One training run per server at a time. The limits (the
+server's own timeouts, idle and unauthenticated connections dropped, at most ``--max_connections``) are
+``guards.Limits``; docs/vllm.md, Server mode, has the security model.
 
 **Batching.** The sample requests of different connections (ranks) are merged, so vLLM's continuous batching
 sees every rank's prompts at once, as with one trainer process: each request joins a queue, and a handler that
@@ -47,9 +54,12 @@ long) is answered to that request only.
 from __future__ import annotations
 
 import argparse
+import errno
+import hmac
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import socketserver
@@ -57,7 +67,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -67,15 +76,32 @@ from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
 from aitraining_pl.models.generation import SampledTokens, StopRule
 from aitraining_pl.models.loading import build_causal_lm, from_pretrained, load_tokenizer, one_line, resolve_dtype
 from aitraining_pl.models.presets import MODEL_PRESETS
-from aitraining_pl.vllm_backend.client import PROTOCOL, model_description
 from aitraining_pl.vllm_backend.engine import SampleRequest, VLLMEngine, import_vllm
+from aitraining_pl.vllm_backend.guards import (
+    HANDSHAKE_HEADER,
+    Limits,
+    Ownership,
+    PushRefused,
+    WeightSpecs,
+    no_tensors,
+    server_token,
+    write_token,
+)  # fmt: skip
 from aitraining_pl.vllm_backend.weight_group import BACKENDS, ChannelBroken, WeightGroup, failure, host_store
-from aitraining_pl.vllm_backend.wire import FrameError, parse_entry, read_frame, send_frame
+from aitraining_pl.vllm_backend.wire import (
+    PROTOCOL,
+    TOKEN_ENV,
+    Entry,
+    FrameError,
+    model_description,
+    nbytes,
+    parse_entry,
+    proof,
+    read_frame,
+    send_frame,
+)  # fmt: skip
 
-
-def request_timeout(request: dict[str, Any]) -> float:
-    """The seconds a request allows (its ``timeout``; the client's ``server_timeout``), else the default's."""
-    return float(request.get("timeout") or VLLMConfig.server_timeout)
+PROMPTS = ("prompt_ids", "prompt_mask")  #: the tensors of a ``sample`` request
 
 
 def is_inline(model: str) -> bool:
@@ -103,33 +129,68 @@ def meta_model(model: str, dtype: str | None) -> torch.nn.Module:
         )
 
 
-class _Weights:
-    """The ``weight`` frames of one push as ``(name, tensor)`` pairs, read as the engine consumes them: each
-    frame's own tensor, or (``group``) the tensor its ``tensor`` entry describes, received by broadcast."""
+class Push:
+    """The ``weight`` frames of one push, read to its ``end``: each tensor checked against the served model
+    (``WeightSpecs``; its name, shape and dtype before its bytes are read) and staged in host memory. After a
+    refusal the rest of the push is read and dropped, so the connection stays in step, and ``receive`` raises
+    the refusal at the ``end``; a frame that breaks the framing, or declares more bytes than any tensor of the
+    model, is a ``FrameError`` (the connection is closed)."""
 
-    def __init__(self, sock: socket.socket, group: WeightGroup | None = None):
-        self.sock, self.group, self.count, self.done = sock, group, 0, False
+    def __init__(self, sock: socket.socket, specs: WeightSpecs, group: WeightGroup | None = None):
+        self.sock, self.specs, self.group = sock, specs, group
+        self.count = 0
+        self.seen: set[str] = set()
+        self.refused: PushRefused | None = None  #: why the push is refused (the rest of it is dropped)
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def check(self, header: dict[str, Any], entries: list[Entry]) -> bool:
+        """``read_frame``'s check: whether to keep the frame's tensor (False: read and drop it)."""
+        if header["op"] == "end" and not entries:
+            return True
+        if header["op"] != "weight" or len(entries) != (0 if self.group else 1):
+            raise FrameError(f"expected one tensor per 'weight' frame, got {header['op']!r} with {len(entries)}")
+        entry = parse_entry(header.get("tensor")) if self.group else entries[0]
+        if nbytes(entry[1], entry[2]) > self.specs.largest:
+            raise FrameError(f"{entry[0]!r} declares {nbytes(entry[1], entry[2])} bytes, more than any tensor of "
+                             "the served model")  # fmt: skip
+        if self.refused is None:
+            try:
+                self.specs.check(entry, self.seen)
+            except PushRefused as err:
+                self.refused = err
+        self.seen.add(entry[0])
+        return self.refused is None
+
+    def receive(self) -> list[tuple[str, torch.Tensor]]:
+        """The push's tensors, checked and staged; ``PushRefused`` (after its ``end``) when it does not fit."""
+        staged: list[tuple[str, torch.Tensor]] = []
         while True:
-            header, tensors = read_frame(self.sock)
+            header, tensors = read_frame(self.sock, self.check)
             if header["op"] == "end":
                 if header.get("count") != self.count:
                     raise FrameError(f"'end' says {header.get('count')} tensors, {self.count} came")
-                self.done = True
-                return
-            if header["op"] != "weight" or len(tensors) != (0 if self.group else 1):
-                raise FrameError(f"expected one tensor per 'weight' frame, got {header['op']!r} with {len(tensors)}")
+                break
             self.count += 1
-            if self.group is None:
-                yield from tensors.items()
+            if self.group is not None:
+                name, dtype, shape = parse_entry(header["tensor"])
+                try:
+                    tensors = {name: self.group.receive(dtype, shape)}
+                except ChannelBroken as err:  # the trainer left the group: the push cannot go on
+                    raise ChannelBroken(f"{err} while receiving {name}") from None
+            if self.refused is not None:
+                staged.clear()  # the push is refused: hold nothing while the rest of it is read
                 continue
-            name, dtype, shape = parse_entry(header.get("tensor"))
-            try:
-                tensor = self.group.receive(dtype, shape)
-            except ChannelBroken as err:  # the trainer left the group: the push cannot go on
-                raise ChannelBroken(f"{err} while receiving {name}") from None
-            yield name, tensor
+            for name, tensor in tensors.items():
+                try:
+                    staged.append((name, self.specs.stage(name, tensor)))
+                except PushRefused as err:
+                    self.refused = err
+        missing = self.specs.missing(self.seen)
+        if self.refused is None and missing:
+            self.refused = PushRefused(f"the push lacks {len(missing)} of the served model's tensors ({missing[0]!r}"
+                                       + (", ..." if len(missing) > 1 else "") + ")")  # fmt: skip
+        if self.refused is not None:
+            raise self.refused
+        return staged
 
 
 class GenerationServer(socketserver.ThreadingTCPServer):
@@ -137,34 +198,80 @@ class GenerationServer(socketserver.ThreadingTCPServer):
 
     daemon_threads = True
     allow_reuse_address = True
+    accept_backoff = 1.0  #: seconds the accept loop rests when the process is out of file descriptors
 
     def __init__(
         self,
         engine: VLLMEngine,
         tokenizer: Any,
-        model: dict[str, Any],
+        model: torch.nn.Module,
         host: str,
         port: int,
+        token: str,
         weight_port: int = 0,
         batch_wait: float = 0.05,
+        limits: Limits | None = None,
     ):
-        self.engine, self.tokenizer, self.model = engine, tokenizer, model
+        self.engine, self.tokenizer, self.token = engine, tokenizer, token
+        self.model = model_description(model.config)  #: what ``ready`` answers (the client compares it)
+        self.specs = WeightSpecs(model)  #: what a push must carry
+        self.limits = limits or Limits()
+        self.ownership = Ownership()
         self.weight_port = weight_port  #: where a weight channel's store listens (0: any free port)
         self.changed = threading.Condition()  #: held while the engine works; notified when weights arrive, a
         # request is queued, a batch is served or a connection closes
         self.batch_wait = batch_wait  #: seconds a batch waits for every connection to have a request queued
         self.pending: list[_Job] = []  #: sample requests not served yet (under ``changed``)
         self.gathering = False  #: a handler is gathering a batch (under ``changed``)
-        self.connections = 0  #: open connections (under ``counting``)
+        self.connections = 0  #: open connections, authenticated or not (under ``counting``)
         self.counting = threading.Lock()
+        self.freed = threading.Event()  #: set when a connection closes (the accept loop's rest ends)
         super().__init__((host, port), _Connection)
 
     def log(self, text: str) -> None:
         print(f"aitraining-pl vllm-serve: {text}", file=sys.stderr, flush=True)
 
+    # ------------------------------------------------------------------ connections
+    def get_request(self) -> tuple[socket.socket, Any]:
+        """``accept``; out of file descriptors, rest ``accept_backoff`` seconds (or until a connection closes)
+        before the loop tries again, instead of spinning on a listening socket that stays readable."""
+        try:
+            return super().get_request()
+        except OSError as err:
+            if err.errno in (errno.EMFILE, errno.ENFILE):
+                self.log(f"out of file descriptors ({err.strerror}); new connections wait")
+                self.freed.clear()
+                self.freed.wait(self.accept_backoff)
+            raise
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        """Count the connection; past ``max_connections`` refuse it with an ``error`` frame."""
+        with self.counting:
+            full = self.connections >= self.limits.max_connections
+            if not full:
+                self.connections += 1
+        if full:
+            message = f"the server has {self.limits.max_connections} connections open (--max_connections); refused"
+            self.log(f"{client_address[0]}:{client_address[1]}: {message}")
+            try:
+                request.settimeout(1.0)
+                send_frame(request, {"op": "error", "message": message})
+            except OSError:
+                pass
+        return not full
+
+    def closed(self) -> None:
+        """A connection closed: one fewer open, and a gathering batch waits for one fewer."""
+        with self.counting:
+            self.connections -= 1
+        self.freed.set()
+        with self.changed:
+            self.changed.notify_all()
+
+    # ------------------------------------------------------------------ requests
     def open_channel(self, sock: socket.socket, request: dict[str, Any]) -> WeightGroup:
         """Answer ``channel`` with the port of a new weight channel's store, then wait for the trainer to join."""
-        backend, timeout = request.get("backend"), request_timeout(request)
+        backend, timeout = request.get("backend"), self.limits.timeout
         if backend not in BACKENDS:
             raise ValueError(f"weight channel {backend!r}; known: {', '.join(BACKENDS)}")
         if backend == "nccl" and not torch.cuda.is_available():
@@ -181,31 +288,31 @@ class GenerationServer(socketserver.ThreadingTCPServer):
         self.log(f"weight channel {backend} open (store port {store.port})")
         return group
 
-    def load(self, sock: socket.socket, version: str, group: WeightGroup | None, timeout: float) -> dict[str, Any]:
-        """Stream one push into the engine. The engine is held for the whole push, so a pusher that stalls for
-        ``timeout`` seconds between two reads loses its connection (``socket.timeout``) and frees the engine."""
-        weights = _Weights(sock, group)
+    def load(self, sock: socket.socket, run: str, version: Any, group: WeightGroup | None) -> dict[str, Any]:
+        """Receive one push of ``run`` (``Push``: checked and staged, with ``--timeout`` between two frames), then
+        load it into the engine while no rollout runs. A refused push raises ``PushRefused`` before the engine
+        is touched; only a failure of the engine's own load leaves it without a version (nothing is sampled
+        from half-loaded weights)."""
+        start = time.perf_counter()
+        push, step = Push(sock, self.specs, group), -1
+        try:
+            step = self.ownership.step_of(run, version)
+        except PushRefused as err:
+            push.refused = err  # the push is still read to its end
+        sock.settimeout(self.limits.timeout)
+        staged = push.receive()
         with self.changed:
-            self.engine.version = None  # no rollout from half-loaded weights
-            start = time.perf_counter()
-            sock.settimeout(timeout)
-            try:
-                self.engine.load(weights, version)
-                if not weights.done:
-                    for _ in weights:  # the engine stopped early: read the rest of the push
-                        pass
-                    self.engine.version = None
-                    raise FrameError(f"the engine took {weights.count} of the pushed tensors")
-            finally:
-                sock.settimeout(None)  # between requests a connection may idle
+            self.ownership.accept(run, step)
+            self.engine.version = None  # no rollout from half-loaded weights, should the load fail
+            self.engine.load(staged, version)
             self.changed.notify_all()
         seconds = time.perf_counter() - start
-        self.log(f"loaded weights {version} ({weights.count} tensors, {seconds:.2f} s)")
+        self.log(f"loaded weights {version} ({push.count} tensors, {seconds:.2f} s)")
         return {"op": "loaded", "version": version, "seconds": seconds}
 
     def sample(self, request: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
         """Queue the request and wait until a batch has served it (the module docstring's Batching)."""
-        wanted, timeout = request.get("version"), request_timeout(request)
+        wanted, timeout = request.get("version"), self.limits.bound(request.get("timeout"))
         skip_special = bool(request["skip_special_tokens"])
         job = _Job(
             wanted,
@@ -249,7 +356,7 @@ class GenerationServer(socketserver.ThreadingTCPServer):
         ``batch_wait``), then serve the queued requests whose weights the engine holds in one ``generate``."""
         self.gathering = True
         try:
-            self.changed.wait_for(lambda: len(self.pending) >= self.connections, self.batch_wait)
+            self.changed.wait_for(lambda: len(self.pending) >= self.ownership.members(), self.batch_wait)
             batch = [job for job in self.pending if self.holds(job)]  # a load may have come meanwhile
             self.pending = [job for job in self.pending if job not in batch]
             self.generate(batch)
@@ -285,30 +392,93 @@ class _Job:
 
 
 class _Connection(socketserver.BaseRequestHandler):
-    """One training process's connection: requests served in order until ``bye`` or the connection closes."""
+    """One training process's connection: the handshake (``hello``, the token's challenge, the run's ownership),
+    then requests served in order until ``bye``, the connection closes or it idles past ``--idle_timeout``."""
 
     server: GenerationServer
     group: WeightGroup | None = None  #: this connection's weight channel (``channel``), if it opened one
-
-    def setup(self) -> None:
-        with self.server.counting:
-            self.server.connections += 1
+    run: str | None = None  #: the run this connection belongs to, once it has proved the token
 
     def finish(self) -> None:
         if self.group is not None:
             self.group.close()
-        with self.server.counting:
-            self.server.connections -= 1
-        with self.server.changed:
-            self.server.changed.notify_all()  # a gathering batch waits for one connection fewer
+        self.leave()
+        self.server.closed()
+
+    def leave(self) -> None:
+        """Count this connection out of its run (the run frees the server with its last connection)."""
+        run, self.run = self.run, None
+        if run is not None:
+            self.server.ownership.leave(run)
+
+    def refuse(self, peer: str, message: str) -> None:
+        """Answer ``error`` and close (a handshake that failed)."""
+        self.server.log(f"{peer}: refused: {message}")
+        try:
+            send_frame(self.request, {"op": "error", "message": message})
+        except OSError:
+            pass
+
+    def handshake(self, peer: str) -> bool:
+        """``hello`` -> ``challenge``, ``auth`` -> ``ready``: the connection proves the token and its run joins
+        the server's owner; else it is refused. Frames here are small and carry no tensors."""
+        sock, server = self.request, self.server
+        sock.settimeout(server.limits.handshake_timeout)
+        hello, _ = read_frame(sock, no_tensors, HANDSHAKE_HEADER)
+        run, rank = hello.get("run"), hello.get("rank")
+        if hello["op"] != "hello":
+            self.refuse(peer, f"a connection starts with 'hello', not {hello['op']!r}")
+            return False
+        if hello.get("protocol") != PROTOCOL:
+            self.refuse(peer, f"hello: protocol {hello.get('protocol')} (this server speaks {PROTOCOL})")
+            return False
+        if not isinstance(run, str) or not run or type(rank) is not int:
+            self.refuse(peer, "hello: needs a run id and a rank")
+            return False
+        nonce = secrets.token_hex(16)
+        send_frame(sock, {"op": "challenge", "nonce": nonce})
+        auth, _ = read_frame(sock, no_tensors, HANDSHAKE_HEADER)
+        given = auth.get("proof") if auth["op"] == "auth" else None
+        if not isinstance(given, str) or not hmac.compare_digest(given, proof(server.token, nonce, run, rank)):
+            self.refuse(peer, "hello: the token does not match this server's (docs/vllm.md, Server mode)")
+            return False
+        try:
+            server.ownership.join(run)
+        except PermissionError as err:
+            self.refuse(peer, f"hello: {err}")
+            return False
+        self.run = run
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        send_frame(sock, {"op": "ready", "model": server.model, "version": server.engine.version, "device": device})
+        return True
+
+    def check(self, header: dict[str, Any], entries: list[Entry]) -> None:
+        """``read_frame``'s check of a request: only ``sample`` carries tensors, its prompts, within the cap."""
+        if header["op"] != "sample":
+            return no_tensors(header, entries)
+        if sorted(name for name, _, _ in entries) != sorted(PROMPTS) or any(d != torch.int64 for _, d, _ in entries):
+            raise FrameError(f"a sample request carries {' and '.join(PROMPTS)} (int64), nothing else")
+        declared, cap = sum(nbytes(d, shape) for _, d, shape in entries), self.server.limits.max_request_bytes
+        if declared > cap:
+            raise FrameError(f"a sample request of {declared} bytes is over the server's {cap}-byte cap")
 
     def handle(self) -> None:
         sock, server = self.request, self.server
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = ":".join(map(str, self.client_address[:2]))
+        try:
+            if not self.handshake(peer):
+                return
+        except (OSError, FrameError) as err:
+            server.log(f"{peer}: hello: {one_line(err)}; connection closed")
+            return
         while True:
+            sock.settimeout(server.limits.idle_timeout)
             try:
-                request, tensors = read_frame(sock)
+                request, tensors = read_frame(sock, self.check)
+            except TimeoutError:
+                self.refuse(peer, f"idle for {server.limits.idle_timeout:g} s (--idle_timeout); connection closed")
+                return
             except (OSError, FrameError) as err:
                 if not isinstance(err, ConnectionError) or "mid-frame" in str(err):
                     server.log(f"{peer}: {one_line(err)}; connection closed")
@@ -316,22 +486,17 @@ class _Connection(socketserver.BaseRequestHandler):
             op = request["op"]
             try:
                 if op == "bye":
+                    self.leave()
+                    send_frame(sock, {"op": "bye"})
                     return
-                if op == "hello":
-                    if request.get("protocol") != PROTOCOL:
-                        raise ValueError(f"protocol {request.get('protocol')} (this server speaks {PROTOCOL})")
-                    device = "cuda" if torch.cuda.is_available() else "cpu"
-                    answer = {"op": "ready", "model": server.model, "version": server.engine.version, "device": device}
-                    out = {}
-                elif op == "channel":
+                if op == "channel":
                     self.group = server.open_channel(sock, request)  # answered before the trainer joins
                     continue
-                elif op == "load":
+                if op == "load":
                     if request.get("via") == "group" and self.group is None:
                         raise FrameError("weights pushed by the weight channel before a 'channel' request")
                     group = self.group if request.get("via") == "group" else None
-                    timeout = request_timeout(request)
-                    answer, out = server.load(sock, str(request.get("version")), group, timeout), {}
+                    answer, out = server.load(sock, self.run, request.get("version"), group), {}
                 elif op == "sample":
                     answer, out = server.sample(request, tensors)
                 else:
@@ -340,50 +505,122 @@ class _Connection(socketserver.BaseRequestHandler):
                 server.log(f"{peer}: {op}: {one_line(err)}; connection closed")
                 return
             except Exception as err:  # noqa: BLE001 - a refused request is answered, the server goes on
-                server.log(f"{peer}: {op} refused: {one_line(err)}")
-                answer, out = {"op": "error", "message": f"{op}: {one_line(err)}"}, {}
+                why = str(err) if isinstance(err, PushRefused) else one_line(err)
+                server.log(f"{peer}: {op} refused: {why}")
+                answer, out = {"op": "error", "message": f"{op}: {why}"}, {}
             try:
                 send_frame(sock, answer, out)
             except OSError:
                 return
 
 
+#: ``--gpu_memory_utilization``'s default: the GPU is the server's alone (``VLLMConfig``'s 0.3 leaves room for
+#: training beside a colocated engine); TRL's ``vllm-serve`` takes 0.9 too
+SERVER_GPU_MEMORY = 0.9
+
+
+def _flag(text: str) -> bool | str:
+    """``--enforce_eager``'s value: true / false, or ``auto`` (``VLLMConfig.eager``)."""
+    lowered = text.lower()
+    if lowered == "auto":
+        return "auto"
+    if lowered in ("1", "true", "yes", "0", "false", "no"):
+        return lowered in ("1", "true", "yes")
+    raise argparse.ArgumentTypeError(f"{text!r}: true, false or auto")
+
+
 def parser() -> argparse.ArgumentParser:
-    defaults = VLLMConfig()
+    """The options of ``vllm-serve``; the engine's and the connection's defaults are ``VLLMConfig``'s, the
+    limits' ``guards.Limits``'s."""
+    defaults, limits = VLLMConfig(), Limits()
     p = argparse.ArgumentParser(
         prog="aitraining-pl vllm-serve",
         description="Serve a training run's rollouts from a vLLM engine in this process (generation.vllm.mode: "
         "server). The engine starts with the model's architecture and no trained weights; the trainer's rank 0 "
         "pushes them before each rollout whose weights changed. docs/vllm.md, Server mode.",
     )
-    p.add_argument(
+    add = p.add_argument
+    add(
         "--model",
         required=True,
         help="the policy's architecture (its weights come from the trainer): a folder with config.json and the "
         'tokenizer, a hub id, a preset (tiny-llama) or an inline JSON config ({"preset": "tiny-llama", ...})',
     )
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder, hub id or 'byte' (default: --model's folder)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=defaults.server_port, help="TCP port (0: any free one, printed)")
-    p.add_argument("--weight_port", type=int, default=0,
-                   help="TCP port of the weight channel's store when the trainer opens one (generation.vllm."
-                   "weight_channel nccl or gloo; 0: any free one)")  # fmt: skip
-    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the config's, else float32)")
-    p.add_argument("--seed", type=int, default=0, help="the engine's seed (requests with a seed use their own)")
-    p.add_argument("--max_model_len", type=int, default=None, help="longest prompt + response (default: the model's)")
-    p.add_argument("--gpu_memory_utilization", type=float, default=0.9, help="share of the GPU vLLM takes (0.9)")
-    p.add_argument("--tensor_parallel_size", type=int, default=1, help="GPUs the engine splits the model over")
-    p.add_argument("--cpu_kv_cache_gb", type=float, default=defaults.cpu_kv_cache_gb, help="KV cache on a CPU (GiB)")
-    p.add_argument(
+    add("--tokenizer", default=None, help="tokenizer folder, hub id or 'byte' (default: --model's folder)")
+    add(
+        "--host",
+        default=defaults.server_host,
+        help=f"address to listen on (default {defaults.server_host}: this machine only; any other needs a token)",
+    )
+    add("--port", type=int, default=defaults.server_port, help="TCP port (0: any free one, printed)")
+    add(
+        "--token_file",
+        default=None,
+        help=f"a file holding the shared secret the trainer must prove (else ${TOKEN_ENV}; else, on a loopback "
+        "--host, a new one written to an owner-only file named by the port, whose path is printed)",
+    )
+    add(
+        "--weight_port",
+        type=int,
+        default=0,
+        help="TCP port of the weight channel's store when the trainer opens one (generation.vllm.weight_channel "
+        "nccl or gloo; 0: any free one)",
+    )
+    add("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the config's, else float32)")
+    add("--seed", type=int, default=0, help="the engine's seed (requests with a seed use their own)")
+    add(
+        "--max_model_len",
+        type=int,
+        default=defaults.max_model_len,
+        help="longest prompt + response (default: the model's)",
+    )
+    add(
+        "--gpu_memory_utilization",
+        type=float,
+        default=SERVER_GPU_MEMORY,
+        help=f"share of the GPU vLLM takes ({SERVER_GPU_MEMORY}: the GPU is the server's)",
+    )
+    add(
+        "--tensor_parallel_size",
+        type=int,
+        default=defaults.tensor_parallel_size,
+        help="GPUs the engine splits the model over",
+    )
+    add("--cpu_kv_cache_gb", type=float, default=defaults.cpu_kv_cache_gb, help="KV cache on a CPU (GiB)")
+    add(
+        "--enforce_eager",
+        type=_flag,
+        default=defaults.enforce_eager,
+        help=f"no CUDA graphs: true, false or auto (eager on a CPU, CUDA graphs on a GPU; default "
+        f"{defaults.enforce_eager})",
+    )
+    add(
         "--batch_wait_ms",
         type=float,
         default=50.0,
         help="how long the ranks' sample requests wait for each other, to be served in one batch "
         "(50 ms; docs/vllm.md, Batching)",
     )
-    p.add_argument("--enforce_eager", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
-                   help="no CUDA graphs (true: fast start; false on a GPU for speed)")  # fmt: skip
-    return p
+    add(
+        "--timeout",
+        type=float,
+        default=limits.timeout,
+        help="seconds a weight push may stay silent, a weight channel may take to be joined and a sample request "
+        f"may wait for its weights (default {limits.timeout:g}, generation.vllm.server_timeout's)",
+    )
+    add(
+        "--idle_timeout",
+        type=float,
+        default=limits.idle_timeout,
+        help=f"seconds a connection may stay silent before it is dropped (default {limits.idle_timeout:g})",
+    )
+    add(
+        "--max_connections",
+        type=int,
+        default=limits.max_connections,
+        help=f"open connections at most, one per training process (default {limits.max_connections})",
+    )
+    return p  # fmt: skip
 
 
 def launch(argv: list[str], log: str | os.PathLike, timeout: float = 300.0) -> tuple[subprocess.Popen, int]:
@@ -415,6 +652,8 @@ def _interrupt(*_: Any) -> None:
 def main(argv: list[str]) -> None:
     """Build the engine and serve until interrupted (``aitraining-pl vllm-serve --help``)."""
     args = parser().parse_args(argv)
+    token, generated = server_token(args.host, args.token_file)  # before the engine: a refusal costs nothing
+    limits = Limits(args.timeout, args.idle_timeout, max_connections=args.max_connections)
     import_vllm()  # one line naming the extra when vLLM is missing
     tokenizer_name = args.tokenizer or (None if is_inline(args.model) else args.model)
     if tokenizer_name is None:
@@ -429,16 +668,20 @@ def main(argv: list[str]) -> None:
         max_model_len=args.max_model_len,
     )
     engine = VLLMEngine(policy, tokenizer, options, seed=args.seed)
-    description = model_description(policy.config)
     try:
         batch_wait = args.batch_wait_ms / 1000
-        server = GenerationServer(engine, tokenizer, description, args.host, args.port, args.weight_port, batch_wait)
+        server = GenerationServer(
+            engine, tokenizer, policy, args.host, args.port, token, args.weight_port, batch_wait, limits
+        )
     except OSError as err:
         engine.close()
         where = f"--host {args.host} --port {args.port}"
         raise ConfigError(where, f"cannot listen there ({err.strerror or err})") from None
     host, port = server.server_address[:2]
-    kind = f"{description['model_type']}, {args.dtype}"
+    token_file = write_token(token, port) if generated else None
+    if token_file is not None:
+        server.log(f"token written to {token_file} (owner-only; a trainer on this machine reads it from there)")
+    kind = f"{server.model['model_type']}, {args.dtype}"
     server.log(f"listening on {host}:{port} ({kind}; waiting for the trainer's weights)")
     signal.signal(signal.SIGTERM, _interrupt)  # ``kill``: shut the engine down and delete its folder
     try:
@@ -448,3 +691,5 @@ def main(argv: list[str]) -> None:
     finally:
         server.server_close()
         engine.close()
+        if token_file is not None:
+            token_file.unlink(missing_ok=True)

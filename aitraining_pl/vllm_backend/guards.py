@@ -1,0 +1,196 @@
+"""What the generation server (``vllm_backend.server``) checks before it trusts a connection or a push:
+
+- **the token** (``server_token``): the shared secret every connection proves at ``hello`` (``wire.proof``). Given
+  by ``AITRAINING_PL_SERVER_TOKEN`` or ``--token_file``; otherwise, on a loopback bind only, generated and written
+  to the owner-only ``wire.token_path(port)`` (a server reachable from other machines refuses to start without
+  one). The token is never printed; only where it lives.
+- **the owner** (``Ownership``): the first authenticated run owns the server while it has a connection open; the
+  hello of another run is refused, and the owner's pushes carry versions that only move forward.
+- **the push** (``WeightSpecs``): every tensor's name, shape and dtype against the served model's parameters
+  before its bytes are read (so a push is at most about the model's size), its values finite, and the whole
+  push staged in host memory before the engine loads any of it: a refused push leaves the engine as it was.
+- **the limits** (``Limits``): the server's own timeouts (a request's ``timeout`` is bounded by them), idle
+  and unauthenticated connections dropped, the number of connections and a request's bytes capped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import secrets
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aitraining_pl.errors import ConfigError
+from aitraining_pl.generation.config import VLLMConfig
+from aitraining_pl.vllm_backend.wire import TOKEN_ENV, Entry, FrameError, is_loopback, nbytes, token_path
+
+#: what a connection may send before it has proved the token: a short header, no tensors
+HANDSHAKE_HEADER = 4096
+
+
+@dataclasses.dataclass
+class Limits:
+    """The server's bounds (``vllm-serve`` options); none is chosen by the sender of a request."""
+
+    timeout: float = VLLMConfig.server_timeout
+    """Seconds a push may stay silent between two frames, a weight channel may take to be joined and a sample
+    request may wait for its weights (a request asking for longer, or for a non-finite time, gets this)."""
+    idle_timeout: float = 3600.0
+    """Seconds an authenticated connection may send nothing before it is dropped (with a last ``error``)."""
+    handshake_timeout: float = 30.0
+    """Seconds a new connection has to send ``hello`` and prove the token."""
+    max_connections: int = 64
+    """Open connections at most (one per training process); more are refused with a message."""
+    max_request_bytes: int = 256 << 20
+    """Most tensor bytes a ``sample`` request may declare (its prompts)."""
+
+    def bound(self, asked: Any) -> float:
+        """The seconds to allow for a request that asked for ``asked``: a finite positive number, at most
+        ``timeout``."""
+        try:
+            seconds = float(asked)
+        except (TypeError, ValueError):
+            return self.timeout
+        return min(seconds, self.timeout) if math.isfinite(seconds) and seconds > 0 else self.timeout
+
+
+class PushRefused(ValueError):
+    """A weight push that does not fit the served model (answered with ``error``; the engine is untouched)."""
+
+
+class WeightSpecs:
+    """The served model's tensors (``state_dict`` names, shapes and dtypes): what a push must carry, each once."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.specs = {name: (list(t.shape), t.dtype) for name, t in model.state_dict().items()}
+        #: the largest tensor a push may declare (a float64 copy of the largest parameter)
+        self.largest = max((nbytes(torch.float64, shape) for shape, _ in self.specs.values()), default=0)
+
+    def check(self, entry: Entry, seen: set[str]) -> None:
+        """Refuse a declared tensor that is not one of the model's, comes twice, or has another shape or a dtype
+        of another kind (an integer tensor for a float weight); before its bytes are read."""
+        name, dtype, shape = entry
+        if name not in self.specs:
+            raise PushRefused(f"{name!r} is not a tensor of the served model")
+        if name in seen:
+            raise PushRefused(f"{name!r} came twice")
+        want_shape, want_dtype = self.specs[name]
+        if shape != want_shape:
+            raise PushRefused(f"{name!r} has shape {shape}, the served model's is {want_shape}")
+        if dtype != want_dtype and not (dtype.is_floating_point and want_dtype.is_floating_point):
+            raise PushRefused(f"{name!r} is {str(dtype).removeprefix('torch.')}, the served model's is "
+                              f"{str(want_dtype).removeprefix('torch.')}")  # fmt: skip
+
+    def stage(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` in host memory in the served dtype, once its values are known finite."""
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise PushRefused(f"{name!r} has {bad} non-finite values (NaN or inf)")
+        return tensor.to(device="cpu", dtype=self.specs[name][1])
+
+    def missing(self, seen: set[str]) -> list[str]:
+        return [name for name in self.specs if name not in seen]
+
+
+class Ownership:
+    """Which training run the server serves: the first authenticated run, for as long as it keeps a connection
+    open (a run that stopped, crashed or finished frees the server for the next one, e.g. its resumption), and
+    the last weights version it pushed (versions ``run:step`` only move forward)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.owner: str | None = None
+        self.open: Counter[str] = Counter()  #: authenticated connections of each run
+        self.step: int | None = None  #: the step of the owner's last push
+
+    def join(self, run: str) -> None:
+        """Count a connection of ``run``; ``PermissionError`` when another run owns the server."""
+        with self.lock:
+            if self.owner is not None and self.owner != run and self.open[self.owner]:
+                raise PermissionError(
+                    f"this server serves run {self.owner} ({self.open[self.owner]} connections open); one training "
+                    "run per server: stop that run or start another vllm-serve (--port)"
+                )
+            if self.owner != run:
+                self.owner, self.step = run, None
+            self.open[run] += 1
+
+    def leave(self, run: str) -> None:
+        with self.lock:
+            self.open[run] -= 1
+
+    def members(self) -> int:
+        """The owner's open connections (a batch waits for each to have a request queued)."""
+        return self.open[self.owner] if self.owner is not None else 0
+
+    def step_of(self, run: str, version: Any) -> int:
+        """The step of ``version`` (``run:step``) pushed by a connection of ``run``; ``PushRefused`` when it is
+        empty, of another run or not newer than the last accepted push."""
+        text = version if isinstance(version, str) else ""
+        prefix, _, step = text.rpartition(":")
+        if prefix != run or not step.isdigit():
+            raise PushRefused(f"weights version {version!r} is not one of this run's ({run}:<step>)")
+        with self.lock:
+            if self.step is not None and int(step) <= self.step:
+                raise PushRefused(f"weights version {text} is not newer than the last push ({run}:{self.step})")
+        return int(step)
+
+    def accept(self, run: str, step: int) -> None:
+        """Record an accepted push of ``run`` at ``step`` (checked again: two pushes may have raced)."""
+        with self.lock:
+            if self.owner != run or (self.step is not None and step <= self.step):
+                raise PushRefused(f"weights version {run}:{step} was overtaken by {self.owner}:{self.step}")
+            self.step = step
+
+
+def read_token(path: str | os.PathLike) -> str:
+    """The token in the file ``path`` (surrounding blanks dropped); ``ConfigError`` naming the file (never its
+    content) when it cannot be read or is empty."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as err:
+        raise ConfigError(str(path), f"cannot read the server token ({err.strerror or err})") from None
+    if not token:
+        raise ConfigError(str(path), "the server token file is empty")
+    return token
+
+
+def server_token(host: str, token_file: str | None) -> tuple[str, bool]:
+    """The server's token and whether it was generated here (to be written by ``write_token``): from
+    ``TOKEN_ENV``, else ``token_file``, else new when ``host`` is loopback; a ``ConfigError`` otherwise."""
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV], False
+    if token_file:
+        return read_token(token_file), False
+    if not is_loopback(host):
+        raise ConfigError(
+            f"--host {host}",
+            f"a server other machines can reach needs a token: set {TOKEN_ENV} or --token_file (the same on the "
+            "trainer: the variable or generation.vllm.server_token_file); docs/vllm.md, Server mode",
+        )
+    return secrets.token_urlsafe(32), True
+
+
+def write_token(token: str, port: int) -> Path:
+    """Write ``token`` to ``wire.token_path(port)``, readable by this user only (folder 0700, file 0600)."""
+    path = token_path(port)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # a file left by an earlier server keeps its mode otherwise
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    return path
+
+
+def no_tensors(header: dict[str, Any], entries: list[Entry]) -> None:
+    """``read_frame`` check for a frame that carries no tensors (a handshake, a control request)."""
+    if entries:
+        raise FrameError(f"{header['op']!r} frames carry no tensors ({len(entries)} declared)")
