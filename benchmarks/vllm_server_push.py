@@ -61,14 +61,14 @@ def main() -> None:
         try:
             clients = {
                 f"server-{channel}": VLLMServerClient(
-                    model, VLLMConfig(mode="server", server_port=port, weight_channel=channel), run=channel
+                    model, VLLMConfig(mode="server", server_port=port, weight_channel=channel), run="bench"
                 )
                 for channel in ("tcp", "gloo")
-            }
+            }  # one run (a server serves one), whose versions only move forward: the ways push in turn
             times = {way: [] for way in clients}
             for version in range(args.repeats):
-                for way, client in clients.items():
-                    times[way].append(timed(client.sync, version))
+                for turn, (way, client) in enumerate(clients.items()):
+                    times[way].append(timed(client.sync, len(clients) * version + turn))
             for client in clients.values():
                 client.close()
         finally:

@@ -200,6 +200,52 @@ def test_weights_pushed_by_broadcast_on_a_gloo_weight_channel(server, tmp_path):
         client.close()
 
 
+@pytest.mark.vllm
+def test_a_refused_push_leaves_the_real_engine_on_its_weights(server):
+    """On the real engine (the module's one server): a push with a NaN weight, then one with a wrong shape, are
+    each refused with one line before vLLM loads anything (before: NaN log-probs until a restart, and the next
+    correct push failed with ``load: AssertionError``); the engine samples from the last good weights, and the
+    next correct push loads."""
+    from test_vllm_backend import logp_gap, train_steps
+
+    from aitraining_pl.models import load_tokenizer
+    from aitraining_pl.rollout import GenerationConfig
+    from aitraining_pl.vllm_backend.client import VLLMServerClient
+
+    tokenizer = load_tokenizer("byte", padding_side="left")
+    generation = GenerationConfig(max_new_tokens=8, temperature=1.0)
+    model = build_causal_lm(SPEC, seed=4)
+    client = VLLMServerClient(model, options(server))
+    try:
+        assert client.sync(model, version=1)
+        good = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        name = "model.layers.0.mlp.up_proj.weight"
+        for step, (bad, why) in enumerate(
+            [
+                (good[name].clone().fill_(float("nan")), r"has 8192 non-finite values"),
+                (good[name][:, :-1], "has shape"),
+            ],
+            2,
+        ):
+            with pytest.raises(GenerationServerError, match=f"the server refused: load: '{name}' {why}"):
+                _push(client, f"{client.run}:{step}", {**good, name: bad.contiguous()})
+        assert logp_gap(client, model, tokenizer, generation) < 1e-4  # still version 1, finite
+        train_steps(model)
+        assert client.sync(model, version=5)
+        assert logp_gap(client, model, tokenizer, generation) < 1e-4
+    finally:
+        client.close()
+
+
+def _push(client, version: str, tensors: dict) -> None:
+    """``tensors`` pushed as ``version`` over ``client``'s connection, frame by frame (as ``sync`` does)."""
+    send_frame(client.sock, {"op": "load", "version": version, "via": "frames"})
+    for name, tensor in tensors.items():
+        send_frame(client.sock, {"op": "weight"}, {name: tensor})
+    send_frame(client.sock, {"op": "end", "count": len(tensors)})
+    client.answer(f"pushing {version}")
+
+
 class RecordingEngine:
     """Stands in for ``VLLMEngine`` in a ``GenerationServer`` without vLLM: keeps the pushed tensors; its
     ``fail_at`` push stops after one tensor with a lost connection (the server then closes the connection)."""

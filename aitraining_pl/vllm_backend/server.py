@@ -81,13 +81,14 @@ from aitraining_pl.vllm_backend.guards import (
     HANDSHAKE_HEADER,
     Limits,
     Ownership,
+    Push,
     PushRefused,
     WeightSpecs,
     no_tensors,
     server_token,
     write_token,
 )  # fmt: skip
-from aitraining_pl.vllm_backend.weight_group import BACKENDS, ChannelBroken, WeightGroup, failure, host_store
+from aitraining_pl.vllm_backend.weight_group import BACKENDS, WeightGroup, failure, host_store
 from aitraining_pl.vllm_backend.wire import (
     PROTOCOL,
     TOKEN_ENV,
@@ -95,7 +96,6 @@ from aitraining_pl.vllm_backend.wire import (
     FrameError,
     model_description,
     nbytes,
-    parse_entry,
     proof,
     read_frame,
     send_frame,
@@ -127,70 +127,6 @@ def meta_model(model: str, dtype: str | None) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(
             config, dtype=torch_dtype or getattr(config, "dtype", None) or torch.float32
         )
-
-
-class Push:
-    """The ``weight`` frames of one push, read to its ``end``: each tensor checked against the served model
-    (``WeightSpecs``; its name, shape and dtype before its bytes are read) and staged in host memory. After a
-    refusal the rest of the push is read and dropped, so the connection stays in step, and ``receive`` raises
-    the refusal at the ``end``; a frame that breaks the framing, or declares more bytes than any tensor of the
-    model, is a ``FrameError`` (the connection is closed)."""
-
-    def __init__(self, sock: socket.socket, specs: WeightSpecs, group: WeightGroup | None = None):
-        self.sock, self.specs, self.group = sock, specs, group
-        self.count = 0
-        self.seen: set[str] = set()
-        self.refused: PushRefused | None = None  #: why the push is refused (the rest of it is dropped)
-
-    def check(self, header: dict[str, Any], entries: list[Entry]) -> bool:
-        """``read_frame``'s check: whether to keep the frame's tensor (False: read and drop it)."""
-        if header["op"] == "end" and not entries:
-            return True
-        if header["op"] != "weight" or len(entries) != (0 if self.group else 1):
-            raise FrameError(f"expected one tensor per 'weight' frame, got {header['op']!r} with {len(entries)}")
-        entry = parse_entry(header.get("tensor")) if self.group else entries[0]
-        if nbytes(entry[1], entry[2]) > self.specs.largest:
-            raise FrameError(f"{entry[0]!r} declares {nbytes(entry[1], entry[2])} bytes, more than any tensor of "
-                             "the served model")  # fmt: skip
-        if self.refused is None:
-            try:
-                self.specs.check(entry, self.seen)
-            except PushRefused as err:
-                self.refused = err
-        self.seen.add(entry[0])
-        return self.refused is None
-
-    def receive(self) -> list[tuple[str, torch.Tensor]]:
-        """The push's tensors, checked and staged; ``PushRefused`` (after its ``end``) when it does not fit."""
-        staged: list[tuple[str, torch.Tensor]] = []
-        while True:
-            header, tensors = read_frame(self.sock, self.check)
-            if header["op"] == "end":
-                if header.get("count") != self.count:
-                    raise FrameError(f"'end' says {header.get('count')} tensors, {self.count} came")
-                break
-            self.count += 1
-            if self.group is not None:
-                name, dtype, shape = parse_entry(header["tensor"])
-                try:
-                    tensors = {name: self.group.receive(dtype, shape)}
-                except ChannelBroken as err:  # the trainer left the group: the push cannot go on
-                    raise ChannelBroken(f"{err} while receiving {name}") from None
-            if self.refused is not None:
-                staged.clear()  # the push is refused: hold nothing while the rest of it is read
-                continue
-            for name, tensor in tensors.items():
-                try:
-                    staged.append((name, self.specs.stage(name, tensor)))
-                except PushRefused as err:
-                    self.refused = err
-        missing = self.specs.missing(self.seen)
-        if self.refused is None and missing:
-            self.refused = PushRefused(f"the push lacks {len(missing)} of the served model's tensors ({missing[0]!r}"
-                                       + (", ..." if len(missing) > 1 else "") + ")")  # fmt: skip
-        if self.refused is not None:
-            raise self.refused
-        return staged
 
 
 class GenerationServer(socketserver.ThreadingTCPServer):

@@ -2,7 +2,8 @@
 process group of two members, the generation server (member 0, which hosts its rendezvous store) and the
 trainer's rank 0 (member 1), apart from the training run's own process group. A weight push then sends each
 tensor's name, dtype and shape as a header-only frame over the server's TCP connection and its bytes as a
-``broadcast`` from member 1 on this group: GPU to GPU with NCCL, with no copy through host memory; the same code
+``broadcast`` from member 1 on this group: GPU to GPU with NCCL, with no copy through the trainer's host memory
+(the server stages what it received in its host memory, checked, before loading it: ``guards``); the same code
 with gloo moves CPU tensors (how the path is tested on a CPU).
 
 The group is built from torch's own ``TCPStore`` and ``ProcessGroupNCCL`` / ``ProcessGroupGloo`` objects without

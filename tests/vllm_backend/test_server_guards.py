@@ -367,3 +367,28 @@ def test_the_client_refuses_port_0():
     with pytest.raises(ConfigError, match=r"generation.vllm.server_port: must be the server's port, 1 to 65535, got "
                        "0 .vllm-serve --port 0 picks a free port"):  # fmt: skip
         VLLMServerClient(build_causal_lm(SPEC), VLLMConfig(mode="server", server_port=0, server_timeout=1))
+
+
+def test_vllm_serve_defaults_are_the_configs():
+    """``vllm-serve``'s defaults are ``VLLMConfig``'s (and the limits' ``Limits``'s), but the GPU share: 0.9, the
+    GPU being the server's alone (the config's 0.3 leaves room for training beside a colocated engine)."""
+    from aitraining_pl.generation.config import VLLMConfig
+    from aitraining_pl.vllm_backend.guards import Limits
+    from aitraining_pl.vllm_backend.server import SERVER_GPU_MEMORY, parser
+
+    args, config, limits = parser().parse_args(["--model", "tiny-llama"]), VLLMConfig(), Limits()
+    same = {
+        "host": config.server_host,
+        "port": config.server_port,
+        "max_model_len": config.max_model_len,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "cpu_kv_cache_gb": config.cpu_kv_cache_gb,
+        "enforce_eager": config.enforce_eager,
+        "timeout": config.server_timeout,
+        "idle_timeout": limits.idle_timeout,
+        "max_connections": limits.max_connections,
+    }
+    assert {name: getattr(args, name) for name in same} == same
+    assert args.gpu_memory_utilization == SERVER_GPU_MEMORY == 0.9 and limits.timeout == config.server_timeout
+    for text, value in (("auto", "auto"), ("false", False), ("True", True)):
+        assert parser().parse_args(["--model", "m", "--enforce_eager", text]).enforce_eager == value
