@@ -18,7 +18,7 @@ traceback of a user error too. SIGTERM (a scheduler's preemption) ends the run w
 naming the last checkpoint written.
 
 ``aitraining-pl vllm-serve --model MODEL`` serves a run's rollouts from a vLLM engine in its own process
-(``aitraining_pl.vllm_backend.server``; docs/vllm.md, Server mode).
+(``aitraining_pl.vllm_backend.serve``; docs/vllm.md, Server mode).
 
 ``aitraining-pl`` alone (or ``--help``) lists the modules and the recipes in ``configs/``; ``--version`` prints the
 version. ``fit`` takes ``--output_dir`` (one folder for logs, checkpoints and exports), ``--run_name`` and
@@ -319,7 +319,7 @@ def main(args: list[str] | None = None) -> None:
     quiet_known_noise()
     try:
         if argv[0] == "vllm-serve":  # the generation server of ``generation.vllm.mode: server`` (docs/vllm.md)
-            from aitraining_pl.vllm_backend.server import main as serve
+            from aitraining_pl.vllm_backend.serve import main as serve
 
             serve(argv[1:])
             return

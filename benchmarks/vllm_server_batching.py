@@ -48,7 +48,7 @@ def main() -> None:
     from aitraining_pl.rollout import GenerationConfig
     from aitraining_pl.vllm_backend import VLLMConfig
     from aitraining_pl.vllm_backend.client import VLLMServerClient
-    from aitraining_pl.vllm_backend.server import launch
+    from aitraining_pl.vllm_backend.serve import launch
 
     print_header(args.threads, size=args.size)
     config = _model_config(args.size)

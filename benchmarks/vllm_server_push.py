@@ -42,7 +42,7 @@ def main() -> None:
     from aitraining_pl.vllm_backend import VLLMConfig
     from aitraining_pl.vllm_backend.client import VLLMServerClient
     from aitraining_pl.vllm_backend.engine import VLLMEngine, policy_weights
-    from aitraining_pl.vllm_backend.server import launch
+    from aitraining_pl.vllm_backend.serve import launch
 
     print_header(args.threads, size=args.size)
     config = dict(QWEN_05B) if args.size == "0.5b" else _model_config(args.size)

@@ -38,7 +38,7 @@ SPEC = {"preset": "tiny-llama", "num_attention_heads": 2, "num_key_value_heads":
 def start_server(log: Path, *argv: str) -> tuple[subprocess.Popen, int]:
     """``aitraining-pl vllm-serve`` on a free loopback port; returns the process and the port it printed."""
     pytest.importorskip("vllm")
-    from aitraining_pl.vllm_backend.server import launch
+    from aitraining_pl.vllm_backend.serve import launch
 
     os.environ.setdefault("PYTHONPATH", str(ROOT))
     return launch(["--model", json.dumps(SPEC), "--tokenizer", "byte", "--port", "0", *argv], log)

@@ -112,7 +112,7 @@ def test_vllm_serve_refuses_a_bind_other_machines_reach_without_a_token(monkeypa
     """Before the engine is built: ``--host 0.0.0.0`` with no token is one ``ConfigError`` line; on loopback a
     token is generated and written owner-only (0600 in a 0700 folder) to the file named by the port."""
     from aitraining_pl.vllm_backend.guards import server_token, write_token
-    from aitraining_pl.vllm_backend.server import main
+    from aitraining_pl.vllm_backend.serve import main
 
     monkeypatch.delenv(wire.TOKEN_ENV, raising=False)
     with pytest.raises(ConfigError, match="--host 0.0.0.0: a server other machines can reach needs a token"):
@@ -374,7 +374,7 @@ def test_vllm_serve_defaults_are_the_configs():
     GPU being the server's alone (the config's 0.3 leaves room for training beside a colocated engine)."""
     from aitraining_pl.generation.config import VLLMConfig
     from aitraining_pl.vllm_backend.guards import Limits
-    from aitraining_pl.vllm_backend.server import SERVER_GPU_MEMORY, parser
+    from aitraining_pl.vllm_backend.serve import SERVER_GPU_MEMORY, parser
 
     args, config, limits = parser().parse_args(["--model", "tiny-llama"]), VLLMConfig(), Limits()
     same = {
