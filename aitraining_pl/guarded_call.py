@@ -7,6 +7,11 @@ thread is left running (Python cannot stop a thread) and the caller is expected 
 called from that thread raises ``ExitCalled`` instead of ending the process silently; every other thread and
 every forked child still exits normally. A call made from inside a guarded call with no timeout runs directly.
 
+A SIGTERM that arrives while the main thread waits for the call (a scheduler preempting the run) runs the handler
+installed before (Lightning's, which records it) and then raises ``CallInterrupted``, a Lightning
+``SIGTERMException``: the run stops as Lightning stops it between steps (the command line exits with status 143),
+instead of waiting for a call that may never return. Without a Python handler SIGTERM ends the process as usual.
+
 Limits: a function that installs signal handlers (``signal.signal`` works only in the main thread) fails in
 the worker thread; ``os._exit`` from a thread the function starts, or ``posix._exit``, still ends the process;
 a function that swallows ``BaseException`` can hide ``ExitCalled``.
@@ -14,13 +19,17 @@ a function that swallows ``BaseException`` can hide ``ExitCalled``.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
+import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
 class CallTimeout(Exception):
@@ -29,6 +38,10 @@ class CallTimeout(Exception):
 
 class ExitCalled(SystemExit):
     """The call ran ``os._exit(code)``; ``code`` is the status it asked for."""
+
+
+class CallInterrupted(SIGTERMException):
+    """SIGTERM arrived while waiting for the call (see the module docstring)."""
 
 
 _real_exit = os._exit
@@ -43,6 +56,39 @@ def _exit(code: int) -> None:
 
 
 _pid = os.getpid()
+_SLICE = 0.25  # seconds between the main thread's looks at pending signals while it waits
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """In the main thread, while the caller waits: SIGTERM runs the previous Python handler, then raises
+    ``CallInterrupted`` (out of ``_join``, which gives the main thread a chance to handle it at least every
+    ``_SLICE`` seconds)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield
+        return
+
+    def interrupt(signum, frame) -> None:
+        previous(signum, frame)
+        raise CallInterrupted()
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _join(worker: threading.Thread, timeout: float | None) -> None:
+    """``worker.join(timeout)`` in slices of at most ``_SLICE`` seconds: a signal the kernel hands to another thread
+    is handled (by the main thread) only when the main thread runs Python code, which one long join never does."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while worker.is_alive():
+        left = _SLICE if deadline is None else min(_SLICE, deadline - time.monotonic())
+        if left <= 0:
+            return
+        worker.join(left)
 
 
 def guarded_call(fn: Callable, args: Sequence[Any], timeout: float | None) -> Any:
@@ -73,8 +119,9 @@ def guarded_call(fn: Callable, args: Sequence[Any], timeout: float | None) -> An
         _pid = os.getpid()
         os._exit = _exit
     worker = threading.Thread(target=context.run, args=(work,), daemon=True, name="aitraining_pl guarded call")
-    worker.start()
-    worker.join(timeout)
+    with _sigterm_interrupts():
+        worker.start()
+        _join(worker, timeout)
     if worker.is_alive():
         raise CallTimeout(f"did not return within {timeout:g} s")
     if "error" in outcome:

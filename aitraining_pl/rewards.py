@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from aitraining_pl.errors import RewardError  # noqa: F401 - re-exported: raised by every check below
-from aitraining_pl.guarded_call import CallTimeout, ExitCalled, guarded_call
+from aitraining_pl.guarded_call import CallInterrupted, CallTimeout, ExitCalled, guarded_call
 
 
 @runtime_checkable
@@ -267,14 +267,14 @@ def _checked_call(
     where = f"reward source {name or _source_name(source)!r}"
     try:
         result = guarded_call(source, (list(prompts), list(responses), list(metadata)), timeout)
-    except RewardError:  # a component of a combined source, already named
+    except (RewardError, CallInterrupted):  # a component of a combined source, already named; SIGTERM
         raise
     except CallTimeout:
         raise RewardError(where, f"did not return within {timeout:g} s (reward_timeout)") from None
     except (Exception, SystemExit) as err:  # SystemExit (or os._exit) from a reward source is an error
         first = _first_failing(source, prompts, responses, metadata, timeout)
         at = f" at index {first}" if first is not None else ""
-        raise RewardError(where, f"{_describe(err)}{at}") from err
+        raise RewardError(where, f"{describe_failure(err)}{at}") from err
     try:
         items = list(result)
     except TypeError:
@@ -300,7 +300,8 @@ def _checked_call(
     return scores
 
 
-def _describe(err: BaseException) -> str:
+def describe_failure(err: BaseException) -> str:
+    """How a call of user code failed, in a few words: ``called os._exit(0)``, ``raised ValueError: ...``."""
     if isinstance(err, ExitCalled):
         return f"called os._exit({err.code!r})"
     if isinstance(err, SystemExit):
@@ -319,6 +320,8 @@ def _first_failing(
     for i in range(len(responses)):
         try:
             guarded_call(source, ([prompts[i]], [responses[i]], [metadata[i]]), timeout)
+        except CallInterrupted:
+            raise
         except (Exception, SystemExit):
             return i
     return None

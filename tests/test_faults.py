@@ -115,3 +115,32 @@ def test_checkpoints_are_written_beside_their_target_and_leftovers_of_killed_run
     assert not leftover.exists() and running.exists()
     assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 2
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == [running.name]
+
+
+def test_sigterm_while_a_reward_function_hangs_stops_the_wait():
+    """Before: the handler installed before (Lightning's) recorded SIGTERM and the wait for the call went on; now
+    the wait ends with ``CallInterrupted`` (a Lightning ``SIGTERMException``: exit status 143 on the command line),
+    not a ``RewardError``, once that handler has run."""
+    import threading
+
+    from aitraining_pl.guarded_call import CallInterrupted
+    from aitraining_pl.rewards import score_responses
+
+    started, release, seen = threading.Event(), threading.Event(), []
+
+    def hangs(prompts, responses, metadata):
+        started.set()
+        release.wait()
+        return [1.0]
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    sender = threading.Thread(target=lambda: started.wait() and os.kill(os.getpid(), signal.SIGTERM))
+    sender.start()
+    try:
+        with pytest.raises(CallInterrupted):
+            score_responses(hangs, ["p"], ["r"], [{}], timeout=None)
+    finally:
+        release.set()
+        sender.join()
+        signal.signal(signal.SIGTERM, previous)
+    assert seen == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is previous

@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from aitraining_pl.rewards import score_responses
+
 Message = dict[str, Any]
 
 
@@ -44,13 +46,16 @@ class EpisodeLimits:
         max_turns: assistant turns at most.
         max_total_tokens: tokens after the prompt at most (model and environment tokens together); a turn
             starts only while the episode has room for the environment's reply and a whole turn.
+        max_reply_chars: characters of message content one reply (or ``reset``) may hand over; the rest is cut,
+            with a note, before it is rendered and tokenised (``environments.episode_guard``).
     """
 
     max_turns: int = 4
     max_total_tokens: int = 1024
+    max_reply_chars: int = 100_000
 
     def __post_init__(self) -> None:
-        if self.max_turns < 1 or self.max_total_tokens < 1:
+        if self.max_turns < 1 or self.max_total_tokens < 1 or self.max_reply_chars < 1:
             raise ValueError(f"episode limits must be >= 1, got {self}")
 
 
@@ -130,5 +135,6 @@ class OneTurnEpisode(EpisodeEnvironment):
         return None
 
     def step(self, turn: AssistantTurn) -> EpisodeStep:
-        (score,) = self.reward([self.prompt], [turn.text], [self.metadata])
-        return EpisodeStep(done=True, reward=float(score))
+        # checked as a reward source's scores; no timeout of its own: the step it runs in has the run's
+        (score,), _ = score_responses(self.reward, [self.prompt], [turn.text], [self.metadata], timeout=None)
+        return EpisodeStep(done=True, reward=score)

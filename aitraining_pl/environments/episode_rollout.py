@@ -10,6 +10,7 @@ reward sits on that turn's last sampled token (``EpisodeInfo.token_rewards``); t
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +27,8 @@ from aitraining_pl.models.training import eval_mode
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT
 from aitraining_pl.rollout import Rollout, RolloutEngine
 
+#: a content's slot in a reply rendered to find the template's own text (plain ASCII: kept by ``trim``, ``tojson``)
+_SLOT = "AITPLSLOT"
 #: content of the assistant message whose rendering shows what a template writes after an assistant turn
 _MARK = "\u2063ASSISTANT-TURN\u2063"
 
@@ -38,7 +41,8 @@ class ChatFormat:
     ``[user, assistant] + reply`` over ``[user, assistant]``, with the generation prompt), preceded by what
     the template writes after an assistant turn's text (``<|im_end|>\\n``, ``<|eot_id|>``, ``</s>``) less
     the end token the model already sampled. Replies are rendered without the tool list (templates such as
-    Mistral's move it to the last user message; the prompt already showed it).
+    Mistral's move it to the last user message; the prompt already showed it). A reply's content is tokenised as
+    plain text: a tool result holding ``<|im_start|>`` gets the characters, never the special token.
 
     Args:
         tokenizer: a Hugging Face tokenizer.
@@ -58,6 +62,8 @@ class ChatFormat:
         self._head = self.render(self._base)
         self.glue_ids = self.encode(self._head[self._head.rindex(_MARK) + len(_MARK) :])
         self._replies: dict[str, list[int]] = {}  # rendered replies by their messages (games repeat them)
+        added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)  # special tokens' spellings
+        self._added = re.compile("|".join(map(re.escape, added))) if added else None
 
     def render(self, messages: list[dict], tools=None, generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
@@ -87,8 +93,37 @@ class ChatFormat:
                 )
             if len(self._replies) > 4096:
                 self._replies.clear()
-            self._replies[key] = self.encode(full[len(head) :])
+            self._replies[key] = self._reply_tokens(messages, full[len(head) :])
         return glue + self._replies[key]
+
+    def encode_text(self, text: str) -> list[int]:
+        """``text`` as plain text: a special token's spelling in it (``<|im_start|>``) is not that token."""
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
+
+    def _reply_tokens(self, messages: list[dict], text: str) -> list[int]:
+        """Tokens of a rendered reply ``text``: the template's own text with its special tokens, the messages'
+        contents as plain text (``encode_text``), so a reply or tool result cannot forge a turn. The template's text
+        is that of the reply rendered with a slot for each content; the contents are what ``text`` holds at the
+        slots (the content as is, or as the template wrote it, e.g. ``tojson``)."""
+        contents = [m.get("content") for m in messages]
+        if self._added is None or not any(isinstance(c, str) and self._added.search(c) for c in contents):
+            return self.encode(text)  # nothing to forge: the whole reply at once
+        slotted = [
+            {**m, "content": f"{_SLOT}{i}Z"} if isinstance(c, str) else m
+            for i, (m, c) in enumerate(zip(messages, contents))
+        ]
+        marked = self.render(self._base + slotted, generation_prompt=True)[len(self._head) :]
+        pieces = re.split(f"{_SLOT}\\d+Z", marked)
+        found = re.fullmatch("(.*?)".join(map(re.escape, pieces)), text, flags=re.DOTALL)
+        if found is None:
+            raise ValueError(
+                "the chat template renders a reply's text differently from its content (not as is, nor escaped), so "
+                "the reply cannot be tokenised without its special tokens"
+            )
+        ids = self.encode(pieces[0])
+        for content, piece in zip(found.groups(), pieces[1:]):
+            ids += self.encode_text(content) + self.encode(piece)
+        return ids
 
 
 @dataclass

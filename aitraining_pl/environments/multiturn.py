@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import pickle
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +19,8 @@ from aitraining_pl.environments.tools import (
     run_calls,
     tool_schemas,
 )
-from aitraining_pl.rewards import build_reward_source, import_object
+from aitraining_pl.errors import ConfigError
+from aitraining_pl.rewards import build_reward_source, import_object, score_responses
 
 
 class GuessingGame(EpisodeEnvironment):
@@ -68,13 +70,26 @@ class GuessingGame(EpisodeEnvironment):
 
 
 def _resolve(tool: Callable | str) -> Callable:
-    return import_object(tool) if isinstance(tool, str) else tool
+    """A tool by import path or as given; it must reach the tool worker by reference (``tool_worker``)."""
+    fn = import_object(tool) if isinstance(tool, str) else tool
+    try:
+        sendable = fn.__module__ != "__main__" and pickle.loads(pickle.dumps(fn)) is fn
+    except Exception:  # noqa: BLE001 - a lambda, a local function, an object that does not pickle
+        sendable = False
+    if not sendable:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise ConfigError(
+            f"tool {name!r}", "tools run in a worker process: define it at module level in an importable module"
+        )
+    return fn
 
 
 class ToolEnvironment(EpisodeEnvironment):
     """The model answers a prompt and may call tools first: each turn's tool calls (in the chat template's
     format) are run and their results come back as ``tool`` messages; the first turn without a tool call is the
-    answer, scored by ``reward``. Faults of a tool become error messages (``environments.tools``).
+    answer, scored by ``reward`` (checked as a reward source's scores). Faults of a tool become error messages
+    (``environments.tools``); tools run in a worker process (``environments.tool_worker``), so each is a function
+    defined at module level (a lambda or a local function raises ``ConfigError`` here).
 
     Args:
         tools: the tools: Python functions (type hints and a docstring give the JSON schema) or import paths
@@ -130,8 +145,9 @@ class ToolEnvironment(EpisodeEnvironment):
         if calls:
             messages, errors = run_calls(calls, self.functions, self.tool_limits, self.tool_format)
             return EpisodeStep(messages, metrics={"tool_calls": float(len(calls)), "tool_errors": float(errors)})
-        (score,) = self.reward([self.prompt], [turn.text], [self.metadata])
-        return EpisodeStep(done=True, reward=float(score), metrics={"tool_calls": 0.0, "tool_errors": 0.0})
+        # checked as a reward source's scores; no timeout of its own: the step it runs in has the run's
+        (score,), _ = score_responses(self.reward, [self.prompt], [turn.text], [self.metadata], timeout=None)
+        return EpisodeStep(done=True, reward=score, metrics={"tool_calls": 0.0, "tool_errors": 0.0})
 
 
 _OPERATORS = {

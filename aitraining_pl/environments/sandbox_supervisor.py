@@ -42,7 +42,7 @@ class _MountAttr(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in ("attr_set", "attr_clr", "propagation", "userns_fd")]
 
 
-def _prctl(option: int, value: int) -> bool:
+def prctl(option: int, value: int) -> bool:
     return _LIBC is not None and _LIBC.prctl(option, ctypes.c_ulong(value), 0, 0, 0) == 0
 
 
@@ -232,8 +232,8 @@ def _jail(workdir: str, limits: dict, status_fd: int, root: bool, pidns: bool, n
         os.setgid(NOBODY)
         os.setuid(NOBODY)
         tags.append("uid-nobody")
-    _prctl(PR_SET_NO_NEW_PRIVS, 1)
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
     os.write(status_fd, json.dumps(tags).encode())
 
 
@@ -259,11 +259,12 @@ def _children() -> list:
     return pids
 
 
-def _kill_all(child: subprocess.Popen) -> None:
-    """SIGKILL the candidate's group and every process re-parented to this subreaper, until none is left."""
-    for kill in (lambda: os.killpg(child.pid, signal.SIGKILL), child.kill):
+def kill_tree(pid: int) -> None:
+    """SIGKILL the process group ``pid`` leads (the candidate's; a tool call's in ``tool_worker``), ``pid`` itself and
+    every process re-parented to this subreaper (``setsid`` daemons), until no child is left."""
+    for kill in (os.killpg, os.kill):
         try:
-            kill()
+            kill(pid, signal.SIGKILL)
         except OSError:
             pass
     give_up = time.monotonic() + 10.0
@@ -490,7 +491,7 @@ def _run(spec: dict, workdir: str, root: bool, tags: list, deadline: float) -> d
     try:
         result = _evaluate(channel, spec["code"], spec["tests"])
     finally:
-        _kill_all(child)
+        kill_tree(child.pid)
         os.close(req_w)
         os.close(rep_r)
     return dict(result, output=output.finish(1.0))
@@ -534,11 +535,11 @@ def main() -> None:
     result_fd = os.dup(1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     deadline = time.monotonic() + float(spec["limits"]["timeout"])
-    tags = ["subreaper"] if _prctl(PR_SET_CHILD_SUBREAPER, 1) else []
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    tags = ["subreaper"] if prctl(PR_SET_CHILD_SUBREAPER, 1) else []
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     root = os.geteuid() == 0
     tags += _enter_namespaces(root)  # before the next line: a process that is not dumpable cannot write its uid_map
-    _prctl(PR_SET_DUMPABLE, 0)
+    prctl(PR_SET_DUMPABLE, 0)
     _remove_stale_workdirs()
     workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}_")
     try:

@@ -10,24 +10,26 @@ in an assistant turn is parsed in the template's format (``TOOL_CALL_FORMATS``, 
   optionally after ``<|python_tag|>``;
 - ``mistral`` (Mistral v0.3 and later): ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``.
 
-``call_tool`` runs one call in a forked child process with a wall-clock limit (``ToolLimits``): what it
-returns (or prints) comes back as text of bounded size; an exception, a timeout, a child that dies, a result
-that is not text (converted with ``json.dumps`` or ``repr``), an unknown tool or arguments that do not fit
-become an ``error: ...`` tool message. Nothing a tool does stops the run.
+``call_tool`` runs one call in the tool worker process (``tool_worker``: started fresh, not forked from the
+trainer; each call in its own process group, killed with everything it started when it ends) with a wall-clock
+limit (``ToolLimits``): what it returns (or prints) comes back as text of bounded size; an exception, a timeout, a
+call that dies, a result that is not text (converted with ``json.dumps`` or ``repr``), an unknown tool, arguments
+that do not fit and a call nested too deeply to parse become an ``error: ...`` tool message. Nothing a tool does
+stops the run.
 """
 
 from __future__ import annotations
 
-import io
 import json
-import multiprocessing
+import pickle
 import re
 import secrets
 import string
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from aitraining_pl.environments.tool_worker import WORKER, as_text, bounded
 
 #: tool-call syntaxes by name (see the module docstring)
 TOOL_CALL_FORMATS = ("hermes", "llama3", "mistral")
@@ -42,7 +44,7 @@ class ToolLimits:
     """Limits of one tool call.
 
     Args:
-        timeout: wall-clock seconds a call may take (the child process is killed after).
+        timeout: wall-clock seconds a call may take (its process and everything it started are killed after).
         max_output_chars: characters of a tool's result (and of its printed output) kept in the tool message.
         max_calls_per_turn: tool calls of one turn that are run (later ones get an error message).
     """
@@ -84,7 +86,7 @@ def _call_from(obj: Any, argument_key: str) -> ToolCall:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
     return ToolCall(obj["name"], arguments)
 
@@ -94,6 +96,8 @@ def _loads(text: str) -> tuple[Any, str]:
         return json.loads(text), ""
     except ValueError as err:
         return None, f"unparsable tool call ({err.msg} at character {err.pos}): {text[:200]}"
+    except RecursionError:  # arguments nested past the interpreter's recursion limit
+        return None, f"unparsable tool call (nested too deeply): {text[:200]}"
 
 
 def parse_tool_calls(text: str, tool_format: str) -> list[ToolCall]:
@@ -122,74 +126,15 @@ def parse_tool_calls(text: str, tool_format: str) -> list[ToolCall]:
     raise ValueError(f"unknown tool_format {tool_format!r}; known: {', '.join(TOOL_CALL_FORMATS)}")
 
 
-def bounded(text: str, limit: int) -> str:
-    """``text`` cut to ``limit`` characters, saying how much was cut."""
-    return text if len(text) <= limit else text[:limit] + f"... [{len(text) - limit} characters cut]"
-
-
-class _CappedWriter(io.TextIOBase):
-    """A text stream that keeps its first ``limit`` characters and drops the rest."""
-
-    def __init__(self, limit: int):
-        self.parts, self.kept, self.dropped, self.limit = [], 0, 0, limit
-
-    def write(self, text: str) -> int:
-        room = self.limit - self.kept
-        if room > 0:
-            self.parts.append(text[:room])
-            self.kept += len(self.parts[-1])
-        self.dropped += max(0, len(text) - max(room, 0))
-        return len(text)
-
-    def getvalue(self) -> str:
-        tail = f"... [{self.dropped} characters cut]" if self.dropped else ""
-        return "".join(self.parts) + tail
-
-
-def as_text(value: Any) -> str:
-    """A tool's result as text: strings as they are, JSON where possible, else ``repr``."""
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def _child(fn: Callable, arguments: dict, limit: int, conn) -> None:
-    """Run the tool with its output captured: what it prints (first half of ``limit``), then its result."""
-    out = _CappedWriter(limit // 2)
-    sys.stdout = sys.stderr = out
-    try:
-        result = as_text(fn(**arguments))
-        printed = out.getvalue()
-        conn.send(("ok", (printed + "\n" if printed else "") + bounded(result, limit - len(printed))))
-    except BaseException as exc:  # noqa: BLE001 - every failure of a tool is a message to the model
-        conn.send(("error", bounded(f"{type(exc).__name__}: {exc}", limit)))
-    finally:
-        conn.close()
-
-
 def call_tool(fn: Callable, arguments: Any, limits: ToolLimits) -> tuple[str, bool]:
-    """Run ``fn(**arguments)`` in a forked child with ``limits``; ``(text, ok)`` (see the module docstring)."""
+    """Run ``fn(**arguments)`` in the tool worker process with ``limits``; ``(text, ok)`` (see the module
+    docstring)."""
     if not isinstance(arguments, dict):
         return f"error: the arguments must be a JSON object, got {bounded(as_text(arguments), 200)}", False
-    context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_child, args=(fn, arguments, limits.max_output_chars, send), daemon=True)
-    child.start()
-    send.close()
     try:
-        if not receive.poll(limits.timeout):
-            return f"error: the tool did not finish within {limits.timeout:g} s", False
-        status, text = receive.recv()
-    except (EOFError, OSError):
-        return "error: the tool's process died without a result", False
-    finally:
-        receive.close()
-        if child.is_alive():
-            child.kill()
-        child.join()
+        status, text = WORKER.call(fn, arguments, limits.timeout, limits.max_output_chars)
+    except (pickle.PicklingError, RecursionError, TypeError, AttributeError) as err:
+        return bounded(f"error: the arguments cannot be passed to the tool: {type(err).__name__}: {err}", 500), False
     return (text, True) if status == "ok" else (f"error: {text}", False)
 
 
