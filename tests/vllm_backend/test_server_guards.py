@@ -250,6 +250,21 @@ def _declaring(numel: int) -> bytes:
     return wire.MAGIC + struct.pack(">I", len(header)) + header
 
 
+def test_a_sample_request_over_the_cap_or_with_other_tensors_is_refused_unread(model):
+    """A ``sample`` request may declare its two int64 prompt tensors only, within ``max_request_bytes``: a
+    request declaring more, or other tensors, closes the connection before its payload is read."""
+    from aitraining_pl.vllm_backend.guards import Limits
+
+    entries = [{"name": name, "dtype": "int64", "shape": [1024, 1024]} for name in ("prompt_ids", "prompt_mask")]
+    with serving(RecordingEngine(), model, limits=Limits(max_request_bytes=1 << 20)) as port:
+        for tensors in (entries, [{**entries[0], "shape": [1, 4]}, {**entries[1], "dtype": "float32"}]):
+            owner = Raw(port)
+            assert owner.hello()["op"] == "ready"
+            header = json.dumps({"op": "sample", "tensors": tensors}).encode()
+            owner.sock.sendall(wire.MAGIC + struct.pack(">I", len(header)) + header)
+            assert owner.closed()
+
+
 # ---------------------------------------------------------------------- the server's own timeouts
 @pytest.mark.parametrize("asked", [-1.0, math.nan, 1e6])
 def test_a_push_that_stalls_holds_nothing_and_its_timeout_is_the_servers(model, asked):
