@@ -142,13 +142,16 @@ class VLLMServerClient:
         """``hello``, then the answer to the server's challenge (the token's proof): the server's ``ready``."""
         hello = {"op": "hello", "protocol": PROTOCOL, "rank": self.rank, "run": self.run}
         challenge, _ = self.call(hello, "connecting")
-        token, source = find_token(self.options)
+        if not isinstance(challenge.get("nonce"), str):
+            self.close()
+            raise self.error("connecting", f"the server answered {challenge['op']!r} to hello, not a challenge")
         try:
+            token, source = find_token(self.options)
             answer, _ = self.call({"op": "auth", "proof": proof(token, challenge["nonce"], self.run, self.rank)},
                                   "connecting")  # fmt: skip
-        except GenerationServerError as err:
+        except (ConfigError, GenerationServerError) as err:
             self.close()
-            if "the token does not match" not in str(err):
+            if isinstance(err, ConfigError) or "the token does not match" not in str(err):
                 raise
             raise GenerationServerError(
                 f"vLLM server {self.address}",

@@ -104,6 +104,9 @@ def test_the_client_names_where_its_token_came_from_never_the_token(model, tmp_p
         message = str(caught.value)
         assert f"it refused the token from generation.vllm.server_token_file {wrong}" in message, message
         assert "not-the-servers" not in message and "\n" not in message
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "elsewhere"))  # no token file where the client looks
+        with pytest.raises(ConfigError, match="generation.vllm.server_token_file: no token for the generation server"):
+            VLLMServerClient(model, options(port))
         monkeypatch.setenv(wire.TOKEN_ENV, TOKEN)  # the environment variable comes before the loopback file
         VLLMServerClient(model, options(port)).close()
 
