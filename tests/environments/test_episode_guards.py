@@ -16,7 +16,7 @@ import yaml
 from conftest import TINY_LLAMA
 
 from aitraining_pl.cli import main
-from aitraining_pl.environments.episode import EpisodeEnvironment, EpisodeLimits, EpisodeStep
+from aitraining_pl.environments.episode import AssistantTurn, EpisodeEnvironment, EpisodeLimits, EpisodeStep
 from aitraining_pl.environments.episode_rollout import ChatFormat, sample_episodes
 from aitraining_pl.errors import RewardError
 from aitraining_pl.guarded_call import CallInterrupted
@@ -88,6 +88,22 @@ def test_a_faulty_step_or_reset_is_one_reward_error_naming_the_environment(mode,
     with pytest.raises(RewardError) as info:
         _play(Hostile(mode))
     assert str(info.value).startswith(message), str(info.value)
+
+
+def nan_reward(prompts, responses, metadata):
+    return [float("nan")] * len(responses)
+
+
+def test_a_tool_environments_final_reward_is_checked_as_a_reward_sources():
+    """Before: the final answer's NaN score was the episode's reward, trained on."""
+    from aitraining_pl.environments.multiturn import ToolEnvironment, calculator
+
+    env = ToolEnvironment([calculator], reward=nan_reward, tool_format="hermes")
+    env.reset("Add 2 and 3.", {})
+    with pytest.raises(
+        RewardError, match="reward source 'nan_reward': returned a non-finite score \\(nan\\) at index 0"
+    ):
+        env.step(AssistantTurn("5", "5", [], True, 0))
 
 
 def test_a_hanging_step_times_out_and_sigterm_stops_it():
