@@ -78,7 +78,7 @@ from aitraining_pl.vllm_backend.guards import (
     PushRefused,
     WeightSpecs,
     no_tensors,
-)  # fmt: skip
+)
 from aitraining_pl.vllm_backend.weight_group import BACKENDS, WeightGroup, failure, host_store
 from aitraining_pl.vllm_backend.wire import (
     PROTOCOL,
@@ -89,7 +89,7 @@ from aitraining_pl.vllm_backend.wire import (
     proof,
     read_frame,
     send_frame,
-)  # fmt: skip
+)
 
 PROMPTS = ("prompt_ids", "prompt_mask")  #: the tensors of a ``sample`` request
 
