@@ -266,8 +266,8 @@ class RolloutEngine:
         if sampled.logits is not None:
             logprobs = selective_log_softmax(sampled.logits, response)
             sampling = selective_log_softmax(sampled.scores, response)
-        if sampled.sampled_logprobs is not None:
-            sampling = sampled.sampled_logprobs * mask
+        if sampled.sampling_logprobs is not None:
+            sampling = sampled.sampling_logprobs * mask
         return Rollout(prompt_ids, prompt_mask, response, mask, ended, texts, group, logprobs, sampling)
 
 

@@ -400,7 +400,7 @@ def test_two_ranks_requests_are_served_in_one_generate_with_the_rows_each_gets_a
     for (ours, _), (theirs, _), (texts, samples, _, _) in zip(alone, batched, requests):
         assert ours.response_ids.shape[0] == len(texts) * samples
         assert torch.equal(theirs.response_ids, ours.response_ids)
-        assert torch.equal(theirs.sampled_logprobs, ours.sampled_logprobs)
+        assert torch.equal(theirs.sampling_logprobs, ours.sampling_logprobs)
     assert not torch.equal(alone[0][0].response_ids[0], alone[0][0].response_ids[1])  # sampled, not greedy
 
 

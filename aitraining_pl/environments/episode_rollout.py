@@ -285,9 +285,9 @@ def _as_rollout(tokens: EpisodeTokens, episodes: _Episodes, prompt_ids, prompt_m
         tokens.sampled,
     )
     rollout = Rollout(prompt_ids, prompt_mask, ids.to(device), model_mask.to(device), ended.to(device), texts, group)
-    if tokens.sampled_logprobs is not None:
+    if tokens.sampling_logprobs is not None:
         logps = torch.zeros(n, width)
-        for r, row in enumerate(tokens.sampled_logprobs):
+        for r, row in enumerate(tokens.sampling_logprobs):
             logps[r, : len(row)] = torch.tensor(row, dtype=torch.float32)
         rollout.sampling_logprobs = logps.to(device)
     rollout.episodes = info

@@ -57,7 +57,7 @@ class EpisodeTokens:
     prefilled: list[int] = field(default_factory=list)  #: real tokens run through the model before each turn
     sampled: list[int] = field(default_factory=list)  #: tokens sampled in each turn
     #: per row, the sampler's log-prob of each token (0 on the environment's), when the sampler gives them (vLLM)
-    sampled_logprobs: list[list[float]] | None = None
+    sampling_logprobs: list[list[float]] | None = None
 
     @classmethod
     def empty(cls, n: int) -> EpisodeTokens:
@@ -73,8 +73,8 @@ class EpisodeTokens:
         self.from_model[row] += [True] * len(tokens)
         self.turn_ends[row].append(len(self.tokens[row]) - 1)
         self.turn_ended[row].append(ended)
-        if self.sampled_logprobs is not None:
-            self.sampled_logprobs[row] += list(logprobs) + [0.0] * len(reply or ())
+        if self.sampling_logprobs is not None:
+            self.sampling_logprobs[row] += list(logprobs) + [0.0] * len(reply or ())
         if reply is not None:
             self.tokens[row] += list(reply)
             self.from_model[row] += [False] * len(reply)
@@ -87,7 +87,7 @@ class TurnSample(NamedTuple):
 
     tokens: list[list[int]]
     ended: list[bool]
-    logprobs: list[list[float]] | None
+    sampling_logprobs: list[list[float]] | None
     prefilled: int
 
 
@@ -237,10 +237,10 @@ def decode_turns(
         drawn = sample(ids, mask, samples)
         out.prefilled.append(drawn.prefilled)
         out.sampled.append(sum(len(t) for t in drawn.tokens))
-        if drawn.logprobs is not None and out.sampled_logprobs is None:
-            out.sampled_logprobs = [[] for _ in range(n)]
+        if drawn.sampling_logprobs is not None and out.sampling_logprobs is None:
+            out.sampling_logprobs = [[] for _ in range(n)]
         replies = respond(turn, rows, drawn.tokens, drawn.ended)
-        logprobs = drawn.logprobs if drawn.logprobs is not None else [None] * len(rows)
+        logprobs = drawn.sampling_logprobs if drawn.sampling_logprobs is not None else [None] * len(rows)
         for r, tokens, ended, reply, row_logprobs in zip(rows, drawn.tokens, drawn.ended, replies, logprobs):
             out.add_turn(r, tokens, ended, reply, row_logprobs)
         going = [r for r, reply in zip(rows, replies) if reply is not None]

@@ -99,7 +99,7 @@ class SampledTokens(NamedTuple):
     response_ids: torch.Tensor
     logits: torch.Tensor | None = None
     scores: torch.Tensor | None = None
-    sampled_logprobs: torch.Tensor | None = None
+    sampling_logprobs: torch.Tensor | None = None
 
 
 def hf_generation_config(

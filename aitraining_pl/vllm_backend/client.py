@@ -295,8 +295,8 @@ class VLLMServerClient:
         answer, tensors = self.call(request, doing, prompts)
         self.cached_tokens, self.batched = int(answer.get("cached_tokens", 0)), int(answer.get("batched", 1))
         device = prompt_ids.device
-        logprobs = tensors["sampled_logprobs"].to(device)
-        return SampledTokens(tensors["response_ids"].to(device), sampled_logprobs=logprobs)
+        logprobs = tensors["sampling_logprobs"].to(device)
+        return SampledTokens(tensors["response_ids"].to(device), sampling_logprobs=logprobs)
 
     def sleep(self) -> None:
         """Nothing to free: the server's memory is its own."""

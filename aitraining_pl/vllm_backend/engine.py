@@ -350,7 +350,7 @@ class VLLMEngine:
         seed: int | None = None,
     ) -> SampledTokens:
         """``num_samples`` responses per left-padded prompt (B, P): response ids (N, R) right padded with
-        ``pad_token_id``, rows in ``repeat_interleave`` order, and their log-probs (``sampled_logprobs``, N x R)
+        ``pad_token_id``, rows in ``repeat_interleave`` order, and their log-probs (``sampling_logprobs``, N x R)
         under the distribution sampled from (zeros after each response). ``seed``: sample ``j`` of prompt ``i``
         is drawn with seed ``seed + i * n + j`` (vLLM gives a request's ``n`` samples seeds ``seed + j``), so
         every sample has its own stream; None: from torch's global generator (``seed_everything``), which is the
@@ -409,7 +409,7 @@ class VLLMEngine:
                 logps[row, : len(tokens)] = torch.tensor(
                     [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens)]
                 )
-        return SampledTokens(ids.to(device), sampled_logprobs=logps.to(device))
+        return SampledTokens(ids.to(device), sampling_logprobs=logps.to(device))
 
     def close(self) -> None:
         """Shut the engine down and delete its folder."""

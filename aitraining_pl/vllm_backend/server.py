@@ -27,7 +27,7 @@ training process keeps one connection; requests (``op`` of the header) and answe
   connection's weight channel. A push silent for ``--timeout`` seconds loses its connection. Sent by rank 0.
 - ``sample {version, timeout, generation, end_ids, stop_strings, skip_special_tokens, pad_token_id,
   num_samples, seed}`` with tensors ``prompt_ids``, ``prompt_mask`` (B, P; left padded) -> ``samples {batched,
-  cached_tokens}`` with ``response_ids`` and ``sampled_logprobs`` (N, R): answered once the engine holds
+  cached_tokens}`` with ``response_ids`` and ``sampling_logprobs`` (N, R): answered once the engine holds
   ``version`` (waiting up to ``timeout`` seconds, at most ``--timeout``, for rank 0's push; then ``error``);
   ``batched``: how many requests the ``generate`` call that drew it served, ``cached_tokens``: its prompt
   tokens found in the prefix cache.
@@ -246,7 +246,7 @@ class GenerationServer(socketserver.ThreadingTCPServer):
         if job.error is not None:
             raise RuntimeError(job.error)
         sampled, answer = job.sampled, {"op": "samples", "batched": job.batched, "cached_tokens": job.cached_tokens}
-        return answer, {"response_ids": sampled.response_ids, "sampled_logprobs": sampled.sampled_logprobs}
+        return answer, {"response_ids": sampled.response_ids, "sampling_logprobs": sampled.sampling_logprobs}
 
     def holds(self, job: _Job) -> bool:
         """Whether the engine holds the weights ``job`` is for (not during a load)."""

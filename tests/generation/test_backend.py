@@ -44,7 +44,7 @@ class FixedBackend:
     def sample(self, prompt_ids, prompt_mask, generation, end_ids, stop_rule, pad_token_id, num_samples=1, seed=None):
         rows = prompt_ids.shape[0] * num_samples
         logps = torch.full((rows, len(self.tokens)), -0.5)
-        return SampledTokens(torch.tensor([self.tokens] * rows), sampled_logprobs=logps)
+        return SampledTokens(torch.tensor([self.tokens] * rows), sampling_logprobs=logps)
 
     def sync(self, policy, version=None):
         self.synced.append(version)
