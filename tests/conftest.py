@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+from pathlib import Path
+
+# the shared test helpers (tests/helpers/: architectures, dpo_utils, ...) import by name from every tests/ folder
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")

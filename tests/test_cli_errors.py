@@ -683,7 +683,7 @@ def test_console_command_prints_one_line_and_exits_2(case, tmp_path):
     own log lines, such as "Seed set to 0", may come before it), no usage dump, no traceback."""
     config, extra, what, expected, _ = CASES[case]
     tests = str(Path(__file__).resolve().parent)
-    path = os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([tests, os.path.join(tests, "helpers"), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "aitraining_pl.cli", *config(tmp_path), *extra(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)

@@ -4,7 +4,7 @@ A snippet is executed as written except for three substitutions, so the docs can
 hub ids (``"Org/Name"``) become a tiny random Llama saved with a byte-level tokenizer and a chat template;
 data file names and hub datasets become the package's shipped data; ``pl.Trainer(`` runs 2 steps without loggers or
 checkpoints. ``docs/from_the_seed.md`` shows the seed's own code beside ours; its examples are tests in
-``tests/test_seed_examples.py``, so it is not run here.
+``tests/compat/test_seed_examples.py``, so it is not run here.
 """
 
 from __future__ import annotations

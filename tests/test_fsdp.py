@@ -1,5 +1,5 @@
 """FSDP2 (``FSDP2Strategy``: Lightning's ``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``) on 2
-CPU processes with gloo, against a 1-process run and 2-process DDP (``tests/fsdp_script.py`` runs the cases)."""
+CPU processes with gloo, against a 1-process run and 2-process DDP (``tests/helpers/fsdp_script.py`` runs the cases)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import sys
 import pytest
 import torch
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "fsdp_script.py")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(TESTS, "helpers", "fsdp_script.py")
+ROOT = os.path.dirname(TESTS)
 SAME_AS_ONE_PROCESS = ["dpo_step", "dpo_lora", "dpo_checkpointing", "reward_step"]
 RUNS = {
     "fsdp": [*SAME_AS_ONE_PROCESS, "dpo_bf16", "dpo_resume", "ppo_step", "grpo_step", "rloo_step", "sft_step"],
@@ -22,7 +24,7 @@ RUNS = {
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(SCRIPT))}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     for strategy, cases in RUNS.items():
         proc = subprocess.run(
             [sys.executable, SCRIPT, str(out), strategy, *cases], env=env, capture_output=True, text=True, timeout=900

@@ -15,34 +15,20 @@ import torch
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from architectures import VLLM, names, sharpen, spec  # noqa: E402
+# (test_vllm_server.py and test_vllm_episodes.py still import vllm_fixtures' names from here: issue 34, phase B)
+from architectures import VLLM, names, sharpen  # noqa: E402
+from vllm_fixtures import logp_gap, prompts, train_steps, vllm_spec  # noqa: E402
 
 from aitraining_pl.models import apply_lora, build_causal_lm, load_tokenizer  # noqa: E402
 from aitraining_pl.models.lora import LoRAConfig  # noqa: E402
-from aitraining_pl.models.rollout_scoring import response_logps  # noqa: E402
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
 from aitraining_pl.vllm_backend import VLLMConfig  # noqa: E402
 from aitraining_pl.vllm_backend.engine import VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-#: architectures of the matrix (tests/architectures.py) that vLLM serves
+#: architectures of the matrix (tests/helpers/architectures.py) that vLLM serves
 VLLM_ARCHITECTURES = tuple(names(VLLM))
-#: vLLM's CPU attention needs head sizes of 32 or more: two heads of 32 over the byte tokenizer's vocabulary
-WIDER = {"vocab_size": 384, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "eos_token_id": 1}
-
-
-def vllm_spec(model_type: str) -> dict:
-    """The matrix's tiny ``model_type`` config with two heads of 32 and the byte vocabulary."""
-    config = {"model_type": model_type, **spec(model_type), **WIDER}
-    if "head_dim" in config:
-        config["head_dim"] = 32
-    return config
-
-
-def prompts(tokenizer, texts):
-    enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
-    return enc["input_ids"], enc["attention_mask"]
 
 
 @pytest.fixture(scope="module")
@@ -83,29 +69,6 @@ def test_greedy_responses_equal_the_hf_backend(model_type, tokenizer):
     assert torch.equal(got.response_mask[:, :width], expected.response_mask)
     assert torch.equal(got.ended, expected.ended) and got.texts == expected.texts
     assert got.sampling_logprobs is not None and (got.sampling_logprobs * (1 - got.response_mask) == 0).all()
-
-
-def logp_gap(engine: VLLMEngine, model, tokenizer, generation) -> float:
-    """Largest |logp_vllm - logp_policy| over the response tokens of a sampled rollout (fp32, temperature 1)."""
-    ids, mask = prompts(tokenizer, ["hello there", "what is two plus two"])
-    rollout = RolloutEngine(tokenizer, generation, backend=engine).sample(model, ids, mask, 4, seed=0)
-    with torch.no_grad():
-        trainer = response_logps(model.eval(), rollout.input_ids, rollout.attention_mask, ids.shape[1], 1.0).logprobs
-    return float(((rollout.sampling_logprobs - trainer).abs() * rollout.response_mask).max())
-
-
-def train_steps(model, k: int = 3, lr: float = 0.05) -> None:
-    """``k`` AdamW steps of next-token loss on a fixed text (changes every trainable weight)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr)
-    data = torch.arange(3, 40).view(1, -1)
-    model.train()
-    for _ in range(k):
-        loss = model(input_ids=data, labels=data).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval()
 
 
 def test_weight_sync_after_optimizer_steps_plain_and_lora(tokenizer):

@@ -10,12 +10,14 @@ import sys
 import pytest
 import torch
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "reward_ddp_script.py")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(TESTS, "helpers", "reward_ddp_script.py")
+ROOT = os.path.dirname(TESTS)
 
 
 @pytest.mark.ddp
 def test_reward_module_ddp_reduces_metrics_and_keeps_ranks_in_sync(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(SCRIPT))}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = torch.load(tmp_path / "result.pt", weights_only=True)

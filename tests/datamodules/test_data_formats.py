@@ -404,11 +404,12 @@ def test_another_process_reuses_the_cache(tmp_path, datasets_cache, count_calls)
 def test_ddp_tokenises_on_rank_zero_only(tmp_path):
     """2-process CPU DDP: rank 0 tokenises in ``prepare_data``; neither rank tokenises in ``setup``."""
     write(tmp_path / "pairs.jsonl", [{"prompt": f"q{i}", "chosen": "yes", "rejected": "no"} for i in range(8)])
-    script = os.path.join(os.path.dirname(__file__), "data_ddp_script.py")
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(tests, "helpers", "data_ddp_script.py")
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.path.dirname(os.path.dirname(script)),
+        "PYTHONPATH": os.path.dirname(tests),
         "HF_DATASETS_CACHE": str(tmp_path / "cache"),
     }
     proc = subprocess.run([sys.executable, script, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)

@@ -1,5 +1,6 @@
-"""Run by tests/test_data_formats.py: a DPO fit under 2-process CPU DDP on a JSONL file. Each rank counts its
-tokenizer calls before ``setup`` and inside it; rank 0 writes the counts of both ranks to OUT/counts.json."""
+"""Run by tests/datamodules/test_data_formats.py: a DPO fit under 2-process CPU DDP on a JSONL file. Each rank
+counts its tokenizer calls before ``setup`` and inside it; rank 0 writes the counts of both ranks to
+OUT/counts.json."""
 
 import json
 import os
@@ -8,7 +9,8 @@ import sys
 import torch
 
 torch.set_num_threads(1)
-sys.path.insert(0, os.path.dirname(__file__))
+HELPERS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HELPERS, os.path.dirname(HELPERS)]  # the helpers and tests/ (conftest)
 
 import lightning.pytorch as pl  # noqa: E402
 import transformers  # noqa: E402

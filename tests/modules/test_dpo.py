@@ -127,7 +127,7 @@ LOSS_RUNS = [
         **({"label_smoothing": 0.1} if t in ("sigmoid", "robust") else {}),
         **({"padding_free": False, "share_prompt": False} if t in ("hinge", "simpo") else {}),
     }
-    for t in ("sigmoid", "robust", "hinge", "ipo", "simpo")  # the others: tests/test_preference_losses.py
+    for t in ("sigmoid", "robust", "hinge", "ipo", "simpo")  # the others: tests/losses/test_preference_losses.py
 ] + [
     {"reference_free": True},
     {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]},  # RPO

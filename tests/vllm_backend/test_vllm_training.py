@@ -23,7 +23,7 @@ from aitraining_pl.modules.critic_free import GRPOModule  # noqa: E402
 from aitraining_pl.rollout import GenerationConfig  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = str(ROOT / "aitraining_pl/data/quickstart_prompts.jsonl")
 
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_reward_ddp.py: RewardModule under 2-process CPU DDP. Rank 0 writes OUT/result.pt with
+"""Run by tests/modules/test_reward_ddp.py: RewardModule under 2-process CPU DDP. Rank 0 writes OUT/result.pt with
 its final state, the rank-reduced validation metrics and the same metrics computed in one process."""
 
 import os
@@ -7,11 +7,12 @@ import sys
 import torch
 
 torch.set_num_threads(1)
-sys.path.insert(0, os.path.dirname(__file__))
+HELPERS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HELPERS, os.path.dirname(HELPERS)]  # the helpers and tests/ (conftest)
 
 import lightning.pytorch as pl  # noqa: E402
 from conftest import TINY_LLAMA  # noqa: E402
-from test_reward_module import synthetic_pairs  # noqa: E402
+from reward_fixtures import synthetic_pairs  # noqa: E402
 
 from aitraining_pl.datamodules.preference import PreferenceDataModule  # noqa: E402
 from aitraining_pl.modules.reward import RewardModule  # noqa: E402

@@ -1,4 +1,4 @@
-"""Run by tests/test_ppo_ddp.py: 2-process CPU DDP PPO; each rank saves its final state to OUT/rank<r>.pt.
+"""Run by tests/modules/test_ppo_ddp.py: 2-process CPU DDP PPO; each rank saves its final state to OUT/rank<r>.pt.
 
 The ranks are given different ``max_new_tokens`` so their rollouts have different lengths (ragged across
 ranks): nothing may wait on another rank's shapes.
@@ -10,7 +10,8 @@ import sys
 import torch
 
 torch.set_num_threads(1)
-sys.path.insert(0, os.path.dirname(__file__))
+HELPERS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HELPERS, os.path.dirname(HELPERS)]  # the helpers and tests/ (conftest)
 
 import lightning.pytorch as pl  # noqa: E402
 from conftest import TINY_LLAMA  # noqa: E402

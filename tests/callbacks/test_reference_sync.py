@@ -69,7 +69,7 @@ def test_dpo_reference_moves_every_n_steps_and_not_otherwise(tmp_path, byte_toke
 
 
 def test_grpo_reference_moves_with_the_callback(tmp_path):
-    from test_online import QUICKSTART_PROMPTS, TOY_REWARD
+    from online_fixtures import QUICKSTART_PROMPTS, TOY_REWARD
 
     from aitraining_pl.datamodules.prompt import PromptDataModule
     from aitraining_pl.modules.critic_free import GRPOModule
@@ -107,7 +107,7 @@ def test_sync_refuses_a_reference_it_cannot_move(tmp_path, byte_tokenizer):
 
 
 def test_ppo_reference_mixes_in_the_policy_under_its_value_head_wrapper():
-    from test_online import TOY_REWARD
+    from online_fixtures import TOY_REWARD
 
     from aitraining_pl.modules.ppo import PPOModule
 

@@ -14,7 +14,8 @@ import sys
 import torch
 
 torch.set_num_threads(1)
-sys.path.insert(0, os.path.dirname(__file__))
+HELPERS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HELPERS, os.path.dirname(HELPERS)]  # the helpers and tests/ (conftest)
 
 import lightning.pytorch as pl  # noqa: E402
 from conftest import TINY_LLAMA  # noqa: E402

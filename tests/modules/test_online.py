@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import copy
-import os
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import SAMPLER, TINY_LLAMA, quiet_trainer
+from conftest import TINY_LLAMA, quiet_trainer
+from online_fixtures import EOS, QUICKSTART_PROMPTS, TOY_REWARD, fixed_rollout_module
 
-import aitraining_pl.rollout as rollout_module
 from aitraining_pl.datamodules.prompt import PromptDataModule
 from aitraining_pl.models import build_causal_lm
 from aitraining_pl.models.rollout_scoring import response_logps
@@ -18,11 +17,6 @@ from aitraining_pl.modules.critic_free import CriticFreeModule, GRPOModule, RLOO
 from aitraining_pl.modules.online import OnlineRLModule
 from aitraining_pl.modules.ppo import PPOModule
 from aitraining_pl.rollout import GenerationConfig
-
-TOY_REWARD = "aitraining_pl.rewards:char_fraction_reward"  # PPO/GRPO/RLOO need a reward source
-
-QUICKSTART_PROMPTS = os.path.join(os.path.dirname(__file__), "..", "aitraining_pl", "data", "quickstart_prompts.jsonl")
-EOS = 1
 
 
 def _rollout_rows():
@@ -111,23 +105,11 @@ def test_kl_coef_zero_holds_no_reference():
     assert with_ref.reference.model is not with_ref.model
 
 
-def _fixed_rollout_module(monkeypatch, scores, fixed, **kwargs):
-    module = CriticFreeModule(
-        model_config=TINY_LLAMA,
-        tokenizer_name="byte",
-        reward=lambda p, r, m: list(scores),
-        generation=GenerationConfig(max_new_tokens=fixed.shape[1], temperature=1.0, top_p=1.0),
-        **kwargs,
-    )
-    monkeypatch.setattr(SAMPLER, lambda *a, **k: rollout_module.SampledTokens(fixed.clone()))
-    return module
-
-
 def test_one_grpo_step_matches_a_hand_written_update(tmp_path, monkeypatch, byte_tokenizer):
     """num_iterations = 1, no KL: one SGD-like AdamW step on -mean_i mean_t A_i * rho_it with rho = 1."""
     fixed = torch.tensor([[40, 41, EOS, 0], [EOS, 0, 0, 0], [50, 51, 52, 53], [60, EOS, 70, 71]])
     scores = [1.0, 0.0, 0.5, 0.5]
-    module = _fixed_rollout_module(
+    module = fixed_rollout_module(
         monkeypatch,
         scores,
         fixed,
@@ -167,7 +149,7 @@ def test_one_grpo_step_matches_a_hand_written_update(tmp_path, monkeypatch, byte
 
 def test_dynamic_sampling_drops_groups_without_signal(monkeypatch):
     fixed = torch.tensor([[40, EOS], [41, EOS], [42, EOS], [43, 44]])
-    module = _fixed_rollout_module(
+    module = fixed_rollout_module(
         monkeypatch,
         [1.0, 0.0, 0.5, 0.5],
         fixed,
@@ -289,7 +271,7 @@ def test_quickstart_config_runs_through_the_cli(tmp_path):
 
     from aitraining_pl.cli import main
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     config = yaml.safe_load((root / "configs/quickstart/grpo.yaml").read_text())
     config["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(tmp_path / "export")
     (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(config))
@@ -327,7 +309,7 @@ def test_quickstart_config_runs_through_the_cli(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("advantage", ["rloo", "reinforce_pp"])
 def test_kl_regularised_bandit_reaches_the_closed_form_optimum(tmp_path, advantage):
-    """RLOO and REINFORCE++ on the one-token bandit (``tests/bandit.py``) end within total variation 0.05 of
+    """RLOO and REINFORCE++ on the one-token bandit (``tests/helpers/bandit.py``) end within total variation 0.05 of
     ``pi* = pi_ref exp(r / beta) / Z`` (0.36 away at the start). That closed form is the optimum of
     ``E[r] - beta KL(pi || pi_ref)`` with the reverse KL, which is what the k1 estimator in the reward
     (``kl_in_reward``, ``log pi - log pi_ref`` of the sampled token) estimates without bias; other estimators

@@ -9,12 +9,14 @@ import sys
 import pytest
 import torch
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "online_ddp_script.py")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(TESTS, "helpers", "online_ddp_script.py")
+ROOT = os.path.dirname(TESTS)
 
 
 @pytest.mark.ddp
 def test_two_rank_grpo_keeps_groups_together_and_ends_with_identical_weights(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(SCRIPT))}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
@@ -50,7 +52,7 @@ def test_two_rank_grpo_keeps_groups_together_and_ends_with_identical_weights(tmp
 def test_two_rank_grpo_on_multi_turn_episodes_ends_with_identical_weights(tmp_path):
     """Episodes of different lengths and turn counts on the two ranks: the same optimizer steps, metrics reduced
     across ranks (the episode metrics too) and identical weights at the end."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(SCRIPT))}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     command = [sys.executable, SCRIPT, str(tmp_path), "episodes"]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

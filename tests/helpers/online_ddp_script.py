@@ -1,4 +1,4 @@
-"""Run by tests/test_online_ddp.py: 2-process CPU DDP GRPO; each rank saves its final state to OUT/rank<r>.pt.
+"""Run by tests/modules/test_online_ddp.py: 2-process CPU DDP GRPO; each rank saves its final state to OUT/rank<r>.pt.
 With ``episodes`` as the second argument the reward is the multi-turn ``GuessingGame`` (episodes of different
 lengths and turn counts on the two ranks).
 
@@ -12,7 +12,8 @@ import sys
 import torch
 
 torch.set_num_threads(1)
-sys.path.insert(0, os.path.dirname(__file__))
+HELPERS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HELPERS, os.path.dirname(HELPERS)]  # the helpers and tests/ (conftest)
 
 import lightning.pytorch as pl  # noqa: E402
 from conftest import TINY_LLAMA  # noqa: E402

@@ -15,7 +15,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "vllm_ddp_script.py")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(TESTS, "helpers", "vllm_ddp_script.py")
+ROOT = os.path.dirname(TESTS)
 pytestmark = [pytest.mark.vllm, pytest.mark.ddp, pytest.mark.slow]
 
 
@@ -30,8 +32,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ddp, pytest.mark.slow]
     ],
 )
 def test_each_rank_engine_holds_the_policy_weights_after_optimizer_steps(tmp_path, strategy, sync, weights):
-    """``tests/vllm_ddp_script.py``: 2 iterations of 4 optimizer steps; then every rank's engine log-probs equal the
-    policy's within 1e-4 (FSDP2: gathered one parameter at a time while streaming into vLLM's
+    """``tests/helpers/vllm_ddp_script.py``: 2 iterations of 4 optimizer steps; then every rank's engine log-probs
+    equal the policy's within 1e-4 (FSDP2: gathered one parameter at a time while streaming into vLLM's
     ``reload_weights``, the policy sharded before and after; LoRA: each delta merged into its gathered base
     weight, and the trained adapters moved the engine away from the base model by more than 1e-2), or differ by
     more than 1e-2 with ``sync_weights: false``; the two ranks' unseeded samples differ."""
@@ -39,7 +41,7 @@ def test_each_rank_engine_holds_the_policy_weights_after_optimizer_steps(tmp_pat
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "PYTHONPATH": os.path.dirname(os.path.dirname(SCRIPT)),
+        "PYTHONPATH": ROOT,
     }
     command = [sys.executable, SCRIPT, str(tmp_path), strategy, sync, weights]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)

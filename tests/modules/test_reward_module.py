@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import TINY_LLAMA
+from reward_fixtures import synthetic_pairs
 
 from aitraining_pl.compat import RewardModelTrainer
 from aitraining_pl.datamodules.io import DataValidationError
@@ -18,17 +19,6 @@ from aitraining_pl.datamodules.scores import ScoresDataModule
 from aitraining_pl.losses import bradley_terry_loss
 from aitraining_pl.models import RewardModel, RewardModelConfig, load_reward_model
 from aitraining_pl.modules.reward import MultiObjectiveRewardModule, PairwiseRewardModule, RewardModule
-
-
-def synthetic_pairs(n: int, seed: int) -> tuple[list[str], list[str], list[str]]:
-    """Learnable preferences: chosen answers are vowels, rejected ones consonants, lengths random."""
-    rng = random.Random(seed)
-    prompts, chosen, rejected = [], [], []
-    for _ in range(n):
-        prompts.append("Q: " + "".join(rng.choice("bcdfgh") for _ in range(rng.randint(2, 6))) + "\nA: ")
-        chosen.append("".join(rng.choice("aeiou") for _ in range(rng.randint(3, 8))))
-        rejected.append("".join(rng.choice("xyzqk") for _ in range(rng.randint(3, 8))))
-    return prompts, chosen, rejected
 
 
 def _trainer(**kw) -> pl.Trainer:
@@ -256,7 +246,7 @@ def test_reward_quickstart_accuracy_rises_and_exports_a_loadable_folder(tmp_path
 
     from aitraining_pl.cli import build_cli
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(tmp_path)
     data = root / "aitraining_pl" / "data" / "quickstart_reward.jsonl"
     build_cli(["fit", "--config", str(root / "configs/quickstart/reward.yaml"), "--data.init_args.data_path", str(data),
@@ -279,7 +269,7 @@ def test_multi_objective_quickstart_runs_briefly_and_checks_objective_counts(tmp
 
     from aitraining_pl.cli import build_cli
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(tmp_path)
     args = ["fit", "--config", str(root / "configs/quickstart/reward_multi_objective.yaml"),
             "--data.init_args.data_path", str(root / "aitraining_pl/data/quickstart_scores.jsonl"),

@@ -360,7 +360,7 @@ def test_lora_trains_only_adapters_and_exports_them(tmp_path, byte_tokenizer):
 def test_quickstart_config_runs_briefly(tmp_path, monkeypatch):
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(tmp_path)
     data = root / "aitraining_pl" / "data" / "quickstart_sft.jsonl"
     build_cli(
@@ -389,7 +389,7 @@ def test_sft_reward_ppo_pipeline_through_the_quickstart_configs(tmp_path, monkey
     import csv
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(tmp_path)
     data, quiet = root / "aitraining_pl" / "data", ["--trainer.enable_progress_bar", "false"]
     short = [

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import quiet_trainer
-from test_online import EOS, _fixed_rollout_module
+from online_fixtures import EOS, fixed_rollout_module
 
 from aitraining_pl.callbacks.completions import CompletionLogCallback
 from aitraining_pl.datamodules.prompt import PromptDataModule
@@ -19,7 +19,7 @@ from aitraining_pl.rewards import WeightedRewards
 
 def test_completions_are_logged_every_n_steps_with_components_and_advantages(tmp_path, monkeypatch, byte_tokenizer):
     fixed = torch.tensor([[40, 41, EOS, 0], [EOS, 0, 0, 0], [50, 51, 52, 53], [60, EOS, 0, 0]])
-    module = _fixed_rollout_module(monkeypatch, [0.0] * 4, fixed, num_generations=2, kl_coef=0.0, mini_batch_size=4)
+    module = fixed_rollout_module(monkeypatch, [0.0] * 4, fixed, num_generations=2, kl_coef=0.0, mini_batch_size=4)
     reward = WeightedRewards(
         {"a": lambda p, r, m: [1.0, 0.0, 0.5, None], "b": lambda p, r, m: [None, 1.0, 0.5, 0.5]}, {"a": 1.0, "b": 2.0}
     )

@@ -17,7 +17,7 @@ from aitraining_pl.models import LoRAConfig, RewardModel, RewardModelConfig, loa
 from aitraining_pl.modules import DPOModule
 from aitraining_pl.validation import RenamedArgumentWarning
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = {**TINY_LLAMA, "num_hidden_layers": 1}
 
 

@@ -9,12 +9,14 @@ import sys
 import pytest
 import torch
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "ppo_ddp_script.py")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(TESTS, "helpers", "ppo_ddp_script.py")
+ROOT = os.path.dirname(TESTS)
 
 
 @pytest.mark.ddp
 def test_two_rank_ddp_ends_with_identical_weights(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(SCRIPT))}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)

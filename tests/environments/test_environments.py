@@ -255,7 +255,7 @@ def test_ppo_quickstart_variant_with_the_math_environment_as_reward_source(tmp_p
 
     from aitraining_pl.cli import main
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     main([
         "fit", "--config", str(root / "configs/quickstart/ppo_math.yaml"),
         "--data.init_args.data_path", str(root / "aitraining_pl/data/math_prompts.jsonl"),

@@ -15,7 +15,7 @@ from aitraining_pl.datamodules.kto import KTOCollator, KTODataModule
 from aitraining_pl.errors import HyperparameterError
 from aitraining_pl.models.scoring import completion_logps
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KTO_MODEL, KTO_DATA = "aitraining_pl.modules.kto.KTOModule", "aitraining_pl.datamodules.kto.KTODataModule"
 
 

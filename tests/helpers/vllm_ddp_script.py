@@ -1,8 +1,8 @@
-"""Run by tests/test_vllm_distributed.py: GRPO on the colocated vLLM backend in 2 CPU processes (gloo), one vLLM
-engine per process (``external_launcher``). ``python vllm_ddp_script.py OUT STRATEGY SYNC WEIGHTS``: ``STRATEGY``
-is ``ddp`` or ``fsdp`` (``fsdp2``: the sync all-gathers one parameter at a time), ``SYNC`` ``on`` or ``off``
-(``generation.vllm.sync_weights``), ``WEIGHTS`` ``full`` or ``lora`` (LoRA adapters on the policy, merged into
-the engine's weights as they stream). After training each rank syncs its engine once more and writes
+"""Run by tests/vllm_backend/test_vllm_distributed.py: GRPO on the colocated vLLM backend in 2 CPU processes (gloo),
+one vLLM engine per process (``external_launcher``). ``python vllm_ddp_script.py OUT STRATEGY SYNC WEIGHTS``:
+``STRATEGY`` is ``ddp`` or ``fsdp`` (``fsdp2``: the sync all-gathers one parameter at a time), ``SYNC`` ``on`` or
+``off`` (``generation.vllm.sync_weights``), ``WEIGHTS`` ``full`` or ``lora`` (LoRA adapters on the policy, merged
+into the engine's weights as they stream). After training each rank syncs its engine once more and writes
 ``OUT/rank<r>.pt``: the largest |logp_engine - logp_policy| over a sampled rollout (with LoRA also against the
 policy with its adapters off), the optimizer steps made and the tokens its engine drew without a seed (the ranks'
 engines are seeded differently)."""
@@ -15,7 +15,8 @@ import sys
 import torch
 
 torch.set_num_threads(1)
-sys.path.insert(0, os.path.dirname(__file__))
+HELPERS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HELPERS, os.path.dirname(HELPERS)]  # the helpers and tests/ (conftest)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import lightning.pytorch as pl  # noqa: E402

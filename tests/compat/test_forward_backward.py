@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 import warnings
 
 import pytest
@@ -123,18 +122,29 @@ def test_ppo_loss_with_a_value_head_adds_the_value_loss(model):
 
 
 def test_custom_loss_must_be_a_scalar_and_work_runs_in_submission_order(model):
-    order, lock = [], threading.Lock()
+    """The first job holds the queue (an event, set once all six are queued): the others wait behind it, none
+    runs beside another, and they run in the order they were queued."""
+    order, running, overlaps, lock = [], [], [], threading.Lock()
+    all_queued = threading.Event()
 
-    def custom(model, inputs, outputs, index, delay=0.0):
-        time.sleep(delay)
+    def custom(model, inputs, outputs, index):
         with lock:
+            overlaps.append(len(running))
+            running.append(index)
+        if index == 0:
+            all_queued.wait(timeout=60)  # a bound against a hang, not an ordering device
+        with lock:
+            running.remove(index)
             order.append(index)
         return outputs.logits.mean() * 0 + index
 
     with ForwardBackwardPipeline(model, device="cpu", max_workers=4) as pipe:
-        futures = [pipe.forward_backward_custom(batch_of(1), custom, index=i, delay=0.02 * (i % 2)) for i in range(6)]
+        try:
+            futures = [pipe.forward_backward_custom(batch_of(1), custom, index=i) for i in range(6)]
+        finally:
+            all_queued.set()
         assert [f.result().loss for f in futures] == [0, 1, 2, 3, 4, 5]
-        assert order == [0, 1, 2, 3, 4, 5]
+        assert order == [0, 1, 2, 3, 4, 5] and overlaps == [0] * 6
         bad = pipe.forward_backward_custom(batch_of(1), lambda m, i, o: o.logits.mean(-1))
         with pytest.raises(ValueError, match="scalar"):
             bad.result()

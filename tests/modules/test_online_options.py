@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SAMPLER, TINY_LLAMA
-from test_online import EOS, TOY_REWARD, _fixed_rollout_module
+from online_fixtures import EOS, TOY_REWARD, fixed_rollout_module
 
 from aitraining_pl.errors import ConfigError, HyperparameterError
 from aitraining_pl.losses import PolicyLossConfig, clipped_policy_loss, high_entropy_mask
 from aitraining_pl.modules.critic_free import GRPOModule, RLOOModule
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _batch():
@@ -58,7 +58,7 @@ def test_options_are_one_group_in_hparams_and_checked():
 def test_truncated_responses_leave_the_loss_and_batch_std_scales(monkeypatch):
     fixed = torch.tensor([[40, EOS], [41, EOS], [42, 43], [44, EOS]])  # row 2 hits max_new_tokens
     scores = [1.0, 0.0, 3.0, 1.0]
-    module = _fixed_rollout_module(
+    module = fixed_rollout_module(
         monkeypatch, scores, fixed, num_generations=2, kl_coef=0.0, scale_rewards="batch",
         policy_loss=PolicyLossConfig(mask_truncated_completions=True),
     )  # fmt: skip
@@ -76,7 +76,7 @@ def test_top_entropy_quantile_weights_the_policy_term_of_the_minibatch(monkeypat
     kwargs = dict(num_generations=2, kl_coef=0.0, mini_batch_size=4)
     losses = {}
     for quantile in (1.0, 0.25):
-        module = _fixed_rollout_module(
+        module = fixed_rollout_module(
             monkeypatch, [1.0, 0.0, 0.2, 0.7], fixed, policy_loss={"top_entropy_quantile": quantile}, **kwargs
         )
         experience, _ = module.make_experience(module.rollout(_batch(), 2))

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import SAMPLER, TINY_LLAMA, quiet_trainer
+from online_fixtures import QUICKSTART_PROMPTS
 
 import aitraining_pl.rollout as rollout_module
 from aitraining_pl.datamodules.prompt import PromptDataModule
@@ -192,7 +193,6 @@ def test_reward_errors_stop_the_run(tmp_path, byte_tokenizer):
 
 
 # ------------------------------------------------------------------------------------------------ learning
-QUICKSTART_PROMPTS = os.path.join(os.path.dirname(__file__), "..", "aitraining_pl", "data", "quickstart_prompts.jsonl")
 
 
 @pytest.mark.slow
@@ -250,7 +250,7 @@ def test_quickstart_config_runs_through_the_cli_and_exports(tmp_path):
 
     from aitraining_pl.cli import main
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     config = yaml.safe_load((root / "configs/quickstart/ppo.yaml").read_text())
     sampling, export = config["trainer"]["callbacks"][1:]
     sampling["init_args"]["every_n_iterations"] = 2
