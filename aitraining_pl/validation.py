@@ -37,6 +37,9 @@ RENAMED: dict[str, str] = {
     "center_rewards_coef": "center_rewards_coefficient",  # RewardModule (TRL's RewardConfig name)
     "ppo_epochs": "num_iterations",  # PPOModule (the seed's PPOConfig keeps ppo_epochs)
     "clip_ratio": "epsilon",  # PPOModule (the seed's PPOConfig keeps clip_ratio)
+    # generation.vllm's correction -> the policy_loss group (any sampler / trainer gap, not only vLLM's; issue 31)
+    "importance_sampling_correction": "importance_sampling_mode",  # true: token_truncate, false: none
+    "importance_sampling_cap": "importance_sampling_clip_max",
 }
 
 
@@ -229,6 +232,9 @@ CONSTRAINTS: dict[str, Rule] = {
     "importance_sampling_level": OneOf(registry("aitraining_pl.losses", "IMPORTANCE_SAMPLING_LEVELS")),
     "delta": Range(1, low_open=True, optional=True),
     "top_entropy_quantile": PROBABILITY_OPEN,
+    "importance_sampling_mode": OneOf(registry("aitraining_pl.losses", "IMPORTANCE_SAMPLING_MODES", ("auto", "none"))),
+    "importance_sampling_clip_min": Range(0, 1, optional=True),
+    "importance_sampling_clip_max": Range(1, optional=True),
     "ref_model_mixup_alpha": PROBABILITY_OPEN,
     "ref_model_sync_steps": COUNT,
     "every_n_steps": COUNT,
@@ -245,7 +251,7 @@ CONSTRAINTS: dict[str, Rule] = {
     "cpu_kv_cache_gb": POSITIVE,
     "tensor_parallel_size": COUNT,
     "max_model_len": Range(1, integer=True, optional=True),
-    "importance_sampling_cap": Range(1),
+    "importance_sampling_cap": Range(1, optional=True),  # deprecated spelling of importance_sampling_clip_max
     # models and LoRA (``lora.r``, ``lora.alpha``, ``lora.dropout``)
     "r": COUNT,
     "alpha": POSITIVE,

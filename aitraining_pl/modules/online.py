@@ -29,11 +29,11 @@ from aitraining_pl.environments.episode import is_episode_environment
 from aitraining_pl.environments.episode_rollout import sample_episodes
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
-from aitraining_pl.losses import group_statistics, place_scores, truncated_importance_weights
+from aitraining_pl.losses import group_statistics, off_policy_weights, place_scores
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
-from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions
+from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions, moved_correction
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, build_reward_source
 from aitraining_pl.rollout import (
     GenerationConfig,
@@ -133,6 +133,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             generation if isinstance(generation, GenerationConfig) else GenerationConfig(**dict(generation))
         )
         options = self.policy_loss_options(arguments["policy_loss"])
+        options, self.generation = moved_correction(options, self.generation, type(self).__name__)  # old names
         values = {**arguments, "kl_coef": float(arguments["kl_coef"])}
         values.update(generation=asdict(self.generation), policy_loss=asdict(options))
         if not primitive(reward):  # a Python object (not YAML-describable primitives) is not saved
@@ -345,15 +346,25 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
     def sampler_correction(
         self, logprobs: torch.Tensor | None, rollout: RolloutBatch
     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-        """For a rollout sampled by vLLM: ``sampling/logp_gap/mean`` and ``/max`` (|logp_vllm - logp_trainer|
-        over response tokens, ``logprobs`` being the trainer's at rollout time) and, with
-        ``generation.vllm.importance_sampling_correction`` (``auto``: on a GPU), the truncated importance weights of
-        the loss (``losses.truncated_importance_weights``). ``(None, {})`` for other rollouts."""
+        """For a rollout that carries the sampler's log-probs (vLLM, a generation server), ``logprobs`` being the
+        trainer's at rollout time (``pi_old``, around which the ratio is clipped): the importance weights of the
+        policy term under ``policy_loss.importance_sampling_mode`` (``auto``: ``sequence_mask`` on a GPU or with
+        stale samples, else none; ``losses.off_policy_weights``: with the clip around ``pi_old`` this is AReaL's
+        decoupled PPO) and the ``sampling/...`` stats: ``logp_gap/mean``, ``/max``, ``mismatch_kl``, and with a mode
+        ``is_weight/mean``, ``/min``, ``/max``, ``masked_tokens`` / ``masked_sequences`` or ``truncated_tokens`` /
+        ``truncated_sequences``. ``(None, {})`` for other rollouts."""
         if rollout.sampling_logprobs is None or logprobs is None:
             return None, {}
-        options = self.generation.vllm
-        cap = options.importance_sampling_cap if options.corrects(self.device.type) else None
-        weights, stats = truncated_importance_weights(logprobs, rollout.sampling_logprobs, rollout.mask, cap)
+        options = self.policy_loss
+        stale = bool(getattr(self.generation, "max_staleness", 0))  # asynchronous training (issue 31)
+        weights, stats = off_policy_weights(
+            logprobs,
+            rollout.sampling_logprobs,
+            rollout.mask,
+            options.off_policy_mode(self.device.type, stale),
+            options.importance_sampling_clip_min,
+            options.importance_sampling_clip_max,
+        )
         return weights, {f"sampling/{k}": v for k, v in stats.items()}
 
     # ------------------------------------------------------------------ one iteration

@@ -1,16 +1,19 @@
 """The ``policy_loss`` argument group of the online RL modules (``losses.PolicyLossConfig``: GSPO's sequence-level
-ratio, CISPO, the two-sided ``delta``, ``top_entropy_quantile``, ``mask_truncated_completions``), shared by
-``PPOModule`` and ``CriticFreeModule`` through ``OnlineRLModule``."""
+ratio, CISPO, the two-sided ``delta``, ``top_entropy_quantile``, ``mask_truncated_completions``, the sampler / trainer
+correction ``importance_sampling_mode``), shared by ``PPOModule`` and ``CriticFreeModule`` through
+``OnlineRLModule``."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from aitraining_pl.errors import ConfigError
+from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.losses import PolicyLossConfig, clipped_policy_loss, completed_rows, high_entropy_mask
-from aitraining_pl.validation import OneOf, registry, rules
+from aitraining_pl.validation import OneOf, registry, replaced, rules
 
 #: TRL's GRPO ``loss_type`` values that are an aggregation here (``loss_aggregation``; docs/from_trl.md)
 TRL_LOSS_TYPES = {
@@ -23,9 +26,47 @@ POLICY_LOSS_RANGES = rules(
     "importance_sampling_level",
     "delta",
     "top_entropy_quantile",
+    "importance_sampling_mode",
+    "importance_sampling_clip_min",
+    "importance_sampling_clip_max",
     # not the DPO losses of ``loss_type``; TRL's GRPO ``loss_type`` names an aggregation, ours is ``loss_aggregation``
     loss_type=OneOf(registry("aitraining_pl.losses", "POLICY_LOSSES"), hints=tuple(TRL_LOSS_TYPES.items())),
 )
+
+
+#: ``generation.vllm.importance_sampling_correction`` (deprecated) -> ``policy_loss.importance_sampling_mode``
+OLD_CORRECTION = {True: "token_truncate", False: "none", "auto": "auto"}
+OLD_CAP = 2.0  #: the default of the deprecated ``generation.vllm.importance_sampling_cap``
+
+
+def moved_correction(
+    options: PolicyLossConfig, generation: GenerationConfig, owner: str
+) -> tuple[PolicyLossConfig, GenerationConfig]:
+    """``options`` and ``generation`` with the deprecated ``generation.vllm.importance_sampling_correction`` /
+    ``importance_sampling_cap`` moved to ``policy_loss.importance_sampling_mode`` / ``importance_sampling_clip_max``
+    (a ``RenamedArgumentWarning`` each; a ``ConfigError`` when both spellings are given). ``correction: true`` without
+    a cap keeps the old cap, 2.0, so an old config trains as before. Copies; the arguments are not changed."""
+    correction, cap = generation.vllm.importance_sampling_correction, generation.vllm.importance_sampling_cap
+    if correction is None and cap is None:
+        return options, generation
+    defaults, changes = PolicyLossConfig(), {}
+    for old, new, value in (
+        ("importance_sampling_correction", "importance_sampling_mode", OLD_CORRECTION.get(correction, correction)),
+        ("importance_sampling_cap", "importance_sampling_clip_max", cap),
+    ):
+        if value is None:
+            continue
+        if getattr(options, new) != getattr(defaults, new):
+            raise ConfigError(f"{owner}.policy_loss.{new}", f"given twice: as {new!r} and as generation.vllm.{old!r}")
+        replaced(owner, f"generation.vllm.{old}", f"policy_loss.{new}")
+        changes[new] = value
+    if correction is True and "importance_sampling_clip_max" not in changes:
+        clip_max = options.importance_sampling_clip_max
+        changes["importance_sampling_clip_max"] = (
+            OLD_CAP if clip_max == defaults.importance_sampling_clip_max else clip_max
+        )
+    vllm = dataclasses.replace(generation.vllm, importance_sampling_correction=None, importance_sampling_cap=None)
+    return dataclasses.replace(options, **changes), dataclasses.replace(generation, vllm=vllm)
 
 
 class PolicyLossOptions:
@@ -47,6 +88,11 @@ class PolicyLossOptions:
             raise ConfigError(f"{owner}.delta", "bounds the clipped surrogate; cispo clips its own weight")
         if not sequence_level and options.importance_sampling_level != "token":
             raise ConfigError(f"{owner}.importance_sampling_level", "sequence needs one advantage per response (GSPO)")
+        low, high = options.importance_sampling_clip_min, options.importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            raise ConfigError(f"{owner}.importance_sampling_clip_min", f"must be below clip_max ({high}), got {low}")
+        if options.importance_sampling_mode.endswith("_truncate") and not low and high is None:
+            raise ConfigError(f"{owner}.importance_sampling_clip_max", "a truncate mode needs a bound (min or max)")
         self.policy_loss = options
 
     def loss_mask(self, mask: torch.Tensor, ended: torch.Tensor) -> torch.Tensor:
@@ -66,7 +112,8 @@ class PolicyLossOptions:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``losses.clipped_policy_loss`` with the module's clip range, KL weight and ``policy_loss`` options; with
         ``top_entropy_quantile < 1`` only the highest-entropy tokens of ``mask`` carry the policy term. ``is_weights``
-        (N, R): per-token weights of the policy term as well (the sampler correction of a vLLM rollout)."""
+        (N, R): per-token weights of the policy term as well (``sampler_correction``: the importance weights of
+        ``pi_old / pi_sampler``; with the ratio's clip around ``pi_old`` this is AReaL's decoupled PPO)."""
         hp, options = self.hparams, self.policy_loss
         quantile = options.top_entropy_quantile
         weights = high_entropy_mask(entropy, mask, quantile) if quantile < 1 else None  # Wang et al. 2025
