@@ -20,8 +20,9 @@ steady-state steps, ``peak_rss_mb`` of the whole process, the mean seconds per s
 weight sync excluded), ``weight_sync`` (loading the policy's weights into the engine), ``scoring``,
 ``logprob_passes`` (reference / old log-probs, no gradient; with vLLM the trainer's log-probs of the rollout for the
 mismatch) and ``update`` (the rest), the mean completion length and, for vLLM, the largest and mean
-``|logp_vllm - logp_trainer|`` over the steps (``--is-correction`` turns the truncated importance-sampling correction
-on); then one ``ratio`` line per size (vLLM's completions/s over the HF backend's).
+``|logp_vllm - logp_trainer|`` over the steps (``--is-correction [MODE]`` turns the sampler / trainer correction on:
+``policy_loss.importance_sampling_mode``, ``token_truncate`` when no mode is named; off by default); then one
+``ratio`` line per size (vLLM's completions/s over the HF backend's).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def run(args) -> dict:
                 gaps.append(tuple(float(g) for g in gap))
 
     pl.seed_everything(0)
-    vllm = {"importance_sampling_correction": args.is_correction}
+    correction = {"importance_sampling_mode": args.is_correction}  # none unless --is-correction
     module = GRPOModule(
         model_name=args.model_path,
         tokenizer_name="byte",
@@ -107,8 +108,9 @@ def run(args) -> dict:
         learning_rate=LR,
         kl_coef=BETA,
         generation=GenerationConfig(
-            max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, backend=args.backend, vllm=vllm
+            max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, backend=args.backend
         ),
+        policy_loss=correction,
         mini_batch_size=args.mini_batch_size or args.num_prompts * args.num_generations,
         max_grad_norm=1.0,
     )
@@ -171,7 +173,13 @@ def main() -> None:
         "--mini-batch-size", type=int, default=None, help="rows per update / log-prob pass (default: the whole step)"
     )
     parser.add_argument("--vocab-size", type=int, default=384)
-    parser.add_argument("--is-correction", action="store_true", help="truncated importance-sampling correction")
+    parser.add_argument(
+        "--is-correction",
+        nargs="?",
+        const="token_truncate",
+        default="none",
+        help="the sampler / trainer correction: policy_loss.importance_sampling_mode (alone: token_truncate)",
+    )
     parser.add_argument("--backend", help=argparse.SUPPRESS)  # child process: one measurement
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -194,7 +202,7 @@ def main() -> None:
                     command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
                     command += ["--threads", str(args.threads), "--max-new-tokens", str(args.max_new_tokens)]
                     command += ["--num-prompts", str(args.num_prompts), "--num-generations", str(args.num_generations)]
-                    command += ["--is-correction"] if args.is_correction else []
+                    command += ["--is-correction", args.is_correction]
                     command += ["--mini-batch-size", str(args.mini_batch_size)] if args.mini_batch_size else []
                     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
                     result = run_child(command, args.threads, f"{backend} at {size}", **env)
