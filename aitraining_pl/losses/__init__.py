@@ -10,6 +10,13 @@ from aitraining_pl.losses.advantages import (
     group_statistics,
     whitened_gae,
 )
+from aitraining_pl.losses.distillation import (
+    DistillationOutput,
+    DistillationStats,
+    distillation_chunk_rows,
+    fused_distillation_loss,
+    generalized_jsd,
+)
 from aitraining_pl.losses.fused_head import DEFAULT_MEMORY_BUDGET, HeadLogps, chunk_rows, fused_head_logps
 from aitraining_pl.losses.kto import KTOOutput, kto_loss, kto_reference_point
 from aitraining_pl.losses.logprobs import (
@@ -75,6 +82,11 @@ __all__ = [
     "compute_advantages",
     "group_statistics",
     "whitened_gae",
+    "DistillationOutput",
+    "DistillationStats",
+    "distillation_chunk_rows",
+    "fused_distillation_loss",
+    "generalized_jsd",
     "DEFAULT_MEMORY_BUDGET",
     "HeadLogps",
     "chunk_rows",
