@@ -19,9 +19,9 @@ Truncate modes clip to the bounds; mask modes zero what falls outside them. A mi
 
 With the weights on the clipped surrogate of ``policy_gradient.clipped_policy_loss`` (whose ratio is
 ``pi_theta / pi_old``) the loss is the decoupled PPO objective of AReaL (Fu et al. 2025, "AReaL: a large-scale
-asynchronous reinforcement learning system for language reasoning", eq. 5): the clip taken around the proximal
-policy ``pi_old``, the importance weight against the behaviour policy (``decoupled_policy_loss``). AReaL's own
-weight is ``token_mask`` with ``C_max`` = its ``behav_imp_weight_cap`` and no ``C_min``.
+asynchronous reinforcement learning system for language reasoning", arXiv:2505.24298): the clip taken around the
+proximal policy ``pi_old``, the importance weight against the behaviour policy (``decoupled_policy_loss``). AReaL's
+own weight is ``token_mask`` with ``C_max`` = its ``behav_imp_weight_cap`` and no ``C_min``.
 
 Pure tensor functions; per-token tensors are (N, R) with a 0/1 ``mask`` of response tokens.
 """
@@ -174,7 +174,7 @@ def decoupled_policy_loss(
     clip_max: float | None = None,
     **loss_options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """AReaL's decoupled PPO objective (Fu et al. 2025, eq. 5), per token
+    """AReaL's decoupled PPO objective (Fu et al. 2025, arXiv:2505.24298), per token
     ``l_t = w_t * max(-A u_t, -A clip(u_t, 1 - eps, 1 + eps_high))`` with ``u_t = pi_theta / pi_prox`` (the clip
     around the proximal policy) and ``w_t`` the detached importance weight of ``pi_prox / pi_behav`` under ``mode``
     (``off_policy_weights``; AReaL's is ``token_mask`` with ``clip_max`` its ``behav_imp_weight_cap``).
