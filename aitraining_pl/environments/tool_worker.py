@@ -7,7 +7,8 @@ child subreaper (``sandbox_supervisor.prctl``). Each call runs in a child forked
 process group, with its output captured and bounded; when the call returns, fails or passes its timeout, the
 worker SIGKILLs that group and every process re-parented to it (``sandbox_supervisor.kill_tree``): a subprocess
 the tool started, a ``setsid`` daemon, a hung call and its children do not outlive the call. The worker ends when
-the trainer closes its end (at exit, or the trainer's death), so it never outlives the trainer either.
+the trainer closes its end or stops it (at exit: a call in flight is killed with its processes first), or when the
+trainer dies (its end closes), so it never outlives the trainer for longer than a call.
 
 Tools must be picklable by reference (module-level functions): they are sent to the worker by name and imported
 there, with the trainer's ``sys.path``.
@@ -33,6 +34,8 @@ from typing import Any
 #: seconds past a call's own timeout the trainer waits for the worker's answer before it kills the worker (the first
 #: call of a tool also imports its module in the worker, which the call's timeout does not cover)
 _BACKSTOP = 120.0
+#: seconds ``ToolWorker.stop`` gives the worker to kill a call in flight and exit before it is killed
+_STOP = 15.0
 
 
 def bounded(text: str, limit: int) -> str:
@@ -83,9 +86,9 @@ def _child(fn: Callable, arguments: dict, limit: int, conn) -> None:
         conn.close()
 
 
-def _run_call(fn: Callable, arguments: dict, timeout: float, limit: int) -> tuple[str, str]:
-    """In the worker: one call in a forked child leading its own process group; then the group and everything
-    re-parented to the worker is killed."""
+def _run_call(channel: Connection, fn: Callable, arguments: dict, timeout: float, limit: int) -> tuple[str, str]:
+    """In the worker: one call in a forked child leading its own process group (without the trainer's ``channel``);
+    then the group and everything re-parented to the worker is killed."""
     from aitraining_pl.environments.sandbox_supervisor import kill_tree
 
     receive, send = multiprocessing.Pipe(duplex=False)
@@ -93,6 +96,8 @@ def _run_call(fn: Callable, arguments: dict, timeout: float, limit: int) -> tupl
     if pid == 0:  # the call's process
         try:
             os.setpgid(0, 0)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            channel.close()
             receive.close()
             _child(fn, arguments, limit, send)
         finally:
@@ -109,12 +114,17 @@ def _run_call(fn: Callable, arguments: dict, timeout: float, limit: int) -> tupl
         kill_tree(pid)
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)  # through ``_run_call``'s ``finally``: the call in flight and its processes are killed
+
+
 def serve(fd: int) -> None:
     """The worker's loop: read a pickled ``(fn, arguments, timeout, limit)`` from the trainer's socket ``fd``,
     answer ``(status, text)``; return when the trainer closes its end."""
     from aitraining_pl.environments.sandbox_supervisor import PR_SET_CHILD_SUBREAPER, prctl
 
     prctl(PR_SET_CHILD_SUBREAPER, 1)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # ``ToolWorker.stop``: a call in flight is killed first
     conn = Connection(fd)
     while True:
         try:
@@ -126,7 +136,7 @@ def serve(fd: int) -> None:
         except Exception as err:  # noqa: BLE001 - a tool that cannot be imported here is the call's error
             conn.send(("error", bounded(f"the tool cannot be loaded in its worker: {type(err).__name__}: {err}", 500)))
             continue
-        conn.send(_run_call(fn, arguments, timeout, limit))
+        conn.send(_run_call(conn, fn, arguments, timeout, limit))
 
 
 _BOOT = "import sys; from aitraining_pl.environments.tool_worker import serve; serve(int(sys.argv[1]))"
@@ -140,8 +150,11 @@ class ToolWorker:
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._lock = threading.Lock()
+        self._owner = os.getpid()
 
     def _start(self) -> Connection:
+        if self._owner != os.getpid():  # a forked copy of the trainer: the worker is the parent's, start its own
+            self._proc, self._conn, self._owner = None, None, os.getpid()
         if self._proc is None or self._proc.poll() is not None:
             self.stop()
             ours, theirs = socket.socketpair()
@@ -171,17 +184,20 @@ class ToolWorker:
             return "error", f"the tool worker process {why}; it is restarted for the next call"
 
     def stop(self) -> None:
-        """Close the worker (it exits when its end closes) and kill its session if it is still there."""
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        if self._proc is not None:
+        """End the worker: SIGTERM (it kills a call in flight with its processes, then exits), SIGKILL to its
+        process group if it has not exited within ``_STOP`` seconds. A forked copy of the trainer leaves it alone."""
+        if self._owner != os.getpid():
+            return
+        (conn, self._conn), (proc, self._proc) = (self._conn, None), (self._proc, None)  # a call may stop it too
+        if conn is not None:
+            conn.close()
+        if proc is not None:
+            proc.terminate()
             try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            self._proc.wait()
-            self._proc = None
+                proc.wait(_STOP)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 #: the worker of this process (``tools.call_tool``)

@@ -5,13 +5,16 @@ reach the worker."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import threading
 
 import pytest
 import torch
 
 from aitraining_pl.environments.episode import AssistantTurn
 from aitraining_pl.environments.multiturn import ToolEnvironment, calculator
+from aitraining_pl.environments.tool_worker import ToolWorker
 from aitraining_pl.environments.tools import ToolLimits, call_tool
 from aitraining_pl.errors import ConfigError
 
@@ -35,6 +38,19 @@ def hangs_with_a_child(path: str) -> str:
     """
     child = subprocess.Popen(["sleep", "300"])
     with open(path, "w") as handle:
+        handle.write(str(child.pid))
+    child.wait()
+    return "unreachable"
+
+
+def hangs_with_a_child_reported(fifo: str) -> str:
+    """Start `sleep 300`, write its pid to the named pipe `fifo`, then wait for it.
+
+    Args:
+        fifo: where the pid goes.
+    """
+    child = subprocess.Popen(["sleep", "300"])
+    with open(fifo, "w") as handle:
         handle.write(str(child.pid))
     child.wait()
     return "unreachable"
@@ -68,6 +84,23 @@ def test_a_call_that_times_out_is_killed_with_its_children(tmp_path):
     text, ok = call_tool(hangs_with_a_child, {"path": str(path)}, ToolLimits(timeout=1.0))
     assert not ok and text == "error: the tool did not finish within 1 s"
     assert not _alive(int(path.read_text()))
+
+
+def test_stopping_the_worker_during_a_call_kills_the_call_and_its_children(tmp_path):
+    """At exit (e.g. after SIGTERM stopped a run during a tool call) the worker kills the call in flight and what
+    it started before it exits; the caller gets an error message."""
+    fifo = tmp_path / "pid"
+    os.mkfifo(fifo)
+    worker, answer = ToolWorker(), []
+    caller = threading.Thread(
+        target=lambda: answer.append(worker.call(hangs_with_a_child_reported, {"fifo": str(fifo)}, 300.0, 200))
+    )
+    caller.start()
+    pid = int(fifo.read_text())  # opens when the tool writes: the call and its child run
+    worker.stop()
+    caller.join()
+    assert answer == [("error", "the tool worker process died; it is restarted for the next call")]
+    assert not _alive(pid)
 
 
 def test_a_tool_using_torch_answers_while_the_trainers_thread_pool_is_live():
