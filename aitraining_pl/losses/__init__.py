@@ -34,6 +34,7 @@ from aitraining_pl.losses.logprobs import (
 from aitraining_pl.losses.off_policy import (
     IMPORTANCE_SAMPLING_MODES,
     decoupled_policy_loss,
+    off_policy_log_ratio,
     off_policy_weights,
     truncated_importance_weights,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "clipped_policy_loss",
     "IMPORTANCE_SAMPLING_MODES",
     "decoupled_policy_loss",
+    "off_policy_log_ratio",
     "off_policy_weights",
     "truncated_importance_weights",
     "IMPORTANCE_SAMPLING_LEVELS",

@@ -16,7 +16,9 @@ taken, what the surrogate is, which tokens enter the loss. Each is a small pure 
 - ``use_bias_correction_kl``: the k3 KL term weighted by the importance ratio (DeepSeek-V3.2, 2025; applied in
   ``policy_gradient.clipped_policy_loss``).
 - ``importance_sampling_mode``, ``importance_sampling_clip_min`` / ``_max`` (``off_policy.IMPORTANCE_SAMPLING_MODES``):
-  the correction for the gap between the policy that sampled and the trainer (TRL's ``vllm_importance_sampling_*``).
+  the correction for the gap between the policy that sampled and the trainer (TRL's ``vllm_importance_sampling_*``),
+  and ``use_decoupled_loss`` (AReaL's name): whether the clip is around the trainer's log-probs (decoupled) or the
+  sampler's (coupled).
 """
 
 from __future__ import annotations
@@ -156,6 +158,11 @@ class PolicyLossConfig:
             sampled. The clip of ``epsilon`` stays around ``pi_old``: AReaL's decoupled PPO (docs/online_rl.md).
         importance_sampling_clip_min: ``C_min`` (``null``: no lower bound; TRL's default). At most 1.
         importance_sampling_clip_max: ``C_max`` (TRL's default 3.0; ``null``: no upper bound). At least 1.
+        use_decoupled_loss: with sampler log-probs, clip the ratio around the trainer's ``pi_old`` and weight it by
+            ``importance_sampling_mode`` (AReaL's decoupled PPO, Fu et al. 2025; AReaL's ``use_decoupled_loss``; what
+            TRL's ``GRPOTrainer`` does with vLLM). ``false``: the coupled objective, the ratio ``pi_theta / pi_b``
+            taken against the sampler's log-probs and clipped by ``epsilon``, no separate weight (TRL 1.16's
+            ``AsyncGRPOTrainer``); ``importance_sampling_mode`` must then be ``auto`` or ``none``.
     """
 
     loss_type: PolicyLossType = "clip"
@@ -167,6 +174,7 @@ class PolicyLossConfig:
     importance_sampling_mode: ImportanceSamplingMode = "auto"
     importance_sampling_clip_min: float | None = None
     importance_sampling_clip_max: float | None = 3.0
+    use_decoupled_loss: bool = True
 
     def off_policy_mode(self, device: str, stale: bool = False) -> str:
         """``importance_sampling_mode`` for a policy on a ``device`` type (``cpu`` / ``cuda``), ``auto`` resolved:

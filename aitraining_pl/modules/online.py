@@ -29,7 +29,7 @@ from aitraining_pl.environments.episode import is_episode_environment
 from aitraining_pl.environments.episode_rollout import sample_episodes
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
-from aitraining_pl.losses import group_statistics, off_policy_weights, place_scores
+from aitraining_pl.losses import group_statistics, off_policy_log_ratio, off_policy_weights, place_scores
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
@@ -350,21 +350,19 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         trainer's at rollout time (``pi_old``, around which the ratio is clipped): the importance weights of the
         policy term under ``policy_loss.importance_sampling_mode`` (``auto``: ``sequence_mask`` on a GPU or with
         stale samples, else none; ``losses.off_policy_weights``: with the clip around ``pi_old`` this is AReaL's
-        decoupled PPO) and the ``sampling/...`` stats: ``logp_gap/mean``, ``/max``, ``mismatch_kl``, and with a mode
+        decoupled PPO; with ``use_decoupled_loss: false`` the plain ratio, which the loss moves into its clipped ratio)
+        and the ``sampling/...`` stats: ``logp_gap/mean``, ``/max``, ``mismatch_kl``, and with a mode
         ``is_weight/mean``, ``/min``, ``/max``, ``masked_tokens`` / ``masked_sequences`` or ``truncated_tokens`` /
         ``truncated_sequences``. ``(None, {})`` for other rollouts."""
         if rollout.sampling_logprobs is None or logprobs is None:
             return None, {}
-        options = self.policy_loss
+        options, sampled, mask = self.policy_loss, rollout.sampling_logprobs, rollout.mask
         stale = bool(getattr(self.generation, "max_staleness", 0))  # asynchronous training (issue 31)
-        weights, stats = off_policy_weights(
-            logprobs,
-            rollout.sampling_logprobs,
-            rollout.mask,
-            options.off_policy_mode(self.device.type, stale),
-            options.importance_sampling_clip_min,
-            options.importance_sampling_clip_max,
-        )
+        mode = options.off_policy_mode(self.device.type, stale) if options.use_decoupled_loss else None
+        low, high = options.importance_sampling_clip_min, options.importance_sampling_clip_max
+        weights, stats = off_policy_weights(logprobs, sampled, mask, mode, low, high)
+        if not options.use_decoupled_loss:  # the coupled loss: pi_old / pi_b, moved into the ratio by the loss
+            weights = torch.exp(off_policy_log_ratio(logprobs, sampled, mask).clamp(-20.0, 20.0))
         return weights, {f"sampling/{k}": v for k, v in stats.items()}
 
     # ------------------------------------------------------------------ one iteration

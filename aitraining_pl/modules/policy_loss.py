@@ -45,10 +45,13 @@ def moved_correction(
     """``options`` and ``generation`` with the deprecated ``generation.vllm.importance_sampling_correction`` /
     ``importance_sampling_cap`` moved to ``policy_loss.importance_sampling_mode`` / ``importance_sampling_clip_max``
     (a ``RenamedArgumentWarning`` each; a ``ConfigError`` when both spellings are given). ``correction: true`` without
-    a cap keeps the old cap, 2.0, so an old config trains as before. Copies; the arguments are not changed."""
+    a cap keeps the old cap, 2.0, so an old config trains as before; the old defaults (``auto``, 2.0: the hparams of a
+    checkpoint written before) are dropped silently. Copies; the arguments are not changed."""
     correction, cap = generation.vllm.importance_sampling_correction, generation.vllm.importance_sampling_cap
     if correction is None and cap is None:
         return options, generation
+    if correction == "auto" and cap == OLD_CAP:  # the old defaults, as saved in the hparams of earlier runs: dropped
+        correction = cap = None
     defaults, changes = PolicyLossConfig(), {}
     for old, new, value in (
         ("importance_sampling_correction", "importance_sampling_mode", OLD_CORRECTION.get(correction, correction)),
@@ -93,6 +96,10 @@ class PolicyLossOptions:
             raise ConfigError(f"{owner}.importance_sampling_clip_min", f"must be below clip_max ({high}), got {low}")
         if options.importance_sampling_mode.endswith("_truncate") and not low and high is None:
             raise ConfigError(f"{owner}.importance_sampling_clip_max", "a truncate mode needs a bound (min or max)")
+        if not options.use_decoupled_loss and options.importance_sampling_mode not in ("auto", "none"):
+            raise ConfigError(
+                f"{owner}.importance_sampling_mode", "the coupled loss (use_decoupled_loss: false) takes no weight"
+            )
         self.policy_loss = options
 
     def loss_mask(self, mask: torch.Tensor, ended: torch.Tensor) -> torch.Tensor:
@@ -113,10 +120,14 @@ class PolicyLossOptions:
         """``losses.clipped_policy_loss`` with the module's clip range, KL weight and ``policy_loss`` options; with
         ``top_entropy_quantile < 1`` only the highest-entropy tokens of ``mask`` carry the policy term. ``is_weights``
         (N, R): per-token weights of the policy term as well (``sampler_correction``: the importance weights of
-        ``pi_old / pi_sampler``; with the ratio's clip around ``pi_old`` this is AReaL's decoupled PPO)."""
+        ``pi_old / pi_sampler``; with the ratio's clip around ``pi_old`` this is AReaL's decoupled PPO). With
+        ``use_decoupled_loss: false`` they are the plain ratio ``pi_old / pi_sampler`` and move into the ratio instead:
+        ``pi_theta / pi_sampler``, clipped (the coupled objective)."""
         hp, options = self.hparams, self.policy_loss
         quantile = options.top_entropy_quantile
         weights = high_entropy_mask(entropy, mask, quantile) if quantile < 1 else None  # Wang et al. 2025
+        if is_weights is not None and not options.use_decoupled_loss:  # coupled: pi_theta / pi_b inside the clip
+            old_logprobs, is_weights = old_logprobs - torch.log(is_weights), None  # is_weights: pi_old / pi_b
         if is_weights is not None:
             weights = is_weights if weights is None else weights * is_weights
         return clipped_policy_loss(

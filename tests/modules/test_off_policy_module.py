@@ -5,6 +5,7 @@ the old ``generation.vllm.importance_sampling_correction`` / ``importance_sampli
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from conftest import TINY_LLAMA, quiet_trainer
 
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.config import GenerationConfig
-from aitraining_pl.losses import PolicyLossConfig, decoupled_policy_loss
+from aitraining_pl.losses import PolicyLossConfig, clipped_policy_loss, decoupled_policy_loss
 from aitraining_pl.models.generation import SampledTokens
 from aitraining_pl.modules.critic_free import GRPOModule
 from aitraining_pl.modules.policy_loss import moved_correction
@@ -63,6 +64,26 @@ def grpo(monkeypatch, **policy_loss) -> GRPOModule:
     )
 
 
+def one_rollout(module: GRPOModule, monkeypatch):
+    """Set ``module`` up (its backend built) and make the experience of one rollout of 2 prompts x 2; also the
+    trainer's log-probs of it, computed here."""
+
+    class Strategy:
+        broadcast = staticmethod(lambda value: value)
+
+    monkeypatch.setattr(type(module), "trainer", property(lambda self: type("T", (), {"strategy": Strategy})()))
+    module.setup("fit")
+    ids = torch.tensor([[0, 104, 105], [106, 107, 108]])
+    batch = {"input_ids": ids, "attention_mask": (ids > 0).long(), "prompts": ["ab", "cd"], "metadata": [{}, {}]}
+    rollout = module.rollout(batch, 2)
+    assert rollout.mask.all() and rollout.sampling_logprobs[1].tolist() == pytest.approx([-5.55, -6.05, -6.55])
+    experience, stats = module.make_experience(rollout)
+    with torch.no_grad():
+        old = module.response_scores(module.policy.eval(), rollout.input_ids, rollout.attention_mask, 3).logprobs
+    module.policy.train()
+    return rollout, experience, stats, old
+
+
 def hand_weights(old: torch.Tensor, sampler: torch.Tensor, mode: str, low: float | None, high: float | None):
     """The weights of ``mode`` written out per row with Python floats."""
     rows = []
@@ -92,21 +113,8 @@ def test_the_module_trains_on_the_hand_corrected_loss(monkeypatch, mode, low, hi
         importance_sampling_clip_min=low,
         importance_sampling_clip_max=high,
     )
-
-    class Strategy:
-        broadcast = staticmethod(lambda value: value)
-
-    monkeypatch.setattr(type(module), "trainer", property(lambda self: type("T", (), {"strategy": Strategy})()))
-    module.setup("fit")
-    ids = torch.tensor([[0, 104, 105], [106, 107, 108]])
-    batch = {"input_ids": ids, "attention_mask": (ids > 0).long(), "prompts": ["ab", "cd"], "metadata": [{}, {}]}
-    rollout = module.rollout(batch, 2)
+    rollout, experience, stats, old = one_rollout(module, monkeypatch)
     sampler = rollout.sampling_logprobs
-    assert rollout.mask.all() and sampler[1].tolist() == pytest.approx([-5.55, -6.05, -6.55])
-    experience, stats = module.make_experience(rollout)
-    with torch.no_grad():
-        old = module.response_scores(module.policy.eval(), rollout.input_ids, rollout.attention_mask, 3).logprobs
-    module.policy.train()
     weights = hand_weights(old, sampler, mode, low, high)
     assert torch.allclose(experience.is_weights, weights, atol=1e-5)
     k3 = [math.expm1(a - b) - (a - b) for a, b in zip(old.flatten().tolist(), sampler.flatten().tolist())]
@@ -126,6 +134,25 @@ def test_the_module_trains_on_the_hand_corrected_loss(monkeypatch, mode, low, hi
         out.logprobs, out.logprobs.detach(), sampler, advantages, rollout.mask, mode, low, high, aggregation="sequence"
     )
     assert decoupled.item() == pytest.approx(loss.item(), abs=1e-5)
+
+
+def test_the_coupled_loss_clips_the_ratio_to_the_sampler(monkeypatch):
+    """``use_decoupled_loss: false``: the ratio is ``pi_theta / pi_sampler`` (at the rollout's weights, the plain
+    ``pi_old / pi_sampler``), clipped by ``epsilon``, no separate weight: the loss is ``clipped_policy_loss`` with
+    the sampler's log-probs as the old ones, and by hand GRPO's sequence mean of ``max(-A w, -A clip(w, 0.8, 1.2))``."""
+    module = grpo(monkeypatch, use_decoupled_loss=False)
+    rollout, experience, stats, old = one_rollout(module, monkeypatch)
+    sampler, advantages = rollout.sampling_logprobs, experience.advantages
+    ratio = torch.exp(old - sampler)
+    assert torch.allclose(experience.is_weights, ratio, rtol=1e-5) and "sampling/is_weight/mean" not in stats
+    loss, loss_stats = module.minibatch_loss(experience, torch.arange(4))
+    hand = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2)).mean(1).mean()
+    assert loss.item() == pytest.approx(hand.item(), abs=1e-5)
+    out = module.response_scores(module.policy, rollout.input_ids, rollout.attention_mask, 3)
+    coupled, _ = clipped_policy_loss(out.logprobs, sampler, advantages, rollout.mask, 0.2, aggregation="sequence")
+    assert coupled.item() == pytest.approx(loss.item(), abs=1e-5) and loss_stats["clipfrac"] > 0
+    with pytest.raises(ConfigError, match="takes no weight"):
+        grpo(monkeypatch, use_decoupled_loss=False, importance_sampling_mode="token_mask")
 
 
 def test_auto_on_a_cpu_only_measures_the_gap(monkeypatch, tmp_path):
@@ -182,6 +209,11 @@ def test_old_names_warn_and_become_the_token_truncate_mode(monkeypatch):
             GenerationConfig(vllm={"importance_sampling_correction": True}),
             "GRPOModule",
         )
+    saved = GenerationConfig(vllm={"importance_sampling_correction": "auto", "importance_sampling_cap": 2.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the old defaults in the hparams of an earlier checkpoint: no warning
+        options, generation = moved_correction(PolicyLossConfig(), saved, "GRPOModule")
+    assert options == PolicyLossConfig() and generation.vllm.importance_sampling_cap is None
     untouched = PolicyLossConfig(importance_sampling_mode="token_mask")
     assert moved_correction(untouched, GenerationConfig(), "GRPOModule")[0] is untouched
 

@@ -39,6 +39,7 @@ def test_options_are_one_group_in_hparams_and_checked():
         "importance_sampling_mode": "auto",
         "importance_sampling_clip_min": None,
         "importance_sampling_clip_max": 3.0,
+        "use_decoupled_loss": True,
     }
     assert module.policy_loss == PolicyLossConfig(loss_type="cispo", top_entropy_quantile=0.2)
     make = dict(reward=TOY_REWARD, model_config=TINY_LLAMA, tokenizer_name="byte")
