@@ -286,6 +286,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
                 batch["input_ids"],
                 batch["attention_mask"],
                 samples,
+                timeout=self.hparams.get("reward_timeout", DEFAULT_REWARD_TIMEOUT),
             )
         info, mask = rollout.episodes, rollout.response_mask
         self.last_episodes = info

@@ -202,3 +202,21 @@ def test_sigterm_stops_a_run_whose_step_hangs(tmp_path, capsys):
     finally:
         sender.join()
     assert code == 143 and len(lines) == 1 and lines[0].startswith("aitraining-pl: stopped by SIGTERM after 0 steps")
+
+
+def test_the_modules_reward_timeout_bounds_an_episode_step():
+    """An online module's ``reward_timeout`` is the episode environment's timeout too (the rollout passes it)."""
+    from aitraining_pl.modules.critic_free import GRPOModule
+
+    module = GRPOModule(
+        model_config=TINY_LLAMA,
+        tokenizer_name="byte",
+        reward=Hostile("hang"),
+        num_generations=2,
+        reward_timeout=0.5,
+        generation=GenerationConfig(max_new_tokens=2),
+    )
+    ids = torch.tensor([module.tokenizer("Guess 1-7:", add_special_tokens=False)["input_ids"]])
+    batch = {"prompts": ["Guess 1-7:"], "metadata": [{}], "input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    with pytest.raises(RewardError, match=r"'Hostile': step did not return within 0.5 s \(reward_timeout\)"):
+        module.rollout(batch, 2)
