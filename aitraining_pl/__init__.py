@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "PPOModule": "aitraining_pl.modules.ppo",
     "GRPOModule": "aitraining_pl.modules.critic_free",
     "RLOOModule": "aitraining_pl.modules.critic_free",
+    "DistillationModule": "aitraining_pl.modules.distill",
     # DataModules
     "SFTDataModule": "aitraining_pl.datamodules.sft",
     "PreferenceDataModule": "aitraining_pl.datamodules.preference",

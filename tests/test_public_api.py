@@ -12,7 +12,7 @@ import aitraining_pl
 
 TOP_LEVEL = {
     "SFTModule", "DPOModule", "RewardModule", "PairwiseRewardModule", "MultiObjectiveRewardModule", "PPOModule",
-    "GRPOModule", "RLOOModule", "KTOModule", "ORPOModule", "CPOModule",
+    "GRPOModule", "RLOOModule", "KTOModule", "ORPOModule", "CPOModule", "DistillationModule",
     "SFTDataModule", "PreferenceDataModule", "KTODataModule", "ScoresDataModule", "PromptDataModule",
     "AdaptiveKLCallback", "ExactResumeCallback", "HFExportCallback", "NonFiniteGuard", "SamplingCallback",
     "SyncReferenceCallback", "CompletionLogCallback",

@@ -3,6 +3,7 @@ REINFORCE++)."""
 
 from aitraining_pl.modules.base import AlignmentModule, SharedStepModule
 from aitraining_pl.modules.critic_free import CriticFreeModule, GRPOModule, RLOOModule
+from aitraining_pl.modules.distill import DistillationModule
 from aitraining_pl.modules.dpo import DPOModule
 from aitraining_pl.modules.kto import KTOModule
 from aitraining_pl.modules.online import OnlineRLModule, RolloutBatch
@@ -30,4 +31,5 @@ __all__ = [
     "CriticFreeModule",
     "GRPOModule",
     "RLOOModule",
+    "DistillationModule",
 ]

@@ -1,0 +1,376 @@
+"""On-policy distillation (GKD, Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
+Self-Generated Mistakes", https://arxiv.org/abs/2306.13649): a student LM samples completions of the prompt data, a
+teacher LM scores them, and the student moves toward the teacher on its own samples.
+
+Two modes, one module on the online-RL base (``CriticFreeModule``: the rollout engine and its generation backends,
+multi-turn episodes, the reward sources, the update loop over minibatches, the policy loss and its options):
+
+- ``mode: full`` (GKD): the loss is the generalized JSD of ``losses.fused_distillation_loss`` (``beta``: 0 forward
+  KL(teacher || student), 1 reverse KL(student || teacher), TRL's convention) between the two next-token
+  distributions at ``temperature``, over the full vocabulary, on every response token; a share ``lmbda`` of the
+  batches is sampled by the student, the rest are the data's own completions (a ``completion`` column). Both heads run
+  fused, chunk by chunk: no (tokens, vocabulary) tensor of either model is kept.
+- ``mode: sampled`` (on-policy distillation with a per-token reward, the form of Tinker / Thinking Machines 2025 and
+  NeMo-RL): the reward of each sampled token is ``r_t = kl_coef * (log p_teacher(y_t) - log p_student(y_t))`` plus
+  the task reward (``reward``; weighted components as ``reward: {components: ...}``) on the last token, optimised
+  with the online policy loss and every option of ``CriticFreeModule``. The design that reuses most: that reward is
+  exactly the online modules' k1 KL penalty in the reward (``kl_in_reward``, ``losses.token_rewards``) with the
+  *teacher* in the reference's slot, so the advantage estimators, episodes (per-turn rewards, response masks with
+  holes), vLLM rollouts (the sampler correction) and the KL metric (``train/kl``: the reverse KL to the teacher per
+  response) apply unchanged. Any online module (``PPOModule``, ``GRPOModule`` with ``kl_in_reward: true``,
+  ``RLOOModule``) distils the same way once its ``reference`` is a ``LocalTeacher`` (``use_teacher``).
+
+The teacher is scored through a small interface, ``TeacherScorer`` (``token_logprobs``: the teacher's log-probs of
+given token sequences); ``LocalTeacher`` is the teacher in this process (its hidden states and head also give the full
+distribution). A served teacher (a generation server returning prompt log-probs) implements ``token_logprobs`` only,
+enough for ``mode: sampled``. The teacher is held outside the module tree: checkpoints and exports never contain it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+
+from aitraining_pl.errors import ConfigError
+from aitraining_pl.losses import fused_distillation_loss, masked_mean, positions_from_mask
+from aitraining_pl.losses.advantages import CriticFreeAdvantage
+from aitraining_pl.losses.policy_gradient import LossAggregation
+from aitraining_pl.models import ReferencePolicy, load_tokenizer
+from aitraining_pl.models.lm_head import head_parameters, logit_postprocessing
+from aitraining_pl.models.loading import load_causal_lm
+from aitraining_pl.models.sharding import as_forward
+from aitraining_pl.models.training import eval_mode
+from aitraining_pl.modules.critic_free import CriticFreeModule
+from aitraining_pl.modules.online import RolloutBatch
+from aitraining_pl.rollout import Rollout
+from aitraining_pl.validation import FRACTION, OneOf, Range, fixed, rules
+
+#: the reward source of a run without a task reward: every response scores 0 (only the teacher trains the student)
+NO_TASK_REWARD = "aitraining_pl.modules.distill:no_task_reward"
+DistillationMode = Literal["full", "sampled"]
+
+
+def no_task_reward(prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
+    """0 for every response: distillation without a task reward."""
+    return [0.0] * len(responses)
+
+
+class TeacherScorer(Protocol):
+    """What scores the student's tokens with the teacher. A served teacher implements ``token_logprobs``."""
+
+    def token_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, temperature: float
+    ) -> torch.Tensor:
+        """(N, R) teacher log-probs (logits / ``temperature``) of the response tokens of rollout rows (N, P + R)."""
+        ...
+
+
+def language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a ``peft`` wrapper (LoRA layers included), or ``model``."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def response_hidden(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, mask
+) -> torch.Tensor:
+    """(M, H) last hidden states predicting the response tokens where ``mask`` (N, R), row-major: the decoder only,
+    no LM head (the distillation loss runs both heads fused). Positions as ``generate`` counts left-padded rows."""
+    decoder = language_model(model).get_decoder()
+
+    def run() -> torch.Tensor:
+        out = decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions_from_mask(attention_mask),
+            use_cache=False,
+        )
+        return out.last_hidden_state[:, prompt_length - 1 : -1][mask.bool()]
+
+    return as_forward(model, run)
+
+
+def head_of(model: torch.nn.Module, owner: str) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
+    """``(weight, bias, (scale, softcap))`` of the model's LM head (``models.lm_head``); a ``ConfigError`` for a head
+    the fused loss cannot run (not a linear layer, or logits scaled in a way ``logit_postprocessing`` does not know)."""
+    lm = language_model(model)
+    params, post = head_parameters(lm.get_output_embeddings()), logit_postprocessing(lm.config)
+    if params is None or post is None:
+        why = "its LM head is not a plain (LoRA) linear layer with known logit post-processing"
+        raise ConfigError(owner, f"{type(lm).__name__}: {why}, which the full distribution needs; use mode: sampled")
+    return params[0], params[1], post
+
+
+class LocalTeacher(ReferencePolicy):
+    """The teacher LM in this process: frozen, in eval mode, outside the module tree (never checkpointed). It sits in
+    the online modules' ``reference`` slot, so their reference passes score with it.
+
+    Args:
+        model: the teacher (a transformers causal LM).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model, build_reference=lambda: model)
+
+    @torch.no_grad()
+    def token_logprobs(self, input_ids, attention_mask, prompt_length: int, temperature: float) -> torch.Tensor:
+        from aitraining_pl.models.rollout_scoring import response_logps
+
+        with eval_mode(self.model):
+            return response_logps(self.model, input_ids, attention_mask, prompt_length, temperature).logprobs
+
+    @torch.no_grad()
+    def hidden(self, input_ids, attention_mask, prompt_length: int, mask) -> torch.Tensor:
+        """(M, H_T) the teacher's hidden states predicting the response tokens where ``mask``."""
+        with eval_mode(self.model):
+            return response_hidden(self.model, input_ids, attention_mask, prompt_length, mask)
+
+
+def use_teacher(module: Any, teacher: torch.nn.Module) -> LocalTeacher:
+    """Make ``teacher`` the reference of an online module (``PPOModule``, ``GRPOModule``, ``RLOOModule``): with the
+    KL in the reward (k1, ``kl_in_reward``; PPO's default) each sampled token's reward becomes ``kl_coef * (log
+    p_teacher - log p_student)``, i.e. sampled-token distillation, combined with the module's task reward."""
+    module.reference = LocalTeacher(teacher)
+    return module.reference
+
+
+@dataclass
+class DistillationExperience:
+    """One batch of the full-distribution mode; per-token tensors are (N, R)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_length: int
+    mask: torch.Tensor  #: response tokens in the loss (the sampled ones; holes where an environment spoke)
+    teacher_hidden: torch.Tensor  #: (N, R, H_T) the teacher's hidden states on the masked tokens, 0 elsewhere
+    advantages: torch.Tensor  #: zeros (the completion log of ``CompletionLogCallback`` reads them)
+
+
+class DistillationModule(CriticFreeModule):
+    """On-policy distillation of ``teacher_model_name`` into the student ``model_name`` (see the module docstring).
+
+    Metrics: ``train/loss`` and ``val/loss`` (the generalized JSD at ``beta`` per response token; ``val/`` on the
+    student's samples of held-out prompts), ``forward_kl`` and ``reverse_kl`` (per token, to the teacher),
+    ``teacher_logprob`` (the teacher's mean log-prob of the student's tokens), ``agreement`` (share of tokens where
+    both argmax tokens agree), ``reward_mean`` (the task reward, when one is given). The other arguments are
+    ``CriticFreeModule``'s (``model_name``, ``generation``, ``learning_rate``, ``mini_batch_size``, ``policy_loss``,
+    ...); its ``kl_in_reward`` is always on here.
+
+    Args:
+        teacher_model_name: the teacher as a local folder or hub id; it must share the student's tokenizer.
+        teacher_model_config: the teacher as an inline config dict (random init; tests), instead of a name.
+        mode: ``full`` (the generalized JSD over the full vocabulary, GKD) or ``sampled`` (per-token reward
+            ``log p_teacher - log p_student`` of the sampled tokens, optimised with the online policy loss).
+        beta: the generalized JSD's interpolation (TRL's ``beta``, not DPO's): 0 forward KL(teacher || student),
+            1 reverse KL(student || teacher), 0.5 the symmetric JSD. ``full`` mode.
+        lmbda: GKD's share of on-policy batches (sampled by the student); the others train on the data's own
+            completions (a ``completion`` column). ``full`` mode; ``sampled`` needs 1.
+        temperature: both distributions are softmax(logits / ``temperature``) in the loss (default: the sampling
+            temperature ``generation.temperature``, as TRL's one ``temperature``).
+        reward: an optional task reward source (as ``CriticFreeModule``'s); in ``sampled`` mode added to the teacher's
+            per-token reward, else only logged (``reward_mean``).
+        kl_coef: weight of the teacher's per-token reward ``log p_teacher - log p_student`` (``sampled`` mode: the
+            weight of KL(student || teacher), the reference's slot holding the teacher).
+        advantage: the advantage estimator of ``sampled`` mode (default ``reinforce_pp``: per-token returns).
+        num_generations: samples per prompt.
+        loss_aggregation: how ``sampled`` mode averages the policy loss (default ``token``).
+    """
+
+    argument_ranges = {
+        **CriticFreeModule.argument_ranges,
+        **rules(
+            beta=FRACTION,
+            lmbda=FRACTION,
+            temperature=Range(0, low_open=True, optional=True),
+            mode=OneOf(fixed("full", "sampled")),
+        ),
+    }
+
+    def __init__(
+        self,
+        teacher_model_name: str | None = None,
+        teacher_model_config: dict[str, Any] | None = None,
+        mode: DistillationMode = "full",
+        beta: float = 1.0,
+        lmbda: float = 1.0,
+        temperature: float | None = None,
+        reward: Any = None,
+        kl_coef: float = 1.0,
+        advantage: CriticFreeAdvantage = "reinforce_pp",
+        num_generations: int = 1,
+        loss_aggregation: LossAggregation = "token",
+        **kwargs: Any,
+    ):
+        own = dict(teacher_model_name=teacher_model_name, teacher_model_config=teacher_model_config, mode=mode)
+        self.__dict__["_own_arguments"] = {**own, "beta": beta, "lmbda": lmbda, "temperature": temperature}
+        if (teacher_model_name is None) == (teacher_model_config is None):
+            raise ConfigError("DistillationModule.teacher_model_name", "give the teacher: a name or a model config")
+        if mode == "sampled" and lmbda != 1.0:
+            raise ConfigError("DistillationModule.lmbda", "sampled mode trains on the student's own samples: lmbda 1")
+        super().__init__(
+            reward=NO_TASK_REWARD if reward is None else reward,
+            kl_coef=kl_coef,
+            kl_in_reward=True,
+            advantage=advantage,
+            num_generations=num_generations,
+            loss_aggregation=loss_aggregation,
+            **kwargs,
+        )
+        self.check_tokenizers()
+        self._last_frozen: dict[bool, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ setup
+    def setup_online(self, arguments: dict[str, Any], sequence_level: bool = True) -> None:
+        """``OnlineRLModule.setup_online`` with this class's own arguments stored beside the base's."""
+        super().setup_online({**arguments, **self.__dict__.pop("_own_arguments")}, sequence_level)
+
+    def load_policy_from_hparams(self, *, with_reference: bool):
+        """The student (no reference copy of it) and the teacher in the reference's slot (``LocalTeacher``)."""
+        student, _ = super().load_policy_from_hparams(with_reference=False)
+        hp = self.hparams
+        teacher = load_causal_lm(
+            hp.teacher_model_name,
+            hp.teacher_model_config,
+            dtype=hp.dtype,
+            attn_implementation=hp.attn_implementation,
+            trust_remote_code=bool(hp.trust_remote_code),
+            seed=int(hp.seed) + 1,
+        )
+        return student, LocalTeacher(teacher)
+
+    @property
+    def teacher(self) -> LocalTeacher:
+        """The teacher (``TeacherScorer``), held outside the module tree."""
+        return self.reference
+
+    @property
+    def loss_temperature(self) -> float:
+        return float(self.hparams.temperature or self.generation.temperature)
+
+    def check_tokenizers(self) -> None:
+        """One ``ConfigError`` before training when the teacher's vocabulary or tokenizer is not the student's."""
+        sizes = [language_model(m).get_output_embeddings().weight.shape[0] for m in (self.policy, self.teacher.model)]
+        name = self.hparams.teacher_model_name
+        theirs = load_tokenizer(name, trust_remote_code=bool(self.hparams.trust_remote_code)) if name else None
+        if sizes[0] != sizes[1] or (theirs is not None and theirs.get_vocab() != self.tokenizer.get_vocab()):
+            raise ConfigError(
+                "DistillationModule.teacher_model_name",
+                f"the teacher's tokenizer differs from the student's (vocabulary {sizes[1]} vs {sizes[0]} rows): "
+                "distillation compares next-token distributions over one shared vocabulary",
+            )
+
+    # ------------------------------------------------------------------ rollouts: the student's, or the data's
+    def rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
+        """The student's samples in a share ``lmbda`` of the batches (drawn per step, the same on every rank), else
+        the data's own completions (``full`` mode)."""
+        draw = torch.rand((), generator=torch.Generator().manual_seed(int(self.hparams.seed) * 7919 + self.global_step))
+        if self.training and float(draw) >= float(self.hparams.lmbda):
+            return self.data_rollout(batch, samples)
+        return super().rollout(batch, samples)
+
+    def data_rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
+        """The data's completions (``metadata["completion"]``, tokenised, ended by EOS, at most ``max_new_tokens``)
+        as a rollout of ``samples`` identical rows per prompt, scored by the reward source."""
+        tokenizer, limit = self.tokenizer, self.generation.max_new_tokens
+        texts = [(m or {}).get("completion") for m in batch["metadata"]]
+        if any(not isinstance(t, str) for t in texts):
+            raise ConfigError("DistillationModule.lmbda", "lmbda < 1 trains on the data's completions: the prompt "
+                              "data needs a 'completion' column (or set lmbda: 1)")  # fmt: skip
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        ids = [(tokenizer(t, add_special_tokens=False)["input_ids"] + eos)[:limit] for t in texts]
+        device, width = batch["input_ids"].device, max(1, max(len(i) for i in ids))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        response = torch.full((len(ids), width), pad, dtype=torch.long, device=device)
+        mask = torch.zeros_like(response)
+        for row, tokens in enumerate(ids):
+            response[row, : len(tokens)] = torch.tensor(tokens, device=device)
+            mask[row, : len(tokens)] = 1
+        ended = torch.tensor([bool(i) and i[-1] in eos for i in ids], device=device)
+        group = torch.arange(len(ids), device=device).repeat_interleave(samples)
+        rollout = Rollout(
+            batch["input_ids"][group], batch["attention_mask"][group], response[group], mask[group], ended[group],
+            [texts[g] for g in group.tolist()], group,
+        )  # fmt: skip
+        scores, components = self.score(batch["prompts"], batch["metadata"], rollout)
+        return RolloutBatch(
+            rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1], rollout.response_mask,
+            rollout.ended, group, rollout.texts, scores, components,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ the teacher's scores
+    @torch.no_grad()
+    def reference_logprobs(self, input_ids, attention_mask, prompt_length: int) -> torch.Tensor:
+        """(N, R) the teacher's log-probs at the sampling temperature, through the ``TeacherScorer``."""
+        return self.teacher.token_logprobs(input_ids, attention_mask, prompt_length, self.generation.temperature)
+
+    def frozen_logprobs(self, rollout: RolloutBatch, reference: bool) -> torch.Tensor:
+        """``CriticFreeModule.frozen_logprobs``, the last of each kept for the sampled mode's metrics."""
+        self._last_frozen[reference] = out = super().frozen_logprobs(rollout, reference)
+        return out
+
+    def divergence(self, ids, attention, prompt_length, mask, teacher_hidden, grad: bool = True):
+        """``fused_distillation_loss`` of the student on rows ``ids`` (token mean over ``mask``) against the teacher's
+        hidden states (M, H_T) at the same tokens."""
+        student = response_hidden(self.policy, ids, attention, prompt_length, mask)
+        weight, bias, post = head_of(self.policy, "DistillationModule.model_name")
+        t_weight, t_bias, t_post = head_of(self.teacher.model, "DistillationModule.teacher_model_name")
+        targets = ids[:, prompt_length:][mask.bool()]
+        weights = torch.full(targets.shape, 1.0 / max(1, targets.numel()), device=ids.device)
+        return fused_distillation_loss(
+            student, weight, teacher_hidden.to(t_weight.dtype), t_weight, weights,
+            beta=float(self.hparams.beta), temperature=self.loss_temperature, targets=targets,
+            student_bias=bias, teacher_bias=t_bias, student_post=post, teacher_post=t_post,
+        )  # fmt: skip
+
+    @staticmethod
+    def distribution_stats(stats) -> dict[str, torch.Tensor]:
+        """Token means of the per-token statistics (``losses.DistillationStats``)."""
+        return {
+            "forward_kl": stats.forward_kl.mean(),
+            "reverse_kl": stats.reverse_kl.mean(),
+            "teacher_logprob": stats.teacher_logps.mean(),
+            "agreement": stats.agreement.mean(),
+        }
+
+    # ------------------------------------------------------------------ one iteration (steps in OnlineRLModule)
+    def make_experience(self, rollout: RolloutBatch):
+        """``sampled``: ``CriticFreeModule``'s (the teacher's log-probs as the reference's, k1 in the reward) and the
+        teacher's log-prob and the reverse KL of the sampled tokens. ``full``: the teacher's hidden states."""
+        if self.hparams.mode == "sampled":
+            experience, stats = super().make_experience(rollout)
+            old, teacher = self._last_frozen[False], self._last_frozen[True]
+            stats.update(
+                teacher_logprob=masked_mean(teacher, rollout.mask), reverse_kl=masked_mean(old - teacher, rollout.mask)
+            )
+            return experience, stats
+        ids, attention, P, mask = rollout.input_ids, rollout.attention_mask, rollout.prompt_length, rollout.mask
+        hidden = ids.new_zeros(*mask.shape, self.teacher.model.config.hidden_size, dtype=torch.float32)
+        for rows in torch.arange(len(ids), device=ids.device).split(self.hparams.mini_batch_size):
+            values = self.teacher.hidden(ids[rows], attention[rows], P, mask[rows]).float()
+            hidden[rows] = hidden[rows].index_put(torch.nonzero(mask[rows], as_tuple=True), values)
+        advantages = torch.zeros(mask.shape, device=ids.device)
+        return DistillationExperience(ids, attention, P, mask, hidden, advantages), {}
+
+    def minibatch_loss(self, exp, idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``full``: the generalized JSD (token mean) on rows ``idx``; ``sampled``: the online policy loss."""
+        if self.hparams.mode == "sampled":
+            return super().minibatch_loss(exp, idx)
+        mask = exp.mask[idx]
+        out = self.divergence(
+            exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_length, mask, exp.teacher_hidden[idx][mask.bool()]
+        )
+        return out.loss, {"loss": out.loss.detach(), **self.distribution_stats(out.stats)}
+
+    # ------------------------------------------------------------------ validation: divergence on held-out prompts
+    @torch.no_grad()
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        rollout = super().rollout(batch, 1)  # the student's samples
+        ids, attention, P, mask = rollout.input_ids, rollout.attention_mask, rollout.prompt_length, rollout.mask
+        teacher = self.teacher.hidden(ids, attention, P, mask)
+        with eval_mode(self.policy):
+            out = self.divergence(ids, attention, P, mask, teacher)
+        tokens = max(1, int(mask.sum()))
+        self.log_metrics("val", {"loss": out.stats.divergence.mean(), **self.distribution_stats(out.stats)}, tokens)
+        lengths = mask.sum(1).float()
+        self.log_metrics("val", {"reward_mean": rollout.scores, "completion_length": lengths}, len(rollout.texts))

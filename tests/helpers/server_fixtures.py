@@ -1,0 +1,52 @@
+"""Shared by the generation-server tests: the vLLM-servable tiny model, the client's options, and a
+``GenerationServer`` served from a thread around a stand-in engine (no vLLM needed)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from aitraining_pl.generation.config import VLLMConfig
+
+#: tiny-llama with two heads of 32 (vLLM's CPU attention has no kernel for heads of 16)
+SPEC = {"preset": "tiny-llama", "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+def options(port: int, **kw) -> VLLMConfig:
+    return VLLMConfig(mode="server", server_port=port, **{"server_timeout": 60, **kw})
+
+
+class RecordingEngine:
+    """Stands in for ``VLLMEngine`` in a ``GenerationServer`` without vLLM: keeps the pushed tensors; its
+    ``fail_at`` push stops after one tensor with a lost connection (the server then closes the connection)."""
+
+    def __init__(self, fail_at: int = -1):
+        self.version, self.pushes, self.fail_at = None, [], fail_at
+
+    def load(self, weights, version):
+        received = {}
+        for name, tensor in weights:
+            received[name] = tensor.clone()
+            if len(self.pushes) == self.fail_at:
+                raise ConnectionError("the engine went away")
+        self.pushes.append(received)
+        self.version = version
+
+
+@contextlib.contextmanager
+def serving(engine, model, limits=None, token: str = "test-token"):
+    """A ``GenerationServer`` around ``engine`` (a stand-in) for ``model``'s shape, served from a thread on a free
+    loopback port (yielded) until the block ends; its ``token`` written where ``vllm-serve`` writes a token it
+    generated (a client on loopback finds it there)."""
+    from aitraining_pl.vllm_backend.guards import write_token
+    from aitraining_pl.vllm_backend.server import GenerationServer
+
+    server = GenerationServer(engine, None, model, "127.0.0.1", 0, token, limits=limits)
+    path = write_token(token, server.server_address[1])
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        path.unlink(missing_ok=True)

@@ -1,0 +1,112 @@
+"""DistillationModule (issue 33): the student reaches a fixed teacher on the one-token bandit (full-distribution mode
+at beta 0, 0.5, 1; sampled-token mode), a different tokenizer is one error before training, the teacher is never
+checkpointed, lmbda < 1 trains on the data's completions, and at a 32k vocabulary the step keeps no (rows, length,
+vocabulary) tensor."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from bandit import POLICY, word_tokenizer
+from conftest import TINY_LLAMA, quiet_trainer, saved_for_backward
+
+from aitraining_pl.datamodules.prompt import PromptDataModule
+from aitraining_pl.errors import ConfigError
+from aitraining_pl.models import load_tokenizer
+from aitraining_pl.modules.distill import DistillationModule
+from aitraining_pl.rollout import GenerationConfig
+
+#: the teacher of the bandit: the same Llama with larger initial weights, so its next-token distribution is far from
+#: the random student's near-uniform one (about 0.51 on one word, 0.002 on another)
+TEACHER = {**POLICY, "initializer_range": 0.25}
+
+
+def next_token(model, prompt: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.softmax(model(input_ids=prompt).logits[0, -1].double(), -1)
+
+
+def bandit(tmp_path, steps: int, **options) -> tuple[torch.Tensor, torch.Tensor, DistillationModule]:
+    """Distil ``TEACHER`` into a random student on the prompt "a" with one-token responses; returns the student's and
+    the teacher's next-token distributions after ``steps`` iterations of 8 prompts."""
+    pl.seed_everything(0)
+    folder = word_tokenizer(tmp_path / "tokenizer")
+    module = DistillationModule(
+        model_config=POLICY,
+        teacher_model_config=TEACHER,
+        tokenizer_name=folder,
+        generation=GenerationConfig(max_new_tokens=1, temperature=1.0, top_p=1.0),
+        **options,
+    )
+    tokenizer = load_tokenizer(folder)
+    prompt = tokenizer("a", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    dm = PromptDataModule(prompts=["a"] * (8 * steps), tokenizer=tokenizer, batch_size=8)
+    quiet_trainer(tmp_path, max_epochs=1).fit(module, dm)
+    return next_token(module.policy, prompt), next_token(module.teacher.model, prompt), module
+
+
+def total_variation(p: torch.Tensor, q: torch.Tensor) -> float:
+    return float((p - q).abs().sum() / 2)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_bandit_full_distribution_reaches_teacher(tmp_path, beta):
+    student, teacher, module = bandit(tmp_path, 50, mode="full", beta=beta, learning_rate=0.02, mini_batch_size=8)
+    tv = total_variation(student, teacher)
+    print(f"full beta={beta}: TV {tv:.4f}")
+    assert tv < 0.02
+    assert not any("teacher" in key for key in module.state_dict())
+
+
+def test_bandit_sampled_token_reaches_teacher(tmp_path):
+    """Reward r_t = log p_teacher(y_t) - log p_student(y_t), the online policy loss (RLOO over 8 samples)."""
+    student, teacher, _ = bandit(
+        tmp_path, 30, mode="sampled", num_generations=8, advantage="rloo", learning_rate=0.03, mini_batch_size=64
+    )
+    tv = total_variation(student, teacher)
+    print(f"sampled: TV {tv:.4f}")
+    assert tv < 0.05
+
+
+def test_different_tokenizer_is_one_error(tmp_path):
+    with pytest.raises(ConfigError, match="teacher's tokenizer differs"):
+        DistillationModule(
+            model_config=TINY_LLAMA, teacher_model_config={**TINY_LLAMA, "vocab_size": 500}, tokenizer_name="byte"
+        )
+    with pytest.raises(ConfigError, match="lmbda"):
+        DistillationModule(model_config=TINY_LLAMA, teacher_model_config=TINY_LLAMA, tokenizer_name="byte",
+                           mode="sampled", lmbda=0.5)  # fmt: skip
+
+
+def test_lmbda_zero_trains_on_the_data_completions(tmp_path):
+    module = DistillationModule(
+        model_config=TINY_LLAMA, teacher_model_config=TINY_LLAMA, tokenizer_name="byte", lmbda=0.0,
+        generation=GenerationConfig(max_new_tokens=6),
+    )  # fmt: skip
+    tokenizer = module.tokenizer
+    encoded = tokenizer(["hi", "yo"], return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = {**encoded, "prompts": ["hi", "yo"], "metadata": [{"completion": "abc"}, {"completion": "abcdefgh"}]}
+    module.train()
+    rollout = module.rollout(batch, 2)
+    assert rollout.texts == ["abc", "abc", "abcdefgh", "abcdefgh"]
+    assert rollout.mask.sum(1).tolist() == [4, 4, 6, 6]  # "abc" + EOS; the other cut at max_new_tokens
+    assert rollout.ended.tolist() == [True, True, False, False]
+    with pytest.raises(ConfigError, match="completion"):
+        module.rollout({**batch, "metadata": [{}, {}]}, 1)
+
+
+def test_step_keeps_no_vocabulary_sized_tensor():
+    """At a 32k vocabulary, the full-distribution step saves nothing of (rows, length, vocabulary) size for backward;
+    the largest saved tensor (the peak of what the step keeps) is the head's gradient, (V, H)."""
+    config = {**TINY_LLAMA, "vocab_size": 32_000}
+    module = DistillationModule(model_config=config, teacher_model_config=config, tokenizer_name="byte", beta=0.5)
+    rows, prompt, length = 4, 6, 24
+    ids = torch.randint(3, 32_000, (rows, prompt + length))
+    attention, mask = torch.ones_like(ids), torch.ones(rows, length, dtype=torch.long)
+    teacher = module.teacher.hidden(ids, attention, prompt, mask)
+    shapes = saved_for_backward(module, lambda: module.divergence(ids, attention, prompt, mask, teacher).loss)
+    largest = max(shapes, key=lambda s: torch.Size(s).numel())
+    print(f"largest saved tensor: {largest} ({torch.Size(largest).numel() * 4 / 2**20:.1f} MiB in float32)")
+    assert not [s for s in shapes if torch.Size(s).numel() >= rows * length * 32_000], shapes
+    assert torch.Size(largest).numel() <= 32_000 * config["hidden_size"]
