@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+from chat_templates import TEMPLATES, template_tokenizer
 
 from aitraining_pl.environments.episode import AssistantTurn
 from aitraining_pl.environments.episode_rollout import ChatFormat
@@ -24,163 +25,6 @@ from aitraining_pl.environments.tools import (
 from aitraining_pl.models import load_tokenizer
 from aitraining_pl.models.tokens import with_bos
 
-QWEN25 = (
-    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- messages[0]['content'] }}\n    {%- else %}\n"
-    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n    {%- endif %}\n"
-    '    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are '
-    'provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n'
-    '    {%- for tool in tools %}\n        {{- "\\n" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n'
-    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '
-    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": '
-    '<args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n{%- else %}\n'
-    "    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n    {%- else %}\n"
-    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-    "<|im_end|>\\n' }}\n    {%- endif %}\n{%- endif %}\n{%- for message in messages %}\n"
-    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or '
-    '(message.role == "assistant" and not message.tool_calls) %}\n'
-    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
-    "    {%- elif message.role == \"assistant\" %}\n        {{- '<|im_start|>' + message.role }}\n"
-    "        {%- if message.content %}\n            {{- '\\n' + message.content }}\n        {%- endif %}\n"
-    "        {%- for tool_call in message.tool_calls %}\n            {%- if tool_call.function is defined %}\n"
-    "                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n"
-    '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n            {{- tool_call.name }}\n'
-    '            {{- \'", "arguments": \' }}\n            {{- tool_call.arguments | tojson }}\n'
-    "            {{- '}\\n</tool_call>' }}\n        {%- endfor %}\n        {{- '<|im_end|>\\n' }}\n"
-    '    {%- elif message.role == "tool" %}\n'
-    '        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n'
-    "            {{- '<|im_start|>user' }}\n        {%- endif %}\n        {{- '\\n<tool_response>\\n' }}\n"
-    "        {{- message.content }}\n        {{- '\\n</tool_response>' }}\n"
-    '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
-    "            {{- '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
-)
-
-LLAMA31 = (
-    "{{- bos_token }}\n{%- if custom_tools is defined %}\n    {%- set tools = custom_tools %}\n{%- endif %}\n"
-    "{%- if not tools_in_user_message is defined %}\n    {%- set tools_in_user_message = true %}\n{%- endif %}\n"
-    '{%- if not date_string is defined %}\n    {%- set date_string = "26 Jul 2024" %}\n{%- endif %}\n'
-    "{%- if not tools is defined %}\n    {%- set tools = none %}\n{%- endif %}\n"
-    "{%- if messages[0]['role'] == 'system' %}\n    {%- set system_message = messages[0]['content']|trim %}\n"
-    '    {%- set messages = messages[1:] %}\n{%- else %}\n    {%- set system_message = "" %}\n{%- endif %}\n'
-    '{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}\n'
-    '{%- if builtin_tools is defined or tools is not none %}\n    {{- "Environment: ipython\\n" }}\n{%- endif %}\n'
-    '{{- "Cutting Knowledge Date: December 2023\\n" }}\n{{- "Today Date: " + date_string + "\\n\\n" }}\n'
-    '{{- system_message }}\n{{- "<|eot_id|>" }}\n'
-    "{%- if tools_in_user_message and not tools is none %}\n    {%- if messages | length != 0 %}\n"
-    "        {%- set first_user_message = messages[0]['content']|trim %}\n"
-    "        {%- set messages = messages[1:] %}\n    {%- else %}\n"
-    "        {{- raise_exception(\"Cannot put tools in the first user message when there's no first user "
-    'message!") }}\n    {%- endif %}\n'
-    "    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}\n"
-    '    {{- "Given the following functions, please respond with a JSON for a function call " }}\n'
-    '    {{- "with its proper arguments that best answers the given prompt.\\n\\n" }}\n'
-    '    {{- \'Respond in the format {"name": function name, "parameters": dictionary of argument name and its '
-    "value}.' }}\n"
-    '    {{- "Do not use variables.\\n\\n" }}\n    {%- for t in tools %}\n        {{- t | tojson(indent=4) }}\n'
-    '        {{- "\\n\\n" }}\n    {%- endfor %}\n    {{- first_user_message + "<|eot_id|>"}}\n{%- endif %}\n'
-    "{%- for message in messages %}\n"
-    "    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}\n"
-    "        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim "
-    "+ '<|eot_id|>' }}\n"
-    "    {%- elif 'tool_calls' in message %}\n        {%- set tool_call = message.tool_calls[0].function %}\n"
-    "        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}\n"
-    "        {{- '{\"name\": \"' + tool_call.name + '\", ' }}\n        {{- '\"parameters\": ' }}\n"
-    '        {{- tool_call.arguments | tojson }}\n        {{- "}" }}\n        {{- "<|eot_id|>" }}\n'
-    '    {%- elif message.role == "tool" or message.role == "ipython" %}\n'
-    '        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}\n'
-    "        {%- if message.content is mapping or message.content is iterable %}\n"
-    "            {{- message.content | tojson }}\n        {%- else %}\n            {{- message.content }}\n"
-    '        {%- endif %}\n        {{- "<|eot_id|>" }}\n    {%- endif %}\n{%- endfor %}\n'
-    "{%- if add_generation_prompt %}\n    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
-    "{%- endif %}\n"
-)
-
-MISTRAL03 = (
-    '{%- if messages[0]["role"] == "system" %}\n    {%- set system_message = messages[0]["content"] %}\n'
-    "    {%- set loop_messages = messages[1:] %}\n{%- else %}\n    {%- set loop_messages = messages %}\n"
-    "{%- endif %}\n{%- if not tools is defined %}\n    {%- set tools = none %}\n{%- endif %}\n"
-    '{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}\n'
-    "{%- set ns = namespace() %}\n{%- set ns.index = 0 %}\n{%- for message in loop_messages %}\n"
-    '    {%- if not (message.role == "tool" or message.role == "tool_results" or (message.tool_calls is defined '
-    "and message.tool_calls is not none)) %}\n"
-    '        {%- if (message["role"] == "user") != (ns.index % 2 == 0) %}\n'
-    '            {{- raise_exception("After the optional system message, conversation roles must alternate '
-    'user/assistant/user/assistant/...") }}\n        {%- endif %}\n'
-    "        {%- set ns.index = ns.index + 1 %}\n    {%- endif %}\n{%- endfor %}\n{{- bos_token }}\n"
-    "{%- for message in loop_messages %}\n"
-    '    {%- if message["role"] == "user" %}\n'
-    "        {%- if tools is not none and (message == user_messages[-1]) %}\n"
-    '            {{- "[AVAILABLE_TOOLS] [" }}\n            {%- for tool in tools %}\n'
-    "                {%- set tool = tool.function %}\n"
-    '                {{- \'{"type": "function", "function": {\' }}\n'
-    '                {%- for key, val in tool.items() if key != "return" %}\n'
-    "                    {%- if val is string %}\n"
-    "                        {{- '\"' + key + '\": \"' + val + '\"' }}\n                    {%- else %}\n"
-    "                        {{- '\"' + key + '\": ' + val|tojson }}\n                    {%- endif %}\n"
-    '                    {%- if not loop.last %}\n                        {{- ", " }}\n'
-    "                    {%- endif %}\n                {%- endfor %}\n"
-    '                {{- "}}" }}\n                {%- if not loop.last %}\n                    {{- ", " }}\n'
-    '                {%- else %}\n                    {{- "]" }}\n                {%- endif %}\n'
-    '            {%- endfor %}\n            {{- "[/AVAILABLE_TOOLS]" }}\n            {%- endif %}\n'
-    "        {%- if loop.last and system_message is defined %}\n"
-    '            {{- "[INST] " + system_message + "\\n\\n" + message["content"] + "[/INST]" }}\n'
-    '        {%- else %}\n            {{- "[INST] " + message["content"] + "[/INST]" }}\n        {%- endif %}\n'
-    "    {%- elif message.tool_calls is defined and message.tool_calls is not none %}\n"
-    '        {{- "[TOOL_CALLS] [" }}\n        {%- for tool_call in message.tool_calls %}\n'
-    "            {%- set out = tool_call.function|tojson %}\n            {{- out[:-1] }}\n"
-    "            {%- if not tool_call.id is defined or tool_call.id|length != 9 %}\n"
-    '                {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}\n'
-    "            {%- endif %}\n            {{- ', \"id\": \"' + tool_call.id + '\"}' }}\n"
-    '            {%- if not loop.last %}\n                {{- ", " }}\n            {%- else %}\n'
-    '                {{- "]" + eos_token }}\n            {%- endif %}\n        {%- endfor %}\n'
-    '    {%- elif message["role"] == "assistant" %}\n        {{- " " + message["content"]|trim + eos_token}}\n'
-    '    {%- elif message["role"] == "tool_results" or message["role"] == "tool" %}\n'
-    "        {%- if message.content is defined and message.content.content is defined %}\n"
-    "            {%- set content = message.content.content %}\n        {%- else %}\n"
-    "            {%- set content = message.content %}\n        {%- endif %}\n"
-    '        {{- \'[TOOL_RESULTS] {"content": \' + content|string + ", " }}\n'
-    "        {%- if not message.tool_call_id is defined or message.tool_call_id|length != 9 %}\n"
-    '            {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}\n'
-    "        {%- endif %}\n        {{- '\"call_id\": \"' + message.tool_call_id + '\"}[/TOOL_RESULTS]' }}\n"
-    "    {%- else %}\n"
-    '        {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial '
-    'optional system message!") }}\n    {%- endif %}\n{%- endfor %}\n'
-)
-
-#: template, special tokens, the end-of-turn token, how the template writes a call of calculator("2+3")
-TEMPLATES = {
-    "qwen2.5": (
-        QWEN25,
-        ["<|im_start|>", "<|im_end|>"],
-        "<|im_end|>",
-        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>',
-    ),
-    "llama3.1": (
-        LLAMA31,
-        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"],
-        "<|eot_id|>",
-        '{"name": "calculator", "parameters": {"expression": "2+3"}}',
-    ),
-    "mistral": (
-        MISTRAL03,
-        ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]"],
-        "</s>",
-        '[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "2+3"}, "id": "abcdefghi"}]',
-    ),
-}
-
-
-def _tokenizer(name: str):
-    template, specials, end, _ = TEMPLATES[name]
-    tokenizer = load_tokenizer("byte")
-    tokenizer.add_special_tokens({"additional_special_tokens": specials})
-    if name == "llama3.1":
-        tokenizer.bos_token = "<|begin_of_text|>"
-    tokenizer.chat_template = template
-    return tokenizer, tokenizer.convert_tokens_to_ids(end)
-
 
 def _call_message(name: str) -> dict:
     call = {"name": "calculator", "arguments": {"expression": "2+3"}}
@@ -195,7 +39,7 @@ def _call_message(name: str) -> dict:
 def test_sequence_is_sampled_tokens_plus_the_templates_rendering_of_the_replies(name):
     """prompt + sampled turn + reply ids == the template's rendering of the whole conversation, tokenised, for a
     user reply and for a tool call answered by a tool message; the call parses in the template's format."""
-    tokenizer, end = _tokenizer(name)
+    tokenizer, end = template_tokenizer(name)
     env = ToolEnvironment([calculator], reward=lambda p, r, m: [1.0])
     env.for_template(tokenizer.chat_template)
     assert env.tool_format == {"qwen2.5": "hermes", "llama3.1": "llama3", "mistral": "mistral"}[name]

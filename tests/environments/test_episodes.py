@@ -8,7 +8,8 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_LLAMA, quiet_trainer
+from conftest import TINY_LLAMA
+from episode_fixtures import SECRETS, fit_on_the_game, held_out_success
 
 from aitraining_pl.environments.episode import EpisodeEnvironment, EpisodeStep, OneTurnEpisode
 from aitraining_pl.environments.episode_rollout import ChatFormat, sample_episodes
@@ -18,8 +19,6 @@ from aitraining_pl.losses.advantages import reinforce_pp_advantages
 from aitraining_pl.models import build_causal_lm
 from aitraining_pl.models.rollout_scoring import response_logps
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine
-
-SECRETS = [{"secret": 3}, {"secret": 5}, {"secret": 6}]
 
 
 def _model(seed: int = 0):
@@ -153,31 +152,6 @@ def _guessing_module(**overrides):
     return GRPOModule(**{**settings, **overrides})
 
 
-def _success(module, rows: int = 70, seed: int = 0) -> float:
-    """Held-out success rate: episodes on every secret (10 each), sampled at the training temperature."""
-    texts, metadata = ["Guess 1-7:"] * rows, [{"secret": 1 + i % 7} for i in range(rows)]
-    ids = module.tokenizer(texts[0], add_special_tokens=False, return_tensors="pt")["input_ids"].repeat(rows, 1)
-    engine = RolloutEngine(module.tokenizer, module.generation)
-    torch.manual_seed(seed)
-    out = sample_episodes(engine, module.policy, module.reward_source, texts, metadata, ids, torch.ones_like(ids))
-    return float(torch.tensor(out.episodes.metrics["success"]).mean())
-
-
-def _fit_on_the_game(module, tmp_path, epochs: int, prompts: int = 64, batch_size: int = 8, callbacks=()):
-    from aitraining_pl.datamodules.prompt import PromptDataModule
-
-    path = tmp_path / "train.jsonl"
-    path.write_text("".join(f'{{"prompt": "Guess 1-7:", "secret": {1 + (i * 3) % 7}}}\n' for i in range(prompts)))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread is fastest, above all on a shared machine
-    try:
-        quiet_trainer(tmp_path, max_epochs=epochs, callbacks=list(callbacks)).fit(
-            module, datamodule=PromptDataModule(data_path=str(path), batch_size=batch_size)
-        )
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp"])
 def test_critic_free_algorithms_raise_held_out_success_on_the_guessing_game(tmp_path, advantage):
@@ -196,9 +170,9 @@ def test_critic_free_algorithms_raise_held_out_success_on_the_guessing_game(tmp_
         kl_coef=0.0,
         seed=0,
     )
-    before = _success(module)
-    _fit_on_the_game(module, tmp_path, epochs=2)
-    after = _success(module)
+    before = held_out_success(module)
+    fit_on_the_game(module, tmp_path, epochs=2)
+    after = held_out_success(module)
     assert after >= before + 0.07, (before, after)
 
 
@@ -213,7 +187,7 @@ def test_ppo_raises_held_out_success_on_the_guessing_game(tmp_path):
     class Curve(pl.Callback):  # held-out success after each epoch, the training draws left as they were
         def on_train_epoch_end(self, trainer, module):
             state = torch.get_rng_state()
-            curve.append(_success(module))
+            curve.append(held_out_success(module))
             torch.set_rng_state(state)
 
     torch.manual_seed(0)
@@ -228,8 +202,8 @@ def test_ppo_raises_held_out_success_on_the_guessing_game(tmp_path):
         kl_coef=0.0,
         seed=0,
     )
-    curve = [_success(module)]
-    _fit_on_the_game(module, tmp_path, epochs=4, prompts=512, batch_size=64, callbacks=[Curve()])
+    curve = [held_out_success(module)]
+    fit_on_the_game(module, tmp_path, epochs=4, prompts=512, batch_size=64, callbacks=[Curve()])
     print("PPO held-out success by epoch:", [round(x, 3) for x in curve])
     assert curve[-1] >= curve[0] + 0.1 and max(curve[1:]) >= curve[0] + 0.07, curve
 
@@ -257,7 +231,7 @@ def test_ppo_trains_on_episodes_with_per_turn_rewards(tmp_path):
 
     module.make_experience = spy
     before = [p.detach().clone() for p in module.policy.parameters()]
-    _fit_on_the_game(module, tmp_path, epochs=1)
+    fit_on_the_game(module, tmp_path, epochs=1)
     rollout, experience = seen["rollout"], seen["experience"]
     holes = (rollout.attention_mask[:, rollout.prompt_length :] == 1) & (rollout.mask == 0)
     assert holes.any() and (experience.advantages[holes] == 0).all() and (experience.returns[holes] == 0).all()

@@ -214,7 +214,7 @@ def test_an_output_flood_keeps_the_trainers_memory_bounded():
         "output = len(getattr(r, 'output', ''))\n"
         "print(json.dumps({'growth_kb': after - before, 'passed': r.passed, 'output': output}))\n"
     )  # fmt: skip
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root))
     done = subprocess.run(
         [sys.executable, "-c", script, flood, *ADD_TESTS], capture_output=True, text=True, env=env, check=True

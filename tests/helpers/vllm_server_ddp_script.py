@@ -1,11 +1,11 @@
-"""Run by tests/test_vllm_server.py: 2-process CPU GRPO (gloo; ``ddp`` or ``fsdp``: FSDP2) sampling from a
+"""Run by tests/vllm_backend/test_vllm_server.py: 2-process CPU GRPO (gloo; ``ddp`` or ``fsdp``: FSDP2) sampling from a
 generation server (``generation.vllm.mode: server``) on 127.0.0.1:PORT. Each rank records, for each of its
 rollouts, the step count, its prompts, how many requests the server's ``generate`` served with it, and the
 largest |logp_server - logp_policy| over the response tokens (the server's log-probs of the tokens it sampled
 against this rank's policy, conditioned on this rank's prompts), in OUT/rank<r>.pt. CHANNEL (default tcp) is
 ``generation.vllm.weight_channel``: how rank 0 pushes the weights.
 
-    python tests/vllm_server_ddp_script.py OUT PORT ddp|fsdp [tcp|gloo]
+    python tests/helpers/vllm_server_ddp_script.py OUT PORT ddp|fsdp [tcp|gloo]
 """
 
 import os

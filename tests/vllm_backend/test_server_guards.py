@@ -3,7 +3,7 @@ stranger or a careless run would: the token at ``hello``, the run that owns the 
 anything is loaded, the server's own timeouts, caps on declared sizes and connections, idle clients dropped, the
 accept loop at rest when out of file descriptors, the engine's folder removed when it fails to build, and the
 client's and ``vllm-serve``'s refusals. A ``GenerationServer`` around a recording stand-in engine, served from a
-thread: no vLLM needed (the real engine's checks are in ``tests/test_vllm_server.py``)."""
+thread: no vLLM needed (the real engine's checks are in ``tests/vllm_backend/test_vllm_server.py``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import threading
 
 import pytest
 import torch
-from test_vllm_server import SPEC, RecordingEngine, options, serving
+from server_fixtures import SPEC, RecordingEngine, options, serving
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
 from aitraining_pl.models import build_causal_lm

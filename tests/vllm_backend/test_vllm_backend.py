@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-# (test_vllm_server.py and test_vllm_episodes.py still import vllm_fixtures' names from here: issue 34, phase B)
+
 from architectures import VLLM, names, sharpen  # noqa: E402
 from vllm_fixtures import logp_gap, prompts, train_steps, vllm_spec  # noqa: E402
 

@@ -14,8 +14,9 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from architectures import sharpen  # noqa: E402
-from test_episode_tools import _tokenizer  # noqa: E402
-from test_vllm_backend import vllm_spec  # noqa: E402
+from chat_templates import template_tokenizer  # noqa: E402
+from episode_fixtures import SECRETS, assert_same_episodes, fit_on_the_game, held_out_success, prompt_tensors  # noqa: E402
+from vllm_fixtures import vllm_spec  # noqa: E402
 
 from aitraining_pl.environments.episode import AssistantTurn, EpisodeStep  # noqa: E402
 from aitraining_pl.environments.episode_rollout import sample_episodes  # noqa: E402
@@ -28,7 +29,6 @@ from aitraining_pl.vllm_backend import VLLMConfig  # noqa: E402
 from aitraining_pl.vllm_backend.engine import VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-SECRETS = [{"secret": 3}, {"secret": 5}, {"secret": 6}]
 #: the vLLM-servable tiny llama (two heads of 32) with room for whole episodes
 LLAMA = {**vllm_spec("llama"), "max_position_embeddings": 2048}
 
@@ -45,19 +45,10 @@ class CalculatorTurns(ToolEnvironment):
         return EpisodeStep(messages, metrics={"tool_calls": 1.0, "tool_errors": float(errors)})
 
 
-def _prompt_tensors(tokenizer, texts):
-    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    width = max(map(len, rows))
-    ids, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :], mask[i, width - len(row) :] = torch.tensor(row), 1
-    return ids, mask
-
-
 def _both_backends(tokenizer, environment, samples: int):
     model = sharpen(build_causal_lm({**LLAMA, "vocab_size": len(tokenizer)}, seed=0), 4.0).eval()
     texts = ["Guess 1-7:", "Go", "Guess a digit!"]
-    ids, mask = _prompt_tensors(tokenizer, texts)
+    ids, mask = prompt_tensors(tokenizer, texts)
     generation = GenerationConfig(max_new_tokens=6, do_sample=False)
     hf = sample_episodes(RolloutEngine(tokenizer, generation), model, environment, texts, SECRETS, ids, mask, samples)
     vllm = VLLMEngine(model, tokenizer, VLLMConfig(), max_length=2048)
@@ -68,22 +59,6 @@ def _both_backends(tokenizer, environment, samples: int):
     finally:
         vllm.close()
     return model, hf, got
-
-
-def _assert_same_episodes(hf, got):
-    assert torch.equal(got.prompt_ids, hf.prompt_ids) and torch.equal(got.prompt_mask, hf.prompt_mask)
-    assert torch.equal(got.response_ids, hf.response_ids)
-    assert torch.equal(got.response_mask, hf.response_mask)
-    assert torch.equal(got.episodes.response_attention, hf.episodes.response_attention)
-    assert torch.equal(got.episodes.token_rewards, hf.episodes.token_rewards)
-    assert torch.equal(got.ended, hf.ended) and got.texts == hf.texts
-    assert got.episodes.metrics == hf.episodes.metrics
-    assert _without_call_ids(got.episodes.transcripts) == _without_call_ids(hf.episodes.transcripts)
-    assert got.episodes.sampled == hf.episodes.sampled
-
-
-def _without_call_ids(transcripts):  # tool-call ids are drawn at random per call
-    return [[{k: v for k, v in m.items() if k != "tool_call_id"} for m in t] for t in transcripts]
 
 
 def _assert_vllm_logprobs(model, got):
@@ -100,19 +75,19 @@ def test_greedy_guessing_game_episodes_equal_the_hf_backend():
     model, hf, got = _both_backends(tokenizer, GuessingGame(max_turns=4), samples=2)
     assert max(hf.episodes.metrics["turns"]) >= 3  # several turns, with holes in the mask
     assert ((hf.episodes.response_attention == 1) & (hf.response_mask == 0)).any()
-    _assert_same_episodes(hf, got)
+    assert_same_episodes(hf, got)
     _assert_vllm_logprobs(model, got)
     print("guessing game, tokens prefilled per turn: hf", hf.episodes.prefilled, "vllm", got.episodes.prefilled)
 
 
 def test_greedy_tool_episodes_equal_the_hf_backend():
-    tokenizer, _ = _tokenizer("qwen2.5")
+    tokenizer, _ = template_tokenizer("qwen2.5")
     tokenizer.padding_side = "left"
     env = CalculatorTurns([calculator], reward=lambda p, r, m: [float(len(x)) for x in r], max_turns=4)
     model, hf, got = _both_backends(tokenizer, env, samples=1)
     assert hf.episodes.metrics["tool_calls"] == [2.0] * 3 and hf.episodes.metrics["turns"] == [3.0] * 3
     assert "<tool_response>" in tokenizer.decode(hf.response_ids[0])  # the tool messages, rendered by the template
-    _assert_same_episodes(hf, got)
+    assert_same_episodes(hf, got)
     _assert_vllm_logprobs(model, got)
     # vLLM's prefix cache (whole blocks: 128 tokens on a CPU) holds the prompts' shared tool list: less prefilled
     print("tool episodes, tokens prefilled per turn: hf", hf.episodes.prefilled, "vllm", got.episodes.prefilled)
@@ -124,7 +99,6 @@ def test_grpo_on_the_guessing_game_trains_with_the_vllm_backend(tmp_path):
     """GRPO with ``backend: vllm`` plays the game's episodes on vLLM: the engine's log-probs equal the trainer's at
     every rollout (weights synced after each iteration) and held-out success rises."""
     import lightning.pytorch as pl
-    from test_episodes import _fit_on_the_game, _success
 
     from aitraining_pl.modules.critic_free import GRPOModule
 
@@ -145,9 +119,9 @@ def test_grpo_on_the_guessing_game_trains_with_the_vllm_backend(tmp_path):
         kl_coef=0.0,
         seed=0,
     )
-    before = _success(module)
-    _fit_on_the_game(module, tmp_path, epochs=2, callbacks=[Gaps()])
-    after = _success(module)
+    before = held_out_success(module)
+    fit_on_the_game(module, tmp_path, epochs=2, callbacks=[Gaps()])
+    after = held_out_success(module)
     print("GRPO on vLLM, held-out success:", before, "->", after, "logp gaps:", max(gaps))
     assert len(gaps) == 16 and max(gaps) < 1e-3, gaps
     assert after >= before + 0.07, (before, after)

@@ -6,7 +6,6 @@ the framing and client-error tests need no vLLM and run everywhere."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -22,16 +21,15 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from server_fixtures import SPEC, RecordingEngine, options, serving
 
 from aitraining_pl.errors import GenerationServerError
 from aitraining_pl.models import build_causal_lm
 from aitraining_pl.vllm_backend import VLLMConfig
 from aitraining_pl.vllm_backend.wire import MAGIC, FrameError, read_frame, send_frame
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = Path(__file__).with_name("vllm_server_ddp_script.py")
-#: tiny-llama with two heads of 32 (vLLM's CPU attention has no kernel for heads of 16)
-SPEC = {"preset": "tiny-llama", "num_attention_heads": 2, "num_key_value_heads": 1}
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "helpers" / "vllm_server_ddp_script.py"
 
 
 # ---------------------------------------------------------------------- a server process
@@ -60,10 +58,6 @@ def server(tmp_path_factory):
     proc, port = start_server(tmp_path_factory.mktemp("server") / "serve.log", "--batch_wait_ms", "20000")
     yield port
     stop(proc)
-
-
-def options(port: int, **kw) -> VLLMConfig:
-    return VLLMConfig(mode="server", server_port=port, **{"server_timeout": 60, **kw})
 
 
 # ---------------------------------------------------------------------- (a) DDP ranks + server
@@ -147,7 +141,7 @@ def test_a_lora_push_and_a_version_that_never_arrives(server):
     """A LoRA policy's push (base weights with the deltas merged on the fly) after optimizer steps: the server's
     log-probs equal the policy's (1e-4, fp32). A rank waiting for weights that rank 0 never pushes gets one line
     after ``server_timeout``."""
-    from test_vllm_backend import logp_gap, train_steps
+    from vllm_fixtures import logp_gap, train_steps
 
     from aitraining_pl.models import apply_lora, load_tokenizer
     from aitraining_pl.models.lora import LoRAConfig
@@ -177,7 +171,7 @@ def test_weights_pushed_by_broadcast_on_a_gloo_weight_channel(server, tmp_path):
     """``weight_channel: gloo``: rank 0 opens a two-member gloo group with the server and each tensor's bytes go by
     broadcast (the frames name them only): after optimizer steps, and after more steps, the server's log-probs equal
     the policy's (1e-4, fp32), and not before the second push. The NCCL channel is the same code on GPU tensors."""
-    from test_vllm_backend import logp_gap, train_steps
+    from vllm_fixtures import logp_gap, train_steps
 
     from aitraining_pl.models import load_tokenizer
     from aitraining_pl.rollout import GenerationConfig
@@ -206,7 +200,7 @@ def test_a_refused_push_leaves_the_real_engine_on_its_weights(server):
     each refused with one line before vLLM loads anything (before: NaN log-probs until a restart, and the next
     correct push failed with ``load: AssertionError``); the engine samples from the last good weights, and the
     next correct push loads."""
-    from test_vllm_backend import logp_gap, train_steps
+    from vllm_fixtures import logp_gap, train_steps
 
     from aitraining_pl.models import load_tokenizer
     from aitraining_pl.rollout import GenerationConfig
@@ -244,42 +238,6 @@ def _push(client, version: str, tensors: dict) -> None:
         send_frame(client.sock, {"op": "weight"}, {name: tensor})
     send_frame(client.sock, {"op": "end", "count": len(tensors)})
     client.answer(f"pushing {version}")
-
-
-class RecordingEngine:
-    """Stands in for ``VLLMEngine`` in a ``GenerationServer`` without vLLM: keeps the pushed tensors; its
-    ``fail_at`` push stops after one tensor with a lost connection (the server then closes the connection)."""
-
-    def __init__(self, fail_at: int = -1):
-        self.version, self.pushes, self.fail_at = None, [], fail_at
-
-    def load(self, weights, version):
-        received = {}
-        for name, tensor in weights:
-            received[name] = tensor.clone()
-            if len(self.pushes) == self.fail_at:
-                raise ConnectionError("the engine went away")
-        self.pushes.append(received)
-        self.version = version
-
-
-@contextlib.contextmanager
-def serving(engine, model, limits=None, token: str = "test-token"):
-    """A ``GenerationServer`` around ``engine`` (a stand-in) for ``model``'s shape, served from a thread on a free
-    loopback port (yielded) until the block ends; its ``token`` written where ``vllm-serve`` writes a token it
-    generated (a client on loopback finds it there)."""
-    from aitraining_pl.vllm_backend.guards import write_token
-    from aitraining_pl.vllm_backend.server import GenerationServer
-
-    server = GenerationServer(engine, None, model, "127.0.0.1", 0, token, limits=limits)
-    path = write_token(token, server.server_address[1])
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
-        path.unlink(missing_ok=True)
 
 
 def test_the_gloo_weight_channel_carries_every_tensor_exactly_and_a_broken_push_is_one_line():
@@ -330,7 +288,7 @@ def test_greedy_episodes_on_the_server_equal_the_colocated_engines(server):
     """Multi-turn episodes (the guessing game) sampled turn by turn on the server equal the colocated engine's:
     tokens, masks, rewards, transcripts and vLLM's log-probs."""
     from architectures import sharpen
-    from test_vllm_episodes import SECRETS, _assert_same_episodes, _prompt_tensors
+    from episode_fixtures import SECRETS, assert_same_episodes, prompt_tensors
 
     from aitraining_pl.environments.episode_rollout import sample_episodes
     from aitraining_pl.environments.multiturn import GuessingGame
@@ -342,7 +300,7 @@ def test_greedy_episodes_on_the_server_equal_the_colocated_engines(server):
     tokenizer = load_tokenizer("byte", padding_side="left")
     model = sharpen(build_causal_lm(SPEC, seed=0), 4.0).eval()
     texts = ["Guess 1-7:", "Go", "Guess a digit!"]
-    ids, mask = _prompt_tensors(tokenizer, texts)
+    ids, mask = prompt_tensors(tokenizer, texts)
     generation, game = GenerationConfig(max_new_tokens=6, do_sample=False), GuessingGame(max_turns=3)
     rollouts = []
     colocated = VLLMEngine(model, tokenizer, VLLMConfig(), max_length=512)
@@ -355,7 +313,7 @@ def test_greedy_episodes_on_the_server_equal_the_colocated_engines(server):
             backend.close()
     colocated, served = rollouts
     assert max(colocated.episodes.metrics["turns"]) >= 2
-    _assert_same_episodes(colocated, served)
+    assert_same_episodes(colocated, served)
     assert torch.equal(served.sampling_logprobs, colocated.sampling_logprobs)
 
 
