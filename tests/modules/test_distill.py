@@ -110,3 +110,54 @@ def test_step_keeps_no_vocabulary_sized_tensor():
     print(f"largest saved tensor: {largest} ({torch.Size(largest).numel() * 4 / 2**20:.1f} MiB in float32)")
     assert not [s for s in shapes if torch.Size(s).numel() >= rows * length * 32_000], shapes
     assert torch.Size(largest).numel() <= 32_000 * config["hidden_size"]
+
+
+@pytest.fixture(scope="module")
+def sft_teacher(tmp_path_factory):
+    """The SFT quickstart's model after 3 epochs (about 8 s): the quickstart's teacher."""
+    from pathlib import Path
+
+    from aitraining_pl.cli import build_cli
+
+    root, folder = Path(__file__).resolve().parents[2], tmp_path_factory.mktemp("sft")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        build_cli(
+            ["fit", "--config", str(root / "configs/quickstart/sft.yaml"), "--data.init_args.data_path",
+             str(root / "aitraining_pl/data/quickstart_sft.jsonl"), "--trainer.max_epochs", "3",
+             "--trainer.enable_progress_bar", "false"]
+        )  # fmt: skip
+    return folder / "runs/quickstart-sft/export/last"
+
+
+@pytest.mark.slow
+def test_quickstart_student_approaches_the_sft_teacher(sft_teacher, tmp_path, monkeypatch):
+    """configs/quickstart/distill.yaml (one epoch) on the SFT quickstart's model: the random student's held-out
+    divergence and per-token KLs to the teacher fall, and its held-out task reward rises toward the teacher's."""
+    from pathlib import Path
+
+    from aitraining_pl.cli import build_cli
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)
+    args = [
+        "--config", str(root / "configs/quickstart/distill.yaml"), "--model.init_args.teacher_model_name",
+        str(sft_teacher), "--data.init_args.data_path", str(root / "aitraining_pl/data/quickstart_sft.jsonl"),
+        "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false",
+    ]  # fmt: skip
+
+    def metrics(cli) -> dict[str, float]:
+        return {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
+
+    before = metrics(build_cli(["validate", *args]))
+    as_teacher = ["--model.init_args.model_name", str(sft_teacher), "--model.init_args.model_config", "null"]
+    teacher = metrics(build_cli(["validate", *args, *as_teacher]))
+    cli = build_cli(["fit", *args])
+    after = metrics(cli)
+    print(f"before {before}\nafter {after}\nteacher {teacher}")
+    assert after["val/loss"] < 0.8 * before["val/loss"]
+    assert after["val/forward_kl"] < before["val/forward_kl"] and after["val/reverse_kl"] < before["val/reverse_kl"]
+    assert after["val/teacher_logprob"] > before["val/teacher_logprob"]
+    assert teacher["val/loss"] < 1e-4  # the teacher against itself
+    assert before["val/reward_mean"] < after["val/reward_mean"] <= teacher["val/reward_mean"] + 0.05
+    assert (tmp_path / "runs/quickstart-distill/export/last/model.safetensors").is_file()
