@@ -28,7 +28,9 @@ import torch.nn.functional as F
 
 from aitraining_pl.losses.fused_head import DEFAULT_MEMORY_BUDGET, _logits
 
-_TEMPORARIES = 6  # float32 (chunk, V) buffers of one chunk: both log-softmaxes, both probabilities, mixture, gradient
+_TEMPORARIES = (
+    6  # float32 (chunk, V) buffers live at once in one chunk: both log-softmaxes, both probabilities, two more
+)
 
 
 class DistillationStats(NamedTuple):
@@ -63,31 +65,31 @@ def generalized_jsd(student_logps: torch.Tensor, teacher_logps: torch.Tensor, be
     return beta * (p_t * (teacher_logps - log_m)).sum(-1) + (1 - beta) * (p_s * (student_logps - log_m)).sum(-1)
 
 
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(C,) ``(a * b).sum(-1)`` of two (C, V) tensors without a (C, V) temporary (a batched matrix-vector product)."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
 def _divergence_and_grad(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float, with_grad: bool):
     """One chunk: (divergence, forward KL, reverse KL, d divergence / d student logits or None) from the two
-    log-softmaxes (C, V). The gradient is with respect to the temperature-scaled logits ``y`` (``log_ps =
-    log_softmax(y)``): ``p_S - p_T`` at ``beta = 0``; ``p_S (log p_S - log p_T - KL(p_S || p_T))`` at ``beta = 1``;
-    else ``(1 - beta) p_S (log p_S - log m - KL(p_S || m))`` (the derivative of GKD eq. 2 through the softmax)."""
+    log-softmaxes (C, V), which it may overwrite. The gradient is with respect to the temperature-scaled logits ``y``
+    (``log_ps = log_softmax(y)``): ``p_S - p_T`` at ``beta = 0``; ``p_S (log p_S - log p_T - KL(p_S || p_T))`` at
+    ``beta = 1``; else ``(1 - beta) p_S (log p_S - log m - KL(p_S || m))`` (the derivative of GKD eq. 2 through the
+    softmax). At most four more (C, V) buffers are live at once: the probabilities, and two for differences."""
     p_s, p_t = log_ps.exp(), log_pt.exp()
-    gap = log_ps - log_pt  # log p_S - log p_T
-    reverse = (p_s * gap).sum(-1)
-    forward = -(p_t * gap).sum(-1)
-    grad = None
+    work = torch.sub(log_ps, log_pt)  # log p_S - log p_T
+    reverse, forward = _rowdot(p_s, work), -_rowdot(p_t, work)
     if beta == 0.0:
-        divergence = forward
-        if with_grad:
-            grad = p_s.sub_(p_t)
-    elif beta == 1.0:
-        divergence = reverse
-        if with_grad:
-            grad = gap.sub_(reverse.unsqueeze(-1)).mul_(p_s)
-    else:
-        log_m = torch.logaddexp(log_pt + math.log(beta), log_ps + math.log(1 - beta))
-        student_part = log_ps.sub(log_m)  # log p_S - log m
-        kl_student = (p_s * student_part).sum(-1)
-        divergence = beta * (p_t * log_m.sub_(log_pt).neg_()).sum(-1) + (1 - beta) * kl_student
-        if with_grad:
-            grad = student_part.sub_(kl_student.unsqueeze(-1)).mul_(p_s).mul_(1 - beta)
+        return forward, forward, reverse, p_s.sub_(p_t) if with_grad else None
+    if beta == 1.0:
+        return reverse, forward, reverse, work.sub_(reverse.unsqueeze(-1)).mul_(p_s) if with_grad else None
+    log_m = torch.add(log_pt, math.log(beta))  # log m = logaddexp(log p_T + log beta, log p_S + log(1 - beta))
+    torch.logaddexp(log_m, work.copy_(log_ps).add_(math.log(1 - beta)), out=log_m)
+    student = work.copy_(log_ps).sub_(log_m)  # log p_S - log m
+    kl_student = _rowdot(p_s, student)
+    kl_teacher = _rowdot(p_t, log_m.neg_().add_(log_pt))  # KL(p_T || m)
+    divergence = beta * kl_teacher + (1 - beta) * kl_student
+    grad = student.sub_(kl_student.unsqueeze(-1)).mul_(p_s).mul_(1 - beta) if with_grad else None
     return divergence, forward, reverse, grad
 
 
@@ -128,10 +130,11 @@ class _FusedDistillation(torch.autograd.Function):
             rows = slice(start, start + chunk)
             h = s_hidden[rows]
             y_s, z_s = _project(h, s_weight, s_bias, s_post, temperature, keep_z)
+            top_s, log_ps = y_s.argmax(-1), y_s.log_softmax(-1)
+            del y_s
             y_t, _ = _project(t_hidden[rows], t_weight, t_bias, t_post, temperature, False)
-            agree = (y_s.argmax(-1) == y_t.argmax(-1)).to(acc)
-            log_ps, log_pt = y_s.log_softmax(-1), y_t.log_softmax(-1)
-            del y_s, y_t
+            agree, log_pt = (top_s == y_t.argmax(-1)).to(acc), y_t.log_softmax(-1)
+            del y_t
             if targets is not None:
                 index = targets[rows].unsqueeze(-1)
                 target_t, target_s = log_pt.gather(-1, index).squeeze(-1), log_ps.gather(-1, index).squeeze(-1)
