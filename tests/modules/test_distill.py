@@ -161,3 +161,28 @@ def test_quickstart_student_approaches_the_sft_teacher(sft_teacher, tmp_path, mo
     assert teacher["val/loss"] < 1e-4  # the teacher against itself
     assert before["val/reward_mean"] < after["val/reward_mean"] <= teacher["val/reward_mean"] + 0.05
     assert (tmp_path / "runs/quickstart-distill/export/last/model.safetensors").is_file()
+
+
+def test_any_online_module_distils_with_use_teacher(tmp_path):
+    """Sampled-token distillation is the k1 KL in the reward with the teacher as the reference: RLOOModule with
+    ``use_teacher`` (no task reward) reaches the bandit's teacher as DistillationModule's sampled mode does."""
+    from bandit import word_tokenizer as tokenizer_folder
+
+    from aitraining_pl.models.loading import load_causal_lm
+    from aitraining_pl.modules.critic_free import RLOOModule
+    from aitraining_pl.modules.distill import no_task_reward, use_teacher
+
+    pl.seed_everything(0)
+    folder = tokenizer_folder(tmp_path / "tokenizer")
+    module = RLOOModule(
+        model_config=POLICY, tokenizer_name=folder, reward=no_task_reward, kl_coef=1.0, kl_in_reward=True,
+        generation=GenerationConfig(max_new_tokens=1, temperature=1.0, top_p=1.0), num_generations=8,
+        learning_rate=0.03, mini_batch_size=64,
+    )  # fmt: skip
+    teacher = use_teacher(module, load_causal_lm(model_config=TEACHER, seed=1)).model
+    tokenizer = load_tokenizer(folder)
+    prompt = tokenizer("a", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    quiet_trainer(tmp_path).fit(module, PromptDataModule(prompts=["a"] * 240, tokenizer=tokenizer, batch_size=8))
+    tv = total_variation(next_token(module.policy, prompt), next_token(teacher, prompt))
+    print(f"RLOOModule + use_teacher: TV {tv:.4f}")
+    assert tv < 0.05
