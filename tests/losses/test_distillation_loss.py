@@ -148,3 +148,25 @@ def test_keeps_no_vocabulary_sized_tensor():
     loss.backward()
     assert sorted(saved) == sorted([(tokens, 16), (vocab, 16), (vocab,)]), saved
     assert hidden.grad is not None and head.weight.grad is not None
+
+
+def test_bfloat16_weights_and_autocast():
+    """bf16 weights (the recipes' ``dtype: bfloat16``) and bf16 autocast: the matmuls in bf16, the softmaxes in
+    float32; loss and gradients close to float32's, gradients in the parameters' dtypes."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(40, 16), torch.randn(300, 16) * 0.3
+    hidden_t, weight_t, weights = torch.randn(40, 24), torch.randn(300, 24) * 0.3, torch.full((40,), 1 / 40)
+
+    def run(h, w, dtype, autocast=False):
+        h, w = h.detach().to(dtype).clone().requires_grad_(), w.detach().to(dtype).clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = fused_distillation_loss(h, w, hidden_t.to(dtype), weight_t.to(dtype), weights, beta=0.5).loss
+        loss.backward()
+        return loss, h.grad, w.grad
+
+    want = run(hidden, weight, torch.float32)
+    for got in (run(hidden, weight, torch.bfloat16), run(hidden, weight, torch.float32, autocast=True)):
+        assert got[0].dtype == torch.float32 and abs(float(got[0] - want[0])) < 2e-2 * float(want[0])
+        for g, w in zip(got[1:], want[1:]):
+            assert torch.allclose(g.float(), w, atol=3e-2 * float(w.abs().max()))
+    assert run(hidden, weight, torch.bfloat16)[2].dtype == torch.bfloat16
