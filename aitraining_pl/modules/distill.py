@@ -206,6 +206,8 @@ class DistillationModule(CriticFreeModule):
         self.__dict__["_own_arguments"] = {**own, "beta": beta, "lmbda": lmbda, "temperature": temperature}
         if (teacher_model_name is None) == (teacher_model_config is None):
             raise ConfigError("DistillationModule.teacher_model_name", "give the teacher: a name or a model config")
+        if kwargs.pop("kl_in_reward", True) is not True:  # stored in the hyperparameters: back on a reload
+            raise ConfigError("DistillationModule.kl_in_reward", "always on: the teacher's term is a per-token reward")
         if mode == "sampled" and lmbda != 1.0:
             raise ConfigError("DistillationModule.lmbda", "sampled mode trains on the student's own samples: lmbda 1")
         super().__init__(

@@ -222,3 +222,18 @@ def test_trains_on_multi_turn_episodes(tmp_path, mode):
     else:
         assert (experience.advantages[holes] == 0).all() and torch.isfinite(seen["stats"]["reverse_kl"])
     assert any(not torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))
+
+
+def test_checkpoint_round_trip_rebuilds_the_teacher(tmp_path):
+    """A checkpoint holds the student only; ``load_from_checkpoint`` rebuilds the module from its hyperparameters,
+    the teacher from its own source."""
+    module = DistillationModule(model_config=TINY_LLAMA, teacher_model_config=TINY_LLAMA, tokenizer_name="byte")
+    trainer = quiet_trainer(tmp_path, max_steps=0)
+    trainer.strategy.connect(module)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    state = torch.load(tmp_path / "last.ckpt", weights_only=True)["state_dict"]
+    assert set(state) == {f"model.{k}" for k in module.policy.state_dict()}
+    loaded = DistillationModule.load_from_checkpoint(tmp_path / "last.ckpt", weights_only=True)
+    assert loaded.hparams.teacher_model_config == TINY_LLAMA and loaded.hparams.beta == 1.0
+    for a, b in zip(loaded.teacher.model.parameters(), module.teacher.model.parameters()):
+        assert torch.equal(a, b)
