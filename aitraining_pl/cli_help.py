@@ -23,6 +23,7 @@ MODULES: tuple[tuple[str, str], ...] = (
     ("PPO", "aitraining_pl.modules.ppo.PPOModule"),
     ("GRPO", "aitraining_pl.modules.critic_free.GRPOModule"),
     ("RLOO", "aitraining_pl.modules.critic_free.RLOOModule"),
+    ("distillation", "aitraining_pl.modules.distill.DistillationModule"),
 )
 
 #: dataclass arguments with their own ``--model.<name>.help`` (jsonargparse advertises it but cannot print it
