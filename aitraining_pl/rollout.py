@@ -22,6 +22,10 @@ has ended, so a GRPO batch whose responses end at different lengths costs its re
 the longest; it draws what ``generate`` draws while no row has ended. Models without a plain ``DynamicCache``
 (hybrid state-space ones), and ``GenerationConfig.drop_ended=False``, use transformers' ``generate``, with the
 model's own ``generation_config`` swapped for a blank one during the call.
+
+**Backends.** What samples is a ``generation.backend.GenerationBackend``: the policy itself (``HFBackend``, the
+decoder above), a colocated vLLM engine or a generation server; ``BACKENDS`` names them and ``build_backend`` makes
+one. Whichever sampled, the ``Rollout`` is made here by the same end rule.
 """
 
 from __future__ import annotations
