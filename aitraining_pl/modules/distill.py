@@ -22,8 +22,9 @@ multi-turn episodes, the reward sources, the update loop over minibatches, the p
 
 The teacher is scored through a small interface, ``TeacherScorer`` (``token_logprobs``: the teacher's log-probs of
 given token sequences); ``LocalTeacher`` is the teacher in this process (its hidden states and head also give the full
-distribution). A served teacher (a generation server returning prompt log-probs) implements ``token_logprobs`` only,
-enough for ``mode: sampled``. The teacher is held outside the module tree: checkpoints and exports never contain it.
+distribution). A served teacher (``teacher_server``: ``vllm_backend.client.ServedTeacher``, the prompt log-probs of
+a server started with ``aitraining-pl vllm-serve --teacher``) implements ``token_logprobs`` only, enough for ``mode:
+sampled``. The teacher is held outside the module tree: checkpoints and exports never contain it.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ from aitraining_pl.modules.online import RolloutBatch
 from aitraining_pl.rollout import Rollout
 from aitraining_pl.validation import FRACTION, OneOf, Range, fixed, rules
 
+#: the keys of ``teacher_server`` and the ``VLLMConfig`` fields they set
+SERVER_KEYS = {
+    "host": "server_host",
+    "port": "server_port",
+    "timeout": "server_timeout",
+    "token_file": "server_token_file",
+}
 #: the reward source of a run without a task reward: every response scores 0 (only the teacher trains the student)
 NO_TASK_REWARD = "aitraining_pl.modules.distill:no_task_reward"
 DistillationMode = Literal["full", "sampled"]
@@ -65,6 +73,19 @@ class TeacherScorer(Protocol):
     ) -> torch.Tensor:
         """(N, R) teacher log-probs (logits / ``temperature``) of the response tokens of rollout rows (N, P + R)."""
         ...
+
+
+def check_teacher_server(server: Any, mode: str) -> None:
+    """A ``ConfigError`` for a ``teacher_server`` that is not ``{host, port, timeout, token_file}`` or with ``mode:
+    full`` (it needs the teacher's whole distribution, hence the teacher in this process)."""
+    where = "DistillationModule.teacher_server"
+    if not isinstance(server, dict) or set(server) - set(SERVER_KEYS):
+        raise ConfigError(where, f"a mapping with keys among {', '.join(SERVER_KEYS)}, got {server!r}")
+    if mode != "sampled":
+        why = "(mode: full needs the teacher's whole distribution: the teacher in this process)"
+        raise ConfigError(
+            where, f"a served teacher gives the log-probs of the sampled tokens only: mode: sampled {why}"
+        )
 
 
 def language_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -160,6 +181,10 @@ class DistillationModule(CriticFreeModule):
     Args:
         teacher_model_name: the teacher as a local folder or hub id; it must share the student's tokenizer.
         teacher_model_config: the teacher as an inline config dict (random init; tests), instead of a name.
+        teacher_server: a served teacher instead of one in this process (``mode: sampled`` and
+            ``generation.temperature`` 1 only): ``{host, port, timeout, token_file}`` of an ``aitraining-pl vllm-serve
+            --teacher --model <teacher>`` (defaults ``127.0.0.1``, 8000, 240 s, the token as for
+            ``generation.vllm.server_token_file``); ``teacher_model_name``, if given, only checks the tokenizer.
         mode: ``full`` (the generalized JSD over the full vocabulary, GKD) or ``sampled`` (per-token reward
             ``log p_teacher - log p_student`` of the sampled tokens, optimised with the online policy loss).
         beta: the generalized JSD's interpolation (TRL's ``beta``, not DPO's): 0 forward KL(teacher || student),
@@ -191,6 +216,7 @@ class DistillationModule(CriticFreeModule):
         self,
         teacher_model_name: str | None = None,
         teacher_model_config: dict[str, Any] | None = None,
+        teacher_server: dict[str, Any] | None = None,
         mode: DistillationMode = "full",
         beta: float = 1.0,
         lmbda: float = 1.0,
@@ -203,8 +229,11 @@ class DistillationModule(CriticFreeModule):
         **kwargs: Any,
     ):
         own = dict(teacher_model_name=teacher_model_name, teacher_model_config=teacher_model_config, mode=mode)
-        self.__dict__["_own_arguments"] = {**own, "beta": beta, "lmbda": lmbda, "temperature": temperature}
-        if (teacher_model_name is None) == (teacher_model_config is None):
+        own.update(teacher_server=teacher_server, beta=beta, lmbda=lmbda, temperature=temperature)
+        self.__dict__["_own_arguments"] = own
+        if teacher_server is not None:
+            check_teacher_server(teacher_server, mode)
+        elif (teacher_model_name is None) == (teacher_model_config is None):
             raise ConfigError("DistillationModule.teacher_model_name", "give the teacher: a name or a model config")
         if kwargs.pop("kl_in_reward", True) is not True:  # stored in the hyperparameters: back on a reload
             raise ConfigError("DistillationModule.kl_in_reward", "always on: the teacher's term is a per-token reward")
@@ -219,6 +248,12 @@ class DistillationModule(CriticFreeModule):
             loss_aggregation=loss_aggregation,
             **kwargs,
         )
+        if teacher_server is not None and float(self.generation.temperature) != 1.0:
+            raise ConfigError(
+                "DistillationModule.teacher_server",
+                f"a served teacher's log-probs are at temperature 1 (vLLM's prompt log-probs are of the raw logits), "
+                f"so the student samples at generation.temperature 1, not {self.generation.temperature:g}",
+            )
         self.check_tokenizers()
         self._last_frozen: dict[bool, torch.Tensor] = {}
 
@@ -231,6 +266,12 @@ class DistillationModule(CriticFreeModule):
         """The student (no reference copy of it) and the teacher in the reference's slot (``LocalTeacher``)."""
         student, _ = super().load_policy_from_hparams(with_reference=False)
         hp = self.hparams
+        if hp.get("teacher_server") is not None:
+            from aitraining_pl.generation.config import VLLMConfig
+            from aitraining_pl.vllm_backend.client import ServedTeacher
+
+            fields = {SERVER_KEYS[k]: v for k, v in hp.teacher_server.items()}
+            return student, ServedTeacher(VLLMConfig(mode="server", **fields), "DistillationModule.teacher_server")
         teacher = load_causal_lm(
             hp.teacher_model_name,
             hp.teacher_model_config,
@@ -242,7 +283,7 @@ class DistillationModule(CriticFreeModule):
         return student, LocalTeacher(teacher)
 
     @property
-    def teacher(self) -> LocalTeacher:
+    def teacher(self) -> LocalTeacher | TeacherScorer:
         """The teacher (``TeacherScorer``), held outside the module tree."""
         return self.reference
 
@@ -252,7 +293,12 @@ class DistillationModule(CriticFreeModule):
 
     def check_tokenizers(self) -> None:
         """One ``ConfigError`` before training when the teacher's vocabulary or tokenizer is not the student's."""
-        sizes = [language_model(m).get_output_embeddings().weight.shape[0] for m in (self.policy, self.teacher.model)]
+        rows = language_model(self.policy).get_output_embeddings().weight.shape[0]
+        served = getattr(self.teacher, "vocab_size", None)  # a served teacher: its model's, asked of the server
+        sizes = [
+            rows,
+            served() if served else language_model(self.teacher.model).get_output_embeddings().weight.shape[0],
+        ]
         name = self.hparams.teacher_model_name
         theirs = load_tokenizer(name, trust_remote_code=bool(self.hparams.trust_remote_code)) if name else None
         if sizes[0] != sizes[1] or (theirs is not None and theirs.get_vocab() != self.tokenizer.get_vocab()):

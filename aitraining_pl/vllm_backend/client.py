@@ -55,11 +55,12 @@ from aitraining_pl.vllm_backend.wire import (
 )
 
 
-def find_token(options: VLLMConfig) -> tuple[str, str]:
+def find_token(options: VLLMConfig, setting: str = "generation.vllm.server_token_file") -> tuple[str, str]:
     """The server's token and where it came from (for messages; never the token itself):
-    ``options.server_token_file``, else ``TOKEN_ENV``, else the file ``vllm-serve`` writes on loopback."""
+    ``options.server_token_file`` (the option ``setting``), else ``TOKEN_ENV``, else the file ``vllm-serve`` writes
+    on loopback."""
     if options.server_token_file:
-        return read_token(options.server_token_file), f"generation.vllm.server_token_file {options.server_token_file}"
+        return read_token(options.server_token_file), f"{setting} {options.server_token_file}"
     if os.environ.get(TOKEN_ENV):
         return os.environ[TOKEN_ENV], f"${TOKEN_ENV}"
     path = token_path(options.server_port)
@@ -67,8 +68,8 @@ def find_token(options: VLLMConfig) -> tuple[str, str]:
         return read_token(path), str(path)
     where = f"{options.server_host}:{options.server_port}"
     raise ConfigError(
-        "generation.vllm.server_token_file",
-        f"no token for the generation server at {where}: set {TOKEN_ENV} or generation.vllm.server_token_file "
+        setting,
+        f"no token for the generation server at {where}: set {TOKEN_ENV} or {setting} "
         f"to the server's (a vllm-serve on this machine that made its own writes it to {path}); docs/vllm.md, "
         "Server mode",
     )
@@ -102,6 +103,10 @@ class VLLMServerClient:
     """
 
     location = "server"  #: a ``GenerationBackend`` in another process (``aitraining-pl vllm-serve``)
+    role = "trainer"  #: ``hello``'s role (a ``scorer`` joins no run; ``ServedTeacher``)
+    kind = "vLLM server"  #: how messages name the server
+    setting = "generation.vllm"  #: where the connection's options are set (messages)
+    starting = "starting the rollouts"  #: what a failed connection was for (messages)
 
     @classmethod
     def from_context(cls, generation: Any, context: Any) -> VLLMServerClient:
@@ -140,13 +145,13 @@ class VLLMServerClient:
 
     def hello(self) -> dict[str, Any]:
         """``hello``, then the answer to the server's challenge (the token's proof): the server's ``ready``."""
-        hello = {"op": "hello", "protocol": PROTOCOL, "rank": self.rank, "run": self.run}
+        hello = {"op": "hello", "protocol": PROTOCOL, "rank": self.rank, "run": self.run, "role": self.role}
         challenge, _ = self.call(hello, "connecting")
         if not isinstance(challenge.get("nonce"), str):
             self.close()
             raise self.error("connecting", f"the server answered {challenge['op']!r} to hello, not a challenge")
         try:
-            token, source = find_token(self.options)
+            token, source = find_token(self.options, f"{self.setting}.server_token_file")
             answer, _ = self.call({"op": "auth", "proof": proof(token, challenge["nonce"], self.run, self.rank)},
                                   "connecting")  # fmt: skip
         except (ConfigError, GenerationServerError) as err:
@@ -154,9 +159,9 @@ class VLLMServerClient:
             if isinstance(err, ConfigError) or "the token does not match" not in str(err):
                 raise
             raise GenerationServerError(
-                f"vLLM server {self.address}",
+                f"{self.kind} {self.address}",
                 f"it refused the token from {source}: give the trainer the server's token ({TOKEN_ENV} or "
-                "generation.vllm.server_token_file; docs/vllm.md, Server mode)",
+                f"{self.setting}.server_token_file; docs/vllm.md, Server mode)",
             ) from None
         return answer
 
@@ -175,7 +180,7 @@ class VLLMServerClient:
 
     # ------------------------------------------------------------------ channel
     def error(self, doing: str, what: str) -> GenerationServerError:
-        return GenerationServerError(f"vLLM server {self.address}", f"{what} while {doing}; {RESUME}")
+        return GenerationServerError(f"{self.kind} {self.address}", f"{what} while {doing}; {RESUME}")
 
     def connect(self) -> socket.socket:
         """A connection to the server, retried until ``server_timeout`` (the server may still be starting)."""
@@ -189,9 +194,9 @@ class VLLMServerClient:
             except OSError as err:
                 if time.monotonic() >= deadline:
                     raise GenerationServerError(
-                        f"vLLM server {self.address}",
-                        f"could not connect for {timeout:g} s (generation.vllm.server_timeout) while starting the "
-                        f"rollouts ({err.strerror or err}): start it first (aitraining-pl vllm-serve --model ... "
+                        f"{self.kind} {self.address}",
+                        f"could not connect for {timeout:g} s ({self.setting}.server_timeout) while {self.starting} "
+                        f"({err.strerror or err}): start it first (aitraining-pl vllm-serve --model ... "
                         f"--port {port}; docs/vllm.md, Server mode); a run that had started resumes from its last "
                         "checkpoint with --ckpt_path",
                     ) from None
@@ -221,7 +226,7 @@ class VLLMServerClient:
 
     def lost(self, doing: str, err: OSError) -> GenerationServerError:
         if isinstance(err, socket.timeout):
-            what = f"no answer within {self.options.server_timeout:g} s (generation.vllm.server_timeout)"
+            what = f"no answer within {self.options.server_timeout:g} s ({self.setting}.server_timeout)"
         elif isinstance(err, ChannelBroken):
             what = str(err)
         else:
@@ -314,3 +319,57 @@ class VLLMServerClient:
             except (OSError, FrameError):
                 pass
             sock.close()
+
+
+class ServedTeacher(VLLMServerClient):
+    """A teacher on a generation server (``aitraining-pl vllm-serve --teacher --model <teacher>``): the
+    ``TeacherScorer`` of ``modules.distill`` whose ``token_logprobs`` are the server's ``logprobs`` (vLLM's prompt
+    log-probs of the given tokens, never re-tokenised), so the teacher need not fit beside the student. It says
+    ``hello`` as a ``scorer`` with its own run id: it never owns the server, never pushes and locks no training run
+    out. It connects when first used (and again in each process it is copied to); any failure is one
+    ``GenerationServerError`` line naming the server.
+
+    Args:
+        options: ``server_host``, ``server_port``, ``server_timeout`` and ``server_token_file`` are read.
+        setting: where those are configured (messages name it).
+    """
+
+    role, kind, starting = "scorer", "teacher server", "scoring with the teacher"
+    model = None  #: no model in this process (the reference slot's ``model``)
+
+    def __init__(self, options: VLLMConfig, setting: str = "teacher_server"):  # noqa: D107 - no super(): no policy
+        self.options, self.setting, self.rank, self.run = options, setting, 0, uuid.uuid4().hex
+        self.address = f"{options.server_host}:{options.server_port}"
+        self.group = self.sock = None
+        self.served: dict[
+            str, Any
+        ] = {}  #: ``ready``'s answer: the served model's fields, whether its weights are fixed
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "sock": None}  # a copy (another process) opens its own connection
+
+    def connection(self) -> socket.socket:
+        if self.sock is None:
+            self.sock = self.connect()
+            self.served = self.hello()
+        return self.sock
+
+    def vocab_size(self) -> int | None:
+        """The served model's ``vocab_size`` (connects)."""
+        self.connection()
+        return (self.served.get("model") or {}).get("vocab_size")
+
+    def to(self, *args: Any, **kwargs: Any) -> ServedTeacher:
+        return self  # the weights live on the server
+
+    @torch.no_grad()
+    def token_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, temperature: float
+    ) -> torch.Tensor:
+        """(N, R) the served teacher's log-probs of the response tokens of rows (N, P + R), float32 (0 on padding)."""
+        self.connection()
+        request = {"op": "logprobs", "start": int(prompt_length), "temperature": float(temperature)}
+        rows = {"input_ids": input_ids.long(), "attention_mask": attention_mask.long()}
+        doing = f"scoring {input_ids.shape[0]} rows of {input_ids.shape[1] - prompt_length} tokens with the teacher"
+        _, tensors = self.call(request, doing, rows)
+        return tensors["logprobs"].to(input_ids.device)

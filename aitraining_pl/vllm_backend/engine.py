@@ -53,6 +53,25 @@ PART_BYTES = 512 << 20
 BLOCK = re.compile(r"^(.*?\.layers\.\d+)\.")
 
 
+def unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """Each row's attended token ids, in order (what the engine is given: no padding, positions from 0)."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
+
+
+def place_rows(scores: Sequence[Sequence[float]], attention_mask: torch.Tensor, start: int) -> torch.Tensor:
+    """(N, L - ``start``) float32: row ``i``'s ``scores`` (the log-probs of its attended tokens after the first, as
+    ``unpadded_rows`` lists them) put back at their columns of the padded layout, from column ``start`` on; 0 where
+    ``attention_mask`` is 0."""
+    out = torch.zeros(attention_mask.shape[0], attention_mask.shape[1] - start)
+    for row, (values, mask) in enumerate(zip(scores, attention_mask)):
+        columns = torch.nonzero(mask, as_tuple=True)[0][1:]
+        if len(values) != len(columns):
+            raise ValueError(f"row {row}: {len(values)} log-probs for {len(columns)} scored tokens")
+        keep = columns >= start
+        out[row, columns[keep] - start] = torch.tensor(list(values), dtype=torch.float32)[keep]
+    return out
+
+
 @dataclasses.dataclass
 class SampleRequest:
     """The arguments of one ``VLLMEngine.sample`` call (``sample_many`` serves several in one ``generate``)."""
@@ -191,6 +210,8 @@ class VLLMEngine:
         max_length: longest prompt + response (default ``options.max_model_len``, else the model's).
         seed: the engine's own seed (the global random states are restored after the engine is built; sampling
             without a per-call seed draws from torch's global generator, which ``seed_everything`` seeds).
+        weights: a folder or hub id whose weights vLLM reads at build (a served teacher: ``vllm-serve --teacher``);
+            default none: dummy weights until ``sync`` / a push.
     """
 
     location = "colocated"  #: a ``GenerationBackend`` with its own copy of the weights in this process
@@ -208,6 +229,7 @@ class VLLMEngine:
         options: VLLMConfig,
         max_length: int | None = None,
         seed: int = 0,
+        weights: str | None = None,
     ):
         vllm = import_vllm()
         self.options = options
@@ -234,10 +256,10 @@ class VLLMEngine:
             tokenizer.save_pretrained(tokenizer_folder)
         dtype = next(policy.parameters()).dtype
         kwargs = dict(
-            model=self.folder,
+            model=weights or self.folder,
             tokenizer=tokenizer_folder,
             skip_tokenizer_init=tokenizer is None,
-            load_format="dummy",
+            load_format="auto" if weights else "dummy",
             dtype=str(dtype).removeprefix("torch."),
             seed=seed,
             enforce_eager=options.eager("cpu" if on_cpu else "cuda"),
@@ -310,6 +332,26 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+    # ------------------------------------------------------------------ scoring (a served teacher)
+    def prompt_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int) -> torch.Tensor:
+        """(N, L - ``start``) float32 log-probs of the tokens ``input_ids[:, start:]`` (rows left padded as the
+        rollouts', ``attention_mask`` 0 on the padding, where the answer is 0) under the model's untruncated softmax
+        at temperature 1: vLLM's prompt log-probs (``SamplingParams(max_tokens=1, prompt_logprobs=0)`` on each row's
+        unpadded ids). They are of the raw logits whatever ``logprobs_mode`` (vLLM 0.32: prompt tokens skip the
+        sampling processors), so another temperature cannot be applied to them (the server refuses it)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.wake()
+        rows = unpadded_rows(input_ids, attention_mask)
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        scores = []
+        for tokens, out in zip(rows, outputs):
+            steps = list(out.prompt_logprobs or [])[1:]  # the first token has none
+            scores.append([float(step[token].logprob) for step, token in zip(steps, tokens[1:])])
+        return place_rows(scores, attention_mask, start)
 
     # ------------------------------------------------------------------ sampling
     def sampling_params(self, generation: Any, end_ids: Sequence[int], stop_rule: StopRule, n: int, seed: int | None):

@@ -84,6 +84,12 @@ def parser() -> argparse.ArgumentParser:
         help="the policy's architecture (its weights come from the trainer): a folder with config.json and the "
         'tokenizer, a hub id, a preset (tiny-llama) or an inline JSON config ({"preset": "tiny-llama", ...})',
     )
+    add(
+        "--teacher",
+        action="store_true",
+        help="serve --model's own weights, read at start, as a distillation teacher (DistillationModule "
+        "teacher_server: its log-probs of the student's samples); pushes are refused. --model: a folder or hub id",
+    )
     add("--tokenizer", default=None, help="tokenizer folder, hub id or 'byte' (default: --model's folder)")
     add(
         "--host",
@@ -205,11 +211,15 @@ def main(argv: list[str]) -> None:
         enforce_eager=args.enforce_eager,
         max_model_len=args.max_model_len,
     )
-    engine = VLLMEngine(policy, tokenizer, options, seed=args.seed)
+    if args.teacher and is_inline(args.model):
+        raise ConfigError("--teacher", f"serves the weights of --model, a folder or hub id, not {args.model}")
+    engine = VLLMEngine(policy, tokenizer, options, seed=args.seed, weights=args.model if args.teacher else None)
+    if args.teacher:
+        engine.version = f"teacher {args.model}"
     try:
         batch_wait = args.batch_wait_ms / 1000
         server = GenerationServer(
-            engine, tokenizer, policy, args.host, args.port, token, args.weight_port, batch_wait, limits
+            engine, tokenizer, policy, args.host, args.port, token, args.weight_port, batch_wait, limits, args.teacher
         )
     except OSError as err:
         engine.close()
@@ -220,7 +230,8 @@ def main(argv: list[str]) -> None:
     if token_file is not None:
         server.log(f"token written to {token_file} (owner-only; a trainer on this machine reads it from there)")
     kind = f"{server.model['model_type']}, {args.dtype}"
-    server.log(f"listening on {host}:{port} ({kind}; waiting for the trainer's weights)")
+    serving = f"the teacher's weights from {args.model}" if args.teacher else "waiting for the trainer's weights"
+    server.log(f"listening on {host}:{port} ({kind}; {serving})")
     signal.signal(signal.SIGTERM, _interrupt)  # ``kill``: shut the engine down and delete its folder
     try:
         server.serve_forever()

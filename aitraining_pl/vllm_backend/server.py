@@ -9,10 +9,12 @@ same ``sampling_params`` / ``sample``, so the distribution and the end rule are 
 The channel is TCP with the framing of ``vllm_backend.wire`` (JSON headers, raw tensor bytes; no pickle). Each
 training process keeps one connection; requests (``op`` of the header) and answers:
 
-- ``hello {protocol, rank, run}`` -> ``challenge {nonce}``, then ``auth {proof}`` -> ``ready {model, version,
-  device}``: the connection proves the server's token (``wire.proof``, an HMAC of the nonce; the token never
-  travels), and its run must own the server (``guards.Ownership``); then the model's shape fields, which the
-  client checks, and where the engine runs (``cuda`` or ``cpu``). Nothing else is answered before ``ready``.
+- ``hello {protocol, rank, run, role}`` -> ``challenge {nonce}``, then ``auth {proof}`` -> ``ready {model, version,
+  device, fixed}``: the connection proves the server's token (``wire.proof``, an HMAC of the nonce; the token never
+  travels), and a ``trainer``'s run must own the server (``guards.Ownership``; a ``scorer``, a served teacher's
+  client, joins no run: it never owns the server nor locks a run out, and sends ``logprobs`` and ``bye`` only);
+  then the model's shape fields, which the client checks, and where the engine runs (``cuda`` or ``cpu``).
+  Nothing else is answered before ``ready``.
 - ``channel {backend}`` -> ``channel {port}``: open a collective weight channel (``nccl`` or ``gloo``;
   ``vllm_backend.weight_group``) whose store listens on ``port`` (``--weight_port``); the server then waits up
   to its ``--timeout`` for the trainer to join it. Sent by rank 0 when ``generation.vllm.weight_channel`` is
@@ -31,6 +33,12 @@ training process keeps one connection; requests (``op`` of the header) and answe
   ``version`` (waiting up to ``timeout`` seconds, at most ``--timeout``, for rank 0's push; then ``error``);
   ``batched``: how many requests the ``generate`` call that drew it served, ``cached_tokens``: its prompt
   tokens found in the prefix cache.
+- ``logprobs {start, temperature}`` with tensors ``input_ids``, ``attention_mask`` (N, L; left padded as the
+  rollouts', int64, within the request cap) -> ``logprobs {version}`` with ``logprobs`` (N, L - start) float32: the
+  log-probs of the given tokens from column ``start`` on under the untruncated softmax of the held weights
+  (``VLLMEngine.prompt_logprobs``; never re-tokenised), 0 on the padding; only ``temperature`` 1 (vLLM's prompt
+  log-probs are of the raw logits). A served teacher's scores (``client.ServedTeacher``): a server started with
+  ``--teacher`` holds the teacher's own weights (``fixed``) and refuses every push.
 - ``bye`` -> ``bye``: the client closes (its run frees the server once its last connection has said it).
 
 A refused request is answered ``error {message}``. One training run per server at a time. The limits (the
@@ -92,6 +100,8 @@ from aitraining_pl.vllm_backend.wire import (
 )
 
 PROMPTS = ("prompt_ids", "prompt_mask")  #: the tensors of a ``sample`` request
+SCORED = ("input_ids", "attention_mask")  #: the tensors of a ``logprobs`` request
+ROLES = ("trainer", "scorer")  #: who says ``hello``: a training run's process, or a served teacher's client
 
 
 class GenerationServer(socketserver.ThreadingTCPServer):
@@ -112,8 +122,10 @@ class GenerationServer(socketserver.ThreadingTCPServer):
         weight_port: int = 0,
         batch_wait: float = 0.05,
         limits: Limits | None = None,
+        fixed: bool = False,
     ):
         self.engine, self.tokenizer, self.token = engine, tokenizer, token
+        self.fixed = fixed  #: the engine holds fixed weights (a teacher, ``vllm-serve --teacher``): no pushes
         self.model = model_description(model.config)  #: what ``ready`` answers (the client compares it)
         self.specs = WeightSpecs(model)  #: what a push must carry
         self.limits = limits or Limits()
@@ -197,6 +209,8 @@ class GenerationServer(socketserver.ThreadingTCPServer):
         start = time.perf_counter()
         push, step = Push(sock, self.specs, group), -1
         try:
+            if self.fixed:
+                raise PushRefused("this server serves a teacher's fixed weights (vllm-serve --teacher): no pushes")
             step = self.ownership.step_of(run, version)
         except PushRefused as err:
             push.refused = err  # the push is still read to its end
@@ -247,6 +261,33 @@ class GenerationServer(socketserver.ThreadingTCPServer):
             raise RuntimeError(job.error)
         sampled, answer = job.sampled, {"op": "samples", "batched": job.batched, "cached_tokens": job.cached_tokens}
         return answer, {"response_ids": sampled.response_ids, "sampling_logprobs": sampled.sampling_logprobs}
+
+    def logprobs(self, request: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+        """The log-probs of given tokens under the weights the engine holds (``VLLMEngine.prompt_logprobs``; a served
+        teacher's scores), computed while no rollout or load runs."""
+        ids, mask, start = tensors["input_ids"], tensors["attention_mask"], request.get("start")
+        temperature = request.get("temperature", 1.0)
+        if ids.dim() != 2 or ids.shape != mask.shape:
+            raise ValueError(f"input_ids {list(ids.shape)} and attention_mask {list(mask.shape)}: two equal (N, L)")
+        if type(start) is not int or not 1 <= start <= ids.shape[1]:
+            raise ValueError(f"start {start!r} is not a column of the {ids.shape[1]} tokens (1 to {ids.shape[1]})")
+        if not isinstance(temperature, (int, float)) or float(temperature) != 1.0:
+            raise ValueError(
+                f"temperature {temperature!r}: vLLM's prompt log-probs are of the raw logits (temperature 1), from "
+                "which another temperature's cannot be derived; sample at generation.temperature 1 or use a local "
+                "teacher"
+            )
+        vocab, scored = self.model.get("vocab_size"), ids[mask.bool()]
+        if scored.numel() and (int(scored.min()) < 0 or (vocab and int(scored.max()) >= vocab)):
+            raise ValueError(f"token ids outside the served model's vocabulary (0 to {vocab - 1 if vocab else '?'})")
+        with self.changed:  # the engine is used under this lock only
+            if self.engine.version is None:
+                raise ValueError(
+                    "the server holds no weights yet (a teacher's server loads them: vllm-serve --teacher)"
+                )
+            scores = self.engine.prompt_logprobs(ids, mask, start)
+            version = self.engine.version
+        return {"op": "logprobs", "version": str(version)}, {"logprobs": scores.float()}
 
     def holds(self, job: _Job) -> bool:
         """Whether the engine holds the weights ``job`` is for (not during a load)."""
@@ -299,6 +340,7 @@ class _Connection(socketserver.BaseRequestHandler):
     server: GenerationServer
     group: WeightGroup | None = None  #: this connection's weight channel (``channel``), if it opened one
     run: str | None = None  #: the run this connection belongs to, once it has proved the token
+    role = "trainer"  #: ``hello``'s role: a ``scorer`` (a served teacher's client) joins no run and only scores
 
     def finish(self) -> None:
         if self.group is not None:
@@ -326,15 +368,15 @@ class _Connection(socketserver.BaseRequestHandler):
         sock, server = self.request, self.server
         sock.settimeout(server.limits.handshake_timeout)
         hello, _ = read_frame(sock, no_tensors, HANDSHAKE_HEADER)
-        run, rank = hello.get("run"), hello.get("rank")
+        run, rank, role = hello.get("run"), hello.get("rank"), hello.get("role", "trainer")
         if hello["op"] != "hello":
             self.refuse(peer, f"a connection starts with 'hello', not {hello['op']!r}")
             return False
         if hello.get("protocol") != PROTOCOL:
             self.refuse(peer, f"hello: protocol {hello.get('protocol')} (this server speaks {PROTOCOL})")
             return False
-        if not isinstance(run, str) or not run or type(rank) is not int:
-            self.refuse(peer, "hello: needs a run id and a rank")
+        if not isinstance(run, str) or not run or type(rank) is not int or role not in ROLES:
+            self.refuse(peer, f"hello: needs a run id, a rank and a role ({' or '.join(ROLES)})")
             return False
         nonce = secrets.token_hex(16)
         send_frame(sock, {"op": "challenge", "nonce": nonce})
@@ -343,25 +385,31 @@ class _Connection(socketserver.BaseRequestHandler):
         if not isinstance(given, str) or not hmac.compare_digest(given, proof(server.token, nonce, run, rank)):
             self.refuse(peer, "hello: the token does not match this server's (docs/vllm.md, Server mode)")
             return False
-        try:
-            server.ownership.join(run)
-        except PermissionError as err:
-            self.refuse(peer, f"hello: {err}")
-            return False
-        self.run = run
+        self.role = role
+        if role == "trainer":  # a scorer only scores: it never owns the server, locks no run out, no batch waits for it
+            try:
+                server.ownership.join(run)
+            except PermissionError as err:
+                self.refuse(peer, f"hello: {err}")
+                return False
+            self.run = run
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        send_frame(sock, {"op": "ready", "model": server.model, "version": server.engine.version, "device": device})
+        ready = {"op": "ready", "model": server.model, "version": server.engine.version, "device": device}
+        send_frame(sock, {**ready, "fixed": server.fixed})
         return True
 
     def check(self, header: dict[str, Any], entries: list[Entry]) -> None:
-        """``read_frame``'s check of a request: only ``sample`` carries tensors, its prompts, within the cap."""
-        if header["op"] != "sample":
+        """``read_frame``'s check of a request: only ``sample`` (its prompts) and ``logprobs`` (the scored rows) carry
+        tensors, int64, within the cap."""
+        op = header["op"]
+        if op not in ("sample", "logprobs"):
             return no_tensors(header, entries)
-        if sorted(name for name, _, _ in entries) != sorted(PROMPTS) or any(d != torch.int64 for _, d, _ in entries):
-            raise FrameError(f"a sample request carries {' and '.join(PROMPTS)} (int64), nothing else")
+        names = PROMPTS if op == "sample" else SCORED
+        if sorted(name for name, _, _ in entries) != sorted(names) or any(d != torch.int64 for _, d, _ in entries):
+            raise FrameError(f"a {op} request carries {' and '.join(names)} (int64), nothing else")
         declared, cap = sum(nbytes(d, shape) for _, d, shape in entries), self.server.limits.max_request_bytes
         if declared > cap:
-            raise FrameError(f"a sample request of {declared} bytes is over the server's {cap}-byte cap")
+            raise FrameError(f"a {op} request of {declared} bytes is over the server's {cap}-byte cap")
 
     def handle(self) -> None:
         sock, server = self.request, self.server
@@ -390,7 +438,13 @@ class _Connection(socketserver.BaseRequestHandler):
                     self.leave()
                     send_frame(sock, {"op": "bye"})
                     return
+                if self.role == "scorer" and op != "logprobs":
+                    raise ValueError("a scorer's connection (a served teacher's client) sends logprobs and bye only")
                 if op == "channel":
+                    if server.fixed:
+                        raise ValueError(
+                            "this server serves a teacher's fixed weights (vllm-serve --teacher): no pushes"
+                        )
                     self.group = server.open_channel(sock, request)  # answered before the trainer joins
                     continue
                 if op == "load":
@@ -400,6 +454,8 @@ class _Connection(socketserver.BaseRequestHandler):
                     answer, out = server.load(sock, self.run, request.get("version"), group), {}
                 elif op == "sample":
                     answer, out = server.sample(request, tensors)
+                elif op == "logprobs":
+                    answer, out = server.logprobs(request, tensors)
                 else:
                     raise ValueError(f"unknown request {op!r}")
             except (OSError, FrameError) as err:  # the connection is unusable

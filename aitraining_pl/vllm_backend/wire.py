@@ -41,7 +41,10 @@ from typing import Any
 
 import torch
 
-PROTOCOL = 3  #: version of the request/answer vocabulary (``hello`` checks it; 3: the token's challenge at hello)
+PROTOCOL = (
+    4  #: version of the request/answer vocabulary (``hello`` checks it; 3: the token's challenge at hello; 4: the
+)
+#: ``logprobs`` request and ``hello``'s role)
 #: config fields the server and the policy must share (the weights are loaded by these shapes)
 MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 RESUME = "restart the server and resume the run from its last checkpoint with --ckpt_path"

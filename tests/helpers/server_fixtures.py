@@ -50,3 +50,25 @@ def serving(engine, model, limits=None, token: str = "test-token"):
         server.shutdown()
         server.server_close()
         path.unlink(missing_ok=True)
+
+
+class ScoringEngine:
+    """Stands in for a teacher's ``VLLMEngine`` (``vllm-serve --teacher``) without vLLM: ``prompt_logprobs`` as vLLM
+    computes them (each row's unpadded tokens alone, positions from 0, the untruncated softmax at temperature 1), by
+    a local HF ``model``, laid out by the engine's own ``place_rows``."""
+
+    def __init__(self, model):
+        self.model, self.version = model.eval(), "teacher"
+
+    def prompt_logprobs(self, input_ids, attention_mask, start):
+        import torch
+
+        from aitraining_pl.vllm_backend.engine import place_rows, unpadded_rows
+
+        scores = []
+        with torch.no_grad():
+            for tokens in unpadded_rows(input_ids, attention_mask):
+                ids = torch.tensor([tokens])
+                logps = self.model(input_ids=ids).logits.float().log_softmax(-1)[0, :-1]
+                scores.append(logps.gather(-1, ids[0, 1:, None])[:, 0].tolist())
+        return place_rows(scores, attention_mask, start)
