@@ -540,3 +540,33 @@ def test_vllm_serve_without_vllm_is_one_line_naming_the_extra(capsys):
         main(["vllm-serve", "--model", "tiny-llama", "--tokenizer", "byte"])
     err = capsys.readouterr().err.strip()
     assert exited.value.code == 2 and "\n" not in err and "pip install -e '.[vllm]'" in err, err
+
+
+@pytest.mark.vllm
+def test_a_served_teachers_logprobs_equal_the_local_teachers(server):
+    """The ``logprobs`` request on a real engine (the module's server, holding pushed weights, stands in for a
+    ``--teacher`` one): a ``ServedTeacher`` (a scorer: it joins no run, so the pushing client stays connected) gets
+    the same per-token log-probs as the local teacher, to 1e-4 in fp32; temperature 0.7 is refused in one line."""
+    from aitraining_pl.modules.distill import LocalTeacher
+    from aitraining_pl.vllm_backend.client import ServedTeacher, VLLMServerClient
+
+    teacher = build_causal_lm(SPEC, seed=5).float().eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 250, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, 10:] = 0
+    pusher = VLLMServerClient(teacher, options(server))
+    served = ServedTeacher(VLLMConfig(mode="server", server_port=server, server_timeout=60))
+    try:
+        pusher.sync(teacher)
+        got = served.token_logprobs(ids, mask, 6, 1.0)
+        local = LocalTeacher(teacher).token_logprobs(ids, mask, 6, 1.0)
+        diff = float((got - local)[mask[:, 6:].bool()].abs().max())
+        print(f"served (vLLM) vs local teacher: max |diff| {diff:.2e}")
+        assert diff < 1e-4
+        with pytest.raises(GenerationServerError, match="temperature 0.7"):
+            served.token_logprobs(ids, mask, 6, 0.7)
+    finally:
+        served.close()
+        pusher.close()
