@@ -62,3 +62,28 @@ def test_a_served_teacher_needs_sampled_mode():
         check_teacher_server({"port": 8000}, "full")
     with pytest.raises(ConfigError, match="keys among"):
         check_teacher_server({"url": "x"}, "sampled")
+
+
+def test_the_module_scores_with_a_served_teacher_in_sampled_mode_only():
+    """``DistillationModule(teacher_server=...)``: the teacher's slot holds a ``ServedTeacher`` (no teacher weights in
+    this process), whose scores equal the local teacher's; ``mode: full`` and a sampling temperature other than 1
+    are refused before training."""
+    from aitraining_pl.modules.distill import DistillationModule
+    from aitraining_pl.rollout import GenerationConfig
+
+    teacher = build_causal_lm(SPEC, seed=3).float().eval()
+    ids, mask = rows()
+    with serving(ScoringEngine(teacher), teacher) as port:
+        kw = dict(model_config=SPEC, tokenizer_name="byte", teacher_server={"port": port, "timeout": 10})
+        module = DistillationModule(
+            mode="sampled", generation=GenerationConfig(max_new_tokens=4, temperature=1.0), **kw
+        )
+        assert isinstance(module.teacher, ServedTeacher) and "teacher" not in dict(module.named_modules())
+        got = module.reference_logprobs(ids, mask, 5)
+        local = LocalTeacher(teacher).token_logprobs(ids, mask, 5, 1.0)
+        assert float((got - local)[mask[:, 5:].bool()].abs().max()) < 1e-4
+        module.teacher.close()
+        with pytest.raises(ConfigError, match="generation.temperature 1, not 0.7"):
+            DistillationModule(mode="sampled", generation=GenerationConfig(temperature=0.7), **kw)
+        with pytest.raises(ConfigError, match="mode: sampled"):
+            DistillationModule(mode="full", **kw)
