@@ -358,8 +358,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         if rollout.sampling_logprobs is None or logprobs is None:
             return None, {}
         options, sampled, mask = self.policy_loss, rollout.sampling_logprobs, rollout.mask
-        stale = bool(getattr(self.generation, "max_staleness", 0))  # asynchronous training (issue 31)
-        mode = options.off_policy_mode(self.device.type, stale) if options.use_decoupled_loss else None
+        mode = options.off_policy_mode(self.device.type) if options.use_decoupled_loss else None
         low, high = options.importance_sampling_clip_min, options.importance_sampling_clip_max
         weights, stats = off_policy_weights(logprobs, sampled, mask, mode, low, high)
         if not options.use_decoupled_loss:  # the coupled loss: pi_old / pi_b, moved into the ratio by the loss
