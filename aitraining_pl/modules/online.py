@@ -17,6 +17,7 @@ Manual optimisation: Lightning's ``global_step`` counts optimizer steps.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import uuid
 from collections.abc import Callable
@@ -276,16 +277,19 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
     def episode_rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
         """Play ``samples`` episodes per prompt (``environments.episode_rollout``); the score of an episode is
         its return, minus ``missing_eos_penalty`` (on its last sampled token) when a limit cut it short."""
+        source = self.reward_source
+        # an environment that plays its own episodes (``play_episodes``, e.g. an agent given the policy through an
+        # endpoint) returns the same ``Rollout``; the others are played turn by turn here (``sample_episodes``)
+        play = getattr(source, "play_episodes", None) or functools.partial(sample_episodes, environment=source)
         with self.sampling():
-            rollout = sample_episodes(
+            rollout = play(
                 self.rollout_engine,
                 self.policy,
-                self.reward_source,
-                batch["prompts"],
-                batch["metadata"],
-                batch["input_ids"],
-                batch["attention_mask"],
-                samples,
+                prompts=batch["prompts"],
+                metadata=batch["metadata"],
+                prompt_ids=batch["input_ids"],
+                prompt_mask=batch["attention_mask"],
+                num_samples=samples,
                 timeout=self.hparams.get("reward_timeout", DEFAULT_REWARD_TIMEOUT),
             )
         info, mask = rollout.episodes, rollout.response_mask
