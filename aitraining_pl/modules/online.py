@@ -22,7 +22,7 @@ import math
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -33,6 +33,7 @@ from aitraining_pl.generation.backend import BackendContext, GenerationBackend, 
 from aitraining_pl.losses import group_statistics, off_policy_log_ratio, off_policy_weights, place_scores
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.training import eval_mode
+from aitraining_pl.modules.async_rollout import RolloutPipeline
 from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
 from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions, moved_correction
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, build_reward_source
@@ -45,6 +46,7 @@ from aitraining_pl.rollout import (
     warn_truncated_sampling,
 )
 from aitraining_pl.validation import rules
+from aitraining_pl.vllm_backend.launched import LaunchedServer, connect_to
 
 #: ranges of the arguments every online RL module has; PPO and the critic-free module add their own.
 ONLINE_RANGES = {
@@ -91,6 +93,11 @@ class RolloutBatch:
     token_scores: torch.Tensor | None = None  #: (N, R) an episode's per-turn rewards on each turn's last token
     episode_metrics: dict[str, list[float]] | None = None  #: per episode: turns, tool calls, ... (episodes only)
     sampling_logprobs: torch.Tensor | None = None  #: (N, R) the sampler's log-probs (vLLM backend), else None
+
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "input_ids", "attention_mask", "prompt_length", "mask", "ended", "group", "texts", "scores", "components",
+        "token_scores", "episode_metrics", "sampling_logprobs",
+    )  # fmt: skip
 
     def placed_scores(self) -> torch.Tensor:
         """(N, R) the scores on the tokens they reward: per turn in an episode, else on the last token."""
@@ -145,6 +152,9 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         source = reward if is_episode_environment(reward) else build_reward_source(reward)
         self._reward_source = [source]  # in a list: never a submodule, never saved
         self._backend: list[GenerationBackend | None] = [None]  # what samples the rollouts (built in ``setup``)
+        self._launched: list[LaunchedServer | None] = [None]  # a server this process started (``server: launch``)
+        self._pipeline: list[RolloutPipeline | None] = [None]  # the asynchronous schedule (``max_staleness``)
+        self._sampling_seed: torch.Generator | None = None  # the seeds of an asynchronous job's sampling calls
         self.kl_coef = values["kl_coef"]
         self.last_kl = 0.0  #: batch-mean KL(pi || ref) per response (nats), for the KL callback
         self.last_num_samples = 0  #: responses behind ``last_kl`` (all ranks)
@@ -175,19 +185,51 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         weights."""
         if self._backend[0] is not None:
             return
-        run = self.trainer.strategy.broadcast(uuid.uuid4().hex)  # one id for the run's weight versions (servers)
-        context = BackendContext(self.policy, self.tokenizer, self.global_rank, run, int(self.hparam("seed", 0)))
-        self._backend[0] = build_backend(self.generation, context, self.device)
+        strategy, seed = self.trainer.strategy, int(self.hparam("seed", 0))
+        run = strategy.broadcast(uuid.uuid4().hex)  # one id for the run's weight versions (servers)
+        generation = self.generation
+        if generation.server == "launch":  # rank 0 starts the server; every rank connects to it (one machine)
+            if self.global_rank == 0:
+                self._launched[0] = LaunchedServer(generation, self.policy, self.tokenizer, seed)
+            server = self._launched[0]
+            port, token = strategy.broadcast((server.port, str(server.token_file)) if server else None)
+            generation = connect_to(generation, port, token)
+        context = BackendContext(self.policy, self.tokenizer, self.global_rank, run, seed)
+        backend = self._backend[0] = build_backend(generation, context, self.device)
+        if self.generation.pipelined:
+            if backend.location != "server":
+                raise ConfigError(
+                    f"{type(self).__name__}.generation.max_staleness",
+                    f"{self.generation.max_staleness}: asynchronous training samples on a generation server while the "
+                    "policy trains; set generation.server: launch (the trainer starts one on this machine) or connect "
+                    "(docs/async.md)",
+                )
+            lag, every = self.generation.lag(), self.generation.weight_sync_steps
+            self._pipeline[0] = RolloutPipeline(backend, self.policy, self.global_rank, lag, every, seed)
 
     @property
     def backend(self) -> GenerationBackend:
         """What samples the rollouts (``generation.backend``); the policy itself before ``setup``."""
         return self._backend[0] if self._backend[0] is not None else HFBackend(self.policy)
 
+    @property
+    def pipeline(self) -> RolloutPipeline | None:
+        """The asynchronous schedule (``generation.max_staleness`` >= 1; ``modules.async_rollout``), once set up."""
+        return self._pipeline[0]
+
     def teardown(self, stage: str) -> None:
-        if self._backend[0] is not None:
-            self._backend[0].close()
-            self._backend[0] = None
+        """Stop the asynchronous pipeline (its rollouts in flight dropped), close the backend, stop a launched
+        server."""
+        pipeline, backend, server = self._pipeline[0], self._backend[0], self._launched[0]
+        self._pipeline[0] = self._backend[0] = self._launched[0] = None
+        try:
+            if pipeline is not None:
+                pipeline.close()
+            if backend is not None:
+                backend.close()
+        finally:
+            if server is not None:
+                server.stop()
 
     def updates_per_iteration(self, batch_size: int) -> int:
         """Optimizer steps made by one iteration on ``batch_size`` prompts."""
@@ -217,7 +259,9 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
     @property
     def rollout_engine(self) -> RolloutEngine:
         """The rollout engine for ``generation`` with this module's tokenizer and generation backend."""
-        return RolloutEngine(self.tokenizer, self.generation, warn_truncation=False, backend=self.backend)
+        return RolloutEngine(
+            self.tokenizer, self.generation, warn_truncation=False, backend=self.backend, seed=self._sampling_seed
+        )
 
     @torch.no_grad()
     def generate(
@@ -230,8 +274,16 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         """Sample ``num_samples`` responses per left-padded prompt with the rollout engine (``generation``, or
         ``config``), in eval mode; rows ``i*G .. i*G+G-1`` answer prompt ``i``. With the vLLM backend the engine
         first loads the policy's weights if they changed since its last rollout (one sync per optimizer step
-        count), and the rollout carries vLLM's log-probs (``sampling_logprobs``)."""
-        engine = self.rollout_engine if config is None else RolloutEngine(self.tokenizer, config, backend=self.backend)
+        count), and the rollout carries vLLM's log-probs (``sampling_logprobs``). In asynchronous training the
+        pipeline's worker samples it, with the current weights (``RolloutPipeline.now``)."""
+        pipeline = self.pipeline
+        if pipeline is not None and not pipeline.in_worker():
+            return pipeline.now(
+                lambda seed: self.seeded(seed, self.generate, prompt_ids, prompt_mask, config, num_samples)
+            )
+        engine = self.rollout_engine
+        if config is not None:
+            engine = RolloutEngine(self.tokenizer, config, backend=self.backend, seed=self._sampling_seed)
         with self.sampling():
             return engine.sample(self.policy, prompt_ids, prompt_mask, num_samples)
 
@@ -239,8 +291,12 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
     def sampling(self):
         """Around a rollout: the backend takes the policy's weights of this optimizer step (a vLLM engine or server
         loads them if they changed since its last rollout; the policy itself gathers its full parameters under
-        FSDP2: one all-gather for the whole rollout) and sleeps afterwards."""
+        FSDP2: one all-gather for the whole rollout) and sleeps afterwards. Nothing on the asynchronous pipeline's
+        worker: it pushed the weights its jobs name."""
         backend = self.backend
+        if self.pipeline is not None:
+            yield
+            return
         backend.sync(self.policy, version=self.global_step)
         try:
             yield
@@ -255,8 +311,20 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             timeout=self.hparams.get("reward_timeout", DEFAULT_REWARD_TIMEOUT),
         )  # fmt: skip
 
+    def seeded(self, seed: int, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` with every sampling call seeded from ``seed`` (an asynchronous job on the worker)."""
+        self._sampling_seed = torch.Generator().manual_seed(seed)
+        try:
+            return fn(*args)
+        finally:
+            self._sampling_seed = None
+
     def rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
-        """Sample ``samples`` responses per prompt of ``batch`` and score them (or play that many episodes)."""
+        """Sample ``samples`` responses per prompt of ``batch`` and score them (or play that many episodes); in
+        asynchronous training, on the pipeline's worker with the current weights (``RolloutPipeline.now``)."""
+        pipeline = self.pipeline
+        if pipeline is not None and not pipeline.in_worker():
+            return pipeline.now(lambda seed: self.seeded(seed, self.rollout, batch, samples))
         if self.episodic:
             return self.episode_rollout(batch, samples)
         rollout = self.generate(batch["input_ids"], batch["attention_mask"], num_samples=samples)
@@ -362,7 +430,9 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         if rollout.sampling_logprobs is None or logprobs is None:
             return None, {}
         options, sampled, mask = self.policy_loss, rollout.sampling_logprobs, rollout.mask
-        mode = options.off_policy_mode(self.device.type) if options.use_decoupled_loss else None
+        mode = (
+            options.off_policy_mode(self.device.type, self.generation.pipelined) if options.use_decoupled_loss else None
+        )
         low, high = options.importance_sampling_clip_min, options.importance_sampling_clip_max
         weights, stats = off_policy_weights(logprobs, sampled, mask, mode, low, high)
         if not options.use_decoupled_loss:  # the coupled loss: pi_old / pi_b, moved into the ratio by the loss
@@ -379,8 +449,18 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         raise NotImplementedError
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        # 1-2. rollout and scoring (errors, wrong lengths and NaNs of the reward source stop the run)
-        rollout = self.rollout(batch, self.num_generations)
+        # 1-2. rollout and scoring (errors, wrong lengths and NaNs of the reward source stop the run); asynchronous:
+        # submit this batch's, train on those of ``lag`` steps ago (none yet in the warm-up)
+        pipeline, pipelined = self.pipeline, {}
+        if pipeline is None:
+            rollout = self.rollout(batch, self.num_generations)
+        else:
+            ready = pipeline.step_with(batch, self.scheduled_rollout)
+            if ready is None:
+                return
+            batch, rollout = ready.batch, self.on_device(ready.job.result)
+            staleness = torch.tensor(float(pipeline.version - ready.version))
+            pipelined = {"async/staleness": staleness, "async/staleness/max": staleness, **pipeline.stats()}
         # 3. old / reference log-probs, values, advantages
         with torch.no_grad():
             experience, stats = self.make_experience(rollout)
@@ -388,9 +468,20 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
                 self.last_completions = self.completion_rows(batch["prompts"], rollout, experience.advantages)
         # 4. num_iterations passes over shuffled minibatches
         stats.update(self.update(experience, rollout.input_ids.shape[0]))
+        if pipeline is not None:
+            pipeline.trained()
         # 5. log (one all-reduce of a fixed-size vector, never of ragged tensors)
-        stats.update(self.rollout_stats(rollout))
+        stats.update(self.rollout_stats(rollout), **pipelined)
         self.log_iteration(stats, n=rollout.input_ids.shape[0])
+
+    def scheduled_rollout(self, batch: dict[str, Any], seed: int) -> RolloutBatch:
+        """The rollouts of ``batch`` on the pipeline's worker (``RolloutPipeline.step_with``), seeded by ``seed``."""
+        return self.seeded(seed, self.rollout, batch, self.num_generations)
+
+    def on_device(self, rollout: RolloutBatch | dict[str, Any]) -> RolloutBatch:
+        """``rollout`` (or its plain form from a checkpoint) with its tensors on this module's device."""
+        fields = rollout if isinstance(rollout, dict) else {k: getattr(rollout, k) for k in RolloutBatch.FIELDS}
+        return RolloutBatch(**{k: v.to(self.device) if torch.is_tensor(v) else v for k, v in fields.items()})
 
     def completion_rows(self, prompts: list[str], rollout: RolloutBatch, advantages: torch.Tensor) -> list[dict]:
         """One dict per response of this rank's rollout: ``step``, ``prompt``, ``completion``, ``reward`` (the score
@@ -502,7 +593,12 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["kl_coef"] = self.kl_coef
+        if self.pipeline is not None:  # the rollouts in flight, finished and saved: resumed, none lost or repeated
+            checkpoint["async_rollouts"] = self.pipeline.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("async_rollouts")
+        if state is not None and self.pipeline is not None:
+            self.pipeline.load_state_dict(state, self.on_device)
         # ``ppo_kl_coef``: the key of checkpoints written before issue 25
         self.kl_coef = float(checkpoint.get("kl_coef", checkpoint.get("ppo_kl_coef", self.kl_coef)))

@@ -1,0 +1,287 @@
+"""Asynchronous online RL (``generation.max_staleness`` >= 1): the rollouts of the next batches are generated on a
+generation server while the current ones train, with a fixed schedule, so a run is reproducible and resumes
+bit-identical.
+
+**Versions.** A version is one iteration's update (``num_iterations`` passes of minibatches: one or several
+optimizer steps; the clipped ratio is taken around the weights at the start of the iteration, as in the
+synchronous loop). ``version`` counts the iterations that trained.
+
+**The schedule** (verl's one-step-off-policy and NeMo-RL's ``max_trajectory_age_steps``, generalised to k steps):
+at each ``training_step`` the pipeline
+
+1. pushes the policy's weights as ``version`` when ``weight_sync_steps`` versions have passed since the last push
+   (a CPU snapshot taken here, in the trainer's thread, and sent by the worker thread in order);
+2. submits the rollouts of this step's batch, to be sampled by the last pushed version, and scored, on a worker
+   thread (the server samples; the reward source runs in this process);
+3. returns the rollouts submitted ``lag = max_staleness - weight_sync_steps + 1`` steps ago (waiting for them if
+   they are not ready), to be trained on now: they were sampled by a version at most ``max_staleness`` behind
+   the weights that train on them. The first ``lag`` steps of a run only submit (nothing is ready to train on:
+   the warm-up; their batches are trained ``lag`` steps later); the rollouts in flight when ``fit`` ends are
+   dropped (``close``).
+
+The worker runs one job at a time, in submission order, so a push never overtakes the rollouts of the version
+before it, and each rollout's requests name the exact version that samples it (the server answers them once it
+holds that version). Each job samples with its own seed (run seed, step, rank), so the draws do not depend on the
+server's state: a run is reproducible and a resumed one bit-identical. What the trainer's thread needs sampled
+outside the schedule (validation, ``SampleLogCallback``) goes through the same worker (``now``): the current
+weights are pushed first when they are newer than the last push.
+
+**Checkpoints.** ``state_dict`` waits for the rollouts in flight and saves them (nothing lost, nothing trained
+twice), with the counters and, when the last push is older than the policy (``weight_sync_steps`` > 1), its
+weights; ``load_state_dict`` restores them, and the resumed run pushes those weights to its new server first.
+
+**Faults.** A failure in the worker (the server gone, a refused request, a reward source error) is raised in the
+trainer's thread at its next wait, as the same one-line error; nothing trains on a rollout that failed. ``close``
+stops the worker (daemon thread; joined) and drops the rest.
+
+A fully asynchronous schedule (train on whatever is ready within the bound, weights landing mid-generation) is not
+this one: its samples depend on timing, so it cannot be reproducible; the HF generation server applies in-flight
+pushes between decode steps (``vllm_backend.hf_engine``) for it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from aitraining_pl.models.sharding import is_sharded
+from aitraining_pl.vllm_backend.engine import policy_weights
+
+Weights = list[tuple[str, torch.Tensor]]
+
+
+def snapshot(policy: torch.nn.Module, keep: bool) -> Weights | None:
+    """The policy's weights as CPU copies (``keep``), or None; under FSDP2 every rank walks the gathers."""
+    if not keep and not is_sharded(policy):
+        return None
+    weights = [(name, tensor.to("cpu", copy=True)) for name, tensor in policy_weights(policy)]
+    return weights if keep else None
+
+
+def job_seed(seed: int, step: int, rank: int, stream: int = 0) -> int:
+    """A non-negative seed for the job of ``step`` on ``rank`` (``stream`` 0: the schedule's, 1: ``now``'s)."""
+    return (int(seed) * 1_000_003 + int(step) * 1_009 + int(rank) * 7 + int(stream)) % (2**62)
+
+
+class _Job:
+    """One unit of the worker's work: ``fn()``, its result or its error."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn, self.done = fn, threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+@dataclasses.dataclass
+class _Pending:
+    """Rollouts submitted and not trained on yet (``job`` done once sampled and scored)."""
+
+    job: _Job
+    batch: dict[str, Any]
+    version: int  #: the version that samples them
+    step: int  #: the step that submitted them
+
+
+class RolloutPipeline:
+    """The fixed asynchronous schedule of one training process (see the module docstring).
+
+    Args:
+        backend: a generation server's client (``location == "server"``).
+        policy: the policy whose weights are pushed.
+        rank: this process's global rank (rank 0 pushes).
+        lag: steps between submitting a batch's rollouts and training on them (``GenerationConfig.lag``).
+        sync_every: ``weight_sync_steps``.
+        seed: the run's seed (each job's seed derives from it).
+    """
+
+    def __init__(self, backend: Any, policy: torch.nn.Module, rank: int, lag: int, sync_every: int, seed: int):
+        self.backend, self.policy, self.rank = backend, policy, int(rank)
+        self.lag, self.sync_every, self.seed = int(lag), int(sync_every), int(seed)
+        self.version = 0  #: iterations that trained (the policy's version)
+        self.pushed = -1  #: the last version pushed (-1: none yet)
+        self.step = 0  #: batches submitted
+        self.now_calls = 0  #: off-schedule jobs (validation, sample logs)
+        self.queue: collections.deque[_Pending] = collections.deque()
+        self.held: Weights | None = None  #: rank 0: the weights of ``pushed``, kept while the policy is newer
+        self.restore: Weights | None = None  #: weights of a checkpoint's last push, pushed first after a resume
+        self.dropped = 0  #: rollouts in flight when the pipeline closed
+        self.timing = collections.Counter()  #: seconds: trainer_wait, generator_busy, generator_idle, push
+        self.jobs: queue.Queue[_Job | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._work, name="aitraining-pl-rollouts", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ the worker
+    def in_worker(self) -> bool:
+        """Whether the caller runs on the worker thread."""
+        return threading.current_thread() is self.thread
+
+    def _work(self) -> None:
+        last = time.perf_counter()
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            start = time.perf_counter()
+            self.timing["generator_idle"] += start - last
+            try:
+                job.result = job.fn()
+            except BaseException as err:  # noqa: BLE001 - raised in the trainer's thread by ``wait``
+                job.error = err
+            last = time.perf_counter()
+            self.timing["generator_busy"] += last - start
+            job.done.set()
+
+    def _run(self, fn: Callable[[], Any]) -> _Job:
+        job = _Job(fn)
+        self.jobs.put(job)
+        return job
+
+    def wait(self, job: _Job) -> Any:
+        """The job's result (the trainer waits for it; counted); its error, raised here."""
+        start = time.perf_counter()
+        job.done.wait()
+        self.timing["trainer_wait"] += time.perf_counter() - start
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    # ------------------------------------------------------------------ versions
+    def key(self, version: int) -> str:
+        return f"{self.backend.run}:{version}"
+
+    def push(self, force: bool = False) -> None:
+        """Push the policy's weights as ``version`` when due (``sync_every`` versions since the last push, or
+        ``force`` and newer), or a restored checkpoint's last push first."""
+        if self.restore is not None:
+            weights, self.restore = self.restore, None
+            self._push(weights, self.pushed)
+        due = self.pushed < 0 or self.version - self.pushed >= (1 if force else self.sync_every)
+        if not due or self.version == self.pushed:
+            return
+        self.pushed = self.version
+        weights = snapshot(self.policy, keep=self.rank == 0)
+        self.held = weights if self.sync_every > 1 else None
+        self._push(weights, self.version)
+
+    def _push(self, weights: Weights | None, version: int) -> None:
+        if self.rank != 0:
+            return
+
+        def send() -> None:
+            start = time.perf_counter()
+            self.backend.push(weights, version)
+            self.timing["push"] += time.perf_counter() - start
+
+        self._run(send)
+
+    def pinned(self, fn: Callable[[], Any], version: int) -> Callable[[], Any]:
+        """``fn`` with this process's requests naming ``version``."""
+
+        def run() -> Any:
+            self.backend.version = self.key(version)
+            return fn()
+
+        return run
+
+    # ------------------------------------------------------------------ the schedule
+    def step_with(self, batch: dict[str, Any], rollout: Callable[[dict[str, Any], int], Any]) -> _Pending | None:
+        """One ``training_step``: push when due, submit ``rollout(batch, seed)`` for this step, and return the
+        rollouts to train on now (sampled and scored: ``_Pending.job.result``), or None during the warm-up."""
+        self.push()
+        seed = job_seed(self.seed, self.step, self.rank)
+        job = self._run(self.pinned(lambda: rollout(batch, seed), self.pushed))
+        self.queue.append(_Pending(job, batch, self.pushed, self.step))
+        self.step += 1
+        if len(self.queue) <= self.lag:
+            return None
+        pending = self.queue.popleft()
+        self.wait(pending.job)
+        return pending
+
+    def trained(self) -> None:
+        """An iteration's update is done: the policy is one version newer."""
+        self.version += 1
+
+    def now(self, fn: Callable[[int], Any]) -> Any:
+        """Run ``fn(seed)`` on the worker with the current weights (pushed first if newer) and wait for it."""
+        self.push(force=True)
+        seed = job_seed(self.seed, self.now_calls, self.rank, stream=1)
+        self.now_calls += 1
+        return self.wait(self._run(self.pinned(lambda: fn(seed), self.pushed)))
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        """``async/...`` figures of the last step (times since the previous call, queue depth)."""
+        figures = {f"async/{k}_s": torch.tensor(v) for k, v in sorted(self.timing.items())}
+        self.timing.clear()
+        figures["async/queue_depth"] = torch.tensor(float(len(self.queue)))
+        return figures
+
+    # ------------------------------------------------------------------ checkpoints and shutdown
+    def state_dict(self) -> dict[str, Any]:
+        """The counters and the rollouts in flight (waited for), as plain tensors, lists and dicts."""
+        for pending in self.queue:
+            self.wait(pending.job)
+        return {
+            "version": self.version,
+            "pushed": self.pushed,
+            "step": self.step,
+            "now_calls": self.now_calls,
+            "queue": [
+                {
+                    "batch": pending.batch,
+                    "rollout": plain(pending.job.result),
+                    "version": pending.version,
+                    "step": pending.step,
+                }
+                for pending in self.queue
+            ],  # fmt: skip
+            "weights": self.held if self.pushed < self.version < self.pushed + self.sync_every else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], restore: Callable[[dict[str, Any]], Any]) -> None:
+        """Restore ``state_dict``'s counters and rollouts (``restore`` rebuilds a rollout from its plain form)."""
+        self.version, self.pushed = int(state["version"]), int(state["pushed"])
+        self.step, self.now_calls = int(state["step"]), int(state["now_calls"])
+        self.queue.clear()
+        for item in state["queue"]:
+            job = _Job(lambda: None)
+            job.result = restore(item["rollout"])
+            job.done.set()
+            self.queue.append(_Pending(job, item["batch"], int(item["version"]), int(item["step"])))
+        weights = state.get("weights")
+        if weights is not None:  # the next rollouts are of the last push, older than the policy: push it first
+            self.restore = self.held = weights
+        else:  # the next rollouts are of the current weights: pushed anew to the new server
+            self.pushed = -1
+
+    def close(self) -> None:
+        """Stop the worker (after the job it runs) and drop the rollouts in flight (``dropped``)."""
+        self.dropped += len(self.queue)
+        self.queue.clear()
+        while True:  # jobs not started are dropped
+            try:
+                self.jobs.get_nowait()
+            except queue.Empty:
+                break
+        self.jobs.put(None)
+        self.thread.join(timeout=60.0)
+
+
+def plain(value: Any) -> Any:
+    """``value`` with dataclasses turned into dicts and tensors moved to the CPU (checkpoint-safe types)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
