@@ -30,6 +30,9 @@ Reward sources are named in YAML by ``build_reward_source``:
   RL environment;
 - ``{"components": {name: {"source": <any of the above>, "weight": w, "kwargs": {...}}, ...}}``: the
   weighted sum of named components (``WeightedRewards``).
+- ``{"url": "http://...", "timeout": ..., "retries": ..., "headers": {...}}``: a reward server over HTTP, and
+  ``{"base_url": "http://.../v1", "model": ..., "template": ...}``: an LLM judge behind an OpenAI-compatible
+  endpoint (``aitraining_pl.remote_rewards``: ``RemoteReward``, ``JudgeReward``).
 
 ``kwargs`` bind keyword arguments of a function source (``functools.partial``) and are the constructor
 arguments of a reward-model source (``batch_size``, ``max_length``, ``trust_remote_code``, ...).
@@ -235,9 +238,14 @@ def build_reward_source(spec: Any, *, kwargs: Mapping[str, Any] | None = None) -
             return WeightedRewards(components, weights)
         if "source" in spec:
             return build_reward_source(spec["source"], kwargs={**dict(spec.get("kwargs") or {}), **kwargs})
+        if "url" in spec or "base_url" in spec:  # a reward server or an LLM judge over HTTP
+            from aitraining_pl.remote_rewards import build_remote_source
+
+            return build_remote_source({**spec, **kwargs})
     raise ValueError(
         f"cannot build a reward source from {spec!r}: give an import path, a reward-model folder, "
-        "{'class_path': ..., 'init_args': ...} or {'components': {name: {'source': ..., 'weight': ...}}}"
+        "{'class_path': ..., 'init_args': ...}, {'components': {name: {'source': ..., 'weight': ...}}}, "
+        "{'url': ...} (a reward server) or {'base_url': ..., 'model': ...} (an LLM judge)"
     )
 
 
@@ -363,6 +371,10 @@ def __getattr__(name: str) -> Any:
         from aitraining_pl.models import reward_sources
 
         return getattr(reward_sources, name)
+    if name in ("RemoteReward", "JudgeReward"):  # the HTTP sources live in ``remote_rewards``
+        from aitraining_pl import remote_rewards
+
+        return getattr(remote_rewards, name)
     if name == "length_reward":  # renamed in 0.2: the environments' default reward counts words, this one characters
         import warnings
 

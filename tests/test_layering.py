@@ -26,6 +26,7 @@ LAYERS = {
     "rollout": 3.2,
     "vllm_backend": 3.1,  # the vLLM generation backend, behind the rollout engine
     "rewards": 3,
+    "remote_rewards": 3,  # reward sources over HTTP (a reward server, an LLM judge)
     "callbacks": 3,
     "strategies": 3,
     "environments": 3.3,
