@@ -15,6 +15,7 @@ from aitraining_pl.environments.code_generation import (
     style_reward,
     syntax_reward,
 )
+from aitraining_pl.environments.hubs import OpenEnvEnvironment, VerifiersEnvironment
 from aitraining_pl.environments.math_problems import (
     MathProblem,
     MathProblemEnv,
@@ -52,6 +53,8 @@ __all__ = [
     "run_test_cases",
     "style_reward",
     "syntax_reward",
+    "VerifiersEnvironment",
+    "OpenEnvEnvironment",
 ]
 
 
