@@ -40,7 +40,7 @@ _FIELDS_LEFT_OUT = {"done", "reward", "metadata"}
 
 def _factory(openenv, env: Any) -> Callable[[], Any]:
     """A function making one episode's environment or client from ``env`` (see ``OpenEnvEnvironment``)."""
-    if isinstance(env, str) and env.startswith(("http://", "https://", "ws://", "wss://")):
+    if _is_url(env):
         return functools.partial(openenv.GenericEnvClient, base_url=env)
     if isinstance(env, str):
         from aitraining_pl.rewards import import_object
@@ -56,6 +56,10 @@ def _factory(openenv, env: Any) -> Callable[[], Any]:
     return env
 
 
+def _is_url(env: Any) -> bool:
+    return isinstance(env, str) and env.startswith(("http://", "https://", "ws://", "wss://"))
+
+
 def _action_type(openenv, env: Any) -> type | None:
     """The ``Action`` class among the generic parameters of ``env``'s class (``Environment[MyAction, ...]``,
     ``EnvClient[MyAction, ...]``); None when it takes plain dicts (``GenericEnvClient``)."""
@@ -68,21 +72,31 @@ def _action_type(openenv, env: Any) -> type | None:
     return None
 
 
-def parse_action(text: str, action_type: type | None) -> Any:
-    """The model's turn as an action: a JSON object's fields, else the text as the one required field's value (an
-    ``Action`` validated by pydantic; a dict for a client that takes dicts). ``ValueError`` when it does not fit."""
+def parse_action(text: str, action_type: type | None, schema: dict | None = None) -> Any:
+    """The model's turn as an action: a JSON object's fields, else the text as the value of the action's one required
+    field (``action_type``'s, or the JSON ``schema``'s of a client that takes dicts); an ``Action`` validated by
+    pydantic, or a dict. ``ValueError`` when it does not fit."""
     text = text.strip()
     try:
         fields = json.loads(text)
     except ValueError:
         fields = None
     if not isinstance(fields, dict):
-        schema = action_type.model_json_schema() if action_type is not None else {}
+        schema = action_type.model_json_schema() if action_type is not None else schema or {}
         required = [name for name in schema.get("required", []) if name != "metadata"]
         if len(required) != 1:
             raise ValueError(f"not a JSON object of the action's fields {sorted(schema.get('properties', {}))}")
         fields = {required[0]: text}
     return fields if action_type is None else action_type.model_validate(fields)
+
+
+def server_action_schema(url: str) -> dict:
+    """The action's JSON schema, from a running OpenEnv server's ``GET /schema``."""
+    import urllib.request
+
+    http = url.replace("ws://", "http://", 1).replace("wss://", "https://", 1).rstrip("/")
+    with urllib.request.urlopen(f"{http}/schema", timeout=30) as response:  # noqa: S310 - the user's server URL
+        return json.loads(response.read())["action"]
 
 
 def observation_text(observation: Any) -> str:
@@ -94,6 +108,10 @@ def observation_text(observation: Any) -> str:
         (value,) = fields.values()
         return value if isinstance(value, str) else json.dumps(value)
     return json.dumps(fields, ensure_ascii=False) if fields else ""
+
+
+class ActionRefused(Exception):
+    """An OpenEnv server refused an action (``VALIDATION_ERROR``): answered to the model as an invalid action."""
 
 
 class OpenEnvEnvironment(EpisodeEnvironment):
@@ -127,6 +145,7 @@ class OpenEnvEnvironment(EpisodeEnvironment):
 
             action_type = import_object(action_type)
         self.action_type, self.reset_key, self.reply_role = action_type, reset_key, reply_role
+        self.url, self.schema = (env if _is_url(env) else None), {}  # the server's action schema, read once
         self.limits = EpisodeLimits(max_turns=max_turns, max_total_tokens=max_total_tokens)
 
     def spawn(self) -> OpenEnvEnvironment:
@@ -138,6 +157,8 @@ class OpenEnvEnvironment(EpisodeEnvironment):
             raise ValueError(f"{_WHO}: metadata {self.reset_key!r} must be a dict of reset's arguments, got {kwargs!r}")
         self.env = self.make()
         self.kind = self.action_type or _action_type(self.openenv, self.env)
+        if self.kind is None and self.url and not self.schema:
+            self.schema.update(server_action_schema(self.url))
         self.close = weakref.finalize(self, _close, self.env)  # also when an episode cut by a limit is dropped
         observation, _, _ = self._call("reset", **kwargs)
         text = observation_text(observation)
@@ -145,13 +166,13 @@ class OpenEnvEnvironment(EpisodeEnvironment):
 
     def step(self, turn: AssistantTurn) -> EpisodeStep:
         try:
-            action = parse_action(turn.text, self.kind)
+            action = parse_action(turn.text, self.kind, self.schema)
         except ValueError as err:  # pydantic's ValidationError included
-            details = getattr(err, "errors", None)  # pydantic: "guess: Input should be a valid integer, ..."
-            error = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in details()) if details else err
-            reply = [{"role": self.reply_role, "content": f"error: {error}"}]
-            return EpisodeStep(reply, metrics={"invalid_actions": 1.0})
-        observation, reward, done = self._call("step", action)
+            return self._invalid(err)
+        try:
+            observation, reward, done = self._call("step", action)
+        except ActionRefused as err:
+            return self._invalid(err)
         reward = 0.0 if reward is None else float(reward)
         if done:
             self.close()
@@ -159,13 +180,25 @@ class OpenEnvEnvironment(EpisodeEnvironment):
         reply = [{"role": self.reply_role, "content": observation_text(observation)}]
         return EpisodeStep(reply, reward=reward, metrics={"invalid_actions": 0.0})
 
+    def _invalid(self, err: Exception) -> EpisodeStep:
+        """The answer to a turn that is no valid action: ``error: ...`` (pydantic's errors as ``field: message``)."""
+        details = getattr(err, "errors", None)
+        error = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in details()) if details else err
+        return EpisodeStep([{"role": self.reply_role, "content": f"error: {error}"}], metrics={"invalid_actions": 1.0})
+
     def _call(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, Any, bool]:
-        """``reset`` / ``step`` on the environment or client: (observation, reward, done)."""
-        result = getattr(self.env, method)(*args, **kwargs)
-        if inspect.isawaitable(result):  # an async EnvClient: on the hub loop, where its connection lives
-            result = run_sync(result)
+        """``reset`` / ``step`` on the environment or client: (observation, reward, done); ``ActionRefused`` when a
+        server refuses an action that does not fit its schema."""
         from openenv.core.client_types import StepResult
 
+        try:
+            result = getattr(self.env, method)(*args, **kwargs)
+            if inspect.isawaitable(result):  # an async EnvClient: on the hub loop, where its connection lives
+                result = run_sync(result)
+        except RuntimeError as err:  # EnvClient: "Server error: ... (code: VALIDATION_ERROR)"
+            if "VALIDATION_ERROR" in str(err):
+                raise ActionRefused(str(err)) from err
+            raise
         if isinstance(result, StepResult):
             return result.observation, result.reward, bool(result.done)
         return result, result.reward, bool(result.done)
