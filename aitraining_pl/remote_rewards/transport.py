@@ -3,6 +3,7 @@ check of returned scores (see ``aitraining_pl.remote_rewards``)."""
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import math
@@ -72,6 +73,16 @@ def _jsonable(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") else str(value)
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is answered as its status (``HTTP 307 (not retried)``): the secret headers never follow it."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 class HTTPEndpoint:
     """POSTs JSON to one URL with a timeout, retries with exponential backoff and secret headers (see the module
     docstring), and returns the parsed JSON answer of an HTTP 200.
@@ -103,6 +114,20 @@ class HTTPEndpoint:
         self.timeout, self.retries, self.backoff = float(timeout), retries, float(backoff)
         self._headers = {"Content-Type": "application/json", **expand_headers(headers, self.where)}
         referenced = [os.environ[n] for v in (headers or {}).values() for n in _ENV_REFERENCE.findall(str(v))]
+        # urllib does not read ``user:password@``: it is sent as basic auth, and the request goes to the bare host
+        self._target = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+        if parts.password:
+            warnings.warn(
+                f"{self.where}: the url holds a password, so it is saved with the run's hyperparameters; send it in "
+                "headers as ${ENV_NAME} instead",
+                UserWarning,
+                stacklevel=3,
+            )
+        if parts.username is not None:
+            pair = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+            self._headers.setdefault("Authorization", "Basic " + base64.b64encode(pair.encode()).decode())
+            referenced.append(urllib.parse.unquote(parts.password or ""))
+        referenced += [value for _, value in urllib.parse.parse_qsl(parts.query)]  # query values: may be keys
         values = [v for k, v in self._headers.items() if k != "Content-Type"] + referenced
         self._secrets = sorted({v for v in values if len(v) >= 4}, key=len, reverse=True)  # masked in quotes
 
@@ -127,9 +152,9 @@ class HTTPEndpoint:
         for attempt in range(attempts):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.url, data=data, headers=self._headers, method="POST")
+            request = urllib.request.Request(self._target, data=data, headers=self._headers, method="POST")
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                with _OPENER.open(request, timeout=self.timeout) as response:
                     status, body = response.status, response.read()
             except urllib.error.HTTPError as err:
                 status, body = err.code, err.read()

@@ -22,8 +22,8 @@ class Hit:
     body: Any
 
 
-#: a route: the request -> (HTTP status, JSON-able answer, or bytes sent as they are)
-Route = Callable[[Hit], tuple[int, Any]]
+#: a route: the request -> (HTTP status, JSON-able answer or bytes sent as they are[, extra response headers])
+Route = Callable[[Hit], tuple]
 
 
 class LoopbackServer:
@@ -43,12 +43,14 @@ class LoopbackServer:
                     hit = Hit(self.path, attempt, dict(self.headers.items()), json.loads(raw or b"null"))
                     owner.hits.append(hit)
                     owner._changed.notify_all()
-                status, answer = owner.routes[self.path](hit)
+                status, answer, *extra = owner.routes[self.path](hit)
                 data = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
+                    for name, value in (extra[0] if extra else {}).items():
+                        self.send_header(name, value)
                     self.end_headers()
                     self.wfile.write(data)
                 except OSError:  # the client gave up (a timeout test)

@@ -4,6 +4,7 @@ never shown; and a GRPO run trained through it, stopped before any step by a bad
 
 from __future__ import annotations
 
+import base64
 import math
 
 import pytest
@@ -51,6 +52,8 @@ ROUTES = {
     "/noscores": lambda hit: (200, {"score": [1, 2]}),
     "/auth": lambda hit: (401, {"error": f"bad token {hit.headers['Authorization'].split()[-1]}"}),
     "/down": lambda hit: (503, {"error": "down"}),
+    "/moved": lambda hit: (307, {}, {"Location": "/ok"}),
+    "/basic": lambda hit: (200, {"scores": [0.5] * len(hit.body["rows"])}),
 }
 
 
@@ -150,9 +153,25 @@ def test_bad_configs_are_refused_when_built(monkeypatch):
         build_reward_source({"url": "http://127.0.0.1:9/score", "headers": {"X-Api-Key": "literal-key"}})
 
 
+def test_a_redirect_is_not_followed(server):
+    """The secret headers go to the configured URL only."""
+    before = server.count("/ok")
+    assert failure(remote(server, "/moved")) == f"remote reward {server.url('/moved')}: HTTP 307 (not retried): '{{}}'"
+    assert server.count("/ok") == before
+
+
+def test_credentials_in_the_url_are_sent_as_basic_auth(server):
+    url = server.url("/basic").replace("http://", "http://user:pa%3Ass@")
+    with pytest.warns(UserWarning, match="the url holds a password"):
+        source = build_reward_source({"url": url})
+    assert score_responses(source, ["p"], ["r"], [{}])[0] == [0.5]
+    assert server.hits[-1].headers["Authorization"] == "Basic " + base64.b64encode(b"user:pa:ss").decode()
+
+
 def test_urls_are_printed_without_credentials_or_query():
     assert public_url("https://user:pw@example.org:8443/score?key=abc#x") == "https://example.org:8443/score"
-    source = build_reward_source({"url": "http://user:pw@127.0.0.1:9/score?key=abc", "retries": 0})
+    with pytest.warns(UserWarning, match="the url holds a password"):
+        source = build_reward_source({"url": "http://user:pw@127.0.0.1:9/score?key=abc", "retries": 0})
     with pytest.raises(RewardError) as info:
         score_responses(source, ["p"], ["r"], [{}])
     assert "pw" not in str(info.value) and "abc" not in str(info.value)
