@@ -137,6 +137,9 @@ class EpisodeInfo:
     transcripts: list[list[dict]]  #: per episode: the assistant turns and replies as messages
     prefilled: list[int] = field(default_factory=list)  #: tokens prefilled before each turn
     sampled: list[int] = field(default_factory=list)  #: tokens sampled in each turn
+    #: (N,) long: the episode each row belongs to, where an episode gives several rows (``agents``: one per
+    #: sequence); None: row ``i`` is episode ``i``
+    episode: torch.Tensor | None = None
 
 
 class _Episodes:

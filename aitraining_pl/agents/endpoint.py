@@ -1,0 +1,363 @@
+"""An OpenAI-compatible endpoint for the policy being trained, recording every call token-in / token-out.
+
+``AgentEndpoint`` serves ``POST /v1/chat/completions`` and ``GET /v1/models`` (FastAPI, uvicorn in a daemon thread
+on 127.0.0.1, a free port) for the policy through a ``RolloutEngine``: whatever ``engine.backend`` is (the policy
+itself, a colocated vLLM engine, a generation server) samples, with the run's generation settings.
+
+- **Attribution.** Each episode has its own key, given to its client as the API key (``Authorization: Bearer
+  <key>``): calls are attributed by key, never by timing. A key that was never opened, or whose episode is
+  finished, gets HTTP 401 / 403 with an OpenAI error body, and nothing is recorded.
+- **Rendering.** A request's messages are rendered by the episode path's ``ChatFormat`` (the tokenizer's chat
+  template, with the request's tools, BOS first). When they extend an earlier call of the episode, that call's
+  messages followed by the assistant message it returned (content and tool calls as returned), the prompt is
+  that call's prompt ids, its sampled ids as sampled, and the new messages rendered as a reply
+  (``ChatFormat.reply_ids``): the model's text is never re-tokenised, and the prompt extends the earlier call's
+  tokens, so both train as one sequence (``recording.split_sequences``). Other messages (a rewritten history)
+  are rendered whole.
+- **Tool calls** in a sampled turn are parsed by the episode path's parser in the chat template's format
+  (``environments.tools``) and returned as ``tool_calls`` (``finish_reason: tool_calls``), unless ``tool_choice``
+  is ``none``; a call that does not parse is returned as text.
+- **Sampling.** The policy and its backend are not thread-safe: one sampler thread takes the pending calls
+  (those that arrive within ``batch_window`` seconds of the first are sampled together, one ``engine.sample`` per
+  distinct setting) and answers each. ``max_tokens`` is capped by ``generation.max_new_tokens``; ``stop`` adds
+  stop strings; the request's ``temperature`` / ``top_p`` apply only with ``request_sampling`` (else the run's
+  distribution, which the trainer's log-probs are of, samples every call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import dataclasses
+import json
+import queue
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from aitraining_pl.agents.protocol import (
+    RequestError,
+    assistant_message,
+    completion_body,
+    parse_request,
+    same_turn,
+)
+from aitraining_pl.agents.recording import CallRecord
+from aitraining_pl.environments.episode_rollout import ChatFormat
+from aitraining_pl.environments.tools import detect_tool_format, parse_tool_calls
+from aitraining_pl.models.generation import StopRule
+from aitraining_pl.rollout import RolloutEngine
+
+EXTRA_HINT = "the agent endpoint needs FastAPI, uvicorn and openai: pip install 'aitraining-pl[agents]'"
+
+
+def require_agents_extra() -> None:
+    """Raise one ``ImportError`` line naming the extra when FastAPI, uvicorn or openai is missing."""
+    try:
+        import fastapi  # noqa: F401
+        import openai  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as err:
+        raise ImportError(f"{EXTRA_HINT} ({err})") from None
+
+
+@dataclass
+class EpisodeLog:
+    """The calls of one episode, by key."""
+
+    records: list[CallRecord] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class _Pending:
+    prompt_ids: list[int]
+    settings: tuple  #: (max_new_tokens, stop, n, temperature, top_p)
+    future: concurrent.futures.Future
+
+
+class AgentEndpoint:
+    """See the module docstring.
+
+    Args:
+        engine: the rollout engine (tokenizer, generation settings, backend); ``bind`` swaps it per batch.
+        model: the policy (the plain transformers / peft model ``engine.sample`` takes).
+        model_name: the model id the endpoint reports (any ``model`` in a request is served by the policy).
+        batch_window: seconds the sampler waits after a call for others to sample with it.
+        request_sampling: honour a request's ``temperature`` / ``top_p`` (off: the run's settings).
+        chat_template: a chat template used instead of the tokenizer's (e.g. a tool-calling one).
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        model: torch.nn.Module,
+        model_name: str = "policy",
+        batch_window: float = 0.005,
+        request_sampling: bool = False,
+        chat_template: str | None = None,
+    ):
+        require_agents_extra()
+        self.model_name, self.batch_window, self.request_sampling = model_name, batch_window, request_sampling
+        self.chat_template = chat_template
+        self.episodes: dict[str, EpisodeLog] = {}
+        self._lock = threading.Lock()  # guards ``episodes`` and the engine binding
+        self._queue: queue.Queue[_Pending | None] = queue.Queue()
+        self._formats: dict[str, tuple[ChatFormat, str | None]] = {}
+        self._server = self._thread = self._sampler = None
+        self.port = 0
+        self.bind(engine, model)
+
+    # ------------------------------------------------------------------ episodes
+    def bind(self, engine: RolloutEngine, model: torch.nn.Module, version: Any = None) -> None:
+        """Serve ``model`` with ``engine`` (and record ``version``) from now on."""
+        with self._lock:
+            if self.chat_template is not None and engine.tokenizer.chat_template != self.chat_template:
+                tokenizer = copy.copy(engine.tokenizer)
+                tokenizer.chat_template = self.chat_template
+                engine = copy.copy(engine)
+                engine.tokenizer = tokenizer
+            if getattr(self, "engine", None) is None or engine.tokenizer is not self.engine.tokenizer:
+                self._formats = {}
+            self.engine, self.model = engine, model
+            self.version = version if version is not None else getattr(engine.backend, "version", None)
+
+    def open_episode(self) -> str:
+        """A new episode's key."""
+        key = f"ep-{secrets.token_urlsafe(18)}"
+        with self._lock:
+            self.episodes[key] = EpisodeLog()
+        return key
+
+    def finish_episode(self, key: str) -> list[CallRecord]:
+        """Close an episode (later calls with its key are refused) and return its records."""
+        with self._lock:
+            log = self.episodes.get(key)
+            if log is None:  # forgotten already
+                return []
+            log.finished = True
+            return list(log.records)
+
+    def forget(self, keys) -> None:
+        """Drop finished episodes' records."""
+        with self._lock:
+            for key in keys:
+                self.episodes.pop(key, None)
+
+    def check_key(self, key: str | None) -> None:
+        """``RequestError`` (401 / 403) unless ``key`` is an open episode's."""
+        with self._lock:
+            self._episode(key)
+
+    def _episode(self, key: str | None) -> EpisodeLog:
+        log = self.episodes.get(key or "")
+        if log is None:
+            raise RequestError(401, "unknown API key: not an episode of this endpoint", code="invalid_api_key")
+        if log.finished:
+            raise RequestError(403, "this episode is finished: its key takes no more calls", code="episode_finished")
+        return log
+
+    # ------------------------------------------------------------------ rendering
+    def chat_format(self, tools: list[dict]) -> tuple[ChatFormat, str | None]:
+        """The ``ChatFormat`` for ``tools`` and the template's tool-call format (None without tools)."""
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._formats:
+            try:
+                chat = ChatFormat(self.engine.tokenizer, tools)
+                tool_format = detect_tool_format(chat.template) if tools else None
+            except ValueError as err:  # ToolTemplateError: the template cannot show tools
+                raise RequestError(400, str(err), "tools") from None
+            self._formats[key] = (chat, tool_format)
+        return self._formats[key]
+
+    def prompt_ids(self, log: EpisodeLog, messages: list[dict], tools: list[dict]) -> list[int]:
+        """The prompt of a call (see the module docstring: an extended conversation reuses the sampled ids)."""
+        chat, _ = self.chat_format(tools)
+        tools_key = json.dumps(tools, sort_keys=True)
+        for record in reversed(log.records):
+            done = len(record.messages)
+            if (
+                record.tools_key == tools_key
+                and len(messages) > done
+                and messages[:done] == record.messages
+                and same_turn(messages[done], record.assistant)
+            ):
+                reply = chat.reply_ids(messages[done + 1 :], record.completion_ids)
+                return record.prompt_ids + record.completion_ids + reply
+        return chat.prompt_ids(messages)
+
+    # ------------------------------------------------------------------ one call
+    async def complete(self, key: str | None, body: Any) -> dict:
+        """Answer one chat-completions request of the episode ``key`` and record it."""
+        request = parse_request(body)
+        with self._lock:
+            log = self._episode(key)
+        try:
+            prompt = self.prompt_ids(log, request.messages, request.tools)
+        except RequestError:
+            raise
+        except Exception as err:  # the chat template refused the conversation (roles out of order, ...)
+            raise RequestError(400, f"the chat template cannot render these messages: {err}", "messages") from None
+        generation = self.engine.generation
+        max_new = min(request.max_tokens or generation.max_new_tokens, generation.max_new_tokens)
+        temperature = request.temperature if self.request_sampling else None
+        top_p = request.top_p if self.request_sampling else None
+        settings = (max_new, tuple(request.stop), request.n, temperature, top_p)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put(_Pending(prompt, settings, future))
+        samples = await asyncio.wrap_future(future)
+        chat, tool_format = self.chat_format(request.tools)
+        tokenizer, choices = self.engine.tokenizer, []
+        for ids, logprobs, ended in samples:
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            calls = []
+            if tool_format is not None and request.tool_choice != "none":
+                raw = tokenizer.decode(ids, skip_special_tokens=False)
+                calls = [c for c in parse_tool_calls(raw, tool_format) if not c.error]
+            message = assistant_message(text, calls, tool_format or "")
+            reason = "tool_calls" if calls else ("stop" if ended else "length")
+            pieces = None
+            if request.logprobs:
+                pieces = []
+                for token, lp in zip(ids, logprobs):
+                    piece = tokenizer.decode([token], skip_special_tokens=False)
+                    pieces.append((piece, list(piece.encode()), lp))
+            choices.append({"message": message, "finish_reason": reason, "completion_ids": ids, "logprobs": pieces})
+        tools_key = json.dumps(request.tools, sort_keys=True)
+        with self._lock:
+            log = self._episode(key)  # finished while sampling (timed out): refused, nothing recorded
+            for (ids, logprobs, ended), choice in zip(samples, choices):
+                log.records.append(
+                    CallRecord(
+                        prompt, ids, logprobs, ended, self.version, request.messages, choice["message"], tools_key,
+                        len(choice["message"].get("tool_calls", [])),
+                    )
+                )  # fmt: skip
+        return completion_body(self.model_name, choices, len(prompt))
+
+    # ------------------------------------------------------------------ the sampler thread
+    def _sample_loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch, deadline = [first], time.monotonic() + self.batch_window
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    item = self._queue.get(timeout=left)
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._queue.put(None)
+                    break
+                batch.append(item)
+            groups: dict[tuple, list[_Pending]] = {}
+            for item in batch:
+                groups.setdefault(item.settings, []).append(item)
+            for settings, items in groups.items():
+                try:
+                    results = self._sample(settings, [item.prompt_ids for item in items])
+                except Exception as err:  # noqa: BLE001 - handed to each waiting call (HTTP 500)
+                    for item in items:
+                        item.future.set_exception(err)
+                    continue
+                for item, result in zip(items, results):
+                    item.future.set_result(result)
+
+    def _engine_for(self, settings: tuple) -> RolloutEngine:
+        max_new, stop, _, temperature, top_p = settings
+        engine = copy.copy(self.engine)
+        changes: dict[str, Any] = {"max_new_tokens": max_new}
+        if temperature is not None:
+            changes.update(temperature=max(temperature, 1e-5), do_sample=temperature > 0)
+        if top_p is not None:
+            changes["top_p"] = top_p
+        engine.generation = dataclasses.replace(engine.generation, **changes)
+        if stop:
+            rule = engine.stop_rule
+            engine.stop_rule = StopRule(
+                engine.tokenizer, [*rule.stop_strings, *stop], rule.stop_sequences, rule.skip_special_tokens
+            )
+        return engine
+
+    @torch.no_grad()
+    def _sample(self, settings: tuple, prompts: list[list[int]]) -> list[list[tuple[list[int], list[float], bool]]]:
+        """``n`` samples of each prompt: per prompt, per sample, (ids, log-probs, ended)."""
+        with self._lock:
+            engine, model = self._engine_for(settings), self.model
+        n = settings[2]
+        device = next(model.parameters()).device
+        pad = engine.pad_token_id(model, engine.end_token_ids(model))
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(prompts):
+            ids[i, width - len(row) :], mask[i, width - len(row) :] = torch.tensor(row), 1
+        rollout = engine.sample(model, ids.to(device), mask.to(device), n, with_logprobs=True)
+        lengths = rollout.response_mask.sum(1).tolist()
+        logps = rollout.sampling_logprobs
+        rows = [
+            (
+                rollout.response_ids[r, :length].tolist(),
+                [0.0] * length if logps is None else logps[r, :length].float().tolist(),
+                bool(rollout.ended[r]),
+            )
+            for r, length in enumerate(lengths)
+        ]
+        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    # ------------------------------------------------------------------ the server
+    def app(self):
+        """The FastAPI application (``agents.server``)."""
+        from aitraining_pl.agents.server import build_app
+
+        return build_app(self)
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL (``http://127.0.0.1:<port>/v1``)."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> AgentEndpoint:
+        """Start the server and the sampler thread (idempotent)."""
+        if self._server is not None:
+            return self
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app(), log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._sampler = threading.Thread(target=self._sample_loop, daemon=True, name="agent-endpoint-sampler")
+        self._thread.start()
+        self._sampler.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the agent endpoint's server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        """Stop the server and the sampler thread."""
+        if self._server is None:
+            return
+        self._server.should_exit = True
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+        self._sampler.join(timeout=10)
+        self._server = self._thread = self._sampler = None
+
+    def __enter__(self) -> AgentEndpoint:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,307 @@
+"""``AgentEnvironment``: train an agent written against the OpenAI API (or any framework that speaks it).
+
+The user gives ``agent(client, prompt, metadata) -> reward``, sync or async. ``client`` is an ``openai.OpenAI``
+(``openai.AsyncOpenAI`` for an async agent) bound to the episode: its ``base_url`` and ``api_key`` (the episode's
+key) are what another framework needs (``ChatOpenAI(base_url=client.base_url, api_key=client.api_key)``). The
+agent makes whatever calls it likes (tools, sub-calls, history edits); the endpoint (``agents.endpoint``) records
+each token-in / token-out, and ``play_episodes`` turns them into the rollout the online modules train on.
+
+Rows (``max_sequences`` per episode, so every iteration has the same row count on every rank): an episode's
+records become sequences (``recording.split_sequences``): calls that extend the conversation token for token are
+one sequence, the tokens between the calls (tool results, user messages) masked out (``response_mask`` 0,
+``episodes.response_attention`` 1); a call after a rewritten history starts a new sequence. An episode with more
+sequences than ``max_sequences`` keeps its last ones (``episode/dropped_sequences`` counts the others); unused rows
+are all masked (``response_mask`` 0, the data module's prompt only). Rows of prompt ``i`` are contiguous,
+``group`` is the prompt index of each row, ``episodes.episode`` the episode index.
+
+**Advantages.** Every row of an episode carries the episode's reward (``returns``; ``token_rewards`` on the last
+sampled token of each sequence). Group statistics (GRPO's mean and std, RLOO's leave-one-out baseline) must be
+taken over *episodes* (one value per ``episodes.episode``), not over rows, and every sequence of an episode gets
+its episode's advantage (all of it, not a share: each sequence is a full decision path that earned the reward, as
+in AReaL's and verl's multi-sequence agent rollouts); all-masked rows contribute nothing. With ``max_sequences:
+1`` and agents that never rewrite their history, rows are episodes and the modules need no change.
+
+**Columns.** The prompt part of a row is the data module's prompt (left padded). Where a sequence starts with
+those tokens, the rest follows in the response part; where the agent rendered its own first prompt (a system
+message, tools), the data module's prompt is masked out of that row (``prompt_mask`` 0) and the whole sequence,
+its first prompt included, is in the response part (attention 1, ``response_mask`` 0 but on sampled tokens): the
+model is shown exactly what the endpoint fed it. ``sampling_logprobs`` are those recorded at sampling.
+
+Each episode runs in its own thread (sync agents, at most ``max_concurrency`` at once) or on one asyncio loop
+(async agents), under the environments' guards: at most ``timeout`` seconds (the modules' ``reward_timeout``); an
+exception, ``sys.exit`` / ``os._exit``, a timeout, or a reward that is not a finite number stops the run with one
+``RewardError`` naming the agent. A finished (or timed-out) episode's key is closed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from aitraining_pl.agents.endpoint import AgentEndpoint, require_agents_extra
+from aitraining_pl.agents.recording import CallRecord, split_sequences
+from aitraining_pl.environments.episode import EpisodeEnvironment, EpisodeLimits
+from aitraining_pl.environments.episode_rollout import EpisodeInfo
+from aitraining_pl.errors import RewardError
+from aitraining_pl.guarded_call import CallInterrupted, CallTimeout, guarded_call
+from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, describe_failure, import_object
+from aitraining_pl.rollout import Rollout, RolloutEngine
+
+
+class AgentEnvironment(EpisodeEnvironment):
+    """Episodes played by a user's agent through the OpenAI-compatible endpoint (see the module docstring).
+
+    Args:
+        agent: ``agent(client, prompt, metadata) -> reward`` (sync or async), or its import path
+            ``"pkg.module:function"``.
+        max_sequences: training rows per episode (sequences beyond are dropped, the first ones first).
+        max_concurrency: sync agents running at once (None: every episode of the batch).
+        request_sampling: honour a request's ``temperature`` / ``top_p`` (default: the run's settings sample
+            every call, so the trainer's log-probs are of the distribution sampled from).
+        chat_template: a chat template for the endpoint instead of the tokenizer's (e.g. a tool-calling one).
+        batch_window: seconds the endpoint's sampler waits for other calls to sample together.
+        client_timeout: seconds the episode's client waits for one answer.
+    """
+
+    limits = EpisodeLimits(max_turns=1 << 20, max_total_tokens=1 << 30)
+
+    def __init__(
+        self,
+        agent: Callable | str,
+        max_sequences: int = 2,
+        max_concurrency: int | None = None,
+        request_sampling: bool = False,
+        chat_template: str | None = None,
+        batch_window: float = 0.005,
+        client_timeout: float = 600.0,
+    ):
+        require_agents_extra()
+        if max_sequences < 1:
+            raise ValueError(f"AgentEnvironment: max_sequences must be >= 1, got {max_sequences}")
+        self.agent = import_object(agent) if isinstance(agent, str) else agent
+        if not callable(self.agent):
+            raise TypeError(f"AgentEnvironment: agent must be callable, got {type(self.agent).__name__}")
+        self.max_sequences, self.max_concurrency = int(max_sequences), max_concurrency
+        self.options = {"request_sampling": request_sampling, "chat_template": chat_template}
+        self.batch_window, self.client_timeout = batch_window, client_timeout
+        self._endpoint: list[AgentEndpoint | None] = [None]  # one for the run, started on the first batch
+
+    @property
+    def name(self) -> str:
+        return getattr(self.agent, "__qualname__", type(self.agent).__name__)
+
+    def __getstate__(self) -> dict:  # a copy (spawn, pickling) never takes the running server
+        return {**self.__dict__, "_endpoint": [None]}
+
+    def spawn(self) -> AgentEnvironment:
+        return self
+
+    def reset(self, prompt: str, metadata: dict):
+        raise NotImplementedError("AgentEnvironment plays whole episodes through play_episodes")
+
+    def endpoint(self, engine: RolloutEngine, model: torch.nn.Module, version: Any = None) -> AgentEndpoint:
+        """The run's endpoint, serving ``model`` through ``engine`` (started on first use)."""
+        if self._endpoint[0] is None:
+            self._endpoint[0] = AgentEndpoint(engine, model, batch_window=self.batch_window, **self.options).start()
+        self._endpoint[0].bind(engine, model, version)
+        return self._endpoint[0]
+
+    def close(self) -> None:
+        """Stop the endpoint."""
+        if self._endpoint[0] is not None:
+            self._endpoint[0].stop()
+            self._endpoint[0] = None
+
+    # ------------------------------------------------------------------ episodes
+    def play_episodes(
+        self,
+        engine: RolloutEngine,
+        model: torch.nn.Module,
+        prompts: Sequence[str],
+        metadata: Sequence[dict],
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        num_samples: int = 1,
+        *,
+        timeout: float | None = DEFAULT_REWARD_TIMEOUT,
+        version: Any = None,
+    ) -> Rollout:
+        """Play ``num_samples`` episodes per prompt through the endpoint and return their ``Rollout`` (rows as in
+        the module docstring); ``version`` is recorded as the weights version of every call (default: the
+        backend's)."""
+        endpoint = self.endpoint(engine, model, version)
+        groups = [g for g in range(len(prompts)) for _ in range(num_samples)]
+        keys = [endpoint.open_episode() for _ in groups]
+        jobs = [(key, prompts[g], dict(metadata[g] if metadata is not None else {})) for key, g in zip(keys, groups)]
+        try:
+            if inspect.iscoroutinefunction(self.agent):
+                rewards = self._run_async(endpoint, jobs, timeout)
+            else:
+                rewards = self._run_threads(endpoint, jobs, timeout)
+            records = [endpoint.finish_episode(key) for key in keys]
+        finally:
+            for key in keys:
+                endpoint.finish_episode(key)
+            endpoint.forget(keys)
+        pad = engine.pad_token_id(model, engine.end_token_ids(model))
+        return episode_rows(
+            records, rewards, groups, prompt_ids, prompt_mask, self.max_sequences, pad, engine.tokenizer
+        )
+
+    def _client(self, endpoint: AgentEndpoint, key: str, asynchronous: bool):
+        import openai
+
+        kind = openai.AsyncOpenAI if asynchronous else openai.OpenAI
+        return kind(base_url=endpoint.base_url, api_key=key, max_retries=0, timeout=self.client_timeout)
+
+    def _episode(self, endpoint: AgentEndpoint, key: str, prompt: str, metadata: dict) -> Any:
+        client = self._client(endpoint, key, False)
+        try:
+            return self.agent(client, prompt, metadata)
+        finally:
+            endpoint.finish_episode(key)
+            client.close()
+
+    def _run_threads(self, endpoint: AgentEndpoint, jobs: list, timeout: float | None) -> list[float]:
+        workers = max(1, min(len(jobs), self.max_concurrency or len(jobs)))
+
+        def run(job):
+            try:
+                return guarded_call(self._episode, (endpoint, *job), timeout)
+            except (Exception, SystemExit) as err:
+                return err
+            finally:
+                endpoint.finish_episode(job[0])
+
+        with ThreadPoolExecutor(workers, thread_name_prefix="agent-episode") as pool:
+            results = list(pool.map(run, jobs))
+        return [self._reward(result, i) for i, result in enumerate(results)]
+
+    def _run_async(self, endpoint: AgentEndpoint, jobs: list, timeout: float | None) -> list[float]:
+        async def one(key, prompt, metadata):
+            client = self._client(endpoint, key, True)
+            try:
+                return await asyncio.wait_for(self.agent(client, prompt, metadata), timeout)
+            except asyncio.TimeoutError:
+                raise CallTimeout() from None
+            finally:
+                endpoint.finish_episode(key)
+                await client.close()
+
+        async def every():
+            return await asyncio.gather(*(one(*job) for job in jobs), return_exceptions=True)
+
+        try:
+            results = guarded_call(asyncio.run, (every(),), None)
+        except (Exception, SystemExit) as err:
+            results = [err]
+        return [self._reward(result, i) for i, result in enumerate(results)]
+
+    @property
+    def _where(self) -> str:
+        return f"agent {self.name!r}"
+
+    def _reward(self, value: Any, episode: int) -> float:
+        """An episode's outcome checked: a finite float, else one ``RewardError`` naming the agent."""
+        if isinstance(value, (RewardError, CallInterrupted)):
+            raise value
+        if isinstance(value, CallTimeout):
+            raise RewardError(self._where, f"episode {episode} did not return within the timeout (reward_timeout)")
+        if isinstance(value, BaseException):
+            raise RewardError(self._where, f"episode {episode} {describe_failure(value)}") from value
+        number = None
+        if not isinstance(value, (str, bytes, bool)) and value is not None:
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                pass
+        if number is None:
+            raise RewardError(self._where, f"episode {episode} returned {value!r:.60}, not a float reward")
+        if not math.isfinite(number):
+            raise RewardError(self._where, f"episode {episode} returned a non-finite reward ({number})")
+        return number
+
+
+def episode_rows(
+    records: Sequence[Sequence[CallRecord]],
+    rewards: Sequence[float],
+    groups: Sequence[int],
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    max_sequences: int,
+    pad: int,
+    tokenizer,
+) -> Rollout:
+    """The ``Rollout`` of episodes' records (one list per episode, in ``groups`` order: the prompt index of each
+    episode): ``max_sequences`` rows per episode, laid out as ``AgentEnvironment``'s docstring says."""
+    device = prompt_ids.device
+    rows, metrics, transcripts = [], [], []
+    for e, (episode, reward, g) in enumerate(zip(records, rewards, groups)):
+        sequences = split_sequences(episode)
+        kept = sequences[-max_sequences:]
+        data_prompt = prompt_ids[g][prompt_mask[g].bool()].tolist()
+        for s in range(max_sequences):
+            rows.append((e, g, reward, kept[s] if s < len(kept) else None, data_prompt))
+        stats = {
+            "calls": float(len(episode)),
+            "sequences": float(len(sequences)),
+            "dropped_sequences": float(len(sequences) - len(kept)),
+            "tool_calls": float(sum(r.tool_calls for r in episode)),
+            "truncated": float(bool(episode) and not episode[-1].ended),
+        }
+        chat = [m for r in episode[-1:] for m in [*r.messages, r.assistant]]
+        metrics += [stats] * max_sequences
+        transcripts += [chat] * max_sequences
+    responses = []
+    for _, _, _, sequence, data_prompt in rows:
+        if sequence is None:
+            responses.append(([], [], [], [], True))
+            continue
+        ids = sequence.all_ids
+        starts = len(sequence.prompt) >= len(data_prompt) and ids[: len(data_prompt)] == data_prompt
+        skip = len(data_prompt) if starts else 0
+        sampled = [False] * len(sequence.prompt) + sequence.from_model
+        logps = [0.0] * len(sequence.prompt) + sequence.logprobs
+        ends = [len(sequence.prompt) + i - skip for i in sequence.ends]
+        responses.append((ids[skip:], sampled[skip:], logps[skip:], ends, starts))
+    n, width = len(rows), max(1, max(len(r[0]) for r in responses))
+    ids = torch.full((n, width), int(pad), dtype=torch.long)
+    mask, attention = torch.zeros_like(ids), torch.zeros_like(ids)
+    token_rewards, logprobs = torch.zeros(n, width), torch.zeros(n, width)
+    row_prompt_mask = prompt_mask[list(groups[e] for e, *_ in rows)].clone() if n else prompt_mask[:0]
+    ended = torch.ones(n, dtype=torch.bool)
+    for r, ((e, g, reward, sequence, _), (tokens, sampled, logps, ends, starts)) in enumerate(zip(rows, responses)):
+        length = len(tokens)
+        if length:
+            ids[r, :length] = torch.tensor(tokens)
+            mask[r, :length] = torch.tensor(sampled, dtype=torch.long)
+            attention[r, :length] = 1
+            logprobs[r, :length] = torch.tensor(logps)
+            token_rewards[r, ends[-1]] = reward
+            ended[r] = sequence.ended
+        if not starts:
+            row_prompt_mask[r] = 0
+    group = torch.tensor([g for _, g, *_ in rows], dtype=torch.long)
+    texts = [tokenizer.decode(row[m.bool()], skip_special_tokens=True) for row, m in zip(ids, mask)]
+    returns = torch.tensor([reward for _, _, reward, *_ in rows], dtype=torch.float32)
+    keys = sorted({k for m in metrics for k in m})
+    info = EpisodeInfo(
+        attention.to(device),
+        token_rewards.to(device),
+        returns.to(device),
+        {k: [m[k] for m in metrics] for k in keys},
+        transcripts,
+        episode=torch.tensor([e for e, *_ in rows], dtype=torch.long, device=device),
+    )
+    rollout = Rollout(
+        prompt_ids[group.to(device)], row_prompt_mask.to(device), ids.to(device), mask.to(device), ended.to(device),
+        texts, group.to(device), sampling_logprobs=logprobs.to(device),
+    )  # fmt: skip
+    rollout.episodes = info
+    return rollout

@@ -1,0 +1,215 @@
+"""The OpenAI chat-completions protocol as the endpoint speaks it: the request's fields checked (``ChatRequest``), its
+messages normalised for a chat template, the response built from the ``openai`` package's own types, and the
+error bodies (``{"error": {"message", "type", "param", "code"}}``) of what it refuses.
+
+Served fields: ``messages``, ``tools``, ``tool_choice``, ``temperature``, ``top_p``, ``max_tokens`` (or
+``max_completion_tokens``), ``n``, ``stop``, ``logprobs``, ``top_logprobs`` (0 only); ``model`` is accepted and
+ignored (one policy is served); ``stream: true`` is refused. Other fields (``seed``, ``user``, ...) are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aitraining_pl.environments.tools import ToolCall, call_id
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class RequestError(Exception):
+    """A request the endpoint refuses: the HTTP status and the OpenAI-style error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or {401: "authentication_error", 403: "permission_error"}.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        """The OpenAI error body."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ChatRequest:
+    """A checked chat-completions request (see the module docstring)."""
+
+    messages: list[dict]  #: normalised (``normalise_messages``)
+    tools: list[dict]  #: JSON schemas as the chat template takes them (``{"type": "function", "function": ...}``)
+    tool_choice: Any
+    temperature: float | None
+    top_p: float | None
+    max_tokens: int | None
+    n: int
+    stop: list[str]
+    logprobs: bool
+
+
+def _number(body: dict, name: str, low: float, high: float, integer: bool = False):
+    value = body.get(name)
+    if value is None:
+        return None
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not low <= value <= high:
+        what = "an integer" if integer else "a number"
+        raise RequestError(400, f"{name} must be {what} in [{low}, {high}], got {value!r:.40}", name, "invalid_value")
+    return value
+
+
+def _text(content: Any, where: str) -> str:
+    """A message content as text: a string, None, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise RequestError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise RequestError(400, f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RequestError(400, f"{where}.tool_calls[{j}] has no function name", f"{where}.tool_calls[{j}]")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):  # the API sends a JSON string; chat templates render a mapping
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                pass
+        call_id_ = str(call.get("id") or "")
+        out.append({"id": call_id_, "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return out
+
+
+def normalise_messages(messages: Any) -> list[dict]:
+    """``messages`` checked and made what chat templates read: content as text, tool-call arguments as mappings."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages must be a non-empty list of messages", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            got = message.get("role") if isinstance(message, dict) else message
+            raise RequestError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {got!r:.40}", f"{where}.role")
+        role = "system" if message["role"] == "developer" else message["role"]
+        normal = {"role": role, "content": _text(message.get("content"), where)}
+        if role == "assistant" and message.get("tool_calls"):
+            normal["tool_calls"] = _tool_calls(message["tool_calls"], where)
+        if role == "tool":
+            normal["tool_call_id"] = str(message.get("tool_call_id") or "")
+        if isinstance(message.get("name"), str):
+            normal["name"] = message["name"]
+        out.append(normal)
+    return out
+
+
+def _tools(tools: Any) -> list[dict]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools
+    ):
+        raise RequestError(400, 'tools must be a list of {"type": "function", "function": {...}}', "tools")
+    return [{"type": "function", "function": t["function"]} for t in tools]
+
+
+def parse_request(body: Any) -> ChatRequest:
+    """A ``ChatRequest`` from a decoded JSON body; ``RequestError`` (400) naming the field that is wrong."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    if body.get("stream"):
+        raise RequestError(400, "streaming is not supported by this endpoint", "stream", "unsupported_value")
+    if body.get("top_logprobs"):
+        raise RequestError(400, "top_logprobs is not supported (the sampled token's log-prob only)", "top_logprobs")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
+        raise RequestError(400, "stop must be a string or a list of at most 4 strings", "stop")
+    max_tokens = _number(body, "max_tokens", 1, 1 << 20, True) or _number(
+        body, "max_completion_tokens", 1, 1 << 20, True
+    )
+    return ChatRequest(
+        messages=normalise_messages(body.get("messages")),
+        tools=_tools(body.get("tools")),
+        tool_choice=body.get("tool_choice"),
+        temperature=_number(body, "temperature", 0.0, 2.0),
+        top_p=_number(body, "top_p", 0.0, 1.0),
+        max_tokens=max_tokens,
+        n=_number(body, "n", 1, 128, True) or 1,
+        stop=stop,
+        logprobs=bool(body.get("logprobs")),
+    )
+
+
+def same_turn(sent: dict, returned: dict) -> bool:
+    """Whether an assistant message the agent sent back is the one the endpoint returned (content and tool calls;
+    call ids aside)."""
+
+    def key(message: dict):
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+        return message.get("role"), message.get("content") or "", calls
+
+    return key(sent) == key(returned)
+
+
+def assistant_message(text: str, calls: list[ToolCall], tool_format: str) -> dict:
+    """The normalised assistant message of a sampled turn: its text, or the text before the first call and the
+    calls (each with a fresh id)."""
+    if not calls:
+        return {"role": "assistant", "content": text}
+    marker = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}.get(tool_format)
+    content = text.split(marker, 1)[0].strip() if marker and marker in text else ""
+    tool_calls = [
+        {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+    ]
+    return {"role": "assistant", "content": content, "tool_calls": tool_calls}
+
+
+def completion_body(model: str, choices: list[dict], prompt_tokens: int) -> dict:
+    """The response body (``openai.types.chat.ChatCompletion``) of ``choices``: dicts of ``message`` (normalised
+    assistant message), ``finish_reason``, ``completion_ids``, and ``logprobs`` (a list of ``(token text, bytes,
+    logprob)``, or None)."""
+    from openai.types.chat import ChatCompletion
+
+    out = []
+    for index, choice in enumerate(choices):
+        message = dict(choice["message"])
+        if message.get("tool_calls"):
+            message["tool_calls"] = [
+                {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+                for c in message["tool_calls"]
+            ]
+        logprobs = None
+        if choice["logprobs"] is not None:
+            content = [{"token": t, "bytes": b, "logprob": lp, "top_logprobs": []} for t, b, lp in choice["logprobs"]]
+            logprobs = {"content": content}
+        out.append({"index": index, "message": message, "finish_reason": choice["finish_reason"], "logprobs": logprobs})
+    completion_tokens = sum(len(c["completion_ids"]) for c in choices)
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    body = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": out,
+        "usage": usage,
+    }
+    return ChatCompletion.model_validate(body).model_dump(mode="json", exclude_none=True)
+
+
+def models_body(model: str) -> dict:
+    """The ``/v1/models`` body: the one served model (``openai.types.Model``)."""
+    from openai.types import Model
+
+    entry = Model(id=model, created=int(time.time()), object="model", owned_by="aitraining-pl")
+    return {"object": "list", "data": [entry.model_dump(mode="json")]}
