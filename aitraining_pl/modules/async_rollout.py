@@ -114,6 +114,7 @@ class RolloutPipeline:
         self.dropped = 0  #: rollouts in flight when the pipeline closed
         self.timing = collections.Counter()  #: seconds: trainer_wait, generator_busy, generator_idle, push
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
+        self.closing = False  #: set by ``close``: the worker drops the jobs left
         self.thread = threading.Thread(target=self._work, name="aitraining-pl-rollouts", daemon=True)
         self.thread.start()
 
@@ -128,6 +129,10 @@ class RolloutPipeline:
             job = self.jobs.get()
             if job is None:
                 return
+            if self.closing:  # dropped: the pipeline is closing
+                job.error = RuntimeError("the rollout pipeline closed before this job ran")
+                job.done.set()
+                continue
             start = time.perf_counter()
             self.timing["generator_idle"] += start - last
             try:
@@ -261,17 +266,14 @@ class RolloutPipeline:
         else:  # the next rollouts are of the current weights: pushed anew to the new server
             self.pushed = -1
 
-    def close(self) -> None:
-        """Stop the worker (after the job it runs) and drop the rollouts in flight (``dropped``)."""
+    def close(self, timeout: float = 300.0) -> None:
+        """Stop the worker after the job it runs (every server request has its own timeout; at most ``timeout``
+        seconds are waited here), dropping the jobs not started and the rollouts in flight (``dropped``)."""
         self.dropped += len(self.queue)
         self.queue.clear()
-        while True:  # jobs not started are dropped
-            try:
-                self.jobs.get_nowait()
-            except queue.Empty:
-                break
+        self.closing = True
         self.jobs.put(None)
-        self.thread.join(timeout=60.0)
+        self.thread.join(timeout=timeout)
 
 
 def plain(value: Any) -> Any:
