@@ -95,7 +95,7 @@ class JudgeReward:
         headers: Mapping[str, Any] | None = None,
     ):
         name = f"judge {model!r}"
-        where = f"{name} at {public_url(str(base_url))}"
+        where = f"{name} {public_url(str(base_url))}"
         if api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(api_key_env)):
             raise RewardError(where, f"api_key_env must name an environment variable, got {api_key_env!r}")
         headers = {**dict(headers or {}), **({"Authorization": f"Bearer ${{{api_key_env}}}"} if api_key_env else {})}

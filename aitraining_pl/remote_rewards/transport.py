@@ -30,7 +30,10 @@ def public_url(url: str) -> str:
     host = parts.hostname or ""
     if ":" in host:  # IPv6
         host = f"[{host}]"
-    port = f":{parts.port}" if parts.port else ""
+    try:
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:  # not a number: refused by ``HTTPEndpoint``
+        port = ":?"
     return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
@@ -108,7 +111,7 @@ class HTTPEndpoint:
         parts = urllib.parse.urlsplit(str(url))
         self.url = str(url)
         self.where = f"{name} {public_url(self.url)}"
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        if parts.scheme not in ("http", "https") or not parts.hostname or ":?" in public_url(self.url):
             raise RewardError(f"{name} {public_url(self.url)!r}", "the url must be http://host[:port]/path or https://")
         _check_options(self.where, timeout, retries, backoff)
         self.timeout, self.retries, self.backoff = float(timeout), retries, float(backoff)

@@ -147,8 +147,9 @@ def test_bad_configs_are_refused_when_built(monkeypatch):
         build_reward_source({"url": "http://127.0.0.1:9/score", "retry": 2})
     with pytest.raises(RewardError, match="retries must be an integer >= 0, got -1"):
         build_reward_source({"url": "http://127.0.0.1:9/score", "retries": -1})
-    with pytest.raises(RewardError, match="the url must be http"):
-        build_reward_source({"url": "ftp://127.0.0.1/score"})
+    for url in ("ftp://127.0.0.1/score", "http://127.0.0.1:port/score"):
+        with pytest.raises(RewardError, match="the url must be http"):
+            build_reward_source({"url": url})
     with pytest.warns(UserWarning, match="header 'X-Api-Key' is written in the config"):
         build_reward_source({"url": "http://127.0.0.1:9/score", "headers": {"X-Api-Key": "literal-key"}})
 
