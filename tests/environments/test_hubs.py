@@ -114,10 +114,11 @@ def test_verifiers_taskset_plays_one_answer_scored_by_the_tasks_rewards(vf):
     assert env.seat == "agent" and env.rows() == [{"prompt": "Guess a digit:", "task": i} for i in range(3)]
     first, (step,) = _play(env, "Guess a digit:", {"task": 1}, ["it is 5"])
     assert first == [{"role": "system", "content": "One digit only."}, {"role": "user", "content": "Guess a digit:"}]
-    assert step.done and step.messages == [] and step.reward == 1.0
-    assert step.metrics == {"replies": 1.0, "reward_correct": 1.0}
+    # trace.reward: correct 1 (weight 1) + plain 5/7 (weight 0.1), on the one turn
+    assert step.done and step.messages == [] and step.reward == pytest.approx(1.0 + 0.1 * 5 / 7)
+    assert step.metrics == pytest.approx({"replies": 1.0, "reward_correct": 1.0, "reward_plain": 5 / 7})
     _, (wrong,) = _play(env, "Guess a digit:", {}, ["5"])  # no index: the first task with that prompt (secret 3)
-    assert wrong.done and wrong.reward == 0.0 and wrong.metrics["reward_correct"] == 0.0
+    assert wrong.done and wrong.reward == pytest.approx(0.1) and wrong.metrics["reward_correct"] == 0.0
     with pytest.raises(ValueError, match="'task' = 7 is not a task index"):
         env.spawn().reset("Guess a digit:", {"task": 7})
 
@@ -129,17 +130,13 @@ def test_verifiers_multi_turn_env_answers_each_turn_and_its_rewards_sum_with_the
     assert type(env.env).__name__ == "HigherLower" and env.seat == "player" and env.limits.max_turns == 4
     first, steps = _play(env, "ignored", {"task": 0}, ["1", "5", "3"])  # secret 3
     assert first[-1] == {"role": "user", "content": "Guess a digit:"}
-    assert [s.messages for s in steps[:2]] == [
-        [{"role": "user", "content": "higher"}],
-        [{"role": "user", "content": "lower"}],
-    ]
+    assert [s.messages for s in steps[:2]] == [[{"role": "user", "content": hint}] for hint in ("higher", "lower")]
     assert [s.reward for s in steps[:2]] == [0.0, 0.0] and not any(s.done for s in steps[:2])
     last = steps[2]
-    # correct (weight 1) + speed 1/3 (weight 0.5): verifiers' trace.reward, on the last turn
-    assert last.done and last.reward == pytest.approx(1.0 + 0.5 / 3)
-    assert last.metrics == pytest.approx(
-        {"replies": 3.0, "finished": 1.0, "reward_correct": 1.0, "reward_speed": 1 / 3}
-    )
+    # correct 1 (weight 1) + plain 1 (weight 0.1) + speed 1/3 (weight 0.5): verifiers' trace.reward, on the last turn
+    assert last.done and last.reward == pytest.approx(1.0 + 0.1 + 0.5 / 3)
+    expected = {"replies": 3.0, "finished": 1.0, "reward_correct": 1.0, "reward_plain": 1.0, "reward_speed": 1 / 3}
+    assert last.metrics == pytest.approx(expected)
 
 
 def test_verifiers_turn_limit_truncates_and_a_trace_stop_ends_the_exchange(vf):
@@ -147,9 +144,9 @@ def test_verifiers_turn_limit_truncates_and_a_trace_stop_ends_the_exchange(vf):
 
     env = VerifiersEnvironment("hub_fixtures", max_turns=2)
     _, steps = _play(env, "", {"task": 0}, ["1", "5"])
-    # the env's third message is refused by the limit: scored (speed 1/3, not correct), not done, so truncated
+    # the env's third message is refused by the limit: scored (speed 1/3, plain, not correct), not done: truncated
     assert not steps[1].done and steps[1].messages == [{"role": "user", "content": "lower"}]
-    assert steps[1].reward == pytest.approx(0.5 / 3) and steps[1].metrics["finished"] == 0.0
+    assert steps[1].reward == pytest.approx(0.5 / 3 + 0.1) and steps[1].metrics["finished"] == 0.0
 
     _, steps = _play(VerifiersEnvironment("hub_fixtures"), "", {"task": 0}, ["?", "2"])
     # the task's @vf.stop `gave_up` fires before the second turn: the exchange ends, scored

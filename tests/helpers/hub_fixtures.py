@@ -2,7 +2,8 @@
 
 This module is an environment package (its id is ``hub_fixtures``: verifiers imports the module and takes
 the ``Taskset`` and ``Env`` subclasses it exports in ``__all__``). ``DigitTaskset`` asks for a secret digit
-(``@vf.reward`` ``correct``: the secret is in the last reply; ``@vf.metric`` ``replies``; ``@vf.stop`` ``gave_up``
+(``@vf.reward`` ``correct``: the secret is in the last reply; ``plain``, weight 0.1: the fraction of its characters
+that are letters or digits, which a random policy varies on; ``@vf.metric`` ``replies``; ``@vf.stop`` ``gave_up``
 when a reply holds ``?``); ``HigherLower`` is a multi-turn env: its ``run`` answers each wrong guess with ``higher`` /
 ``lower`` for up to ``ROUNDS`` guesses and records a ``speed`` reward (weight 0.5), ``finalize`` a ``finished`` metric.
 ``UserSim`` uses a second seat (not exported: built by hand).
@@ -24,6 +25,11 @@ class DigitTask(vf.Task[DigitData]):
     @vf.reward
     async def correct(self, task, trace) -> float:
         return float(str(task.secret) in trace.last_reply)
+
+    @vf.reward(weight=0.1)
+    async def plain(self, trace) -> float:
+        reply = trace.last_reply
+        return sum(c.isalnum() for c in reply) / len(reply) if reply else 0.0
 
     @vf.metric
     async def replies(self, trace) -> float:
