@@ -17,8 +17,9 @@ where the input allows. Internal errors keep their traceback; set ``AITRAINING_P
 traceback of a user error too. SIGTERM (a scheduler's preemption) ends the run with exit status 143 and one line
 naming the last checkpoint written.
 
-``aitraining-pl vllm-serve --model MODEL`` serves a run's rollouts from a vLLM engine in its own process
-(``aitraining_pl.vllm_backend.serve``; docs/vllm.md, Server mode).
+``aitraining-pl serve --model MODEL`` (also named ``vllm-serve``) serves a run's rollouts from a vLLM engine, or
+with ``--engine hf`` this project's decoder, in its own process (``aitraining_pl.vllm_backend.serve``;
+docs/vllm.md, Server mode).
 
 ``aitraining-pl`` alone (or ``--help``) lists the modules and the recipes in ``configs/``; ``--version`` prints the
 version. ``fit`` takes ``--output_dir`` (one folder for logs, checkpoints and exports), ``--run_name`` and
@@ -318,10 +319,10 @@ def main(args: list[str] | None = None) -> None:
         raise SystemExit(0)
     quiet_known_noise()
     try:
-        if argv[0] == "vllm-serve":  # the generation server of ``generation.vllm.mode: server`` (docs/vllm.md)
+        if argv[0] in ("serve", "vllm-serve"):  # the generation server of server mode (docs/vllm.md)
             from aitraining_pl.vllm_backend.serve import main as serve
 
-            serve(argv[1:])
+            serve(argv[1:], argv[0])
             return
         available_modules()  # imported: ``--model DPOModule`` resolves the short name
         build_cli(args)

@@ -94,12 +94,16 @@ class ResponseStoppingCriteria(StoppingCriteria):
 class SampledTokens(NamedTuple):
     """What a sampler returned: response ids (N, R) and, when asked, the per-step logits (N, R, V) before and
     after the sampling processors (temperature, top-k, top-p); a backend that returns no logits (vLLM) gives
-    the sampled tokens' log-probs under the distribution sampled from (N, R) instead."""
+    the sampled tokens' log-probs under the distribution sampled from (N, R) instead. A generation server also
+    says which weights sampled each token (``token_versions``)."""
 
     response_ids: torch.Tensor
     logits: torch.Tensor | None = None
     scores: torch.Tensor | None = None
     sampling_logprobs: torch.Tensor | None = None
+    #: (N, R) int64: the step of the weights (version ``run:step``) that sampled each token, -1 after the end; one
+    #: response may span two versions when a push landed while it was generated (``vllm_backend.hf_engine``)
+    token_versions: torch.Tensor | None = None
 
 
 def hf_generation_config(

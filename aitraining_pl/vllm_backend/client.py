@@ -25,9 +25,10 @@ import dataclasses
 import itertools
 import os
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -102,9 +103,10 @@ class VLLMServerClient:
             to the same server never count as this run's.
     """
 
-    location = "server"  #: a ``GenerationBackend`` in another process (``aitraining-pl vllm-serve``)
-    role = "trainer"  #: ``hello``'s role (a ``scorer`` joins no run; ``ServedTeacher``)
-    kind = "vLLM server"  #: how messages name the server
+    location = "server"  #: a ``GenerationBackend`` in another process (``aitraining-pl serve``)
+    role = "trainer"  #: ``hello``'s role (a ``scorer`` joins no run, ``ServedTeacher``; a ``pusher`` only pushes)
+    kind = "generation server"  #: how messages name the server
+    at_least = False  #: ask for this process's weights version or any later one of the run (``newer``)
     setting = "generation.vllm"  #: where the connection's options are set (messages)
     starting = "starting the rollouts"  #: what a failed connection was for (messages)
 
@@ -123,6 +125,8 @@ class VLLMServerClient:
         self.group: WeightGroup | None = None  #: rank 0's collective weight channel, when one is used
         self.cached_tokens = 0  #: prompt tokens of the last ``sample`` found in the server's prefix cache
         self.batched = 0  #: requests (of all ranks) the server's ``generate`` that drew the last ``sample`` served
+        self.talking = threading.Lock()  #: held by a request on ``sock`` until its answer (``sample``, ``push``)
+        self.pusher: VLLMServerClient | None = None  #: the second connection ``push`` uses while ``sock`` is busy
         if not 1 <= int(options.server_port) <= 65535:
             raise ConfigError(
                 "generation.vllm.server_port",
@@ -234,40 +238,64 @@ class VLLMServerClient:
         return self.error(doing, what)
 
     # ------------------------------------------------------------------ the engine's interface
-    @torch.no_grad()
     def sync(self, policy: torch.nn.Module, version: Any = None) -> bool:
         """Rank 0: push ``policy``'s weights unless the server already holds ``version`` from this run (or
         ``sync_weights`` is off after the first push); the other ranks record the version their next rollout
-        needs. Returns whether the weights changed."""
+        needs (under FSDP2 they walk the weights with rank 0: gathering each tensor is a collective). Returns
+        whether the weights changed."""
+        walk = self.rank == 0 or is_sharded(policy)
+        return self.push(policy_weights(policy) if walk else iter(()), version)
+
+    @torch.no_grad()
+    def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: Any = None, in_flight: bool = False) -> bool:
+        """Rank 0: push ``weights`` (``(name, tensor)`` pairs under the transformers names, e.g. a CPU snapshot
+        taken earlier) as ``version`` of this run, unless the server already holds it (or ``sync_weights`` is off
+        after the first push); the other ranks consume ``weights`` and record the version. Callable from any
+        thread: over this connection (and its weight channel) when no request of another thread is waiting on it,
+        else over a second connection (a ``pusher``, TCP frames). ``in_flight``: an engine that allows it (the HF
+        engine) takes the weights between two decode steps of a running batch instead of after it. Returns
+        whether the weights changed."""
         key = f"{self.run}:{next(self.calls) if version is None else version}"
         if self.version is not None and (key == self.version or not self.options.sync_weights):
             return False
-        if self.rank == 0:
-            doing = f"pushing the weights of version {version}"
-            start = time.perf_counter()
-            try:
-                group = self.group
-                via = "frames" if group is None else "group"
-                send_frame(self.sock, {"op": "load", "version": key, "via": via})
-                count = 0
-                for name, tensor in policy_weights(policy):
-                    if group is None:
-                        send_frame(self.sock, {"op": "weight"}, {name: tensor})
-                    else:
-                        send_frame(self.sock, {"op": "weight", "tensor": describe(name, tensor)})
-                        group.send(tensor)
-                    count += 1
-                send_frame(self.sock, {"op": "end", "count": count})
-                self.answer(doing)
-            except OSError as err:  # the connection or the weight channel (``ChannelBroken``) is gone
-                self.close()  # a collective group left open to a dead peer aborts the process at exit
-                raise self.lost(doing, err) from None
-            self.sync_seconds = time.perf_counter() - start
-        elif is_sharded(policy):  # FSDP2: gathering each tensor is a collective, so every rank walks the stream
-            for _ in policy_weights(policy):
+        if self.rank != 0:
+            for _ in weights:
                 pass
+        elif self.talking.acquire(blocking=False):
+            try:
+                self.send_weights(weights, key, version, in_flight)
+            finally:
+                self.talking.release()
+        else:
+            if self.pusher is None:
+                self.pusher = _Pusher(self)
+            self.pusher.send_weights(weights, key, version, in_flight)
+            self.sync_seconds = self.pusher.sync_seconds
         self.version = key
         return True
+
+    def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], key: str, version: Any, in_flight: bool):
+        """Send one push (``load``, a ``weight`` frame per tensor, ``end``) on this connection and read its answer."""
+        doing = f"pushing the weights of version {version}"
+        start = time.perf_counter()
+        try:
+            group = self.group
+            via = "frames" if group is None else "group"
+            send_frame(self.sock, {"op": "load", "version": key, "via": via, "in_flight": bool(in_flight)})
+            count = 0
+            for name, tensor in weights:
+                if group is None:
+                    send_frame(self.sock, {"op": "weight"}, {name: tensor})
+                else:
+                    send_frame(self.sock, {"op": "weight", "tensor": describe(name, tensor)})
+                    group.send(tensor)
+                count += 1
+            send_frame(self.sock, {"op": "end", "count": count})
+            self.answer(doing)
+        except OSError as err:  # the connection or the weight channel (``ChannelBroken``) is gone
+            self.close()  # a collective group left open to a dead peer aborts the process at exit
+            raise self.lost(doing, err) from None
+        self.sync_seconds = time.perf_counter() - start
 
     def sample(
         self,
@@ -280,12 +308,15 @@ class VLLMServerClient:
         num_samples: int = 1,
         seed: int | None = None,
     ) -> SampledTokens:
-        """``VLLMEngine.sample`` on the server, once it holds this process's weights version: the same
-        ``SamplingParams`` (the server rebuilds ``generation`` and the stop rule's strings from the request)."""
+        """The engine's ``sample`` on the server, once it holds this process's weights version (or with
+        ``at_least`` a later one): the same ``SamplingParams`` (the server rebuilds ``generation`` and the stop
+        rule's strings from the request). ``token_versions``: the step of the weights that sampled each token
+        (None from a server that does not say)."""
         fields = {k: v for k, v in dataclasses.asdict(generation).items() if k != "vllm"}
         request = {
             "op": "sample",
             "version": self.version,
+            "newer": bool(self.at_least),
             "timeout": float(self.options.server_timeout),
             "generation": fields,
             "end_ids": [int(t) for t in end_ids],
@@ -297,16 +328,24 @@ class VLLMServerClient:
         }
         prompts = {"prompt_ids": prompt_ids.long(), "prompt_mask": prompt_mask.long()}
         doing = f"sampling {num_samples} responses for each of {prompt_ids.shape[0]} prompts (rank {self.rank})"
-        answer, tensors = self.call(request, doing, prompts)
+        with self.talking:
+            answer, tensors = self.call(request, doing, prompts)
         self.cached_tokens, self.batched = int(answer.get("cached_tokens", 0)), int(answer.get("batched", 1))
         device = prompt_ids.device
-        logprobs = tensors["sampling_logprobs"].to(device)
-        return SampledTokens(tensors["response_ids"].to(device), sampling_logprobs=logprobs)
+        logprobs, versions = tensors["sampling_logprobs"].to(device), tensors.get("token_versions")
+        return SampledTokens(
+            tensors["response_ids"].to(device),
+            sampling_logprobs=logprobs,
+            token_versions=None if versions is None else versions.to(device),
+        )
 
     def sleep(self) -> None:
         """Nothing to free: the server's memory is its own."""
 
     def close(self) -> None:
+        pusher, self.pusher = getattr(self, "pusher", None), None
+        if pusher is not None:
+            pusher.close()
         group, self.group = getattr(self, "group", None), None
         if group is not None:
             group.close()
@@ -319,6 +358,20 @@ class VLLMServerClient:
             except (OSError, FrameError):
                 pass
             sock.close()
+
+
+class _Pusher(VLLMServerClient):
+    """The second connection of a trainer's rank 0 (``hello`` role ``pusher``): ``VLLMServerClient.push`` sends on
+    it while a request of another thread waits on the first (an asynchronous trainer pushes while its rollouts
+    are generated). TCP frames only; the server neither batches with it nor holds loads back for it."""
+
+    role = "pusher"
+
+    def __init__(self, owner: VLLMServerClient):  # noqa: D107 - no super(): the owner's settings, no policy
+        self.options, self.rank, self.run, self.setting = owner.options, owner.rank, owner.run, owner.setting
+        self.address, self.group, self.pusher, self.sync_seconds = owner.address, None, None, 0.0
+        self.sock = self.connect()
+        self.hello()
 
 
 class ServedTeacher(VLLMServerClient):

@@ -200,21 +200,16 @@ class Ownership:
         with self.lock:
             self.open[run] -= 1
 
-    def members(self) -> int:
-        """The owner's open connections (a batch waits for each to have a request queued)."""
-        return self.open[self.owner] if self.owner is not None else 0
-
     def step_of(self, run: str, version: Any) -> int:
         """The step of ``version`` (``run:step``) pushed by a connection of ``run``; ``PushRefused`` when it is
         empty, of another run or not newer than the last accepted push."""
-        text = version if isinstance(version, str) else ""
-        prefix, _, step = text.rpartition(":")
-        if prefix != run or not step.isdigit():
+        parsed = version_step(version)
+        if parsed is None or parsed[0] != run:
             raise PushRefused(f"weights version {version!r} is not one of this run's ({run}:<step>)")
         with self.lock:
-            if self.step is not None and int(step) <= self.step:
-                raise PushRefused(f"weights version {text} is not newer than the last push ({run}:{self.step})")
-        return int(step)
+            if self.step is not None and parsed[1] <= self.step:
+                raise PushRefused(f"weights version {version} is not newer than the last push ({run}:{self.step})")
+        return parsed[1]
 
     def accept(self, run: str, step: int) -> None:
         """Record an accepted push of ``run`` at ``step`` (checked again: two pushes may have raced)."""
@@ -222,6 +217,13 @@ class Ownership:
             if self.owner != run or (self.step is not None and step <= self.step):
                 raise PushRefused(f"weights version {run}:{step} was overtaken by {self.owner}:{self.step}")
             self.step = step
+
+
+def version_step(version: Any) -> tuple[str, int] | None:
+    """``(run, step)`` of a weights version ``run:step`` (the step: the integer after the last ``:``); None for
+    anything else (no version, a teacher's fixed weights)."""
+    prefix, _, step = version.rpartition(":") if isinstance(version, str) else ("", "", "")
+    return (prefix, int(step)) if prefix and step.isdigit() else None
 
 
 def read_token(path: str | os.PathLike) -> str:

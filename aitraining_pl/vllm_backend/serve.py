@@ -1,7 +1,8 @@
-"""``aitraining-pl vllm-serve``: the command that builds a vLLM engine for the policy's architecture and serves a
-training run's rollouts from it (``vllm_backend.server``; docs/vllm.md, Server mode): its options, whose defaults are
-``VLLMConfig``'s, the token it needs before anything is built (``guards.server_token``), and ``launch``, which
-starts it as a child process from Python."""
+"""``aitraining-pl serve`` (also named ``vllm-serve``): the command that builds an engine for the policy's architecture
+and serves a training run's rollouts from it (``vllm_backend.server``; docs/vllm.md, Server mode): ``--engine vllm``
+(the default; ``engine.VLLMEngine``) or ``hf`` (``hf_engine.HFServerEngine``, this project's decoder: no vLLM
+needed, never imported). Its options, whose defaults are ``VLLMConfig``'s, the token it needs before anything is
+built (``guards.server_token``), and ``launch``, which starts it as a child process from Python."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.config import VLLMConfig
 from aitraining_pl.models.loading import build_causal_lm, from_pretrained, load_tokenizer, one_line, resolve_dtype
 from aitraining_pl.models.presets import MODEL_PRESETS
-from aitraining_pl.vllm_backend.engine import VLLMEngine, import_vllm
+from aitraining_pl.vllm_backend.engine import import_vllm
 from aitraining_pl.vllm_backend.guards import Limits, server_token, write_token
 from aitraining_pl.vllm_backend.server import GenerationServer
 from aitraining_pl.vllm_backend.wire import TOKEN_ENV
@@ -67,17 +68,30 @@ def _flag(text: str) -> bool | str:
     raise argparse.ArgumentTypeError(f"{text!r}: true, false or auto")
 
 
-def parser() -> argparse.ArgumentParser:
-    """The options of ``vllm-serve``; the engine's and the connection's defaults are ``VLLMConfig``'s, the
-    limits' ``guards.Limits``'s."""
+#: the engines ``--engine`` names
+ENGINES = ("vllm", "hf")
+
+
+def parser(command: str = "vllm-serve") -> argparse.ArgumentParser:
+    """The options of ``serve`` / ``vllm-serve`` (``command``); the engine's and the connection's defaults are
+    ``VLLMConfig``'s, the limits' ``guards.Limits``'s."""
     defaults, limits = VLLMConfig(), Limits()
     p = argparse.ArgumentParser(
-        prog="aitraining-pl vllm-serve",
-        description="Serve a training run's rollouts from a vLLM engine in this process (generation.vllm.mode: "
-        "server). The engine starts with the model's architecture and no trained weights; the trainer's rank 0 "
-        "pushes them before each rollout whose weights changed. docs/vllm.md, Server mode.",
+        prog=f"aitraining-pl {command}",
+        description="Serve a training run's rollouts from an engine in this process (generation.vllm.mode: "
+        "server): vLLM, or this project's HF decoder (--engine hf). The engine starts with the model's "
+        "architecture and no trained weights; the trainer's rank 0 pushes them before each rollout whose "
+        "weights changed. docs/vllm.md, Server mode.",
     )
     add = p.add_argument
+    add(
+        "--engine",
+        choices=ENGINES,
+        default="vllm",
+        help="vllm (default) or hf: this project's KV-cache decoder, on the GPU when there is one, else the CPU "
+        "(no vLLM needed; pushes may land mid-generation, load in_flight); the vLLM options below are then ignored",
+    )
+    add("--threads", type=int, default=None, help="torch's CPU threads in this process (default: torch's own)")
     add(
         "--model",
         required=True,
@@ -168,42 +182,47 @@ def parser() -> argparse.ArgumentParser:
 
 
 def launch(argv: list[str], log: str | os.PathLike, timeout: float = 300.0) -> tuple[subprocess.Popen, int]:
-    """Start ``aitraining-pl vllm-serve ARGV`` as a child process (this interpreter, its output in the file
-    ``log``) and wait until it listens: the process and its port (``--port 0`` picks a free one). A server that
-    exits or is not listening after ``timeout`` seconds is a ``RuntimeError`` with the end of its log."""
+    """Start ``aitraining-pl serve ARGV`` as a child process (this interpreter, its output in the file ``log``;
+    ``--engine`` in ``argv`` picks the engine, vLLM by default) and wait until it listens: the process and its port
+    (``--port 0`` picks a free one). A server that exits or is not listening after ``timeout`` seconds is a
+    ``RuntimeError`` with the end of its log."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
     with open(log, "w") as sink:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "aitraining_pl.cli", "vllm-serve", *argv], env=env, stdout=sink, stderr=sink
+            [sys.executable, "-m", "aitraining_pl.cli", "serve", *argv], env=env, stdout=sink, stderr=sink
         )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         with open(log, errors="replace") as source:
-            found = re.search(r"vllm-serve: listening on \S+:(\d+) ", source.read())
+            found = re.search(r"serve: listening on \S+:(\d+) ", source.read())
         if found:
             return proc, int(found.group(1))
         time.sleep(0.5)
     if proc.poll() is None:
         proc.kill()
     with open(log, errors="replace") as source:
-        raise RuntimeError(f"vllm-serve did not start (exit status {proc.wait()}):\n{source.read()[-3000:]}")
+        raise RuntimeError(f"the generation server did not start (exit status {proc.wait()}):\n{source.read()[-3000:]}")
 
 
 def _interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: list[str]) -> None:
-    """Build the engine and serve until interrupted (``aitraining-pl vllm-serve --help``)."""
-    args = parser().parse_args(argv)
-    token, generated = server_token(args.host, args.token_file)  # before the engine: a refusal costs nothing
-    limits = Limits(args.timeout, args.idle_timeout, max_connections=args.max_connections)
-    import_vllm()  # one line naming the extra when vLLM is missing
-    tokenizer_name = args.tokenizer or (None if is_inline(args.model) else args.model)
-    if tokenizer_name is None:
-        raise ConfigError("--tokenizer", f"needed with --model {args.model} (default: the model folder's or hub id's)")
-    policy = meta_model(args.model, None if args.dtype == "auto" else args.dtype)
-    tokenizer = load_tokenizer(tokenizer_name)
+def build_engine(args: argparse.Namespace, policy: torch.nn.Module, tokenizer: Any) -> Any:
+    """The engine ``--engine`` names for ``policy`` (meta device), holding ``--model``'s own weights with
+    ``--teacher``."""
+    if args.engine == "hf":
+        from aitraining_pl.vllm_backend.hf_engine import HFServerEngine
+
+        engine = HFServerEngine(policy, seed=args.seed)
+        if args.teacher:
+            import transformers
+
+            teacher = from_pretrained(transformers.AutoModelForCausalLM.from_pretrained, args.model, "model")
+            engine.load(teacher.state_dict().items(), f"teacher {args.model}")
+        return engine
+    from aitraining_pl.vllm_backend.engine import VLLMEngine
+
     options = VLLMConfig(
         gpu_memory_utilization=args.gpu_memory_utilization,
         cpu_kv_cache_gb=args.cpu_kv_cache_gb,
@@ -211,16 +230,38 @@ def main(argv: list[str]) -> None:
         enforce_eager=args.enforce_eager,
         max_model_len=args.max_model_len,
     )
-    if args.teacher and is_inline(args.model):
-        raise ConfigError("--teacher", f"serves the weights of --model, a folder or hub id, not {args.model}")
     engine = VLLMEngine(policy, tokenizer, options, seed=args.seed, weights=args.model if args.teacher else None)
     if args.teacher:
         engine.version = f"teacher {args.model}"
+    return engine
+
+
+def main(argv: list[str], command: str = "vllm-serve") -> None:
+    """Build the engine and serve until interrupted (``aitraining-pl serve --help``; ``command``: the name it was
+    called by, which its log lines start with)."""
+    args = parser(command).parse_args(argv)
+    token, generated = server_token(args.host, args.token_file)  # before the engine: a refusal costs nothing
+    limits = Limits(args.timeout, args.idle_timeout, max_connections=args.max_connections)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError("--threads", f"must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.engine == "vllm":
+        import_vllm()  # one line naming the extra when vLLM is missing
+    tokenizer_name = args.tokenizer or (None if is_inline(args.model) else args.model)
+    if tokenizer_name is None:
+        raise ConfigError("--tokenizer", f"needed with --model {args.model} (default: the model folder's or hub id's)")
+    if args.teacher and is_inline(args.model):
+        raise ConfigError("--teacher", f"serves the weights of --model, a folder or hub id, not {args.model}")
+    policy = meta_model(args.model, None if args.dtype == "auto" else args.dtype)
+    tokenizer = load_tokenizer(tokenizer_name)
+    engine = build_engine(args, policy, tokenizer)
     try:
         batch_wait = args.batch_wait_ms / 1000
         server = GenerationServer(
-            engine, tokenizer, policy, args.host, args.port, token, args.weight_port, batch_wait, limits, args.teacher
-        )
+            engine, tokenizer, policy, args.host, args.port, token, args.weight_port, batch_wait, limits, args.teacher,
+            command,
+        )  # fmt: skip
     except OSError as err:
         engine.close()
         where = f"--host {args.host} --port {args.port}"
@@ -229,7 +270,7 @@ def main(argv: list[str]) -> None:
     token_file = write_token(token, port) if generated else None
     if token_file is not None:
         server.log(f"token written to {token_file} (owner-only; a trainer on this machine reads it from there)")
-    kind = f"{server.model['model_type']}, {args.dtype}"
+    kind = f"{args.engine} engine, {server.model['model_type']}, {args.dtype}"
     serving = f"the teacher's weights from {args.model}" if args.teacher else "waiting for the trainer's weights"
     server.log(f"listening on {host}:{port} ({kind}; {serving})")
     signal.signal(signal.SIGTERM, _interrupt)  # ``kill``: shut the engine down and delete its folder

@@ -1,10 +1,13 @@
-"""The generation server of ``aitraining-pl vllm-serve`` (the command: ``vllm_backend.serve``): a vLLM engine in its
-own process (its own GPUs or node) that samples the rollouts of a training run in server mode
+"""The generation server of ``aitraining-pl serve`` (``vllm-serve``; the command: ``vllm_backend.serve``): an engine
+in its own process (its own GPUs or node) that samples the rollouts of a training run in server mode
 (``generation.vllm.mode: server``; the client is ``vllm_backend.client``).
 
-The engine is the colocated backend's ``VLLMEngine``, built the same way (from the model's config and tokenizer
-with ``load_format="dummy"``: it holds no trained weights until the trainer pushes them) and sampling with the
-same ``sampling_params`` / ``sample``, so the distribution and the end rule are those of the colocated engine.
+The engine (``--engine``) is the colocated backend's ``VLLMEngine`` (``vllm``, the default), built the same way
+(from the model's config and tokenizer with ``load_format="dummy"``: it holds no trained weights until the
+trainer pushes them) and sampling with the same ``sampling_params`` / ``sample``, so the distribution and the end
+rule are those of the colocated engine; or ``hf_engine.HFServerEngine`` (``hf``: this project's KV-cache decoder,
+no vLLM needed). The server uses only ``load``, ``sample_many``, ``cached_each``, ``version``,
+``prompt_logprobs`` and ``close`` of it (and ``stage`` where ``in_flight`` is true).
 
 The channel is TCP with the framing of ``vllm_backend.wire`` (JSON headers, raw tensor bytes; no pickle). Each
 training process keeps one connection; requests (``op`` of the header) and answers:
@@ -12,27 +15,34 @@ training process keeps one connection; requests (``op`` of the header) and answe
 - ``hello {protocol, rank, run, role}`` -> ``challenge {nonce}``, then ``auth {proof}`` -> ``ready {model, version,
   device, fixed}``: the connection proves the server's token (``wire.proof``, an HMAC of the nonce; the token never
   travels), and a ``trainer``'s run must own the server (``guards.Ownership``; a ``scorer``, a served teacher's
-  client, joins no run: it never owns the server nor locks a run out, and sends ``logprobs`` and ``bye`` only);
-  then the model's shape fields, which the client checks, and where the engine runs (``cuda`` or ``cpu``).
-  Nothing else is answered before ``ready``.
+  client, joins no run: it never owns the server nor locks a run out, and sends ``logprobs`` and ``bye`` only; a
+  ``pusher``, a trainer's second connection that pushes while its first waits for an answer, joins its run and
+  sends ``load`` and ``bye`` only); then the model's shape fields, which the client checks, and where the engine
+  runs (``cuda`` or ``cpu``). Nothing else is answered before ``ready``.
 - ``channel {backend}`` -> ``channel {port}``: open a collective weight channel (``nccl`` or ``gloo``;
   ``vllm_backend.weight_group``) whose store listens on ``port`` (``--weight_port``); the server then waits up
   to its ``--timeout`` for the trainer to join it. Sent by rank 0 when ``generation.vllm.weight_channel`` is
   not ``tcp``.
-- ``load {version, via}``, then one ``weight`` frame per tensor of the model (transformers names), then ``end
-  {count}`` -> ``loaded {version, seconds}``: the push is checked tensor by tensor against the served model
-  (``guards.WeightSpecs``: names, shapes and dtypes before the bytes are read, then finiteness) and staged in
-  host memory; only a push that passed is loaded into the engine, in place, while no rollout runs. A refused
-  push is read to its end and answered ``error``, the engine keeping its weights. ``version`` is ``run:step``
-  with a step above the run's last push. ``via: frames``: each frame carries its tensor; ``via: group``: each
-  frame's ``tensor`` entry names the tensor, dtype and shape and the bytes come by broadcast on the
-  connection's weight channel. A push silent for ``--timeout`` seconds loses its connection. Sent by rank 0.
-- ``sample {version, timeout, generation, end_ids, stop_strings, skip_special_tokens, pad_token_id,
+- ``load {version, via, in_flight}``, then one ``weight`` frame per tensor of the model (transformers names), then
+  ``end {count}`` -> ``loaded {version, seconds, in_flight}``: the push is checked tensor by tensor against the
+  served model (``guards.WeightSpecs``: names, shapes and dtypes before the bytes are read, then finiteness) and
+  staged in host memory; only a push that passed is loaded into the engine, in place, while no rollout runs and
+  once the other ranks no longer need the held weights (``batching``, the load gate). A refused push is read to
+  its end and answered ``error``, the engine keeping its weights. ``version`` is ``run:step`` with a step above
+  the run's last push. ``via: frames``: each frame carries its tensor; ``via: group``: each frame's ``tensor``
+  entry names the tensor, dtype and shape and the bytes come by broadcast on the connection's weight channel. A
+  push silent for ``--timeout`` seconds loses its connection. ``in_flight: true`` to an engine that allows it (the
+  HF engine): the weights are handed to the engine at once and a running batch continues with them from its next
+  decode step (AReaL's and PipelineRL's partial rollouts; ``hf_engine``); else the flag is ignored. vLLM's
+  in-flight path is not built: it needs vLLM's ``AsyncLLM`` (``pause_generation`` / ``resume_generation``) in
+  place of the in-process ``LLM`` the engine runs, and could not be tested on vLLM's CPU build here.
+- ``sample {version, newer, timeout, generation, end_ids, stop_strings, skip_special_tokens, pad_token_id,
   num_samples, seed}`` with tensors ``prompt_ids``, ``prompt_mask`` (B, P; left padded) -> ``samples {batched,
-  cached_tokens}`` with ``response_ids`` and ``sampling_logprobs`` (N, R): answered once the engine holds
-  ``version`` (waiting up to ``timeout`` seconds, at most ``--timeout``, for rank 0's push; then ``error``);
-  ``batched``: how many requests the ``generate`` call that drew it served, ``cached_tokens``: its prompt
-  tokens found in the prefix cache.
+  cached_tokens, version}`` with ``response_ids``, ``sampling_logprobs`` (N, R) and ``token_versions`` (N, R;
+  the step of the weights that sampled each token): answered once the engine holds ``version`` (with ``newer``:
+  that version or a later one of the run), waiting up to ``timeout`` seconds, at most ``--timeout``, for rank 0's
+  push (then ``error``); ``batched``: how many requests the ``generate`` call that drew it served,
+  ``cached_tokens``: its prompt tokens found in the prefix cache, ``version``: the weights held when it started.
 - ``logprobs {start, temperature}`` with tensors ``input_ids``, ``attention_mask`` (N, L; left padded as the
   rollouts', int64, within the request cap) -> ``logprobs {version}`` with ``logprobs`` (N, L - start) float32: the
   log-probs of the given tokens from column ``start`` on under the untruncated softmax of the held weights
@@ -45,19 +55,19 @@ A refused request is answered ``error {message}``. One training run per server a
 server's own timeouts, idle and unauthenticated connections dropped, at most ``--max_connections``) are
 ``guards.Limits``; docs/vllm.md, Server mode, has the security model.
 
-**Batching.** The sample requests of different connections (ranks) are merged, so vLLM's continuous batching
-sees every rank's prompts at once, as with one trainer process: each request joins a queue, and a handler that
-finds the engine free takes every queued request whose weights version the engine holds and serves them in one
-``generate`` (``VLLMEngine.sample_many``; each answer holds that request's rows only, and a seeded request's
-samples have the seeds they have alone: the same tokens, as tested on a CPU; a GPU's kernels may round a bigger
-batch differently). Before taking them it waits until every open connection has a request queued, at most
+**Batching** (``batching.SampleQueue``). The sample requests of different connections (ranks) are merged, so vLLM's
+continuous batching sees every rank's prompts at once, as with one trainer process: each request joins a queue,
+and a handler that finds the engine free takes every queued request the held weights may serve and serves them in
+one ``generate`` (``sample_many``; each answer holds that request's rows only, and a seeded request's samples have
+the seeds they have alone: the same tokens, as tested on a CPU; a GPU's kernels may round a bigger batch
+differently). Before taking them it waits until every open trainer connection has a request queued, at most
 ``--batch_wait_ms`` (50 ms): the ranks of a step ask at about the same time (the others queued while rank 0
-pushed), so the batch has them all, and a rank that does not sample this time (uneven episodes, a connection
-that only pushes) costs that wait, nothing more. The engine's lock (``changed``) is held from taking the batch
-to its answers, as during a weight load: a load never runs while a batch generates, and no request samples from
-half-loaded weights (``engine.version`` is None during a load). A request whose version has not arrived stays
-queued; if its batch fails, each of its requests is served alone, so that one request's fault (a prompt too
-long) is answered to that request only.
+pushed), so the batch has them all, and a rank that does not sample this time costs that wait, nothing more. The
+server's lock (``changed``) is held from taking the batch to its answers, as during a weight load: a load never
+runs while a batch generates (an in-flight push excepted, which the engine's own lock makes atomic), and no
+request samples from half-loaded weights (``engine.version`` is None during a load). A request whose version has
+not arrived stays queued; if its batch fails, each of its requests is served alone, so that one request's fault
+(a prompt too long) is answered to that request only.
 """
 
 from __future__ import annotations
@@ -75,9 +85,10 @@ from typing import Any
 import torch
 
 from aitraining_pl.generation.config import GenerationConfig
-from aitraining_pl.models.generation import SampledTokens, StopRule
+from aitraining_pl.models.generation import StopRule
 from aitraining_pl.models.loading import one_line
-from aitraining_pl.vllm_backend.engine import SampleRequest, VLLMEngine
+from aitraining_pl.vllm_backend.batching import Job, SampleQueue, Seat
+from aitraining_pl.vllm_backend.engine import SampleRequest
 from aitraining_pl.vllm_backend.guards import (
     HANDSHAKE_HEADER,
     Limits,
@@ -101,11 +112,14 @@ from aitraining_pl.vllm_backend.wire import (
 
 PROMPTS = ("prompt_ids", "prompt_mask")  #: the tensors of a ``sample`` request
 SCORED = ("input_ids", "attention_mask")  #: the tensors of a ``logprobs`` request
-ROLES = ("trainer", "scorer")  #: who says ``hello``: a training run's process, or a served teacher's client
+#: who says ``hello``: a training run's process, its second connection that only pushes weights (while its first
+#: waits for an answer), or a served teacher's client
+ROLES = ("trainer", "pusher", "scorer")
 
 
 class GenerationServer(socketserver.ThreadingTCPServer):
-    """A TCP server around one ``VLLMEngine`` (see the module docstring); ``serve_forever`` serves."""
+    """A TCP server around one engine, a ``VLLMEngine`` or an ``HFServerEngine`` (see the module docstring);
+    ``serve_forever`` serves. ``name``: the command, as the log lines start with it."""
 
     daemon_threads = True
     allow_reuse_address = True
@@ -113,7 +127,7 @@ class GenerationServer(socketserver.ThreadingTCPServer):
 
     def __init__(
         self,
-        engine: VLLMEngine,
+        engine: Any,
         tokenizer: Any,
         model: torch.nn.Module,
         host: str,
@@ -123,8 +137,9 @@ class GenerationServer(socketserver.ThreadingTCPServer):
         batch_wait: float = 0.05,
         limits: Limits | None = None,
         fixed: bool = False,
+        name: str = "vllm-serve",
     ):
-        self.engine, self.tokenizer, self.token = engine, tokenizer, token
+        self.engine, self.tokenizer, self.token, self.name = engine, tokenizer, token, name
         self.fixed = fixed  #: the engine holds fixed weights (a teacher, ``vllm-serve --teacher``): no pushes
         self.model = model_description(model.config)  #: what ``ready`` answers (the client compares it)
         self.specs = WeightSpecs(model)  #: what a push must carry
@@ -133,16 +148,15 @@ class GenerationServer(socketserver.ThreadingTCPServer):
         self.weight_port = weight_port  #: where a weight channel's store listens (0: any free port)
         self.changed = threading.Condition()  #: held while the engine works; notified when weights arrive, a
         # request is queued, a batch is served or a connection closes
-        self.batch_wait = batch_wait  #: seconds a batch waits for every connection to have a request queued
-        self.pending: list[_Job] = []  #: sample requests not served yet (under ``changed``)
-        self.gathering = False  #: a handler is gathering a batch (under ``changed``)
+        self.pushing = threading.Lock()  #: held from a push's acceptance to its load (loads keep their order)
+        self.queue = SampleQueue(engine, self.ownership, self.changed, batch_wait, self.limits.timeout, self.log)
         self.connections = 0  #: open connections, authenticated or not (under ``counting``)
         self.counting = threading.Lock()
         self.freed = threading.Event()  #: set when a connection closes (the accept loop's rest ends)
         super().__init__((host, port), _Connection)
 
     def log(self, text: str) -> None:
-        print(f"aitraining-pl vllm-serve: {text}", file=sys.stderr, flush=True)
+        print(f"aitraining-pl {self.name}: {text}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ connections
     def get_request(self) -> tuple[socket.socket, Any]:
@@ -201,12 +215,16 @@ class GenerationServer(socketserver.ThreadingTCPServer):
         self.log(f"weight channel {backend} open (store port {store.port})")
         return group
 
-    def load(self, sock: socket.socket, run: str, version: Any, group: WeightGroup | None) -> dict[str, Any]:
-        """Receive one push of ``run`` (``Push``: checked and staged, with ``--timeout`` between two frames), then
-        load it into the engine while no rollout runs. A refused push raises ``PushRefused`` before the engine
-        is touched; only a failure of the engine's own load leaves it without a version (nothing is sampled
-        from half-loaded weights)."""
-        start = time.perf_counter()
+    def load(
+        self, sock: socket.socket, seat: Seat, version: Any, group: WeightGroup | None, in_flight: bool = False
+    ) -> dict[str, Any]:
+        """Receive one push of ``seat``'s run (``Push``: checked and staged, with ``--timeout`` between two frames),
+        then load it into the engine while no rollout runs, once the other ranks have moved on (the load gate,
+        ``batching``); ``in_flight`` to an engine that allows it (``HFServerEngine.stage``): hand it over at once,
+        the running batch taking it between two decode steps. A refused push raises ``PushRefused`` before the
+        engine is touched; only a failure of the engine's own load leaves it without a version (nothing is
+        sampled from half-loaded weights)."""
+        start, run = time.perf_counter(), seat.run
         push, step = Push(sock, self.specs, group), -1
         try:
             if self.fixed:
@@ -216,21 +234,30 @@ class GenerationServer(socketserver.ThreadingTCPServer):
             push.refused = err  # the push is still read to its end
         sock.settimeout(self.limits.timeout)
         staged = push.receive()
-        with self.changed:
-            self.ownership.accept(run, step)
-            self.engine.version = None  # no rollout from half-loaded weights, should the load fail
-            self.engine.load(staged, version)
-            self.changed.notify_all()
+        in_flight = in_flight and getattr(self.engine, "in_flight", False)
+        with self.pushing:
+            if in_flight:  # the engine's own lock makes the swap atomic; waiters are told without waiting
+                self.ownership.accept(run, step)
+                self.engine.stage(staged, version)
+                self.queue.wake()
+            else:
+                with self.changed:
+                    self.queue.wait_for_ranks(run, seat.rank)
+                    self.ownership.accept(run, step)
+                    self.engine.version = None  # no rollout from half-loaded weights, should the load fail
+                    self.engine.load(staged, version)
+                    self.changed.notify_all()
         seconds = time.perf_counter() - start
-        self.log(f"loaded weights {version} ({push.count} tensors, {seconds:.2f} s)")
-        return {"op": "loaded", "version": version, "seconds": seconds}
+        how = "staged in flight" if in_flight else "loaded"
+        self.log(f"{how} weights {version} ({push.count} tensors, {seconds:.2f} s)")
+        return {"op": "loaded", "version": version, "seconds": seconds, "in_flight": in_flight}
 
-    def sample(self, request: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
-        """Queue the request and wait until a batch has served it (the module docstring's Batching)."""
-        wanted, timeout = request.get("version"), self.limits.bound(request.get("timeout"))
-        skip_special = bool(request["skip_special_tokens"])
-        job = _Job(
-            wanted,
+    def sample(self, request: dict[str, Any], tensors: dict[str, torch.Tensor], seat: Seat | None) -> tuple[dict, dict]:
+        """Queue the request and wait until a batch has served it (``batching.SampleQueue``)."""
+        timeout, skip_special = self.limits.bound(request.get("timeout")), bool(request["skip_special_tokens"])
+        job = Job(
+            request.get("version"),
+            bool(request.get("newer", False)),
             SampleRequest(
                 tensors["prompt_ids"],
                 tensors["prompt_mask"],
@@ -242,25 +269,16 @@ class GenerationServer(socketserver.ThreadingTCPServer):
                 request.get("seed"),
             ),
         )
-        deadline = time.monotonic() + timeout
-        with self.changed:
-            self.pending.append(job)
-            self.changed.notify_all()  # a gathering batch counts it
-            while job.sampled is None and job.error is None:
-                if self.holds(job) and not self.gathering:
-                    self.serve_batch()
-                    continue
-                left = deadline - time.monotonic()
-                if left <= 0 and not self.holds(job):
-                    self.pending.remove(job)
-                    held = self.engine.version or "none"
-                    message = f"weights {wanted} did not arrive within {timeout:g} s (held: {held})"
-                    return {"op": "error", "message": message}, {}
-                self.changed.wait(left if left > 0 else None)  # held and gathering: that batch takes it
+        refused = self.queue.serve(job, timeout, seat)
+        if refused is not None:
+            return {"op": "error", "message": refused}, {}
         if job.error is not None:
             raise RuntimeError(job.error)
-        sampled, answer = job.sampled, {"op": "samples", "batched": job.batched, "cached_tokens": job.cached_tokens}
-        return answer, {"response_ids": sampled.response_ids, "sampling_logprobs": sampled.sampling_logprobs}
+        sampled = job.sampled
+        answer = {"op": "samples", "batched": job.batched, "cached_tokens": job.cached_tokens}
+        rows = {"response_ids": sampled.response_ids, "sampling_logprobs": sampled.sampling_logprobs}
+        served_by = None if job.served_by is None else str(job.served_by)
+        return {**answer, "version": served_by}, {**rows, "token_versions": sampled.token_versions.long()}
 
     def logprobs(self, request: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
         """The log-probs of given tokens under the weights the engine holds (``VLLMEngine.prompt_logprobs``; a served
@@ -289,49 +307,6 @@ class GenerationServer(socketserver.ThreadingTCPServer):
             version = self.engine.version
         return {"op": "logprobs", "version": str(version)}, {"logprobs": scores.float()}
 
-    def holds(self, job: _Job) -> bool:
-        """Whether the engine holds the weights ``job`` is for (not during a load)."""
-        return self.engine.version is not None and job.version in (None, self.engine.version)
-
-    def serve_batch(self) -> None:
-        """With ``changed`` held: wait until every open connection has a request queued (at most
-        ``batch_wait``), then serve the queued requests whose weights the engine holds in one ``generate``."""
-        self.gathering = True
-        try:
-            self.changed.wait_for(lambda: len(self.pending) >= self.ownership.members(), self.batch_wait)
-            batch = [job for job in self.pending if self.holds(job)]  # a load may have come meanwhile
-            self.pending = [job for job in self.pending if job not in batch]
-            self.generate(batch)
-        finally:
-            self.gathering = False
-            self.changed.notify_all()
-
-    def generate(self, batch: list[_Job]) -> None:
-        """Serve ``batch`` in one ``generate``; if it fails, each of its requests alone (its own error)."""
-        if not batch:
-            return
-        try:
-            sampled = self.engine.sample_many([job.request for job in batch])
-        except Exception as err:  # noqa: BLE001 - answered to the requests that caused it
-            if len(batch) == 1:
-                batch[0].error = one_line(err)
-            else:
-                for job in batch:
-                    self.generate([job])
-            return
-        for job, rows, cached in zip(batch, sampled, self.engine.cached_each):
-            job.sampled, job.batched, job.cached_tokens = rows, len(batch), cached
-
-
-class _Job:
-    """One connection's ``sample`` request, queued until a batch serves it (``GenerationServer.sample``)."""
-
-    def __init__(self, version: Any, request: SampleRequest):
-        self.version, self.request = version, request  #: the weights version it needs; ``sample``'s arguments
-        self.sampled: SampledTokens | None = None  #: its rows, once served
-        self.error: str | None = None  #: or why it could not be
-        self.batched = self.cached_tokens = 0  #: requests in the ``generate`` that served it; its cached tokens
-
 
 class _Connection(socketserver.BaseRequestHandler):
     """One training process's connection: the handshake (``hello``, the token's challenge, the run's ownership),
@@ -340,7 +315,10 @@ class _Connection(socketserver.BaseRequestHandler):
     server: GenerationServer
     group: WeightGroup | None = None  #: this connection's weight channel (``channel``), if it opened one
     run: str | None = None  #: the run this connection belongs to, once it has proved the token
-    role = "trainer"  #: ``hello``'s role: a ``scorer`` (a served teacher's client) joins no run and only scores
+    #: ``hello``'s role: a ``scorer`` (a served teacher's client) joins no run and only scores; a ``pusher`` joins
+    #: its run but only pushes (no batch waits for it, it holds no load back)
+    role = "trainer"
+    seat: Seat | None = None  #: how batching and the load gate see this connection (a trainer's or a pusher's)
 
     def finish(self) -> None:
         if self.group is not None:
@@ -352,6 +330,7 @@ class _Connection(socketserver.BaseRequestHandler):
         """Count this connection out of its run (the run frees the server with its last connection)."""
         run, self.run = self.run, None
         if run is not None:
+            self.server.queue.seats.pop(id(self), None)
             self.server.ownership.leave(run)
 
     def refuse(self, peer: str, message: str) -> None:
@@ -386,13 +365,15 @@ class _Connection(socketserver.BaseRequestHandler):
             self.refuse(peer, "hello: the token does not match this server's (docs/vllm.md, Server mode)")
             return False
         self.role = role
-        if role == "trainer":  # a scorer only scores: it never owns the server, locks no run out, no batch waits for it
+        if role != "scorer":  # a scorer only scores: it never owns the server, locks no run out, no batch waits for it
             try:
                 server.ownership.join(run)
             except PermissionError as err:
                 self.refuse(peer, f"hello: {err}")
                 return False
-            self.run = run
+            self.run, self.seat = run, Seat(run, rank)
+            if role == "trainer":
+                server.queue.seats[id(self)] = self.seat
         device = "cuda" if torch.cuda.is_available() else "cpu"
         ready = {"op": "ready", "model": server.model, "version": server.engine.version, "device": device}
         send_frame(sock, {**ready, "fixed": server.fixed})
@@ -440,6 +421,8 @@ class _Connection(socketserver.BaseRequestHandler):
                     return
                 if self.role == "scorer" and op != "logprobs":
                     raise ValueError("a scorer's connection (a served teacher's client) sends logprobs and bye only")
+                if self.role == "pusher" and op != "load":
+                    raise ValueError("a pusher's connection (a trainer's second one) sends load and bye only")
                 if op == "channel":
                     if server.fixed:
                         raise ValueError(
@@ -451,9 +434,10 @@ class _Connection(socketserver.BaseRequestHandler):
                     if request.get("via") == "group" and self.group is None:
                         raise FrameError("weights pushed by the weight channel before a 'channel' request")
                     group = self.group if request.get("via") == "group" else None
-                    answer, out = server.load(sock, self.run, request.get("version"), group), {}
+                    in_flight = bool(request.get("in_flight", False))
+                    answer, out = server.load(sock, self.seat, request.get("version"), group, in_flight), {}
                 elif op == "sample":
-                    answer, out = server.sample(request, tensors)
+                    answer, out = server.sample(request, tensors, self.seat)
                 elif op == "logprobs":
                     answer, out = server.logprobs(request, tensors)
                 else:

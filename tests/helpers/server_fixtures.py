@@ -38,18 +38,48 @@ def serving(engine, model, limits=None, token: str = "test-token"):
     """A ``GenerationServer`` around ``engine`` (a stand-in) for ``model``'s shape, served from a thread on a free
     loopback port (yielded) until the block ends; its ``token`` written where ``vllm-serve`` writes a token it
     generated (a client on loopback finds it there)."""
+    with served(engine, model, limits, token) as server:
+        yield server.server_address[1]
+
+
+@contextlib.contextmanager
+def served(engine, model, limits=None, token: str = "test-token", batch_wait: float = 0.05):
+    """``serving``, yielding the ``GenerationServer`` itself (its port: ``server.server_address[1]``)."""
     from aitraining_pl.vllm_backend.guards import write_token
     from aitraining_pl.vllm_backend.server import GenerationServer
 
-    server = GenerationServer(engine, None, model, "127.0.0.1", 0, token, limits=limits)
+    server = GenerationServer(engine, None, model, "127.0.0.1", 0, token, batch_wait=batch_wait, limits=limits)
     path = write_token(token, server.server_address[1])
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        yield server.server_address[1]
+        yield server
     finally:
         server.shutdown()
         server.server_close()
         path.unlink(missing_ok=True)
+
+
+class GatedEngine(RecordingEngine):
+    """A ``RecordingEngine`` that also samples (zeros): ``served`` records the version held at each
+    ``sample_many`` and its number of requests; while ``gate`` is cleared a call sets ``entered`` and waits for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.served, self.cached_each = [], []
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.gate.set()
+
+    def sample_many(self, requests):
+        import torch
+
+        from aitraining_pl.models.generation import SampledTokens
+
+        self.served.append((self.version, len(requests)))
+        self.entered.set()
+        assert self.gate.wait(60), "the test never opened the gate"
+        self.cached_each = [0] * len(requests)
+        rows = [r.prompt_ids.shape[0] * r.num_samples for r in requests]
+        return [SampledTokens(torch.zeros(n, 2, dtype=torch.long), sampling_logprobs=torch.zeros(n, 2)) for n in rows]
 
 
 class ScoringEngine:

@@ -1,0 +1,205 @@
+"""``HFServerEngine``: the generation server's engine that samples with this project's own KV-cache decoder
+(``aitraining-pl serve --engine hf``), so a server runs, and asynchronous training is tested, without vLLM (this
+module never imports it), and CPU users get one.
+
+**The model** is the policy's architecture (``serve.meta_model``: built on the meta device, then materialised on
+the GPU when there is one, else the CPU, by transformers' own ``init_weights``, which also computes the buffers no
+checkpoint carries, such as rotary frequencies, and ties the tied weights). Its weights come only from the
+trainer's pushes (``load``), by the names ``guards.WeightSpecs`` checks (the ``state_dict``'s, tied ones included).
+
+**Sampling** is ``generation.backend.HFBackend``'s: ``models.decoding``'s prefill and sampling loop with
+``hf_generation_config(..., with_logprobs=True)`` (``generate`` where the model has no plain cache or
+``drop_ended`` is off), a request's ``seed`` in a forked RNG (the same tokens as ``HFBackend.sample`` with that
+seed), an unseeded request a seed drawn from the engine's own generator (``--seed``). The answer's
+``sampling_logprobs`` are the log-probs of the sampled tokens under the distribution sampled from (the processed
+scores, as ``rollout.RolloutEngine.rollout`` takes them), 0 after each response's end.
+
+**In-flight weights** (AReaL, Fu et al. 2025, "interruptible rollouts"; PipelineRL's in-flight updates): ``stage``
+hands the engine a push while it generates; before its next forward the decoder swaps the weights in (under the
+engine's lock: a forward never sees half the weights), and the rows still decoding have their KV cache recomputed
+under the new weights (AReaL's choice; PipelineRL keeps the stale cache), so every token is sampled from, and its
+``sampling_logprobs`` are those of, one set of weights: a response may then span two versions, which
+``token_versions`` records per token (the step of ``run:step``, -1 after the end). Each forward samples one token
+column: column ``t`` comes from the ``t``-th forward (the prefill is the first). ``generate``'s fallback takes a
+staged push only at the batch's end, and leaves where responses end to the rollout's end rule (as vLLM's answers
+do: every column carries the step and its log-prob).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from aitraining_pl.losses import positions_from_mask, selective_log_softmax
+from aitraining_pl.models.decoding import Forward, prefill, sample_responses, sample_steps
+from aitraining_pl.models.generation import SampledTokens, hf_generation_config
+from aitraining_pl.models.rollout_scoring import response_logps
+from aitraining_pl.vllm_backend.batching import step_of
+from aitraining_pl.vllm_backend.engine import SampleRequest
+
+
+def materialise(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model`` (a transformers causal LM on the meta device) on ``device`` in eval mode, without gradients: its
+    tensors allocated and initialised by its own ``init_weights`` (non-persistent buffers computed, tied weights
+    tied), the caller's random state untouched."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model.to_empty(device=device)
+        model.init_weights()
+    return model.eval().requires_grad_(False)
+
+
+class HFServerEngine:
+    """The HF decoder behind a generation server (see the module docstring): ``load``, ``stage``, ``sample_many``,
+    ``prompt_logprobs``, ``version``, ``cached_each``, ``close``.
+
+    Args:
+        model: the policy's architecture on the meta device (``serve.meta_model``).
+        seed: seeds the engine's generator, which gives the unseeded requests their seeds.
+        device: where the model runs (default: ``cuda`` when available, else ``cpu``).
+    """
+
+    in_flight = True  #: a push may land while a batch generates (``stage``)
+
+    def __init__(self, model: torch.nn.Module, seed: int = 0, device: str | torch.device | None = None):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = materialise(model, self.device)
+        self.targets = self.model.state_dict()  #: views of the model's tensors by the names a push carries
+        self.generator = torch.Generator().manual_seed(int(seed))
+        self.lock = threading.Lock()  #: held while weights are copied in, and around each swap decision
+        self.version: Any = None  #: the weights version held (None: none loaded yet)
+        self.staged: tuple[list[tuple[str, torch.Tensor]], Any] | None = None  #: a push waiting for a decode step
+        self.generating = False  #: a batch is being sampled (a push is staged, not copied)
+        self.cached_each: list[int] = []  #: prompt tokens of each request found in a prefix cache: none here
+        #: called with the column about to be computed before each forward (a test pauses the decoder here)
+        self.before_forward: Callable[[int], None] | None = None
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]], version: Any) -> None:
+        """Copy ``(name, tensor)`` pairs (``state_dict`` names) into the model in place and record ``version``."""
+        with self.lock:
+            self._copy(weights, version)
+
+    def stage(self, weights: Iterable[tuple[str, torch.Tensor]], version: Any) -> None:
+        """Hand over a push without waiting for the running batch: loaded now when none runs, else swapped in
+        before the batch's next forward (a later push replaces one not yet swapped in)."""
+        weights = list(weights)
+        with self.lock:
+            if self.generating:
+                self.staged = (weights, version)
+            else:
+                self._copy(weights, version)
+
+    @torch.no_grad()
+    def _copy(self, weights: Iterable[tuple[str, torch.Tensor]], version: Any) -> None:
+        for name, tensor in weights:
+            self.targets[name].copy_(tensor)
+        self.version = version
+
+    def swap(self) -> bool:
+        """With ``lock`` held: load the staged push, if any; whether one was."""
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            self._copy(*staged)
+        return staged is not None
+
+    # ------------------------------------------------------------------ sampling
+    def sample_many(self, requests: Sequence[SampleRequest]) -> list[SampledTokens]:
+        """Each request's ``SampledTokens`` (with ``sampling_logprobs`` and ``token_versions``), one request after
+        the other; a push staged meanwhile is swapped in between two decode steps, else at the end."""
+        with self.lock:
+            self.generating = True
+        try:
+            results = [self.sample(request) for request in requests]
+        finally:
+            with self.lock:
+                self.generating = False
+                self.swap()
+        self.cached_each = [0] * len(requests)
+        return results
+
+    @torch.no_grad()
+    def sample(self, request: SampleRequest) -> SampledTokens:
+        """One request's ``num_samples`` responses per prompt, drawn as ``HFBackend.sample`` draws them."""
+        seed = request.seed
+        if seed is None:  # the engine's own stream (``--seed``), one seed per request
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        generation, n = request.generation, int(request.num_samples)
+        config = hf_generation_config(generation, request.end_ids, request.pad_token_id, with_logprobs=True)
+        ids, mask = request.prompt_ids.to(self.device), request.prompt_mask.to(self.device)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            forward = _SwappingForward(self, ids, n)
+            batch = prefill(forward, ids, mask, n) if generation.drop_ended else None
+            if batch is not None:
+                drawn = sample_steps(forward, batch, config, request.stop_rule, park=forward.park)
+                tokens, scores, lengths, steps = drawn.tokens, drawn.scores, drawn.lengths, forward.steps
+            else:  # ``generate``: no swap inside it (a staged push waits for the batch's end); its ends are left
+                # to the rollout's end rule, as vLLM's are: every column counts
+                with self.lock:
+                    steps = [step_of(self.version)] * int(config.max_new_tokens)
+                sampled = sample_responses(self.model, ids, mask, config, request.stop_rule, False, n)
+                tokens, scores = sampled.response_ids, sampled.scores
+                lengths = torch.full((tokens.shape[0],), tokens.shape[1])
+        columns = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+        inside = columns < lengths.to(tokens.device)[:, None]
+        logprobs = selective_log_softmax(scores, tokens) * inside
+        versions = torch.tensor(steps[: tokens.shape[1]], dtype=torch.long, device=tokens.device)
+        versions = torch.where(inside, versions[None, :].expand_as(tokens), torch.full_like(tokens, -1))
+        device = request.prompt_ids.device
+        return SampledTokens(
+            tokens.to(device), sampling_logprobs=logprobs.float().to(device), token_versions=versions.to(device)
+        )
+
+    # ------------------------------------------------------------------ scoring (a served teacher)
+    @torch.no_grad()
+    def prompt_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int) -> torch.Tensor:
+        """(N, L - ``start``) float32 log-probs of ``input_ids[:, start:]`` (left padded, 0 on the padding) under
+        the model's untruncated softmax at temperature 1 (``models.rollout_scoring.response_logps``)."""
+        ids, mask = input_ids.to(self.device), attention_mask.to(self.device)
+        with self.lock:
+            scores = response_logps(self.model, ids, mask, int(start), temperature=1.0).logprobs
+        return scores.float().cpu()
+
+    def close(self) -> None:
+        """Drop the model."""
+        self.model = self.targets = None
+
+
+class _SwappingForward(Forward):
+    """The decoder's forward for one request of ``engine``: before each forward it swaps in a staged push (under
+    the engine's lock) and records the step of the weights that compute it (``steps[t]`` samples column ``t``);
+    after a swap in a decode step it recomputes the KV cache of the rows still decoding under the new weights.
+    It follows which rows those are (their tokens so far) through the sampling loop's ``park`` hook."""
+
+    def __init__(self, engine: HFServerEngine, prompt_ids: torch.Tensor, num_samples: int):
+        super().__init__(engine.model)
+        self.engine = engine
+        self.steps: list[int] = []  #: the weights step of each forward
+        self.ids = prompt_ids.repeat_interleave(num_samples, 0)  #: the decoding rows' tokens so far
+        self.kept: torch.Tensor | None = None  #: the rows of the last batch still decoding (after a ``park``)
+
+    def park(self, rows: torch.Tensor, done: torch.Tensor, batch: Any) -> None:
+        """``sample_steps``' hook: rows ``done`` of the batch ended and leave it before the next forward."""
+        keep = torch.ones(batch.logits.shape[0], dtype=torch.bool, device=done.device)
+        keep[done] = False
+        self.kept = keep.nonzero().flatten()
+
+    def __call__(self, ids, mask, positions, cache=None):
+        engine = self.engine
+        if engine.before_forward is not None:
+            engine.before_forward(len(self.steps))
+        with engine.lock:
+            swapped = engine.swap()
+            self.steps.append(step_of(engine.version))
+        if cache is None:  # the prefill
+            return super().__call__(ids, mask, positions)
+        if self.kept is not None:
+            self.ids, self.kept = self.ids[self.kept.to(self.ids.device)], None
+        self.ids = torch.cat([self.ids, ids], dim=1)
+        if swapped:  # the cache was computed by the old weights: recompute it for these rows
+            return super().__call__(self.ids, mask, positions_from_mask(mask))
+        return super().__call__(ids, mask, positions, cache)
