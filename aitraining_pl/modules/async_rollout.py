@@ -115,6 +115,7 @@ class RolloutPipeline:
         self.timing = collections.Counter()  #: seconds: trainer_wait, generator_busy, generator_idle, push
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.closing = False  #: set by ``close``: the worker drops the jobs left
+        self.failure: BaseException | None = None  #: the first job's error: every later job fails with it
         self.thread = threading.Thread(target=self._work, name="aitraining-pl-rollouts", daemon=True)
         self.thread.start()
 
@@ -129,8 +130,8 @@ class RolloutPipeline:
             job = self.jobs.get()
             if job is None:
                 return
-            if self.closing:  # dropped: the pipeline is closing
-                job.error = RuntimeError("the rollout pipeline closed before this job ran")
+            if self.closing or self.failure is not None:  # dropped: the pipeline is closing, or a job failed
+                job.error = self.failure or RuntimeError("the rollout pipeline closed before this job ran")
                 job.done.set()
                 continue
             start = time.perf_counter()
@@ -138,7 +139,7 @@ class RolloutPipeline:
             try:
                 job.result = job.fn()
             except BaseException as err:  # noqa: BLE001 - raised in the trainer's thread by ``wait``
-                job.error = err
+                job.error = self.failure = err  # a push nobody waits for fails the jobs after it
             last = time.perf_counter()
             self.timing["generator_busy"] += last - start
             job.done.set()

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
+import lightning.pytorch as pl
 import torch
 
 from aitraining_pl.environments.episode import is_episode_environment
@@ -102,6 +103,13 @@ class RolloutBatch:
     def placed_scores(self) -> torch.Tensor:
         """(N, R) the scores on the tokens they reward: per turn in an episode, else on the last token."""
         return self.token_scores if self.token_scores is not None else place_scores(self.scores, self.mask)
+
+
+class TeardownOnFailure(pl.Callback):
+    """Calls the module's ``teardown`` when ``fit`` raises (``OnlineRLModule.configure_callbacks``)."""
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        pl_module.teardown("fit")
 
 
 class OnlineRLModule(PolicyLossOptions, AlignmentModule):
@@ -211,6 +219,11 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
     def backend(self) -> GenerationBackend:
         """What samples the rollouts (``generation.backend``); the policy itself before ``setup``."""
         return self._backend[0] if self._backend[0] is not None else HFBackend(self.policy)
+
+    def configure_callbacks(self):
+        """``AlignmentModule``'s, and one that tears the generation side down when ``fit`` fails (Lightning calls
+        ``teardown`` only when it ends normally): no worker thread, connection or launched server is left behind."""
+        return [*super().configure_callbacks(), TeardownOnFailure()]
 
     @property
     def pipeline(self) -> RolloutPipeline | None:

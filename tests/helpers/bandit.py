@@ -51,17 +51,19 @@ def next_token_distribution(model, prompt_ids: torch.Tensor) -> torch.Tensor:
     return torch.softmax(model(input_ids=prompt_ids).logits[0, -1].double(), -1)
 
 
-def train_bandit(tmp_path, advantage: str, backend: str, steps: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
+def train_bandit(
+    tmp_path, advantage: str, backend: str, steps: int = 50, **generation
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Train on the bandit for ``steps`` iterations of 8 prompts x 8 samples (one AdamW step each, the learning
     rate decaying linearly to 0); returns the policy's final next-token distribution and ``pi*``, derived from
-    the reference's logits."""
+    the reference's logits. ``generation``: more ``GenerationConfig`` options (a server, ``max_staleness``)."""
     pl.seed_everything(0)
     folder = word_tokenizer(tmp_path / "tokenizer")
     module = RLOOModule(
         model_config=POLICY,
         tokenizer_name=folder,
         reward=word_reward,
-        generation=GenerationConfig(max_new_tokens=1, temperature=1.0, top_p=1.0, backend=backend),
+        generation=GenerationConfig(max_new_tokens=1, temperature=1.0, top_p=1.0, backend=backend, **generation),
         advantage=advantage,
         num_generations=8,
         learning_rate=0.01,
