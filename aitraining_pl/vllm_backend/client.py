@@ -1,6 +1,7 @@
 """The trainer's side of server mode (``generation: {backend: vllm, vllm: {mode: server}}``, TRL's ``vllm_mode:
-server``): a client of ``aitraining-pl vllm-serve`` (``vllm_backend.server``) with the colocated engine's interface
-(``sync``, ``sample``, ``sleep``, ``close``), so the rollout engine and the online modules use either alike.
+server``): a client of ``aitraining-pl serve`` (``vllm-serve``; ``vllm_backend.server``, a vLLM or an HF engine)
+with the colocated engine's interface (``sync``, ``sample``, ``sleep``, ``close``), so the rollout engine and the
+online modules use either alike.
 
 Every training process connects on its own and sends its own prompts; rank 0 pushes the policy's weights before
 each rollout whose weights changed (the optimizer step count moved; once per rollout, as the colocated sync),
@@ -9,8 +10,12 @@ under FSDP2 every rank takes part in gathering each tensor, and rank 0 sends it)
 ``vllm_backend.wire`` (``weight_channel: tcp``), or by broadcast on a two-member process group with the server
 (``nccl`` GPU to GPU, ``gloo`` on CPUs; ``vllm_backend.weight_group``), the frames then naming each tensor only.
 A sample request names the weights version it needs (the run's id and the step count), and the server answers it
-only once it holds that version, so the other ranks never sample from stale weights. This module does not import
-vLLM: the trainer's processes need not have it installed.
+only once it holds that version (with ``at_least``: that version or a later one of the run), so the other ranks
+never sample from stale weights; each answer says which step sampled each token (``SampledTokens.token_versions``).
+An asynchronous trainer pushes a snapshot taken earlier (``push``) from another thread while its rollouts are
+generated: over a second connection when the first waits for an answer, and with ``in_flight`` an engine that
+allows it (the HF engine) takes the weights between two decode steps. This module does not import vLLM: the
+trainer's processes need not have it installed.
 
 Every connection proves the server's token at ``hello`` (``wire.proof``: an HMAC of the server's nonce; the token
 never travels): from ``generation.vllm.server_token_file``, else ``AITRAINING_PL_SERVER_TOKEN``, else, for a server
@@ -105,7 +110,7 @@ class VLLMServerClient:
 
     location = "server"  #: a ``GenerationBackend`` in another process (``aitraining-pl serve``)
     role = "trainer"  #: ``hello``'s role (a ``scorer`` joins no run, ``ServedTeacher``; a ``pusher`` only pushes)
-    kind = "generation server"  #: how messages name the server
+    kind = "generation server"  #: how messages name the server (after ``ready``: by its engine, "vLLM server")
     at_least = False  #: ask for this process's weights version or any later one of the run (``newer``)
     setting = "generation.vllm"  #: where the connection's options are set (messages)
     starting = "starting the rollouts"  #: what a failed connection was for (messages)
@@ -135,6 +140,8 @@ class VLLMServerClient:
             )
         self.sock = self.connect()
         answer = self.hello()
+        engine = answer.get("engine", "vLLM")  # a server that does not say is a vLLM one
+        self.kind = f"{engine} server" if isinstance(engine, str) and engine.isalnum() else self.kind
         served, ours = answer.get("model") or {}, model_description(hf_model(policy).config)
         wrong = [f"{k} {served.get(k)!r} (the policy's: {ours[k]!r})" for k in MODEL_FIELDS if served.get(k) != ours[k]]
         if wrong:
@@ -200,7 +207,7 @@ class VLLMServerClient:
                     raise GenerationServerError(
                         f"{self.kind} {self.address}",
                         f"could not connect for {timeout:g} s ({self.setting}.server_timeout) while {self.starting} "
-                        f"({err.strerror or err}): start it first (aitraining-pl vllm-serve --model ... "
+                        f"({err.strerror or err}): start it first (aitraining-pl serve --model ... "
                         f"--port {port}; docs/vllm.md, Server mode); a run that had started resumes from its last "
                         "checkpoint with --ckpt_path",
                     ) from None

@@ -62,6 +62,7 @@ class HFServerEngine:
     """
 
     in_flight = True  #: a push may land while a batch generates (``stage``)
+    kind = "HF"  #: how the server's ``ready`` names the engine (clients' messages: "HF server")
 
     def __init__(self, model: torch.nn.Module, seed: int = 0, device: str | torch.device | None = None):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -13,12 +13,13 @@ The channel is TCP with the framing of ``vllm_backend.wire`` (JSON headers, raw 
 training process keeps one connection; requests (``op`` of the header) and answers:
 
 - ``hello {protocol, rank, run, role}`` -> ``challenge {nonce}``, then ``auth {proof}`` -> ``ready {model, version,
-  device, fixed}``: the connection proves the server's token (``wire.proof``, an HMAC of the nonce; the token never
-  travels), and a ``trainer``'s run must own the server (``guards.Ownership``; a ``scorer``, a served teacher's
-  client, joins no run: it never owns the server nor locks a run out, and sends ``logprobs`` and ``bye`` only; a
-  ``pusher``, a trainer's second connection that pushes while its first waits for an answer, joins its run and
-  sends ``load`` and ``bye`` only); then the model's shape fields, which the client checks, and where the engine
-  runs (``cuda`` or ``cpu``). Nothing else is answered before ``ready``.
+  device, fixed, engine}``: the connection proves the server's token (``wire.proof``, an HMAC of the nonce; the
+  token never travels), and a ``trainer``'s run must own the server (``guards.Ownership``; a ``scorer``, a served
+  teacher's client, joins no run: it never owns the server nor locks a run out, and sends ``logprobs`` and ``bye``
+  only; a ``pusher``, a trainer's second connection that pushes while its first waits for an answer, joins its run
+  and sends ``load`` and ``bye`` only); then the model's shape fields, which the client checks, where the engine
+  runs (``cuda`` or ``cpu``) and which engine it is (``vLLM``, ``HF``: messages name the server by it). Nothing
+  else is answered before ``ready``.
 - ``channel {backend}`` -> ``channel {port}``: open a collective weight channel (``nccl`` or ``gloo``;
   ``vllm_backend.weight_group``) whose store listens on ``port`` (``--weight_port``); the server then waits up
   to its ``--timeout`` for the trainer to join it. Sent by rank 0 when ``generation.vllm.weight_channel`` is
@@ -101,6 +102,7 @@ from aitraining_pl.vllm_backend.guards import (
 from aitraining_pl.vllm_backend.weight_group import BACKENDS, WeightGroup, failure, host_store
 from aitraining_pl.vllm_backend.wire import (
     PROTOCOL,
+    SAMPLED,
     Entry,
     FrameError,
     model_description,
@@ -276,9 +278,9 @@ class GenerationServer(socketserver.ThreadingTCPServer):
             raise RuntimeError(job.error)
         sampled = job.sampled
         answer = {"op": "samples", "batched": job.batched, "cached_tokens": job.cached_tokens}
-        rows = {"response_ids": sampled.response_ids, "sampling_logprobs": sampled.sampling_logprobs}
+        rows = sampled.response_ids, sampled.sampling_logprobs.float(), sampled.token_versions.long()
         served_by = None if job.served_by is None else str(job.served_by)
-        return {**answer, "version": served_by}, {**rows, "token_versions": sampled.token_versions.long()}
+        return {**answer, "version": served_by}, dict(zip(SAMPLED, rows))
 
     def logprobs(self, request: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
         """The log-probs of given tokens under the weights the engine holds (``VLLMEngine.prompt_logprobs``; a served
@@ -376,7 +378,7 @@ class _Connection(socketserver.BaseRequestHandler):
                 server.queue.seats[id(self)] = self.seat
         device = "cuda" if torch.cuda.is_available() else "cpu"
         ready = {"op": "ready", "model": server.model, "version": server.engine.version, "device": device}
-        send_frame(sock, {**ready, "fixed": server.fixed})
+        send_frame(sock, {**ready, "fixed": server.fixed, "engine": getattr(server.engine, "kind", "vLLM")})
         return True
 
     def check(self, header: dict[str, Any], entries: list[Entry]) -> None:

@@ -1,6 +1,6 @@
-"""The wire protocol of the generation server (``aitraining-pl vllm-serve``, ``vllm_backend.server``) and its
-client (``vllm_backend.client``): the vocabulary both sides share (``PROTOCOL``, ``MODEL_FIELDS``, the token and
-its proof) and the framing of the TCP channel: JSON headers and raw tensor bytes, nothing that runs code when read
+"""The wire protocol of the generation server (``aitraining-pl serve``, ``vllm_backend.server``) and its client
+(``vllm_backend.client``): the vocabulary both sides share (``PROTOCOL``, ``MODEL_FIELDS``, ``SAMPLED``, the token
+and its proof) and the framing of the TCP channel: JSON headers and raw tensor bytes, nothing that runs code when read
 (no pickle from the network).
 
 A frame is::
@@ -47,6 +47,9 @@ PROTOCOL = (
 #: ``logprobs`` request and ``hello``'s role)
 #: config fields the server and the policy must share (the weights are loaded by these shapes)
 MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+#: the tensors of a ``samples`` answer: response ids (int64), the sampled tokens' log-probs (float32) and the step of
+#: the weights that sampled each token (int64, -1 after the end; a server before in-flight pushes sends none)
+SAMPLED = ("response_ids", "sampling_logprobs", "token_versions")
 RESUME = "restart the server and resume the run from its last checkpoint with --ckpt_path"
 TOKEN_ENV = "AITRAINING_PL_SERVER_TOKEN"  #: the environment variable that holds the server's token
 

@@ -69,6 +69,7 @@ def test_a_pushed_policy_samples_as_the_policy_itself(name, drop_ended):
         try:
             assert client.sync(policy, 7) and not client.sync(policy, 7)  # the held version is not pushed again
             served_rows = client.sample(ids, mask, generation, [2], StopRule(), 0, 3, seed=11)
+            assert client.kind == "HF server"  # how its messages name the server (``ready`` says the engine)
         finally:
             client.close()
     own = HFBackend(policy).sample(ids, mask, generation, [2], StopRule(), 0, 3, seed=11)
@@ -184,6 +185,37 @@ def test_a_load_waits_for_the_other_ranks_request_at_the_held_version():
             engine.gate.set()
             first.close()
             second.close()
+
+
+def test_the_synchronous_two_rank_loop_is_unchanged_by_the_load_gate(capfd):
+    """Two ranks in lockstep (a barrier stands for the optimizer step), rank 0 pushing each step's weights: every
+    rollout of both ranks is drawn by one batch from that step's weights, and no load waits out the gate (the other
+    rank asks for the new weights right after the push began)."""
+    model = build_causal_lm(SPEC, seed=0)
+    engine, (ids, mask), barrier, records = GatedEngine(), prompts(), threading.Barrier(2), {0: [], 1: []}
+    generate = dataclasses.replace(SAMPLING, max_new_tokens=2)
+    with served(engine, model, limits=Limits(timeout=30.0), batch_wait=30.0) as server:
+        clients = [VLLMServerClient(model, options(server.server_address[1]), r, "run") for r in (0, 1)]
+
+        def loop(client):
+            for step in (1, 2, 3):
+                barrier.wait(60)
+                client.sync(model, step)
+                rows = client.sample(ids, mask, generate, [2], StopRule(), 0, 1)
+                records[client.rank].append((client.batched, set(rows.token_versions.flatten().tolist())))
+
+        try:
+            threads = [threading.Thread(target=loop, args=(c,)) for c in clients]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+        finally:
+            for client in clients:
+                client.close()
+    assert records[0] == records[1] == [(2, {1}), (2, {2}), (2, {3})]
+    assert engine.served == [("run:1", 2), ("run:2", 2), ("run:3", 2)] and len(engine.pushes) == 3
+    assert "loading the push anyway" not in capfd.readouterr().err
 
 
 def wait_until(condition, timeout: float = 60.0) -> None:
