@@ -5,7 +5,6 @@ staleness the modules log, the quickstart, faults and shutdown."""
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import re
 import threading
@@ -14,30 +13,17 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from async_fixtures import hf_server_port
 from conftest import TINY_LLAMA, quiet_trainer
-from server_fixtures import serving
 
 from aitraining_pl.datamodules.prompt import PromptDataModule
 from aitraining_pl.errors import ConfigError, GenerationServerError
 from aitraining_pl.generation.config import VLLMConfig
-from aitraining_pl.models.loading import build_causal_lm
 from aitraining_pl.modules.critic_free import GRPOModule
 from aitraining_pl.rollout import GenerationConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY_REWARD = "aitraining_pl.rewards:char_length_reward"  # varies within a group: something to learn
-
-
-@contextlib.contextmanager
-def hf_server(model_config, seed: int = 0):
-    """An HF generation server for ``model_config``'s architecture in a thread; yields its port."""
-    from aitraining_pl.vllm_backend.hf_engine import HFServerEngine
-
-    with torch.device("meta"):
-        model = build_causal_lm(model_config)
-    engine = HFServerEngine(model, seed=seed, device="cpu")
-    with serving(engine, model) as port:
-        yield port
 
 
 def served(port: int, **options) -> dict:
@@ -82,7 +68,7 @@ def test_kl_regularised_bandit_reaches_the_optimum_with_stale_samples(tmp_path, 
     (``tests/helpers/bandit.py``; 0.36 away at the start)."""
     from bandit import POLICY, train_bandit
 
-    with hf_server(POLICY) as port:
+    with hf_server_port(POLICY) as port:
         policy, optimum = train_bandit(tmp_path, advantage, "hf", **served(port, max_staleness=staleness))
     tv = 0.5 * float((policy - optimum).abs().sum())
     print(f"{advantage} max_staleness {staleness}: total variation {tv:.4f}")
@@ -94,7 +80,7 @@ def test_grpo_trains_with_stale_rollouts_and_logs_the_staleness(tmp_path):
     there, as its weights are still the first ones); the policy changes and the reference does not; the sampler's
     log-probs are those of the HF server, so the off-policy stats are logged."""
     staleness = Staleness()
-    with hf_server(TINY_LLAMA) as port:
+    with hf_server_port(TINY_LLAMA) as port:
         module, data = grpo(served(port, max_staleness=1))
         before = {k: v.clone() for k, v in module.policy.state_dict().items()}
         reference = {k: v.clone() for k, v in module.reference.model.state_dict().items()}
