@@ -237,10 +237,10 @@ def test_grpo_trains_on_a_hub_environment(request, tmp_path, hub):
     from aitraining_pl.modules.critic_free import GRPOModule
     from aitraining_pl.rollout import GenerationConfig
 
-    if hub == "verifiers":
+    if hub == "verifiers":  # as a YAML `reward:` gives it
         request.getfixturevalue("vf")
-        env = VerifiersEnvironment("hub_fixtures", max_turns=3)
-        rows = env.rows() * 2
+        env = {"class_path": "aitraining_pl.environments.VerifiersEnvironment", "init_args": {"env": "hub_fixtures"}}
+        rows = VerifiersEnvironment("hub_fixtures").rows() * 2
         prompts, metadata, metric = [r["prompt"] for r in rows], [{"task": r["task"]} for r in rows], "reward_correct"
     else:
         env = OpenEnvEnvironment(request.getfixturevalue("game")[0](), max_turns=3)
@@ -260,6 +260,7 @@ def test_grpo_trains_on_a_hub_environment(request, tmp_path, hub):
     seen = []
     make_experience = module.make_experience
     module.make_experience = lambda rollout: seen.append(rollout) or make_experience(rollout)
+    assert isinstance(module.reward_source, (VerifiersEnvironment, OpenEnvEnvironment))
     before = [p.detach().clone() for p in module.policy.parameters()]
     trainer = _fit(module, tmp_path, prompts, metadata, steps=3)
     assert len(seen) == 3 and all(torch.isfinite(r.scores).all() for r in seen)
