@@ -153,11 +153,15 @@ def test_verifiers_turn_limit_truncates_and_a_trace_stop_ends_the_exchange(vf):
     assert len(steps) == 1 and steps[0].done and steps[0].reward == pytest.approx(0.5 / 2)
 
 
-def test_verifiers_refuses_a_second_seat_and_a_dropped_episode_ends_its_run(vf):
+def test_verifiers_refuses_bad_envs_and_seats_and_a_dropped_episode_ends_its_run(vf):
     from hub_fixtures import HigherLowerConfig, UserSim
 
     from aitraining_pl.environments import VerifiersEnvironment
 
+    with pytest.raises(ConfigError, match="VerifiersEnvironment: seat: 'user' is not one of the env's seats"):
+        VerifiersEnvironment("hub_fixtures", seat="user")
+    with pytest.raises(ConfigError, match="env 'no_such_environment': taskset 'no_such_environment' not found"):
+        VerifiersEnvironment("no_such_environment")
     env = VerifiersEnvironment(UserSim(HigherLowerConfig(taskset={"id": "hub_fixtures"})))
     with pytest.raises(ValueError, match="Env.run uses seat 'user'; only the policy's seat 'player' is played"):
         env.spawn().reset("", {"task": 0})

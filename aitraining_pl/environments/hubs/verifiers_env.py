@@ -39,6 +39,7 @@ from typing import Any, get_type_hints
 
 from aitraining_pl.environments.episode import AssistantTurn, EpisodeEnvironment, EpisodeLimits, EpisodeStep, Message
 from aitraining_pl.environments.hubs.common import background_loop, require
+from aitraining_pl.errors import ConfigError
 
 _WHO = "VerifiersEnvironment"
 _END = object()  # the hub side's last word: the episode is over (or failed)
@@ -46,26 +47,32 @@ _END = object()  # the hub side's last word: the episode is over (or failed)
 
 def _load(vf, env: Any, env_args: dict | None):
     """``env`` as a verifiers ``Env`` or ``Taskset``: as given, from an import path, or from an environment id."""
-    if isinstance(env, str) and ":" in env:
-        from aitraining_pl.rewards import import_object
+    try:
+        if isinstance(env, str) and ":" in env:
+            from aitraining_pl.rewards import import_object
 
-        env = import_object(env)
-        env = env() if callable(env) and not isinstance(env, (vf.Env, vf.Taskset)) else env
-    elif isinstance(env, str):  # an installed environment package, loaded as `vf-eval <id>` loads it
-        args = dict(env_args or {})
-        config = vf.resolve_env_config({**args, "taskset": {**dict(args.get("taskset") or {}), "id": env}})
-        env = vf.load_environment(config)
+            env = import_object(env)
+            env = env() if callable(env) and not isinstance(env, (vf.Env, vf.Taskset)) else env
+        elif isinstance(env, str):  # an installed environment package, loaded as `vf-eval <id>` loads it
+            args = dict(env_args or {})
+            config = vf.resolve_env_config({**args, "taskset": {**dict(args.get("taskset") or {}), "id": env}})
+            env = vf.load_environment(config)
+    except (ImportError, ValueError, TypeError) as err:  # verifiers' own messages name the id and what it tried
+        raise ConfigError(f"{_WHO}: env {env!r}", str(err).splitlines()[0]) from err
     if not isinstance(env, (vf.Env, vf.Taskset)):
-        raise TypeError(f"{_WHO}: env must be a verifiers Env or Taskset (or its id / import path), got {env!r:.80}")
+        raise ConfigError(f"{_WHO}: env", f"a verifiers Env or Taskset (or its id / import path), not {env!r:.80}")
     return env
 
 
-def as_messages(vf, messages: Any) -> list[Message]:
+def as_messages(messages: Any) -> list[Message]:
     """verifiers messages (a string: one user message) as chat-template dicts."""
+    from verifiers.v1.dialects import parse_message
+    from verifiers.v1.types import content_text
+
     if isinstance(messages, str):
         return [{"role": "user", "content": messages}]
-    parsed = [vf.dialects.parse_message(m) if isinstance(m, dict) else m for m in messages or []]
-    return [{"role": m.role, "content": vf.types.content_text(m.content)} for m in parsed]
+    parsed = [parse_message(m) if isinstance(m, dict) else m for m in messages or []]
+    return [{"role": m.role, "content": content_text(m.content)} for m in parsed]
 
 
 class VerifiersEnvironment(EpisodeEnvironment):
@@ -97,14 +104,12 @@ class VerifiersEnvironment(EpisodeEnvironment):
         self.env = _load(self.vf, env, env_args)
         taskset = self.env if isinstance(self.env, self.vf.Taskset) else self.env.taskset
         if not taskset.bounded:
-            raise ValueError(f"{_WHO}: the taskset is infinite; bound it first (taskset.take(n))")
+            raise ConfigError(f"{_WHO}: env", "the taskset is infinite; bound it first (taskset.take(n))")
         self.tasks = {task.data.idx: task for task in taskset}
         seats = self._seats()
-        if seat is None and len(seats) != 1:
-            raise ValueError(f"{_WHO}: the env has seats {sorted(seats)}; name the policy's with seat=")
-        self.seat = seat or next(iter(seats))
+        self.seat = seat or (next(iter(seats)) if len(seats) == 1 else None)
         if self.seat not in seats:
-            raise ValueError(f"{_WHO}: seat {self.seat!r} is not a seat of the env (seats: {sorted(seats)})")
+            raise ConfigError(f"{_WHO}: seat", f"{seat!r} is not one of the env's seats {sorted(seats)}")
         self.agent = seats[self.seat]
         turns = self.agent.max_turns or max_turns
         self.limits = EpisodeLimits(max_turns=turns, max_total_tokens=max_total_tokens)
@@ -235,7 +240,7 @@ class _Player:
         its prompt hidden), scored as verifiers scores it when it closes."""
         self.task, data = task, task.data
         self.opening = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
-        self.opening += as_messages(self.vf, data.prompt) if data.prompt is not None else []
+        self.opening += as_messages(data.prompt) if data.prompt is not None else []
         self.stops = [fn for fn in task.hooks("stop") if _on_trace(self.vf, fn)]
         self.trace.task = self.vf.TraceTask(type=type(task).__name__, data=data, key=task.key, hash=task.hash)
         yield self
@@ -245,8 +250,10 @@ class _Player:
 
     async def turn(self, message: Any = None):
         """One turn of the policy after ``message`` (a ``Segment``; ``terminated`` when a limit or stop refused it)."""
+        from verifiers.v1.dialects import parse_message
+
         vf, trace = self.vf, self.trace
-        messages = (self.opening if self.turns == 0 else []) + (as_messages(vf, message) if message else [])
+        messages = (self.opening if self.turns == 0 else []) + (as_messages(message) if message else [])
         if self.turns and trace.stop_condition is None:
             for stop in self.stops:
                 if await _call(vf, stop, trace, self.task):
@@ -259,7 +266,7 @@ class _Player:
         if not messages:
             raise ValueError(f"{_WHO}: turn() without a message on a task without a prompt: nothing to answer")
         for m in messages:
-            self._node(vf.dialects.parse_message(m), sampled=False)
+            self._node(parse_message(m), sampled=False)
         self.reply = asyncio.get_running_loop().create_future()
         self.channel.put(messages)
         text = await self.reply
