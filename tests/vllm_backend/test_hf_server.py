@@ -80,6 +80,19 @@ def test_a_pushed_policy_samples_as_the_policy_itself(name, drop_ended):
     torch.testing.assert_close(served_rows.sampling_logprobs, expected, atol=1e-5, rtol=0)
 
 
+def test_unseeded_requests_draw_from_the_engines_own_seeded_stream():
+    """Without a seed, two engines of the same ``--seed`` draw the same samples; one engine's next request, others."""
+    from aitraining_pl.vllm_backend.engine import SampleRequest
+
+    policy = build_causal_lm(model_config("llama"), seed=0)
+    engines = [engine_for("llama") for _ in range(2)]
+    request = SampleRequest(*prompts(), SAMPLING, [2], StopRule(), 0, 2)
+    for engine in engines:
+        engine.load(policy.state_dict().items(), "run:1")
+    first, again = (engines[0].sample_many([request])[0].response_ids for _ in range(2))
+    assert torch.equal(first, engines[1].sample_many([request])[0].response_ids) and not torch.equal(first, again)
+
+
 def test_a_push_in_flight_splits_a_response_between_two_versions():
     """A push (``in_flight``) that lands while a 32-token generation is paused after 10 decode steps: the first 10
     tokens of every row were sampled by the old weights, the rest by the new ones (``token_versions``), and each
