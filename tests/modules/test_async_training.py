@@ -93,6 +93,44 @@ def test_grpo_trains_with_stale_rollouts_and_logs_the_staleness(tmp_path):
     assert "aitraining-pl-rollouts" not in [t.name for t in threading.enumerate()]
 
 
+def test_ppo_and_multi_turn_grpo_train_asynchronously(tmp_path):
+    """PPO (a value head trained beside the policy) and GRPO on the multi-turn guessing game (each turn a request
+    to the server, the environment in this process) train on stale rollouts: policy and value head change, the
+    reference does not, every trained step logged its staleness and the episodes their turns."""
+    from aitraining_pl.environments.multiturn import GuessingGame
+    from aitraining_pl.modules.ppo import PPOModule
+
+    path = tmp_path / "game.jsonl"
+    path.write_text("".join(f'{{"prompt": "Guess 1-7 (#{i}):", "secret": {1 + i % 7}}}\n' for i in range(8)))
+    with hf_server_port(TINY_LLAMA) as port:
+        ppo = PPOModule(
+            reward=TOY_REWARD, model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, mini_batch_size=2,
+            num_iterations=1, kl_coef=0.05,
+            generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0, **served(port, max_staleness=1)),
+        )  # fmt: skip
+        game = GRPOModule(
+            reward=GuessingGame(max_turns=3), model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3,
+            num_generations=2, mini_batch_size=4, kl_coef=0.05,
+            generation=GenerationConfig(max_new_tokens=2, temperature=1.0, top_p=1.0, **served(port, max_staleness=2)),
+        )  # fmt: skip
+        runs = [
+            (ppo, PromptDataModule(prompts=["ab", "cd", "ef", "gh"] * 2, tokenizer=ppo.tokenizer, batch_size=2)),
+            (game, PromptDataModule(data_path=str(path), batch_size=2)),
+        ]
+        for module, data in runs:
+            before = {k: v.clone() for k, v in module.state_dict().items() if "reference" not in k}
+            reference = {k: v.clone() for k, v in module.reference.model.state_dict().items()}
+            staleness = Staleness()
+            quiet_trainer(tmp_path, max_steps=3, callbacks=[staleness]).fit(module, data)
+            after = module.state_dict()
+            changed = {k for k in before if not torch.equal(before[k], after[k])}
+            assert any("value_head" not in k for k in changed), changed
+            assert module is game or any("value_head" in k for k in changed), changed
+            assert all(torch.equal(reference[k], v) for k, v in module.reference.model.state_dict().items())
+            assert len(staleness.values) >= 2 and max(staleness.values) <= module.generation.max_staleness
+    assert module.last_episodes is not None and max(module.last_episodes.metrics["turns"]) >= 1
+
+
 def test_async_needs_a_server(tmp_path):
     module, data = grpo({"max_staleness": 1})
     with pytest.raises(ConfigError, match="generation.server: launch"):
