@@ -21,7 +21,8 @@ def require(module: str, extra: str, who: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        raise ConfigError(who, f"needs the {extra!r} package ({err}): pip install 'aitraining-pl[{extra}]'") from None
+        package = module.split(".")[0]
+        raise ConfigError(who, f"needs {package!r} ({err}): pip install 'aitraining-pl[{extra}]'") from None
 
 
 def background_loop() -> asyncio.AbstractEventLoop:
