@@ -17,11 +17,12 @@ itself, a colocated vLLM engine, a generation server) samples, with the run's ge
 - **Tool calls** in a sampled turn are parsed by the episode path's parser in the chat template's format
   (``environments.tools``) and returned as ``tool_calls`` (``finish_reason: tool_calls``), unless ``tool_choice``
   is ``none``; a call that does not parse is returned as text.
-- **Sampling.** The policy and its backend are not thread-safe: one sampler thread takes the pending calls
-  (those that arrive within ``batch_window`` seconds of the first are sampled together, one ``engine.sample`` per
-  distinct setting) and answers each. ``max_tokens`` is capped by ``generation.max_new_tokens``; ``stop`` adds
-  stop strings; the request's ``temperature`` / ``top_p`` apply only with ``request_sampling`` (else the run's
-  distribution, which the trainer's log-probs are of, samples every call).
+- **Sampling.** The policy and its backend are not thread-safe: one sampler thread answers the calls. Those that
+  arrive together (within ``batch_window`` seconds of the first, or until every running episode has a call pending)
+  are sampled in one ``engine.sample`` per distinct setting, in the episodes' opening order (the same draws whatever
+  the arrival order). ``max_tokens`` is capped by ``generation.max_new_tokens``; ``stop`` adds stop strings; the
+  request's ``temperature`` / ``top_p`` apply only with ``request_sampling`` (else the run's distribution, which the
+  trainer's log-probs are of, samples every call).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import asyncio
 import concurrent.futures
 import copy
 import dataclasses
+import itertools
 import json
 import queue
 import secrets
@@ -73,10 +75,13 @@ class EpisodeLog:
 
     records: list[CallRecord] = field(default_factory=list)
     finished: bool = False
+    running: bool = True  #: its agent is running (False: opened ahead, waiting for a free worker)
+    order: int = 0  #: opening order: a batch samples its calls in this order (the same draws whatever the timing)
 
 
 @dataclass
 class _Pending:
+    order: int  #: the episode's opening order
     prompt_ids: list[int]
     settings: tuple  #: (max_new_tokens, stop, n, temperature, top_p)
     future: concurrent.futures.Future
@@ -89,7 +94,8 @@ class AgentEndpoint:
         engine: the rollout engine (tokenizer, generation settings, backend); ``bind`` swaps it per batch.
         model: the policy (the plain transformers / peft model ``engine.sample`` takes).
         model_name: the model id the endpoint reports (any ``model`` in a request is served by the policy).
-        batch_window: seconds the sampler waits after a call for others to sample with it.
+        batch_window: seconds the sampler waits after a call for others to sample with it (it samples at once when
+            every open episode has a call pending).
         request_sampling: honour a request's ``temperature`` / ``top_p`` (off: the run's settings).
         chat_template: a chat template used instead of the tokenizer's (e.g. a tool-calling one).
     """
@@ -99,7 +105,7 @@ class AgentEndpoint:
         engine: RolloutEngine,
         model: torch.nn.Module,
         model_name: str = "policy",
-        batch_window: float = 0.005,
+        batch_window: float = 0.05,
         request_sampling: bool = False,
         chat_template: str | None = None,
     ):
@@ -110,6 +116,7 @@ class AgentEndpoint:
         self._lock = threading.Lock()  # guards ``episodes`` and the engine binding
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._formats: dict[str, tuple[ChatFormat, str | None]] = {}
+        self._opened = itertools.count()
         self._server = self._thread = self._sampler = None
         self.port = 0
         self.bind(engine, model)
@@ -128,12 +135,18 @@ class AgentEndpoint:
             self.engine, self.model = engine, model
             self.version = version if version is not None else getattr(engine.backend, "version", None)
 
-    def open_episode(self) -> str:
-        """A new episode's key."""
+    def open_episode(self, running: bool = True) -> str:
+        """A new episode's key (``running=False``: opened ahead of its agent's start, ``start_episode``)."""
         key = f"ep-{secrets.token_urlsafe(18)}"
         with self._lock:
-            self.episodes[key] = EpisodeLog()
+            self.episodes[key] = EpisodeLog(running=running, order=next(self._opened))
         return key
+
+    def start_episode(self, key: str) -> None:
+        """The agent of an episode opened ahead starts (the sampler then waits for its calls too)."""
+        with self._lock:
+            if key in self.episodes:
+                self.episodes[key].running = True
 
     def finish_episode(self, key: str) -> list[CallRecord]:
         """Close an episode (later calls with its key are refused) and return its records."""
@@ -210,7 +223,7 @@ class AgentEndpoint:
         top_p = request.top_p if self.request_sampling else None
         settings = (max_new, tuple(request.stop), request.n, temperature, top_p)
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put(_Pending(prompt, settings, future))
+        self._queue.put(_Pending(log.order, prompt, settings, future))
         samples = await asyncio.wrap_future(future)
         chat, tool_format = self.chat_format(request.tools)
         tokenizer, choices = self.engine.tokenizer, []
@@ -242,23 +255,28 @@ class AgentEndpoint:
         return completion_body(self.model_name, choices, len(prompt))
 
     # ------------------------------------------------------------------ the sampler thread
+    def _waiting_for_all(self, pending: int) -> bool:
+        """Whether every open episode has a call pending (nothing more can arrive before one is answered)."""
+        with self._lock:
+            return pending >= sum(log.running and not log.finished for log in self.episodes.values())
+
     def _sample_loop(self) -> None:
         while True:
             first = self._queue.get()
             if first is None:
                 return
             batch, deadline = [first], time.monotonic() + self.batch_window
-            while (left := deadline - time.monotonic()) > 0:
+            while not self._waiting_for_all(len(batch)) and (left := deadline - time.monotonic()) > 0:
                 try:
-                    item = self._queue.get(timeout=left)
+                    item = self._queue.get(timeout=min(left, 0.005))
                 except queue.Empty:
-                    break
+                    continue
                 if item is None:
                     self._queue.put(None)
                     break
                 batch.append(item)
             groups: dict[tuple, list[_Pending]] = {}
-            for item in batch:
+            for item in sorted(batch, key=lambda item: item.order):  # the same draws whatever the arrival order
                 groups.setdefault(item.settings, []).append(item)
             for settings, items in groups.items():
                 try:

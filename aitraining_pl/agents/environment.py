@@ -64,8 +64,10 @@ class AgentEnvironment(EpisodeEnvironment):
         max_concurrency: sync agents running at once (None: every episode of the batch).
         request_sampling: honour a request's ``temperature`` / ``top_p`` (default: the run's settings sample
             every call, so the trainer's log-probs are of the distribution sampled from).
-        chat_template: a chat template for the endpoint instead of the tokenizer's (e.g. a tool-calling one).
-        batch_window: seconds the endpoint's sampler waits for other calls to sample together.
+        chat_template: a chat template for the endpoint instead of the tokenizer's (e.g. a tool-calling one), or
+            the import path ``"pkg.module:NAME"`` of one.
+        batch_window: seconds the endpoint's sampler waits for other calls to sample together (at most: it samples
+            as soon as every open episode has a call pending).
         client_timeout: seconds the episode's client waits for one answer.
     """
 
@@ -78,7 +80,7 @@ class AgentEnvironment(EpisodeEnvironment):
         max_concurrency: int | None = None,
         request_sampling: bool = False,
         chat_template: str | None = None,
-        batch_window: float = 0.005,
+        batch_window: float = 0.05,
         client_timeout: float = 600.0,
     ):
         require_agents_extra()
@@ -88,6 +90,8 @@ class AgentEnvironment(EpisodeEnvironment):
         if not callable(self.agent):
             raise TypeError(f"AgentEnvironment: agent must be callable, got {type(self.agent).__name__}")
         self.max_sequences, self.max_concurrency = int(max_sequences), max_concurrency
+        if chat_template and "{" not in chat_template and ":" in chat_template:  # an import path
+            chat_template = import_object(chat_template)
         self.options = {"request_sampling": request_sampling, "chat_template": chat_template}
         self.batch_window, self.client_timeout = batch_window, client_timeout
         self._endpoint: list[AgentEndpoint | None] = [None]  # one for the run, started on the first batch
@@ -137,7 +141,7 @@ class AgentEnvironment(EpisodeEnvironment):
         backend's)."""
         endpoint = self.endpoint(engine, model, version)
         groups = [g for g in range(len(prompts)) for _ in range(num_samples)]
-        keys = [endpoint.open_episode() for _ in groups]
+        keys = [endpoint.open_episode(running=False) for _ in groups]
         jobs = [(key, prompts[g], dict(metadata[g] if metadata is not None else {})) for key, g in zip(keys, groups)]
         try:
             if inspect.iscoroutinefunction(self.agent):
@@ -161,6 +165,7 @@ class AgentEnvironment(EpisodeEnvironment):
         return kind(base_url=endpoint.base_url, api_key=key, max_retries=0, timeout=self.client_timeout)
 
     def _episode(self, endpoint: AgentEndpoint, key: str, prompt: str, metadata: dict) -> Any:
+        endpoint.start_episode(key)
         client = self._client(endpoint, key, False)
         try:
             return self.agent(client, prompt, metadata)
@@ -185,6 +190,7 @@ class AgentEnvironment(EpisodeEnvironment):
 
     def _run_async(self, endpoint: AgentEndpoint, jobs: list, timeout: float | None) -> list[float]:
         async def one(key, prompt, metadata):
+            endpoint.start_episode(key)
             client = self._client(endpoint, key, True)
             try:
                 return await asyncio.wait_for(self.agent(client, prompt, metadata), timeout)
