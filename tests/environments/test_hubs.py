@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import socket
 import threading
-import time
 
 import pytest
 import torch
@@ -68,22 +67,22 @@ def game(openenv):
 
 @pytest.fixture(scope="module")
 def server(game):
-    """``game`` behind OpenEnv's own server (FastAPI, uvicorn) on a loopback port: its URL."""
+    """``game`` behind OpenEnv's own server (FastAPI, uvicorn) on a loopback socket, listening before uvicorn starts
+    (so no wait for it): its URL."""
     import uvicorn
     from openenv.core.env_server.http_server import create_app
 
     app = create_app(game[0], game[1], game[2], max_concurrent_envs=8)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    running = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=running.run, daemon=True)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    running = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
+    thread = threading.Thread(target=running.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    while not running.started and thread.is_alive():
-        time.sleep(0.02)  # uvicorn says when it listens by this flag only
-    yield f"http://127.0.0.1:{port}"
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     running.should_exit = True
     thread.join(10)
+    sock.close()
 
 
 def _turn(text: str, index: int = 0) -> AssistantTurn:
