@@ -55,6 +55,9 @@ from aitraining_pl.models.sharding import is_sharded
 from aitraining_pl.vllm_backend.engine import policy_weights
 
 Weights = list[tuple[str, torch.Tensor]]
+#: the times ``stats`` reports (seconds since its last call): the trainer waiting for rollouts, the worker sampling
+#: and scoring, the worker waiting for work, rank 0 pushing weights
+TIMES = ("trainer_wait", "generator_busy", "generator_idle", "push")
 
 
 def snapshot(policy: torch.nn.Module, keep: bool) -> Weights | None:
@@ -224,7 +227,7 @@ class RolloutPipeline:
 
     def stats(self) -> dict[str, torch.Tensor]:
         """``async/...`` figures of the last step (times since the previous call, queue depth)."""
-        figures = {f"async/{k}_s": torch.tensor(v) for k, v in sorted(self.timing.items())}
+        figures = {f"async/{k}_s": torch.tensor(float(self.timing[k])) for k in TIMES}  # the same keys on every rank
         self.timing.clear()
         figures["async/queue_depth"] = torch.tensor(float(len(self.queue)))
         return figures

@@ -1,6 +1,7 @@
 """Run by tests/modules/test_online_ddp.py: 2-process CPU DDP GRPO; each rank saves its final state to OUT/rank<r>.pt.
 With ``episodes`` as the second argument the reward is the multi-turn ``GuessingGame`` (episodes of different
-lengths and turn counts on the two ranks).
+lengths and turn counts on the two ranks); with ``async``, asynchronous training (``max_staleness`` 1) on a generation
+server rank 0 starts (``server: launch``), for two epochs.
 
 The ranks are given different ``max_new_tokens`` (ragged rollouts across ranks); the reward function records the
 prompt of every row it scores, so the test can check that each prompt's G samples stayed on one rank, together.
@@ -52,7 +53,9 @@ def main(out: str, mode: str = "responses") -> None:
         tokenizer_name="byte",
         reward=GuessingGame(max_turns=3) if episodes else recording_reward,
         num_generations=4,
-        generation=GenerationConfig(max_new_tokens=4, temperature=1.0),
+        generation=GenerationConfig(
+            max_new_tokens=4, temperature=1.0, **({"server": "launch", "max_staleness": 1} if mode == "async" else {})
+        ),
         learning_rate=1e-3,
         mini_batch_size=4,
         gradient_accumulation_steps=2,
@@ -68,7 +71,7 @@ def main(out: str, mode: str = "responses") -> None:
         accelerator="cpu",
         devices=2,
         strategy="ddp",
-        max_epochs=1,
+        max_epochs=2 if mode == "async" else 1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

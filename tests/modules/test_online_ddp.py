@@ -63,3 +63,22 @@ def test_two_rank_grpo_on_multi_turn_episodes_ends_with_identical_weights(tmp_pa
         assert r0["metrics"][key] == pytest.approx(r1["metrics"][key]), key
     for name, tensor in r0["state"].items():
         assert torch.equal(tensor, r1["state"][name]), name
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_two_rank_async_grpo_on_a_launched_server_ends_with_identical_weights(tmp_path):
+    """Asynchronous GRPO (issue 31) under two DDP ranks: rank 0 starts the HF generation server, both ranks connect
+    and sample on it (rank 0 pushes; the server's load gate keeps the other rank's rollouts of a version until it
+    moved on), each trains on rollouts one version old; identical weights and steps, the staleness logged."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    command = [sys.executable, SCRIPT, str(tmp_path), "async"]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    # 2 epochs x 2 batches per rank, the first only submitted: 3 updates of 2 optimizer steps (num_iterations 2)
+    assert r0["global_step"] == r1["global_step"] == 6
+    assert r0["metrics"]["train/async/staleness/max"] == r1["metrics"]["train/async/staleness/max"] == 1.0
+    for name, tensor in r0["state"].items():
+        assert torch.equal(tensor, r1["state"][name]), name
