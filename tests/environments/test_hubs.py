@@ -153,7 +153,7 @@ def test_verifiers_turn_limit_truncates_and_a_trace_stop_ends_the_exchange(vf):
 
 
 def test_verifiers_refuses_bad_envs_and_seats_and_a_dropped_episode_ends_its_run(vf):
-    from hub_fixtures import HigherLowerConfig, UserSim
+    from hub_fixtures import DigitTaskset, HigherLowerConfig, UserSim
 
     from aitraining_pl.environments import VerifiersEnvironment
 
@@ -161,6 +161,9 @@ def test_verifiers_refuses_bad_envs_and_seats_and_a_dropped_episode_ends_its_run
         VerifiersEnvironment("hub_fixtures", seat="user")
     with pytest.raises(ConfigError, match="env 'no_such_environment': taskset 'no_such_environment' not found"):
         VerifiersEnvironment("no_such_environment")
+    with_tools = type("WithTools", (DigitTaskset,), {"toolsets": classmethod(lambda cls, config: ["a Toolset"])})
+    with pytest.raises(ConfigError, match="tool servers"):
+        VerifiersEnvironment(with_tools(vf.TasksetConfig()))
     env = VerifiersEnvironment(UserSim(HigherLowerConfig(taskset={"id": "hub_fixtures"})))
     with pytest.raises(ValueError, match="Env.run uses seat 'user'; only the policy's seat 'player' is played"):
         env.spawn().reset("", {"task": 0})

@@ -105,6 +105,8 @@ class VerifiersEnvironment(EpisodeEnvironment):
         taskset = self.env if isinstance(self.env, self.vf.Taskset) else self.env.taskset
         if not taskset.bounded:
             raise ConfigError(f"{_WHO}: env", "the taskset is infinite; bound it first (taskset.take(n))")
+        if taskset.toolsets(taskset.config) or type(taskset).task_type().toolsets(taskset.config.task):
+            raise ConfigError(f"{_WHO}: env", "its tool servers (vf.Toolset: MCP servers in a runtime) are not played")
         self.tasks = {task.data.idx: task for task in taskset}
         seats = self._seats()
         self.seat = seat or (next(iter(seats)) if len(seats) == 1 else None)
