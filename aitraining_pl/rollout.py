@@ -100,6 +100,9 @@ class Rollout:
     #: (N, R) log-probs under the distribution sampled from, as the sampler computed them (``with_logprobs``;
     #: always from the vLLM backend, whose numerics differ from the trainer's), zero after each response
     sampling_logprobs: torch.Tensor | None = None
+    #: (N, R) the weights version (step) that sampled each token, as a generation server reports it (-1 after the
+    #: end); None from the other backends
+    token_versions: torch.Tensor | None = None
     #: multi-turn episodes (``environments.episode_rollout.EpisodeInfo``): then ``response_mask`` marks the
     #: sampled tokens only and ``episodes.response_attention`` every real token (the environment's replies too)
     episodes: Any = None
@@ -279,7 +282,10 @@ class RolloutEngine:
             sampling = selective_log_softmax(sampled.scores, response)
         if sampled.sampling_logprobs is not None:
             sampling = sampled.sampling_logprobs * mask
-        return Rollout(prompt_ids, prompt_mask, response, mask, ended, texts, group, logprobs, sampling)
+        versions = sampled.token_versions
+        if versions is not None:
+            versions = versions.masked_fill(~mask.bool(), -1)
+        return Rollout(prompt_ids, prompt_mask, response, mask, ended, texts, group, logprobs, sampling, versions)
 
 
 def score_rollout(

@@ -122,6 +122,7 @@ class GenerationConfig:
         server_threads=COUNT,
         max_staleness=Range(0, integer=True),
         weight_sync_steps=COUNT,
+        async_schedule=OneOf(fixed("fixed", "free")),
     )
 
     max_new_tokens: int = 128
@@ -169,6 +170,12 @@ class GenerationConfig:
     weight_sync_steps: int = 1
     """In asynchronous training, push the policy's weights to the generation server every this many iterations
     (TRL's name): fewer pushes, older samples (at most ``max_staleness``, which must be at least this)."""
+    async_schedule: str = "fixed"
+    """In asynchronous training: ``fixed`` (each rollout sampled by exactly the version pushed before it was
+    submitted: reproducible, resumes bit-identical) or ``free`` (a push lands while rollouts generate: an engine that
+    allows it, the HF server, takes it between two decode steps, so a response may span two versions and later
+    tokens are fresher; each token's behaviour log-prob is that of the weights that sampled it; the same staleness
+    bound, but which tokens get which version depends on timing: not reproducible)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.vllm, dict):

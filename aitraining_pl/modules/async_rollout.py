@@ -34,9 +34,14 @@ weights; ``load_state_dict`` restores them, and the resumed run pushes those wei
 trainer's thread at its next wait, as the same one-line error; nothing trains on a rollout that failed. ``close``
 stops the worker (daemon thread; joined) and drops the rest.
 
-A fully asynchronous schedule (train on whatever is ready within the bound, weights landing mid-generation) is not
-this one: its samples depend on timing, so it cannot be reproducible; the HF generation server applies in-flight
-pushes between decode steps (``vllm_backend.hf_engine``) for it.
+**The free schedule** (``generation.async_schedule: free``; AReaL's and PipelineRL's in-flight weight updates): the
+same lag and bound, but rank 0 pushes from the trainer's thread as soon as a push is due, marked ``in_flight``, and
+the rollouts ask for their version or any later one. The HF server's engine takes such a push between two decode
+steps of the rollouts it is generating (``vllm_backend.hf_engine``; vLLM's engine loads between batches), so a
+response may span two versions, its later tokens fresher; each token's behaviour log-prob is that of the weights
+that sampled it and its version is reported (``token_versions``; the staleness is then measured per token). Which
+tokens get which weights depends on timing: a free run is not reproducible, and a resumed one continues the
+schedule without being bit-identical.
 """
 
 from __future__ import annotations
@@ -102,10 +107,16 @@ class RolloutPipeline:
         lag: steps between submitting a batch's rollouts and training on them (``GenerationConfig.lag``).
         sync_every: ``weight_sync_steps``.
         seed: the run's seed (each job's seed derives from it).
+        free: ``generation.async_schedule: free``: rank 0 pushes from the trainer's thread as soon as an update is
+            done, ``in_flight`` (the server's engine takes the weights between decode steps of the rollouts it is
+            generating), and the rollouts ask for their version or any later one; not reproducible.
     """
 
-    def __init__(self, backend: Any, policy: torch.nn.Module, rank: int, lag: int, sync_every: int, seed: int):
-        self.backend, self.policy, self.rank = backend, policy, int(rank)
+    def __init__(
+        self, backend: Any, policy: torch.nn.Module, rank: int, lag: int, sync_every: int, seed: int, free=False
+    ):
+        self.backend, self.policy, self.rank, self.free = backend, policy, int(rank), bool(free)
+        backend.at_least = self.free
         self.lag, self.sync_every, self.seed = int(lag), int(sync_every), int(seed)
         self.version = 0  #: iterations that trained (the policy's version)
         self.pushed = -1  #: the last version pushed (-1: none yet)
@@ -185,10 +196,14 @@ class RolloutPipeline:
 
         def send() -> None:
             start = time.perf_counter()
-            self.backend.push(weights, version)
+            self.backend.push(weights, version, in_flight=self.free)
             self.timing["push"] += time.perf_counter() - start
 
-        self._run(send)
+        if self.free:  # now, from this thread, while the worker's rollouts generate
+            if self.failure is None:
+                send()
+        else:  # in order after the rollouts before it
+            self._run(send)
 
     def pinned(self, fn: Callable[[], Any], version: int) -> Callable[[], Any]:
         """``fn`` with this process's requests naming ``version``."""

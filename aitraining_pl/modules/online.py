@@ -94,15 +94,28 @@ class RolloutBatch:
     token_scores: torch.Tensor | None = None  #: (N, R) an episode's per-turn rewards on each turn's last token
     episode_metrics: dict[str, list[float]] | None = None  #: per episode: turns, tool calls, ... (episodes only)
     sampling_logprobs: torch.Tensor | None = None  #: (N, R) the sampler's log-probs (vLLM backend), else None
+    token_versions: torch.Tensor | None = None  #: (N, R) the weights version of each sampled token (a server)
 
     FIELDS: ClassVar[tuple[str, ...]] = (
         "input_ids", "attention_mask", "prompt_length", "mask", "ended", "group", "texts", "scores", "components",
-        "token_scores", "episode_metrics", "sampling_logprobs",
+        "token_scores", "episode_metrics", "sampling_logprobs", "token_versions",
     )  # fmt: skip
 
     def placed_scores(self) -> torch.Tensor:
         """(N, R) the scores on the tokens they reward: per turn in an episode, else on the last token."""
         return self.token_scores if self.token_scores is not None else place_scores(self.scores, self.mask)
+
+
+def staleness(version: int, sampled_by: int, rollout: RolloutBatch) -> dict[str, torch.Tensor]:
+    """``async/staleness`` (mean over sampled tokens) and ``/max``: how many versions behind ``version`` the weights
+    that sampled ``rollout`` are: per token where the server reported each token's version (a push may land
+    mid-generation), else the version the rollout was submitted with (``sampled_by``)."""
+    versions, mask = rollout.token_versions, rollout.mask.bool()
+    if versions is None or not mask.any():
+        value = torch.tensor(float(version - sampled_by))
+        return {"async/staleness": value, "async/staleness/max": value}
+    behind = (version - versions[mask]).float()
+    return {"async/staleness": behind.mean().cpu(), "async/staleness/max": behind.max().cpu()}
 
 
 class TeardownOnFailure(pl.Callback):
@@ -213,7 +226,8 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
                     "(docs/async.md)",
                 )
             lag, every = self.generation.lag(), self.generation.weight_sync_steps
-            self._pipeline[0] = RolloutPipeline(backend, self.policy, self.global_rank, lag, every, seed)
+            free = self.generation.async_schedule == "free"
+            self._pipeline[0] = RolloutPipeline(backend, self.policy, self.global_rank, lag, every, seed, free)
 
     @property
     def backend(self) -> GenerationBackend:
@@ -353,6 +367,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             scores,
             components,
             sampling_logprobs=rollout.sampling_logprobs,
+            token_versions=rollout.token_versions,
         )
 
     def episode_rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
@@ -472,8 +487,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             if ready is None:
                 return
             batch, rollout = ready.batch, self.on_device(ready.job.result)
-            staleness = torch.tensor(float(pipeline.version - ready.version))
-            pipelined = {"async/staleness": staleness, "async/staleness/max": staleness, **pipeline.stats()}
+            pipelined = {**staleness(pipeline.version, ready.version, rollout), **pipeline.stats()}
         # 3. old / reference log-probs, values, advantages
         with torch.no_grad():
             experience, stats = self.make_experience(rollout)

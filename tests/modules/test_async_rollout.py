@@ -26,7 +26,7 @@ class StandInClient:
         self.events: list[tuple[str, int, float]] = []
         self.held: dict[int, float] = {}
 
-    def push(self, weights, version):
+    def push(self, weights, version, in_flight=False):
         value = float(dict(weights)["weight"].flatten()[0])
         self.held[version] = value
         self.events.append(("push", version, value))

@@ -33,6 +33,7 @@ def served(port: int, **options) -> dict:
 
 
 def grpo(generation: dict, prompts: list[str] | None = None, **kw) -> tuple[GRPOModule, PromptDataModule]:
+    generation = {"max_new_tokens": 4, **generation}
     module = GRPOModule(
         reward=TOY_REWARD,
         model_config=TINY_LLAMA,
@@ -41,7 +42,7 @@ def grpo(generation: dict, prompts: list[str] | None = None, **kw) -> tuple[GRPO
         num_generations=2,
         mini_batch_size=4,
         kl_coef=0.05,
-        generation=GenerationConfig(max_new_tokens=4, temperature=1.0, top_p=1.0, **generation),
+        generation=GenerationConfig(temperature=1.0, top_p=1.0, **generation),
         **kw,
     )
     prompts = prompts or ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
@@ -129,6 +130,32 @@ def test_ppo_and_multi_turn_grpo_train_asynchronously(tmp_path):
             assert all(torch.equal(reference[k], v) for k, v in module.reference.model.state_dict().items())
             assert len(staleness.values) >= 2 and max(staleness.values) <= module.generation.max_staleness
     assert module.last_episodes is not None and max(module.last_episodes.metrics["turns"]) >= 1
+
+
+def test_free_schedule_trains_with_per_token_versions(tmp_path):
+    """``async_schedule: free``: pushes land while rollouts generate (in flight on the HF server), each token carries
+    the version that sampled it, and the per-token staleness stays within ``max_staleness``."""
+    seen = []
+
+    class Versions(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            value = trainer.callback_metrics.get("train/async/staleness/max")
+            if value is not None:
+                seen.append(float(value))
+
+    with hf_server_port(TINY_LLAMA) as port:
+        module, data = grpo(served(port, max_staleness=1, async_schedule="free", max_new_tokens=12))
+        before = {k: v.clone() for k, v in module.policy.state_dict().items()}
+        rollouts = []
+        sample = module.scheduled_rollout
+        module.scheduled_rollout = lambda batch, seed: rollouts.append(sample(batch, seed)) or rollouts[-1]
+        quiet_trainer(tmp_path, max_steps=4, callbacks=[Versions()]).fit(module, data)
+    assert seen and max(seen) <= 1.0
+    assert any(not torch.equal(before[k], v) for k, v in module.policy.state_dict().items())
+    for rollout in rollouts:
+        versions = rollout.token_versions[rollout.mask.bool()]
+        assert versions.numel() and int(versions.min()) >= 0  # every sampled token says which weights drew it
+        assert (rollout.token_versions[~rollout.mask.bool()] == -1).all()
 
 
 def test_async_needs_a_server(tmp_path):
