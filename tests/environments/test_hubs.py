@@ -33,7 +33,9 @@ def openenv():
 @pytest.fixture(scope="module")
 def game(openenv):
     """A guess-the-number OpenEnv ``Environment``: ``(GuessNumber, GuessAction, GuessObservation)``;
-    ``reset(secret=...)``, a step's reward is 1 for the secret (done), -0.1 otherwise (hint: ``higher`` / ``lower``)."""
+    ``reset(secret=...)``; its ``rubric`` scores a step 1 for the secret (done), -0.1 otherwise (hint: ``higher`` /
+    ``lower``), written into the observation's ``reward`` as OpenEnv's docs show."""
+    from openenv.core.rubrics import Rubric
 
     class GuessAction(openenv.Action):
         guess: int
@@ -41,19 +43,29 @@ def game(openenv):
     class GuessObservation(openenv.Observation):
         hint: str = ""
 
+    class Found(Rubric):
+        def forward(self, action, observation) -> float:
+            return 1.0 if observation.done else -0.1
+
     class GuessNumber(openenv.Environment[GuessAction, GuessObservation, openenv.State]):
         SUPPORTS_CONCURRENT_SESSIONS = True
         closed = 0
 
+        def __init__(self):
+            super().__init__(rubric=Found())
+
         def reset(self, seed=None, episode_id=None, secret: int = 4, **kwargs):
+            self._reset_rubric()
             self.secret, self.steps = int(secret), 0
             return GuessObservation(hint="Guess 1-7.")
 
         def step(self, action, timeout_s=None, **kwargs):
             self.steps += 1
-            if action.guess == self.secret:
-                return GuessObservation(hint="right", done=True, reward=1.0)
-            return GuessObservation(hint="higher" if action.guess < self.secret else "lower", reward=-0.1)
+            right = action.guess == self.secret
+            hint = "right" if right else "higher" if action.guess < self.secret else "lower"
+            observation = GuessObservation(hint=hint, done=right)
+            observation.reward = self._apply_rubric(action, observation)
+            return observation
 
         @property
         def state(self):
