@@ -231,6 +231,13 @@ def test_openenv_environment_through_its_server_on_loopback(game, server):
     _check_guessing(env)
     assert env.schema["required"] == ["guess"]
 
+    async def connect():  # a client factory that awaits (as EnvClient.from_env does), the Action class given
+        from openenv import GenericEnvClient
+
+        return GenericEnvClient(base_url=server)
+
+    _check_guessing(OpenEnvEnvironment(connect, action_type=game[1]))
+
 
 # -- training
 

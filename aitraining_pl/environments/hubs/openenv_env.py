@@ -119,8 +119,9 @@ class OpenEnvEnvironment(EpisodeEnvironment):
 
     Args:
         env: an OpenEnv ``Environment`` (copied for each episode); a function (or class) making one ``Environment``,
-            ``EnvClient`` or ``SyncEnvClient`` per episode; an import path ``"pkg.module:object"`` of either; or a
-            running server's URL (``"http://host:port"``, played through a ``GenericEnvClient``).
+            ``EnvClient`` or ``SyncEnvClient`` per episode, or a coroutine of one (``EnvClient.from_env``); an import
+            path ``"pkg.module:object"`` of either; or a running server's URL (``"http://host:port"``, played through
+            a ``GenericEnvClient``).
         action_type: the ``Action`` class the model's turns are parsed into; default: the environment's or client's
             own (its generic parameters), plain dicts for a ``GenericEnvClient``.
         reset_key: metadata key holding ``reset``'s keyword arguments (a dict, e.g. ``{"seed": 3}``).
@@ -156,6 +157,8 @@ class OpenEnvEnvironment(EpisodeEnvironment):
         if not isinstance(kwargs, dict):
             raise ValueError(f"{_WHO}: metadata {self.reset_key!r} must be a dict of reset's arguments, got {kwargs!r}")
         self.env = self.make()
+        if inspect.isawaitable(self.env):  # e.g. `lambda: MyEnvClient.from_env("owner/env")`
+            self.env = run_sync(self.env)
         self.kind = self.action_type or _action_type(self.openenv, self.env)
         if self.kind is None and self.url and not self.schema:
             self.schema.update(server_action_schema(self.url))
