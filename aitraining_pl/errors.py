@@ -53,8 +53,8 @@ class SandboxError(UserError):
 
 
 class GenerationServerError(UserError, RuntimeError):
-    """The generation server (``aitraining-pl vllm-serve``, ``generation.vllm.mode: server``) could not be reached,
-    did not answer in time, closed the connection or refused a request: one line naming its ``host:port``, what
-    was being done, and how to go on (start it; resume the run from its last checkpoint with ``--ckpt_path``)."""
+    """The generation server (``aitraining-pl serve``; ``generation.server`` ``connect`` or ``launch``) could not be
+    reached, did not answer in time, closed the connection or refused a request: one line naming its ``host:port``,
+    what was being done, and how to go on (start it; resume the run from its last checkpoint with ``--ckpt_path``)."""
 
     what = "generation server"
