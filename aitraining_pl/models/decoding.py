@@ -212,13 +212,16 @@ class DecodeBatch:
 class SampledSteps(NamedTuple):
     """What ``sample_steps`` drew, per row: the tokens (N, R), padded after each row's end, R the steps until the
     last row ended; how many tokens each row sampled (N,); whether it ended by an end token or stop (N,; False:
-    ``max_new_tokens``); with ``output_logits`` the raw logits and warped scores (N, R, V), zeros after the end."""
+    ``max_new_tokens``); with ``output_logits`` the raw logits and warped scores (N, R, V), zeros after the end; with
+    ``chosen_logprobs`` the log-probs of the drawn tokens under the warped distribution (N, R), zeros after the
+    end: what a sampler reports, without holding (N, R, V)."""
 
     tokens: torch.Tensor
     lengths: torch.Tensor
     ended: torch.Tensor
     logits: torch.Tensor | None
     scores: torch.Tensor | None
+    chosen: torch.Tensor | None = None
 
 
 #: ``park(rows, index, batch)``: rows ``index`` of ``batch`` (response rows ``rows``) ended; called before they
@@ -266,6 +269,7 @@ def sample_steps(
     config: HFGenerationConfig,
     stop_rule: StopRule | None = None,
     park: Park | None = None,
+    chosen_logprobs: bool = False,
 ) -> SampledSteps:
     """The one sampling loop of both decoders: up to ``config.max_new_tokens`` tokens for each row of ``batch``.
 
@@ -282,6 +286,7 @@ def sample_steps(
     if config.output_logits:
         raw = torch.zeros(n, steps, logits.shape[-1], device=device)
         scored = torch.zeros_like(raw)
+    chosen = torch.zeros(n, steps, device=device) if chosen_logprobs else None
     lengths = torch.zeros(n, dtype=torch.long, device=device)
     ended = torch.zeros(n, dtype=torch.bool, device=device)
     rows = torch.arange(n, device=device)  # the response row of each batch row; every batch row is unfinished
@@ -291,6 +296,8 @@ def sample_steps(
         responses[rows, t] = tokens
         if raw is not None:
             raw[rows, t], scored[rows, t] = logits, scores
+        if chosen is not None:
+            chosen[rows, t] = torch.log_softmax(scores.float(), -1).gather(1, tokens[:, None]).squeeze(1)
         going = _going(tokens, ends, stop_rule, responses, rows, t)
         stopped = ~going
         if t + 1 == steps:
@@ -311,7 +318,9 @@ def sample_steps(
     width = int(lengths.max()) if n else 0
     if raw is not None:
         raw, scored = raw[:, :width], scored[:, :width]
-    return SampledSteps(responses[:, :width], lengths, ended, raw, scored)
+    return SampledSteps(
+        responses[:, :width], lengths, ended, raw, scored, None if chosen is None else chosen[:, :width]
+    )
 
 
 @torch.no_grad()

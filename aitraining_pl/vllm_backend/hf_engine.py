@@ -129,25 +129,28 @@ class HFServerEngine:
         if seed is None:  # the engine's own stream (``--seed``), one seed per request
             seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
         generation, n = request.generation, int(request.num_samples)
-        config = hf_generation_config(generation, request.end_ids, request.pad_token_id, with_logprobs=True)
+        config = hf_generation_config(generation, request.end_ids, request.pad_token_id)
         ids, mask = request.prompt_ids.to(self.device), request.prompt_mask.to(self.device)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(seed)
             forward = _SwappingForward(self, ids, n)
             batch = prefill(forward, ids, mask, n) if generation.drop_ended else None
             if batch is not None:
-                drawn = sample_steps(forward, batch, config, request.stop_rule, park=forward.park)
-                tokens, scores, lengths, steps = drawn.tokens, drawn.scores, drawn.lengths, forward.steps
+                # the drawn tokens' log-probs only: never (N, R, vocab) on the server
+                drawn = sample_steps(forward, batch, config, request.stop_rule, forward.park, chosen_logprobs=True)
+                tokens, logprobs, lengths, steps = drawn.tokens, drawn.chosen, drawn.lengths, forward.steps
             else:  # ``generate``: no swap inside it (a staged push waits for the batch's end); its ends are left
                 # to the rollout's end rule, as vLLM's are: every column counts
                 with self.lock:
                     steps = [step_of(self.version)] * int(config.max_new_tokens)
+                config = hf_generation_config(generation, request.end_ids, request.pad_token_id, with_logprobs=True)
                 sampled = sample_responses(self.model, ids, mask, config, request.stop_rule, False, n)
-                tokens, scores = sampled.response_ids, sampled.scores
+                tokens = sampled.response_ids
+                logprobs = selective_log_softmax(sampled.scores, tokens)
                 lengths = torch.full((tokens.shape[0],), tokens.shape[1])
         columns = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
         inside = columns < lengths.to(tokens.device)[:, None]
-        logprobs = selective_log_softmax(scores, tokens) * inside
+        logprobs = logprobs * inside
         versions = torch.tensor(steps[: tokens.shape[1]], dtype=torch.long, device=tokens.device)
         versions = torch.where(inside, versions[None, :].expand_as(tokens), torch.full_like(tokens, -1))
         device = request.prompt_ids.device
