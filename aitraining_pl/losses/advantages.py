@@ -137,6 +137,8 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "reinforce_pp": reinforce_pp_advantages,
 }
 CRITIC_ESTIMATORS = frozenset({"gae"})
+#: the estimators whose baseline is a statistic of the group's sequence scores (``compute_advantages``' ``episode``)
+GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo"})
 #: The critic-free ``advantage`` values, as a type; equal to ``ADVANTAGE_ESTIMATORS`` less ``CRITIC_ESTIMATORS``
 #: (tested).
 CriticFreeAdvantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
@@ -148,9 +150,28 @@ def compute_advantages(
     mask: torch.Tensor,
     group: torch.Tensor,
     values: torch.Tensor | None = None,
+    episode: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor:
-    """Run the estimator ``name`` of ``ADVANTAGE_ESTIMATORS`` (see the module docstring for the shapes)."""
+    """Run the estimator ``name`` of ``ADVANTAGE_ESTIMATORS`` (see the module docstring for the shapes).
+
+    ``episode`` (N,) long: the episode of each row, where an episode gives several rows (an agent that rewrote its
+    history: ``agents.environment``). A group-baseline estimator (``GROUP_ESTIMATORS``) then takes its group
+    statistics over episodes, one value each (the first row with sampled tokens stands for its episode), and
+    gives every row of an episode its episode's advantage; rows without sampled tokens get none. The token-level
+    estimators (``reinforce_pp``, ``gae``) treat each row as its own trajectory already."""
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; known: {', '.join(ADVANTAGE_ESTIMATORS)}")
-    return ADVANTAGE_ESTIMATORS[name](rewards, mask, group, values=values, **kwargs)
+    estimator = ADVANTAGE_ESTIMATORS[name]
+    if episode is None or name not in GROUP_ESTIMATORS:
+        return estimator(rewards, mask, group, values=values, **kwargs)
+    sampled = mask.bool().any(1)
+    rows = torch.arange(len(episode), device=episode.device)
+    first = torch.full((int(episode.max()) + 1,), len(episode), dtype=torch.long, device=episode.device)
+    first = first.scatter_reduce(0, episode[sampled], rows[sampled], reduce="amin")  # each episode's first row
+    present = first < len(episode)  # episodes with sampled tokens
+    heads = first[present]
+    per_token = estimator(rewards[heads], mask[heads], group[heads], **kwargs)
+    scalar = torch.zeros(len(first), dtype=per_token.dtype, device=per_token.device)
+    scalar[present] = per_token.sum(1) / mask[heads].sum(1).clamp_min(1)
+    return _per_token(scalar[episode], mask)

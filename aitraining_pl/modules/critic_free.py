@@ -204,7 +204,7 @@ class CriticFreeModule(OnlineRLModule):
         else:
             rewards = rollout.placed_scores()
         scaling = {"scale_rewards": hp.scale_rewards} if hp.advantage == "grpo" else {}
-        advantages = compute_advantages(hp.advantage, rewards, mask, rollout.group, **scaling)
+        advantages = compute_advantages(hp.advantage, rewards, mask, rollout.group, episode=rollout.episode, **scaling)
         loss_mask = mask
         if hp.dynamic_sampling:
             count, _, std = group_statistics(rollout.scores, rollout.group)

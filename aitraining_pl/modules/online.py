@@ -95,10 +95,11 @@ class RolloutBatch:
     episode_metrics: dict[str, list[float]] | None = None  #: per episode: turns, tool calls, ... (episodes only)
     sampling_logprobs: torch.Tensor | None = None  #: (N, R) the sampler's log-probs (vLLM backend), else None
     token_versions: torch.Tensor | None = None  #: (N, R) the weights version of each sampled token (a server)
+    episode: torch.Tensor | None = None  #: (N,) the episode of each row where an episode gives several (agents)
 
     FIELDS: ClassVar[tuple[str, ...]] = (
         "input_ids", "attention_mask", "prompt_length", "mask", "ended", "group", "texts", "scores", "components",
-        "token_scores", "episode_metrics", "sampling_logprobs", "token_versions",
+        "token_scores", "episode_metrics", "sampling_logprobs", "token_versions", "episode",
     )  # fmt: skip
 
     def placed_scores(self) -> torch.Tensor:
@@ -404,6 +405,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             token_scores=info.token_rewards - place_scores(penalty, mask),
             episode_metrics=info.metrics,
             sampling_logprobs=rollout.sampling_logprobs,
+            episode=info.episode,
         )
 
     # ------------------------------------------------------------------ log-prob passes

@@ -176,3 +176,29 @@ def test_policy_loss_at_ratio_one_is_minus_the_mean_advantage():
     assert loss.item() == pytest.approx(-(1.0 + -2.0) / 2)
     loss.backward()  # d/dlogp of -A rho at rho = 1 is -A, scaled by 1 / (rows * row length)
     assert torch.allclose(logp.grad, torch.tensor([[-0.25, -0.25, 0.0], [1.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_group_statistics_over_episodes_not_rows(name):
+    """An episode of two sequences (an agent that rewrote its history) and unused all-masked rows: the group's
+    statistics are those of its episodes (each counted once), every sequence of an episode gets its episode's
+    advantage, the unused rows none; equal to the estimator on one row per episode."""
+
+    # prompt 0: episodes 0 (two sequences, reward 1), 1 (one sequence and an unused row, reward 0), 2 (reward 0.5)
+    episode = torch.tensor([0, 0, 1, 1, 2, 2])
+    group = torch.zeros(6, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0], [0, 0, 0]])
+    scores = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.5, 0.0])
+    rewards = torch.zeros(6, 3)
+    last = mask.cumsum(1).argmax(1)
+    rewards[torch.arange(6), last] = scores * mask.any(1)
+    got = compute_advantages(name, rewards, mask, group, episode=episode)
+    heads = torch.tensor([0, 2, 4])
+    per_episode = compute_advantages(name, rewards[heads], mask[heads], group[heads])[:, 0]  # one row each
+    expected = per_episode[episode].unsqueeze(1) * mask
+    torch.testing.assert_close(got, expected)
+    by_hand = {"dr_grpo": [0.5, -0.5, 0.0], "rloo": [0.75, -0.75, 0.0]}  # mean 0.5; leave-one-out baselines
+    if name in by_hand:
+        torch.testing.assert_close(per_episode, torch.tensor(by_hand[name]))
+    assert (got[[3, 5]] == 0).all()  # the unused rows
+    assert torch.equal(got[0, :2], got[1, :2])  # both sequences of episode 0: its advantage
