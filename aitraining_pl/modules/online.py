@@ -22,7 +22,8 @@ import math
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from dataclasses import fields as dc_fields
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -96,11 +97,6 @@ class RolloutBatch:
     sampling_logprobs: torch.Tensor | None = None  #: (N, R) the sampler's log-probs (vLLM backend), else None
     token_versions: torch.Tensor | None = None  #: (N, R) the weights version of each sampled token (a server)
     episode: torch.Tensor | None = None  #: (N,) the episode of each row where an episode gives several (agents)
-
-    FIELDS: ClassVar[tuple[str, ...]] = (
-        "input_ids", "attention_mask", "prompt_length", "mask", "ended", "group", "texts", "scores", "components",
-        "token_scores", "episode_metrics", "sampling_logprobs", "token_versions", "episode",
-    )  # fmt: skip
 
     def placed_scores(self) -> torch.Tensor:
         """(N, R) the scores on the tokens they reward: per turn in an episode, else on the last token."""
@@ -509,7 +505,9 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
 
     def on_device(self, rollout: RolloutBatch | dict[str, Any]) -> RolloutBatch:
         """``rollout`` (or its plain form from a checkpoint) with its tensors on this module's device."""
-        fields = rollout if isinstance(rollout, dict) else {k: getattr(rollout, k) for k in RolloutBatch.FIELDS}
+        fields = (
+            rollout if isinstance(rollout, dict) else {f.name: getattr(rollout, f.name) for f in dc_fields(rollout)}
+        )
         return RolloutBatch(**{k: v.to(self.device) if torch.is_tensor(v) else v for k, v in fields.items()})
 
     def completion_rows(self, prompts: list[str], rollout: RolloutBatch, advantages: torch.Tensor) -> list[dict]:
