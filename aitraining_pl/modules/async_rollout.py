@@ -295,6 +295,18 @@ class RolloutPipeline:
         self.thread.join(timeout=timeout)
 
 
+def staleness(version: int, sampled_by: int, rollout: Any) -> dict[str, torch.Tensor]:
+    """``async/staleness`` (mean over sampled tokens) and ``/max``: how many versions behind ``version`` the weights
+    that sampled ``rollout`` are: per token where the server reported each token's version (a push may land
+    mid-generation), else the version the rollout was submitted with (``sampled_by``)."""
+    versions, mask = rollout.token_versions, rollout.mask.bool()
+    if versions is None or not mask.any():
+        value = torch.tensor(float(version - sampled_by))
+        return {"async/staleness": value, "async/staleness/max": value}
+    behind = (version - versions[mask]).float()
+    return {"async/staleness": behind.mean().cpu(), "async/staleness/max": behind.max().cpu()}
+
+
 def plain(value: Any) -> Any:
     """``value`` with dataclasses turned into dicts and tensors moved to the CPU (checkpoint-safe types)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

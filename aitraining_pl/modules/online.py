@@ -22,7 +22,6 @@ import math
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from dataclasses import fields as dc_fields
 from typing import Any
 
 import lightning.pytorch as pl
@@ -35,7 +34,7 @@ from aitraining_pl.generation.backend import BackendContext, GenerationBackend, 
 from aitraining_pl.losses import group_statistics, off_policy_log_ratio, off_policy_weights, place_scores
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.training import eval_mode
-from aitraining_pl.modules.async_rollout import RolloutPipeline
+from aitraining_pl.modules.async_rollout import RolloutPipeline, staleness
 from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
 from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions, moved_correction
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, build_reward_source
@@ -101,18 +100,6 @@ class RolloutBatch:
     def placed_scores(self) -> torch.Tensor:
         """(N, R) the scores on the tokens they reward: per turn in an episode, else on the last token."""
         return self.token_scores if self.token_scores is not None else place_scores(self.scores, self.mask)
-
-
-def staleness(version: int, sampled_by: int, rollout: RolloutBatch) -> dict[str, torch.Tensor]:
-    """``async/staleness`` (mean over sampled tokens) and ``/max``: how many versions behind ``version`` the weights
-    that sampled ``rollout`` are: per token where the server reported each token's version (a push may land
-    mid-generation), else the version the rollout was submitted with (``sampled_by``)."""
-    versions, mask = rollout.token_versions, rollout.mask.bool()
-    if versions is None or not mask.any():
-        value = torch.tensor(float(version - sampled_by))
-        return {"async/staleness": value, "async/staleness/max": value}
-    behind = (version - versions[mask]).float()
-    return {"async/staleness": behind.mean().cpu(), "async/staleness/max": behind.max().cpu()}
 
 
 class TeardownOnFailure(pl.Callback):
@@ -505,9 +492,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
 
     def on_device(self, rollout: RolloutBatch | dict[str, Any]) -> RolloutBatch:
         """``rollout`` (or its plain form from a checkpoint) with its tensors on this module's device."""
-        fields = (
-            rollout if isinstance(rollout, dict) else {f.name: getattr(rollout, f.name) for f in dc_fields(rollout)}
-        )
+        fields = rollout if isinstance(rollout, dict) else vars(rollout)
         return RolloutBatch(**{k: v.to(self.device) if torch.is_tensor(v) else v for k, v in fields.items()})
 
     def completion_rows(self, prompts: list[str], rollout: RolloutBatch, advantages: torch.Tensor) -> list[dict]:
