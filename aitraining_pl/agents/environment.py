@@ -145,10 +145,14 @@ class AgentEnvironment(EpisodeEnvironment):
         backend's)."""
         endpoint = self.endpoint(engine, model, version)
         groups = [g for g in range(len(prompts)) for _ in range(num_samples)]
-        keys = [endpoint.open_episode(running=False) for _ in groups]
+        asynchronous = inspect.iscoroutinefunction(self.agent)
+        # all at once: every episode counts as running from the start (the sampler waits for each one's call);
+        # fewer workers than episodes: an episode counts once its worker starts it
+        at_once = asynchronous or not self.max_concurrency or self.max_concurrency >= len(groups)
+        keys = [endpoint.open_episode(running=at_once) for _ in groups]
         jobs = [(key, prompts[g], dict(metadata[g] if metadata is not None else {})) for key, g in zip(keys, groups)]
         try:
-            if inspect.iscoroutinefunction(self.agent):
+            if asynchronous:
                 rewards = self._run_async(endpoint, jobs, timeout)
             else:
                 if self._http[0] is None:
