@@ -5,6 +5,7 @@ log-probs) and recorded token-in / token-out, ``n`` choices, an unknown or finis
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import TINY_LLAMA
 
 pytest.importorskip("fastapi")
@@ -107,3 +108,29 @@ def test_the_package_names_the_extra_when_it_is_missing(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", without_fastapi)
     with pytest.raises(ImportError, match=r"pip install 'aitraining-pl\[agents\]'"):
         require_agents_extra()
+
+
+def test_stop_strings_and_request_sampling(endpoint):
+    """``stop`` ends a completion at the string (kept, as the run's stop strings are); a request's temperature is
+    ignored by default (the run's distribution samples) and honoured with ``request_sampling`` (0: greedy)."""
+    tokenizer, model = endpoint.engine.tokenizer, endpoint.model
+    greedy = RolloutEngine(tokenizer, GenerationConfig(max_new_tokens=5, do_sample=False))
+    prompt = ChatFormat(tokenizer).prompt_ids(HELLO)
+    ids = torch.tensor([prompt])
+    expected = greedy.sample(model, ids, torch.ones_like(ids)).response_ids[0].tolist()
+    stop = tokenizer.decode(expected[:2])
+    key = endpoint.open_episode()
+    client = _client(endpoint, key)
+    try:
+        endpoint.request_sampling = True
+        draws = [client.chat.completions.create(model="m", messages=HELLO, temperature=0) for _ in range(2)]
+        stopped = client.chat.completions.create(model="m", messages=HELLO, temperature=0, stop=[stop])
+    finally:
+        endpoint.request_sampling = False
+        client.close()
+    records = endpoint.finish_episode(key)
+    assert [r.completion_ids for r in records[:2]] == [expected[: len(records[0].completion_ids)]] * 2
+    n = len(records[2].completion_ids)  # the first prefix whose text holds the stop string (bytes may merge)
+    assert n <= 2 and records[2].completion_ids == expected[:n] and stopped.choices[0].finish_reason == "stop"
+    assert stop in tokenizer.decode(expected[:n]) and stop not in tokenizer.decode(expected[: n - 1])
+    assert draws[0].choices[0].message.content == draws[1].choices[0].message.content
