@@ -99,12 +99,14 @@ class AgentEnvironment(EpisodeEnvironment):
 
     @property
     def name(self) -> str:
+        """The agent's name, as errors show it."""
         return getattr(self.agent, "__qualname__", type(self.agent).__name__)
 
     def __getstate__(self) -> dict:  # a copy (spawn, pickling) never takes the running server
         return {**self.__dict__, "_endpoint": [None], "_http": [None]}
 
     def spawn(self) -> AgentEnvironment:
+        """The environment itself: ``play_episodes`` keeps each episode apart by its key."""
         return self
 
     def reset(self, prompt: str, metadata: dict):
