@@ -1,7 +1,8 @@
 """GRPO trains the quickstart's calculator agent (``aitraining_pl/data/calculator_agent.py``, written with the
 ``openai`` client) through the endpoint: every iteration's episodes come from ``AgentEnvironment.play_episodes``,
 and the held-out success rises (3 epochs of 8 iterations: success 0.04 -> 0.15, mean reward 0.07 -> 0.28 on every
-run, since each batch waits for every running episode's call; 2 epochs gave 0.11 / 0.20)."""
+run, since each batch waits for every running episode's call; 2 epochs gave 0.11 / 0.20); a history-rewriting agent
+trains with two rows per episode."""
 
 from __future__ import annotations
 
@@ -71,3 +72,45 @@ def test_grpo_through_the_endpoint_raises_held_out_success(tmp_path):
         env.close()
     print("held-out (success, reward) through the endpoint:", before, "->", after)
     assert after[0] >= before[0] + 0.08 and after[1] >= before[1] + 0.15, (before, after)
+
+
+def _rewriter(client, prompt, metadata):
+    """Three calls; the third drops the first exchange: two sequences per episode."""
+    first = [{"role": "user", "content": prompt}]
+    a1 = client.chat.completions.create(model="m", messages=first).choices[0].message.content
+    second = [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": "more"}]
+    a2 = client.chat.completions.create(model="m", messages=second).choices[0].message.content
+    third = [
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": a2},
+        {"role": "user", "content": "end"},
+    ]
+    return float(len(client.chat.completions.create(model="m", messages=third).choices[0].message.content or ""))
+
+
+def test_grpo_trains_on_a_history_rewriting_agent_with_two_rows_per_episode(tmp_path):
+    """``max_sequences: 2``: every episode gives two rows (``episodes.episode`` names it), every rank the same row
+    count; the update runs on them and moves the policy."""
+    env = AgentEnvironment(_rewriter, max_sequences=2)
+    module = GRPOModule(
+        model_config=dict(TINY_LLAMA),
+        tokenizer_name="byte",
+        reward=env,
+        generation=GenerationConfig(max_new_tokens=3, temperature=1.0),
+        num_generations=2,
+        learning_rate=0.01,
+        mini_batch_size=4,
+        kl_coef=0.0,
+        seed=0,
+    )
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"hi {i}"}) + "\n" for i in range(4)))
+    before = [p.detach().clone() for p in module.policy.parameters()]
+    try:
+        quiet_trainer(tmp_path, max_steps=4).fit(module, datamodule=PromptDataModule(data_path=str(path), batch_size=2))
+    finally:
+        env.close()
+    assert module.global_step == 4  # 2 iterations of 2 prompts x 2 episodes x 2 rows, 4 rows per optimizer step
+    assert module.last_episodes.episode.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert module.last_episodes.metrics["sequences"] == [2.0] * 8
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))
