@@ -15,11 +15,11 @@ are all masked (``response_mask`` 0, the data module's prompt only). Rows of pro
 ``group`` is the prompt index of each row, ``episodes.episode`` the episode index.
 
 **Advantages.** Every row of an episode carries the episode's reward (``returns``; ``token_rewards`` on the last
-sampled token of each sequence). Group statistics (GRPO's mean and std, RLOO's leave-one-out baseline) must be
-taken over *episodes* (one value per ``episodes.episode``), not over rows, and every sequence of an episode gets
-its episode's advantage (all of it, not a share: each sequence is a full decision path that earned the reward, as
-in AReaL's and verl's multi-sequence agent rollouts); all-masked rows contribute nothing. With ``max_sequences:
-1`` and agents that never rewrite their history, rows are episodes and the modules need no change.
+sampled token of each sequence). Group statistics (GRPO's mean and std, RLOO's leave-one-out baseline) are taken
+over *episodes* (one value per ``episodes.episode``: ``losses.advantages.compute_advantages``), not over rows, and
+every sequence of an episode gets its episode's advantage (all of it, not a share: each sequence is a full decision
+path that earned the reward, as in AReaL's and verl's multi-sequence agent rollouts); all-masked rows get none.
+With ``max_sequences: 1`` and agents that never rewrite their history, rows are episodes.
 
 **Columns.** The prompt part of a row is the data module's prompt (left padded). Where a sequence starts with
 those tokens, the rest follows in the response part; where the agent rendered its own first prompt (a system
