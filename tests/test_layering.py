@@ -30,7 +30,8 @@ LAYERS = {
     "callbacks": 3,
     "strategies": 3,
     "environments": 3.3,
-    "data": 3.3,  # scripts that build the shipped data (they use the environments)
+    "data": 3.4,  # scripts that build the shipped data (they use the environments and the agents)
+    "agents": 3.4,  # the OpenAI-compatible endpoint and AgentEnvironment (on the environments and the engine)
     "modules": 4,
     "cli": 5,
     "cli_help": 5,  # the command's overview, --version and nested help

@@ -238,6 +238,8 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
                 pipeline.close()
             if backend is not None:
                 backend.close()
+            if hasattr(self.reward_source, "close"):  # an environment's own servers (an agent's endpoint)
+                self.reward_source.close()
         finally:
             if server is not None:
                 server.stop()
@@ -360,7 +362,10 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         source = self.reward_source
         # an environment that plays its own episodes (``play_episodes``, e.g. an agent given the policy through an
         # endpoint) returns the same ``Rollout``; the others are played turn by turn here (``sample_episodes``)
-        play = getattr(source, "play_episodes", None) or functools.partial(sample_episodes, environment=source)
+        play = getattr(source, "play_episodes", None)
+        if play is not None:  # the version its recorded calls were sampled by
+            play = functools.partial(play, version=self.pipeline.version if self.pipeline else self.global_step)
+        play = play or functools.partial(sample_episodes, environment=source)
         with self.sampling():
             rollout = play(
                 self.rollout_engine,
