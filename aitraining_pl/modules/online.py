@@ -244,13 +244,20 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             if server is not None:
                 server.stop()
 
+    @property
+    def rows_per_sample(self) -> int:
+        """Training rows per sampled response or episode: an agent environment's ``max_sequences`` (one row per
+        sequence of an episode), else 1."""
+        return int(getattr(self.reward_source, "max_sequences", 1))
+
     def updates_per_iteration(self, batch_size: int) -> int:
         """Optimizer steps made by one iteration on ``batch_size`` prompts."""
         hp = self.hparams
-        rows, per_step = batch_size * self.num_generations, hp.mini_batch_size * hp.gradient_accumulation_steps
+        samples = self.num_generations * self.rows_per_sample
+        rows, per_step = batch_size * samples, hp.mini_batch_size * hp.gradient_accumulation_steps
         if rows % per_step:
             raise ValueError(
-                f"the rollouts per batch ({batch_size} prompts x {self.num_generations}) must be a multiple of "
+                f"the rollouts per batch ({batch_size} prompts x {samples} rows) must be a multiple of "
                 f"mini_batch_size * gradient_accumulation_steps "
                 f"({hp.mini_batch_size} * {hp.gradient_accumulation_steps})"
             )
@@ -550,7 +557,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         hp = self.hparams
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         accum = hp.gradient_accumulation_steps
-        self.updates_per_iteration(n // self.num_generations)  # validates the batch split
+        self.updates_per_iteration(n // (self.num_generations * self.rows_per_sample))  # validates the batch split
         generator = torch.Generator().manual_seed(hp.seed * 1_000_003 + self.global_step)
         history: list[dict[str, torch.Tensor]] = []
         for _ in range(self.num_iterations):
