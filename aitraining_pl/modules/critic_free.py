@@ -50,6 +50,8 @@ class PolicyExperience:
     ref_logprobs: torch.Tensor | None  #: None unless the KL term is in the loss
     response_mask: torch.Tensor | None = None  #: sampled tokens (the entropy's mask; holes in an episode)
     is_weights: torch.Tensor | None = None  #: truncated importance weights of a vLLM rollout (``sampler_correction``)
+    #: the sampler's log-probs when the correction is taken per minibatch (``num_iterations`` 1: ``make_experience``)
+    sampling_logprobs: torch.Tensor | None = None
 
 
 class CriticFreeModule(OnlineRLModule):
@@ -193,11 +195,16 @@ class CriticFreeModule(OnlineRLModule):
         truncated responses (``policy_loss.mask_truncated_completions``)."""
         hp, mask, stats = self.hparams, rollout.mask, {}
         kl_in_reward = bool(self.kl_coef) and hp.kl_in_reward
-        sampled = rollout.sampling_logprobs is not None  # a vLLM rollout: the mismatch needs the trainer's log-probs
-        need_old = hp.num_iterations > 1 or kl_in_reward or sampled
+        sampled = (
+            rollout.sampling_logprobs is not None
+        )  # a sampler's rollout: the mismatch needs the trainer's log-probs
+        # one pass over the rollouts and no old log-probs otherwise needed: the correction is taken in each minibatch
+        # against the current (detached) log-probs, the proximal policy then (no separate pass for pi_old)
+        deferred = sampled and hp.num_iterations == 1 and not kl_in_reward
+        need_old = hp.num_iterations > 1 or kl_in_reward or (sampled and not deferred)
         old = self.frozen_logprobs(rollout, reference=False) if need_old else None
         ref = self.frozen_logprobs(rollout, reference=True) if self.reference is not None and self.kl_coef else None
-        weights, stats = self.sampler_correction(old, rollout)
+        weights, stats = (None, {}) if deferred else self.sampler_correction(old, rollout.sampling_logprobs, mask)
         if kl_in_reward:
             rewards, kl = token_rewards(rollout.scores, old, ref, mask, self.kl_coef, "k1", rollout.token_scores)
             stats["kl"] = kl.sum(1).mean()
@@ -220,6 +227,7 @@ class CriticFreeModule(OnlineRLModule):
             None if kl_in_reward else ref,
             mask,
             weights,
+            rollout.sampling_logprobs if deferred else None,
         )
         return experience, stats
 
@@ -233,6 +241,11 @@ class CriticFreeModule(OnlineRLModule):
         old = exp.old_logprobs[idx] if exp.old_logprobs is not None else out.logprobs.detach()
         ref = exp.ref_logprobs[idx] if exp.ref_logprobs is not None else None
         is_weights = exp.is_weights[idx] if exp.is_weights is not None else None  # vLLM rollouts (Yao et al. 2025)
+        sampling = {}
+        if exp.sampling_logprobs is not None:  # the correction deferred to here (``make_experience``)
+            is_weights, sampling = self.sampler_correction(
+                out.logprobs.detach(), exp.sampling_logprobs[idx], exp.response_mask[idx]
+            )
         loss, stats = self.policy_gradient_loss(
             out.logprobs, out.entropy, old, exp.advantages[idx], mask, hp.loss_aggregation, ref, is_weights
         )
@@ -240,6 +253,7 @@ class CriticFreeModule(OnlineRLModule):
             "loss": loss.detach(),
             "entropy": masked_mean(out.entropy.detach(), exp.response_mask[idx]),
             **stats,
+            **sampling,
         }
 
 

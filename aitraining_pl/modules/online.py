@@ -442,19 +442,20 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             return self.response_scores(model, input_ids, attention_mask, prompt_length).logprobs
 
     def sampler_correction(
-        self, logprobs: torch.Tensor | None, rollout: RolloutBatch
+        self, logprobs: torch.Tensor | None, sampled: torch.Tensor | None, mask: torch.Tensor
     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-        """For a rollout that carries the sampler's log-probs (vLLM, a generation server), ``logprobs`` being the
-        trainer's at rollout time (``pi_old``, around which the ratio is clipped): the importance weights of the
-        policy term under ``policy_loss.importance_sampling_mode`` (``auto``: ``sequence_mask`` on a GPU or with
+        """For rows that carry the sampler's log-probs ``sampled`` (vLLM, a generation server; ``mask``: their
+        sampled tokens), ``logprobs`` being the trainer's (``pi_old``, around which the ratio is clipped): the
+        importance weights of the policy term under ``policy_loss.importance_sampling_mode`` (``auto``:
+        ``sequence_mask`` on a GPU or with
         stale samples, else none; ``losses.off_policy_weights``: with the clip around ``pi_old`` this is AReaL's
         decoupled PPO; with ``use_decoupled_loss: false`` the plain ratio, which the loss moves into its clipped ratio)
         and the ``sampling/...`` stats: ``logp_gap/mean``, ``/max``, ``mismatch_kl``, and with a mode
         ``is_weight/mean``, ``/min``, ``/max``, ``masked_tokens`` / ``masked_sequences`` or ``truncated_tokens`` /
         ``truncated_sequences``. ``(None, {})`` for other rollouts."""
-        if rollout.sampling_logprobs is None or logprobs is None:
+        if sampled is None or logprobs is None:
             return None, {}
-        options, sampled, mask = self.policy_loss, rollout.sampling_logprobs, rollout.mask
+        options = self.policy_loss
         mode = (
             options.off_policy_mode(self.device.type, self.generation.pipelined) if options.use_decoupled_loss else None
         )

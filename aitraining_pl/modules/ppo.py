@@ -211,7 +211,7 @@ class PPOModule(OnlineRLModule):
             rollout.scores, old_logprobs, ref_logprobs, mask, self.kl_coef, hp.kl_estimator, rollout.token_scores
         )
         advantages, returns = whitened_gae(rewards, old_values, mask, hp.gamma, hp.lam)
-        weights, stats = self.sampler_correction(old_logprobs, rollout)
+        weights, stats = self.sampler_correction(old_logprobs, rollout.sampling_logprobs, mask)
         loss_mask = self.loss_mask(mask, rollout.ended)  # mask_truncated_completions
         experience = Experience(
             rollout.input_ids,
