@@ -79,6 +79,7 @@ def child(args: argparse.Namespace) -> None:
         tokenizer_name="byte",
         num_generations=args.generations,
         mini_batch_size=args.prompts * args.generations // 2,
+        gradient_accumulation_steps=2,  # one optimizer step per iteration (TRL's steps_per_generation default)
         learning_rate=args.learning_rate,
         kl_coef=0.04,
         generation=GenerationConfig(**generation),
@@ -115,7 +116,7 @@ def child(args: argparse.Namespace) -> None:
                 module.sync_rollout_seconds = getattr(module, "sync_rollout_seconds", 0.0) + time.perf_counter() - t0
 
     module.rollout = timed_rollout
-    updates_per_iteration = 2  # prompts x generations = 2 minibatches, one iteration
+    updates_per_iteration = 1  # prompts x generations = 2 micro-batches accumulated, one iteration
     trainer = pl.Trainer(accelerator="gpu" if args.gpu else "cpu", devices=1, precision="bf16-true" if args.gpu else
                          "32-true", max_steps=args.updates * updates_per_iteration, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -50,7 +50,7 @@ class PolicyExperience:
     ref_logprobs: torch.Tensor | None  #: None unless the KL term is in the loss
     response_mask: torch.Tensor | None = None  #: sampled tokens (the entropy's mask; holes in an episode)
     is_weights: torch.Tensor | None = None  #: truncated importance weights of a vLLM rollout (``sampler_correction``)
-    #: the sampler's log-probs when the correction is taken per minibatch (``num_iterations`` 1: ``make_experience``)
+    #: the sampler's log-probs when the correction is taken per micro-batch (one optimizer step: ``make_experience``)
     sampling_logprobs: torch.Tensor | None = None
 
 
@@ -198,9 +198,13 @@ class CriticFreeModule(OnlineRLModule):
         sampled = (
             rollout.sampling_logprobs is not None
         )  # a sampler's rollout: the mismatch needs the trainer's log-probs
-        # one pass over the rollouts and no old log-probs otherwise needed: the correction is taken in each minibatch
-        # against the current (detached) log-probs, the proximal policy then (no separate pass for pi_old)
-        deferred = sampled and hp.num_iterations == 1 and not kl_in_reward
+        # one optimizer step per iteration (its micro-batches all before it) and no old log-probs otherwise needed: the
+        # correction is taken in each micro-batch against its current (detached) log-probs, which are pi_old's then
+        # (the same weights, the same numbers), without a separate pass for pi_old
+        one_step = (
+            hp.num_iterations == 1 and rollout.input_ids.shape[0] == hp.mini_batch_size * hp.gradient_accumulation_steps
+        )
+        deferred = sampled and one_step and not kl_in_reward
         need_old = hp.num_iterations > 1 or kl_in_reward or (sampled and not deferred)
         old = self.frozen_logprobs(rollout, reference=False) if need_old else None
         ref = self.frozen_logprobs(rollout, reference=True) if self.reference is not None and self.kl_coef else None

@@ -81,8 +81,8 @@ def one_rollout(module: GRPOModule, monkeypatch):
     with torch.no_grad():
         old = module.response_scores(module.policy.eval(), rollout.input_ids, rollout.attention_mask, 3).logprobs
     module.policy.train()
-    # one iteration: no pass for pi_old, the correction is taken in each minibatch against the current log-probs
-    # (equal to pi_old's in the first minibatch, the whole batch here); what that minibatch computes:
+    # one optimizer step per iteration: no pass for pi_old, the correction is taken in the micro-batch against its
+    # current log-probs (pi_old's: no step before it); what that micro-batch computes:
     assert experience.is_weights is None and torch.equal(experience.sampling_logprobs, rollout.sampling_logprobs)
     experience.is_weights, deferred = module.sampler_correction(old, rollout.sampling_logprobs, rollout.mask)
     return rollout, experience, {**stats, **deferred}, old
