@@ -15,14 +15,15 @@ The modes alternate within each round (``--rounds``), on the same prompts and se
 falls on all of them. A step's figures: wall time; the trainer's wait for rollouts; the generator's busy and idle
 time and the weight push (asynchronous runs, from the pipeline's ``async/...`` metrics); the staleness and the
 sampler/trainer gap (``sampling/mismatch_kl``, masked sequences). Throughput is over the steady-state updates (the
-first ``--warmup`` updates left out). The held-out reward is the mean reward of one greedy-free sample per held-out
-prompt after the run (in-process, same seed for every mode).
+first ``--warmup`` updates left out). The held-out reward is the mean reward of one sample per held-out
+prompt after the run (temperature 1, in-process, the same seed for every mode).
 
     python benchmarks/async_rollouts.py                       # 25m and 3m, all modes, 2 rounds
     python benchmarks/async_rollouts.py --sizes 3m --rounds 1 --updates 6
 
-A GPU machine (a 0.5B shape in bf16 with vLLM): ``--gpu`` runs the same modes with ``generation.backend: vllm``
-and the Qwen2-0.5B shape (random weights), the server on the same GPU (``gpu_memory_utilization`` 0.3).
+A GPU machine, one command: ``python benchmarks/async_rollouts.py --gpu --sizes 0.5b`` runs the same modes in bf16
+with ``generation.backend: vllm`` on the Qwen2-0.5B shape (random weights), the launched vLLM server on the same GPU
+(``generation.vllm.gpu_memory_utilization`` 0.3, passed to it).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def child(args: argparse.Namespace) -> None:
         mini_batch_size=args.prompts * args.generations // 2,
         gradient_accumulation_steps=2,  # one optimizer step per iteration (TRL's steps_per_generation default)
         learning_rate=args.learning_rate,
-        kl_coef=0.04,
+        kl_coef=args.kl_coef,
         generation=GenerationConfig(**generation),
         padding_free=True,
     )
@@ -158,8 +159,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="updates left out of the throughput")
     p.add_argument("--prompts", type=int, default=8, help="prompts per batch")
     p.add_argument("--generations", type=int, default=4, help="samples per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--learning-rate", type=float, default=3e-3)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--learning-rate", type=float, default=3e-4)
+    p.add_argument("--kl-coef", type=float, default=0.04, help="0: no reference pass (DAPO-style)")
     p.add_argument("--gpu", action="store_true", help="vLLM on a GPU, bf16 (the 0.5b size)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
@@ -168,13 +170,22 @@ def main() -> None:
     if args.child:
         return child(args)
     print_header(1, server_threads=1, sizes=args.sizes, modes=args.modes, updates=args.updates, prompts=args.prompts,
-                 generations=args.generations, max_new_tokens=args.max_new_tokens)  # fmt: skip
+                 generations=args.generations, max_new_tokens=args.max_new_tokens, learning_rate=args.learning_rate,
+                 kl_coef=args.kl_coef)  # fmt: skip
     results: dict[tuple[str, str], list[dict]] = {}
     for round_ in range(args.rounds):
         for size in args.sizes:
             for mode in args.modes:
                 command = [sys.executable, __file__, "--child", "--mode", mode, "--size", size]
-                for flag in ("updates", "warmup", "prompts", "generations", "max_new_tokens", "learning_rate"):
+                for flag in (
+                    "updates",
+                    "warmup",
+                    "prompts",
+                    "generations",
+                    "max_new_tokens",
+                    "learning_rate",
+                    "kl_coef",
+                ):
                     command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
                 command += ["--gpu"] if args.gpu else []
                 result = run_child(command, 1, f"{size} {mode}")

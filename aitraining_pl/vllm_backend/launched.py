@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from aitraining_pl.generation.config import GenerationConfig
+from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
 from aitraining_pl.models.generation import hf_model
 
 #: seconds a launched server has to start listening (it imports torch and transformers, builds the model)
@@ -59,6 +59,14 @@ class LaunchedServer:
             "--token_file", str(self.token_file), "--threads", str(generation.server_threads),
             "--seed", str(seed), "--dtype", dtype, "--timeout", str(generation.vllm.server_timeout),
         ]  # fmt: skip
+        if engine == "vllm":  # the engine options are the run's (``VLLMConfig.SERVER_OWNED``), given to the server
+            options = generation.vllm
+            argv += ["--gpu_memory_utilization", str(options.gpu_memory_utilization),
+                     "--cpu_kv_cache_gb", str(options.cpu_kv_cache_gb),
+                     "--tensor_parallel_size", str(options.tensor_parallel_size),
+                     "--enforce_eager", str(options.enforce_eager).lower()]  # fmt: skip
+            if options.max_model_len:
+                argv += ["--max_model_len", str(options.max_model_len)]
         self.log = self.folder / "server.log"
         self.process: subprocess.Popen | None = None
         self.process, self.port = launch(argv, self.log, START_TIMEOUT)
@@ -92,7 +100,8 @@ class LaunchedServer:
 
 def connect_to(generation: GenerationConfig, port: int, token_file: str) -> GenerationConfig:
     """A copy of ``generation`` that connects to a server on this machine at ``port`` with the token in
-    ``token_file``."""
+    ``token_file`` (the engine options, given to the server it launched, back to their defaults: nothing to warn)."""
+    owned = {name: getattr(VLLMConfig(), name) for name in VLLMConfig.SERVER_OWNED}
     vllm = dataclasses.replace(generation.vllm, server_host="127.0.0.1", server_port=int(port),
-                               server_token_file=token_file)  # fmt: skip
+                               server_token_file=token_file, **owned)  # fmt: skip
     return dataclasses.replace(generation, server="connect", vllm=vllm)
