@@ -17,6 +17,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # tokenised data is cached by `datasets`: keep the suite's cache out of the user's
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="aitraining-pl-datasets-"))
 
+# Lightning before any test module imports pydantic / openai: Python caches ``typing.Union`` by its members, so a
+# ``Union[float, int]`` those build first becomes the type of ``Trainer(limit_train_batches=...)`` and the CLI tests
+# would read ``--trainer.limit_train_batches 1`` as 1.0 (every batch)
+import lightning.pytorch  # noqa: E402, F401
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
