@@ -10,7 +10,8 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_LLAMA, quiet_trainer
+from conftest import quiet_trainer
+from episode_fixtures import episode_module
 
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
@@ -18,8 +19,7 @@ pytest.importorskip("openai")
 from aitraining_pl.agents import AgentEnvironment  # noqa: E402
 from aitraining_pl.data.calculator_agent import calculator_agent  # noqa: E402
 from aitraining_pl.datamodules.prompt import PromptDataModule  # noqa: E402
-from aitraining_pl.modules.critic_free import GRPOModule  # noqa: E402
-from aitraining_pl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
+from aitraining_pl.rollout import RolloutEngine  # noqa: E402
 
 HELD_OUT = [(a, b) for a in range(5) for b in range(10 - a)]  # every sum of the prompts' kind
 
@@ -45,17 +45,7 @@ def test_grpo_through_the_endpoint_raises_held_out_success(tmp_path):
         batch_window=30.0,  # every batch waits for each running episode's call: the same draws on every run
     )
     torch.manual_seed(0)
-    module = GRPOModule(
-        model_config=dict(TINY_LLAMA),
-        tokenizer_name="byte",
-        reward=env,
-        generation=GenerationConfig(max_new_tokens=2, temperature=1.0),
-        num_generations=8,
-        learning_rate=0.01,
-        mini_batch_size=32,
-        kl_coef=0.0,
-        seed=0,
-    )
+    module = episode_module(env)
     path = tmp_path / "train.jsonl"
     prompts = [HELD_OUT[(i * 7) % len(HELD_OUT)] for i in range(64)]
     path.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "expression": f"{a}+{b}"}) + "\n" for a, b in prompts))
@@ -92,17 +82,7 @@ def test_grpo_trains_on_a_history_rewriting_agent_with_two_rows_per_episode(tmp_
     """``max_sequences: 2``: every episode gives two rows (``episodes.episode`` names it), every rank the same row
     count; the update runs on them and moves the policy."""
     env = AgentEnvironment(_rewriter, max_sequences=2)
-    module = GRPOModule(
-        model_config=dict(TINY_LLAMA),
-        tokenizer_name="byte",
-        reward=env,
-        generation=GenerationConfig(max_new_tokens=3, temperature=1.0),
-        num_generations=2,
-        learning_rate=0.01,
-        mini_batch_size=4,
-        kl_coef=0.0,
-        seed=0,
-    )
+    module = episode_module(env, max_new_tokens=3, num_generations=2, mini_batch_size=4)
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"hi {i}"}) + "\n" for i in range(4)))
     before = [p.detach().clone() for p in module.policy.parameters()]

@@ -438,29 +438,12 @@ def test_async_grpo_resume_is_bit_identical(tmp_path, deterministic, staleness, 
     schedule): the checkpoint keeps the rollouts in flight (and, with ``weight_sync_steps`` 2, the weights of the
     last push when they are older than the policy's), so a run killed after step 3 and resumed with a new run id
     trains on the same rollouts and ends bit-identical; the first ``lag`` batches only warm up."""
-    from async_fixtures import hf_server_port
+    from async_fixtures import grpo, hf_server_port, served
 
-    from aitraining_pl.generation.config import VLLMConfig
-
-    prompts = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
     with hf_server_port(TINY_LLAMA) as port:
 
         def make():
-            generation = GenerationConfig(
-                max_new_tokens=4, temperature=1.0, top_p=1.0, server="connect", max_staleness=staleness,
-                weight_sync_steps=sync_every, vllm=VLLMConfig(server_port=port, server_timeout=60),
-            )  # fmt: skip
-            module = GRPOModule(
-                reward="aitraining_pl.rewards:char_length_reward",
-                model_config=TINY_LLAMA,
-                tokenizer_name="byte",
-                learning_rate=1e-3,
-                num_generations=2,
-                mini_batch_size=4,
-                kl_coef=0.05,
-                generation=generation,
-            )
-            return module, PromptDataModule(prompts=prompts, tokenizer=module.tokenizer, batch_size=2)
+            return grpo(served(port, max_staleness=staleness, weight_sync_steps=sync_every))
 
         full, resumed, (a, first, b), _ = _run_and_resume(tmp_path, make, 3, max_epochs=2)
     lag = staleness - sync_every + 1

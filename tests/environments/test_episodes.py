@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from conftest import TINY_LLAMA
-from episode_fixtures import SECRETS, fit_on_the_game, held_out_success
+from episode_fixtures import SECRETS, episode_module, fit_on_the_game, held_out_success
 
 from aitraining_pl.environments.episode import EpisodeEnvironment, EpisodeStep, OneTurnEpisode
 from aitraining_pl.environments.episode_rollout import ChatFormat, sample_episodes
@@ -135,41 +135,13 @@ def test_gae_and_reinforce_pp_run_across_the_holes_of_an_episode():
     assert out[0, 0] == out[0, 3] == out[0, 4] and (out[0, [1, 2, 5]] == 0).all()
 
 
-def _guessing_module(**overrides):
-    from aitraining_pl.modules.critic_free import GRPOModule
-
-    settings = dict(
-        model_config=dict(TINY_LLAMA),
-        tokenizer_name="byte",
-        reward=GuessingGame(max_turns=3),
-        generation=GenerationConfig(max_new_tokens=2, temperature=1.0),
-        num_generations=8,
-        learning_rate=0.01,
-        mini_batch_size=32,
-        kl_coef=0.0,
-        seed=0,
-    )
-    return GRPOModule(**{**settings, **overrides})
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp"])
 def test_critic_free_algorithms_raise_held_out_success_on_the_guessing_game(tmp_path, advantage):
     from aitraining_pl.modules.critic_free import CriticFreeModule
 
     torch.manual_seed(0)
-    module = CriticFreeModule(
-        model_config=dict(TINY_LLAMA),
-        tokenizer_name="byte",
-        reward=GuessingGame(max_turns=3),
-        generation=GenerationConfig(max_new_tokens=2, temperature=1.0),
-        num_generations=8,
-        advantage=advantage,
-        learning_rate=0.01,
-        mini_batch_size=32,
-        kl_coef=0.0,
-        seed=0,
-    )
+    module = episode_module(GuessingGame(max_turns=3), module_class=CriticFreeModule, advantage=advantage)
     before = held_out_success(module)
     fit_on_the_game(module, tmp_path, epochs=2)
     after = held_out_success(module)

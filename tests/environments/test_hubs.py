@@ -10,7 +10,8 @@ import threading
 
 import pytest
 import torch
-from conftest import TINY_LLAMA, quiet_trainer
+from conftest import quiet_trainer
+from episode_fixtures import episode_module
 
 from aitraining_pl.environments.episode import AssistantTurn
 from aitraining_pl.errors import ConfigError
@@ -259,8 +260,6 @@ def _fit(module, tmp_path, prompts, metadata, steps):
 @pytest.mark.parametrize("hub", ["verifiers", "openenv"])
 def test_grpo_trains_on_a_hub_environment(request, tmp_path, hub):
     from aitraining_pl.environments import OpenEnvEnvironment, VerifiersEnvironment
-    from aitraining_pl.modules.critic_free import GRPOModule
-    from aitraining_pl.rollout import GenerationConfig
 
     if hub == "verifiers":  # as a YAML `reward:` gives it
         request.getfixturevalue("vf")
@@ -271,17 +270,7 @@ def test_grpo_trains_on_a_hub_environment(request, tmp_path, hub):
         env = OpenEnvEnvironment(request.getfixturevalue("game")[0](), max_turns=3)
         prompts, metadata, metric = ["Play."] * 6, [{"reset": {"secret": 1 + i}} for i in range(6)], "invalid_actions"
     torch.manual_seed(0)
-    module = GRPOModule(
-        model_config=dict(TINY_LLAMA),
-        tokenizer_name="byte",
-        reward=env,
-        generation=GenerationConfig(max_new_tokens=2, temperature=1.0),
-        num_generations=4,
-        learning_rate=0.01,
-        mini_batch_size=8,
-        kl_coef=0.0,
-        seed=0,
-    )
+    module = episode_module(env, num_generations=4, mini_batch_size=8)
     seen = []
     make_experience = module.make_experience
     module.make_experience = lambda rollout: seen.append(rollout) or make_experience(rollout)

@@ -1,16 +1,36 @@
-"""Shared by the episode tests (HF and vLLM): the guessing game's held-out success and a short fit on it, the
-secrets of the three test prompts, left-padded prompt tensors, and the check that two backends played the same
-episodes."""
+"""Shared by the episode tests (HF and vLLM): a critic-free module for an episode environment, the guessing game's
+held-out success and a short fit on it, the secrets of the three test prompts, left-padded prompt tensors, and the
+check that two backends played the same episodes."""
 
 from __future__ import annotations
 
 import torch
-from conftest import quiet_trainer
+from conftest import TINY_LLAMA, quiet_trainer
 
 from aitraining_pl.environments.episode_rollout import sample_episodes
-from aitraining_pl.rollout import RolloutEngine
+from aitraining_pl.rollout import GenerationConfig, RolloutEngine
 
 SECRETS = [{"secret": 3}, {"secret": 5}, {"secret": 6}]
+
+
+def episode_module(reward, max_new_tokens: int = 2, module_class=None, **overrides):
+    """A critic-free module (``module_class``, default ``GRPOModule``) on the half-width tiny Llama for an episode
+    ``reward`` (an environment): ``max_new_tokens`` per turn at temperature 1, no KL, seed 0; ``overrides`` replace or
+    add settings (``num_generations`` 8, ``mini_batch_size`` 32, ``learning_rate`` 0.01)."""
+    from aitraining_pl.modules.critic_free import GRPOModule
+
+    settings = dict(
+        model_config=dict(TINY_LLAMA),
+        tokenizer_name="byte",
+        reward=reward,
+        generation=GenerationConfig(max_new_tokens=max_new_tokens, temperature=1.0),
+        num_generations=8,
+        learning_rate=0.01,
+        mini_batch_size=32,
+        kl_coef=0.0,
+        seed=0,
+    )
+    return (module_class or GRPOModule)(**{**settings, **overrides})
 
 
 def held_out_success(module, rows: int = 70, seed: int = 0) -> float:

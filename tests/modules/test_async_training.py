@@ -13,7 +13,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from async_fixtures import hf_server_port
+from async_fixtures import TOY_REWARD, grpo, hf_server_port, served
 from conftest import TINY_LLAMA, quiet_trainer
 
 from aitraining_pl.datamodules.prompt import PromptDataModule
@@ -23,30 +23,6 @@ from aitraining_pl.modules.critic_free import GRPOModule
 from aitraining_pl.rollout import GenerationConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-TOY_REWARD = "aitraining_pl.rewards:char_length_reward"  # varies within a group: something to learn
-
-
-def served(port: int, **options) -> dict:
-    """``generation`` options that connect to the server on ``port``."""
-    vllm = VLLMConfig(server_port=port, server_timeout=60)
-    return {"server": "connect", "vllm": vllm, **options}
-
-
-def grpo(generation: dict, prompts: list[str] | None = None, **kw) -> tuple[GRPOModule, PromptDataModule]:
-    generation = {"max_new_tokens": 4, **generation}
-    module = GRPOModule(
-        reward=TOY_REWARD,
-        model_config=TINY_LLAMA,
-        tokenizer_name="byte",
-        learning_rate=1e-3,
-        num_generations=2,
-        mini_batch_size=4,
-        kl_coef=0.05,
-        generation=GenerationConfig(temperature=1.0, top_p=1.0, **generation),
-        **kw,
-    )
-    prompts = prompts or ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
-    return module, PromptDataModule(prompts=prompts, tokenizer=module.tokenizer, batch_size=2)
 
 
 class Staleness(pl.Callback):
