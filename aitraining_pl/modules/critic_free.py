@@ -195,9 +195,8 @@ class CriticFreeModule(OnlineRLModule):
         truncated responses (``policy_loss.mask_truncated_completions``)."""
         hp, mask, stats = self.hparams, rollout.mask, {}
         kl_in_reward = bool(self.kl_coef) and hp.kl_in_reward
-        sampled = (
-            rollout.sampling_logprobs is not None
-        )  # a sampler's rollout: the mismatch needs the trainer's log-probs
+        # a sampler's rollout (vLLM, a generation server): its mismatch needs the trainer's log-probs
+        sampled = rollout.sampling_logprobs is not None
         # one optimizer step per iteration (its micro-batches all before it) and no old log-probs otherwise needed: the
         # correction is taken in each micro-batch against its current (detached) log-probs, which are pi_old's then
         # (the same weights, the same numbers), without a separate pass for pi_old
