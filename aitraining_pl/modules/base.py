@@ -41,6 +41,7 @@ from aitraining_pl.models.lora import as_lora_config, save_adapter_base, save_pl
 from aitraining_pl.models.quantization import is_quantized, merged_full_precision_state, quantization_hparam
 from aitraining_pl.models.sharding import is_sharded, shard
 from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing
+from aitraining_pl.models.vision import is_vision_model, is_vision_name, load_processor
 from aitraining_pl.optim import adamw_with_warmup, fused_adamw_applies
 from aitraining_pl.strategies import FSDP2Strategy  # noqa: F401 - registers the "fsdp2" strategy names
 from aitraining_pl.validation import Ranges, check_arguments, rules, save_hparams
@@ -115,6 +116,7 @@ class AlignmentModule(pl.LightningModule):
             trust_remote_code=bool(self.hparam("trust_remote_code", False)),
             seed=int(self.hparam("seed", 0) or 0),
             quantization=self.hparam("quantization"),
+            freeze_vision_tower=bool(self.hparam("freeze_vision_tower", True)),
         )
 
     def full_precision_base(self) -> nn.Module:
@@ -136,7 +138,11 @@ class AlignmentModule(pl.LightningModule):
             name = self.hparam("tokenizer_name") or self.hparam("model_name")
             if name is None:
                 raise ValueError("set tokenizer_name (e.g. 'byte') when the model comes from an inline model_config")
-            self._tokenizer = load_tokenizer(name, trust_remote_code=bool(self.hparam("trust_remote_code", False)))
+            trust = bool(self.hparam("trust_remote_code", False))
+            if is_vision_name(name) or is_vision_model(getattr(self, "policy", None)):  # the processor's tokenizer
+                self._tokenizer = load_processor(name, trust_remote_code=trust).tokenizer
+            else:
+                self._tokenizer = load_tokenizer(name, trust_remote_code=trust)
         return self._tokenizer
 
     def set_tokenizer(self, tokenizer: Any) -> None:
