@@ -37,10 +37,13 @@ from typing import Any
 
 import torch
 
+from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.losses import selective_log_softmax
 from aitraining_pl.models.generation import SampledTokens, StopRule
+from aitraining_pl.models.vision import VisionInputs
+from aitraining_pl.models.vision_decoding import sample_with_images
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, score_responses
 from aitraining_pl.vllm_backend.client import VLLMServerClient
 from aitraining_pl.vllm_backend.engine import VLLMEngine, vllm_available
@@ -242,6 +245,7 @@ class RolloutEngine:
         *,
         with_logprobs: bool = False,
         seed: int | torch.Generator | None = None,
+        vision: VisionInputs | None = None,
     ) -> Rollout:
         """Sample ``num_samples`` responses for each left-padded prompt (B, P), in eval mode.
 
@@ -250,6 +254,8 @@ class RolloutEngine:
             with_logprobs: also return ``logprobs`` and ``sampling_logprobs`` (from ``generate``'s logits).
             seed: sample in a forked RNG seeded with this int, or with a seed drawn from this generator (the
                 global RNG is then left untouched).
+            vision: the prompts' images (``models.vision.VisionInputs``) for a vision-language model: sampled by
+                the HF decoder with the images (``models.vision_decoding``).
         """
         end_ids = self.end_token_ids(model)
         group = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(num_samples)
@@ -260,9 +266,15 @@ class RolloutEngine:
         backend = self.backend
         if backend is None or backend.location == "policy":  # the model given samples itself
             backend = HFBackend(model, with_logprobs)
-        sampled = backend.sample(
-            prompt_ids, prompt_mask, self.generation, end_ids, self.stop_rule, pad, num_samples, seed
-        )
+        if vision is not None:  # a VL model's prompts with their images: the HF decoder (models.vision_decoding)
+            if backend.location != "policy":
+                raise ConfigError("generation.backend", "prompts with images are sampled by the HF decoder: set hf")
+            sampled = sample_with_images(model, prompt_ids, prompt_mask, vision, self.generation, end_ids,
+                                         self.stop_rule, pad, num_samples, seed)  # fmt: skip
+        else:
+            sampled = backend.sample(
+                prompt_ids, prompt_mask, self.generation, end_ids, self.stop_rule, pad, num_samples, seed
+            )
         return self.rollout(prompt_ids[group], prompt_mask[group], sampled, group, end_ids, pad)
 
     def rollout(

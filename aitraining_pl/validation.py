@@ -263,6 +263,7 @@ CONSTRAINTS: dict[str, Rule] = {
     "val_split": Range(0, 1, high_open=True),
     "max_length": COUNT,
     "max_prompt_length": COUNT,
+    "max_image_pixels": Range(1, integer=True, optional=True),
     "num_workers": Range(0, integer=True),
 }
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from aitraining_pl.datamodules.base import IN_MEMORY, TextDataModule, holdout_indices
 from aitraining_pl.datamodules.io import DataSource, data_sources, load_source, quiet_datasets
+from aitraining_pl.models.vision import processor_of
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ class CachedDataModule(TextDataModule):
     def _encode_rows(self, rows: Any, source: str) -> Any:
         """``_encode`` over every row: a cached ``Dataset.map`` for a ``Dataset``, a loop for a list."""
         self._check_columns(rows, source)
+        if processor_of(self.tokenizer) is not None and not isinstance(rows, list):
+            rows = rows.to_list()  # rows with images stay in memory (not cached: PIL images, tensors)
         if isinstance(rows, list):
             return [({**r} if self.keep_columns else {}) | self._encode(r, i, source) for i, r in enumerate(rows)]
         with quiet_datasets(progress=len(rows) >= PROGRESS_ROWS):

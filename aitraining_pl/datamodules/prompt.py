@@ -25,6 +25,13 @@ from aitraining_pl.datamodules.cached import CachedDataModule
 from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE, prompt_text
 from aitraining_pl.datamodules.io import DataValidationError, PaddingCollator, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
+from aitraining_pl.datamodules.vision import (
+    IMAGE_COLUMNS,
+    VISION,
+    collate_vision,
+    encode_vision_prompt,
+    vision_processor,
+)
 from aitraining_pl.models.tokens import with_bos
 from aitraining_pl.validation import constructor_arguments, rules
 
@@ -108,7 +115,10 @@ class PromptDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         row = self.examples[index]
-        return {"input_ids": row[IDS], "prompt": row[TEXT], "metadata": self._metadata(row)}
+        item = {"input_ids": row[IDS], "prompt": row[TEXT], "metadata": self._metadata(row)}
+        if row.get(VISION):  # a VL model's row with images (``datamodules.vision``)
+            item["vision"] = row[VISION]
+        return item
 
 
 class PromptCollator(PaddingCollator):
@@ -121,6 +131,7 @@ class PromptCollator(PaddingCollator):
             "attention_mask": pad_sequences([[1] * len(i) for i in ids], 0, side="left"),
             "prompts": [e["prompt"] for e in examples],
             "metadata": [e["metadata"] for e in examples],
+            **({"vision": collate_vision(examples)} if "vision" in examples[0] else {}),
         }
 
 
@@ -151,17 +162,19 @@ class PromptDataModule(CachedDataModule):
         metadata: in-memory metadata, one dict per prompt.
         tokenizer: tokenizer object or name (``"byte"``, a folder or hub id); the CLI links it from the model.
         use_chat_template: render string prompts through the tokenizer's chat template as a user turn.
-        max_prompt_length: longest prompt, in tokens (its end is kept).
+        max_prompt_length: longest prompt, in tokens (its end is kept; a prompt with images is refused instead).
         batch_size: prompts per PPO iteration (per device); the seed's ``batch_size``.
         eval_batch_size: prompts per validation batch (default: ``batch_size``).
         num_workers: DataLoader worker processes.
         seed: seed of the validation split and of the prompt order.
+        max_image_pixels: the largest image accepted (width x height) for a vision-language model; a larger one is
+            refused with its file, row and field (None: any size; the processor resizes what it takes).
     """
 
     collator = PromptCollator
     keep_columns = True  # the other columns are the metadata
 
-    argument_ranges = {**DATA_RANGES, **rules("max_prompt_length")}
+    argument_ranges = {**DATA_RANGES, **rules("max_prompt_length", "max_image_pixels")}
 
     def __init__(
         self,
@@ -184,6 +197,7 @@ class PromptDataModule(CachedDataModule):
         eval_batch_size: int | None = None,
         num_workers: int = 0,
         seed: int = 0,
+        max_image_pixels: int | None = None,
     ):
         super().__init__(tokenizer, (prompts, metadata))
         self.save_arguments(
@@ -221,7 +235,7 @@ class PromptDataModule(CachedDataModule):
 
     def _settings(self) -> dict[str, Any]:
         hp = self.hparams
-        keys = ("prompt_column", "metadata_columns", "use_chat_template", "max_prompt_length")
+        keys = ("prompt_column", "metadata_columns", "use_chat_template", "max_prompt_length", "max_image_pixels")
         return {k: hp[k] for k in keys} | {"fallback_chat_template": FALLBACK_CHAT_TEMPLATE}
 
     def _encode(self, record: dict, index: int, source: str) -> dict[str, Any]:
@@ -229,6 +243,10 @@ class PromptDataModule(CachedDataModule):
         hp, row = self.hparams, index + 1
         if record.get(hp.prompt_column) is None:
             raise DataValidationError(source, "missing field", row, hp.prompt_column)
+        processor = vision_processor(self.tokenizer)
+        if processor is not None:  # a VL model: the row's images through its processor (``datamodules.vision``)
+            return encode_vision_prompt(processor, record, hp.prompt_column, hp.max_prompt_length,
+                                        hp.use_chat_template, source, row, hp.max_image_pixels)  # fmt: skip
         check_text(record[hp.prompt_column], source, row, hp.prompt_column)
         for column in hp.metadata_columns or []:
             if record.get(column) is None:
@@ -237,7 +255,8 @@ class PromptDataModule(CachedDataModule):
 
     def _build(self, rows: Any, source: str) -> PromptDataset:
         hp = self.hparams
-        return PromptDataset.from_encoded(rows, exclude=[hp.prompt_column], keep=hp.metadata_columns)
+        exclude = [hp.prompt_column, VISION, *IMAGE_COLUMNS]
+        return PromptDataset.from_encoded(rows, exclude=exclude, keep=hp.metadata_columns)
 
     def setup(self, stage: str | None = None) -> None:
         """Read, check and tokenise once (a second call reuses the datasets)."""

@@ -20,6 +20,8 @@ from torch import nn
 from aitraining_pl.losses import positions_from_mask
 from aitraining_pl.models.packing import pack_rows, packing_pays
 from aitraining_pl.models.scoring import scoring_path, token_scores
+from aitraining_pl.models.vision import VisionInputs
+from aitraining_pl.models.vision_scoring import vision_token_scores
 
 
 class ResponseScores(NamedTuple):
@@ -49,6 +51,7 @@ def response_logps(
     padding_free: bool = True,
     with_entropy: bool = False,
     with_hidden: bool = False,
+    vision: VisionInputs | None = None,
 ) -> ResponseScores:
     """Log-probs ``log pi(y_t | x, y_<t)`` (temperature-scaled logits) of the response tokens.
 
@@ -61,17 +64,23 @@ def response_logps(
             is exact, else the model's own forward).
         with_entropy: also return the per-token entropy of the policy.
         with_hidden: also return the last hidden states predicting the response tokens (a value head's input).
+        vision: each row's images (``models.vision.VisionInputs``) for a VL model: padded rows with the images
+            (``models.vision_scoring``).
     """
     scored = attention_mask.clone()
     scored[:, :prompt_length] = 0
     packed = None
-    if will_pack(model, attention_mask, prompt_length, padding_free):
+    if vision is not None:
+        args = (temperature, with_entropy, with_hidden)
+        out = vision_token_scores(model, input_ids, attention_mask, scored, vision, *args)
+    elif will_pack(model, attention_mask, prompt_length, padding_free):
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": scored}
         packed = pack_rows(batch, shared_prefix=prompt_length)
-    positions = positions_from_mask(attention_mask)  # as ``generate`` counts left-padded rows
-    out = token_scores(
-        model, input_ids, attention_mask, scored, positions, packed, temperature, with_entropy, with_hidden
-    )
+    if vision is None:
+        positions = positions_from_mask(attention_mask)  # as ``generate`` counts left-padded rows
+        out = token_scores(
+            model, input_ids, attention_mask, scored, positions, packed, temperature, with_entropy, with_hidden
+        )
     response = slice(prompt_length - 1, None)
     hidden = out.hidden
     if hidden is not None:  # row-major order of the response mask

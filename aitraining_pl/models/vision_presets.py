@@ -93,6 +93,7 @@ def _qwen(model_type: str, processor_class: str, patch: int, vision: dict[str, A
         image_token_id="<|image_pad|>",
         vision_start_token_id="<|vision_start|>",
         video_token_id="<|video_pad|>",
+        vision_end_token_id="<|vision_end|>",
     )
     text = {**TEXT, "vocab_size": len(tokenizer), "eos_token_id": 1, "pad_token_id": 0, "bos_token_id": None}
     text["rope_scaling"] = {"rope_type": "default", "mrope_section": [2, 2, 4]}

@@ -52,6 +52,7 @@ class PolicyExperience:
     is_weights: torch.Tensor | None = None  #: truncated importance weights of a vLLM rollout (``sampler_correction``)
     #: the sampler's log-probs when the correction is taken per micro-batch (one optimizer step: ``make_experience``)
     sampling_logprobs: torch.Tensor | None = None
+    vision: Any = None  #: each row's images (``models.vision.VisionInputs``) for a VL model
 
 
 class CriticFreeModule(OnlineRLModule):
@@ -179,12 +180,16 @@ class CriticFreeModule(OnlineRLModule):
     def frozen_logprobs(self, rollout: RolloutBatch, reference: bool) -> torch.Tensor:
         """(N, R) log-probs of the policy (eval mode) or of the reference, ``mini_batch_size`` rows at a time."""
         ids, attention, P = rollout.input_ids, rollout.attention_mask, rollout.prompt_length
+        vision = (lambda r: rollout.vision.rows(r)) if rollout.vision is not None else (lambda r: None)  # noqa: E731
         if reference:
-            return torch.cat(self.in_minibatches(lambda r: self.reference_logprobs(ids[r], attention[r], P), len(ids)))
+            return torch.cat(
+                self.in_minibatches(lambda r: self.reference_logprobs(ids[r], attention[r], P, vision(r)), len(ids))
+            )
         with eval_mode(self.policy):
             return torch.cat(
                 self.in_minibatches(
-                    lambda r: self.response_scores(self.policy, ids[r], attention[r], P).logprobs, len(ids)
+                    lambda r: self.response_scores(self.policy, ids[r], attention[r], P, vision=vision(r)).logprobs,
+                    len(ids),
                 )
             )
 
@@ -231,6 +236,7 @@ class CriticFreeModule(OnlineRLModule):
             mask,
             weights,
             rollout.sampling_logprobs if deferred else None,
+            rollout.vision,
         )
         return experience, stats
 
@@ -238,8 +244,14 @@ class CriticFreeModule(OnlineRLModule):
         """Clipped policy-gradient loss on rollouts ``idx`` (plus ``kl_coef`` * k3 when the KL is in the loss)."""
         hp = self.hparams
         mask = exp.mask[idx]
+        vision = exp.vision.rows(idx) if exp.vision is not None else None
         out = self.response_scores(
-            self.policy, exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_length, with_entropy=True
+            self.policy,
+            exp.input_ids[idx],
+            exp.attention_mask[idx],
+            exp.prompt_length,
+            with_entropy=True,
+            vision=vision,
         )
         old = exp.old_logprobs[idx] if exp.old_logprobs is not None else out.logprobs.detach()
         ref = exp.ref_logprobs[idx] if exp.ref_logprobs is not None else None

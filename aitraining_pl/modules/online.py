@@ -96,6 +96,7 @@ class RolloutBatch:
     sampling_logprobs: torch.Tensor | None = None  #: (N, R) the sampler's log-probs (vLLM backend), else None
     token_versions: torch.Tensor | None = None  #: (N, R) the weights version of each sampled token (a server)
     episode: torch.Tensor | None = None  #: (N,) the episode of each row where an episode gives several (agents)
+    vision: Any = None  #: the images of each row's prompt (``models.vision.VisionInputs``), for VL models
 
     def placed_scores(self) -> torch.Tensor:
         """(N, R) the scores on the tokens they reward: per turn in an episode, else on the last token."""
@@ -290,6 +291,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         prompt_mask: torch.Tensor,
         config: GenerationConfig | None = None,
         num_samples: int = 1,
+        vision: Any = None,
     ) -> Rollout:
         """Sample ``num_samples`` responses per left-padded prompt with the rollout engine (``generation``, or
         ``config``), in eval mode; rows ``i*G .. i*G+G-1`` answer prompt ``i``. With the vLLM backend the engine
@@ -305,7 +307,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         if config is not None:
             engine = RolloutEngine(self.tokenizer, config, backend=self.backend, seed=self._sampling_seed)
         with self.sampling():
-            return engine.sample(self.policy, prompt_ids, prompt_mask, num_samples)
+            return engine.sample(self.policy, prompt_ids, prompt_mask, num_samples, vision=vision)
 
     @contextlib.contextmanager
     def sampling(self):
@@ -347,7 +349,8 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             return pipeline.now(lambda seed: self.seeded(seed, self.rollout, batch, samples))
         if self.episodic:
             return self.episode_rollout(batch, samples)
-        rollout = self.generate(batch["input_ids"], batch["attention_mask"], num_samples=samples)
+        vision = batch.get("vision")  # a VL model's prompt images (``datamodules.vision``)
+        rollout = self.generate(batch["input_ids"], batch["attention_mask"], num_samples=samples, vision=vision)
         scores, components = self.score(batch["prompts"], batch["metadata"], rollout)
         return RolloutBatch(
             rollout.input_ids,
@@ -361,6 +364,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             components,
             sampling_logprobs=rollout.sampling_logprobs,
             token_versions=rollout.token_versions,
+            vision=vision.for_rows(rollout.group) if vision is not None else None,
         )
 
     def episode_rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
@@ -416,8 +420,10 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         attention_mask: torch.Tensor,
         prompt_length: int,
         with_entropy: bool = False,
+        vision: Any = None,
     ) -> ResponseScores:
-        """``response_logps`` of ``model`` at the sampling temperature (fused head, packed where it pays)."""
+        """``response_logps`` of ``model`` at the sampling temperature (fused head, packed where it pays; with the
+        rows' images, ``vision``, for a VL model)."""
         return response_logps(
             model,
             input_ids,
@@ -426,6 +432,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             self.generation.temperature,
             self.padding_free,
             with_entropy,
+            vision=vision,
         )
 
     def in_minibatches(self, fn: Callable[[torch.Tensor], Any], n: int) -> list[Any]:
@@ -434,12 +441,12 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
 
     @torch.no_grad()
     def reference_logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, vision: Any = None
     ) -> torch.Tensor:
         """(N, R) log-probs of the frozen reference (eval mode; adapters off under LoRA)."""
         model = self.reference.model
         with eval_mode(model), self.reference.context():
-            return self.response_scores(model, input_ids, attention_mask, prompt_length).logprobs
+            return self.response_scores(model, input_ids, attention_mask, prompt_length, vision=vision).logprobs
 
     def sampler_correction(
         self, logprobs: torch.Tensor | None, sampled: torch.Tensor | None, mask: torch.Tensor

@@ -1,0 +1,209 @@
+"""Images in prompt, preference and SFT rows: reading, checking, chat content parts and the processor.
+
+A row brings its images in an ``images`` column (or ``image``, RLAIF-V's: one image) as file paths, PIL images,
+bytes or ``{"bytes": ..., "path": ...}`` dicts (a ``datasets`` ``Image`` column), and places them in its text the way
+TRL does:
+
+- chat content parts: ``{"type": "image"}`` placeholders, one per image of the ``images`` column, in order, beside
+  ``{"type": "text", "text": ...}`` parts; or ``{"type": "image_url", "image_url": {"url": ...}}`` parts that carry
+  their own image (a ``data:image/...;base64,`` URL or a file path);
+- a plain string prompt: the processor's image placeholder (``image_placeholder``) in the text, one per image, or
+  none, and then one placeholder per image is put in front of the text.
+
+A URL (``http://``, ``https://``) is refused: nothing is fetched. The model's processor (``models.vision.
+load_processor``) expands each placeholder into the model's image tokens and makes the vision inputs; image tokens
+are part of the prompt, so they are never trained on.
+
+Bad input stops before training with one line naming the file, row and field: a missing image file, an unreadable
+image, a placeholder count different from the image count, an image of more than ``max_image_pixels`` pixels
+(refused, not resized: resize it, or raise the limit).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from aitraining_pl.datamodules.io import DataValidationError
+from aitraining_pl.models.vision import VisionInputs, processor_of
+
+#: the columns a row's images may come in (TRL's, then RLAIF-V's one image)
+IMAGE_COLUMNS = ("images", "image")
+#: the column of an encoded row that holds its images as read (PIL images)
+IMAGES = "__images"
+
+
+def image_placeholder(processor: Any) -> str:
+    """The text that stands for one image in a prompt: the processor's image token (Qwen VL wrapped in its vision
+    start and end tokens, as its chat template writes it)."""
+    token = processor.image_token
+    vocab = processor.tokenizer.get_vocab()
+    if "<|vision_start|>" in vocab and token == "<|image_pad|>":
+        return f"<|vision_start|>{token}<|vision_end|>"
+    return token
+
+
+def row_images(record: dict) -> tuple[str | None, list[Any]]:
+    """(column, images) of a row: its ``images`` or ``image`` column as a list (empty when it has none)."""
+    for column in IMAGE_COLUMNS:
+        value = record.get(column)
+        if value is not None:
+            return column, list(value) if isinstance(value, (list, tuple)) else [value]
+    return None, []
+
+
+def load_image(value: Any, source: str, row: int, field: str, max_image_pixels: int | None = None):
+    """One image as an RGB PIL image from a path, PIL image, bytes, a ``{"bytes", "path"}`` dict or a data URL;
+    a ``DataValidationError`` naming ``source``, ``row`` and ``field`` for a URL, a missing file, an unreadable
+    image or one of more than ``max_image_pixels`` pixels."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path") or value.get("url")
+    try:
+        if isinstance(value, Image.Image):
+            image = value
+        elif isinstance(value, (bytes, bytearray)):
+            image = Image.open(io.BytesIO(value))
+        elif isinstance(value, str) and value.startswith("data:"):
+            image = Image.open(io.BytesIO(base64.b64decode(value.split(",", 1)[-1])))
+        elif isinstance(value, str) and value.startswith(("http://", "https://")):
+            raise DataValidationError(source, f"image URL {value[:80]!r} refused: nothing is fetched (offline); "
+                                      "download the image and give its path", row, field)  # fmt: skip
+        elif isinstance(value, str):
+            path = os.path.expanduser(value)
+            if not os.path.isfile(path):
+                raise DataValidationError(source, f"image file not found: {value}", row, field)
+            image = Image.open(path)
+        else:
+            raise DataValidationError(source, f"not an image (path, bytes or PIL image): {type(value).__name__}", row,
+                                      field)  # fmt: skip
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as err:
+        if isinstance(err, DataValidationError):
+            raise
+        raise DataValidationError(source, f"unreadable image: {type(err).__name__}: {err}"[:300], row, field) from None
+    width, height = image.size
+    if max_image_pixels is not None and width * height > max_image_pixels:
+        raise DataValidationError(source, f"image of {width}x{height} = {width * height} pixels is larger than "
+                                  f"max_image_pixels={max_image_pixels}: refused (resize it or raise the limit)", row,
+                                  field)  # fmt: skip
+    return image.convert("RGB")
+
+
+def _flatten(content: Any, placeholder: str, urls: list[Any]) -> tuple[Any, int]:
+    """A message's content with TRL's parts as one string (image parts as ``placeholder``; ``image_url`` parts'
+    images appended to ``urls``), and how many image placeholders it has."""
+    if not isinstance(content, list):
+        return content, 0
+    text, count = [], 0
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            text.append(part.get("text") or "")
+        elif kind in ("image", "image_url"):
+            text.append(placeholder)
+            count += 1
+            if kind == "image_url":
+                url = part.get("image_url")
+                urls.append(url.get("url") if isinstance(url, dict) else url)
+    return "".join(text), count
+
+
+def flatten_parts(value: Any, placeholder: str) -> tuple[Any, int, list[Any]]:
+    """A prompt or completion (string or messages) with content parts flattened: (value, placeholders, the images
+    of its ``image_url`` parts)."""
+    urls: list[Any] = []
+    if not isinstance(value, list):
+        return value, (value.count(placeholder) if isinstance(value, str) else 0), urls
+    messages, total = [], 0
+    for message in value:
+        if isinstance(message, dict) and "content" in message:
+            content, count = _flatten(message["content"], placeholder, urls)
+            if not isinstance(message["content"], list) and isinstance(content, str):
+                count = content.count(placeholder)
+            messages.append({**message, "content": content})
+            total += count
+        else:
+            messages.append(message)
+    return messages, total, urls
+
+
+class RowImages:
+    """The images of one row and its texts with their placeholders, checked (``DataValidationError`` otherwise).
+
+    Args:
+        processor: the VL model's processor.
+        record: the row.
+        fields: the row's text fields that may hold image placeholders (prompt, chosen, rejected, messages, ...).
+        source, row: where the row comes from (error messages).
+        max_image_pixels: the largest image accepted, in pixels (None: any).
+    """
+
+    def __init__(self, processor, record: dict, fields: Sequence[str], source: str, row: int,
+                 max_image_pixels: int | None):  # fmt: skip
+        self.placeholder = image_placeholder(processor)
+        column, images = row_images(record)
+        self.values: dict[str, Any] = {}
+        count, urls = 0, []
+        for name in fields:
+            value, n, found = flatten_parts(record.get(name), self.placeholder)
+            self.values[name], count, urls = value, count + n, urls + found
+        field = column or (fields[0] if fields else "images")
+        self.images = [load_image(v, source, row, f"{field}[{i}]" if column else field, max_image_pixels)
+                       for i, v in enumerate(images + urls)]  # fmt: skip
+        if count == 0 and images and not urls and fields and isinstance(self.values[fields[0]], str):
+            self.values[fields[0]] = self.placeholder * len(images) + self.values[fields[0]]  # images first
+            count = len(images)
+        if count != len(self.images):
+            raise DataValidationError(source, f"{count} image placeholder(s) but {len(self.images)} image(s)", row,
+                                      column or fields[0])  # fmt: skip
+
+
+def encode_with_images(processor, text: str, images: list[Any]) -> tuple[list[int], dict[str, Any]]:
+    """``text`` and its images through the processor: the token ids (image placeholders expanded, no special tokens
+    added) and the vision inputs (no text keys)."""
+    out = processor(text=[text], images=[images] if images else None, add_special_tokens=False, return_tensors="pt")
+    vision = VisionInputs.from_processor([out]).prompts[0] if images else {}
+    return out["input_ids"][0].tolist(), vision
+
+
+def vision_processor(tokenizer: Any):
+    """The processor behind ``tokenizer`` (``models.vision.processor_of``), or None for a text model's."""
+    return processor_of(tokenizer)
+
+
+def collate_vision(examples: Sequence[dict]) -> VisionInputs | None:
+    """The ``vision`` entry of a batch: each example's vision inputs (``VisionInputs``), or None without images."""
+    if not examples or "vision" not in examples[0]:
+        return None
+    return VisionInputs([e["vision"] for e in examples])
+
+
+#: the encoded row's vision inputs (a dict of tensors, empty for a row without images)
+VISION = "__vision"
+
+
+def encode_vision_prompt(processor, record: dict, column: str, max_prompt_length: int, use_chat_template: bool,
+                         source: str, row: int, max_image_pixels: int | None) -> dict[str, Any]:  # fmt: skip
+    """A prompt row with its images as ``{TEXT, IDS, VISION}`` (``datamodules.prompt.encode_prompt``'s fields and
+    the vision inputs); a prompt longer than ``max_prompt_length`` with its image tokens is refused (cutting it
+    would cut images)."""
+    from aitraining_pl.datamodules.formats import prompt_text
+    from aitraining_pl.datamodules.io import check_text
+    from aitraining_pl.datamodules.prompt import IDS, TEXT
+    from aitraining_pl.models.tokens import with_bos
+
+    found = RowImages(processor, record, [column], source, row, max_image_pixels)
+    prompt = found.values[column]
+    check_text(prompt, source, row, column)
+    text = prompt_text(processor.tokenizer, prompt, use_chat_template)
+    ids, vision = encode_with_images(processor, text, found.images)
+    ids = with_bos(ids, processor.tokenizer)
+    if len(ids) > max_prompt_length:
+        message = f"{len(ids)} prompt tokens with its image tokens: more than max_prompt_length={max_prompt_length}"
+        raise DataValidationError(source, f"{message} (an image cannot be cut)", row, column)
+    return {TEXT: text, IDS: ids, VISION: vision}
