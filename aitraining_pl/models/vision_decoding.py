@@ -4,10 +4,10 @@ model once (the vision encoder once per prompt); its cache then serves all ``G``
 The prefill is the model's forward on the B prompts with their pixel values; its KV cache (image tokens included)
 is repeated for the samples (``DynamicCache.batch_repeat_interleave``), and every later step feeds text tokens
 only, so no pixel value is ever held or encoded ``G`` times. Image and video tokens are never sampled
-(``image_token_ids``): a response holding one would be a placeholder without an image. Positions continue where the prompt's ended: for the
-Qwen VL family's multimodal RoPE the model's own ``rope_deltas`` shift the text positions after the images, for
-the others the count of real tokens (as ``generate`` counts left-padded rows). The steps are
-``models.decoding.sample_steps``, the loop the text decoder runs (ended rows leave the batch).
+(``image_token_ids``): a response holding one would be a placeholder without an image. Positions continue where
+the prompt's ended: for the Qwen VL family's multimodal RoPE the model's own ``rope_deltas`` shift the text
+positions after the images, for the others the count of real tokens (as ``generate`` counts left-padded rows).
+The steps are ``models.decoding.sample_steps``, the loop the text decoder runs (ended rows leave the batch).
 """
 
 from __future__ import annotations

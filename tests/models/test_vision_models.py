@@ -77,3 +77,32 @@ def test_vision_tower_frozen_and_lora_on_the_language_model_only(name):
     adapted = {n for n, p in peft_model.named_parameters() if "lora_" in n}
     language = "text_model" if "idefics" in name or "smolvlm" in name else "language_model"
     assert adapted and all(f".{language}." in n for n in adapted)
+
+
+@pytest.mark.parametrize("name", MATRIX)
+def test_greedy_decoding_with_images_equals_the_models_forward(name):
+    """The KV-cache decoder with images (prefill once per prompt, the cache repeated for 2 samples, left padding)
+    draws what greedy decoding by the model's full forward draws."""
+    from aitraining_pl.datamodules.io import pad_sequences
+    from aitraining_pl.datamodules.vision import encode_with_images, image_placeholder
+    from aitraining_pl.generation.config import GenerationConfig
+    from aitraining_pl.models.vision import model_inputs
+    from aitraining_pl.models.vision_decoding import sample_with_images
+
+    model = load_vision_lm(model_config=name).eval()
+    processor = load_processor(name)
+    placeholder = image_placeholder(processor)
+    encoded = [encode_with_images(processor, placeholder + t, [_image(i)]) for i, t in enumerate(["a?", "colour?"])]
+    ids = pad_sequences([e[0] for e in encoded], 0, side="left")
+    mask = pad_sequences([[1] * len(e[0]) for e in encoded], 0, side="left")
+    generation = GenerationConfig(max_new_tokens=4, do_sample=False)
+    drawn = sample_with_images(model, ids, mask, VisionInputs([e[1] for e in encoded]), generation, [], None, 0, 2)
+    for b, (prompt, vision) in enumerate(encoded):
+        sequence, want = torch.tensor([prompt]), []
+        for _ in range(drawn.response_ids.shape[1]):
+            kwargs = model_inputs(model, sequence, torch.ones_like(sequence), VisionInputs([vision]))
+            with torch.no_grad():
+                token = model(**kwargs).logits[0, -1].argmax().view(1, 1)
+            want.append(int(token))
+            sequence = torch.cat([sequence, token], 1)
+        assert drawn.response_ids[2 * b].tolist() == want == drawn.response_ids[2 * b + 1].tolist()
