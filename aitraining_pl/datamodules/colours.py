@@ -46,11 +46,8 @@ def colour_rows(n: int, seed: int = 0, blank: bool = False, size: int = 56) -> l
 
 
 def colour_reward(prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
-    """1.0 where the response starts with the first letter of the row's ``colour``, 0.25 where it starts with
-    another colour's (a tiny random model first has to find the three letters among its 263 tokens), else 0.0."""
-    letters = {name[0] for name in COLOURS}
-    first = [r.strip()[:1] for r in responses]
-    return [1.0 if f == m["colour"][0] else 0.25 if f in letters else 0.0 for f, m in zip(first, metadata)]
+    """1.0 where the response starts with the first letter of the row's ``colour``, else 0.0."""
+    return [float(r.strip()[:1] == m["colour"][0]) for r, m in zip(responses, metadata)]
 
 
 class ColourSquaresDataModule(PromptDataModule):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +31,9 @@ from aitraining_pl.datamodules.cached import CachedDataModule
 from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE, preference_texts, split_preference
 from aitraining_pl.datamodules.io import DataValidationError, PaddingCollator, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
+from aitraining_pl.datamodules.vision import VISION, vision_pair
 from aitraining_pl.models.tokens import with_bos
+from aitraining_pl.models.vision import VisionInputs
 from aitraining_pl.validation import constructor_arguments, rules
 
 log = logging.getLogger(__name__)
@@ -44,16 +46,23 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def encode_pair(
-    tokenizer: Any, prompt: Any, chosen: Any, rejected: Any, max_length: int, max_prompt_length: int
+    tokenizer: Any,
+    prompt: Any,
+    chosen: Any,
+    rejected: Any,
+    max_length: int,
+    max_prompt_length: int,
+    encode_prompt: Callable[[str], list[int]] | None = None,
 ) -> dict[str, Any]:
     """One pair as token ids, after the prompt rules and chat rendering of ``formats`` (``prompt`` ``None``:
     implicit). As TRL's ``tokenize_row``: prompt and completions tokenised separately without special tokens,
     EOS after each completion, the end of the prompt kept (``max_prompt_length``), the completions cut to what
     ``max_length`` leaves. Unlike TRL, BOS starts the prompt when the tokenizer has one (and the text lacks it),
     and a pair with no prompt and no BOS is conditioned on EOS. ``keep`` is false when a completion ends up
-    empty; ``identical`` when both completions are the same text."""
+    empty; ``identical`` when both completions are the same text. ``encode_prompt`` tokenises the prompt text
+    instead of ``tokenizer`` (a VL model's processor with the row's images, ``datamodules.vision``)."""
     prompt_text, chosen_text, rejected_text = preference_texts(tokenizer, *split_preference(prompt, chosen, rejected))
-    prompt_ids = _ids(tokenizer, prompt_text)
+    prompt_ids = encode_prompt(prompt_text) if encode_prompt is not None else _ids(tokenizer, prompt_text)
     prompt_ids, eos = with_bos(prompt_ids, tokenizer), tokenizer.eos_token_id
     if not prompt_ids and eos is not None:
         # nothing to condition on (no prompt, no BOS): start from EOS, as GPT-2 style models do, so the
@@ -187,6 +196,9 @@ class PreferenceCollator(PaddingCollator):
         }
         if "margin" in examples[0]:
             batch["margin"] = torch.tensor([e["margin"] for e in examples], dtype=torch.float32)
+        if examples[0].get(VISION):  # a VL model's pairs: each pair's images serve its chosen and rejected row
+            group = torch.arange(len(examples)).repeat(2)
+            batch["vision"] = VisionInputs([e[VISION] for e in examples]).for_rows(group)
         return batch
 
 
@@ -296,9 +308,11 @@ class PreferenceDataModule(RowPairsDataModule):
         shuffle: shuffle the training pairs each epoch (off: file order, e.g. for benchmarks).
         num_workers: DataLoader worker processes.
         seed: seed of the validation split and the sampling order.
+        max_image_pixels: the largest image accepted (width x height) for a vision-language model (RLAIF-V's
+            layout: an ``image`` or ``images`` column); a larger one is refused with its file, row and field.
     """
 
-    argument_ranges = {**DATA_RANGES, **rules("max_length", "max_prompt_length")}
+    argument_ranges = {**DATA_RANGES, **rules("max_length", "max_prompt_length", "max_image_pixels")}
 
     def __init__(
         self,
@@ -326,6 +340,7 @@ class PreferenceDataModule(RowPairsDataModule):
         shuffle: bool = True,
         num_workers: int = 0,
         seed: int = 0,
+        max_image_pixels: int | None = None,
     ):
         super().__init__(tokenizer, (prompts, chosen, rejected))
         self.save_arguments(
@@ -352,12 +367,16 @@ class PreferenceDataModule(RowPairsDataModule):
     def _settings(self) -> dict[str, Any]:
         hp = self.hparams
         keys = ("prompt_column", "chosen_column", "rejected_column", "margin_column", "max_length", "max_prompt_length")
+        keys += ("max_image_pixels",)
         return {k: hp[k] for k in keys} | {"fallback_chat_template": FALLBACK_CHAT_TEMPLATE}
 
     def _encode(self, record: dict, index: int, source: str) -> dict[str, Any]:
         """Check one row (``DataValidationError`` naming row ``index + 1`` and the field) and tokenise it."""
         hp, row = self.hparams, index + 1
         fields = ([] if self._implicit[source] else [hp.prompt_column]) + [hp.chosen_column, hp.rejected_column]
+        images = vision_pair(self.tokenizer, record, fields, source, row, hp.max_prompt_length, hp.max_image_pixels)
+        if images is not None:  # a VL model: content parts flattened, the prompt's images read (``datamodules.vision``)
+            record = {**record, **images.row.values}
         for field in fields:
             if record.get(field) is None:
                 raise DataValidationError(source, "missing field", row, field)
@@ -370,7 +389,10 @@ class PreferenceDataModule(RowPairsDataModule):
             record[hp.rejected_column],
             hp.max_length,
             hp.max_prompt_length,
+            images.encode if images is not None else None,
         ) | {"row": index}
+        if images is not None:
+            encoded[VISION] = images.vision
         if hp.margin_column:
             value = record.get(hp.margin_column)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -207,3 +207,35 @@ def encode_vision_prompt(processor, record: dict, column: str, max_prompt_length
         message = f"{len(ids)} prompt tokens with its image tokens: more than max_prompt_length={max_prompt_length}"
         raise DataValidationError(source, f"{message} (an image cannot be cut)", row, column)
     return {TEXT: text, IDS: ids, VISION: vision}
+
+
+class PairImages:
+    """A preference (or SFT) row's images: ``row`` (``RowImages``: the flattened texts and the images), ``encode``
+    (the prompt text through the processor with them, for ``datamodules.preference.encode_pair``) and, once that
+    ran, ``vision`` (the prompt's vision inputs)."""
+
+    def __init__(self, processor, row: RowImages, source: str, index: int, field: str, max_prompt_length: int):
+        self.processor, self.row, self.vision = processor, row, {}
+        self.where, self.max_prompt_length = (source, index, field), max_prompt_length
+
+    def encode(self, text: str) -> list[int]:
+        from aitraining_pl.models.tokens import with_bos
+
+        ids, self.vision = encode_with_images(self.processor, text, self.row.images)
+        ids = with_bos(ids, self.processor.tokenizer)
+        if len(ids) > self.max_prompt_length:
+            message = f"{len(ids)} prompt tokens with its image tokens: more than max_prompt_length="
+            raise DataValidationError(self.where[0], f"{message}{self.max_prompt_length} (an image cannot be cut)",
+                                      self.where[1], self.where[2])  # fmt: skip
+        return ids
+
+
+def vision_pair(tokenizer, record: dict, fields: Sequence[str], source: str, row: int, max_prompt_length: int,
+                max_image_pixels: int | None) -> PairImages | None:  # fmt: skip
+    """``PairImages`` of a row for a VL model's tokenizer (the images belong to the prompt, ``fields[0]``), else
+    None."""
+    processor = vision_processor(tokenizer)
+    if processor is None:
+        return None
+    found = RowImages(processor, record, fields, source, row, max_image_pixels)
+    return PairImages(processor, found, source, row, fields[0], max_prompt_length)

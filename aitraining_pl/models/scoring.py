@@ -319,7 +319,8 @@ def completion_logps(
 
     Args:
         model: a transformers causal LM (optionally wrapped by ``peft``).
-        batch: ``input_ids``, ``attention_mask``, ``completion_mask``, each (2B, L).
+        batch: ``input_ids``, ``attention_mask``, ``completion_mask``, each (2B, L); for a VL model ``vision``, the
+            rows' images (``models.vision.VisionInputs``: then padded rows, not packed).
         padding_free: pack the rows' real tokens into one row.
         share_prompt: pack each pair as one sequence holding its prompt once.
 
@@ -332,6 +333,12 @@ def completion_logps(
             packed = pack_batch(batch, share_prompt=True)
         elif can_pack(batch):  # prompts differ within a pair: still packed, one block per row
             packed = pack_batch(batch)
-    token = token_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], packed=packed)
+    if batch.get("vision") is not None:  # a VL model's rows with their images (``models.vision_scoring``)
+        from aitraining_pl.models.vision_scoring import vision_token_scores
+
+        args = (batch["input_ids"], batch["attention_mask"], batch["completion_mask"], batch["vision"])
+        token = vision_token_scores(model, *args).logps
+    else:
+        token = token_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], packed=packed)
     lengths = batch["completion_mask"][:, 1:].sum(-1).to(token.dtype)
     return SequenceLogps(token.sum(-1), lengths)

@@ -256,17 +256,71 @@ def uses_mrope(model: nn.Module) -> bool:
     return "mm_token_type_ids" in token_types(_unwrapped(model), torch.zeros(1, 1, dtype=torch.long))
 
 
+#: the vision inputs the encoders read (the others, such as ``image_grid_thw``, also place the image tokens)
+PIXEL_KEYS = ("pixel_values", "pixel_attention_mask", "image_sizes")
+
+
+def _images_per_prompt(prompt: dict[str, torch.Tensor]) -> int:
+    if "image_grid_thw" in prompt:
+        return int(prompt["image_grid_thw"].shape[0])
+    pixels = prompt["pixel_values"]
+    return int(pixels.shape[1] if pixels.dim() == 5 else pixels.shape[0])
+
+
+def encoder_outputs(model: nn.Module, vision: VisionInputs, device, dtype) -> dict[str, Any] | None:
+    """The image features of ``vision``'s rows as the model's ``mm_encoder_outputs``, computed once per prompt (and
+    kept with ``vision`` for its other rows: the ``G`` samples, every minibatch, the reference), where every
+    parameter between the pixels and the language model is frozen (``freeze_vision_tower`` with the projector inside
+    the tower, as in the Qwen VL family) and the model takes precomputed features; else None (the rows run their
+    pixel values)."""
+    import inspect
+
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    base = getattr(_unwrapped(model), "model", None)
+    if base is None or "mm_encoder_outputs" not in inspect.signature(base.forward).parameters:
+        return None
+    language = base.get_decoder() if hasattr(base, "get_decoder") else None
+    text = {id(p) for p in language.parameters()} if language is not None else set()
+    if any(p.requires_grad for p in base.parameters() if id(p) not in text):
+        return None  # the encoder or its projector trains: features per row, with their gradients
+    if getattr(base.config, "vision_config", None) is not None and getattr(
+        base.config.vision_config, "deepstack_visual_indexes", None
+    ):
+        return None  # Qwen3-VL's deepstack features are not split per image
+    key = ("features", id(base), dtype, str(device))
+    if key not in vision.cache:
+        every = VisionInputs(vision.prompts).kwargs(device, dtype)
+        inputs = {k: v for k, v in every.items() if k in PIXEL_KEYS or k == "image_grid_thw"}
+        with torch.no_grad():
+            pooled = base.get_image_features(**inputs, return_dict=True).pooler_output
+        counts = [_images_per_prompt(p) for p in vision.prompts]
+        if isinstance(pooled, (tuple, list)):
+            starts = [sum(counts[:i]) for i in range(len(counts))]
+            vision.cache[key] = [tuple(pooled[s : s + n]) for s, n in zip(starts, counts)]
+        else:
+            vision.cache[key] = list(torch.split(pooled, counts))
+    per_prompt = [vision.cache[key][i] for i in vision.prompt_of()]
+    features = tuple(x for p in per_prompt for x in p) if isinstance(per_prompt[0], tuple) else _cat(per_prompt)
+    return {"image": BaseModelOutputWithPooling(pooler_output=features)}
+
+
 def model_inputs(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, vision: VisionInputs
 ) -> dict[str, Any]:
-    """Keyword arguments of ``model``'s forward for rows ``input_ids`` with their images: the vision inputs, the
-    token types and the positions (``None`` for M-RoPE models, which compute theirs from the mask and the image
-    grids; else counted over the real tokens, as ``generate`` counts left-padded rows)."""
+    """Keyword arguments of ``model``'s forward for rows ``input_ids`` with their images: the vision inputs (the
+    prompts' image features computed once, ``encoder_outputs``, where the encoder is frozen), the token types and
+    the positions (``None`` for M-RoPE models, which compute theirs from the mask and the image grids; else counted
+    over the real tokens, as ``generate`` counts left-padded rows)."""
     from aitraining_pl.losses import positions_from_mask
 
     dtype = next(p for p in _unwrapped(model).parameters()).dtype
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, **token_types(model, input_ids)}
     kwargs.update(vision.kwargs(input_ids.device, dtype))
+    encoded = encoder_outputs(model, vision, input_ids.device, dtype)
+    if encoded is not None:  # the prompts' features, computed once, for every row
+        kwargs = {k: v for k, v in kwargs.items() if k not in PIXEL_KEYS}
+        kwargs["mm_encoder_outputs"] = encoded
     if not uses_mrope(model):
         kwargs["position_ids"] = positions_from_mask(attention_mask)
     return kwargs

@@ -16,7 +16,7 @@ def test_grpo_iteration_with_images_trains_the_language_model_only(tmp_path):
     module = GRPOModule(
         model_config={"preset": "tiny-qwen2-vl"},
         tokenizer_name="tiny-qwen2-vl",
-        reward="aitraining_pl.datamodules.colours:colour_reward",
+        reward=lambda prompts, responses, metadata: [float(i % 3 == 0) for i in range(len(responses))],  # a signal
         generation={"max_new_tokens": 2, "temperature": 1.0},
         num_generations=4,
         learning_rate=0.01,
@@ -35,4 +35,4 @@ def test_grpo_iteration_with_images_trains_the_language_model_only(tmp_path):
 
 def test_colour_reward():
     metadata = [{"colour": "red"}, {"colour": "green"}, {"colour": "blue"}]
-    assert colour_reward(["colour?"] * 3, ["r", " b", "x"], metadata) == [1.0, 0.25, 0.0]
+    assert colour_reward(["colour?"] * 3, ["r", " b", "x"], metadata) == [1.0, 0.0, 0.0]
