@@ -3,6 +3,7 @@ shared pieces."""
 
 from aitraining_pl.datamodules.base import TextDataModule
 from aitraining_pl.datamodules.cached import CachedDataModule
+from aitraining_pl.datamodules.colours import ColourSquaresDataModule
 from aitraining_pl.datamodules.io import DataSource, DataValidationError
 from aitraining_pl.datamodules.kto import KTODataModule
 from aitraining_pl.datamodules.preference import PreferenceDataModule, RowPairsDataModule
@@ -20,6 +21,7 @@ __all__ = [
     "RowPairsDataModule",
     "SFTDataModule",
     "ScoresDataModule",
+    "ColourSquaresDataModule",
     "DataSource",
     "DataValidationError",
     "ResumableDataLoader",
