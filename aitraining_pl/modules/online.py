@@ -570,15 +570,19 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
                     self.manual_backward(loss / accum)
                 history.append(stats)
                 if last_micro:
-                    if hp.max_grad_norm:
-                        self.clip_gradients(
-                            optimizer, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm"
-                        )
-                    optimizer.step()
+                    optimizer.step()  # clips first (``on_before_optimizer_step``)
                     optimizer.zero_grad(set_to_none=True)
                     scheduler.step()
         self.update_history = history  # per-minibatch stats of the last iteration (tests, debugging)
         return {k: torch.stack([h[k] for h in history]).mean() for k in history[0]}
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Clip the gradients to ``max_grad_norm`` inside the precision plugin's step, where they are unscaled:
+        under ``16-mixed`` Lightning unscales only inside ``optimizer.step()`` (Lightning #18089), so a clip before
+        it would clip gradients still multiplied by the loss scale; here the plugin's ``scaler.unscale_`` has run,
+        once, and the scaler then skips a step whose gradients are not finite."""
+        if self.hparams.max_grad_norm:
+            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
 
     def log_iteration(self, stats: dict[str, torch.Tensor], n: int) -> None:
         """Average the iteration's stats over ranks in one all-reduce (``.../min`` and ``.../max`` entries in
