@@ -179,7 +179,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
     # ------------------------------------------------------------------ setup
     def on_fit_start(self) -> None:
         if self.reference is not None:
-            self.reference.to(self.device, next(self.policy.parameters()).dtype)
+            self.reference.to(self.device, self.frozen_dtype())
         if hasattr(self.reward_source, "to"):
             self.reward_source.to(self.device)
 
