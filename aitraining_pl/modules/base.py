@@ -177,11 +177,11 @@ class AlignmentModule(pl.LightningModule):
         above 1 is refused."""
         from lightning.pytorch.strategies import FSDPStrategy
 
-        self.keep_master_weights()
         if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
             raise ConfigError(  # FSDP1 flat parameters: scoring and generation would read sharded weights
                 "trainer.strategy", "FSDPStrategy (FSDP1) is not supported; use fsdp2 (FSDP2, docs/sharding.md)"
             )
+        self.keep_master_weights()
         mesh = self.device_mesh
         if mesh is None or is_sharded(self):  # not model-parallel, or already sharded (fit, then test)
             return
