@@ -195,7 +195,7 @@ class AlignmentModule(pl.LightningModule):
             )
         data_parallel = mesh["data_parallel"] if "data_parallel" in names else mesh
         offload = bool(getattr(self.trainer.strategy, "cpu_offload", False))
-        if offload and self.device.type == "cpu":
+        if offload and self.trainer.strategy.root_device.type == "cpu":  # the module is still on the CPU here
             raise ConfigError("trainer.strategy", "cpu_offload moves shards off an accelerator; on CPU use fsdp2")
         for network in self.sharded_networks():
             shard(network, data_parallel, self.trainer.precision, offload)

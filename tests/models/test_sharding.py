@@ -162,3 +162,27 @@ def test_offloaded_shards_are_gathered_on_the_mesh_device(mesh, monkeypatch):
     monkeypatch.undo()
     assert set(gathered_on) == {"meta"} and len(gathered_on) == len(list(sharded.parameters()))
     assert devices == {"cpu"}
+
+
+def test_cpu_offload_is_decided_by_the_strategys_device_not_the_modules(mesh, monkeypatch):
+    """``configure_model`` runs before Lightning moves the module to its device: on a (stub) GPU the parameters are
+    still on the CPU there, so the offload check reads the strategy's root device; on a CPU offload is refused."""
+    from types import SimpleNamespace
+
+    import aitraining_pl.modules.base as base
+    from aitraining_pl.errors import ConfigError
+    from aitraining_pl.modules.dpo import DPOModule
+
+    sharded: list[bool] = []
+    monkeypatch.setattr(base, "shard", lambda network, mesh, precision, offload: sharded.append(offload))
+    monkeypatch.setattr(base, "DTensor", torch.Tensor)  # every parameter counts as sharded (shard is stubbed)
+    for device in ("cuda", "cpu"):
+        module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte")
+        strategy = SimpleNamespace(cpu_offload=True, root_device=torch.device(device))
+        module._trainer, module._device_mesh = SimpleNamespace(strategy=strategy, precision="bf16-mixed"), mesh
+        if device == "cpu":
+            with pytest.raises(ConfigError, match="cpu_offload"):
+                module.configure_model()
+        else:
+            module.configure_model()
+            assert sharded == [True, True]  # the policy and the frozen reference
