@@ -199,7 +199,9 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             server = self._launched[0]
             port, token = strategy.broadcast((server.port, str(server.token_file)) if server else None)
             generation = connect_to(generation, port, token)
-        context = BackendContext(self.policy, self.tokenizer, self.global_rank, run, seed)
+        prompts = None if self.episodic else getattr(self.trainer.datamodule, "hparams", {}).get("max_prompt_length")
+        context = BackendContext(self.policy, self.tokenizer, self.global_rank, run, seed, str(self.trainer.precision),
+                                 prompts)  # fmt: skip
         backend = self._backend[0] = build_backend(generation, context, self.device)
         if self.generation.pipelined:
             if backend.location != "server":
