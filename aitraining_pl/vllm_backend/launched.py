@@ -40,9 +40,12 @@ class LaunchedServer:
         policy: the policy (its config, dtype and device decide the served architecture).
         tokenizer: the policy's tokenizer (saved for the server).
         seed: the server's seed (requests of an asynchronous run carry their own).
+        devices: the server's ``CUDA_VISIBLE_DEVICES`` (``generation.server.launch.devices``); None: the trainer's.
     """
 
-    def __init__(self, generation: GenerationConfig, policy: torch.nn.Module, tokenizer: Any, seed: int = 0):
+    def __init__(
+        self, generation: GenerationConfig, policy: torch.nn.Module, tokenizer: Any, seed: int = 0, devices=None
+    ):
         from aitraining_pl.vllm_backend.serve import launch
 
         self.folder = Path(tempfile.mkdtemp(prefix="aitraining-pl-serve-"))
@@ -69,7 +72,8 @@ class LaunchedServer:
                 argv += ["--max_model_len", str(options.max_model_len)]
         self.log = self.folder / "server.log"
         self.process: subprocess.Popen | None = None
-        self.process, self.port = launch(argv, self.log, START_TIMEOUT)
+        env = None if devices is None else {"CUDA_VISIBLE_DEVICES": str(devices)}
+        self.process, self.port = launch(argv, self.log, START_TIMEOUT, env)
         atexit.register(self.stop)
 
     def connection(self, generation: GenerationConfig, port: int | None = None, token_file: str | None = None):

@@ -181,12 +181,15 @@ def parser(command: str = "vllm-serve") -> argparse.ArgumentParser:
     return p  # fmt: skip
 
 
-def launch(argv: list[str], log: str | os.PathLike, timeout: float = 300.0) -> tuple[subprocess.Popen, int]:
+def launch(
+    argv: list[str], log: str | os.PathLike, timeout: float = 300.0, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, int]:
     """Start ``aitraining-pl serve ARGV`` as a child process (this interpreter, its output in the file ``log``;
-    ``--engine`` in ``argv`` picks the engine, vLLM by default) and wait until it listens: the process and its port
-    (``--port 0`` picks a free one). A server that exits or is not listening after ``timeout`` seconds is a
-    ``RuntimeError`` with the end of its log."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
+    ``--engine`` in ``argv`` picks the engine, vLLM by default; ``env``: variables set for it) and wait until it
+    listens: the process and its port (``--port 0`` picks a free one). A server that exits or is not listening after
+    ``timeout`` seconds is a ``RuntimeError`` with the end of its log."""
+    multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing, **(env or {})}
     with open(log, "w") as sink:
         proc = subprocess.Popen(
             [sys.executable, "-m", "aitraining_pl.cli", "serve", *argv], env=env, stdout=sink, stderr=sink

@@ -157,3 +157,30 @@ def test_a_slow_server_misses_its_deadline_and_the_others_answer():
         out = sample(fleet, ROWS)
     assert time.monotonic() - start < 1.0 and out.response_ids.shape == (12, 3)
     assert slow.served == [] and fast.served
+
+
+@pytest.mark.parametrize(
+    ("server", "message"),
+    [
+        ("conect", "GenerationConfig.server: unknown 'conect'; must be none, connect, launch, a URL"),
+        ({"urls": ["http://h:1", "h:2"]}, r"GenerationConfig.server.urls\[1\]: 'h:2' is not a URL"),
+        ({"urls": []}, "GenerationConfig.server.urls: is empty"),
+        ({"launch": {"count": 0}}, "GenerationConfig.server.launch.count: must be >= 1 \\(an integer\\), got 0"),
+        ({"launch": {"count": 2, "devices": ["1"]}}, "GenerationConfig.server.launch.devices: 1 entries for count 2"),
+        ({"launch": {"engine": "sglang"}}, "GenerationConfig.server.launch.engine: unknown engine 'sglang'"),
+        ({"urls": ["http://h:1"], "launch": {}}, "GenerationConfig.server: give either urls"),
+    ],
+)
+def test_a_bad_server_option_is_one_line_naming_it(server, message):
+    from aitraining_pl.errors import HyperparameterError
+
+    with pytest.raises(HyperparameterError, match=message):
+        GenerationConfig(server=server).validate()
+
+
+def test_the_forms_of_server():
+    assert GenerationConfig(server="connect").fleet() is None and GenerationConfig(server="launch").fleet() is None
+    assert GenerationConfig(server="http://127.0.0.1:8000").fleet().urls == ["http://127.0.0.1:8000"]
+    launch = GenerationConfig(server={"launch": {"count": 2, "devices": ["0", "1"]}})
+    launch.validate()
+    assert launch.fleet().launch.count == 2

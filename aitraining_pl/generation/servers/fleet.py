@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.config import ServerConfig
 from aitraining_pl.generation.servers.replica import PushReport, Replica, ReplicaDown
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import SampledTokens, StopRule
@@ -59,6 +60,18 @@ def replica_class(url: str) -> type:
     """The ``Replica`` class for ``url``'s scheme (``REPLICAS``)."""
     module, _, name = REPLICAS[url.partition("://")[0].lower()].partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def build_fleet(
+    servers: ServerConfig, endpoints: Sequence[tuple[str, str | None]], generation: Any, context: Any, weights
+) -> Fleet:
+    """The fleet of ``endpoints`` (``(url, token file or None)``, one per server) for ``generation.server``
+    ``servers`` and a ``BackendContext``; each replica is ``replica_class(url)(url, generation, context, token_file,
+    connect_timeout)`` and connects when first used. ``weights``: ``policy_weights``."""
+    timeout = float(servers.connect_timeout)
+    replicas = [replica_class(url)(url, generation, context, token, timeout) for url, token in endpoints]
+    return Fleet(replicas, weights, context.rank, context.run, timeout, float(servers.token_timeout),
+                 bool(generation.vllm.sync_weights))  # fmt: skip
 
 
 @dataclasses.dataclass
