@@ -12,8 +12,10 @@ constant time and never printed.
 **The parent watch.** A server started by a trainer (``generation.server: launch``) is told its trainer's pid
 (``PARENT_ENV``) and its private folder (``FOLDER_ENV``: the config, the tokenizer and the token file). When the
 trainer is gone (SIGKILL, the OOM killer: no ``atexit`` runs there), the server deletes that folder and stops itself
-(SIGTERM, then ``os._exit`` after ``GRACE`` seconds) within about a second: ``watch_parent``, started by the
-middleware, polls the parent; Linux also sends the SIGTERM at once (``PR_SET_PDEATHSIG``, ``die_with_parent``)."""
+(SIGTERM, then ``os._exit`` after ``GRACE`` seconds) within about a second: ``watch_parent`` polls the parent from
+the server's first instant (the launcher runs ``vllm serve`` under ``run_watched``; the HF server starts it first),
+and Linux also sends the SIGTERM at once (``PR_SET_PDEATHSIG``, ``die_with_parent``), on which the folder is deleted
+too (by this module's handler until the server installs its own, then at its exit)."""
 
 from __future__ import annotations
 
@@ -116,7 +118,14 @@ def watch_parent() -> None:
     import atexit
 
     atexit.register(remove_folder)
+    if threading.current_thread() is threading.main_thread():  # until the server installs its own (uvicorn's)
+        signal.signal(signal.SIGTERM, _terminated)
     threading.Thread(target=_watch, args=(int(parent),), name="aitraining-pl-parent-watch", daemon=True).start()
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    remove_folder()
+    raise SystemExit(128 + signum)
 
 
 def remove_folder() -> None:
@@ -157,3 +166,18 @@ def die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
         except OSError:
             pass
+
+
+def run_watched(argv: list[str]) -> None:
+    """``python -m aitraining_pl.generation.servers.auth MODULE ARGS...``: run the module ``MODULE`` as
+    ``__main__`` with ``ARGS`` after starting the parent watch, so that a launched ``vllm serve`` is watched from its
+    first instant (its middleware is imported only once its engine is built)."""
+    import runpy
+
+    watch_parent()
+    sys.argv = argv
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    run_watched(sys.argv[1:])
