@@ -33,6 +33,7 @@ from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
 from aitraining_pl.generation.config import check_server
 from aitraining_pl.generation.servers.fleet import Fleet, build_fleet
+from aitraining_pl.generation.servers.fleet_launch import LaunchedFleet
 from aitraining_pl.losses import group_statistics, off_policy_log_ratio, off_policy_weights, place_scores
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.training import eval_mode
@@ -51,7 +52,6 @@ from aitraining_pl.rollout import (
 from aitraining_pl.validation import rules
 from aitraining_pl.vllm_backend.engine import policy_weights
 from aitraining_pl.vllm_backend.launched import LaunchedServer, connect_to
-from aitraining_pl.vllm_backend.tcp_replica import LaunchedFleet
 
 #: ranges of the arguments every online RL module has; PPO and the critic-free module add their own.
 ONLINE_RANGES = {
@@ -201,7 +201,8 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         generation, fleet = self.generation, self.generation.fleet()
         if fleet is not None:  # several servers (or one URL): rank 0 starts those to launch, every rank connects
             if fleet.launch is not None and self.global_rank == 0:
-                self._launched[0] = LaunchedFleet(fleet.launch, generation, self.policy, self.tokenizer, seed)
+                gpus = self.trainer.num_devices if self.trainer.strategy.root_device.type == "cuda" else 0
+                self._launched[0] = LaunchedFleet(fleet.launch, generation, self.policy, self.tokenizer, seed, gpus)
             launched = self._launched[0]
             endpoints = [(url, None) for url in fleet.urls or []]
             if fleet.launch is not None:

@@ -1,6 +1,6 @@
 """A fleet member (``generation.servers.fleet.Replica``) over the client of ``aitraining-pl serve``'s own frames
-(``vllm_backend.client``): the ``tcp://host:port`` URLs of ``generation.server.urls`` and the servers a fleet
-launches (``LaunchedFleet``), for the release in which that protocol stays.
+(``vllm_backend.client``): the ``tcp://host:port`` URLs of ``generation.server.urls``, for the release in which
+that protocol stays.
 
 A ``TCPReplica`` connects when first used and again after its server was lost (``alive``, asked by the fleet
 before a push to a server it marked down). A lost connection, a refused connection and a deadline passed are
@@ -10,7 +10,6 @@ before a push to a server it marked down). A lost connection, a refused connecti
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import socket
 import threading
@@ -22,12 +21,10 @@ from urllib.parse import urlsplit
 import torch
 
 from aitraining_pl.errors import GenerationServerError
-from aitraining_pl.generation.config import LaunchConfig
 from aitraining_pl.generation.servers.replica import PushReport, ReplicaDown, ReplicaStats
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import SampledTokens
 from aitraining_pl.vllm_backend.client import VLLMServerClient
-from aitraining_pl.vllm_backend.launched import LaunchedServer
 from aitraining_pl.vllm_backend.weight_group import ChannelBroken
 
 
@@ -141,32 +138,3 @@ class TCPReplica:
 
     def close(self) -> None:
         self.dropped()
-
-
-class LaunchedFleet:
-    """``generation.server: {launch: {count: N, ...}}``: N servers started by rank 0 in parallel
-    (``LaunchedServer``, each on a free loopback port with its own token and ``devices[i]``); ``stop`` ends all."""
-
-    def __init__(self, launch: LaunchConfig, generation: Any, policy: torch.nn.Module, tokenizer: Any, seed: int = 0):
-        served = dataclasses.replace(generation, backend=launch.engine)
-        devices = launch.devices or [None] * launch.count
-        with concurrent.futures.ThreadPoolExecutor(launch.count) as pool:
-            starting = [pool.submit(LaunchedServer, served, policy, tokenizer, seed, d) for d in devices]
-        self.servers: list[LaunchedServer] = []
-        errors = []
-        for future in starting:
-            try:
-                self.servers.append(future.result())
-            except RuntimeError as err:
-                errors.append(err)
-        if errors:
-            self.stop()
-            raise errors[0]
-
-    def endpoints(self) -> list[tuple[str, str]]:
-        """``(url, token file)`` of each server."""
-        return [(f"tcp://127.0.0.1:{s.port}", str(s.token_file)) for s in self.servers]
-
-    def stop(self) -> None:
-        for server in self.servers:
-            server.stop()

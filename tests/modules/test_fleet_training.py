@@ -31,7 +31,7 @@ def test_one_of_two_servers_killed_mid_run_and_the_run_goes_on(tmp_path):
     prompts = [chr(97 + i) * 2 for i in range(12)]  # 6 steps of 2 prompts
     module, data = grpo({"server": {"launch": {"count": 2}, "token_timeout": 5.0}, "max_staleness": 1}, prompts)
     before = {k: v.clone() for k, v in module.policy.state_dict().items()}
-    with pytest.warns(RuntimeWarning, match=r"generation fleet: server 1 \(tcp://127\.0\.0\.1:\d+\) is down"):
+    with pytest.warns(RuntimeWarning, match=r"generation fleet: server 1 \(http://127\.0\.0\.1:\d+\) is down"):
         quiet_trainer(tmp_path, max_steps=6, callbacks=[watch]).fit(module, data)
     print(watch.logged)
     assert watch.logged[0]["train/fleet/size"] == 2.0 and watch.logged[0]["train/fleet/servers_up"] == 2.0

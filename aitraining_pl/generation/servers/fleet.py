@@ -45,10 +45,11 @@ from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import SampledTokens, StopRule
 from aitraining_pl.models.sharding import is_sharded
 
-#: a ``Replica`` class by URL scheme (``"module:Class"``, imported only when a URL of that scheme is used)
+#: what builds the ``Replica`` of a URL, by its scheme (``"module:name"``, imported only when a URL of that scheme is
+#: used), called as ``(url, generation, context, token_file, connect_timeout)``
 REPLICAS = {
-    "http": "aitraining_pl.generation.servers.http:HTTPReplica",
-    "https": "aitraining_pl.generation.servers.http:HTTPReplica",
+    "http": "aitraining_pl.generation.servers.fleet_launch:http_replica",
+    "https": "aitraining_pl.generation.servers.fleet_launch:http_replica",
     "tcp": "aitraining_pl.vllm_backend.tcp_replica:TCPReplica",  # ``aitraining-pl serve``'s frames (one release)
 }
 RESUME = "a run that had started resumes from its last checkpoint with --ckpt_path"
@@ -56,8 +57,8 @@ RESUME = "a run that had started resumes from its last checkpoint with --ckpt_pa
 RANK_SEED_STRIDE = 1_000_003
 
 
-def replica_class(url: str) -> type:
-    """The ``Replica`` class for ``url``'s scheme (``REPLICAS``)."""
+def replica_factory(url: str) -> Callable[..., Replica]:
+    """What builds the ``Replica`` of ``url`` (``REPLICAS``)."""
     module, _, name = REPLICAS[url.partition("://")[0].lower()].partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -66,10 +67,10 @@ def build_fleet(
     servers: ServerConfig, endpoints: Sequence[tuple[str, str | None]], generation: Any, context: Any, weights
 ) -> Fleet:
     """The fleet of ``endpoints`` (``(url, token file or None)``, one per server) for ``generation.server``
-    ``servers`` and a ``BackendContext``; each replica is ``replica_class(url)(url, generation, context, token_file,
-    connect_timeout)`` and connects when first used. ``weights``: ``policy_weights``."""
+    ``servers`` and a ``BackendContext``; each replica is ``replica_factory(url)(url, generation, context, token_file,
+    connect_timeout)``. ``weights``: ``policy_weights``."""
     timeout = float(servers.connect_timeout)
-    replicas = [replica_class(url)(url, generation, context, token, timeout) for url, token in endpoints]
+    replicas = [replica_factory(url)(url, generation, context, token, timeout) for url, token in endpoints]
     return Fleet(replicas, weights, context.rank, context.run, timeout, float(servers.token_timeout),
                  bool(generation.vllm.sync_weights))  # fmt: skip
 
