@@ -54,8 +54,8 @@ def simulated(servers: int, args: argparse.Namespace) -> dict:
     from aitraining_pl.generation.servers.fleet import Fleet
     from aitraining_pl.models.generation import StopRule
     from aitraining_pl.models.loading import build_causal_lm
-    from aitraining_pl.modules.async_rollout import RolloutPipeline
-    from aitraining_pl.vllm_backend.engine import policy_weights
+    from aitraining_pl.models.weights import policy_weights
+    from aitraining_pl.rollout.asynchronous import RolloutPipeline
 
     policy = build_causal_lm({"preset": "tiny-llama"})
     tokens = args.prompts * args.generations * args.max_new_tokens

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.config import ServerConfig
 from aitraining_pl.generation.servers.replica import PushReport, Replica, ReplicaDown
 from aitraining_pl.generation.version import WeightsVersion
@@ -50,7 +51,7 @@ from aitraining_pl.models.sharding import is_sharded
 REPLICAS = {
     "http": "aitraining_pl.generation.servers.fleet_launch:http_replica",
     "https": "aitraining_pl.generation.servers.fleet_launch:http_replica",
-    "tcp": "aitraining_pl.vllm_backend.tcp_replica:TCPReplica",  # ``aitraining-pl serve``'s frames (one release)
+    "tcp": "aitraining_pl.generation.servers.tcp_replica:TCPReplica",  # ``aitraining-pl serve``'s frames (one release)
 }
 RESUME = "a run that had started resumes from its last checkpoint with --ckpt_path"
 #: seeds drawn for unseeded calls are offset by this per rank (every rank's global generator is the same)
@@ -76,18 +77,11 @@ def build_fleet(
 
 
 @dataclasses.dataclass
-class ReplicaRequest:
-    """What one server is asked: a ``sample`` call's arguments for a run of its prompts, and the weights that must
-    sample them (``version``; with ``newer`` that version or a later one of the run)."""
+class ReplicaRequest(SampleRequest):
+    """What one server is asked: a ``sample`` call's arguments for a run of its prompts (on the CPU; prompt ``i``
+    drawn with ``seed + i * num_samples``), and the weights that must sample them (``version``; with ``newer`` that
+    version or a later one of the run)."""
 
-    prompt_ids: torch.Tensor  #: (B, P) left padded, on the CPU
-    prompt_mask: torch.Tensor
-    generation: Any
-    end_ids: Sequence[int]
-    stop_rule: StopRule
-    pad_token_id: int
-    num_samples: int = 1
-    seed: int | None = None  #: prompt ``i`` is drawn with ``seed + i * num_samples``
     version: WeightsVersion | None = None
     newer: bool = False
 

@@ -165,7 +165,7 @@ class ServedBackend:
     def sync(self, policy: torch.nn.Module, version: Any = None) -> bool:
         """Rank 0: push ``policy``'s weights unless the server already holds ``version``; the other ranks walk
         the weights (a collective under FSDP2) and record the version. Whether the weights changed."""
-        from aitraining_pl.vllm_backend.engine import policy_weights
+        from aitraining_pl.models.weights import policy_weights
 
         walk = self.rank == 0 or is_sharded(policy)
         return self.push(policy_weights(policy) if walk else iter(()), version)
@@ -204,7 +204,7 @@ class ServedBackend:
         seed: int | None = None,
     ) -> SampledTokens:
         """The server's samples of the left-padded prompts, by the weights of this process's version."""
-        from aitraining_pl.vllm_backend.engine import SampleRequest
+        from aitraining_pl.generation.backend import SampleRequest
 
         request = SampleRequest(
             prompt_ids, prompt_mask, generation, end_ids, stop_rule, pad_token_id, num_samples, seed

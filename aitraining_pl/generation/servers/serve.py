@@ -1,8 +1,8 @@
 """``aitraining-pl serve`` (also named ``vllm-serve``): the command that builds an engine for the policy's architecture
-and serves a training run's rollouts from it (``vllm_backend.server``; docs/vllm.md, Server mode): ``--engine vllm``
-(the default; ``engine.VLLMEngine``) or ``hf`` (``hf_engine.HFServerEngine``, this project's decoder: no vLLM
+and serves a training run's rollouts from it (``servers.tcp_server``; docs/vllm.md, Server mode): ``--engine vllm``
+(the default; ``generation.vllm.VLLMEngine``) or ``hf`` (``hf_server.HFServerEngine``, this project's decoder: no vLLM
 needed, never imported). Its options, whose defaults are ``VLLMConfig``'s, the token it needs before anything is
-built (``guards.server_token``), and ``launch``, which starts it as a child process from Python."""
+built (``tcp_guards.server_token``), and ``launch``, which starts it as a child process from Python."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ import torch
 
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.config import VLLMConfig
+from aitraining_pl.generation.servers.tcp_guards import Limits, server_token, write_token
+from aitraining_pl.generation.servers.tcp_server import GenerationServer
+from aitraining_pl.generation.servers.tcp_wire import TOKEN_ENV
+from aitraining_pl.generation.vllm import import_vllm
 from aitraining_pl.models.loading import build_causal_lm, from_pretrained, load_tokenizer, one_line, resolve_dtype
 from aitraining_pl.models.presets import MODEL_PRESETS
-from aitraining_pl.vllm_backend.engine import import_vllm
-from aitraining_pl.vllm_backend.guards import Limits, server_token, write_token
-from aitraining_pl.vllm_backend.server import GenerationServer
-from aitraining_pl.vllm_backend.wire import TOKEN_ENV
 
 
 def is_inline(model: str) -> bool:
@@ -181,15 +181,12 @@ def parser(command: str = "vllm-serve") -> argparse.ArgumentParser:
     return p  # fmt: skip
 
 
-def launch(
-    argv: list[str], log: str | os.PathLike, timeout: float = 300.0, env: dict[str, str] | None = None
-) -> tuple[subprocess.Popen, int]:
+def launch(argv: list[str], log: str | os.PathLike, timeout: float = 300.0) -> tuple[subprocess.Popen, int]:
     """Start ``aitraining-pl serve ARGV`` as a child process (this interpreter, its output in the file ``log``;
-    ``--engine`` in ``argv`` picks the engine, vLLM by default; ``env``: variables set for it) and wait until it
-    listens: the process and its port (``--port 0`` picks a free one). A server that exits or is not listening after
-    ``timeout`` seconds is a ``RuntimeError`` with the end of its log."""
-    multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing, **(env or {})}
+    ``--engine`` in ``argv`` picks the engine, vLLM by default) and wait until it listens: the process and its port
+    (``--port 0`` picks a free one). A server that exits or is not listening after ``timeout`` seconds is a
+    ``RuntimeError`` with the end of its log."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
     with open(log, "w") as sink:
         proc = subprocess.Popen(
             [sys.executable, "-m", "aitraining_pl.cli", "serve", *argv], env=env, stdout=sink, stderr=sink
@@ -215,7 +212,7 @@ def build_engine(args: argparse.Namespace, policy: torch.nn.Module, tokenizer: A
     """The engine ``--engine`` names for ``policy`` (meta device), holding ``--model``'s own weights with
     ``--teacher``."""
     if args.engine == "hf":
-        from aitraining_pl.vllm_backend.hf_engine import HFServerEngine
+        from aitraining_pl.generation.servers.hf_server import HFServerEngine
 
         engine = HFServerEngine(policy, seed=args.seed)
         if args.teacher:
@@ -224,7 +221,7 @@ def build_engine(args: argparse.Namespace, policy: torch.nn.Module, tokenizer: A
             teacher = from_pretrained(transformers.AutoModelForCausalLM.from_pretrained, args.model, "model")
             engine.load(teacher.state_dict().items(), f"teacher {args.model}")
         return engine
-    from aitraining_pl.vllm_backend.engine import VLLMEngine
+    from aitraining_pl.generation.vllm import VLLMEngine
 
     options = VLLMConfig(
         gpu_memory_utilization=args.gpu_memory_utilization,

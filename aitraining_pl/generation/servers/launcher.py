@@ -1,5 +1,5 @@
 """``generation.server: launch``: the trainer starts the generation server it needs (``aitraining-pl serve --engine
-<backend>``, ``vllm_backend.serve``) on this machine and stops it at the end of the run.
+<backend>``, ``generation.servers.serve``) on this machine and stops it at the end of the run.
 
 Rank 0 writes the policy's config and tokenizer to a private folder (the server builds the architecture from them
 and holds no weights until the first push), a fresh token to an owner-only file there, and starts the server as a
@@ -40,13 +40,10 @@ class LaunchedServer:
         policy: the policy (its config, dtype and device decide the served architecture).
         tokenizer: the policy's tokenizer (saved for the server).
         seed: the server's seed (requests of an asynchronous run carry their own).
-        devices: the server's ``CUDA_VISIBLE_DEVICES`` (``generation.server.launch.devices``); None: the trainer's.
     """
 
-    def __init__(
-        self, generation: GenerationConfig, policy: torch.nn.Module, tokenizer: Any, seed: int = 0, devices=None
-    ):
-        from aitraining_pl.vllm_backend.serve import launch
+    def __init__(self, generation: GenerationConfig, policy: torch.nn.Module, tokenizer: Any, seed: int = 0):
+        from aitraining_pl.generation.servers.serve import launch
 
         self.folder = Path(tempfile.mkdtemp(prefix="aitraining-pl-serve-"))
         model = hf_model(policy)
@@ -72,8 +69,7 @@ class LaunchedServer:
                 argv += ["--max_model_len", str(options.max_model_len)]
         self.log = self.folder / "server.log"
         self.process: subprocess.Popen | None = None
-        env = None if devices is None else {"CUDA_VISIBLE_DEVICES": str(devices)}
-        self.process, self.port = launch(argv, self.log, START_TIMEOUT, env)
+        self.process, self.port = launch(argv, self.log, START_TIMEOUT)
         atexit.register(self.stop)
 
     def connection(self, generation: GenerationConfig, port: int | None = None, token_file: str | None = None):

@@ -1,5 +1,5 @@
 """A fleet member (``generation.servers.fleet.Replica``) over the client of ``aitraining-pl serve``'s own frames
-(``vllm_backend.client``): the ``tcp://host:port`` URLs of ``generation.server.urls``, for the release in which
+(``generation.servers.client``): the ``tcp://host:port`` URLs of ``generation.server.urls``, for the release in which
 that protocol stays.
 
 A ``TCPReplica`` connects when first used and again after its server was lost (``alive``, asked by the fleet
@@ -21,11 +21,11 @@ from urllib.parse import urlsplit
 import torch
 
 from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.servers.client import VLLMServerClient
 from aitraining_pl.generation.servers.replica import PushReport, ReplicaDown, ReplicaStats
+from aitraining_pl.generation.servers.weights import ChannelBroken
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import SampledTokens
-from aitraining_pl.vllm_backend.client import VLLMServerClient
-from aitraining_pl.vllm_backend.weight_group import ChannelBroken
 
 
 class _Client(VLLMServerClient):
