@@ -17,6 +17,7 @@ Batches are packed by ``pack_batch`` (preference pairs, optionally with each pai
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -34,6 +35,14 @@ PACKED_ATTENTION = "aitraining_pl_packed"
 Block = tuple[tuple[tuple[int, int], ...], int]
 
 
+#: queries per attention call on a CPU: a block of at least twice as many queries runs as that many query chunks
+#: (bottom-right causal, each chunk with the keys up to its last query). SDPA's CPU flash kernel tiles keys by 512 and
+#: does not skip the masked half of a causal block within a tile, so a 420-token causal block costs as much as a full
+#: one; in chunks of about 128 queries the later keys are left out (fwd + bwd, 4 heads of 64, one thread: 7.9 -> 6.9
+#: ms at 420 tokens, 11.2 -> 9.0 ms at 512, 3.2 -> 2.9 ms at 256, the same within noise at 128).
+CPU_QUERY_CHUNK = 128
+
+
 @dataclass
 class AttentionPlan:
     """Attention blocks of a packed row, in token order: the blocks' queries, concatenated, are the whole row.
@@ -46,30 +55,51 @@ class AttentionPlan:
 
     blocks: list[Block]
     calls: int = field(default=0, compare=False)
-    _pieces: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _pieces: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def pieces(self) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
-        """The row cut at every range boundary: (piece sizes, per block (key pieces, query pieces)).
+    def pieces(self, chunk: int | None = None) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+        """The row cut at every range boundary: (piece sizes, per attention call (key pieces, query pieces)).
 
-        Blocks gather whole pieces of one ``split`` of the row, whose backward is one concatenation, rather
-        than slicing the row per block, whose backward writes a row-sized gradient per slice.
+        One call per block, or with ``chunk`` a block of ``q >= 2 * chunk`` queries as ``q // chunk`` calls, each
+        a run of its queries with the block's keys up to the run's last query. Calls gather whole pieces of one
+        ``split`` of the row, whose backward is one concatenation, rather than slicing the row per call, whose
+        backward writes a row-sized gradient per slice.
         """
-        if self._pieces is None:
+        if chunk not in self._pieces:
+            runs = [(ranges, _query_cuts(ranges[-1][1] - q, ranges[-1][1], chunk)) for ranges, q in self.blocks]
             cuts = sorted(
-                {0}
-                | {x for ranges, q in self.blocks for a, b in ranges for x in (a, b)}
-                | {ranges[-1][1] - q for ranges, q in self.blocks}
+                {0} | {x for ranges, _ in runs for a, b in ranges for x in (a, b)} | {x for _, r in runs for x in r}
             )
             at = {cut: i for i, cut in enumerate(cuts)}
-            blocks = [
+            calls = [  # the last key range ends at the run's last query
                 (
-                    [i for a, b in ranges for i in range(at[a], at[b])],
-                    list(range(at[ranges[-1][1] - q], at[ranges[-1][1]])),
+                    [i for a, b in (*ranges[:-1], (ranges[-1][0], hi)) for i in range(at[a], at[b])],
+                    list(range(at[lo], at[hi])),
                 )
-                for ranges, q in self.blocks
+                for ranges, run in runs
+                for lo, hi in zip(run, run[1:])
             ]
-            self._pieces = ([b - a for a, b in zip(cuts, cuts[1:])], blocks)
-        return self._pieces
+            self._pieces[chunk] = ([b - a for a, b in zip(cuts, cuts[1:])], calls)
+        return self._pieces[chunk]
+
+    def varlen(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        """The plan as one variable-length attention call: (row position of each packed key, cumulative query
+        counts, cumulative key counts, most queries, most keys), the keys of every block end to end."""
+        key = ("varlen", str(device))
+        if key not in self._pieces:
+            keys = [x for ranges, _ in self.blocks for a, b in ranges for x in range(a, b)]
+            queries = [q for _, q in self.blocks]
+            counts = [sum(b - a for a, b in ranges) for ranges, _ in self.blocks]
+            as_int32 = lambda v: torch.tensor([0, *v], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)  # noqa: E731
+            index = torch.tensor(keys, dtype=torch.long, device=device)
+            self._pieces[key] = (index, as_int32(queries), as_int32(counts), max(queries), max(counts))
+        return self._pieces[key]
+
+
+def _query_cuts(lo: int, hi: int, chunk: int | None) -> list[int]:
+    """Boundaries of the query runs of a block whose queries are row positions [lo, hi)."""
+    n = (hi - lo) // chunk if chunk else 1
+    return [lo + round(i * (hi - lo) / n) for i in range(n + 1)] if n > 1 else [lo, hi]
 
 
 def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -84,10 +114,11 @@ def _plan_attention(
     dropout: float,
     scaling: float | None,
 ) -> torch.Tensor:
-    sizes, blocks = plan.pieces()
+    """(1, heads, tokens, dim): one SDPA call per block (per query run of a long block on a CPU)."""
+    sizes, calls = plan.pieces(CPU_QUERY_CHUNK if query.device.type == "cpu" else None)
     qs, ks, vs = (t.split(sizes, dim=2) for t in (query, key, value))
     out = []
-    for key_pieces, query_pieces in blocks:
+    for key_pieces, query_pieces in calls:
         q, k, v = (
             _cat([qs[i] for i in query_pieces]),
             _cat([ks[i] for i in key_pieces]),
@@ -100,6 +131,34 @@ def _plan_attention(
             mask = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(keys - queries)
             out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling))
     return torch.cat(out, dim=2)
+
+
+def _varlen_attn() -> Any:
+    """``torch.nn.attention.varlen.varlen_attn`` (FlashAttention's variable-length kernel, CUDA), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _use_varlen(query: torch.Tensor, dropout: float) -> bool:
+    """Whether the plan runs as one variable-length call: a half-precision CUDA batch without attention dropout
+    (FlashAttention's dtypes; its kernel has no dropout) and a torch that has the kernel."""
+    return (
+        query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not dropout and _varlen_attn() is not None
+    )
+
+
+def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: AttentionPlan, scaling):
+    """(1, tokens, heads, dim): every block in one call, each block's keys gathered end to end; FlashAttention's
+    causal mask for fewer queries than keys is aligned at the bottom right, as the plan's blocks are."""
+    index, cu_q, cu_k, max_q, max_k = plan.varlen(query.device)
+    q = query[0].transpose(0, 1)
+    k, v = (t[0].transpose(0, 1).index_select(0, index) for t in (key, value))
+    attn = _varlen_attn()
+    causal = {"window_size": (-1, 0)} if "window_size" in inspect.signature(attn).parameters else {"is_causal": True}
+    return attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, **causal).unsqueeze(0)
 
 
 def packed_attention_forward(
@@ -127,6 +186,8 @@ def packed_attention_forward(
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     packed_plan.calls += 1
+    if _use_varlen(query, dropout):
+        return _varlen_attention(query, key, value, packed_plan, scaling), None
     out = _plan_attention(query, key, value, packed_plan, dropout, scaling)
     return out.transpose(1, 2).contiguous(), None
 
