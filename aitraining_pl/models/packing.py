@@ -82,6 +82,25 @@ class AttentionPlan:
             self._pieces[chunk] = ([b - a for a, b in zip(cuts, cuts[1:])], calls)
         return self._pieces[chunk]
 
+    def masks(self, chunk: int | None, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor | None]:
+        """Per call of ``pieces(chunk)``: None where it has as many queries as keys (SDPA's own causal mask), else
+        the causal mask aligned at the bottom right (query j sees keys up to keys - queries + j) as additive
+        ``dtype`` values, built once for every layer of every model that runs the plan."""
+        key = ("masks", chunk, str(device), dtype)
+        if key not in self._pieces:
+            sizes, calls = self.pieces(chunk)
+            masks = []
+            for key_pieces, query_pieces in calls:
+                queries, keys = (sum(sizes[i] for i in pieces) for pieces in (query_pieces, key_pieces))
+                seen = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+                masks.append(
+                    None
+                    if queries == keys
+                    else torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+                )
+            self._pieces[key] = masks
+        return self._pieces[key]
+
     def varlen(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
         """The plan as one variable-length attention call: (row position of each packed key, cumulative query
         counts, cumulative key counts, most queries, most keys), the keys of every block end to end."""
@@ -115,21 +134,19 @@ def _plan_attention(
     scaling: float | None,
 ) -> torch.Tensor:
     """(1, heads, tokens, dim): one SDPA call per block (per query run of a long block on a CPU)."""
-    sizes, calls = plan.pieces(CPU_QUERY_CHUNK if query.device.type == "cpu" else None)
+    chunk = CPU_QUERY_CHUNK if query.device.type == "cpu" else None
+    sizes, calls = plan.pieces(chunk)
+    masks = plan.masks(chunk, query.device, query.dtype)
     qs, ks, vs = (t.split(sizes, dim=2) for t in (query, key, value))
     out = []
-    for key_pieces, query_pieces in calls:
+    for (key_pieces, query_pieces), mask in zip(calls, masks):
         q, k, v = (
             _cat([qs[i] for i in query_pieces]),
             _cat([ks[i] for i in key_pieces]),
             _cat([vs[i] for i in key_pieces]),
         )
-        queries, keys = q.shape[2], k.shape[2]
-        if queries == keys:
-            out.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True))
-        else:  # causal, aligned at the bottom right: query j sees keys up to keys - queries + j
-            mask = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(keys - queries)
-            out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling))
+        causal = mask is None  # as many queries as keys: causal; else the plan's mask
+        out.append(F.scaled_dot_product_attention(q, k, v, mask, dropout, causal, scale=scaling))
     return torch.cat(out, dim=2)
 
 
