@@ -295,7 +295,7 @@ def pack_batch(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> Pa
     every token sees exactly what it sees in its own padded row.
     """
     ids = batch["input_ids"]
-    lengths, prompts = batch["attention_mask"].sum(1).tolist(), prompt_lengths(batch).tolist()
+    lengths, prompts = torch.stack([batch["attention_mask"].sum(1), prompt_lengths(batch)]).tolist()  # one sync
     b = len(lengths) // 2
     rows, cols, positions, blocks, sources, targets, sequences, columns = [], [], [], [], [], [], [], []
     start = 0
@@ -391,7 +391,7 @@ def pack_rows(batch: dict[str, torch.Tensor], shared_prefix: int = 0) -> PackedB
     if shared_prefix:
         prefix = torch.cat([ids[:, :shared_prefix] * real[:, :shared_prefix], real[:, :shared_prefix].long()], 1)
         _, kind = torch.unique(prefix, dim=0, return_inverse=True)
-        leader = torch.full((int(kind.max()) + 1,), n, device=device).scatter_reduce(0, kind, leader, "amin")[kind]
+        leader = torch.full((n,), n, device=device).scatter_reduce(0, kind, leader, "amin")[kind]  # kind < n
         kept = real.clone()
         kept[leader != torch.arange(n, device=device), :shared_prefix] = False
     lengths = kept.sum(1)
@@ -409,13 +409,15 @@ def pack_rows(batch: dict[str, torch.Tensor], shared_prefix: int = 0) -> PackedB
     if not bool(kept[scored_rows, scored_cols].all()):
         raise ValueError(f"pack_rows: a scored token lies in the first {shared_prefix} (shared) columns")
     prefix_held = real[:, :shared_prefix].sum(1) if shared_prefix else torch.zeros_like(lengths)
+    # one host transfer for the plan (not one per row: each is a device sync on an accelerator)
+    starts_, lengths_, leader_, held_ = torch.stack([starts, lengths, leader, prefix_held]).tolist()
     blocks = []
-    for row, (s, length, lead) in enumerate(zip(starts.tolist(), lengths.tolist(), leader.tolist())):
-        held = int(prefix_held[lead])
+    for row, (s, length, lead) in enumerate(zip(starts_, lengths_, leader_)):
+        held = held_[lead]
         if length and (lead == row or not held):
             blocks.append((((s, s + length),), length))
         elif length:
-            blocks.append((((int(starts[lead]), int(starts[lead]) + held), (s, s + length)), length))
+            blocks.append((((starts_[lead], starts_[lead] + held), (s, s + length)), length))
     targets_at = at(scored_rows, scored_cols)
     packed = ids[rows, cols].unsqueeze(0)
     return PackedBatch(
