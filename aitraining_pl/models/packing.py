@@ -57,48 +57,52 @@ class AttentionPlan:
     calls: int = field(default=0, compare=False)
     _pieces: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def pieces(self, chunk: int | None = None) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
-        """The row cut at every range boundary: (piece sizes, per attention call (key pieces, query pieces)).
+    def pieces(self) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+        """The row cut at every range boundary: (piece sizes, per block (key pieces, query pieces)).
 
-        One call per block, or with ``chunk`` a block of ``q >= 2 * chunk`` queries as ``q // chunk`` calls, each
-        a run of its queries with the block's keys up to the run's last query. Calls gather whole pieces of one
-        ``split`` of the row, whose backward is one concatenation, rather than slicing the row per call, whose
-        backward writes a row-sized gradient per slice.
+        Blocks gather whole pieces of one ``split`` of the row, whose backward is one concatenation, rather
+        than slicing the row per block, whose backward writes a row-sized gradient per slice.
         """
-        if chunk not in self._pieces:
-            runs = [(ranges, _query_cuts(ranges[-1][1] - q, ranges[-1][1], chunk)) for ranges, q in self.blocks]
+        if "pieces" not in self._pieces:
             cuts = sorted(
-                {0} | {x for ranges, _ in runs for a, b in ranges for x in (a, b)} | {x for _, r in runs for x in r}
+                {0}
+                | {x for ranges, q in self.blocks for a, b in ranges for x in (a, b)}
+                | {ranges[-1][1] - q for ranges, q in self.blocks}
             )
             at = {cut: i for i, cut in enumerate(cuts)}
-            calls = [  # the last key range ends at the run's last query
+            blocks = [
                 (
-                    [i for a, b in (*ranges[:-1], (ranges[-1][0], hi)) for i in range(at[a], at[b])],
-                    list(range(at[lo], at[hi])),
+                    [i for a, b in ranges for i in range(at[a], at[b])],
+                    list(range(at[ranges[-1][1] - q], at[ranges[-1][1]])),
                 )
-                for ranges, run in runs
-                for lo, hi in zip(run, run[1:])
+                for ranges, q in self.blocks
             ]
-            self._pieces[chunk] = ([b - a for a, b in zip(cuts, cuts[1:])], calls)
-        return self._pieces[chunk]
+            self._pieces["pieces"] = ([b - a for a, b in zip(cuts, cuts[1:])], blocks)
+        return self._pieces["pieces"]
 
-    def masks(self, chunk: int | None, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor | None]:
-        """Per call of ``pieces(chunk)``: None where it has as many queries as keys (SDPA's own causal mask), else
-        the causal mask aligned at the bottom right (query j sees keys up to keys - queries + j) as additive
-        ``dtype`` values, built once for every layer of every model that runs the plan."""
+    def runs(self, chunk: int | None) -> list[list[tuple[int, int, int]]]:
+        """Per block, its attention calls as runs of its queries: ``(first, end, keys)``, queries [first, end) of
+        the block attending to its first ``keys`` keys (those up to the run's last query). One run per block, or
+        with ``chunk`` a block of ``q >= 2 * chunk`` queries as ``q // chunk`` runs of about equal size."""
+        key = ("runs", chunk)
+        if key not in self._pieces:
+            runs = []
+            for ranges, q in self.blocks:
+                keys, n = sum(b - a for a, b in ranges), q // chunk if chunk else 1
+                cuts = [round(i * q / n) for i in range(n + 1)] if n > 1 else [0, q]
+                runs.append([(lo, hi, keys - q + hi) for lo, hi in zip(cuts, cuts[1:])])
+            self._pieces[key] = runs
+        return self._pieces[key]
+
+    def masks(self, chunk: int | None, device: torch.device, dtype: torch.dtype) -> list[list[torch.Tensor | None]]:
+        """Per run of ``runs(chunk)``: None where it has as many queries as keys (SDPA's own causal mask), else the
+        causal mask aligned at the bottom right (query j sees keys up to keys - queries + j) as additive ``dtype``
+        values, built once for every layer of every model that runs the plan."""
         key = ("masks", chunk, str(device), dtype)
         if key not in self._pieces:
-            sizes, calls = self.pieces(chunk)
-            masks = []
-            for key_pieces, query_pieces in calls:
-                queries, keys = (sum(sizes[i] for i in pieces) for pieces in (query_pieces, key_pieces))
-                seen = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
-                masks.append(
-                    None
-                    if queries == keys
-                    else torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
-                )
-            self._pieces[key] = masks
+            self._pieces[key] = [
+                [_mask(hi - lo, keys, device, dtype) for lo, hi, keys in block] for block in self.runs(chunk)
+            ]
         return self._pieces[key]
 
     def varlen(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
@@ -115,10 +119,11 @@ class AttentionPlan:
         return self._pieces[key]
 
 
-def _query_cuts(lo: int, hi: int, chunk: int | None) -> list[int]:
-    """Boundaries of the query runs of a block whose queries are row positions [lo, hi)."""
-    n = (hi - lo) // chunk if chunk else 1
-    return [lo + round(i * (hi - lo) / n) for i in range(n + 1)] if n > 1 else [lo, hi]
+def _mask(queries: int, keys: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    if queries == keys:
+        return None
+    seen = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+    return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
 
 
 def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -135,18 +140,23 @@ def _plan_attention(
 ) -> torch.Tensor:
     """(1, heads, tokens, dim): one SDPA call per block (per query run of a long block on a CPU)."""
     chunk = CPU_QUERY_CHUNK if query.device.type == "cpu" else None
-    sizes, calls = plan.pieces(chunk)
-    masks = plan.masks(chunk, query.device, query.dtype)
+    sizes, blocks = plan.pieces()
     qs, ks, vs = (t.split(sizes, dim=2) for t in (query, key, value))
     out = []
-    for (key_pieces, query_pieces), mask in zip(calls, masks):
+    for (key_pieces, query_pieces), runs, masks in zip(
+        blocks, plan.runs(chunk), plan.masks(chunk, query.device, query.dtype)
+    ):
         q, k, v = (
             _cat([qs[i] for i in query_pieces]),
             _cat([ks[i] for i in key_pieces]),
             _cat([vs[i] for i in key_pieces]),
         )
-        causal = mask is None  # as many queries as keys: causal; else the plan's mask
-        out.append(F.scaled_dot_product_attention(q, k, v, mask, dropout, causal, scale=scaling))
+        for (lo, hi, keys), mask in zip(runs, masks):  # views of the block's tensors: no copies kept for backward
+            if len(runs) > 1:
+                q_run, k_run, v_run = q[:, :, lo:hi], k[:, :, :keys], v[:, :, :keys]
+            else:
+                q_run, k_run, v_run = q, k, v
+            out.append(F.scaled_dot_product_attention(q_run, k_run, v_run, mask, dropout, mask is None, scale=scaling))
     return torch.cat(out, dim=2)
 
 

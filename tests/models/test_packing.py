@@ -29,13 +29,14 @@ def test_plan_pieces_cut_the_row_at_every_boundary():
     assert blocks == [([0], [0]), ([1, 2], [1, 2]), ([1, 3], [3])]
 
 
-def test_plan_pieces_cut_long_blocks_into_query_runs():
+def test_plan_runs_cut_long_blocks_into_query_runs():
     # a sequence of 5 tokens and a pair (prompt [5, 7), chosen [7, 9), rejected [9, 13)), runs of about 2 queries
     plan = AttentionPlan([(((0, 5),), 5), (((5, 9),), 4), (((5, 7), (9, 13)), 4)])
-    sizes, calls = plan.pieces(chunk=2)
-    assert sizes == [2, 3, 2, 2, 2, 2]  # cuts at 0 2 5 | 7 9 | 11 13
-    assert calls == [([0], [0]), ([0, 1], [1]), ([2], [2]), ([2, 3], [3]), ([2, 4], [4]), ([2, 4, 5], [5])]
-    assert plan.pieces() == ([5, 2, 2, 4], [([0], [0]), ([1, 2], [1, 2]), ([1, 3], [3])])  # unchunked, cached apart
+    assert plan.runs(2) == [[(0, 2, 2), (2, 5, 5)], [(0, 2, 2), (2, 4, 4)], [(0, 2, 4), (2, 4, 6)]]
+    assert plan.runs(None) == [[(0, 5, 5)], [(0, 4, 4)], [(0, 4, 6)]]
+    masks = plan.masks(2, torch.device("cpu"), torch.float32)
+    assert masks[0][0] is None and masks[1][1].shape == (2, 4) and masks[2][0].shape == (2, 4)
+    assert (masks[2][0] == 0).tolist() == [[True, True, True, False], [True, True, True, True]]
 
 
 def _attention(plan, chunk, monkeypatch, seed=0):
