@@ -47,7 +47,7 @@ import torch
 from aitraining_pl.agents.endpoint import AgentEndpoint, require_agents_extra
 from aitraining_pl.agents.recording import CallRecord, split_sequences
 from aitraining_pl.environments.episode import EpisodeEnvironment, EpisodeLimits
-from aitraining_pl.environments.episode_rollout import EpisodeInfo
+from aitraining_pl.environments.episode_rollout import EpisodeInfo, check_assistant_turns
 from aitraining_pl.errors import RewardError
 from aitraining_pl.guarded_call import CallInterrupted, CallTimeout, guarded_call
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, describe_failure, import_object
@@ -92,6 +92,11 @@ class AgentEnvironment(EpisodeEnvironment):
         self.max_sequences, self.max_concurrency = int(max_sequences), max_concurrency
         if chat_template and "{" not in chat_template and ":" in chat_template:  # an import path
             chat_template = import_object(chat_template)
+        if chat_template:
+            try:
+                check_assistant_turns(chat_template)
+            except ValueError as err:
+                raise ValueError(f"AgentEnvironment: chat_template: {err}") from None
         self.options = {"request_sampling": request_sampling, "chat_template": chat_template}
         self.batch_window, self.client_timeout = batch_window, client_timeout
         self._endpoint: list[AgentEndpoint | None] = [None]  # one for the run, started on the first batch
