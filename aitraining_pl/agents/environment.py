@@ -28,9 +28,20 @@ its first prompt included, is in the response part (attention 1, ``response_mask
 model is shown exactly what the endpoint fed it. ``sampling_logprobs`` are those recorded at sampling.
 
 Each episode runs in its own thread (sync agents, at most ``max_concurrency`` at once) or on one asyncio loop
-(async agents), under the environments' guards: at most ``timeout`` seconds (the modules' ``reward_timeout``); an
-exception, ``sys.exit`` / ``os._exit``, a timeout, or a reward that is not a finite number stops the run with one
-``RewardError`` naming the agent. A finished (or timed-out) episode's key is closed at once.
+(async agents) in a thread of its own, under the environments' guards: at most ``timeout`` seconds (the modules'
+``reward_timeout``). An async agent that blocks its loop (``time.sleep``) or swallows its cancellation cannot hold
+the run: the loop's thread is waited for ``timeout`` seconds (and a little more), then abandoned, its unfinished
+episodes timed out. An exception, ``sys.exit`` / ``os._exit`` in the agent's own thread, a timeout, or a reward that
+is not a finite number is an *agent error*: ``on_agent_error`` says what it does (``stop``: the run stops with one
+``RewardError`` naming the agent; ``zero_reward``: the episode scores 0 and trains on what it sampled; ``drop``:
+the episode gives no rows and no group statistic); ``episode/agent_errors`` counts them. ``os._exit`` from a
+thread the agent itself starts, or a crash of the interpreter, ends the process: only a subprocess could catch it.
+A finished (or timed-out) episode's key is closed at once.
+
+**Misattribution.** Calls are attributed by key, so agents that share one client (a process-global default, e.g.
+the OpenAI Agents SDK's ``set_default_openai_client``) land in one episode. ``episode/no_calls`` counts episodes
+that returned without a call through their key, ``episode/overlapping_calls`` calls that reached a key while
+another conversation's call on it was pending; either warns once.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -52,6 +64,9 @@ from aitraining_pl.errors import RewardError
 from aitraining_pl.guarded_call import CallInterrupted, CallTimeout, guarded_call
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, describe_failure, import_object
 from aitraining_pl.rollout import Rollout, RolloutEngine
+
+#: what an agent error does (``AgentEnvironment``'s ``on_agent_error``)
+AGENT_ERROR_POLICIES = ("stop", "zero_reward", "drop")
 
 
 class AgentEnvironment(EpisodeEnvironment):
@@ -69,6 +84,8 @@ class AgentEnvironment(EpisodeEnvironment):
         batch_window: seconds the endpoint's sampler waits for other calls to sample together (at most: it samples
             as soon as every open episode has a call pending).
         client_timeout: seconds the episode's client waits for one answer.
+        on_agent_error: what an agent error (see the module docstring) does: ``stop`` (default), ``zero_reward``
+            or ``drop``.
     """
 
     limits = EpisodeLimits(max_turns=1 << 20, max_total_tokens=1 << 30)
@@ -82,8 +99,14 @@ class AgentEnvironment(EpisodeEnvironment):
         chat_template: str | None = None,
         batch_window: float = 0.05,
         client_timeout: float = 600.0,
+        on_agent_error: str = "stop",
     ):
         require_agents_extra()
+        if on_agent_error not in AGENT_ERROR_POLICIES:
+            known = ", ".join(AGENT_ERROR_POLICIES)
+            raise ValueError(f"AgentEnvironment: on_agent_error must be one of {known}, got {on_agent_error!r}")
+        self.on_agent_error = on_agent_error
+        self._warned: set[str] = set()
         if max_sequences < 1:
             raise ValueError(f"AgentEnvironment: max_sequences must be >= 1, got {max_sequences}")
         self.agent = import_object(agent) if isinstance(agent, str) else agent
@@ -168,14 +191,69 @@ class AgentEnvironment(EpisodeEnvironment):
                     self._http[0] = openai.DefaultHttpxClient(timeout=self.client_timeout)
                 rewards = self._run_threads(endpoint, jobs, timeout)
             records = [endpoint.finish_episode(key) for key in keys]
+            overlapping = [endpoint.overlapping(key) for key in keys]
         finally:
             for key in keys:
                 endpoint.finish_episode(key)
             endpoint.forget(keys)
+        rewards, failed = self._outcomes(rewards)
+        records = [[] if bad and self.on_agent_error == "drop" else r for r, bad in zip(records, failed)]
+        extra = [
+            {"agent_errors": float(bad), "no_calls": float(not r and not bad), "overlapping_calls": float(o)}
+            for r, bad, o in zip(records, failed, overlapping)
+        ]
+        self._check_attribution(extra, records, endpoint.context_length)
         pad = engine.pad_token_id(model, engine.end_token_ids(model))
         return episode_rows(
-            records, rewards, groups, prompt_ids, prompt_mask, self.max_sequences, pad, engine.tokenizer
+            records, rewards, groups, prompt_ids, prompt_mask, self.max_sequences, pad, engine.tokenizer, extra
         )
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(f"AgentEnvironment ({self._where}): {message}", stacklevel=3)
+
+    def _check_attribution(self, extra: list[dict], records: list, context: int | None) -> None:
+        """Warn once about misattributed calls, dropped sequences and rows past the context."""
+        silent = sum(e["no_calls"] for e in extra)
+        overlaps = sum(e["overlapping_calls"] for e in extra)
+        if silent or overlaps:
+            self._warn_once(
+                "attribution",
+                f"{silent:g} of {len(extra)} episodes made no call with their own key and {overlaps:g} calls reached "
+                "a key while another conversation's call was pending: the agents probably share one client (e.g. "
+                "the OpenAI Agents SDK's process-global set_default_openai_client), so calls are trained on the "
+                "wrong episode; build each episode's model from its `client` (OpenAIChatCompletionsModel(model=..., "
+                "openai_client=client), docs/agents.md) (counted as episode/no_calls, episode/overlapping_calls)",
+            )
+        counts = [len(split_sequences(r)) for r in records]
+        if max(counts, default=0) > self.max_sequences:
+            self._warn_once(
+                "dropped",
+                f"an episode gave {max(counts)} sequences and max_sequences is {self.max_sequences}: the first ones "
+                "are not trained (episode/dropped_sequences); agents that rewrite their history (smolagents) start a "
+                "new sequence per call (docs/agents.md says what max_sequences to use)",
+            )
+        longest = max((len(r.prompt_ids) + len(r.completion_ids) for rs in records for r in rs), default=0)
+        if context is not None and longest > context:
+            self._warn_once("context", f"a row of {longest} tokens is longer than the model's {context} positions")
+
+    def _outcomes(self, results: list) -> tuple[list[float], list[bool]]:
+        """Each episode's reward and whether it was an agent error (``on_agent_error``: ``stop`` raises it)."""
+        rewards, failed = [], []
+        for i, result in enumerate(results):
+            try:
+                rewards.append(self._reward(result, i))
+                failed.append(False)
+            except RewardError as err:
+                if self.on_agent_error == "stop":
+                    raise
+                self._warn_once(
+                    "error", f"{err} (on_agent_error: {self.on_agent_error}; counted as episode/agent_errors)"
+                )
+                rewards.append(0.0)
+                failed.append(True)
+        return rewards, failed
 
     def _client(self, endpoint: AgentEndpoint, key: str, http=None):
         """The episode's client: an ``openai.OpenAI`` (``AsyncOpenAI`` given an async ``http`` client) with the
@@ -207,16 +285,22 @@ class AgentEnvironment(EpisodeEnvironment):
                 endpoint.finish_episode(job[0])
 
         with ThreadPoolExecutor(workers, thread_name_prefix="agent-episode") as pool:
-            results = list(pool.map(run, jobs))
-        return [self._reward(result, i) for i, result in enumerate(results)]
+            return list(pool.map(run, jobs))
 
-    def _run_async(self, endpoint: AgentEndpoint, jobs: list, timeout: float | None) -> list[float]:
-        async def one(http, key, prompt, metadata):
+    def _run_async(self, endpoint: AgentEndpoint, jobs: list, timeout: float | None) -> list:
+        """The async episodes' outcomes (rewards or exceptions), on one loop in a thread that is abandoned
+        ``timeout`` seconds (and a little more) after it starts (see the module docstring)."""
+        outcomes: list[Any] = [CallTimeout() for _ in jobs]
+
+        async def one(i, http, key, prompt, metadata):
             endpoint.start_episode(key)
             try:
-                return await asyncio.wait_for(self.agent(self._client(endpoint, key, http), prompt, metadata), timeout)
+                agent = self.agent(self._client(endpoint, key, http), prompt, metadata)
+                outcomes[i] = await asyncio.wait_for(agent, timeout)
             except asyncio.TimeoutError:
-                raise CallTimeout() from None
+                outcomes[i] = CallTimeout()
+            except (Exception, SystemExit) as err:
+                outcomes[i] = err
             finally:
                 endpoint.finish_episode(key)
 
@@ -224,13 +308,16 @@ class AgentEnvironment(EpisodeEnvironment):
             import openai
 
             async with openai.DefaultAsyncHttpxClient(timeout=self.client_timeout) as http:
-                return await asyncio.gather(*(one(http, *job) for job in jobs), return_exceptions=True)
+                await asyncio.gather(*(one(i, http, *job) for i, job in enumerate(jobs)))
 
         try:
-            results = guarded_call(asyncio.run, (every(),), None)
+            guarded_call(asyncio.run, (every(),), None if timeout is None else timeout * 1.1 + 2.0)
+        except CallTimeout:  # the loop is blocked (or a task ignores its cancellation): abandoned with its thread
+            for key, *_ in jobs:
+                endpoint.finish_episode(key)
         except (Exception, SystemExit) as err:
-            results = [err]
-        return [self._reward(result, i) for i, result in enumerate(results)]
+            return [err] * len(jobs)
+        return outcomes
 
     @property
     def _where(self) -> str:
@@ -266,9 +353,11 @@ def episode_rows(
     max_sequences: int,
     pad: int,
     tokenizer,
+    extra: Sequence[dict] | None = None,
 ) -> Rollout:
     """The ``Rollout`` of episodes' records (one list per episode, in ``groups`` order: the prompt index of each
-    episode): ``max_sequences`` rows per episode, laid out as ``AgentEnvironment``'s docstring says."""
+    episode): ``max_sequences`` rows per episode, laid out as ``AgentEnvironment``'s docstring says; ``extra``: more
+    metrics per episode (``agent_errors``, ``no_calls``, ...)."""
     device = prompt_ids.device
     rows, metrics, transcripts = [], [], []
     for e, (episode, reward, g) in enumerate(zip(records, rewards, groups)):
@@ -283,6 +372,7 @@ def episode_rows(
             "dropped_sequences": float(len(sequences) - len(kept)),
             "tool_calls": float(sum(r.tool_calls for r in episode)),
             "truncated": float(bool(episode) and not episode[-1].ended),
+            **(extra[e] if extra is not None else {}),
         }
         chat = [m for r in episode[-1:] for m in [*r.messages, r.assistant]]
         metrics += [stats] * max_sequences
