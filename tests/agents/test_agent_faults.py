@@ -139,3 +139,16 @@ def test_the_quickstart_agent_reads_a_superscript_as_no_digit():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert calculator_agent(Client(), "2+3=", {"expression": "2+3"}) == 0.0
+
+
+def test_a_misplaced_override_key_is_named_not_dropped():
+    """Probe 9: ``--model.init_args.reward.init_args.agent X`` puts ``agent`` beside ``class_path``."""
+    from aitraining_pl.rewards import build_reward_source
+
+    spec = {
+        "class_path": "aitraining_pl.agents.AgentEnvironment",
+        "init_args": {"agent": "aitraining_pl.data.calculator_agent:calculator_agent"},
+        "agent": "my_pkg.agents:better",
+    }
+    with pytest.raises(ValueError, match="key 'agent' is neither class_path nor init_args, so it would be ignored"):
+        build_reward_source(spec)
