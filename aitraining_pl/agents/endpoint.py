@@ -60,9 +60,11 @@ from aitraining_pl.agents.protocol import (
     RequestError,
     assistant_message,
     completion_body,
+    conversation_opening,
     parse_request,
     same_turn,
     stream_chunks,
+    tool_prefill,
 )
 from aitraining_pl.agents.recording import CallRecord
 from aitraining_pl.environments.episode_rollout import ChatFormat
@@ -87,44 +89,6 @@ def require_agents_extra() -> None:
         import uvicorn  # noqa: F401
     except ImportError as err:
         raise ImportError(f"{EXTRA_HINT} ({err})") from None
-
-
-def _opening(messages: list[dict]) -> list[dict]:
-    """The messages up to the first user message: what tells one conversation from another."""
-    for i, message in enumerate(messages):
-        if message["role"] == "user":
-            return messages[: i + 1]
-    return messages[:1]
-
-
-#: per tool-call format: the text that opens a call (a template marker, tokenised with its special tokens) and
-#: what follows before a forced function's arguments (plain text), ``{name}`` its JSON-quoted name
-_PREFILLS = {
-    "hermes": ("<tool_call>", "\n", '\n{{"name": {name}, "arguments": '),
-    "mistral": ("[TOOL_CALLS]", " [", ' [{{"name": {name}, "arguments": '),
-    "llama3": ("", '{"name": "', '{{"name": {name}, "parameters": '),
-}
-
-
-def tool_prefill(request: ChatRequest, tool_format: str | None) -> tuple[str, str]:
-    """What is written after the generation prompt so that ``tool_choice`` is honoured: ``(marker, text)``, both
-    "" unless a call is required (``"required"``: the call's opening; a named function: its opening up to the
-    arguments). ``parallel_tool_calls: false`` in the ``mistral`` format (one list of calls) is refused."""
-    if not request.tools or request.tool_choice in (None, "auto", "none"):
-        choice = None
-    else:
-        choice = request.tool_choice
-    if not request.parallel_tool_calls and tool_format == "mistral" and request.tool_choice != "none":
-        raise RequestError(
-            400, "parallel_tool_calls: false is not supported with the mistral tool-call format (its calls are one "
-            "list)", "parallel_tool_calls", "unsupported_value",
-        )  # fmt: skip
-    if choice is None or tool_format is None:
-        return "", ""
-    marker, required, named = _PREFILLS[tool_format]
-    if choice == "required":
-        return marker, required
-    return marker, named.format(name=json.dumps(choice["function"]["name"]))
 
 
 @dataclass
@@ -320,7 +284,7 @@ class AgentEndpoint:
         request = parse_request(body)
         with self._lock:
             log = self._episode(key)
-        opening = json.dumps(_opening(request.messages))
+        opening = json.dumps(conversation_opening(request.messages))
         with self._lock:
             if any(other != opening for other in log.in_flight):
                 log.overlapping += 1

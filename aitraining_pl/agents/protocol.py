@@ -211,6 +211,44 @@ def parse_request(body: Any) -> ChatRequest:
     )
 
 
+def conversation_opening(messages: list[dict]) -> list[dict]:
+    """The messages up to the first user message: what tells one conversation from another."""
+    for i, message in enumerate(messages):
+        if message["role"] == "user":
+            return messages[: i + 1]
+    return messages[:1]
+
+
+#: per tool-call format: the text that opens a call (a template marker, tokenised with its special tokens) and
+#: what follows before a forced function's arguments (plain text), ``{name}`` its JSON-quoted name
+_PREFILLS = {
+    "hermes": ("<tool_call>", "\n", '\n{{"name": {name}, "arguments": '),
+    "mistral": ("[TOOL_CALLS]", " [", ' [{{"name": {name}, "arguments": '),
+    "llama3": ("", '{"name": "', '{{"name": {name}, "parameters": '),
+}
+
+
+def tool_prefill(request: ChatRequest, tool_format: str | None) -> tuple[str, str]:
+    """What is written after the generation prompt so that ``tool_choice`` is honoured: ``(marker, text)``, both
+    "" unless a call is required (``"required"``: the call's opening; a named function: its opening up to the
+    arguments). ``parallel_tool_calls: false`` in the ``mistral`` format (one list of calls) is refused."""
+    if not request.tools or request.tool_choice in (None, "auto", "none"):
+        choice = None
+    else:
+        choice = request.tool_choice
+    if not request.parallel_tool_calls and tool_format == "mistral" and request.tool_choice != "none":
+        raise RequestError(
+            400, "parallel_tool_calls: false is not supported with the mistral tool-call format (its calls are one "
+            "list)", "parallel_tool_calls", "unsupported_value",
+        )  # fmt: skip
+    if choice is None or tool_format is None:
+        return "", ""
+    marker, required, named = _PREFILLS[tool_format]
+    if choice == "required":
+        return marker, required
+    return marker, named.format(name=json.dumps(choice["function"]["name"]))
+
+
 def same_turn(sent: dict, returned: dict) -> bool:
     """Whether an assistant message the agent sent back is the one the endpoint returned (content and tool calls;
     call ids aside)."""
