@@ -177,3 +177,38 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat_file:  # a zombie (not yet reaped by init) has exited
         return stat_file.read().split()[2] != "Z"
+
+
+def lora_policy(model):
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, parameter in peft.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)  # a delta that changes the greedy samples
+    return peft.eval()
+
+
+def test_lora_adapter_pushes_sample_as_merged_pushes(server):
+    """Issue 38, part 4: the base once, then the adapter alone; the same greedy samples as a merged push."""
+    from aitraining_pl.generation.servers.served import ServedBackend
+    from aitraining_pl.models.lora import plain_weights
+
+    _, replica, model = server
+    peft = lora_policy(model)
+    backend = ServedBackend(replica, rank=0, run="run-a", timeout=60)
+    args = request(GREEDY)
+    plain = backend.sample(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2).response_ids
+    assert backend.sync(peft, 5) and backend.base_pushed
+    adapted = backend.sample(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2).response_ids
+    base_push, adapter_push = replica.stats.pushes[-2:]
+    replica.push(plain_weights(peft, merged=True), WeightsVersion("run-a", 6))
+    merged = replica.sample(args, time.monotonic() + 60).response_ids
+    assert torch.equal(adapted, merged) and not torch.equal(adapted, plain)
+    full = replica.stats.pushes[-1].bytes
+    print(f"push bytes: full {full}, adapter {adapter_push.bytes} ({adapter_push.bytes / full:.2%})")
+    assert base_push.bytes == full and adapter_push.bytes < 0.05 * full

@@ -36,11 +36,13 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.servers.adapters import AdapterWeights, write_adapter
 from aitraining_pl.generation.servers.replica import PushReport, ReplicaDown, ReplicaStats
 from aitraining_pl.generation.servers.vllm_worker import PUSH_PREFIX
 from aitraining_pl.generation.version import WeightsVersion
@@ -48,6 +50,8 @@ from aitraining_pl.models.generation import SampledTokens
 
 #: seconds to open a connection (apart from a request's deadline, which scales with its tokens)
 CONNECT_TIMEOUT = 10.0
+#: the name a pushed LoRA adapter is served under (``vllm serve`` with ``--enable-lora``)
+LORA_NAME = "aitraining-pl-policy"
 #: where pushed files are written: shared memory when the machine has it
 SHARED_MEMORY = "/dev/shm"
 
@@ -125,6 +129,9 @@ class HTTPReplica:
         self._outstanding = 0
         self._busy_since: float | None = None
         self._model: str | None = None
+        self._engine: str | None = None
+        self.lora: Path | None = None  #: the folder of the LoRA adapter vLLM serves the rollouts with (None: none)
+        self.lora_loaded = False  #: vLLM has an adapter under ``LORA_NAME`` (the next one loads in place)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         limits = httpx.Limits(max_connections=workers, max_keepalive_connections=workers)
         self.http = httpx.Client(base_url=self.url, headers=headers, limits=limits, timeout=self.timeout)
@@ -190,7 +197,7 @@ class HTTPReplica:
         tokens = len(prompts) * n * int(generation.max_new_tokens)
         self._begin(tokens)
         try:
-            model = self.model()
+            model = LORA_NAME if self.lora is not None else self.model()
             futures = []
             for i, prompt in enumerate(prompts):
                 seed = None if request.seed is None else (int(request.seed) + i * asked) % 2**31
@@ -244,22 +251,69 @@ class HTTPReplica:
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: WeightsVersion) -> PushReport:
+        """``Replica.push``; ``weights`` may be an ``adapters.AdapterWeights`` (a LoRA adapter alone, after the
+        unmerged base weights were pushed once)."""
         start = time.perf_counter()
+        if isinstance(weights, AdapterWeights):
+            size = self.push_adapter(weights, version)
+            return self.named(version, PushReport(time.perf_counter() - start, size))
         weights = iter(weights)
         first = next(weights, None)
         if first is None:
             raise GenerationServerError(self.url, f"pushing weights version {version.step}: no tensors")
         stream = _chained(first, weights)
+        if self.lora is not None:  # full weights: the rollouts name the base model again
+            shutil.rmtree(self.lora, ignore_errors=True)
+            self.lora = None
         if self.channel is None:  # here, not at setup: by now Lightning has put the policy on its device
             self.channel = "nccl" if first[1].is_cuda else "shm"
         size = self.push_nccl(stream, version) if self.channel == "nccl" else self.push_file(stream, version)
+        return self.named(version, PushReport(time.perf_counter() - start, size))
+
+    def named(self, version: WeightsVersion, report: PushReport) -> PushReport:
+        """After a push: drop the prefix cache, name the version, count the push."""
         self.call("POST", "/reset_prefix_cache", "dropping the prefix cache")
         self.call("POST", "/update_weight_version", "naming the weights version", json={"new_version": str(version)})
         self.held = version
-        report = PushReport(time.perf_counter() - start, size)
         with self._lock:
             self.stats.pushes.append(report)
         return report
+
+    def engine(self) -> str:
+        """``vllm`` or ``hf``: who serves (``/v1/models``' ``owned_by``)."""
+        if self._engine is None:
+            data = self.call("GET", "/v1/models", "listing the served model")["data"][0]
+            self._engine = "hf" if data.get("owned_by") == "aitraining-pl" else "vllm"
+        return self._engine
+
+    def push_adapter(self, adapter: AdapterWeights, version: WeightsVersion) -> int:
+        """A LoRA adapter alone: vLLM loads it as a dynamic adapter that the rollouts then name; the HF server
+        applies it over its base weights. The adapter's bytes."""
+        base = SHARED_MEMORY if os.path.isdir(SHARED_MEMORY) else None
+        folder = write_adapter(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=base), adapter)
+        doing = f"pushing the LoRA adapter of weights version {version.step}"
+        try:
+            if self.engine() == "vllm":
+                body = {"lora_name": LORA_NAME, "lora_path": str(folder), "load_inplace": self.lora_loaded}
+                self.call("POST", "/v1/load_lora_adapter", doing, json=body)
+                self.lora_loaded = True
+                folder, self.lora = self.lora, folder  # vLLM may read it again (its adapter cache): kept until the next
+            else:
+                kwargs = {"path": str(folder), "version": str(version), "owner": self.owner}
+                answer = self.call("POST", "/collective_rpc", doing, json={"method": "aitraining_pl_load_adapter",
+                                                                           "kwargs": kwargs}) or {}  # fmt: skip
+                self.refused(answer, version)
+        finally:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        return adapter.bytes
+
+    def refused(self, answer: dict[str, Any], version: WeightsVersion) -> None:
+        """Raise the first refusal in a ``/collective_rpc`` answer (one result per worker)."""
+        refused = [r.get("error") for r in answer.get("results") or [{}] if not (r or {}).get("ok")]
+        if refused:
+            raise GenerationServerError(self.url, f"it refused weights version {version.step}: {refused[0]} "
+                                        "(the previous weights keep serving)")  # fmt: skip
 
     def push_file(self, weights: Iterable[tuple[str, torch.Tensor]], version: WeightsVersion) -> int:
         """The CPU path: one safetensors file in shared memory, loaded by the worker extension; its bytes."""
@@ -279,11 +333,7 @@ class HTTPReplica:
             doing = f"pushing weights version {version.step}"
             kwargs = {"path": path, "version": str(version), "owner": self.owner}
             body = {"method": "aitraining_pl_load", "kwargs": kwargs, "timeout": self.timeout}
-            answer = self.call("POST", "/collective_rpc", doing, json=body) or {}
-            refused = [r.get("error") for r in answer.get("results") or [{}] if not (r or {}).get("ok")]
-            if refused:
-                raise GenerationServerError(self.url, f"it refused weights version {version.step}: {refused[0]} "
-                                            "(the previous weights keep serving)")  # fmt: skip
+            self.refused(self.call("POST", "/collective_rpc", doing, json=body) or {}, version)
             return sum(t.numel() * t.element_size() for t in tensors.values())
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -304,6 +354,8 @@ class HTTPReplica:
             pass
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
+        if self.lora is not None:
+            shutil.rmtree(self.lora, ignore_errors=True)
 
 
 def _chained(first: tuple[str, torch.Tensor], rest: Iterable[tuple[str, torch.Tensor]]):

@@ -3,8 +3,9 @@
 the same calls (``generation.servers.fleet`` wraps N of them).
 
 Rank 0 pushes the policy's weights before each rollout whose weights changed (``sync``; the optimizer step moved),
-streamed one tensor at a time (``policy_weights``: a LoRA policy's base weights with the deltas merged; under FSDP2
-every rank takes part in gathering each tensor); the other ranks walk the same stream and record the version. Each
+streamed one tensor at a time (``policy_weights``; under FSDP2 every rank takes part in gathering each tensor); a
+LoRA policy pushes its unmerged base weights once and then its adapter alone (``adapters``; merged weights under
+FSDP2 or for adapters a server cannot load); the other ranks walk the same stream and record the version. Each
 sample request names the version it needs (``WeightsVersion(run, step)``), and the replica answers it only once the
 server serves it, so no rank samples from stale weights. A push that is not ``in_flight`` waits until the rollouts
 already being sampled are answered (each is sampled by the version it named); an ``in_flight`` one (``async_schedule:
@@ -32,11 +33,13 @@ from urllib.parse import urlparse
 import torch
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
+from aitraining_pl.generation.servers.adapters import adapter_weights, supported
 from aitraining_pl.generation.servers.auth import TOKEN_ENV
 from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.replica import ReplicaDown
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import SampledTokens, StopRule
+from aitraining_pl.models.lora import is_peft_model, plain_weights
 from aitraining_pl.models.sharding import is_sharded
 
 
@@ -160,6 +163,7 @@ class ServedBackend:
         self.sync_seconds = 0.0  #: time the last push took (rank 0)
         self.cached_tokens = 0  #: not reported by the servers' completions
         self.pushes = 0
+        self.base_pushed = False  #: a LoRA policy's unmerged base weights are on the server
         self._gate = _Gate()
 
     def sync(self, policy: torch.nn.Module, version: Any = None) -> bool:
@@ -167,17 +171,45 @@ class ServedBackend:
         the weights (a collective under FSDP2) and record the version. Whether the weights changed."""
         from aitraining_pl.vllm_backend.engine import policy_weights
 
+        if is_peft_model(policy) and not is_sharded(policy) and supported(policy):
+            return self.push_adapter(policy, version)
         walk = self.rank == 0 or is_sharded(policy)
         return self.push(policy_weights(policy) if walk else iter(()), version)
+
+    @torch.no_grad()
+    def push_adapter(self, policy: torch.nn.Module, version: Any = None) -> bool:
+        """A LoRA policy (``sync``): the unmerged base weights once, then its adapter alone at each push
+        (``adapters``); rank 0 only (nothing to gather)."""
+        key = self.key(version)
+        if self.version is not None and (key == self.version or not self.sync_weights):
+            return False
+        if self.rank == 0:
+            with self._gate.push():
+                try:
+                    seconds = 0.0
+                    if not self.base_pushed:
+                        seconds += self.replica.push(plain_weights(policy, merged=False), key).seconds
+                        self.base_pushed = True
+                    self.sync_seconds = seconds + self.replica.push(adapter_weights(policy), key).seconds
+                except ReplicaDown as err:
+                    raise self.down(err, f"pushing the adapter of weights version {key.step}") from None
+        self.pushes += 1
+        self.version = key
+        return True
+
+    def key(self, version: Any) -> WeightsVersion:
+        """The ``WeightsVersion`` of a push of ``version`` (an optimizer step; None: this backend's own count)."""
+        return WeightsVersion(self.run, self.pushes if version is None else int(version))
 
     @torch.no_grad()
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: Any = None, in_flight: bool = False) -> bool:
         """Rank 0: push ``weights`` as ``version`` (an optimizer step; None: the next of this backend's own count)
         unless the server holds it; ``in_flight``: without waiting for the rollouts being sampled. Other ranks
         consume ``weights``. Whether the weights changed."""
-        key = WeightsVersion(self.run, self.pushes if version is None else int(version))
+        key = self.key(version)
         if self.version is not None and (key == self.version or not self.sync_weights):
             return False
+        self.base_pushed = False  # full weights: a LoRA adapter's base must go again before the next adapter
         if self.rank != 0:
             for _ in weights:
                 pass
