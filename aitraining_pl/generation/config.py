@@ -36,6 +36,9 @@ class VLLMConfig:
     Unset: the environment variable ``AITRAINING_PL_SERVER_TOKEN``, else, for a server on this machine, the
     owner-only file ``vllm-serve`` wrote when it generated one. A path, so the secret never lands in the run's
     hyperparameters or logs (docs/vllm.md, Server mode)."""
+    allow_unauthenticated: bool = False
+    """Let the trainer use a generation server that other machines can reach and that answers without the run's
+    token (no ``TokenMiddleware``: anyone there could push weights); refused otherwise, warned once when set."""
     server_timeout: float = 240.0
     """Seconds the trainer waits for the generation server: to accept the connection at setup, and for each
     answer (a rollout's samples, the acknowledgement of a weight push); past it the run stops with one line."""

@@ -158,7 +158,10 @@ class HTTPReplica:
             )  # fmt: skip
         if response.status_code >= 400:
             raise GenerationServerError(self.url, f"{doing} failed ({response.status_code}: {reason(response)})")
-        return response.json() if response.content else None
+        try:
+            return response.json() if response.content else None
+        except ValueError:  # a plain-text success (vLLM's /v1/load_lora_adapter)
+            return None
 
     def model(self) -> str:
         """The served model's name (``/v1/models``: what completions name)."""
