@@ -189,7 +189,7 @@ class Ownership:
         with self.lock:
             if self.owner is not None and self.owner != run and self.open[self.owner]:
                 raise PermissionError(
-                    f"this server serves run {self.owner} ({self.open[self.owner]} connections open); one training "
+                    f"this server serves another run ({self.open[self.owner]} connections open); one training "
                     "run per server: stop that run or start another vllm-serve (--port)"
                 )
             if self.owner != run:

@@ -88,7 +88,7 @@ import torch
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.models.generation import StopRule
 from aitraining_pl.models.loading import one_line
-from aitraining_pl.vllm_backend.batching import Job, SampleQueue, Seat
+from aitraining_pl.vllm_backend.batching import Job, SampleQueue, Seat, step_of
 from aitraining_pl.vllm_backend.engine import SampleRequest
 from aitraining_pl.vllm_backend.guards import (
     HANDSHAKE_HEADER,
@@ -98,6 +98,7 @@ from aitraining_pl.vllm_backend.guards import (
     PushRefused,
     WeightSpecs,
     no_tensors,
+    version_step,
 )
 from aitraining_pl.vllm_backend.weight_group import BACKENDS, WeightGroup, failure, host_store
 from aitraining_pl.vllm_backend.wire import (
@@ -307,7 +308,8 @@ class GenerationServer(socketserver.ThreadingTCPServer):
                 )
             scores = self.engine.prompt_logprobs(ids, mask, start)
             version = self.engine.version
-        return {"op": "logprobs", "version": str(version)}, {"logprobs": scores.float()}
+        shown = step_of(version) if version_step(version) else str(version)  # a scorer never sees the owner's run
+        return {"op": "logprobs", "version": shown}, {"logprobs": scores.float()}
 
 
 class _Connection(socketserver.BaseRequestHandler):
@@ -377,7 +379,10 @@ class _Connection(socketserver.BaseRequestHandler):
             if role == "trainer":
                 server.queue.seats[id(self)] = self.seat
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        ready = {"op": "ready", "model": server.model, "version": server.engine.version, "device": device}
+        # the step only: the run's id in ``run:step`` would let a token holder reconnect as the owner (issue 40)
+        held = server.engine.version
+        version = step_of(held) if version_step(held) else held
+        ready = {"op": "ready", "model": server.model, "version": version, "device": device}
         send_frame(sock, {**ready, "fixed": server.fixed, "engine": getattr(server.engine, "kind", "vLLM")})
         return True
 
