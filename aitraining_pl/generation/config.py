@@ -1,7 +1,7 @@
 """How responses are sampled (``generation: {...}``) and the options of the vLLM backend (``generation.vllm``).
 
-A leaf module: the rollout engine, the backends (``generation.backends``, ``vllm_backend``) and the modules read these
-configs; it imports nothing of theirs."""
+A leaf module: the rollout engine, the backends (``generation.backend``, ``generation.vllm``,
+``generation.servers``) and the modules read these configs; it imports nothing of theirs."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ class VLLMConfig:
 @dataclass
 class GenerationConfig:
     """How responses are sampled, and by which backend: this project's KV-cache decoder (``hf``) or a colocated
-    vLLM engine (``vllm``; ``aitraining_pl.vllm_backend``). Both return the same ``Rollout`` from the same
+    vLLM engine (``vllm``; ``aitraining_pl.generation.vllm``). Both return the same ``Rollout`` from the same
     explicit distribution and end rule.
 
     The log-probs that PPO uses for its ratio, KL and entropy are those of the *untruncated* softmax at

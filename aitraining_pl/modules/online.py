@@ -31,10 +31,10 @@ from aitraining_pl.environments.episode import is_episode_environment
 from aitraining_pl.environments.episode_rollout import sample_episodes
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
+from aitraining_pl.generation.servers.launcher import LaunchedServer, connect_to
 from aitraining_pl.losses import group_statistics, off_policy_log_ratio, off_policy_weights, place_scores
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.training import eval_mode
-from aitraining_pl.modules.async_rollout import RolloutPipeline, staleness
 from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
 from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions, moved_correction
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, build_reward_source
@@ -46,8 +46,8 @@ from aitraining_pl.rollout import (
     score_rollout,
     warn_truncated_sampling,
 )
+from aitraining_pl.rollout.asynchronous import RolloutPipeline, staleness
 from aitraining_pl.validation import rules
-from aitraining_pl.vllm_backend.launched import LaunchedServer, connect_to
 
 #: ranges of the arguments every online RL module has; PPO and the critic-free module add their own.
 ONLINE_RANGES = {
@@ -184,7 +184,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             self.reward_source.to(self.device)
 
     def setup(self, stage: str) -> None:
-        """Build the generation backend (``rollout.build_backend``: the policy itself, a colocated vLLM engine or
+        """Build the generation backend (``registry.build_backend``: the policy itself, a colocated vLLM engine or
         a generation server's client; one line naming the extra to install when vLLM is missing). It gets the
         policy's weights before the first rollout (``generate``), so a resumed run samples from the resumed
         weights."""

@@ -18,10 +18,10 @@ TOY_REWARD = "aitraining_pl.rewards:char_length_reward"  # varies within a group
 
 @contextlib.contextmanager
 def hf_server_port(model_config, seed: int = 0):
-    """An HF generation server (``vllm_backend.hf_engine.HFServerEngine`` behind ``GenerationServer``) for
+    """An HF generation server (``generation.servers.hf_server.HFServerEngine`` behind ``GenerationServer``) for
     ``model_config``'s architecture, served from a thread on a free loopback port (yielded) until the block ends."""
+    from aitraining_pl.generation.servers.hf_server import HFServerEngine
     from aitraining_pl.models.loading import build_causal_lm
-    from aitraining_pl.vllm_backend.hf_engine import HFServerEngine
 
     with torch.device("meta"):
         model = build_causal_lm(model_config)

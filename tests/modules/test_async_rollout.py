@@ -12,7 +12,7 @@ import torch
 
 from aitraining_pl.errors import GenerationServerError
 from aitraining_pl.generation.config import GenerationConfig
-from aitraining_pl.modules.async_rollout import RolloutPipeline, job_seed
+from aitraining_pl.rollout.asynchronous import RolloutPipeline, job_seed
 
 
 class StandInClient:

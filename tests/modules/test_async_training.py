@@ -1,5 +1,5 @@
 """Asynchronous online RL end to end (issue 31): the online modules with ``generation.max_staleness`` >= 1 sample on
-an HF generation server (``vllm_backend.hf_engine`` behind ``GenerationServer``, in a thread of this process, or
+an HF generation server (``generation.servers.hf_server`` behind ``GenerationServer``, in a thread of this process, or
 started by the trainer with ``server: launch``) while they train. Learning on the KL-regularised bandit, the
 staleness the modules log, the quickstart, faults and shutdown."""
 

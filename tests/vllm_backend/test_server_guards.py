@@ -1,4 +1,4 @@
-"""The generation server's guards (``aitraining_pl/vllm_backend/guards.py``, ``server.py``), each probed as a
+"""The generation server's guards (``aitraining_pl/generation/servers/tcp_guards.py``, ``server.py``), each probed as a
 stranger or a careless run would: the token at ``hello``, the run that owns the server, pushes checked before
 anything is loaded, the server's own timeouts, caps on declared sizes and connections, idle clients dropped, the
 accept loop at rest when out of file descriptors, the engine's folder removed when it fails to build, and the
@@ -20,9 +20,9 @@ import torch
 from server_fixtures import SPEC, RecordingEngine, options, serving
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
+from aitraining_pl.generation.servers import tcp_wire as wire
+from aitraining_pl.generation.servers.tcp_wire import read_frame, send_frame
 from aitraining_pl.models import build_causal_lm
-from aitraining_pl.vllm_backend import wire
-from aitraining_pl.vllm_backend.wire import read_frame, send_frame
 
 TOKEN = "test-token"  #: ``serving``'s
 
@@ -94,7 +94,7 @@ def test_a_stranger_without_the_token_reads_nothing_and_pushes_nothing(model, ca
 
 def test_the_client_names_where_its_token_came_from_never_the_token(model, tmp_path, monkeypatch):
     """A client whose token differs from the server's: one line naming the token's source, not the token."""
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
+    from aitraining_pl.generation.servers.client import VLLMServerClient
 
     wrong = tmp_path / "token"
     wrong.write_text("not-the-servers\n")
@@ -114,8 +114,8 @@ def test_the_client_names_where_its_token_came_from_never_the_token(model, tmp_p
 def test_vllm_serve_refuses_a_bind_other_machines_reach_without_a_token(monkeypatch, tmp_path):
     """Before the engine is built: ``--host 0.0.0.0`` with no token is one ``ConfigError`` line; on loopback a
     token is generated and written owner-only (0600 in a 0700 folder) to the file named by the port."""
-    from aitraining_pl.vllm_backend.guards import server_token, write_token
-    from aitraining_pl.vllm_backend.serve import main
+    from aitraining_pl.generation.servers.serve import main
+    from aitraining_pl.generation.servers.tcp_guards import server_token, write_token
 
     monkeypatch.delenv(wire.TOKEN_ENV, raising=False)
     with pytest.raises(ConfigError, match="--host 0.0.0.0: a server other machines can reach needs a token"):
@@ -135,7 +135,7 @@ def test_another_run_is_refused_at_hello_and_the_owner_goes_on(model):
     """Before: a second run (with the token) could push under the first run's feet. Now the first run owns the
     server while it has a connection open: another run's hello is one line; the owner pushes on; once the owner
     has closed, the next run (a resumed one) owns it."""
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
+    from aitraining_pl.generation.servers.client import VLLMServerClient
 
     engine = RecordingEngine()
     with serving(engine, model) as port:
@@ -277,7 +277,7 @@ def _declaring(numel: int) -> bytes:
 def test_a_sample_request_over_the_cap_or_with_other_tensors_is_refused_unread(model):
     """A ``sample`` request may declare its two int64 prompt tensors only, within ``max_request_bytes``: a
     request declaring more, or other tensors, closes the connection before its payload is read."""
-    from aitraining_pl.vllm_backend.guards import Limits
+    from aitraining_pl.generation.servers.tcp_guards import Limits
 
     entries = [{"name": name, "dtype": "int64", "shape": [1024, 1024]} for name in ("prompt_ids", "prompt_mask")]
     with serving(RecordingEngine(), model, limits=Limits(max_request_bytes=1 << 20)) as port:
@@ -296,8 +296,8 @@ def test_a_push_that_stalls_holds_nothing_and_its_timeout_is_the_servers(model, 
     failed after ``engine.version`` was cleared (every rollout then waited). Now a push is staged before the
     engine is taken, so a stalled one holds nothing (another push of the run loads meanwhile), and it is dropped
     after the server's ``timeout`` (here 0.5 s), whatever it asked for."""
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
-    from aitraining_pl.vllm_backend.guards import Limits
+    from aitraining_pl.generation.servers.client import VLLMServerClient
+    from aitraining_pl.generation.servers.tcp_guards import Limits
 
     engine = RecordingEngine()
     with serving(engine, model, limits=Limits(timeout=0.5)) as port:
@@ -320,7 +320,7 @@ def test_connections_are_capped_and_idle_ones_dropped(model):
     kept forever. Now past ``max_connections`` a connection gets one line and is closed; a connection that does
     not prove the token within ``handshake_timeout``, or idles past ``idle_timeout`` once it has, is dropped
     (the latter with a last line), which frees its place."""
-    from aitraining_pl.vllm_backend.guards import Limits
+    from aitraining_pl.generation.servers.tcp_guards import Limits
 
     limits = Limits(max_connections=2, idle_timeout=0.5, handshake_timeout=0.5)
     with serving(RecordingEngine(), model, limits=limits) as port:
@@ -359,7 +359,7 @@ def test_the_accept_loop_rests_when_out_of_file_descriptors(model):
     """Before: with no descriptor left, ``accept`` failed at once on a listening socket that stayed readable, and
     the loop spun (68% of a core). Now it rests ``accept_backoff`` seconds, or until a connection closes: in a
     half-second window with a connection waiting, ``accept`` is tried once, not thousands of times."""
-    from aitraining_pl.vllm_backend.server import GenerationServer
+    from aitraining_pl.generation.servers.tcp_server import GenerationServer
 
     server = GenerationServer(RecordingEngine(), None, model, "127.0.0.1", 0, TOKEN)
     server.accept_backoff = 60.0
@@ -384,8 +384,8 @@ def test_the_engine_folder_is_removed_when_the_engine_fails_to_build(model, monk
     import tempfile
     import types
 
+    from aitraining_pl.generation import vllm as engine_module
     from aitraining_pl.generation.config import VLLMConfig
-    from aitraining_pl.vllm_backend import engine as engine_module
 
     def fail(**kwargs):
         raise RuntimeError("no engine today")
@@ -401,7 +401,7 @@ def test_the_engine_folder_is_removed_when_the_engine_fails_to_build(model, monk
 def test_the_client_refuses_port_0():
     """Before: ``server_port: 0`` was accepted and the client tried to connect until its timeout."""
     from aitraining_pl.generation.config import VLLMConfig
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
+    from aitraining_pl.generation.servers.client import VLLMServerClient
 
     with pytest.raises(ConfigError, match=r"generation.vllm.server_port: must be the server's port, 1 to 65535, got "
                        "0 .vllm-serve --port 0 picks a free port"):  # fmt: skip
@@ -412,8 +412,8 @@ def test_vllm_serve_defaults_are_the_configs():
     """``vllm-serve``'s defaults are ``VLLMConfig``'s (and the limits' ``Limits``'s), but the GPU share: 0.9, the
     GPU being the server's alone (the config's 0.3 leaves room for training beside a colocated engine)."""
     from aitraining_pl.generation.config import VLLMConfig
-    from aitraining_pl.vllm_backend.guards import Limits
-    from aitraining_pl.vllm_backend.serve import SERVER_GPU_MEMORY, parser
+    from aitraining_pl.generation.servers.serve import SERVER_GPU_MEMORY, parser
+    from aitraining_pl.generation.servers.tcp_guards import Limits
 
     args, config, limits = parser().parse_args(["--model", "tiny-llama"]), VLLMConfig(), Limits()
     same = {

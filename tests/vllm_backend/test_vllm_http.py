@@ -24,11 +24,12 @@ from http_fixtures import lora_policy, saved_policy
 pytest.importorskip("vllm")
 
 from aitraining_pl.errors import GenerationServerError  # noqa: E402
+from aitraining_pl.generation.backend import SampleRequest  # noqa: E402
 from aitraining_pl.generation.config import GenerationConfig, VLLMConfig  # noqa: E402
 from aitraining_pl.generation.servers.http import HTTPReplica  # noqa: E402
 from aitraining_pl.generation.version import WeightsVersion  # noqa: E402
+from aitraining_pl.generation.vllm import VLLMEngine  # noqa: E402
 from aitraining_pl.models.generation import StopRule  # noqa: E402
-from aitraining_pl.vllm_backend.engine import SampleRequest, VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]

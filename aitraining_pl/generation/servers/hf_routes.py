@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
+from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.generation.servers.adapters import merged
 from aitraining_pl.generation.servers.auth import TokenMiddleware
@@ -89,8 +90,6 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
 
     @app.post("/v1/completions")
     def completions(body: Completion) -> dict:
-        from aitraining_pl.vllm_backend.engine import SampleRequest
-
         if positions is not None and len(body.prompt) + body.max_tokens > positions:
             raise HTTPException(400, f"the prompt ({len(body.prompt)} tokens) and max_tokens ({body.max_tokens}) "
                                      f"exceed the model's {positions} positions")  # fmt: skip
@@ -195,9 +194,9 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from aitraining_pl.generation.servers.auth import server_token, watch_parent
+    from aitraining_pl.generation.servers.hf_server import HFServerEngine
+    from aitraining_pl.generation.servers.serve import meta_model
     from aitraining_pl.models.loading import load_tokenizer
-    from aitraining_pl.vllm_backend.hf_engine import HFServerEngine
-    from aitraining_pl.vllm_backend.serve import meta_model
 
     watch_parent()  # a launched server stops with its trainer, even while it is still being built
     args = parser().parse_args(argv)

@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 import torch
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
+from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.servers.adapters import adapter_weights, supported
 from aitraining_pl.generation.servers.auth import TOKEN_ENV
 from aitraining_pl.generation.servers.http import HTTPReplica
@@ -41,6 +42,7 @@ from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import SampledTokens, StopRule
 from aitraining_pl.models.lora import is_peft_model, plain_weights
 from aitraining_pl.models.sharding import is_sharded
+from aitraining_pl.models.weights import policy_weights
 
 
 def is_loopback(host: str) -> bool:
@@ -169,8 +171,6 @@ class ServedBackend:
     def sync(self, policy: torch.nn.Module, version: Any = None) -> bool:
         """Rank 0: push ``policy``'s weights unless the server already holds ``version``; the other ranks walk
         the weights (a collective under FSDP2) and record the version. Whether the weights changed."""
-        from aitraining_pl.vllm_backend.engine import policy_weights
-
         if is_peft_model(policy) and not is_sharded(policy) and supported(policy):
             return self.push_adapter(policy, version)
         walk = self.rank == 0 or is_sharded(policy)
@@ -236,8 +236,6 @@ class ServedBackend:
         seed: int | None = None,
     ) -> SampledTokens:
         """The server's samples of the left-padded prompts, by the weights of this process's version."""
-        from aitraining_pl.vllm_backend.engine import SampleRequest
-
         request = SampleRequest(
             prompt_ids, prompt_mask, generation, end_ids, stop_rule, pad_token_id, num_samples, seed
         )

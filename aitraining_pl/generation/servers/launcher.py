@@ -1,5 +1,5 @@
 """``generation.server: launch``: the trainer starts the generation server it needs (``aitraining-pl serve --engine
-<backend>``, ``vllm_backend.serve``) on this machine and stops it at the end of the run.
+<backend>``, ``generation.servers.serve``) on this machine and stops it at the end of the run.
 
 Rank 0 writes the policy's config and tokenizer to a private folder (the server builds the architecture from them
 and holds no weights until the first push), a fresh token to an owner-only file there, and starts the server as a
@@ -43,7 +43,7 @@ class LaunchedServer:
     """
 
     def __init__(self, generation: GenerationConfig, policy: torch.nn.Module, tokenizer: Any, seed: int = 0):
-        from aitraining_pl.vllm_backend.serve import launch
+        from aitraining_pl.generation.servers.serve import launch
 
         self.folder = Path(tempfile.mkdtemp(prefix="aitraining-pl-serve-"))
         model = hf_model(policy)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import os
 import re
@@ -40,10 +39,11 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import ConfigError
+from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.config import EXTRA_CPU, EXTRA_GPU, VLLMConfig
+from aitraining_pl.generation.registry import vllm_available  # noqa: F401 (its old home: generation.vllm.vllm_available)
 from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
-from aitraining_pl.models.lora import is_peft_model, plain_weights
-from aitraining_pl.models.sharding import reshard
+from aitraining_pl.models.weights import policy_weights
 
 #: apart the per-request seeds of two ranks' rollouts (``VLLMEngine.sample``): more than any rollout's rows
 RANK_SEED_STRIDE = 1_000_003
@@ -70,27 +70,6 @@ def place_rows(scores: Sequence[Sequence[float]], attention_mask: torch.Tensor, 
         keep = columns >= start
         out[row, columns[keep] - start] = torch.tensor(list(values), dtype=torch.float32)[keep]
     return out
-
-
-@dataclasses.dataclass
-class SampleRequest:
-    """The arguments of one ``VLLMEngine.sample`` call (``sample_many`` serves several in one ``generate``)."""
-
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    generation: Any
-    end_ids: Sequence[int]
-    stop_rule: StopRule
-    pad_token_id: int
-    num_samples: int = 1
-    seed: int | None = None
-
-
-def vllm_available() -> bool:
-    """Whether ``vllm`` can be imported."""
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
 
 
 def import_vllm() -> Any:
@@ -140,19 +119,6 @@ def check_cpu_head_size(config: Any) -> None:
             f"vLLM on a CPU supports attention head sizes {supported}; this model's is {head} "
             "(hidden_size / num_attention_heads, or head_dim)",
         )
-
-
-def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` of ``model`` under the plain transformers names, one at a time: a ``peft`` model's base
-    weights with the LoRA deltas merged (``plain_weights``), a plain model's ``state_dict``. Under FSDP2 each
-    sharded tensor is all-gathered when it is reached (``DTensor.full_tensor``) and dropped after vLLM has copied
-    it, so at most one full parameter exists at a time; every rank must consume the whole stream."""
-    from torch.distributed.tensor import DTensor
-
-    reshard(model)  # the state dict then holds the shards, not the parameters a forward left gathered
-    weights = plain_weights(model, merged=True) if is_peft_model(model) else model.state_dict().items()
-    for name, tensor in weights:
-        yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 
 def block_parts(
@@ -218,7 +184,7 @@ class VLLMEngine:
 
     @classmethod
     def from_context(cls, generation: Any, context: Any) -> VLLMEngine:
-        """The engine for ``generation.vllm`` and a ``generation.backend.BackendContext`` (``rollout.BACKENDS``)."""
+        """The engine for ``generation.vllm`` and a ``generation.backend.BackendContext`` (``registry.BACKENDS``)."""
         return cls(context.policy, context.tokenizer, generation.vllm, seed=context.seed)
 
     @closed_on_failure

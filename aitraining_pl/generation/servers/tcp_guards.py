@@ -1,4 +1,4 @@
-"""What the generation server (``vllm_backend.server``) checks before it trusts a connection or a push:
+"""What the generation server (``generation.servers.tcp_server``) checks before it trusts a connection or a push:
 
 - **the token** (``server_token``): the shared secret every connection proves at ``hello`` (``wire.proof``). Given
   by ``AITRAINING_PL_SERVER_TOKEN`` or ``--token_file``; otherwise, on a loopback bind only, generated and written
@@ -29,8 +29,7 @@ import torch
 
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.config import VLLMConfig
-from aitraining_pl.vllm_backend.weight_group import ChannelBroken, WeightGroup
-from aitraining_pl.vllm_backend.wire import (
+from aitraining_pl.generation.servers.tcp_wire import (
     TOKEN_ENV,
     Entry,
     FrameError,
@@ -40,6 +39,8 @@ from aitraining_pl.vllm_backend.wire import (
     read_frame,
     token_path,
 )
+from aitraining_pl.generation.servers.weights import ChannelBroken, WeightGroup
+from aitraining_pl.generation.version import WeightsVersion
 
 #: what a connection may send before it has proved the token: a short header, no tensors
 HANDSHAKE_HEADER = 4096
@@ -203,27 +204,24 @@ class Ownership:
     def step_of(self, run: str, version: Any) -> int:
         """The step of ``version`` (``run:step``) pushed by a connection of ``run``; ``PushRefused`` when it is
         empty, of another run or not newer than the last accepted push."""
-        parsed = version_step(version)
-        if parsed is None or parsed[0] != run:
+        parsed = WeightsVersion.parse(version)
+        if parsed is None or parsed.run != run:
             raise PushRefused(f"weights version {version!r} is not one of this run's ({run}:<step>)")
         with self.lock:
-            if self.step is not None and parsed[1] <= self.step:
-                raise PushRefused(f"weights version {version} is not newer than the last push ({run}:{self.step})")
-        return parsed[1]
+            if self.step is not None and parsed.step <= self.step:
+                raise PushRefused(
+                    f"weights version {version} is not newer than the last push ({WeightsVersion(run, self.step)})"
+                )
+        return parsed.step
 
     def accept(self, run: str, step: int) -> None:
         """Record an accepted push of ``run`` at ``step`` (checked again: two pushes may have raced)."""
         with self.lock:
             if self.owner != run or (self.step is not None and step <= self.step):
-                raise PushRefused(f"weights version {run}:{step} was overtaken by {self.owner}:{self.step}")
+                raise PushRefused(
+                    f"weights version {WeightsVersion(run, step)} was overtaken by {self.owner}:{self.step}"
+                )
             self.step = step
-
-
-def version_step(version: Any) -> tuple[str, int] | None:
-    """``(run, step)`` of a weights version ``run:step`` (the step: the integer after the last ``:``); None for
-    anything else (no version, a teacher's fixed weights)."""
-    prefix, _, step = version.rpartition(":") if isinstance(version, str) else ("", "", "")
-    return (prefix, int(step)) if prefix and step.isdigit() else None
 
 
 def read_token(path: str | os.PathLike) -> str:

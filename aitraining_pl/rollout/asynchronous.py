@@ -37,7 +37,7 @@ stops the worker (daemon thread; joined) and drops the rest.
 **The free schedule** (``generation.async_schedule: free``; AReaL's and PipelineRL's in-flight weight updates): the
 same lag and bound, but rank 0 pushes from the trainer's thread as soon as a push is due, marked ``in_flight``, and
 the rollouts ask for their version or any later one. The HF server's engine takes such a push between two decode
-steps of the rollouts it is generating (``vllm_backend.hf_engine``; vLLM's engine loads between batches), so a
+steps of the rollouts it is generating (``generation.servers.hf_server``; vLLM's engine loads between batches), so a
 response may span two versions, its later tokens fresher; each token's behaviour log-prob is that of the weights
 that sampled it and its version is reported (``token_versions``; the staleness is then measured per token). Which
 tokens get which weights depends on timing: a free run is not reproducible, and a resumed one continues the
@@ -56,8 +56,9 @@ from typing import Any
 
 import torch
 
+from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.sharding import is_sharded
-from aitraining_pl.vllm_backend.engine import policy_weights
+from aitraining_pl.models.weights import policy_weights
 
 Weights = list[tuple[str, torch.Tensor]]
 #: the times ``stats`` reports (seconds since its last call): the trainer waiting for rollouts, the worker sampling
@@ -174,7 +175,7 @@ class RolloutPipeline:
 
     # ------------------------------------------------------------------ versions
     def key(self, version: int) -> str:
-        return f"{self.backend.run}:{version}"
+        return str(WeightsVersion(self.backend.run, version))
 
     def push(self, force: bool = False) -> None:
         """Push the policy's weights as ``version`` when due (``sync_every`` versions since the last push, or
