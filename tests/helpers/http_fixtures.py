@@ -4,7 +4,10 @@ greedy samples."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import time
 
 import torch
 import transformers
@@ -36,3 +39,45 @@ def lora_policy(model):
             if "lora_B" in name:
                 parameter.normal_(0, 0.5)  # a delta that changes the greedy samples
     return peft.eval()
+
+
+@contextlib.contextmanager
+def http_hf_server(model_config, seed: int = 0, token: str = "test-token"):
+    """The HF server over HTTP (``hf_routes.build_app`` around an ``HFServerEngine`` for ``model_config``'s
+    architecture, the byte tokenizer) served by uvicorn from a thread on a free loopback port (yielded) until the
+    block ends; ``AITRAINING_PL_SERVER_TOKEN`` set to its ``token`` meanwhile (the trainer reads it there)."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from aitraining_pl.generation.servers.auth import TOKEN_ENV
+    from aitraining_pl.generation.servers.checks import WeightSpecs
+    from aitraining_pl.generation.servers.hf_routes import build_app
+    from aitraining_pl.generation.servers.hf_server import HFServerEngine
+    from aitraining_pl.models.loading import load_tokenizer
+
+    with torch.device("meta"):
+        model = build_causal_lm(model_config)
+    specs = WeightSpecs(model)
+    engine = HFServerEngine(model, seed=seed, device="cpu")
+    positions = getattr(model.config, "max_position_embeddings", None)
+    app = build_app(engine, load_tokenizer("byte"), specs, "policy", positions, token)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    previous = os.environ.get(TOKEN_ENV)
+    os.environ[TOKEN_ENV] = token
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        if previous is None:
+            os.environ.pop(TOKEN_ENV, None)
+        else:
+            os.environ[TOKEN_ENV] = previous

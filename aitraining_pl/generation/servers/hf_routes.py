@@ -119,6 +119,7 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
                 "index": index, "text": tokenizer.decode(kept) if tokenizer is not None else "",
                 "finish_reason": "stop" if ended else "length",
                 "logprobs": {"tokens": [f"token_id:{t}" for t in kept], "token_logprobs": logps[:length].tolist()},
+                "token_versions": versions[:length].tolist(),  # the weights step of each token (in-flight pushes)
             })  # fmt: skip
         return {"object": "text_completion", "model": name, "choices": choices}
 

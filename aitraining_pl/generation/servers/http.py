@@ -86,23 +86,30 @@ def completion_body(model: str, prompt: list[int], request: Any, n: int, seed: i
     return body
 
 
-def choice_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
-    """The token ids and log-probs of one completion choice (``token_id:<id>`` tokens)."""
+def choice_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float], list[int] | None]:
+    """The token ids, log-probs and (from the HF server, whose pushes may land mid-response) the weights step of
+    each token of one completion choice (``token_id:<id>`` tokens)."""
     logprobs = choice.get("logprobs") or {}
     tokens = [int(str(t).rpartition(":")[2]) for t in logprobs.get("tokens") or []]
     values = [float(v) if v is not None else 0.0 for v in logprobs.get("token_logprobs") or []]
-    return tokens, values + [0.0] * (len(tokens) - len(values))
+    versions = choice.get("token_versions")
+    return tokens, values + [0.0] * (len(tokens) - len(values)), versions if isinstance(versions, list) else None
 
 
-def padded_samples(rows: Sequence[tuple[list[int], list[float]]], pad_token_id: int) -> SampledTokens:
-    """``rows`` of (ids, log-probs) as ``SampledTokens`` right padded with ``pad_token_id`` (log-probs 0 there)."""
-    length = max((len(ids) for ids, _ in rows), default=0)
+def padded_samples(rows: Sequence[tuple[list[int], list[float], list[int] | None]], pad_token_id: int) -> SampledTokens:
+    """``rows`` of (ids, log-probs, steps) as ``SampledTokens`` right padded with ``pad_token_id`` (log-probs 0 and
+    steps -1 there; ``token_versions`` only when every row has its steps)."""
+    length = max((len(ids) for ids, _, _ in rows), default=0)
     ids = torch.full((len(rows), length), int(pad_token_id), dtype=torch.long)
     logps = torch.zeros(len(rows), length)
-    for row, (tokens, values) in enumerate(rows):
+    steps = torch.full((len(rows), length), -1, dtype=torch.long)
+    for row, (tokens, values, versions) in enumerate(rows):
         ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         logps[row, : len(tokens)] = torch.tensor(values, dtype=torch.float32)
-    return SampledTokens(ids, sampling_logprobs=logps)
+        if versions is not None:
+            steps[row, : len(versions)] = torch.tensor(versions, dtype=torch.long)
+    known = bool(rows) and all(versions is not None for _, _, versions in rows)
+    return SampledTokens(ids, sampling_logprobs=logps, token_versions=steps if known else None)
 
 
 class HTTPReplica:
@@ -215,11 +222,13 @@ class HTTPReplica:
         sampled = padded_samples(rows, request.pad_token_id)
         with self._lock:
             self.stats.requests += len(prompts)
-            self.stats.tokens += sum(len(ids) for ids, _ in rows)
+            self.stats.tokens += sum(len(ids) for ids, _, _ in rows)
         device = request.prompt_ids.device
-        return SampledTokens(sampled.response_ids.to(device), sampling_logprobs=sampled.sampling_logprobs.to(device))
+        versions = None if sampled.token_versions is None else sampled.token_versions.to(device)
+        return SampledTokens(sampled.response_ids.to(device), sampling_logprobs=sampled.sampling_logprobs.to(device),
+                             token_versions=versions)  # fmt: skip
 
-    def _complete(self, body: dict[str, Any], deadline: float, index: int) -> list[tuple[list[int], list[float]]]:
+    def _complete(self, body: dict[str, Any], deadline: float, index: int) -> list[tuple]:
         doing = f"sampling {body['n']} responses of prompt {index}"
         answer = self.call("POST", "/v1/completions", doing, timeout=deadline - time.monotonic(), json=body)
         choices = sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0))

@@ -150,8 +150,14 @@ class ServedBackend:
     location = "server"
 
     @classmethod
-    def from_context(cls, generation: Any, context: Any) -> ServedBackend:
+    def from_context(cls, generation: Any, context: Any) -> Any:
+        """The backend for ``generation.vllm``'s server and a ``BackendContext`` (``registry.BACKENDS``): this one
+        over an ``HTTPReplica``, or with ``protocol: tcp`` the deprecated frame protocol's client."""
         options = generation.vllm
+        if options.protocol == "tcp":
+            from aitraining_pl.generation.servers.client import VLLMServerClient
+
+            return VLLMServerClient.from_context(generation, context)
         replica = HTTPReplica(f"http://{options.server_host}:{options.server_port}", find_token(options),
                               timeout=options.server_timeout)  # fmt: skip
         check_guarded(replica, bool(getattr(options, "allow_unauthenticated", False)))
@@ -161,12 +167,22 @@ class ServedBackend:
                  sync_weights: bool = True):  # fmt: skip
         self.replica, self.rank, self.run = replica, int(rank), run or uuid.uuid4().hex
         self.timeout, self.sync_weights = float(timeout), bool(sync_weights)
-        self.version: WeightsVersion | None = None  #: the version this process's rollouts need
+        self._version: WeightsVersion | None = None
         self.sync_seconds = 0.0  #: time the last push took (rank 0)
         self.cached_tokens = 0  #: not reported by the servers' completions
         self.pushes = 0
         self.base_pushed = False  #: a LoRA policy's unmerged base weights are on the server
         self._gate = _Gate()
+
+    @property
+    def version(self) -> WeightsVersion | None:
+        """The weights version this process's rollouts need (the asynchronous pipeline pins it per job, as
+        ``run:step`` text or a ``WeightsVersion``)."""
+        return self._version
+
+    @version.setter
+    def version(self, value: Any) -> None:
+        self._version = WeightsVersion.parse(value)
 
     def sync(self, policy: torch.nn.Module, version: Any = None) -> bool:
         """Rank 0: push ``policy``'s weights unless the server already holds ``version``; the other ranks walk
@@ -192,7 +208,7 @@ class ServedBackend:
                         self.base_pushed = True
                     self.sync_seconds = seconds + self.replica.push(adapter_weights(policy), key).seconds
                 except ReplicaDown as err:
-                    raise self.down(err, f"pushing the adapter of weights version {key.step}") from None
+                    raise self.down(err) from None
         self.pushes += 1
         self.version = key
         return True
@@ -219,7 +235,7 @@ class ServedBackend:
                 try:
                     self.sync_seconds = self.replica.push(weights, key).seconds
                 except ReplicaDown as err:
-                    raise self.down(err, f"pushing weights version {key.step}") from None
+                    raise self.down(err) from None
         self.pushes += 1
         self.version = key
         return True
@@ -250,10 +266,12 @@ class ServedBackend:
                 err, f"sampling {num_samples} responses for each of {prompt_ids.shape[0]} prompts"
             ) from None
 
-    def down(self, err: ReplicaDown, doing: str) -> GenerationServerError:
+    def down(self, err: ReplicaDown) -> GenerationServerError:
+        """The one line of a server that cannot be reached (a single server: nowhere else to send the request)."""
+        what = str(err).removeprefix(f"{self.replica.url}: ")
         return GenerationServerError(
-            self.replica.url,
-            f"{err} ({doing}); a run that had started resumes from its last checkpoint with --ckpt_path",
+            f"generation server {self.replica.url}",
+            f"{what}; a run that had started resumes from its last checkpoint with --ckpt_path",
         )
 
     def sleep(self) -> None:
