@@ -20,6 +20,7 @@ import pytest
 import torch
 import transformers
 from http_fixtures import lora_policy, saved_policy
+from server_fixtures import SPEC
 
 pytest.importorskip("vllm")
 
@@ -151,6 +152,35 @@ def test_lora_adapter_pushes_sample_as_merged_pushes(launched):
     merged = replica.sample(args, time.monotonic() + 120).response_ids
     print(json.dumps({"push_bytes_full": replica.stats.pushes[-1].bytes, "push_bytes_adapter": adapter_bytes}))
     assert torch.equal(adapted, merged) and not torch.equal(adapted, plain)
+
+
+def test_grpo_trains_through_the_served_vllm(launched, tmp_path, monkeypatch):
+    """A few GRPO steps with ``generation.server: connect`` to the ``vllm serve``: the policy's weights are pushed
+    (the module's client owns the server once the fixture's has let go), the rollouts carry vLLM's log-probs, and the
+    policy changes."""
+    import lightning.pytorch as pl
+
+    from aitraining_pl.datamodules.prompt import PromptDataModule
+    from aitraining_pl.generation.servers.auth import TOKEN_ENV
+    from aitraining_pl.modules.critic_free import GRPOModule
+
+    server, replica, _ = launched
+    replica.close()  # frees the server's weights for the run
+    monkeypatch.setenv(TOKEN_ENV, server["token"])
+    port = int(server["url"].rpartition(":")[2])
+    generation = GenerationConfig(max_new_tokens=4, temperature=1.0, backend="vllm", server="connect",
+                                  vllm=VLLMConfig(server_port=port, server_timeout=120))  # fmt: skip
+    module = GRPOModule(reward="aitraining_pl.rewards:char_length_reward", model_config=SPEC, tokenizer_name="byte",
+                        learning_rate=1e-2, num_generations=2, mini_batch_size=4, generation=generation)  # fmt: skip
+    data = PromptDataModule(prompts=["ab", "cd", "ef", "gh"], tokenizer=module.tokenizer, batch_size=2)
+    before = {k: v.clone() for k, v in module.policy.state_dict().items()}
+    trainer = pl.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu")  # fmt: skip
+    trainer.fit(module, data)
+    assert trainer.global_step == 2
+    assert any(not torch.equal(before[k], v) for k, v in module.policy.state_dict().items())
+    served = HTTPReplica(server["url"], server["token"]).served_version()
+    assert served is not None and served.step >= 1  # the run pushed its updated weights
 
 
 def test_a_sigkilled_trainers_server_exits_and_its_folder_goes(launched):

@@ -14,7 +14,6 @@ server (``hf_routes``):
 from __future__ import annotations
 
 import hashlib
-import math
 import threading
 import time
 from collections.abc import Iterable
@@ -133,12 +132,3 @@ class PushGuard:
                 self.owner = self.version = None
                 return True
         return False
-
-
-def finite_seconds(value: object, default: float) -> float:
-    """``value`` as a finite positive number of seconds, else ``default``."""
-    try:
-        seconds = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return default
-    return seconds if math.isfinite(seconds) and seconds > 0 else default
