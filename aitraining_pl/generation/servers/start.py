@@ -178,6 +178,17 @@ def start(engine: str, folder: Path, *, options: Any, dtype: str = "auto", seed:
           lora_rank: int | None = None, timeout: float = 300.0) -> ServerProcess:  # fmt: skip
     """Start a ``vllm`` or ``hf`` server for the model in ``folder`` (see the module docstring; ``lora_rank``: a
     LoRA policy's rank, so that vLLM takes its adapters) and wait until it answers: the running ``ServerProcess``."""
+    server = spawn(engine, folder, options=options, dtype=dtype, seed=seed, threads=threads, host=host,
+                   devices=devices, trainer_gpus=trainer_gpus, lora_rank=lora_rank)  # fmt: skip
+    server.wait_ready(timeout)
+    return server
+
+
+def spawn(engine: str, folder: Path, *, options: Any, dtype: str = "auto", seed: int = 0, threads: int | None = None,
+          host: str = "127.0.0.1", devices: Sequence[int] | None = None, trainer_gpus: int = 1,
+          lora_rank: int | None = None) -> ServerProcess:  # fmt: skip
+    """``start`` without the wait (``ServerProcess.wait_ready``): call it from the thread that lives as long as the
+    server (the kernel's parent-death signal follows the thread that started the child)."""
     visible = server_devices(devices, trainer_gpus)
     port = free_port(host)
     if engine == "vllm":
@@ -189,6 +200,4 @@ def start(engine: str, folder: Path, *, options: Any, dtype: str = "auto", seed:
             env["OMP_NUM_THREADS"] = str(threads)
     else:
         argv, env = hf_command(folder, host, port, dtype, seed, threads), {}
-    server = ServerProcess(argv, folder, host, port, visible, env)
-    server.wait_ready(timeout)
-    return server
+    return ServerProcess(argv, folder, host, port, visible, env)
