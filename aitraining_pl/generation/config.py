@@ -38,6 +38,13 @@ class VLLMConfig:
     Unset: the environment variable ``AITRAINING_PL_SERVER_TOKEN``, else, for a server on this machine, the
     owner-only file ``vllm-serve`` wrote when it generated one. A path, so the secret never lands in the run's
     hyperparameters or logs (docs/vllm.md, Server mode)."""
+    protocol: str = "http"
+    """How the trainer talks to a generation server: ``http``, the engine's own routes (a ``vllm serve`` started as
+    docs/vllm.md shows, or this project's HF server; what ``generation.server: launch`` starts), or ``tcp``, the frame
+    protocol of ``aitraining-pl serve`` (deprecated: kept for one release, and for a served teacher)."""
+    allow_unauthenticated: bool = False
+    """Let the trainer use a generation server that other machines can reach and that answers without the run's
+    token (no ``TokenMiddleware``: anyone there could push weights); refused otherwise, warned once when set."""
     server_timeout: float = 240.0
     """Seconds the trainer waits for the generation server: to accept the connection at setup, and for each
     answer (a rollout's samples, the acknowledgement of a weight push); past it the run stops with one line."""
@@ -58,6 +65,7 @@ class VLLMConfig:
         "importance_sampling_cap",
         mode=OneOf(fixed("colocate", "server")),
         weight_channel=OneOf(fixed("auto", "tcp", "nccl", "gloo")),
+        protocol=OneOf(fixed("http", "tcp")),
     )
 
     gpu_memory_utilization: float = 0.3
@@ -242,6 +250,9 @@ class GenerationConfig:
     other ranks connect to it. A URL (``http://host:port``): one server, e.g. a data-parallel ``vllm serve`` or a
     ``vllm-router``. ``{urls: [...]}`` or ``{launch: {count: N, ...}}``: a fleet of servers (``ServerConfig``;
     docs/fleet.md). Asynchronous training (``max_staleness`` >= 1) needs a server (docs/async.md)."""
+    server_devices: list[int] | None = None
+    """GPUs of a server started by ``server: launch`` (indices of the GPUs visible to the trainer, its
+    ``CUDA_VISIBLE_DEVICES``; never the trainer's own). Unset: the visible GPUs after the trainer's."""
     server_threads: int = 1
     """CPU threads of a server started by ``server: launch`` (on a 2-core machine: one for the server, one for the
     trainer, so that generation and training overlap)."""
