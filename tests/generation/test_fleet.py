@@ -14,7 +14,8 @@ from standin import StandInReplica, tokens_for
 
 from aitraining_pl.errors import GenerationServerError
 from aitraining_pl.generation.config import GenerationConfig
-from aitraining_pl.generation.servers.fleet import Fleet, PrefixAffinity
+from aitraining_pl.generation.servers.fleet import Fleet
+from aitraining_pl.generation.servers.routing import PrefixAffinity
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import StopRule
 
