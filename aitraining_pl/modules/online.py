@@ -209,7 +209,9 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
                 endpoints = strategy.broadcast(launched.endpoints() if launched else None)
         elif generation.server == "launch":  # rank 0 starts the server; every rank connects to it (one machine)
             if self.global_rank == 0:
-                self._launched[0] = LaunchedServer(generation, self.policy, self.tokenizer, seed)
+                on_gpu = strategy.root_device.type == "cuda"  # read here, not from the policy (still on the CPU)
+                gpus = self.trainer.num_devices if on_gpu else 0
+                self._launched[0] = LaunchedServer(generation, self.policy, self.tokenizer, seed, gpus)
             server = self._launched[0]
             port, token = strategy.broadcast((server.port, str(server.token_file)) if server else None)
             generation = connect_to(generation, port, token)

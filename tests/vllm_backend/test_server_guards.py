@@ -141,9 +141,10 @@ def test_another_run_is_refused_at_hello_and_the_owner_goes_on(model):
     with serving(engine, model) as port:
         owner = VLLMServerClient(model, options(port), run="first")
         try:
-            with pytest.raises(GenerationServerError, match="this server serves run first .1 connections open.; one "
-                               "training run per server"):  # fmt: skip
+            with pytest.raises(GenerationServerError, match="this server serves another run .1 connections open.; one "
+                               "training run per server") as refused:  # fmt: skip
                 VLLMServerClient(model, options(port), run="second")
+            assert "first" not in str(refused.value)  # issue 40, probe 6: the owner's run id was printed
             assert owner.sync(model, version=1) and engine.version == "first:1"
         finally:
             owner.close()
@@ -152,6 +153,26 @@ def test_another_run_is_refused_at_hello_and_the_owner_goes_on(model):
             assert resumed.sync(model, version=1) and engine.version == "resumed:1"
         finally:
             resumed.close()
+
+
+def test_a_token_holder_never_learns_the_owners_run(model):
+    """Issue 40, probe 6: a refusal printed the owner's run id and ``ready`` carried its weights version
+    (``run:step``), so a token holder could reconnect as that run and push zero weights. Now neither says the run:
+    a scorer (which any token holder may be) sees the step only."""
+    engine = RecordingEngine()
+    with serving(engine, model) as port:
+        owner = Raw(port)
+        assert owner.hello(run="secret-run")["op"] == "ready"
+        assert owner.push("secret-run:3", weights(model))["op"] == "loaded"
+        stranger = Raw(port)
+        challenge = stranger.call({"op": "hello", "protocol": wire.PROTOCOL, "rank": 0, "run": "x", "role": "scorer"})
+        ready = stranger.call({"op": "auth", "proof": wire.proof(TOKEN, challenge["nonce"], "x", 0)})
+        assert ready["op"] == "ready" and "secret-run" not in json.dumps(ready) and ready["version"] == 3
+        trainer = Raw(port)
+        refused = trainer.hello(run="other")
+        assert refused["op"] == "error" and "secret-run" not in json.dumps(refused)
+        for connection in (owner, stranger, trainer):
+            connection.close()
 
 
 @pytest.mark.parametrize(

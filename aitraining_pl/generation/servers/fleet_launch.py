@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.config import LaunchConfig, ServerConfig
 from aitraining_pl.generation.servers.fleet import Fleet
 from aitraining_pl.generation.servers.http import HTTPReplica
@@ -62,6 +63,22 @@ def build_fleet(
                  bool(generation.vllm.sync_weights))  # fmt: skip
 
 
+def spread(launch: LaunchConfig, trainer_gpus: int) -> list[list[int] | None]:
+    """Each server's GPUs when ``launch.devices`` is unset: the GPUs after the trainer's, split evenly (none on a
+    machine without GPUs); a ``ConfigError`` naming the option when there are fewer than servers."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    free = list(range(trainer_gpus, count))
+    if count == 0 or launch.count == 1:
+        return [None] * launch.count
+    if len(free) < launch.count:
+        raise ConfigError(
+            "generation.server.launch.devices",
+            f"{launch.count} servers, {len(free)} GPUs besides the trainer's {trainer_gpus}: give each its own",
+        )
+    share = len(free) // launch.count
+    return [free[i * share : (i + 1) * share] for i in range(launch.count)]
+
+
 class LaunchedFleet:
     """``generation.server: {launch: {count: N, engine, devices}}``: rank 0 starts N servers in parallel
     (``start.start``: each on a free loopback port with its own token, its own ``devices[i]``, dying with the
@@ -78,8 +95,7 @@ class LaunchedFleet:
     def __init__(self, launch: LaunchConfig, generation: Any, policy: torch.nn.Module, tokenizer: Any, seed: int = 0,
                  trainer_gpus: int = 1):  # fmt: skip
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
-        devices = [None if d is None else [int(i) for i in str(d).split(",")] for d in launch.devices or []]
-        devices += [None] * (launch.count - len(devices))
+        devices = [[int(i) for i in str(d).split(",")] for d in launch.devices or []] or spread(launch, trainer_gpus)
         folders = []
         for _ in range(launch.count):
             folder = Path(tempfile.mkdtemp(prefix="aitraining-pl-fleet-"))
