@@ -18,7 +18,7 @@ traceback of a user error too. SIGTERM (a scheduler's preemption) ends the run w
 naming the last checkpoint written.
 
 ``aitraining-pl serve --model MODEL`` (also named ``vllm-serve``) serves a run's rollouts from a vLLM engine, or
-with ``--engine hf`` this project's decoder, in its own process (``aitraining_pl.vllm_backend.serve``;
+with ``--engine hf`` this project's decoder, in its own process (``aitraining_pl.generation.servers.serve``;
 docs/vllm.md, Server mode).
 
 ``aitraining-pl`` alone (or ``--help``) lists the modules and the recipes in ``configs/``; ``--version`` prints the
@@ -319,8 +319,13 @@ def main(args: list[str] | None = None) -> None:
         raise SystemExit(0)
     quiet_known_noise()
     try:
-        if argv[0] in ("serve", "vllm-serve"):  # the generation server of server mode (docs/vllm.md)
-            from aitraining_pl.vllm_backend.serve import main as serve
+        if argv[0] == "vllm-serve":  # vLLM's own server with this project's flags (docs/vllm.md)
+            from aitraining_pl.generation.servers.vllm_serve import main as vllm_serve
+
+            vllm_serve(argv[1:])
+            return
+        if argv[0] == "serve":  # the frame-protocol generation server (deprecated; docs/vllm.md)
+            from aitraining_pl.generation.servers.serve import main as serve
 
             serve(argv[1:], argv[0])
             return

@@ -243,7 +243,7 @@ CONSTRAINTS: dict[str, Rule] = {
     "max_new_tokens": COUNT,
     "top_p": PROBABILITY_OPEN,
     "top_k": Range(0, integer=True),
-    "backend": OneOf(registry("aitraining_pl.rollout", "BACKEND_NAMES", ("auto",))),
+    "backend": OneOf(registry("aitraining_pl.generation.registry", "BACKEND_NAMES", ("auto",))),
     # the vLLM backend (``generation.vllm``)
     "gpu_memory_utilization": PROBABILITY_OPEN,
     "server_port": Range(0, 65535, integer=True),

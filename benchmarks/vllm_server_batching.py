@@ -43,12 +43,12 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    from aitraining_pl.generation.config import VLLMConfig
+    from aitraining_pl.generation.servers.client import VLLMServerClient
+    from aitraining_pl.generation.servers.serve import launch
     from aitraining_pl.models import build_causal_lm
     from aitraining_pl.models.generation import StopRule
     from aitraining_pl.rollout import GenerationConfig
-    from aitraining_pl.vllm_backend import VLLMConfig
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
-    from aitraining_pl.vllm_backend.serve import launch
 
     print_header(args.threads, size=args.size)
     config = _model_config(args.size)

@@ -38,11 +38,12 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    from aitraining_pl.generation.config import VLLMConfig
+    from aitraining_pl.generation.servers.client import VLLMServerClient
+    from aitraining_pl.generation.servers.serve import launch
+    from aitraining_pl.generation.vllm import VLLMEngine
     from aitraining_pl.models import build_causal_lm, load_tokenizer
-    from aitraining_pl.vllm_backend import VLLMConfig
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
-    from aitraining_pl.vllm_backend.engine import VLLMEngine, policy_weights
-    from aitraining_pl.vllm_backend.serve import launch
+    from aitraining_pl.models.weights import policy_weights
 
     print_header(args.threads, size=args.size)
     config = dict(QWEN_05B) if args.size == "0.5b" else _model_config(args.size)

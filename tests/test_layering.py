@@ -11,7 +11,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "aitraining_pl"
 
-#: first dotted component below ``aitraining_pl`` -> layer number
+#: dotted component below ``aitraining_pl`` -> layer number; a sub-package (``generation.vllm``) may have a floor of
+#: its own above its package's, and a file belongs to the longest component that names it
 LAYERS = {
     "losses": 1,
     "errors": 1,  # the typed user errors: no project imports
@@ -20,11 +21,14 @@ LAYERS = {
     "optim": 2,
     "validation": 2,  # the hyperparameter range table
     "datamodules": 3,
-    # within layer 3 the generation side is ordered: configs and the backend seam, then the backends, then the
-    # rollout engine on top of them, then the environments that drive it (so no backend imports the engine)
-    "generation": 3.0,  # GenerationConfig (a leaf) and the backend protocol, registry and factory
-    "rollout": 3.2,
-    "vllm_backend": 3.1,  # the vLLM generation backend, behind the rollout engine
+    # within layer 3 the generation side is ordered by role: what every engine shares, then the engines and the
+    # servers, then the rollout side on top of them, then the environments that drive it (so no backend imports
+    # the rollout engine, and the shared core imports no engine)
+    "generation": 3.0,  # GenerationConfig (a leaf), the backend protocol, WeightsVersion, the registry and factory
+    "generation.vllm": 3.1,  # the colocated vLLM engine
+    "generation.servers": 3.1,  # the server client, weight sync, the HF server, the launcher, the serve command
+    "rollout": 3.2,  # the rollout engine, the asynchronous pipeline
+    "vllm_backend": 3.1,  # deprecated re-export of the old paths, for one release (nothing in the package imports it)
     "rewards": 3,
     "remote_rewards": 3,  # reward sources over HTTP (a reward server, an LLM judge)
     "callbacks": 3,
@@ -52,13 +56,23 @@ def test_architecture_page_lists_every_layer():
     text = ARCHITECTURE.read_text()
     for component in LAYERS:
         assert f"`{component}" in text, f"docs/architecture.md does not place {component}"
-    files = r"`((?:losses|models|modules|environments|datamodules|callbacks)/[a-z_]+\.py)`"
+    folders = "losses|models|modules|environments|datamodules|callbacks|generation|generation/servers|rollout"
+    files = rf"`((?:{folders})/[a-z_]+\.py)`"
     for path in re.findall(files, text):
         assert (PACKAGE / path).is_file(), f"docs/architecture.md names {path}, which does not exist"
 
 
+def _layer_of(parts: list[str]) -> str | None:
+    """The longest component of ``LAYERS`` that the dotted ``parts`` (below ``aitraining_pl``) start with."""
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in LAYERS:
+            return ".".join(parts[:end])
+    return None
+
+
 def _component(path: Path) -> str:
-    return path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return _layer_of(parts) or parts[0]
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -95,11 +109,19 @@ def test_imports_respect_the_layers(path):
         parts = name.split(".")
         if parts[0] != "aitraining_pl" or len(parts) < 2:
             continue
-        target = LAYERS.get(parts[1])
+        target = LAYERS.get(_layer_of(parts[1:]) or "")
         assert target is not None, f"{path.name}:{line} imports unknown component {name}"
         assert target <= layer, f"{path.relative_to(PACKAGE)}:{line} (layer {layer}) imports {name} (layer {target})"
         if layer < COMPAT:
             assert target < COMPAT, f"{path.relative_to(PACKAGE)}:{line}: the core imports the compat layer ({name})"
+
+
+def test_nothing_in_the_package_imports_the_deprecated_vllm_backend():
+    """``vllm_backend`` only re-exports the generation side's old paths (for users, with a warning)."""
+    for path in SOURCES:
+        if _component(path) != "vllm_backend":
+            for line, name in _imports(path):
+                assert not name.startswith("aitraining_pl.vllm_backend"), f"{path.relative_to(PACKAGE)}:{line}"
 
 
 @pytest.mark.parametrize("path", sorted((PACKAGE / "losses").rglob("*.py")), ids=lambda p: p.name)

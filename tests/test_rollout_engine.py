@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import TINY_LLAMA
 
-import aitraining_pl.rollout as rollout_module
+import aitraining_pl.rollout.engine as rollout_module
 from aitraining_pl.losses import place_scores, token_rewards
 from aitraining_pl.models import build_causal_lm, load_causal_lm, load_tokenizer
 from aitraining_pl.rewards import RewardError

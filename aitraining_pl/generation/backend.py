@@ -7,10 +7,12 @@ Around each rollout the owner calls ``sync(policy, version)`` (make the policy's
 
 - ``policy``: the policy itself samples, in this process (``HFBackend``: the KV-cache decoder of
   ``models.decoding``); nothing is pushed, and under FSDP2 ``sync`` gathers the full parameters for the rollout;
-- ``colocated``: a separate engine in this process holds its own copy of the weights (``vllm_backend.VLLMEngine``);
-- ``server``: another process samples (``vllm_backend.VLLMServerClient`` talking to ``aitraining-pl vllm-serve``).
+- ``colocated``: a separate engine in this process holds its own copy of the weights (``generation.vllm.VLLMEngine``);
+- ``server``: another process samples (``generation.servers.client.VLLMServerClient`` talking to
+  ``aitraining-pl vllm-serve``).
 
-The backends are named in ``rollout.BACKENDS`` (one line each) and built by ``rollout.build_backend``.
+The backends are named in ``generation.registry.BACKENDS`` (one ``"module:Class"`` line each, imported only when
+chosen) and built by ``generation.registry.build_backend``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,23 @@ class BackendContext:
     rank: int = 0  #: this process's global rank
     run: str | None = None  #: one id for the run (the same on every rank): a server's weight versions belong to it
     seed: int = 0  #: the run's seed (engines that keep generators of their own seed them from it)
+    precision: str | None = None  #: the trainer's precision flag (an engine's compute dtype follows it)
+    max_prompt_length: int | None = None  #: the longest prompt in tokens (an engine's KV cache is sized by it)
+
+
+@dataclass
+class SampleRequest:
+    """The arguments of one ``GenerationBackend.sample`` call, as one object (an engine's ``sample_many`` serves
+    several in one ``generate``; a server client sends one)."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    generation: Any
+    end_ids: Sequence[int]
+    stop_rule: StopRule
+    pad_token_id: int
+    num_samples: int = 1
+    seed: int | None = None
 
 
 @runtime_checkable

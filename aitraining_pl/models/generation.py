@@ -102,7 +102,7 @@ class SampledTokens(NamedTuple):
     scores: torch.Tensor | None = None
     sampling_logprobs: torch.Tensor | None = None
     #: (N, R) int64: the step of the weights (version ``run:step``) that sampled each token, -1 after the end; one
-    #: response may span two versions when a push landed while it was generated (``vllm_backend.hf_engine``)
+    #: response may span two versions when a push landed while it was generated (``generation.servers.hf_server``)
     token_versions: torch.Tensor | None = None
 
 

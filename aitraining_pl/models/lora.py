@@ -136,7 +136,7 @@ def plain_weights(peft_model: nn.Module, merged: bool) -> Iterator[tuple[str, to
     ``merged``, computed when that weight is reached, so at most one merged matrix exists at a time), the trained
     copy of a ``modules_to_save`` module in place of its original, no adapter weights. Works on a model sharded
     with FSDP2 inside ``models.sharding.full_weights`` (which cannot be deep-copied), and feeds a generation
-    engine's ``load_weights`` (``aitraining_pl.vllm_backend``)."""
+    engine's ``load_weights`` (``aitraining_pl.generation.vllm``)."""
     base = peft_model.get_base_model()
     adapter = getattr(peft_model, "active_adapter", "default")
     lora_layers = {}

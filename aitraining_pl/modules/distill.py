@@ -22,7 +22,7 @@ multi-turn episodes, the reward sources, the update loop over minibatches, the p
 
 The teacher is scored through a small interface, ``TeacherScorer`` (``token_logprobs``: the teacher's log-probs of
 given token sequences); ``LocalTeacher`` is the teacher in this process (its hidden states and head also give the full
-distribution). A served teacher (``teacher_server``: ``vllm_backend.client.ServedTeacher``, the prompt log-probs of
+distribution). A served teacher (``teacher_server``: ``servers.client.ServedTeacher``, the prompt log-probs of
 a server started with ``aitraining-pl vllm-serve --teacher``) implements ``token_logprobs`` only, enough for ``mode:
 sampled``. The teacher is held outside the module tree: checkpoints and exports never contain it.
 """
@@ -268,7 +268,7 @@ class DistillationModule(CriticFreeModule):
         hp = self.hparams
         if hp.get("teacher_server") is not None:
             from aitraining_pl.generation.config import VLLMConfig
-            from aitraining_pl.vllm_backend.client import ServedTeacher
+            from aitraining_pl.generation.servers.client import ServedTeacher
 
             fields = {SERVER_KEYS[k]: v for k, v in hp.teacher_server.items()}
             return student, ServedTeacher(VLLMConfig(mode="server", **fields), "DistillationModule.teacher_server")

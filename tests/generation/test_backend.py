@@ -1,4 +1,4 @@
-"""The generation-backend seam (``aitraining_pl.generation.backend``, ``rollout.BACKENDS``): every backend has the
+"""The generation-backend seam (``aitraining_pl.generation.backend``, ``registry.BACKENDS``): every backend has the
 protocol's methods, and a new backend is one class plus one registry line, reached by ``generation.backend``."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from conftest import TINY_LLAMA
 
 from aitraining_pl.generation.backend import GenerationBackend, HFBackend
 from aitraining_pl.generation.config import GenerationConfig
+from aitraining_pl.generation.registry import BACKEND_NAMES, BACKENDS, backend_class, resolve_backend
 from aitraining_pl.models.generation import SampledTokens
-from aitraining_pl.rollout import BACKEND_NAMES, BACKENDS, resolve_backend
 from aitraining_pl.validation import HyperparameterError
 
 PROTOCOL = ("sample", "sync", "sleep", "close", "location", "from_context")
@@ -20,10 +20,27 @@ PROTOCOL = ("sample", "sync", "sleep", "close", "location", "from_context")
 def test_every_registered_backend_has_the_protocol(name):
     """Checked on the classes (building a vLLM engine needs vLLM): the protocol's members and a constructor from
     the generation config and the run's context."""
-    cls = BACKENDS[name]
+    cls = backend_class(name)
     assert all(hasattr(cls, member) for member in PROTOCOL), name
     assert cls.location in ("policy", "colocated", "server")
     assert resolve_backend(GenerationConfig(backend=name.removesuffix("-server"))) in BACKENDS
+
+
+def test_a_backend_module_is_imported_only_when_chosen():
+    """The registry names each backend ``"module:Class"``: the rollout engine, the registry and the factory import no
+    backend's module (vLLM's engine, a server client) until that backend is chosen."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import aitraining_pl.rollout, aitraining_pl.modules.online; "
+        "from aitraining_pl.generation.registry import backend_class; "
+        "before = sorted(m for m in ('aitraining_pl.generation.vllm', 'aitraining_pl.generation.servers.client') "
+        "if m in sys.modules); backend_class('vllm'); print(before, 'aitraining_pl.generation.vllm' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]", "True"], out
+    assert all(isinstance(entry, str) and ":" in entry for entry in BACKENDS.values())
 
 
 class FixedBackend:
@@ -64,7 +81,7 @@ def test_a_new_backend_is_one_class_and_one_registry_line(monkeypatch, tmp_path)
     from aitraining_pl.modules.critic_free import GRPOModule
 
     monkeypatch.setitem(BACKENDS, "fixed", FixedBackend)
-    monkeypatch.setattr("aitraining_pl.rollout.BACKEND_NAMES", sorted({*BACKEND_NAMES, "fixed"}))
+    monkeypatch.setattr("aitraining_pl.generation.registry.BACKEND_NAMES", sorted({*BACKEND_NAMES, "fixed"}))
     assert isinstance(FixedBackend([1]), GenerationBackend)
     module = GRPOModule(
         model_config=TINY_LLAMA,
@@ -77,7 +94,8 @@ def test_a_new_backend_is_one_class_and_one_registry_line(monkeypatch, tmp_path)
     class Strategy:
         broadcast = staticmethod(lambda value: value)
 
-    monkeypatch.setattr(type(module), "trainer", property(lambda self: type("T", (), {"strategy": Strategy})()))
+    trainer = type("T", (), {"strategy": Strategy, "precision": "32-true"})
+    monkeypatch.setattr(type(module), "trainer", property(lambda self: trainer()))
     module.setup("fit")
     backend = module.backend
     assert isinstance(backend, FixedBackend) and FixedBackend.built[-1][:2] == (0, True)

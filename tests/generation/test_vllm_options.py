@@ -11,10 +11,10 @@ import torch
 from conftest import TINY_LLAMA, quiet_trainer
 
 from aitraining_pl.errors import ConfigError, HyperparameterError
+from aitraining_pl.generation.config import VLLMConfig
+from aitraining_pl.generation.vllm import block_parts, vllm_available
 from aitraining_pl.losses import clipped_policy_loss, off_policy_weights
 from aitraining_pl.rollout import GenerationConfig, resolve_backend
-from aitraining_pl.vllm_backend import VLLMConfig
-from aitraining_pl.vllm_backend.engine import block_parts, vllm_available
 
 
 def test_generation_backend_settings_parse_and_validate():

@@ -13,7 +13,7 @@ SPEC = {"preset": "tiny-llama", "num_attention_heads": 2, "num_key_value_heads":
 
 
 def options(port: int, **kw) -> VLLMConfig:
-    return VLLMConfig(mode="server", server_port=port, **{"server_timeout": 60, **kw})
+    return VLLMConfig(mode="server", server_port=port, **{"server_timeout": 60, "protocol": "tcp", **kw})
 
 
 class RecordingEngine:
@@ -45,8 +45,8 @@ def serving(engine, model, limits=None, token: str = "test-token"):
 @contextlib.contextmanager
 def served(engine, model, limits=None, token: str = "test-token", batch_wait: float = 0.05):
     """``serving``, yielding the ``GenerationServer`` itself (its port: ``server.server_address[1]``)."""
-    from aitraining_pl.vllm_backend.guards import write_token
-    from aitraining_pl.vllm_backend.server import GenerationServer
+    from aitraining_pl.generation.servers.tcp_guards import write_token
+    from aitraining_pl.generation.servers.tcp_server import GenerationServer
 
     server = GenerationServer(engine, None, model, "127.0.0.1", 0, token, batch_wait=batch_wait, limits=limits)
     path = write_token(token, server.server_address[1])
@@ -93,7 +93,7 @@ class ScoringEngine:
     def prompt_logprobs(self, input_ids, attention_mask, start):
         import torch
 
-        from aitraining_pl.vllm_backend.engine import place_rows, unpadded_rows
+        from aitraining_pl.generation.vllm import place_rows, unpadded_rows
 
         scores = []
         with torch.no_grad():

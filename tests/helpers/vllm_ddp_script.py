@@ -22,12 +22,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import lightning.pytorch as pl  # noqa: E402
 
 from aitraining_pl.datamodules.prompt import PromptDataModule  # noqa: E402
+from aitraining_pl.generation.config import VLLMConfig  # noqa: E402
 from aitraining_pl.models import LoRAConfig, is_peft_model  # noqa: E402
 from aitraining_pl.models.sharding import is_sharded  # noqa: E402
 from aitraining_pl.models.training import eval_mode  # noqa: E402
 from aitraining_pl.modules.critic_free import GRPOModule  # noqa: E402
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
-from aitraining_pl.vllm_backend import VLLMConfig  # noqa: E402
 
 #: two heads of 32 (vLLM's CPU attention) over the byte tokenizer's vocabulary
 POLICY = {"preset": "tiny-llama", "num_attention_heads": 2, "num_key_value_heads": 1}

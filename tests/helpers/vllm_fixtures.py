@@ -13,7 +13,7 @@ from aitraining_pl.models.rollout_scoring import response_logps
 from aitraining_pl.rollout import RolloutEngine
 
 if TYPE_CHECKING:
-    from aitraining_pl.vllm_backend.engine import VLLMEngine
+    from aitraining_pl.generation.vllm import VLLMEngine
 
 #: vLLM's CPU attention needs head sizes of 32 or more: two heads of 32 over the byte tokenizer's vocabulary
 WIDER = {"vocab_size": 384, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "eos_token_id": 1}

@@ -82,12 +82,12 @@ def test_vision_tower_frozen_and_lora_on_the_language_model_only(name):
 @pytest.mark.parametrize("name", MATRIX)
 def test_greedy_decoding_with_images_equals_the_models_forward(name):
     """The KV-cache decoder with images (prefill once per prompt, the cache repeated for 2 samples, left padding)
-    draws what greedy decoding by the model's full forward draws."""
+    draws what greedy decoding by the model's full forward draws (image tokens never drawn)."""
     from aitraining_pl.datamodules.io import pad_sequences
     from aitraining_pl.datamodules.vision import encode_with_images, image_placeholder
     from aitraining_pl.generation.config import GenerationConfig
     from aitraining_pl.models.vision import model_inputs
-    from aitraining_pl.models.vision_decoding import sample_with_images
+    from aitraining_pl.models.vision_decoding import image_token_ids, sample_with_images
 
     model = load_vision_lm(model_config=name).eval()
     processor = load_processor(name)
@@ -102,7 +102,9 @@ def test_greedy_decoding_with_images_equals_the_models_forward(name):
         for _ in range(drawn.response_ids.shape[1]):
             kwargs = model_inputs(model, sequence, torch.ones_like(sequence), VisionInputs([vision]))
             with torch.no_grad():
-                token = model(**kwargs).logits[0, -1].argmax().view(1, 1)
+                logits = model(**kwargs).logits[0, -1]
+                logits[image_token_ids(model)] = float("-inf")  # never sampled
+                token = logits.argmax().view(1, 1)
             want.append(int(token))
             sequence = torch.cat([sequence, token], 1)
         assert drawn.response_ids[2 * b].tolist() == want == drawn.response_ids[2 * b + 1].tolist()

@@ -1,5 +1,5 @@
 """Asynchronous online RL end to end (issue 31): the online modules with ``generation.max_staleness`` >= 1 sample on
-an HF generation server (``vllm_backend.hf_engine`` behind ``GenerationServer``, in a thread of this process, or
+an HF generation server (``generation.servers.hf_server`` behind ``GenerationServer``, in a thread of this process, or
 started by the trainer with ``server: launch``) while they train. Learning on the KL-regularised bandit, the
 staleness the modules log, the quickstart, faults and shutdown."""
 
@@ -155,7 +155,7 @@ def test_a_server_killed_mid_run_stops_the_run_with_one_line(tmp_path):
         quiet_trainer(tmp_path, max_steps=6, callbacks=[KillServer()]).fit(module, data)
     print(caught.value)
     assert "\n" not in str(caught.value) and re.search(
-        r"server 127\.0\.0\.1:\d+: the connection was lost", str(caught.value)
+        r"generation server http://127\.0\.0\.1:\d+: cannot reach the server while ", str(caught.value)
     )
     assert module.pipeline is None and module._launched[0] is None  # torn down on the failure
     assert "aitraining-pl-rollouts" not in [t.name for t in threading.enumerate()]

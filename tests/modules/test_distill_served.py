@@ -1,4 +1,4 @@
-"""A served teacher (``DistillationModule(teacher_server=...)``, ``vllm_backend.client.ServedTeacher``): the teacher's
+"""A served teacher (``DistillationModule(teacher_server=...)``, ``servers.client.ServedTeacher``): the teacher's
 log-probs through the real client, wire and server (a stand-in engine scoring with a local HF model; no vLLM) equal
 the local teacher's, and a lost or absent teacher server is one clear line."""
 
@@ -11,10 +11,10 @@ import torch
 from server_fixtures import SPEC, ScoringEngine, serving
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
+from aitraining_pl.generation.config import VLLMConfig
+from aitraining_pl.generation.servers.client import ServedTeacher
 from aitraining_pl.models import build_causal_lm
 from aitraining_pl.modules.distill import LocalTeacher
-from aitraining_pl.vllm_backend import VLLMConfig
-from aitraining_pl.vllm_backend.client import ServedTeacher
 
 
 def rows():

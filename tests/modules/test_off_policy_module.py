@@ -51,7 +51,7 @@ class OffPolicySampler:
 
 def grpo(monkeypatch, **policy_loss) -> GRPOModule:
     monkeypatch.setitem(BACKENDS, "off-policy", OffPolicySampler)
-    monkeypatch.setattr("aitraining_pl.rollout.BACKEND_NAMES", sorted({*BACKEND_NAMES, "off-policy"}))
+    monkeypatch.setattr("aitraining_pl.generation.registry.BACKEND_NAMES", sorted({*BACKEND_NAMES, "off-policy"}))
     return GRPOModule(
         model_config=TINY_LLAMA,
         tokenizer_name="byte",

@@ -19,15 +19,15 @@ from server_fixtures import SPEC, GatedEngine, options, served, serving
 
 from aitraining_pl.errors import GenerationServerError
 from aitraining_pl.generation.backend import HFBackend
+from aitraining_pl.generation.servers.client import VLLMServerClient
+from aitraining_pl.generation.servers.hf_server import HFServerEngine
+from aitraining_pl.generation.servers.serve import build_engine, meta_model, parser
+from aitraining_pl.generation.servers.tcp_guards import Limits
 from aitraining_pl.models import build_causal_lm
 from aitraining_pl.models.generation import StopRule
 from aitraining_pl.models.rollout_scoring import response_logps
+from aitraining_pl.models.weights import policy_weights
 from aitraining_pl.rollout import GenerationConfig
-from aitraining_pl.vllm_backend.client import VLLMServerClient
-from aitraining_pl.vllm_backend.engine import policy_weights
-from aitraining_pl.vllm_backend.guards import Limits
-from aitraining_pl.vllm_backend.hf_engine import HFServerEngine
-from aitraining_pl.vllm_backend.serve import build_engine, meta_model, parser
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLING = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=0.7)
@@ -82,7 +82,7 @@ def test_a_pushed_policy_samples_as_the_policy_itself(name, drop_ended):
 
 def test_unseeded_requests_draw_from_the_engines_own_seeded_stream():
     """Without a seed, two engines of the same ``--seed`` draw the same samples; one engine's next request, others."""
-    from aitraining_pl.vllm_backend.engine import SampleRequest
+    from aitraining_pl.generation.vllm import SampleRequest
 
     policy = build_causal_lm(model_config("llama"), seed=0)
     engines = [engine_for("llama") for _ in range(2)]
@@ -261,7 +261,7 @@ def test_the_hf_engine_serves_a_teachers_own_weights(tmp_path):
 def test_serve_with_the_hf_engine_starts_serves_and_stops_on_sigterm(tmp_path, monkeypatch):
     """``aitraining-pl serve --engine hf`` started by ``serve.launch``: it takes a push, serves one sample, and a
     SIGTERM ends it (no process left)."""
-    from aitraining_pl.vllm_backend.serve import launch
+    from aitraining_pl.generation.servers.serve import launch
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     argv = ["--engine", "hf", "--model", json.dumps(SPEC), "--tokenizer", "byte", "--port", "0", "--threads", "1"]
@@ -285,8 +285,7 @@ def test_serve_with_the_hf_engine_starts_serves_and_stops_on_sigterm(tmp_path, m
 
 
 def test_the_command_names_and_threads(monkeypatch):
-    """``serve`` and ``vllm-serve`` are one command whose ``--engine`` defaults to vLLM; ``--threads`` parses."""
-    for command in ("serve", "vllm-serve"):
-        args = parser(command).parse_args(["--model", "tiny-llama", "--threads", "2"])
-        assert args.engine == "vllm" and args.threads == 2
+    """``serve``'s ``--engine`` defaults to vLLM; ``--threads`` parses."""
+    args = parser("serve").parse_args(["--model", "tiny-llama", "--threads", "2"])
+    assert args.engine == "vllm" and args.threads == 2
     assert isinstance(parser().parse_args(["--model", "m", "--engine", "hf"]), argparse.Namespace)

@@ -1,4 +1,4 @@
-"""The generation server's guards (``aitraining_pl/vllm_backend/guards.py``, ``server.py``), each probed as a
+"""The generation server's guards (``aitraining_pl/generation/servers/tcp_guards.py``, ``server.py``), each probed as a
 stranger or a careless run would: the token at ``hello``, the run that owns the server, pushes checked before
 anything is loaded, the server's own timeouts, caps on declared sizes and connections, idle clients dropped, the
 accept loop at rest when out of file descriptors, the engine's folder removed when it fails to build, and the
@@ -20,9 +20,9 @@ import torch
 from server_fixtures import SPEC, RecordingEngine, options, serving
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
+from aitraining_pl.generation.servers import tcp_wire as wire
+from aitraining_pl.generation.servers.tcp_wire import read_frame, send_frame
 from aitraining_pl.models import build_causal_lm
-from aitraining_pl.vllm_backend import wire
-from aitraining_pl.vllm_backend.wire import read_frame, send_frame
 
 TOKEN = "test-token"  #: ``serving``'s
 
@@ -94,7 +94,7 @@ def test_a_stranger_without_the_token_reads_nothing_and_pushes_nothing(model, ca
 
 def test_the_client_names_where_its_token_came_from_never_the_token(model, tmp_path, monkeypatch):
     """A client whose token differs from the server's: one line naming the token's source, not the token."""
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
+    from aitraining_pl.generation.servers.client import VLLMServerClient
 
     wrong = tmp_path / "token"
     wrong.write_text("not-the-servers\n")
@@ -114,8 +114,8 @@ def test_the_client_names_where_its_token_came_from_never_the_token(model, tmp_p
 def test_vllm_serve_refuses_a_bind_other_machines_reach_without_a_token(monkeypatch, tmp_path):
     """Before the engine is built: ``--host 0.0.0.0`` with no token is one ``ConfigError`` line; on loopback a
     token is generated and written owner-only (0600 in a 0700 folder) to the file named by the port."""
-    from aitraining_pl.vllm_backend.guards import server_token, write_token
-    from aitraining_pl.vllm_backend.serve import main
+    from aitraining_pl.generation.servers.serve import main
+    from aitraining_pl.generation.servers.tcp_guards import server_token, write_token
 
     monkeypatch.delenv(wire.TOKEN_ENV, raising=False)
     with pytest.raises(ConfigError, match="--host 0.0.0.0: a server other machines can reach needs a token"):
@@ -135,15 +135,16 @@ def test_another_run_is_refused_at_hello_and_the_owner_goes_on(model):
     """Before: a second run (with the token) could push under the first run's feet. Now the first run owns the
     server while it has a connection open: another run's hello is one line; the owner pushes on; once the owner
     has closed, the next run (a resumed one) owns it."""
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
+    from aitraining_pl.generation.servers.client import VLLMServerClient
 
     engine = RecordingEngine()
     with serving(engine, model) as port:
         owner = VLLMServerClient(model, options(port), run="first")
         try:
-            with pytest.raises(GenerationServerError, match="this server serves run first .1 connections open.; one "
-                               "training run per server"):  # fmt: skip
+            with pytest.raises(GenerationServerError, match="this server serves another run .1 connections open.; one "
+                               "training run per server") as refused:  # fmt: skip
                 VLLMServerClient(model, options(port), run="second")
+            assert "first" not in str(refused.value)  # issue 40, probe 6: the owner's run id was printed
             assert owner.sync(model, version=1) and engine.version == "first:1"
         finally:
             owner.close()
@@ -152,6 +153,26 @@ def test_another_run_is_refused_at_hello_and_the_owner_goes_on(model):
             assert resumed.sync(model, version=1) and engine.version == "resumed:1"
         finally:
             resumed.close()
+
+
+def test_a_token_holder_never_learns_the_owners_run(model):
+    """Issue 40, probe 6: a refusal printed the owner's run id and ``ready`` carried its weights version
+    (``run:step``), so a token holder could reconnect as that run and push zero weights. Now neither says the run:
+    a scorer (which any token holder may be) sees the step only."""
+    engine = RecordingEngine()
+    with serving(engine, model) as port:
+        owner = Raw(port)
+        assert owner.hello(run="secret-run")["op"] == "ready"
+        assert owner.push("secret-run:3", weights(model))["op"] == "loaded"
+        stranger = Raw(port)
+        challenge = stranger.call({"op": "hello", "protocol": wire.PROTOCOL, "rank": 0, "run": "x", "role": "scorer"})
+        ready = stranger.call({"op": "auth", "proof": wire.proof(TOKEN, challenge["nonce"], "x", 0)})
+        assert ready["op"] == "ready" and "secret-run" not in json.dumps(ready) and ready["version"] == 3
+        trainer = Raw(port)
+        refused = trainer.hello(run="other")
+        assert refused["op"] == "error" and "secret-run" not in json.dumps(refused)
+        for connection in (owner, stranger, trainer):
+            connection.close()
 
 
 @pytest.mark.parametrize(
@@ -256,7 +277,7 @@ def _declaring(numel: int) -> bytes:
 def test_a_sample_request_over_the_cap_or_with_other_tensors_is_refused_unread(model):
     """A ``sample`` request may declare its two int64 prompt tensors only, within ``max_request_bytes``: a
     request declaring more, or other tensors, closes the connection before its payload is read."""
-    from aitraining_pl.vllm_backend.guards import Limits
+    from aitraining_pl.generation.servers.tcp_guards import Limits
 
     entries = [{"name": name, "dtype": "int64", "shape": [1024, 1024]} for name in ("prompt_ids", "prompt_mask")]
     with serving(RecordingEngine(), model, limits=Limits(max_request_bytes=1 << 20)) as port:
@@ -275,8 +296,8 @@ def test_a_push_that_stalls_holds_nothing_and_its_timeout_is_the_servers(model, 
     failed after ``engine.version`` was cleared (every rollout then waited). Now a push is staged before the
     engine is taken, so a stalled one holds nothing (another push of the run loads meanwhile), and it is dropped
     after the server's ``timeout`` (here 0.5 s), whatever it asked for."""
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
-    from aitraining_pl.vllm_backend.guards import Limits
+    from aitraining_pl.generation.servers.client import VLLMServerClient
+    from aitraining_pl.generation.servers.tcp_guards import Limits
 
     engine = RecordingEngine()
     with serving(engine, model, limits=Limits(timeout=0.5)) as port:
@@ -299,7 +320,7 @@ def test_connections_are_capped_and_idle_ones_dropped(model):
     kept forever. Now past ``max_connections`` a connection gets one line and is closed; a connection that does
     not prove the token within ``handshake_timeout``, or idles past ``idle_timeout`` once it has, is dropped
     (the latter with a last line), which frees its place."""
-    from aitraining_pl.vllm_backend.guards import Limits
+    from aitraining_pl.generation.servers.tcp_guards import Limits
 
     limits = Limits(max_connections=2, idle_timeout=0.5, handshake_timeout=0.5)
     with serving(RecordingEngine(), model, limits=limits) as port:
@@ -338,7 +359,7 @@ def test_the_accept_loop_rests_when_out_of_file_descriptors(model):
     """Before: with no descriptor left, ``accept`` failed at once on a listening socket that stayed readable, and
     the loop spun (68% of a core). Now it rests ``accept_backoff`` seconds, or until a connection closes: in a
     half-second window with a connection waiting, ``accept`` is tried once, not thousands of times."""
-    from aitraining_pl.vllm_backend.server import GenerationServer
+    from aitraining_pl.generation.servers.tcp_server import GenerationServer
 
     server = GenerationServer(RecordingEngine(), None, model, "127.0.0.1", 0, TOKEN)
     server.accept_backoff = 60.0
@@ -363,8 +384,8 @@ def test_the_engine_folder_is_removed_when_the_engine_fails_to_build(model, monk
     import tempfile
     import types
 
+    from aitraining_pl.generation import vllm as engine_module
     from aitraining_pl.generation.config import VLLMConfig
-    from aitraining_pl.vllm_backend import engine as engine_module
 
     def fail(**kwargs):
         raise RuntimeError("no engine today")
@@ -380,7 +401,7 @@ def test_the_engine_folder_is_removed_when_the_engine_fails_to_build(model, monk
 def test_the_client_refuses_port_0():
     """Before: ``server_port: 0`` was accepted and the client tried to connect until its timeout."""
     from aitraining_pl.generation.config import VLLMConfig
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
+    from aitraining_pl.generation.servers.client import VLLMServerClient
 
     with pytest.raises(ConfigError, match=r"generation.vllm.server_port: must be the server's port, 1 to 65535, got "
                        "0 .vllm-serve --port 0 picks a free port"):  # fmt: skip
@@ -391,8 +412,8 @@ def test_vllm_serve_defaults_are_the_configs():
     """``vllm-serve``'s defaults are ``VLLMConfig``'s (and the limits' ``Limits``'s), but the GPU share: 0.9, the
     GPU being the server's alone (the config's 0.3 leaves room for training beside a colocated engine)."""
     from aitraining_pl.generation.config import VLLMConfig
-    from aitraining_pl.vllm_backend.guards import Limits
-    from aitraining_pl.vllm_backend.serve import SERVER_GPU_MEMORY, parser
+    from aitraining_pl.generation.servers.serve import SERVER_GPU_MEMORY, parser
+    from aitraining_pl.generation.servers.tcp_guards import Limits
 
     args, config, limits = parser().parse_args(["--model", "tiny-llama"]), VLLMConfig(), Limits()
     same = {
@@ -410,3 +431,24 @@ def test_vllm_serve_defaults_are_the_configs():
     assert args.gpu_memory_utilization == SERVER_GPU_MEMORY == 0.9 and limits.timeout == config.server_timeout
     for text, value in (("auto", "auto"), ("false", False), ("True", True)):
         assert parser().parse_args(["--model", "m", "--enforce_eager", text]).enforce_eager == value
+
+
+def test_the_weight_channel_is_chosen_at_the_first_push_not_at_setup(model, monkeypatch):
+    """Issue 38: the channel was chosen from the policy's device when the client was built (the module's ``setup``,
+    before Lightning moves the policy to its GPU), so ``auto`` could never pick NCCL. Now it is chosen at the first
+    push, from the device of the first tensor pushed."""
+    from aitraining_pl.generation.servers import client as client_module
+
+    seen = []
+    chosen = client_module.weight_channel
+    monkeypatch.setattr(client_module, "weight_channel", lambda name, where, server: seen.append(where) or chosen(
+        name, where, server))  # fmt: skip
+    engine = RecordingEngine()
+    with serving(engine, model) as port:
+        client = client_module.VLLMServerClient(model, options(port))
+        try:
+            assert seen == []  # nothing decided at setup
+            assert client.sync(model, version=1) and seen == ["cpu"]
+            assert client.sync(model, version=2) and seen == ["cpu"]  # once
+        finally:
+            client.close()

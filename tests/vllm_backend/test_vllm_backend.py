@@ -19,11 +19,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from architectures import VLLM, names, sharpen  # noqa: E402
 from vllm_fixtures import logp_gap, prompts, train_steps, vllm_spec  # noqa: E402
 
+from aitraining_pl.generation.config import VLLMConfig  # noqa: E402
+from aitraining_pl.generation.vllm import VLLMEngine  # noqa: E402
 from aitraining_pl.models import apply_lora, build_causal_lm, load_tokenizer  # noqa: E402
 from aitraining_pl.models.lora import LoRAConfig  # noqa: E402
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
-from aitraining_pl.vllm_backend import VLLMConfig  # noqa: E402
-from aitraining_pl.vllm_backend.engine import VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -144,7 +144,7 @@ def test_weight_sync_into_a_tensor_parallel_engine(tokenizer, monkeypatch):
     parts that never split a transformer block (one block per part here), and after optimizer steps the synced
     engine's log-probs equal the policy's (1e-4, fp32), not before the sync. (An iterator cannot reach the worker
     processes: this sync failed with ``cannot pickle 'generator' object``.)"""
-    from aitraining_pl.vllm_backend import engine as engine_module
+    from aitraining_pl.generation import vllm as engine_module
 
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:

@@ -22,11 +22,11 @@ from aitraining_pl.environments.episode import AssistantTurn, EpisodeStep  # noq
 from aitraining_pl.environments.episode_rollout import sample_episodes  # noqa: E402
 from aitraining_pl.environments.multiturn import GuessingGame, ToolEnvironment, calculator  # noqa: E402
 from aitraining_pl.environments.tools import ToolCall, run_calls  # noqa: E402
+from aitraining_pl.generation.config import VLLMConfig  # noqa: E402
+from aitraining_pl.generation.vllm import VLLMEngine  # noqa: E402
 from aitraining_pl.models import build_causal_lm, load_tokenizer  # noqa: E402
 from aitraining_pl.models.rollout_scoring import response_logps  # noqa: E402
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
-from aitraining_pl.vllm_backend import VLLMConfig  # noqa: E402
-from aitraining_pl.vllm_backend.engine import VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 #: the vLLM-servable tiny llama (two heads of 32) with room for whole episodes

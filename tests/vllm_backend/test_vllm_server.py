@@ -23,9 +23,10 @@ import torch
 from server_fixtures import SPEC, RecordingEngine, options, serving
 
 from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.config import VLLMConfig
+from aitraining_pl.generation.servers.tcp_wire import MAGIC, FrameError, read_frame, send_frame
+from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models import build_causal_lm
-from aitraining_pl.vllm_backend import VLLMConfig
-from aitraining_pl.vllm_backend.wire import MAGIC, FrameError, read_frame, send_frame
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "helpers" / "vllm_server_ddp_script.py"
@@ -35,7 +36,7 @@ SCRIPT = ROOT / "tests" / "helpers" / "vllm_server_ddp_script.py"
 def start_server(log: Path, *argv: str) -> tuple[subprocess.Popen, int]:
     """``aitraining-pl vllm-serve`` on a free loopback port; returns the process and the port it printed."""
     pytest.importorskip("vllm")
-    from aitraining_pl.vllm_backend.serve import launch
+    from aitraining_pl.generation.servers.serve import launch
 
     os.environ.setdefault("PYTHONPATH", str(ROOT))
     return launch(["--model", json.dumps(SPEC), "--tokenizer", "byte", "--port", "0", *argv], log)
@@ -97,10 +98,10 @@ def test_server_rollouts_equal_the_colocated_engines(server):
     from architectures import sharpen
 
     from aitraining_pl.errors import ConfigError
+    from aitraining_pl.generation.servers.client import VLLMServerClient
+    from aitraining_pl.generation.vllm import VLLMEngine
     from aitraining_pl.models import load_tokenizer
     from aitraining_pl.rollout import GenerationConfig, RolloutEngine
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
-    from aitraining_pl.vllm_backend.engine import VLLMEngine
 
     tokenizer = load_tokenizer("byte", padding_side="left")
     model = sharpen(build_causal_lm(SPEC, seed=0), 4.0).eval()
@@ -142,10 +143,10 @@ def test_a_lora_push_and_a_version_that_never_arrives(server):
     after ``server_timeout``."""
     from vllm_fixtures import logp_gap, train_steps
 
+    from aitraining_pl.generation.servers.client import VLLMServerClient
     from aitraining_pl.models import apply_lora, load_tokenizer
     from aitraining_pl.models.lora import LoRAConfig
     from aitraining_pl.rollout import GenerationConfig
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
 
     tokenizer = load_tokenizer("byte", padding_side="left")
     model = apply_lora(build_causal_lm(SPEC, seed=1), LoRAConfig(r=4, alpha=8, dropout=0.0))
@@ -172,9 +173,9 @@ def test_weights_pushed_by_broadcast_on_a_gloo_weight_channel(server, tmp_path):
     the policy's (1e-4, fp32), and not before the second push. The NCCL channel is the same code on GPU tensors."""
     from vllm_fixtures import logp_gap, train_steps
 
+    from aitraining_pl.generation.servers.client import VLLMServerClient
     from aitraining_pl.models import load_tokenizer
     from aitraining_pl.rollout import GenerationConfig
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
 
     tokenizer = load_tokenizer("byte", padding_side="left")
     generation = GenerationConfig(max_new_tokens=8, temperature=1.0)
@@ -182,8 +183,9 @@ def test_weights_pushed_by_broadcast_on_a_gloo_weight_channel(server, tmp_path):
     train_steps(model)
     client = VLLMServerClient(model, options(server, weight_channel="gloo"))
     try:
-        assert client.group is not None and client.group.backend == "gloo"
+        assert client.group is None  # chosen at the first push, not at setup (issue 38)
         assert client.sync(model, version=3)
+        assert client.group is not None and client.group.backend == "gloo"
         assert logp_gap(client, model, tokenizer, generation) < 1e-4
         train_steps(model)
         assert logp_gap(client, model, tokenizer, generation) > 1e-2  # the server holds version 3
@@ -201,9 +203,9 @@ def test_a_refused_push_leaves_the_real_engine_on_its_weights(server):
     next correct push loads."""
     from vllm_fixtures import logp_gap, train_steps
 
+    from aitraining_pl.generation.servers.client import VLLMServerClient
     from aitraining_pl.models import load_tokenizer
     from aitraining_pl.rollout import GenerationConfig
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
 
     tokenizer = load_tokenizer("byte", padding_side="left")
     generation = GenerationConfig(max_new_tokens=8, temperature=1.0)
@@ -221,7 +223,7 @@ def test_a_refused_push_leaves_the_real_engine_on_its_weights(server):
             2,
         ):
             with pytest.raises(GenerationServerError, match=f"the server refused: load: '{name}' {why}"):
-                _push(client, f"{client.run}:{step}", {**good, name: bad.contiguous()})
+                _push(client, str(WeightsVersion(client.run, step)), {**good, name: bad.contiguous()})
         assert logp_gap(client, model, tokenizer, generation) < 1e-4  # still version 1, finite
         train_steps(model)
         assert client.sync(model, version=5)
@@ -243,7 +245,7 @@ def test_the_gloo_weight_channel_carries_every_tensor_exactly_and_a_broken_push_
     """A ``GenerationServer`` (its engine replaced by a recorder; no vLLM needed) and a client with ``weight_channel:
     gloo``: every tensor of the state dict arrives bit for bit by broadcast, under its name; when the server drops
     the connection in the middle of the next push, the client stops with one ``GenerationServerError`` line."""
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
+    from aitraining_pl.generation.servers.client import VLLMServerClient
 
     model = build_causal_lm(SPEC, seed=3)
     engine = RecordingEngine(fail_at=1)
@@ -270,8 +272,8 @@ def test_the_weight_channel_setting_resolves_per_device():
     """``auto`` is ``tcp`` unless the policy and the server are both on GPUs; ``nccl`` with a CPU side is one
     ``ConfigError`` line; an unknown name is refused by the ranges. No vLLM needed."""
     from aitraining_pl.errors import ConfigError, HyperparameterError
+    from aitraining_pl.generation.servers.client import weight_channel
     from aitraining_pl.validation import check_arguments
-    from aitraining_pl.vllm_backend.client import weight_channel
 
     model = build_causal_lm(SPEC)
     assert weight_channel("auto", model, "cuda") == "tcp" and weight_channel("auto", model, "cpu") == "tcp"
@@ -291,10 +293,10 @@ def test_greedy_episodes_on_the_server_equal_the_colocated_engines(server):
 
     from aitraining_pl.environments.episode_rollout import sample_episodes
     from aitraining_pl.environments.multiturn import GuessingGame
+    from aitraining_pl.generation.servers.client import VLLMServerClient
+    from aitraining_pl.generation.vllm import VLLMEngine
     from aitraining_pl.models import load_tokenizer
     from aitraining_pl.rollout import GenerationConfig, RolloutEngine
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
-    from aitraining_pl.vllm_backend.engine import VLLMEngine
 
     tokenizer = load_tokenizer("byte", padding_side="left")
     model = sharpen(build_causal_lm(SPEC, seed=0), 4.0).eval()
@@ -323,10 +325,10 @@ def test_two_ranks_requests_are_served_in_one_generate_with_the_rows_each_gets_a
     the same tokens and log-probs (a seeded request's samples do not depend on what it is batched with)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from aitraining_pl.generation.servers.client import VLLMServerClient
     from aitraining_pl.models import load_tokenizer
     from aitraining_pl.models.generation import StopRule
     from aitraining_pl.rollout import GenerationConfig
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
 
     tokenizer = load_tokenizer("byte", padding_side="left")
     model = build_causal_lm(SPEC, seed=2)
@@ -388,9 +390,9 @@ def test_the_server_killed_mid_run_gives_one_clear_error_and_the_run_resumes(tmp
 
     from aitraining_pl.cli_errors import _user_error, format_error
     from aitraining_pl.datamodules.prompt import PromptDataModule
+    from aitraining_pl.generation.servers.client import VLLMServerClient
     from aitraining_pl.modules.critic_free import GRPOModule
     from aitraining_pl.rollout import GenerationConfig
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
 
     def run(port: int, callback: pl.Callback, ckpt_path: str | None = None) -> GRPOModule:
         module = GRPOModule(
@@ -451,7 +453,7 @@ class Gaps(pl.Callback):
 def test_a_silent_server_times_out_with_one_line():
     """A server that accepts the connection and never answers: the client gives up after ``server_timeout``
     (plus the grace it leaves the server to answer itself) with one line naming the timeout. No vLLM needed."""
-    from aitraining_pl.vllm_backend.client import VLLMServerClient
+    from aitraining_pl.generation.servers.client import VLLMServerClient
 
     listener = socket.create_server(("127.0.0.1", 0))
     accepted = []
@@ -544,8 +546,8 @@ def test_a_served_teachers_logprobs_equal_the_local_teachers(server):
     """The ``logprobs`` request on a real engine (the module's server, holding pushed weights, stands in for a
     ``--teacher`` one): a ``ServedTeacher`` (a scorer: it joins no run, so the pushing client stays connected) gets
     the same per-token log-probs as the local teacher, to 1e-4 in fp32; temperature 0.7 is refused in one line."""
+    from aitraining_pl.generation.servers.client import ServedTeacher, VLLMServerClient
     from aitraining_pl.modules.distill import LocalTeacher
-    from aitraining_pl.vllm_backend.client import ServedTeacher, VLLMServerClient
 
     teacher = build_causal_lm(SPEC, seed=5).float().eval()
     g = torch.Generator().manual_seed(1)

@@ -1,4 +1,4 @@
-"""The wire protocol of the generation server (``aitraining_pl/vllm_backend/wire.py``): what a frame may make the
+"""The wire protocol of the generation server (``generation/servers/tcp_wire.py``): what a frame may make the
 reader allocate before its bytes arrive, the server's ``check`` before any payload, and the token's proof and
 file. No vLLM needed."""
 
@@ -11,8 +11,8 @@ import tracemalloc
 import pytest
 import torch
 
-from aitraining_pl.vllm_backend import wire
-from aitraining_pl.vllm_backend.wire import MAGIC, FrameError, read_frame, send_frame
+from aitraining_pl.generation.servers import tcp_wire as wire
+from aitraining_pl.generation.servers.tcp_wire import MAGIC, FrameError, read_frame, send_frame
 
 
 def declare(sock: socket.socket, shape: list[int], dtype: str = "float32") -> None:

@@ -1,4 +1,4 @@
-"""The generation server's sample requests between their arrival and their answer (``vllm_backend.server``, whose
+"""The generation server's sample requests between their arrival and their answer (``tcp_server``, whose
 module docstring describes the protocol): the queue, the batches that serve it, which weights version may serve
 which request, and the order of a weight load against the other ranks' requests.
 
@@ -29,27 +29,11 @@ from typing import Any
 
 import torch
 
+from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.servers.tcp_guards import Ownership
+from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import SampledTokens
 from aitraining_pl.models.loading import one_line
-from aitraining_pl.vllm_backend.engine import SampleRequest
-from aitraining_pl.vllm_backend.guards import Ownership, version_step
-
-
-def step_of(version: Any) -> int:
-    """The step of weights version ``version`` (``run:step``); 0 for a version without one (a teacher's)."""
-    parsed = version_step(version)
-    return parsed[1] if parsed is not None else 0
-
-
-def serves(held: Any, wanted: Any, newer: bool = False) -> bool:
-    """Whether the held weights version may serve a request for ``wanted`` (None: any): the same version, or with
-    ``newer`` a version of the same run at the same step or later."""
-    if held is None:
-        return False
-    if wanted is None or held == wanted:
-        return True
-    have, want = version_step(held), version_step(wanted)
-    return newer and have is not None and want is not None and have[0] == want[0] and have[1] >= want[1]
 
 
 @dataclasses.dataclass
@@ -116,15 +100,21 @@ class SampleQueue:
 
     # ------------------------------------------------------------------ requests
     def holds(self, job: Job) -> bool:
-        """Whether the engine holds weights that may serve ``job`` (not during a load)."""
-        return serves(self.engine.version, job.version, job.newer)
+        """Whether the engine holds weights that may serve ``job`` (not during a load): the version it names (None:
+        any), or one that ``WeightsVersion.serves`` it (``newer``); a version that is no ``run:step`` (a teacher's
+        fixed weights) serves only itself."""
+        held = self.engine.version
+        if held is None or job.version is None or held == job.version:
+            return held is not None
+        have, want = WeightsVersion.parse(held), WeightsVersion.parse(job.version)
+        return have is not None and want is not None and have.serves(want, job.newer)
 
     def serve(self, job: Job, timeout: float, seat: Seat | None) -> str | None:
         """Queue ``job`` and wait until a batch has served it (its ``sampled`` or ``error``); the refusal's message
         when its weights did not arrive within ``timeout`` seconds. ``seat``: the asking connection's (its latest
         step is recorded before the lock is taken, so a load at the gate counts it at once)."""
         if seat is not None:
-            seat.latest = None if job.version is None else step_of(job.version)
+            seat.latest = None if job.version is None else getattr(WeightsVersion.parse(job.version), "step", 0)
         deadline = time.monotonic() + timeout
         with self.changed:
             self.pending.append(job)
@@ -161,6 +151,7 @@ class SampleQueue:
         if not batch:
             return
         version = self.engine.version
+        step = getattr(WeightsVersion.parse(version), "step", 0)  # 0: a teacher's fixed weights
         try:
             sampled = self.engine.sample_many([job.request for job in batch])
         except Exception as err:  # noqa: BLE001 - answered to the requests that caused it
@@ -172,7 +163,7 @@ class SampleQueue:
             return
         for job, rows, cached in zip(batch, sampled, self.engine.cached_each):
             if rows.token_versions is None:
-                rows = rows._replace(token_versions=torch.full_like(rows.response_ids, step_of(version)))
+                rows = rows._replace(token_versions=torch.full_like(rows.response_ids, step))
             job.sampled, job.batched, job.cached_tokens, job.served_by = rows, len(batch), cached, version
 
     # ------------------------------------------------------------------ loads
@@ -181,11 +172,11 @@ class SampleQueue:
         connection of another rank of ``run`` has its latest request at the held step (the module docstring)."""
 
         def behind() -> list[int]:
-            held = version_step(self.engine.version)
-            if held is None or held[0] != run:
+            held = WeightsVersion.parse(self.engine.version)
+            if held is None or held.run != run:
                 return []
             seats = list(self.seats.values())
-            return sorted({s.rank for s in seats if s.run == run and s.rank != rank and s.latest == held[1]})
+            return sorted({s.rank for s in seats if s.run == run and s.rank != rank and s.latest == held.step})
 
         if behind() and not self.changed.wait_for(lambda: not behind(), self.timeout):
             ranks = ", ".join(map(str, behind()))

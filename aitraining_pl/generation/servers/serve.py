@@ -1,8 +1,8 @@
 """``aitraining-pl serve`` (also named ``vllm-serve``): the command that builds an engine for the policy's architecture
-and serves a training run's rollouts from it (``vllm_backend.server``; docs/vllm.md, Server mode): ``--engine vllm``
-(the default; ``engine.VLLMEngine``) or ``hf`` (``hf_engine.HFServerEngine``, this project's decoder: no vLLM
+and serves a training run's rollouts from it (``servers.tcp_server``; docs/vllm.md, Server mode): ``--engine vllm``
+(the default; ``generation.vllm.VLLMEngine``) or ``hf`` (``hf_server.HFServerEngine``, this project's decoder: no vLLM
 needed, never imported). Its options, whose defaults are ``VLLMConfig``'s, the token it needs before anything is
-built (``guards.server_token``), and ``launch``, which starts it as a child process from Python."""
+built (``tcp_guards.server_token``), and ``launch``, which starts it as a child process from Python."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ import torch
 
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.config import VLLMConfig
+from aitraining_pl.generation.servers.tcp_guards import Limits, server_token, write_token
+from aitraining_pl.generation.servers.tcp_server import GenerationServer
+from aitraining_pl.generation.servers.tcp_wire import TOKEN_ENV
+from aitraining_pl.generation.vllm import import_vllm
 from aitraining_pl.models.loading import build_causal_lm, from_pretrained, load_tokenizer, one_line, resolve_dtype
 from aitraining_pl.models.presets import MODEL_PRESETS
-from aitraining_pl.vllm_backend.engine import import_vllm
-from aitraining_pl.vllm_backend.guards import Limits, server_token, write_token
-from aitraining_pl.vllm_backend.server import GenerationServer
-from aitraining_pl.vllm_backend.wire import TOKEN_ENV
 
 
 def is_inline(model: str) -> bool:
@@ -212,7 +212,7 @@ def build_engine(args: argparse.Namespace, policy: torch.nn.Module, tokenizer: A
     """The engine ``--engine`` names for ``policy`` (meta device), holding ``--model``'s own weights with
     ``--teacher``."""
     if args.engine == "hf":
-        from aitraining_pl.vllm_backend.hf_engine import HFServerEngine
+        from aitraining_pl.generation.servers.hf_server import HFServerEngine
 
         engine = HFServerEngine(policy, seed=args.seed)
         if args.teacher:
@@ -221,7 +221,7 @@ def build_engine(args: argparse.Namespace, policy: torch.nn.Module, tokenizer: A
             teacher = from_pretrained(transformers.AutoModelForCausalLM.from_pretrained, args.model, "model")
             engine.load(teacher.state_dict().items(), f"teacher {args.model}")
         return engine
-    from aitraining_pl.vllm_backend.engine import VLLMEngine
+    from aitraining_pl.generation.vllm import VLLMEngine
 
     options = VLLMConfig(
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -1,6 +1,6 @@
-"""The generation server of ``aitraining-pl serve`` (``vllm-serve``; the command: ``vllm_backend.serve``): an engine
+"""The generation server of ``aitraining-pl serve`` (``vllm-serve``; the command: ``servers.serve``): an engine
 in its own process (its own GPUs or node) that samples the rollouts of a training run in server mode
-(``generation.vllm.mode: server``; the client is ``vllm_backend.client``).
+(``generation.vllm.mode: server``; the client is ``generation.servers.client``).
 
 The engine (``--engine``) is the colocated backend's ``VLLMEngine`` (``vllm``, the default), built the same way
 (from the model's config and tokenizer with ``load_format="dummy"``: it holds no trained weights until the
@@ -9,7 +9,7 @@ rule are those of the colocated engine; or ``hf_engine.HFServerEngine`` (``hf``:
 no vLLM needed). The server uses only ``load``, ``sample_many``, ``cached_each``, ``version``,
 ``prompt_logprobs`` and ``close`` of it (and ``stage`` where ``in_flight`` is true).
 
-The channel is TCP with the framing of ``vllm_backend.wire`` (JSON headers, raw tensor bytes; no pickle). Each
+The channel is TCP with the framing of ``generation.servers.tcp_wire`` (JSON headers, raw tensor bytes; no pickle). Each
 training process keeps one connection; requests (``op`` of the header) and answers:
 
 - ``hello {protocol, rank, run, role}`` -> ``challenge {nonce}``, then ``auth {proof}`` -> ``ready {model, version,
@@ -21,7 +21,7 @@ training process keeps one connection; requests (``op`` of the header) and answe
   runs (``cuda`` or ``cpu``) and which engine it is (``vLLM``, ``HF``: messages name the server by it). Nothing
   else is answered before ``ready``.
 - ``channel {backend}`` -> ``channel {port}``: open a collective weight channel (``nccl`` or ``gloo``;
-  ``vllm_backend.weight_group``) whose store listens on ``port`` (``--weight_port``); the server then waits up
+  ``generation.servers.weights``) whose store listens on ``port`` (``--weight_port``); the server then waits up
   to its ``--timeout`` for the trainer to join it. Sent by rank 0 when ``generation.vllm.weight_channel`` is
   not ``tcp``.
 - ``load {version, via, in_flight}``, then one ``weight`` frame per tensor of the model (transformers names), then
@@ -85,12 +85,10 @@ from typing import Any
 
 import torch
 
+from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.config import GenerationConfig
-from aitraining_pl.models.generation import StopRule
-from aitraining_pl.models.loading import one_line
-from aitraining_pl.vllm_backend.batching import Job, SampleQueue, Seat
-from aitraining_pl.vllm_backend.engine import SampleRequest
-from aitraining_pl.vllm_backend.guards import (
+from aitraining_pl.generation.servers.tcp_batching import Job, SampleQueue, Seat
+from aitraining_pl.generation.servers.tcp_guards import (
     HANDSHAKE_HEADER,
     Limits,
     Ownership,
@@ -99,8 +97,7 @@ from aitraining_pl.vllm_backend.guards import (
     WeightSpecs,
     no_tensors,
 )
-from aitraining_pl.vllm_backend.weight_group import BACKENDS, WeightGroup, failure, host_store
-from aitraining_pl.vllm_backend.wire import (
+from aitraining_pl.generation.servers.tcp_wire import (
     PROTOCOL,
     SAMPLED,
     Entry,
@@ -111,6 +108,10 @@ from aitraining_pl.vllm_backend.wire import (
     read_frame,
     send_frame,
 )
+from aitraining_pl.generation.servers.weights import BACKENDS, WeightGroup, failure, host_store
+from aitraining_pl.generation.version import WeightsVersion
+from aitraining_pl.models.generation import StopRule
+from aitraining_pl.models.loading import one_line
 
 PROMPTS = ("prompt_ids", "prompt_mask")  #: the tensors of a ``sample`` request
 SCORED = ("input_ids", "attention_mask")  #: the tensors of a ``logprobs`` request
@@ -307,7 +308,9 @@ class GenerationServer(socketserver.ThreadingTCPServer):
                 )
             scores = self.engine.prompt_logprobs(ids, mask, start)
             version = self.engine.version
-        return {"op": "logprobs", "version": str(version)}, {"logprobs": scores.float()}
+        parsed = WeightsVersion.parse(version)  # a scorer never sees the owner's run
+        shown = parsed.step if parsed is not None else str(version)
+        return {"op": "logprobs", "version": shown}, {"logprobs": scores.float()}
 
 
 class _Connection(socketserver.BaseRequestHandler):
@@ -377,7 +380,10 @@ class _Connection(socketserver.BaseRequestHandler):
             if role == "trainer":
                 server.queue.seats[id(self)] = self.seat
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        ready = {"op": "ready", "model": server.model, "version": server.engine.version, "device": device}
+        # the step only: the run's id in ``run:step`` would let a token holder reconnect as the owner (issue 40)
+        held = WeightsVersion.parse(server.engine.version)
+        version = held.step if held is not None else server.engine.version
+        ready = {"op": "ready", "model": server.model, "version": version, "device": device}
         send_frame(sock, {**ready, "fixed": server.fixed, "engine": getattr(server.engine, "kind", "vLLM")})
         return True
 

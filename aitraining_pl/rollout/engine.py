@@ -24,8 +24,9 @@ the longest; it draws what ``generate`` draws while no row has ended. Models wit
 model's own ``generation_config`` swapped for a blank one during the call.
 
 **Backends.** What samples is a ``generation.backend.GenerationBackend``: the policy itself (``HFBackend``, the
-decoder above), a colocated vLLM engine or a generation server; ``BACKENDS`` names them and ``build_backend`` makes
-one. Whichever sampled, the ``Rollout`` is made here by the same end rule.
+decoder above), a colocated vLLM engine or a generation server; ``generation.registry.BACKENDS`` names them
+(imported only when chosen) and ``build_backend`` makes one. Whichever sampled, the ``Rollout`` is made here by
+the same end rule.
 """
 
 from __future__ import annotations
@@ -38,54 +39,13 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
+from aitraining_pl.generation.backend import GenerationBackend, HFBackend
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.losses import selective_log_softmax
 from aitraining_pl.models.generation import SampledTokens, StopRule
 from aitraining_pl.models.vision import VisionInputs
 from aitraining_pl.models.vision_decoding import sample_with_images
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, score_responses
-from aitraining_pl.vllm_backend.client import VLLMServerClient
-from aitraining_pl.vllm_backend.engine import VLLMEngine, vllm_available
-
-#: the generation backends by name (``resolve_backend``): a new backend is a class with the ``GenerationBackend``
-#: methods and a ``from_context(generation, context)`` constructor, and one line here
-BACKENDS: dict[str, type] = {
-    "hf": HFBackend,
-    "vllm": VLLMEngine,  # vLLM colocated: an engine in each training process
-    "vllm-server": VLLMServerClient,  # vLLM as a server (``aitraining-pl serve --engine vllm``)
-    "hf-server": VLLMServerClient,  # the HF decoder as a server (``aitraining-pl serve --engine hf``)
-}
-#: the values of ``generation.backend`` (besides ``auto``): a ``<name>-server`` entry is ``<name>`` in server mode
-BACKEND_NAMES = sorted({name.removesuffix("-server") for name in BACKENDS})
-
-
-def resolve_backend(generation: GenerationConfig, device: torch.device | str | None = None) -> str:
-    """The ``BACKENDS`` key for ``generation`` on ``device``: ``backend: auto`` is vLLM on a CUDA device when vLLM
-    is installed, else ``hf``; a backend behind a server (``generation.server`` ``connect`` or ``launch``, or vLLM's
-    ``vllm.mode: server``) is ``<backend>-server``."""
-    name = generation.backend
-    if name == "auto":
-        name = "vllm" if torch.device(device or "cpu").type == "cuda" and vllm_available() else "hf"
-    served = generation.server != "none" or (name == "vllm" and generation.vllm.mode == "server")
-    return f"{name}-server" if served else name
-
-
-def build_backend(
-    generation: GenerationConfig, context: BackendContext, device: torch.device | str | None = None
-) -> GenerationBackend:
-    """The backend that samples ``generation``'s rollouts for ``context.policy`` on ``device``. In server mode
-    the engine options (``VLLMConfig.SERVER_OWNED``) belong to ``vllm-serve``: any set here is named in a warning."""
-    name = resolve_backend(generation, device)
-    overridden = generation.vllm.server_owned_overrides() if name.endswith("-server") else []
-    if overridden:
-        warnings.warn(
-            f"generation.vllm.{', '.join(overridden)}: ignored in server mode (the generation server owns its "
-            "engine: give them to aitraining-pl vllm-serve on its command line)",
-            UserWarning,
-            stacklevel=2,
-        )
-    return BACKENDS[name].from_context(generation, context)
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The trainer's side of server mode (``generation: {backend: vllm, vllm: {mode: server}}``, TRL's ``vllm_mode:
-server``): a client of ``aitraining-pl serve`` (``vllm-serve``; ``vllm_backend.server``, a vLLM or an HF engine)
+server``): a client of ``aitraining-pl serve`` (``vllm-serve``; ``servers.tcp_server``, a vLLM or an HF engine)
 with the colocated engine's interface (``sync``, ``sample``, ``sleep``, ``close``), so the rollout engine and the
 online modules use either alike.
 
@@ -7,8 +7,8 @@ Every training process connects on its own and sends its own prompts; rank 0 pus
 each rollout whose weights changed (the optimizer step count moved; once per rollout, as the colocated sync),
 streamed one tensor at a time (a LoRA policy's base weights with the deltas merged, ``models.lora.plain_weights``;
 under FSDP2 every rank takes part in gathering each tensor, and rank 0 sends it): over the framing of
-``vllm_backend.wire`` (``weight_channel: tcp``), or by broadcast on a two-member process group with the server
-(``nccl`` GPU to GPU, ``gloo`` on CPUs; ``vllm_backend.weight_group``), the frames then naming each tensor only.
+``generation.servers.tcp_wire`` (``weight_channel: tcp``), or by broadcast on a two-member process group with the server
+(``nccl`` GPU to GPU, ``gloo`` on CPUs; ``generation.servers.weights``), the frames then naming each tensor only.
 A sample request names the weights version it needs (the run's id and the step count), and the server answers it
 only once it holds that version (with ``at_least``: that version or a later one of the run), so the other ranks
 never sample from stale weights; each answer says which step sampled each token (``SampledTokens.token_versions``).
@@ -40,12 +40,8 @@ import torch
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
 from aitraining_pl.generation.config import VLLMConfig
-from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
-from aitraining_pl.models.sharding import is_sharded
-from aitraining_pl.vllm_backend.engine import policy_weights
-from aitraining_pl.vllm_backend.guards import read_token
-from aitraining_pl.vllm_backend.weight_group import ChannelBroken, WeightGroup, failure
-from aitraining_pl.vllm_backend.wire import (
+from aitraining_pl.generation.servers.tcp_guards import read_token
+from aitraining_pl.generation.servers.tcp_wire import (
     MODEL_FIELDS,
     PROTOCOL,
     RESUME,
@@ -59,6 +55,11 @@ from aitraining_pl.vllm_backend.wire import (
     send_frame,
     token_path,
 )
+from aitraining_pl.generation.servers.weights import ChannelBroken, WeightGroup, failure
+from aitraining_pl.generation.version import WeightsVersion
+from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
+from aitraining_pl.models.sharding import is_sharded
+from aitraining_pl.models.weights import policy_weights
 
 
 def find_token(options: VLLMConfig, setting: str = "generation.vllm.server_token_file") -> tuple[str, str]:
@@ -81,13 +82,13 @@ def find_token(options: VLLMConfig, setting: str = "generation.vllm.server_token
     )
 
 
-def weight_channel(name: str, policy: torch.nn.Module, server_device: str | None) -> str:
+def weight_channel(name: str, policy: torch.nn.Module | str, server_device: str | None) -> str:
     """``tcp``, ``nccl`` or ``gloo`` for ``generation.vllm.weight_channel`` ``name``: ``auto`` is ``nccl`` when the
-    policy and the server are both on GPUs (and this torch has NCCL), else ``tcp``. ``nccl`` with either side on a
-    CPU is a ``ConfigError``."""
+    policy (a module, or the device type its weights are on) and the server are both on GPUs (and this torch has
+    NCCL), else ``tcp``. ``nccl`` with either side on a CPU is a ``ConfigError``."""
     import torch.distributed as dist
 
-    policy_device = next(policy.parameters()).device.type
+    policy_device = policy if isinstance(policy, str) else next(policy.parameters()).device.type
     on_gpu = policy_device == "cuda" and server_device == "cuda"
     if name == "auto":
         return "nccl" if on_gpu and dist.is_nccl_available() else "tcp"
@@ -117,7 +118,7 @@ class VLLMServerClient:
 
     @classmethod
     def from_context(cls, generation: Any, context: Any) -> VLLMServerClient:
-        """The client for ``generation.vllm`` and a ``generation.backend.BackendContext`` (``rollout.BACKENDS``)."""
+        """The client for ``generation.vllm`` and a ``generation.backend.BackendContext`` (``registry.BACKENDS``)."""
         return cls(context.policy, generation.vllm, context.rank, context.run)
 
     def __init__(self, policy: torch.nn.Module, options: VLLMConfig, rank: int = 0, run: str | None = None):
@@ -151,8 +152,8 @@ class VLLMServerClient:
                 f"the server at {self.address} serves another model: {', '.join(wrong)}; start vllm-serve with the "
                 "policy's config (--model)",
             )
-        if self.rank == 0:
-            self.open_channel(weight_channel(options.weight_channel, policy, answer.get("device")))
+        self.server_device = answer.get("device")  #: where the server's engine runs (``ready``)
+        self.channel_chosen = self.rank != 0  #: rank 0 chooses at its first push (``choose_channel``)
 
     def hello(self) -> dict[str, Any]:
         """``hello``, then the answer to the server's challenge (the token's proof): the server's ``ready``."""
@@ -262,7 +263,7 @@ class VLLMServerClient:
         else over a second connection (a ``pusher``, TCP frames). ``in_flight``: an engine that allows it (the HF
         engine) takes the weights between two decode steps of a running batch instead of after it. Returns
         whether the weights changed."""
-        key = f"{self.run}:{next(self.calls) if version is None else version}"
+        key = str(WeightsVersion(self.run, next(self.calls) if version is None else int(version)))
         if self.version is not None and (key == self.version or not self.options.sync_weights):
             return False
         if self.rank != 0:
@@ -270,6 +271,7 @@ class VLLMServerClient:
                 pass
         elif self.talking.acquire(blocking=False):
             try:
+                weights = self.choose_channel(weights)
                 self.send_weights(weights, key, version, in_flight)
             finally:
                 self.talking.release()
@@ -280,6 +282,18 @@ class VLLMServerClient:
             self.sync_seconds = self.pusher.sync_seconds
         self.version = key
         return True
+
+    def choose_channel(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """Rank 0's first push: open the weight channel for the device of the first tensor pushed (here, not when
+        the client is built: at ``setup`` Lightning has not yet moved the policy to its GPU); ``weights`` again."""
+        if self.channel_chosen:
+            return weights
+        weights = iter(weights)
+        first = next(weights, None)
+        device = first[1].device.type if first is not None else "cpu"
+        self.open_channel(weight_channel(self.options.weight_channel, device, self.server_device))
+        self.channel_chosen = True
+        return weights if first is None else itertools.chain([first], weights)
 
     def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], key: str, version: Any, in_flight: bool):
         """Send one push (``load``, a ``weight`` frame per tensor, ``end``) on this connection and read its answer."""

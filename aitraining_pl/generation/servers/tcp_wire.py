@@ -1,5 +1,5 @@
-"""The wire protocol of the generation server (``aitraining-pl serve``, ``vllm_backend.server``) and its client
-(``vllm_backend.client``): the vocabulary both sides share (``PROTOCOL``, ``MODEL_FIELDS``, ``SAMPLED``, the token
+"""The wire protocol of the generation server (``aitraining-pl serve``, ``servers.tcp_server``) and its client
+(``generation.servers.client``): the vocabulary both sides share (``PROTOCOL``, ``MODEL_FIELDS``, ``SAMPLED``, the token
 and its proof) and the framing of the TCP channel: JSON headers and raw tensor bytes, nothing that runs code when read
 (no pickle from the network).
 
@@ -12,7 +12,7 @@ A frame is::
     payload                        each tensor's bytes in order: C order, little-endian, numel * itemsize bytes
 
 A weight push streams one tensor per frame, so neither side holds a second copy of the model (over a collective
-weight channel, ``vllm_backend.weight_group``, each frame carries only a ``describe`` entry and the bytes go by
+weight channel, ``generation.servers.weights``, each frame carries only a ``describe`` entry and the bytes go by
 broadcast). ``read_frame``
 refuses a wrong magic, an oversized or non-JSON header, a header that is not an object with an ``op``, an
 unknown dtype and a negative or non-integer shape with a ``FrameError`` before reading any payload; its ``check``

@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
+from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.losses import positions_from_mask, selective_log_softmax
 from aitraining_pl.models.decoding import Forward, prefill, sample_responses, sample_steps
 from aitraining_pl.models.generation import SampledTokens, hf_generation_config
 from aitraining_pl.models.rollout_scoring import response_logps
-from aitraining_pl.vllm_backend.batching import step_of
-from aitraining_pl.vllm_backend.engine import SampleRequest
 
 
 def materialise(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -142,7 +142,7 @@ class HFServerEngine:
             else:  # ``generate``: no swap inside it (a staged push waits for the batch's end); its ends are left
                 # to the rollout's end rule, as vLLM's are: every column counts
                 with self.lock:
-                    steps = [step_of(self.version)] * int(config.max_new_tokens)
+                    steps = [getattr(WeightsVersion.parse(self.version), "step", 0)] * int(config.max_new_tokens)
                 config = hf_generation_config(generation, request.end_ids, request.pad_token_id, with_logprobs=True)
                 sampled = sample_responses(self.model, ids, mask, config, request.stop_rule, False, n)
                 tokens = sampled.response_ids
@@ -198,7 +198,7 @@ class _SwappingForward(Forward):
             engine.before_forward(len(self.steps))
         with engine.lock:
             swapped = engine.swap()
-            self.steps.append(step_of(engine.version))
+            self.steps.append(getattr(WeightsVersion.parse(engine.version), "step", 0))
         if cache is None:  # the prefill
             return super().__call__(ids, mask, positions)
         if self.kept is not None:

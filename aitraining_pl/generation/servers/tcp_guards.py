@@ -1,4 +1,4 @@
-"""What the generation server (``vllm_backend.server``) checks before it trusts a connection or a push:
+"""What the generation server (``generation.servers.tcp_server``) checks before it trusts a connection or a push:
 
 - **the token** (``server_token``): the shared secret every connection proves at ``hello`` (``wire.proof``). Given
   by ``AITRAINING_PL_SERVER_TOKEN`` or ``--token_file``; otherwise, on a loopback bind only, generated and written
@@ -29,8 +29,9 @@ import torch
 
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.config import VLLMConfig
-from aitraining_pl.vllm_backend.weight_group import ChannelBroken, WeightGroup
-from aitraining_pl.vllm_backend.wire import (
+from aitraining_pl.generation.servers import checks
+from aitraining_pl.generation.servers.checks import PushRefused
+from aitraining_pl.generation.servers.tcp_wire import (
     TOKEN_ENV,
     Entry,
     FrameError,
@@ -40,6 +41,8 @@ from aitraining_pl.vllm_backend.wire import (
     read_frame,
     token_path,
 )
+from aitraining_pl.generation.servers.weights import ChannelBroken, WeightGroup
+from aitraining_pl.generation.version import WeightsVersion
 
 #: what a connection may send before it has proved the token: a short header, no tensors
 HANDSHAKE_HEADER = 4096
@@ -71,42 +74,19 @@ class Limits:
         return min(seconds, self.timeout) if math.isfinite(seconds) and seconds > 0 else self.timeout
 
 
-class PushRefused(ValueError):
-    """A weight push that does not fit the served model (answered with ``error``; the engine is untouched)."""
-
-
-class WeightSpecs:
-    """The served model's tensors (``state_dict`` names, shapes and dtypes): what a push must carry, each once."""
+class WeightSpecs(checks.WeightSpecs):
+    """``checks.WeightSpecs`` (the same checks as the HTTP servers'), with the bound on a declared tensor's bytes and
+    the check of a frame's declared tensor before its bytes are read."""
 
     def __init__(self, model: torch.nn.Module):
-        self.specs = {name: (list(t.shape), t.dtype) for name, t in model.state_dict().items()}
+        super().__init__(model)
         #: the largest tensor a push may declare (a float64 copy of the largest parameter)
         self.largest = max((nbytes(torch.float64, shape) for shape, _ in self.specs.values()), default=0)
 
-    def check(self, entry: Entry, seen: set[str]) -> None:
-        """Refuse a declared tensor that is not one of the model's, comes twice, or has another shape or a dtype
-        of another kind (an integer tensor for a float weight); before its bytes are read."""
+    def check_entry(self, entry: Entry, seen: set[str]) -> None:
+        """``check`` of a frame's declared tensor (name, dtype, shape)."""
         name, dtype, shape = entry
-        if name not in self.specs:
-            raise PushRefused(f"{name!r} is not a tensor of the served model")
-        if name in seen:
-            raise PushRefused(f"{name!r} came twice")
-        want_shape, want_dtype = self.specs[name]
-        if shape != want_shape:
-            raise PushRefused(f"{name!r} has shape {shape}, the served model's is {want_shape}")
-        if dtype != want_dtype and not (dtype.is_floating_point and want_dtype.is_floating_point):
-            raise PushRefused(f"{name!r} is {str(dtype).removeprefix('torch.')}, the served model's is "
-                              f"{str(want_dtype).removeprefix('torch.')}")  # fmt: skip
-
-    def stage(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` in host memory in the served dtype, once its values are known finite."""
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise PushRefused(f"{name!r} has {bad} non-finite values (NaN or inf)")
-        return tensor.to(device="cpu", dtype=self.specs[name][1])
-
-    def missing(self, seen: set[str]) -> list[str]:
-        return [name for name in self.specs if name not in seen]
+        self.check(name, dtype, shape, seen)
 
 
 class Push:
@@ -134,7 +114,7 @@ class Push:
                              "the served model")  # fmt: skip
         if self.refused is None:
             try:
-                self.specs.check(entry, self.seen)
+                self.specs.check_entry(entry, self.seen)
             except PushRefused as err:
                 self.refused = err
         self.seen.add(entry[0])
@@ -189,7 +169,7 @@ class Ownership:
         with self.lock:
             if self.owner is not None and self.owner != run and self.open[self.owner]:
                 raise PermissionError(
-                    f"this server serves run {self.owner} ({self.open[self.owner]} connections open); one training "
+                    f"this server serves another run ({self.open[self.owner]} connections open); one training "
                     "run per server: stop that run or start another vllm-serve (--port)"
                 )
             if self.owner != run:
@@ -203,27 +183,24 @@ class Ownership:
     def step_of(self, run: str, version: Any) -> int:
         """The step of ``version`` (``run:step``) pushed by a connection of ``run``; ``PushRefused`` when it is
         empty, of another run or not newer than the last accepted push."""
-        parsed = version_step(version)
-        if parsed is None or parsed[0] != run:
+        parsed = WeightsVersion.parse(version)
+        if parsed is None or parsed.run != run:
             raise PushRefused(f"weights version {version!r} is not one of this run's ({run}:<step>)")
         with self.lock:
-            if self.step is not None and parsed[1] <= self.step:
-                raise PushRefused(f"weights version {version} is not newer than the last push ({run}:{self.step})")
-        return parsed[1]
+            if self.step is not None and parsed.step <= self.step:
+                raise PushRefused(
+                    f"weights version {version} is not newer than the last push ({WeightsVersion(run, self.step)})"
+                )
+        return parsed.step
 
     def accept(self, run: str, step: int) -> None:
         """Record an accepted push of ``run`` at ``step`` (checked again: two pushes may have raced)."""
         with self.lock:
             if self.owner != run or (self.step is not None and step <= self.step):
-                raise PushRefused(f"weights version {run}:{step} was overtaken by {self.owner}:{self.step}")
+                raise PushRefused(
+                    f"weights version {WeightsVersion(run, step)} was overtaken by {self.owner}:{self.step}"
+                )
             self.step = step
-
-
-def version_step(version: Any) -> tuple[str, int] | None:
-    """``(run, step)`` of a weights version ``run:step`` (the step: the integer after the last ``:``); None for
-    anything else (no version, a teacher's fixed weights)."""
-    prefix, _, step = version.rpartition(":") if isinstance(version, str) else ("", "", "")
-    return (prefix, int(step)) if prefix and step.isdigit() else None
 
 
 def read_token(path: str | os.PathLike) -> str:
