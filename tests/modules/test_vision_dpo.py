@@ -8,6 +8,7 @@ import io
 import random
 
 import datasets
+import pytest
 from conftest import quiet_trainer
 
 from aitraining_pl.datamodules.colours import COLOURS, colour_square
@@ -30,6 +31,7 @@ def _rlaif_v(path, n: int, seed: int) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_dpo_on_image_pairs_raises_held_out_preference_accuracy(tmp_path):
     module = DPOModule(model_config={"preset": PRESET}, tokenizer_name=PRESET, beta=0.1, learning_rate=0.005)
     data = PreferenceDataModule(
