@@ -1,0 +1,79 @@
+"""A visual task only an image can solve (``datamodules.colours``): GRPO on a tiny random Qwen2-VL learns which
+colour the square is from 1/3 (chance) to >= 0.8 held-out accuracy, and the same run with blank images stays at
+chance: the images flow from the data through the rollouts into the update."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+from conftest import quiet_trainer
+
+from aitraining_pl.datamodules.colours import ColourSquaresDataModule, colour_rows
+from aitraining_pl.datamodules.prompt import PromptCollator, PromptDataset
+from aitraining_pl.datamodules.vision import encode_vision_prompt
+from aitraining_pl.generation.config import GenerationConfig
+from aitraining_pl.models.vision import processor_of
+from aitraining_pl.modules.critic_free import GRPOModule
+
+PRESET = "tiny-qwen2-vl-colours"
+
+
+def held_out(tokenizer, blank: bool) -> dict:
+    """30 held-out prompts (10 per colour, another seed than training) as one left-padded batch."""
+    processor, rows = processor_of(tokenizer), colour_rows(30, seed=7, blank=blank)
+    encoded = [
+        {**encode_vision_prompt(processor, r, "prompt", 64, False, "held-out", i + 1, None), "colour": r["colour"]}
+        for i, r in enumerate(rows)
+    ]
+    dataset = PromptDataset.from_encoded(encoded, exclude=["__vision"], keep=["colour"])
+    return PromptCollator(tokenizer.pad_token_id)([dataset[i] for i in range(len(dataset))])
+
+
+def accuracy(module: GRPOModule, batch: dict) -> float:
+    """Share of held-out prompts whose greedy one-token answer is the colour's letter."""
+    greedy = GenerationConfig(max_new_tokens=1, do_sample=False)
+    rollout = module.generate(batch["input_ids"], batch["attention_mask"], greedy, vision=batch["vision"])
+    return sum(t.strip()[:1] == m["colour"][0] for t, m in zip(rollout.texts, batch["metadata"])) / len(rollout.texts)
+
+
+class Curve(pl.Callback):
+    """Held-out accuracy every ``every`` optimizer steps."""
+
+    def __init__(self, batch: dict, every: int = 10):
+        self.batch, self.every, self.points = batch, every, []
+
+    def on_train_batch_end(self, trainer, module, *args) -> None:
+        if trainer.global_step % self.every == 0:
+            self.points.append((trainer.global_step, accuracy(module, self.batch)))
+
+
+def run(tmp_path, blank: bool) -> tuple[float, list]:
+    pl.seed_everything(0)
+    module = GRPOModule(
+        model_config={"preset": PRESET},
+        tokenizer_name=PRESET,
+        reward="aitraining_pl.datamodules.colours:colour_reward",
+        generation={"max_new_tokens": 1, "temperature": 1.0},
+        num_generations=8,
+        learning_rate=0.004,
+        lr_schedule="constant",
+        mini_batch_size=64,
+        kl_coef=0.0,
+    )
+    batch = held_out(module.tokenizer, blank)
+    curve = Curve(batch)
+    curve.points.append((0, accuracy(module, batch)))
+    data = ColourSquaresDataModule(num_prompts=48, num_val_prompts=0, blank=blank, tokenizer=module.tokenizer,
+                                   batch_size=16)  # fmt: skip
+    quiet_trainer(tmp_path, max_steps=60, max_epochs=100, limit_val_batches=0, callbacks=[curve]).fit(module, data)
+    print(f"colour task, {'blank images' if blank else 'images'}: held-out accuracy by optimizer step {curve.points}")
+    return curve.points[0][1], curve.points
+
+
+@pytest.mark.slow
+def test_grpo_learns_the_colour_from_the_image_and_not_from_blank_images(tmp_path):
+    start, with_images = run(tmp_path / "images", blank=False)
+    assert abs(start - 1 / 3) < 0.05  # a random policy says one letter for every image (or none)
+    assert with_images[-1][1] >= 0.8
+    _, blank = run(tmp_path / "blank", blank=True)
+    assert all(a <= 0.4 for _, a in blank)  # identical images: at most one colour right, 1/3
