@@ -149,7 +149,7 @@ def test_a_restarted_server_rejoins_at_the_next_push():
     back.restart()
     sample(fleet, ROWS)  # not before a push: it holds no weights
     assert back.served == []
-    with pytest.warns(RuntimeWarning, match=r"server 0 \(standin://back\) answers again and rejoined at version run:1"):
+    with pytest.warns(RuntimeWarning, match=r"server 0 \(standin://back\) answers again and rejoined at step 1"):
         fleet.push(WEIGHTS, 1)
     assert fleet.stats()["fleet/servers_up"].item() == 2.0
     sample(fleet, ROWS)
@@ -165,10 +165,10 @@ def test_every_server_gone_is_one_line():
         sample(fleet, ROWS)
     assert str(caught.value) == (
         "generation fleet: all 2 generation servers (standin://0, standin://1) are down or unreachable while sampling "
-        "with the weights of version run:0; start them again; a run that had started resumes from its last checkpoint "
+        "with the weights of step 0; start them again; a run that had started resumes from its last checkpoint "
         "with --ckpt_path"
     )
-    with pytest.raises(GenerationServerError, match="while pushing the weights of version run:1"):
+    with pytest.raises(GenerationServerError, match="while pushing the weights of step 1"):
         fleet.push(WEIGHTS, 1)
 
 

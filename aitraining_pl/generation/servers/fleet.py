@@ -168,7 +168,7 @@ class Fleet:
         """The member index for each prompt: the one whose earlier prompt it continues, else by load."""
         members = self._serving(request.version, request.newer)
         if not members:
-            raise self.gone(f"sampling with the weights of version {request.version}")
+            raise self.gone(f"sampling with the weights of step {_step(request.version)}")
         cost = int(request.num_samples) * int(request.generation.max_new_tokens)
         load = {m.index: m.outstanding for m in members}
         assigned: list[int | None] = [None] * len(prompts)
@@ -231,7 +231,7 @@ class Fleet:
                 self._down(member, err, f"sampling {request.tokens} tokens")
                 members = self._serving(request.version, request.newer)
                 if not members:
-                    raise self.gone(f"sampling with the weights of version {request.version}") from None
+                    raise self.gone(f"sampling with the weights of step {_step(request.version)}") from None
                 member = min(members, key=lambda m: (m.outstanding, m.index))
 
     def _call(self, member: _Member, request: ReplicaRequest) -> SampledTokens:
@@ -295,12 +295,12 @@ class Fleet:
             if member.up and self.rank == 0:
                 warnings.warn(
                     f"generation fleet: server {member.index} ({member.replica.url}) answers again and rejoined at "
-                    f"version {key} ({self.up()} of {len(self.members)} up)",
+                    f"step {key.step} ({self.up()} of {len(self.members)} up)",
                     RuntimeWarning,
                     stacklevel=2,
                 )
         if not any(m.up and m.version == key for m in self.members):
-            raise self.gone(f"pushing the weights of version {key}")
+            raise self.gone(f"pushing the weights of step {key.step}")
         self.sync_seconds = time.perf_counter() - start
         self._version = key
         return True
@@ -319,7 +319,7 @@ class Fleet:
                 paused = False
                 replica.resume()
         except ReplicaDown as err:
-            self._down(member, err, f"pushing the weights of version {key}")
+            self._down(member, err, f"pushing the weights of step {key.step}")
             return
         finally:
             if paused:
@@ -368,6 +368,11 @@ class Fleet:
 
 def _serves(member: _Member, version: WeightsVersion | None, newer: bool) -> bool:
     return version is None or (member.version is not None and member.version.serves(version, newer))
+
+
+def _step(version: WeightsVersion | None) -> str:
+    """How messages name a version: its step (the run's id stays out of logs)."""
+    return "any" if version is None else str(version.step)
 
 
 def _answers(replica: Replica) -> bool:
