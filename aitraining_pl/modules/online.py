@@ -185,7 +185,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
     # ------------------------------------------------------------------ setup
     def on_fit_start(self) -> None:
         if self.reference is not None:
-            self.reference.to(self.device, next(self.policy.parameters()).dtype)
+            self.reference.to(self.device, self.frozen_dtype())
         if hasattr(self.reward_source, "to"):
             self.reward_source.to(self.device)
 
@@ -215,7 +215,10 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             server = self._launched[0]
             port, token = strategy.broadcast((server.port, str(server.token_file)) if server else None)
             generation = connect_to(generation, port, token)
-        context = BackendContext(self.policy, self.tokenizer, self.global_rank, run, seed)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        prompts = None if self.episodic else getattr(datamodule, "hparams", {}).get("max_prompt_length")
+        context = BackendContext(self.policy, self.tokenizer, self.global_rank, run, seed, str(self.trainer.precision),
+                                 prompts)  # fmt: skip
         if fleet is not None:
             backend = self._backend[0] = build_fleet(fleet, endpoints, generation, context, policy_weights)
         else:
@@ -590,15 +593,19 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
                     self.manual_backward(loss / accum)
                 history.append(stats)
                 if last_micro:
-                    if hp.max_grad_norm:
-                        self.clip_gradients(
-                            optimizer, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm"
-                        )
-                    optimizer.step()
+                    optimizer.step()  # clips first (``on_before_optimizer_step``)
                     optimizer.zero_grad(set_to_none=True)
                     scheduler.step()
         self.update_history = history  # per-minibatch stats of the last iteration (tests, debugging)
         return {k: torch.stack([h[k] for h in history]).mean() for k in history[0]}
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Clip the gradients to ``max_grad_norm`` inside the precision plugin's step, where they are unscaled:
+        under ``16-mixed`` Lightning unscales only inside ``optimizer.step()`` (Lightning #18089), so a clip before
+        it would clip gradients still multiplied by the loss scale; here the plugin's ``scaler.unscale_`` has run,
+        once, and the scaler then skips a step whose gradients are not finite."""
+        if self.hparams.max_grad_norm:
+            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
 
     def log_iteration(self, stats: dict[str, torch.Tensor], n: int) -> None:
         """Average the iteration's stats over ranks in one all-reduce (``.../min`` and ``.../max`` entries in

@@ -218,3 +218,46 @@ def test_an_open_server_other_machines_reach_is_refused_unless_allowed(monkeypat
     finally:
         replica.close()
         server.shutdown()
+
+
+def test_vllm_serve_launches_vllms_own_server_with_the_flags_and_a_token(tmp_path, monkeypatch):
+    """``aitraining-pl vllm-serve`` (one release): ``vllm serve`` with the middleware, the worker extension and dev
+    mode; a token of its own on loopback, owner-only where the trainer looks; another host needs one given."""
+    from aitraining_pl.errors import ConfigError
+    from aitraining_pl.generation.servers import auth
+    from aitraining_pl.generation.servers.served import find_token
+    from aitraining_pl.generation.servers.vllm_serve import command
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    argv, env, where = command(["--model", "m", "--port", "8123", "--dtype", "bfloat16", "--data-parallel-size", "2"])
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[-4:] == ["--dtype", "bfloat16", "--data-parallel-size", "2"]
+    for flag in ("aitraining_pl.generation.servers.auth.TokenMiddleware",
+                 "aitraining_pl.generation.servers.vllm_worker.PushedWeights", "processed_logprobs"):  # fmt: skip
+        assert flag in argv
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env[auth.TOKEN_FILE_ENV] == where
+    assert stat.S_IMODE(os.stat(where).st_mode) == 0o600
+    token = open(where).read()
+    assert find_token(VLLMConfig(server_port=8123)) == token  # the trainer on this machine finds it
+    with pytest.raises(ConfigError, match="--host 0.0.0.0: a server other machines can reach needs the run's token"):
+        command(["--model", "m", "--host", "0.0.0.0"])
+
+
+def test_a_launched_server_gets_gpus_of_its_own(monkeypatch):
+    """Issue 38, part 6: a launched server inherited ``CUDA_VISIBLE_DEVICES`` and landed on rank 0's GPU. Now its
+    ``CUDA_VISIBLE_DEVICES`` is set: ``server_devices``, else the visible GPUs after the trainer's; never the
+    trainer's own."""
+    from aitraining_pl.errors import ConfigError
+    from aitraining_pl.generation.servers.start import server_devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    assert server_devices(None, trainer_gpus=1) == "5,6"
+    assert server_devices([2], trainer_gpus=2) == "6"
+    with pytest.raises(ConfigError, match="generation.server_devices: .0. are not GPUs of the server's own"):
+        server_devices([0], trainer_gpus=1)
+    with pytest.raises(ConfigError, match="the trainer uses all 3 GPUs visible here"):
+        server_devices(None, trainer_gpus=3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    if not torch.cuda.is_available():
+        assert server_devices(None, trainer_gpus=0) is None  # a CPU machine: the variable is set empty

@@ -431,3 +431,24 @@ def test_vllm_serve_defaults_are_the_configs():
     assert args.gpu_memory_utilization == SERVER_GPU_MEMORY == 0.9 and limits.timeout == config.server_timeout
     for text, value in (("auto", "auto"), ("false", False), ("True", True)):
         assert parser().parse_args(["--model", "m", "--enforce_eager", text]).enforce_eager == value
+
+
+def test_the_weight_channel_is_chosen_at_the_first_push_not_at_setup(model, monkeypatch):
+    """Issue 38: the channel was chosen from the policy's device when the client was built (the module's ``setup``,
+    before Lightning moves the policy to its GPU), so ``auto`` could never pick NCCL. Now it is chosen at the first
+    push, from the device of the first tensor pushed."""
+    from aitraining_pl.generation.servers import client as client_module
+
+    seen = []
+    chosen = client_module.weight_channel
+    monkeypatch.setattr(client_module, "weight_channel", lambda name, where, server: seen.append(where) or chosen(
+        name, where, server))  # fmt: skip
+    engine = RecordingEngine()
+    with serving(engine, model) as port:
+        client = client_module.VLLMServerClient(model, options(port))
+        try:
+            assert seen == []  # nothing decided at setup
+            assert client.sync(model, version=1) and seen == ["cpu"]
+            assert client.sync(model, version=2) and seen == ["cpu"]  # once
+        finally:
+            client.close()

@@ -38,6 +38,7 @@ from aitraining_pl.generation.servers.adapters import adapter_weights, supported
 from aitraining_pl.generation.servers.auth import TOKEN_ENV
 from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.replica import ReplicaDown
+from aitraining_pl.generation.servers.tcp_wire import token_path
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import SampledTokens, StopRule
 from aitraining_pl.models.lora import is_peft_model, plain_weights
@@ -59,8 +60,9 @@ def is_loopback(host: str) -> bool:
 
 
 def find_token(options: Any, setting: str = "generation.vllm.server_token_file") -> str | None:
-    """The run's token for a server: the file ``options.server_token_file``, else ``TOKEN_ENV``, else None (a
-    server without the middleware)."""
+    """The run's token for a server: the file ``options.server_token_file``, else ``TOKEN_ENV``, else for a server
+    on this machine the file ``aitraining-pl vllm-serve`` wrote (``tcp_wire.token_path``), else None (a server
+    without the middleware)."""
     if options.server_token_file:
         try:
             token = open(options.server_token_file).read().strip()
@@ -70,7 +72,10 @@ def find_token(options: Any, setting: str = "generation.vllm.server_token_file")
         if not token:
             raise ConfigError(setting, f"the server token file {options.server_token_file} is empty")
         return token
-    return os.environ.get(TOKEN_ENV) or None
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    path = token_path(options.server_port)  # where ``aitraining-pl vllm-serve`` on this machine wrote its own
+    return path.read_text().strip() or None if is_loopback(options.server_host) and path.is_file() else None
 
 
 _warned_open: set[str] = set()

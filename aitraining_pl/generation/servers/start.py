@@ -61,14 +61,14 @@ def server_devices(devices: Sequence[int] | None, trainer_gpus: int) -> str | No
         devices = list(range(trainer_gpus, count))
         if not devices:
             raise ConfigError(
-                "generation.server.devices",
+                "generation.server_devices",
                 f"the trainer uses all {count} GPUs visible here: give the launched server GPUs of its own (the "
                 "trainer on fewer, or a server started apart; docs/vllm.md)",
             )
     bad = [d for d in devices if not 0 <= int(d) < count or int(d) < trainer_gpus]
     if bad:
         raise ConfigError(
-            "generation.server.devices",
+            "generation.server_devices",
             f"{bad} are not GPUs of the server's own: {count} visible, the trainer's are 0 to {trainer_gpus - 1}",
         )
     return ",".join(ids[int(d)] for d in devices)
