@@ -213,7 +213,8 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             server = self._launched[0]
             port, token = strategy.broadcast((server.port, str(server.token_file)) if server else None)
             generation = connect_to(generation, port, token)
-        prompts = None if self.episodic else getattr(self.trainer.datamodule, "hparams", {}).get("max_prompt_length")
+        datamodule = getattr(self.trainer, "datamodule", None)
+        prompts = None if self.episodic else getattr(datamodule, "hparams", {}).get("max_prompt_length")
         context = BackendContext(self.policy, self.tokenizer, self.global_rank, run, seed, str(self.trainer.precision),
                                  prompts)  # fmt: skip
         if fleet is not None:
