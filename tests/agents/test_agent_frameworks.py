@@ -146,7 +146,7 @@ FRAMEWORKS = {
     "langchain": ("langchain_openai", langchain_agent, 1),
     "langgraph": ("langgraph.prebuilt", langgraph_agent, 1),
     "smolagents": ("smolagents", smolagents_agent, 2),  # writes past calls back as text: a sequence per call
-    "openai-agents": ("agents", openai_agents_agent, 1),
+    "openai-agents": ("agents.run", openai_agents_agent, 1),  # "agents" alone would find tests/agents
     "litellm": ("litellm", litellm_agent, 1),
 }
 
