@@ -32,8 +32,8 @@ from aitraining_pl.environments.episode_rollout import sample_episodes
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
 from aitraining_pl.generation.config import check_server
-from aitraining_pl.generation.servers.fleet import Fleet, build_fleet
-from aitraining_pl.generation.servers.fleet_launch import LaunchedFleet
+from aitraining_pl.generation.servers.fleet import Fleet
+from aitraining_pl.generation.servers.fleet_launch import LaunchedFleet, build_fleet
 from aitraining_pl.generation.servers.launcher import LaunchedServer, connect_to
 from aitraining_pl.losses import group_statistics, off_policy_log_ratio, off_policy_weights, place_scores
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
@@ -209,7 +209,9 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
                 endpoints = strategy.broadcast(launched.endpoints() if launched else None)
         elif generation.server == "launch":  # rank 0 starts the server; every rank connects to it (one machine)
             if self.global_rank == 0:
-                self._launched[0] = LaunchedServer(generation, self.policy, self.tokenizer, seed)
+                on_gpu = strategy.root_device.type == "cuda"  # read here, not from the policy (still on the CPU)
+                gpus = self.trainer.num_devices if on_gpu else 0
+                self._launched[0] = LaunchedServer(generation, self.policy, self.tokenizer, seed, gpus)
             server = self._launched[0]
             port, token = strategy.broadcast((server.port, str(server.token_file)) if server else None)
             generation = connect_to(generation, port, token)

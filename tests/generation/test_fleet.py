@@ -14,7 +14,8 @@ from standin import StandInReplica, tokens_for
 
 from aitraining_pl.errors import GenerationServerError
 from aitraining_pl.generation.config import GenerationConfig
-from aitraining_pl.generation.servers.fleet import Fleet, PrefixAffinity
+from aitraining_pl.generation.servers.fleet import Fleet
+from aitraining_pl.generation.servers.routing import PrefixAffinity
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import StopRule
 
@@ -166,7 +167,10 @@ def test_a_slow_server_misses_its_deadline_and_the_others_answer():
         ({"urls": ["http://h:1", "h:2"]}, r"GenerationConfig.server.urls\[1\]: 'h:2' is not a URL"),
         ({"urls": []}, "GenerationConfig.server.urls: is empty"),
         ({"launch": {"count": 0}}, "GenerationConfig.server.launch.count: must be >= 1 \\(an integer\\), got 0"),
-        ({"launch": {"count": 2, "devices": ["1"]}}, "GenerationConfig.server.launch.devices: 1 entries for count 2"),
+        (
+            {"launch": {"count": 2, "devices": ["1"]}},
+            "GenerationConfig.server.launch.devices: 1 entries for count 2: one entry",
+        ),
         ({"launch": {"engine": "sglang"}}, "GenerationConfig.server.launch.engine: unknown engine 'sglang'"),
         ({"urls": ["http://h:1"], "launch": {}}, "GenerationConfig.server: give either urls"),
     ],

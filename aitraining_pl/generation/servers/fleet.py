@@ -25,108 +25,26 @@ answers, gets the push and rejoins. With none up, the call fails with one ``Gene
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import importlib
 import itertools
 import threading
 import time
 import uuid
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from aitraining_pl.errors import GenerationServerError
-from aitraining_pl.generation.backend import SampleRequest
-from aitraining_pl.generation.config import ServerConfig
 from aitraining_pl.generation.servers.replica import PushReport, Replica, ReplicaDown
+from aitraining_pl.generation.servers.routing import PrefixAffinity, ReplicaRequest, joined, part
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import SampledTokens, StopRule
 from aitraining_pl.models.sharding import is_sharded
 
-#: what builds the ``Replica`` of a URL, by its scheme (``"module:name"``, imported only when a URL of that scheme is
-#: used), called as ``(url, generation, context, token_file, connect_timeout)``
-REPLICAS = {
-    "http": "aitraining_pl.generation.servers.fleet_launch:http_replica",
-    "https": "aitraining_pl.generation.servers.fleet_launch:http_replica",
-    "tcp": "aitraining_pl.generation.servers.tcp_replica:TCPReplica",  # ``aitraining-pl serve``'s frames (one release)
-}
 RESUME = "a run that had started resumes from its last checkpoint with --ckpt_path"
 #: seeds drawn for unseeded calls are offset by this per rank (every rank's global generator is the same)
 RANK_SEED_STRIDE = 1_000_003
-
-
-def replica_factory(url: str) -> Callable[..., Replica]:
-    """What builds the ``Replica`` of ``url`` (``REPLICAS``)."""
-    module, _, name = REPLICAS[url.partition("://")[0].lower()].partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def build_fleet(
-    servers: ServerConfig, endpoints: Sequence[tuple[str, str | None]], generation: Any, context: Any, weights
-) -> Fleet:
-    """The fleet of ``endpoints`` (``(url, token file or None)``, one per server) for ``generation.server``
-    ``servers`` and a ``BackendContext``; each replica is ``replica_factory(url)(url, generation, context, token_file,
-    connect_timeout)``. ``weights``: ``policy_weights``."""
-    timeout = float(servers.connect_timeout)
-    replicas = [replica_factory(url)(url, generation, context, token, timeout) for url, token in endpoints]
-    return Fleet(replicas, weights, context.rank, context.run, timeout, float(servers.token_timeout),
-                 bool(generation.vllm.sync_weights))  # fmt: skip
-
-
-@dataclasses.dataclass
-class ReplicaRequest(SampleRequest):
-    """What one server is asked: a ``sample`` call's arguments for a run of its prompts (on the CPU; prompt ``i``
-    drawn with ``seed + i * num_samples``), and the weights that must sample them (``version``; with ``newer`` that
-    version or a later one of the run)."""
-
-    version: WeightsVersion | None = None
-    newer: bool = False
-
-    @property
-    def tokens(self) -> int:
-        """Tokens asked for: responses times ``max_new_tokens``."""
-        return int(self.prompt_ids.shape[0]) * int(self.num_samples) * int(self.generation.max_new_tokens)
-
-
-class PrefixAffinity:
-    """Which server served each recent prompt, found again for a later prompt that strictly extends it (an
-    episode's next turn); a repeated prompt is not a continuation and is routed by load. Keys are rolling hashes of
-    the prompt's tokens; the oldest of ``capacity`` entries are forgotten."""
-
-    MOD, BASE = (1 << 61) - 1, 1_000_003
-
-    def __init__(self, capacity: int = 65536):
-        self.capacity, self.table, self.lock = capacity, OrderedDict(), threading.Lock()
-
-    def hashes(self, tokens: Sequence[int]) -> list[int]:
-        out, h = [], 0
-        for token in tokens:
-            h = (h * self.BASE + int(token) + 1) % self.MOD
-            out.append(h)
-        return out
-
-    def record(self, tokens: Sequence[int], index: int) -> None:
-        if not tokens:
-            return
-        key = (len(tokens), self.hashes(tokens)[-1])
-        with self.lock:
-            self.table[key] = index
-            self.table.move_to_end(key)
-            while len(self.table) > self.capacity:
-                self.table.popitem(last=False)
-
-    def lookup(self, tokens: Sequence[int]) -> int | None:
-        """The server of the longest recorded prompt that ``tokens`` strictly extends, or None."""
-        hashes = self.hashes(tokens)
-        with self.lock:
-            for length in range(len(tokens) - 1, 0, -1):
-                index = self.table.get((length, hashes[length - 1]))
-                if index is not None:
-                    return index
-        return None
 
 
 class _Member:
@@ -290,15 +208,15 @@ class Fleet:
         runs = [(k, len(list(g))) for k, g in itertools.groupby(assigned)]
         futures, start = [], 0
         for index, length in runs:
-            part = _part(request, start, start + length)
-            futures.append(self.sampling.submit(self._serve, part, self.members[index]))
+            piece = part(request, start, start + length)
+            futures.append(self.sampling.submit(self._serve, piece, self.members[index]))
             start += length
         answers = [f.result() for f in futures]
         served = [index for (member, _), (_, length) in zip(answers, runs) for index in [member.index] * length]
         for tokens, index in zip(prompts, served):
             self.affinity.record(tokens, index)
         self.cached_tokens = sum(int(getattr(m.replica, "cached_tokens", 0) or 0) for m, _ in answers)
-        return _joined([out for _, out in answers], int(pad_token_id), prompt_ids.device)
+        return joined([out for _, out in answers], int(pad_token_id), prompt_ids.device)
 
     def _serve(self, request: ReplicaRequest, member: _Member) -> tuple[_Member, SampledTokens]:
         """``request`` on ``member``, re-sent to the least loaded server up while the one asked is down."""
@@ -356,7 +274,7 @@ class Fleet:
             for member in targets:
                 member.version, member.up = key, True
         else:
-            weights = list(weights)
+            weights = list(weights) if iter(weights) is weights else weights  # a stream, read once per server
             list(self.pushing.map(lambda m: self._push_one(m, weights, key, in_flight), targets))
         for member in back:
             if member.up and self.rank == 0:
@@ -439,29 +357,3 @@ def _answers(replica: Replica) -> bool:
         return bool(replica.alive())
     except (OSError, ReplicaDown):
         return False
-
-
-def _part(request: ReplicaRequest, start: int, stop: int) -> ReplicaRequest:
-    """Prompts ``start .. stop`` of ``request`` (common left padding dropped), seeded as they are in it."""
-    mask = request.prompt_mask[start:stop]
-    width = max(1, int(mask.sum(1).max())) if mask.numel() else 1
-    seed = None if request.seed is None else (request.seed + start * request.num_samples) % 2**31
-    ids = request.prompt_ids[start:stop, -width:]
-    return dataclasses.replace(request, prompt_ids=ids, prompt_mask=mask[:, -width:], seed=seed)
-
-
-def _joined(parts: list[SampledTokens], pad: int, device: torch.device) -> SampledTokens:
-    """The answers of consecutive runs of prompts as one, right padded to the longest response."""
-    width = max(p.response_ids.shape[1] for p in parts)
-
-    def cat(tensors: list[torch.Tensor | None], value: float) -> torch.Tensor | None:
-        if any(t is None for t in tensors):
-            return None
-        padded = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in tensors]
-        return torch.cat(padded).to(device)
-
-    return SampledTokens(
-        cat([p.response_ids for p in parts], pad),
-        sampling_logprobs=cat([p.sampling_logprobs for p in parts], 0.0),
-        token_versions=cat([p.token_versions for p in parts], -1),
-    )
