@@ -77,13 +77,16 @@ class VLLMConfig:
     tensor_parallel_size: int = 1
     """GPUs the engine splits the model over (1: one engine per training process)."""
     sleep: bool = False
-    """Put the engine to sleep between rollouts (its KV cache freed, its weights offloaded to CPU memory) and
-    wake it for the next one: frees GPU memory for the update at the cost of a wake-up per rollout. GPU only."""
+    """Put the engine to sleep between rollouts and wake it for the next one: frees GPU memory for the update at the
+    cost of a wake-up per rollout. vLLM's level 2 (weights and KV cache dropped: the next rollout's sync loads the
+    weights anyway; level 1, weights kept in CPU memory, with ``sync_weights`` off). GPU only."""
     enforce_eager: bool | Literal["auto"] = "auto"
     """Run the model without CUDA graphs / compilation. ``auto``: eager on a CPU (vLLM's CPU build has no CUDA
     graphs; start-up in seconds), CUDA graphs on a GPU (faster sampling for a slower start), as vLLM's default."""
     max_model_len: int | None = None
-    """Longest prompt + response the engine holds (default: the model's ``max_position_embeddings``)."""
+    """Longest prompt + response the engine holds, which sizes its KV cache (default: the data's
+    ``max_prompt_length`` plus ``max_new_tokens``, at most the model's ``max_position_embeddings``; the model's
+    positions for multi-turn episodes and for a server)."""
     sync_weights: bool = True
     """Load the policy's weights into the engine before each rollout whose weights changed (off only for
     debugging: the engine then keeps the weights of the first rollout)."""

@@ -36,10 +36,12 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.servers.adapters import adapter_weights, supported
 from aitraining_pl.generation.servers.replica import PushReport, Replica, ReplicaDown
 from aitraining_pl.generation.servers.routing import PrefixAffinity, ReplicaRequest, joined, part
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import SampledTokens, StopRule
+from aitraining_pl.models.lora import is_peft_model, plain_weights
 from aitraining_pl.models.sharding import is_sharded
 
 RESUME = "a run that had started resumes from its last checkpoint with --ckpt_path"
@@ -53,6 +55,7 @@ class _Member:
     def __init__(self, index: int, replica: Replica):
         self.index, self.replica, self.up = index, replica, True
         self.version: WeightsVersion | None = None  #: the weights it holds (pushed by this fleet)
+        self.base_pushed = False  #: it holds a LoRA policy's base weights (its adapter then travels alone)
         self.outstanding = 0  #: tokens asked for and not answered
         self.running, self.busy_since = 0, 0.0
         self.requests = self.tokens = self.push_bytes = 0
@@ -146,6 +149,7 @@ class Fleet:
     def _down(self, member: _Member, err: BaseException, doing: str) -> None:
         with self.lock:
             was, member.up = member.up, False
+            member.base_pushed = False  # a restarted server holds no base weights
             up = self.up()
         if was:
             warnings.warn(
@@ -164,7 +168,7 @@ class Fleet:
         """The member index for each prompt: the one whose earlier prompt it continues, else by load."""
         members = self._serving(request.version, request.newer)
         if not members:
-            raise self.gone(f"sampling with the weights of version {request.version}")
+            raise self.gone(f"sampling with the weights of step {_step(request.version)}")
         cost = int(request.num_samples) * int(request.generation.max_new_tokens)
         load = {m.index: m.outstanding for m in members}
         assigned: list[int | None] = [None] * len(prompts)
@@ -227,7 +231,7 @@ class Fleet:
                 self._down(member, err, f"sampling {request.tokens} tokens")
                 members = self._serving(request.version, request.newer)
                 if not members:
-                    raise self.gone(f"sampling with the weights of version {request.version}") from None
+                    raise self.gone(f"sampling with the weights of step {_step(request.version)}") from None
                 member = min(members, key=lambda m: (m.outstanding, m.index))
 
     def _call(self, member: _Member, request: ReplicaRequest) -> SampledTokens:
@@ -250,16 +254,25 @@ class Fleet:
     # ------------------------------------------------------------------ weights
     def sync(self, policy: torch.nn.Module, version: Any = None) -> bool:
         """Rank 0: push ``policy``'s weights as ``version`` unless the fleet holds it; the other ranks record it
-        (under FSDP2 they walk the gathers with rank 0). Returns whether the weights changed."""
+        (under FSDP2 they walk the gathers with rank 0). A LoRA policy whose adapter travels alone
+        (``adapters.supported``) pushes its unmerged base weights once to each server (again to one that rejoins),
+        then its adapter alone. Returns whether the weights changed."""
+        if is_peft_model(policy) and not is_sharded(policy) and supported(policy):
+            if self.rank != 0:
+                return self.push(iter(()), version)
+            return self.push(adapter_weights(policy), version, base=lambda: list(plain_weights(policy, merged=False)))
         walk = self.rank == 0 or is_sharded(policy)
         return self.push(self.weights(policy) if walk else iter(()), version)
 
     @torch.no_grad()
-    def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: Any = None, in_flight: bool = False) -> bool:
+    def push(
+        self, weights: Iterable[tuple[str, torch.Tensor]], version: Any = None, in_flight: bool = False, base=None
+    ) -> bool:
         """Push ``weights`` as ``version`` (the optimizer step; None: a fresh one) to every server up, and to each
         server marked down that answers its health route (it rejoins), in parallel; the fleet's requests name
         ``version`` only once every server up holds it. ``in_flight``: pause each server (keeping its KV cache),
-        push, resume. Returns whether the weights changed."""
+        push, resume. ``base``: ``weights`` are an adapter, and ``base()`` the weights under it, pushed first to a
+        server that has not had them. Returns whether the weights changed."""
         key = WeightsVersion(self.run, next(self.calls) if version is None else int(version))
         if self._version is not None and (key == self._version or not self.sync_weights):
             return False
@@ -275,33 +288,38 @@ class Fleet:
                 member.version, member.up = key, True
         else:
             weights = list(weights) if iter(weights) is weights else weights  # a stream, read once per server
-            list(self.pushing.map(lambda m: self._push_one(m, weights, key, in_flight), targets))
+            bare = [m for m in targets if not m.base_pushed]
+            under = base() if base is not None and bare else None
+            list(self.pushing.map(lambda m: self._push_one(m, weights, key, in_flight, under), targets))
         for member in back:
             if member.up and self.rank == 0:
                 warnings.warn(
                     f"generation fleet: server {member.index} ({member.replica.url}) answers again and rejoined at "
-                    f"version {key} ({self.up()} of {len(self.members)} up)",
+                    f"step {key.step} ({self.up()} of {len(self.members)} up)",
                     RuntimeWarning,
                     stacklevel=2,
                 )
         if not any(m.up and m.version == key for m in self.members):
-            raise self.gone(f"pushing the weights of version {key}")
+            raise self.gone(f"pushing the weights of step {key.step}")
         self.sync_seconds = time.perf_counter() - start
         self._version = key
         return True
 
-    def _push_one(self, member: _Member, weights: list, key: WeightsVersion, in_flight: bool) -> None:
-        replica, paused = member.replica, False
+    def _push_one(self, member: _Member, weights: Any, key: WeightsVersion, in_flight: bool, base=None) -> None:
+        replica, paused, seconds, size = member.replica, False, 0.0, 0
         try:
             if in_flight:
                 replica.pause()
                 paused = True
+            if base is not None and not member.base_pushed:
+                first = replica.push(base, key)
+                seconds, size, member.base_pushed = first.seconds, first.bytes, True
             report: PushReport = replica.push(weights, key)
             if paused:
                 paused = False
                 replica.resume()
         except ReplicaDown as err:
-            self._down(member, err, f"pushing the weights of version {key}")
+            self._down(member, err, f"pushing the weights of step {key.step}")
             return
         finally:
             if paused:
@@ -311,8 +329,8 @@ class Fleet:
                     pass
         with self.lock:
             member.version, member.up = key, True
-            member.push_seconds += report.seconds
-            member.push_bytes += report.bytes
+            member.push_seconds += seconds + report.seconds
+            member.push_bytes += size + report.bytes
 
     # ------------------------------------------------------------------ the rest of the backend
     def stats(self) -> dict[str, torch.Tensor]:
@@ -350,6 +368,11 @@ class Fleet:
 
 def _serves(member: _Member, version: WeightsVersion | None, newer: bool) -> bool:
     return version is None or (member.version is not None and member.version.serves(version, newer))
+
+
+def _step(version: WeightsVersion | None) -> str:
+    """How messages name a version: its step (the run's id stays out of logs)."""
+    return "any" if version is None else str(version.step)
 
 
 def _answers(replica: Replica) -> bool:

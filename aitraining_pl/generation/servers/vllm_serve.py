@@ -35,6 +35,12 @@ def parser() -> argparse.ArgumentParser:
 def command(argv: list[str]) -> tuple[list[str], dict[str, str], str]:
     """The ``vllm serve`` command line, its environment and where its token lives (for the message)."""
     args, rest = parser().parse_known_args(argv)
+    if "--teacher" in rest:
+        raise ConfigError(
+            "--teacher",
+            "a served distillation teacher is `aitraining-pl serve --teacher --model ...` in this release (vllm-serve "
+            "starts vLLM's own server; docs/distillation.md)",
+        )
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     if os.environ.get(auth.TOKEN_ENV):
         where = f"${auth.TOKEN_ENV}"

@@ -31,6 +31,9 @@ def push_file(path: str, folder: bool = False) -> Path:
     ``PUSH_PREFIX...``, or such a folder (a token holder cannot make the server read anything else); ``PushRefused``
     otherwise."""
     file = Path(str(path)).resolve()
+    if not file.exists():
+        raise PushRefused(f"{path!r} does not exist on the server's machine: CPU pushes go through this machine's "
+                          "shared memory, so the server must run beside the trainer (GPUs: NCCL)")  # fmt: skip
     where = file if folder else file.parent
     if not where.name.startswith(PUSH_PREFIX) or not (file.is_dir() if folder else file.is_file()):
         kind = f"a {PUSH_PREFIX}* folder" if folder else f"a file in a {PUSH_PREFIX}* folder"
