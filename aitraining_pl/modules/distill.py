@@ -44,8 +44,7 @@ from aitraining_pl.models.loading import load_causal_lm
 from aitraining_pl.models.sharding import as_forward
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.critic_free import CriticFreeModule
-from aitraining_pl.modules.online import RolloutBatch
-from aitraining_pl.rollout import Rollout
+from aitraining_pl.rollout.batch import Rollout, RolloutBatch
 from aitraining_pl.validation import FRACTION, OneOf, Range, fixed, rules
 
 #: the keys of ``teacher_server`` and the ``VLLMConfig`` fields they set
@@ -341,10 +340,7 @@ class DistillationModule(CriticFreeModule):
             [texts[g] for g in group.tolist()], group,
         )  # fmt: skip
         scores, components = self.score(batch["prompts"], batch["metadata"], rollout)
-        return RolloutBatch(
-            rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1], rollout.response_mask,
-            rollout.ended, group, rollout.texts, scores, components,
-        )  # fmt: skip
+        return RolloutBatch.from_rollout(rollout, scores, components)
 
     # ------------------------------------------------------------------ the teacher's scores
     @torch.no_grad()

@@ -21,7 +21,7 @@ import functools
 import math
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import lightning.pytorch as pl
@@ -47,6 +47,7 @@ from aitraining_pl.rollout import (
     warn_truncated_sampling,
 )
 from aitraining_pl.rollout.asynchronous import RolloutPipeline, staleness
+from aitraining_pl.rollout.batch import RolloutBatch
 from aitraining_pl.validation import rules
 
 #: ranges of the arguments every online RL module has; PPO and the critic-free module add their own.
@@ -76,30 +77,6 @@ def primitive(value: Any) -> bool:
     if isinstance(value, dict):
         return all(isinstance(k, str) and primitive(v) for k, v in value.items())
     return False
-
-
-@dataclass
-class RolloutBatch:
-    """Sampled and scored responses; per-token tensors are (N, R), N = prompts x samples per prompt."""
-
-    input_ids: torch.Tensor  #: (N, P + R) prompt and response
-    attention_mask: torch.Tensor  #: (N, P + R)
-    prompt_length: int  #: P
-    mask: torch.Tensor  #: (N, R) response mask (a prefix up to the end token; holes where an environment spoke)
-    ended: torch.Tensor  #: (N,) ended by EOS / stop string (False: truncated at max_new_tokens)
-    group: torch.Tensor  #: (N,) index of the prompt each row answers
-    texts: list[str]
-    scores: torch.Tensor  #: (N,) reward-source scores (minus the missing-EOS penalty); an episode's return
-    components: dict[str, list[float]]
-    token_scores: torch.Tensor | None = None  #: (N, R) an episode's per-turn rewards on each turn's last token
-    episode_metrics: dict[str, list[float]] | None = None  #: per episode: turns, tool calls, ... (episodes only)
-    sampling_logprobs: torch.Tensor | None = None  #: (N, R) the sampler's log-probs (vLLM backend), else None
-    token_versions: torch.Tensor | None = None  #: (N, R) the weights version of each sampled token (a server)
-    episode: torch.Tensor | None = None  #: (N,) the episode of each row where an episode gives several (agents)
-
-    def placed_scores(self) -> torch.Tensor:
-        """(N, R) the scores on the tokens they reward: per turn in an episode, else on the last token."""
-        return self.token_scores if self.token_scores is not None else place_scores(self.scores, self.mask)
 
 
 class TeardownOnFailure(pl.Callback):
@@ -349,19 +326,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             return self.episode_rollout(batch, samples)
         rollout = self.generate(batch["input_ids"], batch["attention_mask"], num_samples=samples)
         scores, components = self.score(batch["prompts"], batch["metadata"], rollout)
-        return RolloutBatch(
-            rollout.input_ids,
-            rollout.attention_mask,
-            rollout.prompt_ids.shape[1],
-            rollout.response_mask,
-            rollout.ended,
-            rollout.group,
-            rollout.texts,
-            scores,
-            components,
-            sampling_logprobs=rollout.sampling_logprobs,
-            token_versions=rollout.token_versions,
-        )
+        return RolloutBatch.from_rollout(rollout, scores, components)
 
     def episode_rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
         """Play ``samples`` episodes per prompt (``environments.episode_rollout``); the score of an episode is
@@ -387,20 +352,13 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         info, mask = rollout.episodes, rollout.response_mask
         self.last_episodes = info
         penalty = (~rollout.ended).float() * float(self.hparams.missing_eos_penalty or 0.0)
-        return RolloutBatch(
-            rollout.input_ids,
-            rollout.attention_mask,
-            rollout.prompt_ids.shape[1],
-            mask,
-            rollout.ended,
-            rollout.group,
-            rollout.texts,
+        return RolloutBatch.from_rollout(
+            rollout,
             info.returns - penalty,
-            {},
             token_scores=info.token_rewards - place_scores(penalty, mask),
             episode_metrics=info.metrics,
-            sampling_logprobs=rollout.sampling_logprobs,
             episode=info.episode,
+            token_versions=None,  # an episode's staleness is measured per rollout
         )
 
     # ------------------------------------------------------------------ log-prob passes
