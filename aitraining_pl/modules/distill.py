@@ -42,6 +42,7 @@ from aitraining_pl.models import ReferencePolicy, load_tokenizer
 from aitraining_pl.models.lm_head import head_parameters, logit_postprocessing
 from aitraining_pl.models.loading import load_causal_lm
 from aitraining_pl.models.sharding import as_forward
+from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.critic_free import CriticFreeModule
 from aitraining_pl.rollout.batch import Rollout, RolloutBatch
@@ -326,13 +327,9 @@ class DistillationModule(CriticFreeModule):
                               "data needs a 'completion' column (or set lmbda: 1)")  # fmt: skip
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         ids = [(tokenizer(t, add_special_tokens=False)["input_ids"] + eos)[:limit] for t in texts]
-        device, width = batch["input_ids"].device, max(1, max(len(i) for i in ids))
+        device = batch["input_ids"].device
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        response = torch.full((len(ids), width), pad, dtype=torch.long, device=device)
-        mask = torch.zeros_like(response)
-        for row, tokens in enumerate(ids):
-            response[row, : len(tokens)] = torch.tensor(tokens, device=device)
-            mask[row, : len(tokens)] = 1
+        response, mask = padded(ids, pad, width=1, device=device)
         ended = torch.tensor([bool(i) and i[-1] in eos for i in ids], device=device)
         group = torch.arange(len(ids), device=device).repeat_interleave(samples)
         rollout = Rollout(
