@@ -227,6 +227,7 @@ def build_reward_source(spec: Any, *, kwargs: Mapping[str, Any] | None = None) -
         return _as_source(obj, kwargs)
     if isinstance(spec, Mapping):
         if "class_path" in spec:
+            _check_class_path_keys(spec)
             cls = import_object(spec["class_path"])
             return cls(**{**dict(spec.get("init_args") or {}), **kwargs})
         if "components" in spec:
@@ -247,6 +248,20 @@ def build_reward_source(spec: Any, *, kwargs: Mapping[str, Any] | None = None) -
         "{'class_path': ..., 'init_args': ...}, {'components': {name: {'source': ..., 'weight': ...}}}, "
         "{'url': ...} (a reward server) or {'base_url': ..., 'model': ...} (an LLM judge)"
     )
+
+
+def _check_class_path_keys(spec: Mapping[str, Any]) -> None:
+    """``ValueError`` naming a key of a ``{class_path, init_args}`` reward that is neither (it would be dropped):
+    where a command-line override ``--model.init_args.reward.init_args.NAME`` puts its value."""
+    extra = [str(k) for k in spec if k not in ("class_path", "init_args")]
+    if extra:
+        name = extra[0]
+        raise ValueError(
+            f"reward {{class_path: {spec['class_path']}}}: key {name!r} is neither class_path nor init_args, so it "
+            f"would be ignored (a command-line --model.init_args.reward.init_args.{name} lands there): write it "
+            f"under init_args in the config, or give the whole reward on the command line: --model.init_args.reward "
+            f"'{{class_path: {spec['class_path']}, init_args: {{{name}: ...}}}}'"
+        )
 
 
 def _as_source(func: Callable, kwargs: Mapping[str, Any]) -> Callable:

@@ -13,8 +13,12 @@ project); sides alternate so load from other processes on a shared machine hits 
 of the time. The first line printed is a header: the command, the date, the thread count and the versions of
 both sides.
 
-Prints one JSON line per measurement (``pairs_per_s`` over steady-state steps after warm-up, ``peak_rss_mb``
-of the whole process, ``step_split_s``) and one ``ratio`` line per model size and variant. ``step_split_s`` is
+Prints one JSON line per measurement (``pairs_per_s`` over steady-state steps after warm-up, ``pairs_per_cpu_s``
+the same per second of the process's CPU time, ``peak_rss_mb`` of the whole process, ``step_split_s``) and one
+``ratio`` line per model size and variant: the best rounds' ratio (``speedup``) and each alternated round's, by wall
+and by CPU time. On a shared machine, ``--threads 1`` and the CPU-time ratio are the least moved by other
+processes (a thread that is descheduled stalls a 2-thread step; CPU time counts only what the step ran).
+``step_split_s`` is
 the mean seconds of a steady-state step (from the step's start callback to its end callback, data loading
 outside) spent in ``blocks`` (the decoder of the policy and of the reference: forward calls, and the policy's
 backward from the gradient of its last hidden state to the gradient of its input embeddings' output),
@@ -126,16 +130,19 @@ def _peak_rss_mb() -> float:
 
 
 class _Clock:
-    """Step timestamps; steady state = from the end of warm-up step ``warmup`` to the end of the last step."""
+    """Step timestamps, wall and process CPU time; steady state = from the end of warm-up step ``warmup`` to the end
+    of the last step."""
 
     def __init__(self, warmup: int):
-        self.warmup, self.ends = warmup, []
+        self.warmup, self.ends, self.cpu_ends = warmup, [], []
 
     def step_end(self) -> None:
         self.ends.append(time.perf_counter())
+        self.cpu_ends.append(time.process_time())
 
-    def pairs_per_s(self) -> float:
-        timed = self.ends[self.warmup - 1 :]
+    def pairs_per_s(self, cpu: bool = False) -> float:
+        """Pairs per second of wall time, or (``cpu``) per second of the process's CPU time (all its threads)."""
+        timed = (self.cpu_ends if cpu else self.ends)[self.warmup - 1 :]
         return BATCH * (len(timed) - 1) / (timed[-1] - timed[0])
 
 
@@ -199,6 +206,7 @@ def run_ours(args) -> dict:
         "fit_s": round(time.perf_counter() - t0, 2),
         "params": n_params,
         "pairs_per_s": clock.pairs_per_s(),
+        "pairs_per_cpu_s": clock.pairs_per_s(cpu=True),
         "step_split_s": split.step_split(),
     }
 
@@ -264,6 +272,7 @@ def run_trl(args) -> dict:
         "fit_s": round(fit_s, 2),
         "params": sum(p.numel() for p in model.parameters()),
         "pairs_per_s": clock.pairs_per_s(),
+        "pairs_per_cpu_s": clock.pairs_per_s(cpu=True),
         "step_split_s": split.step_split(),
     }
 
@@ -280,6 +289,7 @@ def child(args) -> None:
         threads=args.threads,
         peak_rss_mb=round(_peak_rss_mb(), 1),
         pairs_per_s=round(result["pairs_per_s"], 3),
+        pairs_per_cpu_s=round(result["pairs_per_cpu_s"], 3),
     )
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -348,31 +358,35 @@ def main() -> None:
                     r = _spawn(python, side, variant, size, data, args)
                     results.setdefault(f"{side}/{variant}", []).append(r)
                     print(json.dumps(r), flush=True)
-            best = {k: max(v, key=lambda r: r["pairs_per_s"]) for k, v in results.items()}
-            if args.skip_trl:
-                continue
-            for variant in args.variants:
-                ours = best[f"ours/{variant}"]
-                for trl_variant in args.trl_variants:
-                    trl = best[f"trl/{trl_variant}"]
-                    print(
-                        json.dumps(
-                            {
-                                "ratio": True,
-                                "size": size,
-                                "vocab_size": args.vocab_size,
-                                "variant": variant,
-                                "trl_variant": trl_variant,
-                                "speedup": round(ours["pairs_per_s"] / trl["pairs_per_s"], 3),
-                                "memory_ratio": round(ours["peak_rss_mb"] / trl["peak_rss_mb"], 3),
-                                "ours_pairs_per_s": ours["pairs_per_s"],
-                                "trl_pairs_per_s": trl["pairs_per_s"],
-                                "ours_peak_rss_mb": ours["peak_rss_mb"],
-                                "trl_peak_rss_mb": trl["peak_rss_mb"],
-                            }
-                        ),
-                        flush=True,
-                    )
+            if not args.skip_trl:
+                for variant in args.variants:
+                    for trl_variant in args.trl_variants:
+                        print(json.dumps(_ratio(results[f"ours/{variant}"], results[f"trl/{trl_variant}"])), flush=True)
+
+
+def _ratio(ours: list[dict], trl: list[dict]) -> dict:
+    """One ``ratio`` line: ours over TRL per alternated round (wall time and process CPU time, the latter less moved
+    by other processes on a shared machine), their spread, and the best round of each side."""
+
+    def per_round(key: str) -> list[float]:
+        return [round(a[key] / b[key], 3) for a, b in zip(ours, trl)]
+
+    best_ours, best_trl = (max(runs, key=lambda r: r["pairs_per_s"]) for runs in (ours, trl))
+    wall, cpu = per_round("pairs_per_s"), per_round("pairs_per_cpu_s")
+    return {
+        "ratio": True,
+        **{k: ours[0][k] for k in ("size", "vocab_size", "variant", "threads")},
+        "trl_variant": trl[0]["variant"],
+        "speedup": round(best_ours["pairs_per_s"] / best_trl["pairs_per_s"], 3),
+        "speedup_per_round": wall,
+        "speedup_cpu_per_round": cpu,
+        "speedup_cpu_range": [min(cpu), max(cpu)],
+        "memory_ratio": round(best_ours["peak_rss_mb"] / best_trl["peak_rss_mb"], 3),
+        "ours_pairs_per_s": best_ours["pairs_per_s"],
+        "trl_pairs_per_s": best_trl["pairs_per_s"],
+        "ours_peak_rss_mb": [r["peak_rss_mb"] for r in ours],
+        "trl_peak_rss_mb": [r["peak_rss_mb"] for r in trl],
+    }
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ from __future__ import annotations
 import lightning.pytorch  # noqa: F401, E402  (isort: skip)
 
 from aitraining_pl.agents.endpoint import EXTRA_HINT, AgentEndpoint, require_agents_extra
-from aitraining_pl.agents.environment import AgentEnvironment, episode_rows
+from aitraining_pl.agents.environment import AgentEnvironment
 from aitraining_pl.agents.recording import CallRecord, TokenSequence, split_sequences
+from aitraining_pl.agents.rows import episode_rows
 
 __all__ = [
     "EXTRA_HINT",

@@ -16,7 +16,18 @@ itself, a colocated vLLM engine, a generation server) samples, with the run's ge
   are rendered whole.
 - **Tool calls** in a sampled turn are parsed by the episode path's parser in the chat template's format
   (``environments.tools``) and returned as ``tool_calls`` (``finish_reason: tool_calls``), unless ``tool_choice``
-  is ``none``; a call that does not parse is returned as text.
+  is ``none``; a call that does not parse is returned as text. ``tool_choice: "required"`` (or a named function)
+  is honoured by prefilling the format's call opening (``<tool_call>`` and, for a named function, ``{"name":
+  ..., "arguments": ``) after the generation prompt: the prefill is part of the recorded prompt (context, never
+  trained as sampled), and the model samples the call from there. ``parallel_tool_calls: false`` stops the turn
+  after its first call (``hermes``; ``llama3`` writes one call anyway; ``mistral`` refuses it with a 400).
+- **Limits.** A call whose prompt plus ``max_tokens`` (capped as below) is longer than the model's context
+  (``max_position_embeddings``) gets a 400 (``context_length_exceeded``) before anything is sampled, and so does a
+  request whose text is so long that it could not fit (more than ``MAX_CHARS_PER_TOKEN`` characters per token of
+  the context), before it is rendered. Rendering runs in a thread of its own, never on the server's loop.
+  A batch whose sampling fails is sampled again one call at a time, so one episode's bad call fails that call only.
+- **Streaming.** ``stream: true`` is answered in OpenAI's server-sent-events format (``protocol.stream_chunks``)
+  once the call is sampled: the recorded tokens are the same as without streaming.
 - **Sampling.** The policy and its backend are not thread-safe: one sampler thread answers the calls. Those that
   arrive together (within ``batch_window`` seconds of the first, or until every running episode has a call pending)
   are sampled in one ``engine.sample`` per distinct setting, in the episodes' opening order (the same draws whatever
@@ -28,6 +39,7 @@ itself, a colocated vLLM engine, a generation server) samples, with the run's ge
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import copy
 import dataclasses
@@ -44,17 +56,27 @@ from typing import Any
 import torch
 
 from aitraining_pl.agents.protocol import (
+    ChatRequest,
     RequestError,
     assistant_message,
     completion_body,
+    conversation_opening,
     parse_request,
     same_turn,
+    stream_chunks,
+    tool_prefill,
 )
 from aitraining_pl.agents.recording import CallRecord
 from aitraining_pl.environments.episode_rollout import ChatFormat
 from aitraining_pl.environments.tools import detect_tool_format, parse_tool_calls
 from aitraining_pl.models.generation import StopRule
 from aitraining_pl.rollout import RolloutEngine
+
+#: a request whose messages and tools take more characters than this times the model's context cannot fit: it is
+#: refused before it is rendered
+MAX_CHARS_PER_TOKEN = 64
+#: distinct tool lists whose rendering is kept (the least recently used beyond are dropped)
+FORMAT_CACHE = 64
 
 EXTRA_HINT = "the agent endpoint needs FastAPI, uvicorn and openai: pip install 'aitraining-pl[agents]'"
 
@@ -77,6 +99,8 @@ class EpisodeLog:
     finished: bool = False
     running: bool = True  #: its agent is running (False: opened ahead, waiting for a free worker)
     order: int = 0  #: opening order: a batch samples its calls in this order (the same draws whatever the timing)
+    in_flight: list = field(default_factory=list)  #: the conversations (their opening messages) of pending calls
+    overlapping: int = 0  #: calls that arrived while a call of another conversation with this key was pending
 
 
 @dataclass
@@ -115,7 +139,8 @@ class AgentEndpoint:
         self.episodes: dict[str, EpisodeLog] = {}
         self._lock = threading.Lock()  # guards ``episodes`` and the engine binding
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
-        self._formats: dict[str, tuple[ChatFormat, str | None]] = {}
+        self._formats: collections.OrderedDict[str, tuple[ChatFormat, str | None]] = collections.OrderedDict()
+        self._render = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agent-endpoint-render")
         self._opened = itertools.count()
         self._server = self._thread = self._sampler = None
         self.port = 0
@@ -131,7 +156,7 @@ class AgentEndpoint:
                 engine = copy.copy(engine)
                 engine.tokenizer = tokenizer
             if getattr(self, "engine", None) is None or engine.tokenizer is not self.engine.tokenizer:
-                self._formats = {}
+                self._formats.clear()
             self.engine, self.model = engine, model
             self.version = version if version is not None else getattr(engine.backend, "version", None)
 
@@ -156,6 +181,13 @@ class AgentEndpoint:
                 return []
             log.finished = True
             return list(log.records)
+
+    def overlapping(self, key: str) -> int:
+        """Calls of the episode ``key`` that overlapped a pending call of another conversation (0 once forgotten):
+        a sign that several agents share one client (a process-global default client)."""
+        with self._lock:
+            log = self.episodes.get(key)
+            return log.overlapping if log is not None else 0
 
     def forget(self, keys) -> None:
         """Drop finished episodes' records."""
@@ -187,7 +219,47 @@ class AgentEndpoint:
             except ValueError as err:  # ToolTemplateError: the template cannot show tools
                 raise RequestError(400, str(err), "tools") from None
             self._formats[key] = (chat, tool_format)
+            while len(self._formats) > FORMAT_CACHE:
+                self._formats.popitem(last=False)
+        self._formats.move_to_end(key)
         return self._formats[key]
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's context (``config.max_position_embeddings``; None when it does not say)."""
+        value = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        return int(value) if isinstance(value, int) and value > 0 else None
+
+    def _checked_prompt(self, log: EpisodeLog, request: ChatRequest) -> tuple[list[int], str, int]:
+        """A call's prompt ids (with the tool-call prefill, ``tool_prefill``), the prefill's text, and its
+        ``max_new_tokens``; ``RequestError`` when it cannot be rendered or would not fit the context."""
+        context = self.context_length
+        max_new = min(
+            request.max_tokens or self.engine.generation.max_new_tokens, self.engine.generation.max_new_tokens
+        )
+        if context is not None:
+            size = len(json.dumps(request.messages)) + len(json.dumps(request.tools))
+            if size > context * MAX_CHARS_PER_TOKEN:
+                raise RequestError(
+                    400, f"this request's messages and tools are {size} characters: more than can fit in the "
+                    f"model's context of {context} tokens", "messages", "context_length_exceeded",
+                )  # fmt: skip
+        try:
+            prompt = self.prompt_ids(log, request.messages, request.tools)
+        except RequestError:
+            raise
+        except Exception as err:  # the chat template refused the conversation (roles out of order, ...)
+            raise RequestError(400, f"the chat template cannot render these messages: {err}", "messages") from None
+        chat, tool_format = self.chat_format(request.tools)
+        marker, rest = tool_prefill(request, tool_format)
+        prompt = prompt + chat.encode(marker) + chat.encode_text(rest)
+        if context is not None and len(prompt) + max_new > context:
+            raise RequestError(
+                400, f"this call's prompt is {len(prompt)} tokens and max_tokens {max_new}: {len(prompt) + max_new} "
+                f"is more than the model's context of {context} tokens (shorten the conversation, lower max_tokens "
+                "or generation.max_new_tokens)", "messages", "context_length_exceeded",
+            )  # fmt: skip
+        return prompt, marker + rest, max_new
 
     def prompt_ids(self, log: EpisodeLog, messages: list[dict], tools: list[dict]) -> list[int]:
         """The prompt of a call (see the module docstring: an extended conversation reuses the sampled ids)."""
@@ -206,32 +278,48 @@ class AgentEndpoint:
         return chat.prompt_ids(messages)
 
     # ------------------------------------------------------------------ one call
-    async def complete(self, key: str | None, body: Any) -> dict:
-        """Answer one chat-completions request of the episode ``key`` and record it."""
+    async def complete(self, key: str | None, body: Any) -> dict | list[dict]:
+        """Answer one chat-completions request of the episode ``key`` and record it: the completion body, or with
+        ``stream: true`` its chunks (``protocol.stream_chunks``)."""
         request = parse_request(body)
         with self._lock:
             log = self._episode(key)
+        opening = json.dumps(conversation_opening(request.messages))
+        with self._lock:
+            if any(other != opening for other in log.in_flight):
+                log.overlapping += 1
+            log.in_flight.append(opening)
         try:
-            prompt = self.prompt_ids(log, request.messages, request.tools)
-        except RequestError:
-            raise
-        except Exception as err:  # the chat template refused the conversation (roles out of order, ...)
-            raise RequestError(400, f"the chat template cannot render these messages: {err}", "messages") from None
-        generation = self.engine.generation
-        max_new = min(request.max_tokens or generation.max_new_tokens, generation.max_new_tokens)
+            loop = asyncio.get_running_loop()
+            prompt, prefill, max_new = await loop.run_in_executor(self._render, self._checked_prompt, log, request)
+            samples = await self._queued(log, request, prompt, max_new)
+        finally:
+            with self._lock:
+                log.in_flight.remove(opening)
+        completion = self._answer(key, request, prompt, prefill, samples)
+        return stream_chunks(completion, request.include_usage) if request.stream else completion
+
+    async def _queued(self, log: EpisodeLog, request: ChatRequest, prompt: list[int], max_new: int) -> list:
+        """The call's samples, from the sampler thread."""
         temperature = request.temperature if self.request_sampling else None
         top_p = request.top_p if self.request_sampling else None
-        settings = (max_new, tuple(request.stop), request.n, temperature, top_p)
+        stop = tuple(request.stop)
+        if not request.parallel_tool_calls and request.tools and request.tool_choice != "none":
+            stop += ("</tool_call>",)  # hermes: the turn ends with its first call (tool_prefill refuses the others)
+        settings = (max_new, stop, request.n, temperature, top_p)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._queue.put(_Pending(log.order, prompt, settings, future))
-        samples = await asyncio.wrap_future(future)
+        return await asyncio.wrap_future(future)
+
+    def _answer(self, key, request: ChatRequest, prompt: list[int], prefill: str, samples: list) -> dict:
+        """The completion body of ``samples``, each recorded in the episode ``key``."""
         chat, tool_format = self.chat_format(request.tools)
         tokenizer, choices = self.engine.tokenizer, []
         for ids, logprobs, ended in samples:
-            text = tokenizer.decode(ids, skip_special_tokens=True)
+            text = prefill + tokenizer.decode(ids, skip_special_tokens=True)
             calls = []
             if tool_format is not None and request.tool_choice != "none":
-                raw = tokenizer.decode(ids, skip_special_tokens=False)
+                raw = prefill + tokenizer.decode(ids, skip_special_tokens=False)
                 calls = [c for c in parse_tool_calls(raw, tool_format) if not c.error]
             message = assistant_message(text, calls, tool_format or "")
             reason = "tool_calls" if calls else ("stop" if ended else "length")
@@ -279,14 +367,21 @@ class AgentEndpoint:
             for item in sorted(batch, key=lambda item: item.order):  # the same draws whatever the arrival order
                 groups.setdefault(item.settings, []).append(item)
             for settings, items in groups.items():
-                try:
-                    results = self._sample(settings, [item.prompt_ids for item in items])
-                except Exception as err:  # noqa: BLE001 - handed to each waiting call (HTTP 500)
-                    for item in items:
-                        item.future.set_exception(err)
-                    continue
-                for item, result in zip(items, results):
-                    item.future.set_result(result)
+                self._serve(settings, items)
+
+    def _serve(self, settings: tuple, items: list[_Pending]) -> None:
+        """Sample ``items`` together; if that fails, one at a time (a call's error goes to that call only)."""
+        try:
+            results = self._sample(settings, [item.prompt_ids for item in items])
+        except Exception as err:  # noqa: BLE001 - handed to the waiting call (HTTP 500)
+            if len(items) == 1:
+                items[0].future.set_exception(err)
+            else:
+                for item in items:
+                    self._serve(settings, [item])
+            return
+        for item, result in zip(items, results):
+            item.future.set_result(result)
 
     def _engine_for(self, settings: tuple) -> RolloutEngine:
         max_new, stop, _, temperature, top_p = settings
@@ -348,12 +443,13 @@ class AgentEndpoint:
             return self
         import uvicorn
 
+        from aitraining_pl.agents.server import server_config
+
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app(), log_level="warning", access_log=False, lifespan="off")
-        self._server = uvicorn.Server(config)
+        self._server = uvicorn.Server(server_config(self.app()))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
         self._sampler = threading.Thread(target=self._sample_loop, daemon=True, name="agent-endpoint-sampler")
         self._thread.start()

@@ -2,9 +2,10 @@
 
 The user gives ``agent(client, prompt, metadata) -> reward``, sync or async. ``client`` is an ``openai.OpenAI``
 (``openai.AsyncOpenAI`` for an async agent) bound to the episode: its ``base_url`` and ``api_key`` (the episode's
-key) are what another framework needs (``ChatOpenAI(base_url=client.base_url, api_key=client.api_key)``). The
-agent makes whatever calls it likes (tools, sub-calls, history edits); the endpoint (``agents.endpoint``) records
-each token-in / token-out, and ``play_episodes`` turns them into the rollout the online modules train on.
+key) are what another framework needs (``ChatOpenAI(base_url=str(client.base_url), api_key=client.api_key)``:
+LangChain refuses the ``httpx.URL`` that ``base_url`` is). The agent makes whatever calls it likes (tools,
+sub-calls, history edits); the endpoint (``agents.endpoint``) records each token-in / token-out, and
+``play_episodes`` turns them into the rollout the online modules train on.
 
 Rows (``max_sequences`` per episode, so every iteration has the same row count on every rank): an episode's
 records become sequences (``recording.split_sequences``): calls that extend the conversation token for token are
@@ -28,9 +29,20 @@ its first prompt included, is in the response part (attention 1, ``response_mask
 model is shown exactly what the endpoint fed it. ``sampling_logprobs`` are those recorded at sampling.
 
 Each episode runs in its own thread (sync agents, at most ``max_concurrency`` at once) or on one asyncio loop
-(async agents), under the environments' guards: at most ``timeout`` seconds (the modules' ``reward_timeout``); an
-exception, ``sys.exit`` / ``os._exit``, a timeout, or a reward that is not a finite number stops the run with one
-``RewardError`` naming the agent. A finished (or timed-out) episode's key is closed at once.
+(async agents) in a thread of its own, under the environments' guards: at most ``timeout`` seconds (the modules'
+``reward_timeout``). An async agent that blocks its loop (``time.sleep``) or swallows its cancellation cannot hold
+the run: the loop's thread is waited for ``timeout`` seconds (and a little more), then abandoned, its unfinished
+episodes timed out. An exception, ``sys.exit`` / ``os._exit`` in the agent's own thread, a timeout, or a reward that
+is not a finite number is an *agent error*: ``on_agent_error`` says what it does (``stop``: the run stops with one
+``RewardError`` naming the agent; ``zero_reward``: the episode scores 0 and trains on what it sampled; ``drop``:
+the episode gives no rows and no group statistic); ``episode/agent_errors`` counts them. ``os._exit`` from a
+thread the agent itself starts, or a crash of the interpreter, ends the process: only a subprocess could catch it.
+A finished (or timed-out) episode's key is closed at once.
+
+**Misattribution.** Calls are attributed by key, so agents that share one client (a process-global default, e.g.
+the OpenAI Agents SDK's ``set_default_openai_client``) land in one episode. ``episode/no_calls`` counts episodes
+that returned without a call through their key, ``episode/overlapping_calls`` calls that reached a key while
+another conversation's call on it was pending; either warns once.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -45,13 +58,17 @@ from typing import Any
 import torch
 
 from aitraining_pl.agents.endpoint import AgentEndpoint, require_agents_extra
-from aitraining_pl.agents.recording import CallRecord, split_sequences
+from aitraining_pl.agents.recording import split_sequences
+from aitraining_pl.agents.rows import episode_rows
 from aitraining_pl.environments.episode import EpisodeEnvironment, EpisodeLimits
-from aitraining_pl.environments.episode_rollout import EpisodeInfo
+from aitraining_pl.environments.episode_rollout import check_assistant_turns
 from aitraining_pl.errors import RewardError
 from aitraining_pl.guarded_call import CallInterrupted, CallTimeout, guarded_call
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, describe_failure, import_object
 from aitraining_pl.rollout import Rollout, RolloutEngine
+
+#: what an agent error does (``AgentEnvironment``'s ``on_agent_error``)
+AGENT_ERROR_POLICIES = ("stop", "zero_reward", "drop")
 
 
 class AgentEnvironment(EpisodeEnvironment):
@@ -69,6 +86,8 @@ class AgentEnvironment(EpisodeEnvironment):
         batch_window: seconds the endpoint's sampler waits for other calls to sample together (at most: it samples
             as soon as every open episode has a call pending).
         client_timeout: seconds the episode's client waits for one answer.
+        on_agent_error: what an agent error (see the module docstring) does: ``stop`` (default), ``zero_reward``
+            or ``drop``.
     """
 
     limits = EpisodeLimits(max_turns=1 << 20, max_total_tokens=1 << 30)
@@ -82,8 +101,14 @@ class AgentEnvironment(EpisodeEnvironment):
         chat_template: str | None = None,
         batch_window: float = 0.05,
         client_timeout: float = 600.0,
+        on_agent_error: str = "stop",
     ):
         require_agents_extra()
+        if on_agent_error not in AGENT_ERROR_POLICIES:
+            known = ", ".join(AGENT_ERROR_POLICIES)
+            raise ValueError(f"AgentEnvironment: on_agent_error must be one of {known}, got {on_agent_error!r}")
+        self.on_agent_error = on_agent_error
+        self._warned: set[str] = set()
         if max_sequences < 1:
             raise ValueError(f"AgentEnvironment: max_sequences must be >= 1, got {max_sequences}")
         self.agent = import_object(agent) if isinstance(agent, str) else agent
@@ -92,6 +117,11 @@ class AgentEnvironment(EpisodeEnvironment):
         self.max_sequences, self.max_concurrency = int(max_sequences), max_concurrency
         if chat_template and "{" not in chat_template and ":" in chat_template:  # an import path
             chat_template = import_object(chat_template)
+        if chat_template:
+            try:
+                check_assistant_turns(chat_template)
+            except ValueError as err:
+                raise ValueError(f"AgentEnvironment: chat_template: {err}") from None
         self.options = {"request_sampling": request_sampling, "chat_template": chat_template}
         self.batch_window, self.client_timeout = batch_window, client_timeout
         self._endpoint: list[AgentEndpoint | None] = [None]  # one for the run, started on the first batch
@@ -163,14 +193,69 @@ class AgentEnvironment(EpisodeEnvironment):
                     self._http[0] = openai.DefaultHttpxClient(timeout=self.client_timeout)
                 rewards = self._run_threads(endpoint, jobs, timeout)
             records = [endpoint.finish_episode(key) for key in keys]
+            overlapping = [endpoint.overlapping(key) for key in keys]
         finally:
             for key in keys:
                 endpoint.finish_episode(key)
             endpoint.forget(keys)
+        rewards, failed = self._outcomes(rewards)
+        records = [[] if bad and self.on_agent_error == "drop" else r for r, bad in zip(records, failed)]
+        extra = [
+            {"agent_errors": float(bad), "no_calls": float(not r and not bad), "overlapping_calls": float(o)}
+            for r, bad, o in zip(records, failed, overlapping)
+        ]
+        self._check_attribution(extra, records, endpoint.context_length)
         pad = engine.pad_token_id(model, engine.end_token_ids(model))
         return episode_rows(
-            records, rewards, groups, prompt_ids, prompt_mask, self.max_sequences, pad, engine.tokenizer
+            records, rewards, groups, prompt_ids, prompt_mask, self.max_sequences, pad, engine.tokenizer, extra
         )
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(f"AgentEnvironment ({self._where}): {message}", stacklevel=3)
+
+    def _check_attribution(self, extra: list[dict], records: list, context: int | None) -> None:
+        """Warn once about misattributed calls, dropped sequences and rows past the context."""
+        silent = sum(e["no_calls"] for e in extra)
+        overlaps = sum(e["overlapping_calls"] for e in extra)
+        if silent or overlaps:
+            self._warn_once(
+                "attribution",
+                f"{silent:g} of {len(extra)} episodes made no call with their own key and {overlaps:g} calls reached "
+                "a key while another conversation's call was pending: the agents probably share one client (e.g. "
+                "the OpenAI Agents SDK's process-global set_default_openai_client), so calls are trained on the "
+                "wrong episode; build each episode's model from its `client` (OpenAIChatCompletionsModel(model=..., "
+                "openai_client=client), docs/agents.md) (counted as episode/no_calls, episode/overlapping_calls)",
+            )
+        counts = [len(split_sequences(r)) for r in records]
+        if max(counts, default=0) > self.max_sequences:
+            self._warn_once(
+                "dropped",
+                f"an episode gave {max(counts)} sequences and max_sequences is {self.max_sequences}: the first ones "
+                "are not trained (episode/dropped_sequences); agents that rewrite their history (smolagents) start a "
+                "new sequence per call (docs/agents.md says what max_sequences to use)",
+            )
+        longest = max((len(r.prompt_ids) + len(r.completion_ids) for rs in records for r in rs), default=0)
+        if context is not None and longest > context:
+            self._warn_once("context", f"a row of {longest} tokens is longer than the model's {context} positions")
+
+    def _outcomes(self, results: list) -> tuple[list[float], list[bool]]:
+        """Each episode's reward and whether it was an agent error (``on_agent_error``: ``stop`` raises it)."""
+        rewards, failed = [], []
+        for i, result in enumerate(results):
+            try:
+                rewards.append(self._reward(result, i))
+                failed.append(False)
+            except RewardError as err:
+                if self.on_agent_error == "stop":
+                    raise
+                self._warn_once(
+                    "error", f"{err} (on_agent_error: {self.on_agent_error}; counted as episode/agent_errors)"
+                )
+                rewards.append(0.0)
+                failed.append(True)
+        return rewards, failed
 
     def _client(self, endpoint: AgentEndpoint, key: str, http=None):
         """The episode's client: an ``openai.OpenAI`` (``AsyncOpenAI`` given an async ``http`` client) with the
@@ -202,16 +287,22 @@ class AgentEnvironment(EpisodeEnvironment):
                 endpoint.finish_episode(job[0])
 
         with ThreadPoolExecutor(workers, thread_name_prefix="agent-episode") as pool:
-            results = list(pool.map(run, jobs))
-        return [self._reward(result, i) for i, result in enumerate(results)]
+            return list(pool.map(run, jobs))
 
-    def _run_async(self, endpoint: AgentEndpoint, jobs: list, timeout: float | None) -> list[float]:
-        async def one(http, key, prompt, metadata):
+    def _run_async(self, endpoint: AgentEndpoint, jobs: list, timeout: float | None) -> list:
+        """The async episodes' outcomes (rewards or exceptions), on one loop in a thread that is abandoned
+        ``timeout`` seconds (and a little more) after it starts (see the module docstring)."""
+        outcomes: list[Any] = [CallTimeout() for _ in jobs]
+
+        async def one(i, http, key, prompt, metadata):
             endpoint.start_episode(key)
             try:
-                return await asyncio.wait_for(self.agent(self._client(endpoint, key, http), prompt, metadata), timeout)
+                agent = self.agent(self._client(endpoint, key, http), prompt, metadata)
+                outcomes[i] = await asyncio.wait_for(agent, timeout)
             except asyncio.TimeoutError:
-                raise CallTimeout() from None
+                outcomes[i] = CallTimeout()
+            except (Exception, SystemExit) as err:
+                outcomes[i] = err
             finally:
                 endpoint.finish_episode(key)
 
@@ -219,13 +310,16 @@ class AgentEnvironment(EpisodeEnvironment):
             import openai
 
             async with openai.DefaultAsyncHttpxClient(timeout=self.client_timeout) as http:
-                return await asyncio.gather(*(one(http, *job) for job in jobs), return_exceptions=True)
+                await asyncio.gather(*(one(i, http, *job) for i, job in enumerate(jobs)))
 
         try:
-            results = guarded_call(asyncio.run, (every(),), None)
+            guarded_call(asyncio.run, (every(),), None if timeout is None else timeout * 1.1 + 2.0)
+        except CallTimeout:  # the loop is blocked (or a task ignores its cancellation): abandoned with its thread
+            for key, *_ in jobs:
+                endpoint.finish_episode(key)
         except (Exception, SystemExit) as err:
-            results = [err]
-        return [self._reward(result, i) for i, result in enumerate(results)]
+            return [err] * len(jobs)
+        return outcomes
 
     @property
     def _where(self) -> str:
@@ -250,82 +344,3 @@ class AgentEnvironment(EpisodeEnvironment):
         if not math.isfinite(number):
             raise RewardError(self._where, f"episode {episode} returned a non-finite reward ({number})")
         return number
-
-
-def episode_rows(
-    records: Sequence[Sequence[CallRecord]],
-    rewards: Sequence[float],
-    groups: Sequence[int],
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    max_sequences: int,
-    pad: int,
-    tokenizer,
-) -> Rollout:
-    """The ``Rollout`` of episodes' records (one list per episode, in ``groups`` order: the prompt index of each
-    episode): ``max_sequences`` rows per episode, laid out as ``AgentEnvironment``'s docstring says."""
-    device = prompt_ids.device
-    rows, metrics, transcripts = [], [], []
-    for e, (episode, reward, g) in enumerate(zip(records, rewards, groups)):
-        sequences = split_sequences(episode)
-        kept = sequences[-max_sequences:]
-        data_prompt = prompt_ids[g][prompt_mask[g].bool()].tolist()
-        for s in range(max_sequences):
-            rows.append((e, g, reward, kept[s] if s < len(kept) else None, data_prompt))
-        stats = {
-            "calls": float(len(episode)),
-            "sequences": float(len(sequences)),
-            "dropped_sequences": float(len(sequences) - len(kept)),
-            "tool_calls": float(sum(r.tool_calls for r in episode)),
-            "truncated": float(bool(episode) and not episode[-1].ended),
-        }
-        chat = [m for r in episode[-1:] for m in [*r.messages, r.assistant]]
-        metrics += [stats] * max_sequences
-        transcripts += [chat] * max_sequences
-    responses = []
-    for _, _, _, sequence, data_prompt in rows:
-        if sequence is None:
-            responses.append(([], [], [], [], True))
-            continue
-        ids = sequence.all_ids
-        starts = len(sequence.prompt) >= len(data_prompt) and ids[: len(data_prompt)] == data_prompt
-        skip = len(data_prompt) if starts else 0
-        sampled = [False] * len(sequence.prompt) + sequence.from_model
-        logps = [0.0] * len(sequence.prompt) + sequence.logprobs
-        ends = [len(sequence.prompt) + i - skip for i in sequence.ends]
-        responses.append((ids[skip:], sampled[skip:], logps[skip:], ends, starts))
-    n, width = len(rows), max(1, max(len(r[0]) for r in responses))
-    ids = torch.full((n, width), int(pad), dtype=torch.long)
-    mask, attention = torch.zeros_like(ids), torch.zeros_like(ids)
-    token_rewards, logprobs = torch.zeros(n, width), torch.zeros(n, width)
-    row_prompt_mask = prompt_mask[list(groups[e] for e, *_ in rows)].clone() if n else prompt_mask[:0]
-    ended = torch.ones(n, dtype=torch.bool)
-    for r, ((e, g, reward, sequence, _), (tokens, sampled, logps, ends, starts)) in enumerate(zip(rows, responses)):
-        length = len(tokens)
-        if length:
-            ids[r, :length] = torch.tensor(tokens)
-            mask[r, :length] = torch.tensor(sampled, dtype=torch.long)
-            attention[r, :length] = 1
-            logprobs[r, :length] = torch.tensor(logps)
-            token_rewards[r, ends[-1]] = reward
-            ended[r] = sequence.ended
-        if not starts:
-            row_prompt_mask[r] = 0
-    group = torch.tensor([g for _, g, *_ in rows], dtype=torch.long)
-    texts = [tokenizer.decode(row[m.bool()], skip_special_tokens=True) for row, m in zip(ids, mask)]
-    returns = torch.tensor([reward for _, _, reward, *_ in rows], dtype=torch.float32)
-    keys = sorted({k for m in metrics for k in m})
-    info = EpisodeInfo(
-        attention.to(device),
-        token_rewards.to(device),
-        returns.to(device),
-        {k: [m[k] for m in metrics] for k in keys},
-        transcripts,
-        episode=torch.tensor([e for e, *_ in rows], dtype=torch.long, device=device),
-    )
-    rollout = Rollout(
-        prompt_ids[group.to(device)], row_prompt_mask.to(device), ids.to(device), mask.to(device), ended.to(device),
-        texts, group.to(device), sampling_logprobs=logprobs.to(device),
-    )  # fmt: skip
-    rollout.episodes = info
-    return rollout

@@ -2,9 +2,13 @@
 messages normalised for a chat template, the response built from the ``openai`` package's own types, and the
 error bodies (``{"error": {"message", "type", "param", "code"}}``) of what it refuses.
 
-Served fields: ``messages``, ``tools``, ``tool_choice``, ``temperature``, ``top_p``, ``max_tokens`` (or
-``max_completion_tokens``), ``n``, ``stop``, ``logprobs``, ``top_logprobs`` (0 only); ``model`` is accepted and
-ignored (one policy is served); ``stream: true`` is refused. Other fields (``seed``, ``user``, ...) are ignored.
+Served fields: ``messages``, ``tools``, ``tool_choice`` (``auto``, ``none``, ``required``, a named function),
+``parallel_tool_calls``, ``temperature``, ``top_p``, ``max_tokens`` (or ``max_completion_tokens``), ``n``, ``stop``,
+``logprobs``, ``top_logprobs`` (0 only), ``stream`` and ``stream_options.include_usage`` (the answer as OpenAI's
+server-sent events: ``stream_chunks``); ``model`` is accepted and ignored (one policy is served). Fields that would
+change what is sampled and cannot be honoured are refused with a 400 naming them: ``response_format`` other than
+``text`` (no guided decoding), ``logit_bias``, non-zero ``presence_penalty`` / ``frequency_penalty``. Fields that do
+not change the sample (``seed``, ``user``, ``metadata``, ``store``, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ class ChatRequest:
     n: int
     stop: list[str]
     logprobs: bool
+    parallel_tool_calls: bool = True
+    stream: bool = False
+    include_usage: bool = False  #: ``stream_options.include_usage``: a last chunk with ``usage``
 
 
 def _number(body: dict, name: str, low: float, high: float, integer: bool = False):
@@ -119,12 +126,64 @@ def _tools(tools: Any) -> list[dict]:
     return [{"type": "function", "function": t["function"]} for t in tools]
 
 
+def _flag(body: dict, name: str, default: bool, where: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(400, f"{where}{name} must be true or false, got {value!r:.40}", where + name, "invalid_type")
+    return value
+
+
+def _tool_choice(choice: Any, tools: list[dict]) -> Any:
+    """``tool_choice`` checked: None, ``auto``, ``none``, ``required``, or the name of one of ``tools`` (given as
+    ``{"type": "function", "function": {"name": ...}}``)."""
+    if choice is None or choice in ("auto", "none"):
+        return choice
+    if choice == "required":
+        if not tools:
+            raise RequestError(400, 'tool_choice "required" needs tools', "tool_choice", "invalid_value")
+        return choice
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise RequestError(
+            400, 'tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}',
+            "tool_choice", "invalid_value",
+        )  # fmt: skip
+    if name not in [t["function"].get("name") for t in tools]:
+        raise RequestError(400, f"tool_choice names {name!r:.60}, which is not one of the tools", "tool_choice")
+    return {"type": "function", "function": {"name": name}}
+
+
+def _refuse_unserved(body: dict) -> None:
+    """A 400 naming the first field that would change what is sampled and that this endpoint cannot honour."""
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+        if kind != "text":
+            raise RequestError(
+                400,
+                f"response_format {kind!r:.40} is not supported: this endpoint has no guided decoding, so it cannot "
+                "promise JSON; ask for JSON in the messages, or use tools (LangChain: with_structured_output(..., "
+                'method="function_calling"))',
+                "response_format", "unsupported_value",
+            )  # fmt: skip
+    if body.get("logit_bias"):
+        raise RequestError(400, "logit_bias is not supported (the run's distribution samples)", "logit_bias")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name):
+            raise RequestError(400, f"{name} is not supported (the run's distribution samples); send 0", name)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise RequestError(400, "stream_options must be an object", "stream_options", "invalid_type")
+
+
 def parse_request(body: Any) -> ChatRequest:
     """A ``ChatRequest`` from a decoded JSON body; ``RequestError`` (400) naming the field that is wrong."""
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
-    if body.get("stream"):
-        raise RequestError(400, "streaming is not supported by this endpoint", "stream", "unsupported_value")
+    _refuse_unserved(body)
     if body.get("top_logprobs"):
         raise RequestError(400, "top_logprobs is not supported (the sampled token's log-prob only)", "top_logprobs")
     stop = body.get("stop") or []
@@ -134,17 +193,60 @@ def parse_request(body: Any) -> ChatRequest:
     max_tokens = _number(body, "max_tokens", 1, 1 << 20, True) or _number(
         body, "max_completion_tokens", 1, 1 << 20, True
     )
+    tools = _tools(body.get("tools"))
+    options = body.get("stream_options") or {}
     return ChatRequest(
         messages=normalise_messages(body.get("messages")),
-        tools=_tools(body.get("tools")),
-        tool_choice=body.get("tool_choice"),
+        tools=tools,
+        tool_choice=_tool_choice(body.get("tool_choice"), tools),
         temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0),
         max_tokens=max_tokens,
         n=_number(body, "n", 1, 128, True) or 1,
         stop=stop,
         logprobs=bool(body.get("logprobs")),
+        parallel_tool_calls=_flag(body, "parallel_tool_calls", True),
+        stream=_flag(body, "stream", False),
+        include_usage=_flag(options, "include_usage", False, "stream_options."),
     )
+
+
+def conversation_opening(messages: list[dict]) -> list[dict]:
+    """The messages up to the first user message: what tells one conversation from another."""
+    for i, message in enumerate(messages):
+        if message["role"] == "user":
+            return messages[: i + 1]
+    return messages[:1]
+
+
+#: per tool-call format: the text that opens a call (a template marker, tokenised with its special tokens) and
+#: what follows before a forced function's arguments (plain text), ``{name}`` its JSON-quoted name
+_PREFILLS = {
+    "hermes": ("<tool_call>", "\n", '\n{{"name": {name}, "arguments": '),
+    "mistral": ("[TOOL_CALLS]", " [", ' [{{"name": {name}, "arguments": '),
+    "llama3": ("", '{"name": "', '{{"name": {name}, "parameters": '),
+}
+
+
+def tool_prefill(request: ChatRequest, tool_format: str | None) -> tuple[str, str]:
+    """What is written after the generation prompt so that ``tool_choice`` is honoured: ``(marker, text)``, both
+    "" unless a call is required (``"required"``: the call's opening; a named function: its opening up to the
+    arguments). ``parallel_tool_calls: false`` in the ``mistral`` format (one list of calls) is refused."""
+    if not request.tools or request.tool_choice in (None, "auto", "none"):
+        choice = None
+    else:
+        choice = request.tool_choice
+    if not request.parallel_tool_calls and tool_format == "mistral" and request.tool_choice != "none":
+        raise RequestError(
+            400, "parallel_tool_calls: false is not supported with the mistral tool-call format (its calls are one "
+            "list)", "parallel_tool_calls", "unsupported_value",
+        )  # fmt: skip
+    if choice is None or tool_format is None:
+        return "", ""
+    marker, required, named = _PREFILLS[tool_format]
+    if choice == "required":
+        return marker, required
+    return marker, named.format(name=json.dumps(choice["function"]["name"]))
 
 
 def same_turn(sent: dict, returned: dict) -> bool:
@@ -205,6 +307,45 @@ def completion_body(model: str, choices: list[dict], prompt_tokens: int) -> dict
         "usage": usage,
     }
     return ChatCompletion.model_validate(body).model_dump(mode="json", exclude_none=True)
+
+
+def stream_chunks(completion: dict, include_usage: bool) -> list[dict]:
+    """A completion body (``completion_body``) as the chunks of OpenAI's streamed answer
+    (``openai.types.chat.ChatCompletionChunk``): per choice, one chunk with the role and the content (and its
+    log-probs), one with the tool calls (each with its ``index``), and one with an empty delta and the
+    ``finish_reason``; then, with ``include_usage``, one chunk with no choices and the ``usage`` (the others carry
+    ``usage: null``, as OpenAI's do). The sampling is done before the first chunk: only the answer is streamed."""
+    from openai.types.chat import ChatCompletionChunk
+
+    head = {"id": completion["id"], "object": "chat.completion.chunk", "created": completion["created"]}
+    head["model"] = completion["model"]
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> dict:
+        body = {**head, "choices": choices, "usage": usage}
+        checked = ChatCompletionChunk.model_validate(body).model_dump(mode="json", exclude_none=True)
+        return {**checked, "usage": usage} if include_usage else checked
+
+    chunks = []
+    for choice in completion["choices"]:
+        index, message = choice["index"], choice["message"]
+        first = {"index": index, "delta": {"role": "assistant", "content": message.get("content") or ""}}
+        if choice.get("logprobs"):
+            first["logprobs"] = choice["logprobs"]
+        chunks.append(chunk([first]))
+        if message.get("tool_calls"):
+            calls = [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]
+            chunks.append(chunk([{"index": index, "delta": {"tool_calls": calls}}]))
+        chunks.append(chunk([{"index": index, "delta": {}, "finish_reason": choice["finish_reason"]}]))
+    if include_usage:
+        chunks.append(chunk([], completion["usage"]))
+    return chunks
+
+
+def sse_lines(chunks: list[dict]):
+    """The server-sent events of ``chunks``: ``data: <json>`` each, then ``data: [DONE]``."""
+    for chunk in chunks:
+        yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 def models_body(model: str) -> dict:

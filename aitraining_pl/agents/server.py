@@ -1,14 +1,57 @@
 """The endpoint's FastAPI application: ``GET /v1/models`` and ``POST /v1/chat/completions``, every refusal an
-OpenAI error body. Imported only when an endpoint starts (FastAPI is the ``agents`` extra). No ``from __future__
-import annotations`` here: FastAPI reads the handlers' annotations at run time."""
+OpenAI error body, a streamed answer as server-sent events. Imported only when an endpoint starts (FastAPI is the
+``agents`` extra). No ``from __future__ import annotations`` here: FastAPI reads the handlers' annotations at run
+time.
+
+Limits: a body longer than ``MAX_BODY_BYTES`` is refused (413) while it is read, a body nested too deeply for the
+JSON decoder gets a 400; the server (``server_config``) answers at most ``MAX_CONNECTIONS`` connections at once
+(503 beyond), and closes a connection that sends nothing for ``IDLE_TIMEOUT`` seconds, fresh ones included
+(uvicorn's keep-alive timeout only starts after a first response)."""
 
 import json
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from aitraining_pl.agents.protocol import RequestError, models_body
+from aitraining_pl.agents.protocol import RequestError, models_body, sse_lines
+
+MAX_BODY_BYTES = 32 << 20
+MAX_CONNECTIONS = 512
+IDLE_TIMEOUT = 10
+
+
+class IdleClosingProtocol(H11Protocol):
+    """uvicorn's h11 protocol with the keep-alive timer armed as soon as a connection opens: a client that connects
+    and sends nothing is dropped after ``timeout_keep_alive`` seconds."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+
+def server_config(app) -> uvicorn.Config:
+    """The uvicorn configuration of the endpoint (see the module docstring)."""
+    return uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="off", http=IdleClosingProtocol,
+        limit_concurrency=MAX_CONNECTIONS, timeout_keep_alive=IDLE_TIMEOUT,
+    )  # fmt: skip
+
+
+async def _body(request: Request) -> bytes:
+    """The request body, read at most ``MAX_BODY_BYTES`` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdecimal() and int(declared) > MAX_BODY_BYTES:
+        raise RequestError(413, f"the request body is more than {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise RequestError(413, f"the request body is more than {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+        parts.append(part)
+    return b"".join(parts)
 
 
 def _error(err: RequestError) -> JSONResponse:
@@ -39,10 +82,15 @@ def build_app(endpoint) -> FastAPI:
         try:
             endpoint.check_key(key)  # refused before the body is read
             try:
-                body = json.loads(await request.body())
+                body = json.loads(await _body(request))
             except ValueError as err:
                 raise RequestError(400, f"the request body is not JSON: {err}") from None
-            return await endpoint.complete(key, body)
+            except RecursionError:
+                raise RequestError(400, "the request body is nested too deeply to decode") from None
+            answer = await endpoint.complete(key, body)
+            if isinstance(answer, list):  # stream: true
+                return StreamingResponse(sse_lines(answer), media_type="text/event-stream")
+            return answer
         except RequestError as err:
             return _error(err)
         except Exception as err:  # noqa: BLE001 - the sampler failed: an OpenAI-style 500

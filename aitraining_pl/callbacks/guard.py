@@ -27,6 +27,17 @@ def gradient_norm(parameters: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
 
 
+def first_nonfinite(losses: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether any of ``losses`` holds a NaN or inf (1.0 or 0.0) and the first element of the first such loss
+    (NaN when none), as two float32 scalars on ``device``, read by the host later (no sync here)."""
+    if not losses:
+        return torch.zeros((), device=device), torch.full((), math.nan, device=device)
+    finite = torch.stack([torch.isfinite(loss).all() for loss in losses]).to(device)
+    firsts = torch.stack([loss.float().reshape(-1)[0] for loss in losses]).to(device)
+    index = (~finite).int().argmax()  # the first non-finite loss (0 when every one is finite)
+    return (~finite).any().float(), torch.where(finite.all(), math.nan, firsts[index])
+
+
 def first_nonfinite_parameter(module: torch.nn.Module) -> str | None:
     """The name of the first trainable parameter holding a NaN or inf (local shards under FSDP2), else None.
     One fused norm per parameter list (``torch._foreach_norm``) and one host sync: the norm of a tensor is finite
@@ -86,24 +97,26 @@ class NonFiniteGuard(pl.Callback):
             raise ValueError(f"action must be one of {ACTIONS}, got {action!r}")
         self.action = action
         self.skipped = 0
-        self._bad_loss: float | None = None  # first non-finite loss since the last optimizer step
+        self._losses: list[torch.Tensor] = []  # the losses passed to backward since the last optimizer step
         self._checked_step = 0  # global_step whose weights were last checked
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._bad_loss is None and not bool(torch.isfinite(loss.detach()).all()):
-            self._bad_loss = float(loss.detach().float().flatten()[0])
+        self._losses.append(loss.detach())  # checked at the optimizer step: no host sync per micro-batch
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        bad_loss, self._bad_loss = self._bad_loss, None
+        losses, self._losses = self._losses, []
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         scaled = getattr(trainer.precision_plugin, "scaler", None) is not None
-        norm = float("nan") if scaled else float(gradient_norm(parameters))
-        flags = torch.tensor([bad_loss is not None, not scaled and not math.isfinite(norm)], dtype=torch.float32)
+        device = getattr(pl_module, "device", torch.device("cpu"))
+        bad, first = first_nonfinite(losses, device)
+        norm = torch.full((), math.nan, device=device) if scaled else gradient_norm(parameters).to(device)
+        flags = torch.stack([bad, torch.zeros((), device=device) if scaled else (~torch.isfinite(norm)).float()])
         if trainer.world_size > 1:  # every rank takes the same decision (a lone raise would hang the others)
-            flags = trainer.strategy.reduce(flags.to(pl_module.device), reduce_op="sum").cpu()
-        if not bool(flags.any()):
+            flags = trainer.strategy.reduce(flags, reduce_op="sum")
+        bad_loss, bad_norm, bad_value, norm = torch.cat([flags, torch.stack([first, norm.float()])]).tolist()
+        if not (bad_loss or bad_norm):  # the one host read of the step (above)
             return
-        metric, value = ("train/loss", bad_loss) if flags[0] else ("grad_norm", norm)
+        metric, value = ("train/loss", bad_value) if bad_loss else ("grad_norm", norm)
         where = (
             f"at global_step {trainer.global_step} (epoch {trainer.current_epoch}, "
             f"batch {trainer.fit_loop.epoch_loop.batch_idx})"

@@ -57,7 +57,7 @@ def calculator_agent(client, prompt: str, metadata: dict) -> float:
             message = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS).choices[0].message
             messages.append(message.model_dump(exclude_none=True))
         answer = (message.content or "").strip()
-        if not (len(answer) == 1 and answer.isdigit()):
+        if not (len(answer) == 1 and answer in "0123456789"):  # isdigit() is True for "²", which int() refuses
             messages.append({"role": "user", "content": "one digit?"})
             continue
         reward += FORMAT_REWARD

@@ -33,6 +33,30 @@ _SLOT = "AITPLSLOT"
 _MARK = "\u2063ASSISTANT-TURN\u2063"
 
 
+def check_assistant_turns(template: str, render=None) -> None:
+    """``ValueError`` (one line saying what the template must render) unless ``template`` writes an assistant
+    message's content and marks it as the assistant's (its rendering differs from the same text as a user's).
+    ``render(messages)`` renders with the tokenizer; default: the template alone (no tokenizer, e.g. when an
+    environment is built)."""
+    if render is None:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        def render(messages):
+            return render_jinja_template([messages], chat_template=template, bos_token="", eos_token="")[0][0]
+
+    user = {"role": "user", "content": "x"}
+    try:
+        head = render([user, {"role": "assistant", "content": _MARK}])
+        same = head == render([user, {"role": "user", "content": _MARK}])
+    except Exception:  # noqa: BLE001 - a template that refuses two user messages in a row distinguishes roles
+        head, same = render([user, {"role": "assistant", "content": _MARK}]), False
+    if _MARK not in head or same:
+        raise ValueError(
+            "the chat template does not mark assistant turns: it must render an assistant message's content, with "
+            "markers of its own that differ from a user message's (e.g. <|im_start|>assistant ... <|im_end|>)"
+        )
+
+
 class ChatFormat:
     """Token ids of an episode's prompt and of the environment's replies, from the tokenizer's chat template
     (``FALLBACK_CHAT_TEMPLATE`` when it has none).
@@ -41,8 +65,10 @@ class ChatFormat:
     ``[user, assistant] + reply`` over ``[user, assistant]``, with the generation prompt), preceded by what
     the template writes after an assistant turn's text (``<|im_end|>\\n``, ``<|eot_id|>``, ``</s>``) less
     the end token the model already sampled. Replies are rendered without the tool list (templates such as
-    Mistral's move it to the last user message; the prompt already showed it). A reply's content is tokenised as
-    plain text: a tool result holding ``<|im_start|>`` gets the characters, never the special token.
+    Mistral's move it to the last user message; the prompt already showed it). Every string of the messages and
+    tools (contents, names, tool-call arguments, tool descriptions) is tokenised as plain text, in the prompt as in
+    a reply: a tool result or a user message holding ``<|im_start|>`` gets the characters, never the special token
+    (``_plain_tokens``).
 
     Args:
         tokenizer: a Hugging Face tokenizer.
@@ -60,6 +86,7 @@ class ChatFormat:
             )
         self._base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
         self._head = self.render(self._base)
+        check_assistant_turns(self.template, self.render)
         self.glue_ids = self.encode(self._head[self._head.rindex(_MARK) + len(_MARK) :])
         self._replies: dict[str, list[int]] = {}  # rendered replies by their messages (games repeat them)
         added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)  # special tokens' spellings
@@ -74,8 +101,13 @@ class ChatFormat:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The first messages with the tools and the generation prompt, BOS first (as the data module does)."""
-        return with_bos(self.encode(self.render(messages, self.tools, generation_prompt=True)), self.tokenizer)
+        """The first messages with the tools and the generation prompt, BOS first (as the data module does); every
+        string of the messages and tools as plain text."""
+        text = self.render(messages, self.tools, generation_prompt=True)
+        ids = self._plain_tokens(
+            lambda v: self.render(v[0], v[1], generation_prompt=True), (messages, self.tools), text
+        )
+        return with_bos(ids, self.tokenizer)
 
     def reply_ids(self, messages: list[dict], turn_ids: Sequence[int]) -> list[int]:
         """Tokens appended after a turn that ended with ``turn_ids``: the rest of the template's end of an
@@ -93,36 +125,59 @@ class ChatFormat:
                 )
             if len(self._replies) > 4096:
                 self._replies.clear()
-            self._replies[key] = self._reply_tokens(messages, full[len(head) :])
+            reply = lambda v: self.render(self._base + v, generation_prompt=True)[len(head) :]  # noqa: E731
+            self._replies[key] = self._plain_tokens(reply, list(messages), full[len(head) :])
         return glue + self._replies[key]
 
     def encode_text(self, text: str) -> list[int]:
         """``text`` as plain text: a special token's spelling in it (``<|im_start|>``) is not that token."""
         return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
 
-    def _reply_tokens(self, messages: list[dict], text: str) -> list[int]:
-        """Tokens of a rendered reply ``text``: the template's own text with its special tokens, the messages'
-        contents as plain text (``encode_text``), so a reply or tool result cannot forge a turn. The template's text
-        is that of the reply rendered with a slot for each content; the contents are what ``text`` holds at the
-        slots (the content as is, or as the template wrote it, e.g. ``tojson``)."""
-        contents = [m.get("content") for m in messages]
-        if self._added is None or not any(isinstance(c, str) and self._added.search(c) for c in contents):
-            return self.encode(text)  # nothing to forge: the whole reply at once
-        slotted = [
-            {**m, "content": f"{_SLOT}{i}Z"} if isinstance(c, str) else m
-            for i, (m, c) in enumerate(zip(messages, contents))
-        ]
-        marked = self.render(self._base + slotted, generation_prompt=True)[len(self._head) :]
-        pieces = re.split(f"{_SLOT}\\d+Z", marked)
-        found = re.fullmatch("(.*?)".join(map(re.escape, pieces)), text, flags=re.DOTALL)
-        if found is None:
-            raise ValueError(
-                "the chat template renders a reply's text differently from its content (not as is, nor escaped), so "
-                "the reply cannot be tokenised without its special tokens"
+    def _slotted(self, value, slots: list[str]):
+        """``value`` with each string (or mapping key) that holds a special token's spelling replaced by a slot
+        (``slots`` collects them in order)."""
+        if isinstance(value, str):
+            if not self._added.search(value):
+                return value
+            slots.append(value)
+            return f"{_SLOT}{len(slots) - 1}Z"
+        if isinstance(value, dict):
+            return {self._slotted(k, slots): self._slotted(v, slots) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._slotted(v, slots) for v in value]
+        return value
+
+    def _plain_tokens(self, render, value, text: str) -> list[int]:
+        """Tokens of ``text = render(value)``: the template's own text with its special tokens, every string of
+        ``value`` that spells a special token as plain text (``encode_text``), so content cannot forge a turn.
+
+        The template's text is ``render`` of ``value`` with those strings replaced by slots (``_slotted``); each
+        slot is then matched, at its known place, against the ways a template writes a string (as is, trimmed, or
+        JSON-escaped by ``tojson``), so a content that repeats the template's markers cannot shift the places."""
+        slots: list[str] = []
+        slotted = self._slotted(value, slots) if self._added is not None else value
+        if not slots:
+            return self.encode(text)  # nothing to forge: the whole text at once
+        pieces = re.split(f"{_SLOT}(\\d+)Z", render(slotted))
+        ids, at = self.encode(pieces[0]), len(pieces[0])
+        for index, piece in zip(pieces[1::2], pieces[2::2]):
+            original = slots[int(index)]
+            forms = (
+                original,
+                original.strip(),
+                json.dumps(original)[1:-1],
+                json.dumps(original, ensure_ascii=False)[1:-1],
             )
-        ids = self.encode(pieces[0])
-        for content, piece in zip(found.groups(), pieces[1:]):
-            ids += self.encode_text(content) + self.encode(piece)
+            form = next((f for f in forms if text.startswith(f + piece, at)), None)
+            if form is None:
+                raise ValueError(
+                    "the chat template renders a message's text differently from its content (not as is, trimmed, "
+                    "nor JSON-escaped), so it cannot be tokenised without its special tokens"
+                )
+            ids += self.encode_text(form) + self.encode(piece)
+            at += len(form) + len(piece)
+        if at != len(text):
+            raise ValueError("the chat template renders these messages differently with the same text")
         return ids
 
 

@@ -42,6 +42,8 @@ class BackendContext:
     rank: int = 0  #: this process's global rank
     run: str | None = None  #: one id for the run (the same on every rank): a server's weight versions belong to it
     seed: int = 0  #: the run's seed (engines that keep generators of their own seed them from it)
+    precision: str | None = None  #: the trainer's precision flag (an engine's compute dtype follows it)
+    max_prompt_length: int | None = None  #: the longest prompt in tokens (an engine's KV cache is sized by it)
 
 
 @dataclass

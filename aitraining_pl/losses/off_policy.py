@@ -66,7 +66,7 @@ def outside(log_ratio: torch.Tensor, clip_min: float | None, clip_max: float | N
     return (log_ratio < low) | (log_ratio > high)
 
 
-def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def sequence_log_ratio_sum(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``sum_t log_ratio_t`` over each response's tokens (the log of the product of the token ratios), on every
     token of the row; (N, R)."""
     return (log_ratio * mask.to(log_ratio.dtype)).sum(1, keepdim=True).expand_as(log_ratio)
@@ -84,13 +84,13 @@ def token_mask(log_ratio: torch.Tensor, mask: torch.Tensor, clip_min: float | No
 
 def sequence_truncate(log_ratio: torch.Tensor, mask: torch.Tensor, clip_min: float | None, clip_max: float | None):
     """Truncated IS per response: ``clip(prod_t rho_t, C_min, C_max)`` on each of its tokens."""
-    return truncated(sequence_log_ratio(log_ratio, mask), clip_min, clip_max)
+    return truncated(sequence_log_ratio_sum(log_ratio, mask), clip_min, clip_max)
 
 
 def sequence_mask(log_ratio: torch.Tensor, mask: torch.Tensor, clip_min: float | None, clip_max: float | None):
     """Masked IS per response (TRL 1.16's default): ``prod_t rho_t`` on each token, 0 for the whole response outside
     the bounds."""
-    return masked(sequence_log_ratio(log_ratio, mask), clip_min, clip_max)
+    return masked(sequence_log_ratio_sum(log_ratio, mask), clip_min, clip_max)
 
 
 #: The ``importance_sampling_mode`` values that correct (``policy_options.ImportanceSamplingMode`` adds ``none``, no
@@ -147,7 +147,7 @@ def off_policy_weights(
         )
     raw = IMPORTANCE_SAMPLING_MODES[mode](log_ratio, mask, clip_min, clip_max)
     weights = torch.where(boolean, raw, torch.ones_like(raw))
-    level = sequence_log_ratio(log_ratio, mask) if mode.startswith("sequence") else log_ratio
+    level = sequence_log_ratio_sum(log_ratio, mask) if mode.startswith("sequence") else log_ratio
     hit = outside(level, clip_min, clip_max) & boolean  # masked (weight 0) or truncated (weight at a bound)
     name, rows = "masked" if mode.endswith("_mask") else "truncated", boolean.any(1)
     inside = weights[boolean] if boolean.any() else torch.ones(1, dtype=weights.dtype, device=weights.device)

@@ -35,7 +35,7 @@ def token_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: to
     return logprobs - old_logprobs
 
 
-def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def sequence_log_ratio_mean(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """GSPO (Zheng et al. 2025, eq. 7): ``log s_i = (1/|y_i|) sum_t (logp_t - old_logp_t)`` over the response's
     tokens, the same value on every token of the row, (N, R). A constant per-token log-ratio ``c`` gives ``c``
     whatever the length; a row with no token in the mask gives 0."""
@@ -49,7 +49,7 @@ ImportanceSamplingLevel = Literal["token", "sequence"]
 
 IMPORTANCE_SAMPLING_LEVELS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "token": token_log_ratio,
-    "sequence": sequence_log_ratio,
+    "sequence": sequence_log_ratio_mean,
 }
 
 

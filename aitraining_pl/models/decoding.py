@@ -247,18 +247,17 @@ def prefill(
 
 
 def _going(
-    tokens: torch.Tensor,
-    ends: torch.Tensor,
-    stop_rule: StopRule | None,
-    responses: torch.Tensor,
-    rows: torch.Tensor,
-    t: int,
+    tokens: torch.Tensor, ends: torch.Tensor, stop_rule: StopRule | None, prefixes: list[list[int]] | None
 ) -> torch.Tensor:
-    """(N,) bool: the rows whose token ``t`` (``tokens``) is neither an end id nor completes a stop."""
+    """(N,) bool: the rows whose new token (``tokens``) is neither an end id nor completes a stop. With a stop
+    rule, ``prefixes`` (each batch row's response so far, on the host) get the tokens appended: one host read of
+    the step's tokens for all rows, not one per row."""
     going = ~torch.isin(tokens, ends)
-    if stop_rule:
-        for i in going.nonzero().flatten().tolist():
-            going[i] = not stop_rule.stops(responses[rows[i], : t + 1].tolist())
+    if stop_rule and prefixes is not None:
+        for prefix, token in zip(prefixes, tokens.tolist()):
+            prefix.append(token)
+        stops = torch.tensor([stop_rule.stops(prefix) for prefix in prefixes], dtype=torch.bool)
+        going &= ~stops.to(going.device, non_blocking=True)
     return going
 
 
@@ -290,6 +289,7 @@ def sample_steps(
     lengths = torch.zeros(n, dtype=torch.long, device=device)
     ended = torch.zeros(n, dtype=torch.bool, device=device)
     rows = torch.arange(n, device=device)  # the response row of each batch row; every batch row is unfinished
+    prefixes = [[] for _ in range(n)] if stop_rule else None  # the batch rows' responses on the host (stop rule)
     for t in range(steps):
         scores = warp(responses[rows, :t], logits)
         tokens = next_tokens(scores, config.do_sample)
@@ -298,7 +298,7 @@ def sample_steps(
             raw[rows, t], scored[rows, t] = logits, scores
         if chosen is not None:
             chosen[rows, t] = torch.log_softmax(scores.float(), -1).gather(1, tokens[:, None]).squeeze(1)
-        going = _going(tokens, ends, stop_rule, responses, rows, t)
+        going = _going(tokens, ends, stop_rule, prefixes)
         stopped = ~going
         if t + 1 == steps:
             going = torch.zeros_like(going)
@@ -312,6 +312,8 @@ def sample_steps(
             keep = going.nonzero().flatten()  # drop the ended rows (one copy of the cache, as a step's append makes)
             cache.batch_select_indices(keep)
             rows, mask, position, tokens = rows[keep], mask[keep], position[keep], tokens[keep]
+            if prefixes is not None:
+                prefixes = [prefixes[i] for i in keep.tolist()]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         position = position + 1
         logits, cache = forward(tokens[:, None], mask, position, cache)

@@ -17,6 +17,7 @@ Batches are packed by ``pack_batch`` (preference pairs, optionally with each pai
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -34,6 +35,14 @@ PACKED_ATTENTION = "aitraining_pl_packed"
 Block = tuple[tuple[tuple[int, int], ...], int]
 
 
+#: queries per attention call on a CPU: a block of at least twice as many queries runs as that many query chunks
+#: (bottom-right causal, each chunk with the keys up to its last query). SDPA's CPU flash kernel tiles keys by 512 and
+#: does not skip the masked half of a causal block within a tile, so a 420-token causal block costs as much as a full
+#: one; in chunks of about 128 queries the later keys are left out (fwd + bwd, 4 heads of 64, one thread: 7.9 -> 6.9
+#: ms at 420 tokens, 11.2 -> 9.0 ms at 512, 3.2 -> 2.9 ms at 256, the same within noise at 128).
+CPU_QUERY_CHUNK = 128
+
+
 @dataclass
 class AttentionPlan:
     """Attention blocks of a packed row, in token order: the blocks' queries, concatenated, are the whole row.
@@ -46,7 +55,7 @@ class AttentionPlan:
 
     blocks: list[Block]
     calls: int = field(default=0, compare=False)
-    _pieces: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _pieces: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def pieces(self) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
         """The row cut at every range boundary: (piece sizes, per block (key pieces, query pieces)).
@@ -54,7 +63,7 @@ class AttentionPlan:
         Blocks gather whole pieces of one ``split`` of the row, whose backward is one concatenation, rather
         than slicing the row per block, whose backward writes a row-sized gradient per slice.
         """
-        if self._pieces is None:
+        if "pieces" not in self._pieces:
             cuts = sorted(
                 {0}
                 | {x for ranges, q in self.blocks for a, b in ranges for x in (a, b)}
@@ -68,8 +77,53 @@ class AttentionPlan:
                 )
                 for ranges, q in self.blocks
             ]
-            self._pieces = ([b - a for a, b in zip(cuts, cuts[1:])], blocks)
-        return self._pieces
+            self._pieces["pieces"] = ([b - a for a, b in zip(cuts, cuts[1:])], blocks)
+        return self._pieces["pieces"]
+
+    def runs(self, chunk: int | None) -> list[list[tuple[int, int, int]]]:
+        """Per block, its attention calls as runs of its queries: ``(first, end, keys)``, queries [first, end) of
+        the block attending to its first ``keys`` keys (those up to the run's last query). One run per block, or
+        with ``chunk`` a block of ``q >= 2 * chunk`` queries as ``q // chunk`` runs of about equal size."""
+        key = ("runs", chunk)
+        if key not in self._pieces:
+            runs = []
+            for ranges, q in self.blocks:
+                keys, n = sum(b - a for a, b in ranges), q // chunk if chunk else 1
+                cuts = [round(i * q / n) for i in range(n + 1)] if n > 1 else [0, q]
+                runs.append([(lo, hi, keys - q + hi) for lo, hi in zip(cuts, cuts[1:])])
+            self._pieces[key] = runs
+        return self._pieces[key]
+
+    def masks(self, chunk: int | None, device: torch.device, dtype: torch.dtype) -> list[list[torch.Tensor | None]]:
+        """Per run of ``runs(chunk)``: None where it has as many queries as keys (SDPA's own causal mask), else the
+        causal mask aligned at the bottom right (query j sees keys up to keys - queries + j) as additive ``dtype``
+        values, built once for every layer of every model that runs the plan."""
+        key = ("masks", chunk, str(device), dtype)
+        if key not in self._pieces:
+            self._pieces[key] = [
+                [_mask(hi - lo, keys, device, dtype) for lo, hi, keys in block] for block in self.runs(chunk)
+            ]
+        return self._pieces[key]
+
+    def varlen(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        """The plan as one variable-length attention call: (row position of each packed key, cumulative query
+        counts, cumulative key counts, most queries, most keys), the keys of every block end to end."""
+        key = ("varlen", str(device))
+        if key not in self._pieces:
+            keys = [x for ranges, _ in self.blocks for a, b in ranges for x in range(a, b)]
+            queries = [q for _, q in self.blocks]
+            counts = [sum(b - a for a, b in ranges) for ranges, _ in self.blocks]
+            as_int32 = lambda v: torch.tensor([0, *v], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)  # noqa: E731
+            index = torch.tensor(keys, dtype=torch.long, device=device)
+            self._pieces[key] = (index, as_int32(queries), as_int32(counts), max(queries), max(counts))
+        return self._pieces[key]
+
+
+def _mask(queries: int, keys: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    if queries == keys:
+        return None
+    seen = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+    return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
 
 
 def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -84,22 +138,54 @@ def _plan_attention(
     dropout: float,
     scaling: float | None,
 ) -> torch.Tensor:
+    """(1, heads, tokens, dim): one SDPA call per block (per query run of a long block on a CPU)."""
+    chunk = CPU_QUERY_CHUNK if query.device.type == "cpu" else None
     sizes, blocks = plan.pieces()
     qs, ks, vs = (t.split(sizes, dim=2) for t in (query, key, value))
     out = []
-    for key_pieces, query_pieces in blocks:
+    for (key_pieces, query_pieces), runs, masks in zip(
+        blocks, plan.runs(chunk), plan.masks(chunk, query.device, query.dtype)
+    ):
         q, k, v = (
             _cat([qs[i] for i in query_pieces]),
             _cat([ks[i] for i in key_pieces]),
             _cat([vs[i] for i in key_pieces]),
         )
-        queries, keys = q.shape[2], k.shape[2]
-        if queries == keys:
-            out.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True))
-        else:  # causal, aligned at the bottom right: query j sees keys up to keys - queries + j
-            mask = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(keys - queries)
-            out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling))
+        for (lo, hi, keys), mask in zip(runs, masks):  # views of the block's tensors: no copies kept for backward
+            if len(runs) > 1:
+                q_run, k_run, v_run = q[:, :, lo:hi], k[:, :, :keys], v[:, :, :keys]
+            else:
+                q_run, k_run, v_run = q, k, v
+            out.append(F.scaled_dot_product_attention(q_run, k_run, v_run, mask, dropout, mask is None, scale=scaling))
     return torch.cat(out, dim=2)
+
+
+def _varlen_attn() -> Any:
+    """``torch.nn.attention.varlen.varlen_attn`` (FlashAttention's variable-length kernel, CUDA), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _use_varlen(query: torch.Tensor, dropout: float) -> bool:
+    """Whether the plan runs as one variable-length call: a half-precision CUDA batch without attention dropout
+    (FlashAttention's dtypes; its kernel has no dropout) and a torch that has the kernel."""
+    return (
+        query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not dropout and _varlen_attn() is not None
+    )
+
+
+def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: AttentionPlan, scaling):
+    """(1, tokens, heads, dim): every block in one call, each block's keys gathered end to end; FlashAttention's
+    causal mask for fewer queries than keys is aligned at the bottom right, as the plan's blocks are."""
+    index, cu_q, cu_k, max_q, max_k = plan.varlen(query.device)
+    q = query[0].transpose(0, 1)
+    k, v = (t[0].transpose(0, 1).index_select(0, index) for t in (key, value))
+    attn = _varlen_attn()
+    causal = {"window_size": (-1, 0)} if "window_size" in inspect.signature(attn).parameters else {"is_causal": True}
+    return attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, **causal).unsqueeze(0)
 
 
 def packed_attention_forward(
@@ -127,6 +213,8 @@ def packed_attention_forward(
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     packed_plan.calls += 1
+    if _use_varlen(query, dropout):
+        return _varlen_attention(query, key, value, packed_plan, scaling), None
     out = _plan_attention(query, key, value, packed_plan, dropout, scaling)
     return out.transpose(1, 2).contiguous(), None
 
@@ -217,7 +305,7 @@ def pack_batch(batch: dict[str, torch.Tensor], share_prompt: bool = False) -> Pa
     every token sees exactly what it sees in its own padded row.
     """
     ids = batch["input_ids"]
-    lengths, prompts = batch["attention_mask"].sum(1).tolist(), prompt_lengths(batch).tolist()
+    lengths, prompts = torch.stack([batch["attention_mask"].sum(1), prompt_lengths(batch)]).tolist()  # one sync
     b = len(lengths) // 2
     rows, cols, positions, blocks, sources, targets, sequences, columns = [], [], [], [], [], [], [], []
     start = 0
@@ -313,7 +401,7 @@ def pack_rows(batch: dict[str, torch.Tensor], shared_prefix: int = 0) -> PackedB
     if shared_prefix:
         prefix = torch.cat([ids[:, :shared_prefix] * real[:, :shared_prefix], real[:, :shared_prefix].long()], 1)
         _, kind = torch.unique(prefix, dim=0, return_inverse=True)
-        leader = torch.full((int(kind.max()) + 1,), n, device=device).scatter_reduce(0, kind, leader, "amin")[kind]
+        leader = torch.full((n,), n, device=device).scatter_reduce(0, kind, leader, "amin")[kind]  # kind < n
         kept = real.clone()
         kept[leader != torch.arange(n, device=device), :shared_prefix] = False
     lengths = kept.sum(1)
@@ -331,13 +419,15 @@ def pack_rows(batch: dict[str, torch.Tensor], shared_prefix: int = 0) -> PackedB
     if not bool(kept[scored_rows, scored_cols].all()):
         raise ValueError(f"pack_rows: a scored token lies in the first {shared_prefix} (shared) columns")
     prefix_held = real[:, :shared_prefix].sum(1) if shared_prefix else torch.zeros_like(lengths)
+    # one host transfer for the plan (not one per row: each is a device sync on an accelerator)
+    starts_, lengths_, leader_, held_ = torch.stack([starts, lengths, leader, prefix_held]).tolist()
     blocks = []
-    for row, (s, length, lead) in enumerate(zip(starts.tolist(), lengths.tolist(), leader.tolist())):
-        held = int(prefix_held[lead])
+    for row, (s, length, lead) in enumerate(zip(starts_, lengths_, leader_)):
+        held = held_[lead]
         if length and (lead == row or not held):
             blocks.append((((s, s + length),), length))
         elif length:
-            blocks.append((((int(starts[lead]), int(starts[lead]) + held), (s, s + length)), length))
+            blocks.append((((starts_[lead], starts_[lead] + held), (s, s + length)), length))
     targets_at = at(scored_rows, scored_cols)
     packed = ids[rows, cols].unsqueeze(0)
     return PackedBatch(

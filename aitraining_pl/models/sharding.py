@@ -11,7 +11,8 @@ The project scores tokens without the model's ``forward`` (decoder, then the LM 
 root (parameters gathered before, gradients reduce-scattered after backward). ``gathered`` holds every parameter
 gathered for a whole rollout phase (one all-gather per parameter, not one per generated token); inside it no
 forward communicates, so ranks may generate different numbers of tokens. ``full_weights`` swaps the full
-parameters in for an export or a comparison; every rank must enter it (it all-gathers).
+parameters in for an export or a comparison; every rank must enter it (it all-gathers, on the accelerator also
+under CPU offload: ``full_tensor``).
 
 On one device or under DDP nothing here runs: ``is_sharded`` is False and the helpers are no-ops.
 """
@@ -101,6 +102,33 @@ def as_forward(network: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs:
     return call(fn, *args, **kwargs) if call is not None else fn(*args, **kwargs)
 
 
+def mesh_device(mesh: Any) -> torch.device:
+    """The device ``mesh``'s collectives run on (``cuda:<current>`` for a CUDA mesh)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of ``tensor``: a ``DTensor`` all-gathered on its mesh's device and returned on the device of its
+    shard; any other tensor as it is. Under CPU offload the shards live in host memory while the mesh is the
+    accelerator's: each shard moves to the device first, so the gather runs there (NCCL, not the process group's
+    gloo side), and the full tensor comes back to the host (an export of a model the device could not hold)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    local, mesh = tensor.to_local(), tensor.device_mesh
+    device = mesh_device(mesh)
+    if local.device.type == device.type:
+        return tensor.full_tensor()
+    moved = DTensor.from_local(
+        local.to(device, non_blocking=True), mesh, tensor.placements, run_check=False,
+        shape=tensor.shape, stride=tensor.stride(),
+    )  # fmt: skip
+    return moved.full_tensor().to(local.device)
+
+
 def _fsdp_modules(network: nn.Module) -> list[Any]:
     from torch.distributed.fsdp import FSDPModule
 
@@ -149,7 +177,7 @@ def full_weights(*networks: nn.Module) -> Iterator[None]:
             for name, param in list(module._parameters.items()):
                 if isinstance(param, DTensor):
                     if id(param) not in full:
-                        full[id(param)] = nn.Parameter(param.full_tensor().detach(), requires_grad=param.requires_grad)
+                        full[id(param)] = nn.Parameter(full_tensor(param).detach(), requires_grad=param.requires_grad)
                     module._parameters[name] = full[id(param)]
                     swapped.append((module, name, param))
     try:

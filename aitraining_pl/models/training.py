@@ -1,4 +1,5 @@
-"""Training-time switches applied to whole networks: eval mode for a block, no dropout, gradient checkpointing."""
+"""Training-time switches applied to whole networks: eval mode for a block, no dropout, gradient checkpointing,
+float32 master weights."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import re
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 from aitraining_pl.models.packing import checkpoint_contexts
@@ -65,3 +67,15 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:  # transformers < 5
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def keep_float32(module: nn.Module) -> int:
+    """Cast the trainable floating-point parameters of ``module`` to float32 in place (the same ``Parameter``
+    objects: tied weights stay tied); frozen ones (a LoRA base, a 4-bit base) keep their dtype. Returns how many
+    were cast."""
+    cast = 0
+    for p in module.parameters():
+        if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.to(torch.float32)
+            cast += 1
+    return cast

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
@@ -40,7 +41,7 @@ from aitraining_pl.models import LoRAConfig, ReferencePolicy, is_peft_model, loa
 from aitraining_pl.models.lora import as_lora_config, save_adapter_base, save_plain
 from aitraining_pl.models.quantization import is_quantized, merged_full_precision_state, quantization_hparam
 from aitraining_pl.models.sharding import is_sharded, shard
-from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing
+from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing, keep_float32
 from aitraining_pl.optim import adamw_with_warmup, fused_adamw_applies
 from aitraining_pl.strategies import FSDP2Strategy  # noqa: F401 - registers the "fsdp2" strategy names
 from aitraining_pl.validation import Ranges, check_arguments, rules, save_hparams
@@ -180,6 +181,7 @@ class AlignmentModule(pl.LightningModule):
             raise ConfigError(  # FSDP1 flat parameters: scoring and generation would read sharded weights
                 "trainer.strategy", "FSDPStrategy (FSDP1) is not supported; use fsdp2 (FSDP2, docs/sharding.md)"
             )
+        self.keep_master_weights()
         mesh = self.device_mesh
         if mesh is None or is_sharded(self):  # not model-parallel, or already sharded (fit, then test)
             return
@@ -193,13 +195,38 @@ class AlignmentModule(pl.LightningModule):
             )
         data_parallel = mesh["data_parallel"] if "data_parallel" in names else mesh
         offload = bool(getattr(self.trainer.strategy, "cpu_offload", False))
-        if offload and self.device.type == "cpu":
+        if offload and self.trainer.strategy.root_device.type == "cpu":  # the module is still on the CPU here
             raise ConfigError("trainer.strategy", "cpu_offload moves shards off an accelerator; on CPU use fsdp2")
         for network in self.sharded_networks():
             shard(network, data_parallel, self.trainer.precision, offload)
         missed = [name for name, p in self.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
         if missed:  # gradients of a parameter no FSDP unit owns would never be averaged across ranks
             raise RuntimeError(f"{type(self).__name__}: trainable parameters outside sharded_networks(): {missed[:5]}")
+
+    def keep_master_weights(self) -> None:
+        """The trained weights' dtype under ``--trainer.precision`` (``configure_model``, before sharding and the
+        optimizer). Under ``*-mixed`` and ``32-true`` every trainable parameter is a float32 master weight, whatever
+        ``dtype`` loaded it as: transformers 5 loads a checkpoint's bf16 as it is, and an AdamW update below a bf16
+        weight's ulp (lr 1e-6 to 1e-5) would be lost; autocast gives the bf16/fp16 compute. Frozen networks (the
+        reference, a teacher) keep the dtype they were loaded in. Under ``bf16-true``/``16-true`` Lightning casts
+        the module to that dtype, weights and AdamW's states alike: on purpose (half the memory), and logged."""
+        precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+        if precision in ("bf16-true", "16-true"):
+            rank_zero_info(
+                f"precision {precision}: weights and optimizer states in {precision[:-5]}, no float32 master copy "
+                "(updates below a weight's ulp are lost); bf16-mixed keeps float32 master weights"
+            )
+        elif precision.endswith("-mixed") or precision == "32-true":
+            cast = keep_float32(self)
+            if cast:
+                rank_zero_info(f"precision {precision}: {cast} trainable parameters cast to float32 master weights")
+
+    def frozen_dtype(self) -> torch.dtype | None:
+        """The dtype of the frozen networks held outside the module tree (the reference, a teacher): the policy's
+        under ``bf16-true``/``16-true`` (Lightning cast the module), else None: as loaded (the reference of a bf16
+        checkpoint stays bf16 beside the float32 master weights; autocast computes both in bf16)."""
+        precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+        return next(self.policy.parameters()).dtype if precision in ("bf16-true", "16-true") else None
 
     def trainable_parameters(self) -> Iterable[nn.Parameter]:
         """Parameters handed to the optimizer (all with ``requires_grad``)."""

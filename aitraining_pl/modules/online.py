@@ -31,10 +31,14 @@ from aitraining_pl.environments.episode import is_episode_environment
 from aitraining_pl.environments.episode_rollout import sample_episodes
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
+from aitraining_pl.generation.config import check_server
+from aitraining_pl.generation.servers.fleet import Fleet, build_fleet
+from aitraining_pl.generation.servers.fleet_launch import LaunchedFleet
 from aitraining_pl.generation.servers.launcher import LaunchedServer, connect_to
 from aitraining_pl.losses import group_statistics, off_policy_log_ratio, off_policy_weights, place_scores
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.training import eval_mode
+from aitraining_pl.models.weights import policy_weights
 from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
 from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions, moved_correction
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, build_reward_source
@@ -122,6 +126,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         self.generation = (
             generation if isinstance(generation, GenerationConfig) else GenerationConfig(**dict(generation))
         )
+        check_server(self.generation.server, f"{type(self).__name__}.generation.server")
         options = self.policy_loss_options(arguments["policy_loss"])
         options, self.generation = moved_correction(options, self.generation, type(self).__name__)  # old names
         values = {**arguments, "kl_coef": float(arguments["kl_coef"])}
@@ -134,7 +139,8 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         source = reward if is_episode_environment(reward) else build_reward_source(reward)
         self._reward_source = [source]  # in a list: never a submodule, never saved
         self._backend: list[GenerationBackend | None] = [None]  # what samples the rollouts (built in ``setup``)
-        self._launched: list[LaunchedServer | None] = [None]  # a server this process started (``server: launch``)
+        #: the servers this process started (``server: launch``, ``server: {launch: ...}``)
+        self._launched: list[LaunchedServer | LaunchedFleet | None] = [None]
         self._pipeline: list[RolloutPipeline | None] = [None]  # the asynchronous schedule (``max_staleness``)
         self._sampling_seed: torch.Generator | None = None  # the seeds of an asynchronous job's sampling calls
         self.kl_coef = values["kl_coef"]
@@ -156,7 +162,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
     # ------------------------------------------------------------------ setup
     def on_fit_start(self) -> None:
         if self.reference is not None:
-            self.reference.to(self.device, next(self.policy.parameters()).dtype)
+            self.reference.to(self.device, self.frozen_dtype())
         if hasattr(self.reward_source, "to"):
             self.reward_source.to(self.device)
 
@@ -169,15 +175,29 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             return
         strategy, seed = self.trainer.strategy, int(self.hparam("seed", 0))
         run = strategy.broadcast(uuid.uuid4().hex)  # one id for the run's weight versions (servers)
-        generation = self.generation
-        if generation.server == "launch":  # rank 0 starts the server; every rank connects to it (one machine)
+        generation, fleet = self.generation, self.generation.fleet()
+        if fleet is not None:  # several servers (or one URL): rank 0 starts those to launch, every rank connects
+            if fleet.launch is not None and self.global_rank == 0:
+                gpus = self.trainer.num_devices if self.trainer.strategy.root_device.type == "cuda" else 0
+                self._launched[0] = LaunchedFleet(fleet.launch, generation, self.policy, self.tokenizer, seed, gpus)
+            launched = self._launched[0]
+            endpoints = [(url, None) for url in fleet.urls or []]
+            if fleet.launch is not None:
+                endpoints = strategy.broadcast(launched.endpoints() if launched else None)
+        elif generation.server == "launch":  # rank 0 starts the server; every rank connects to it (one machine)
             if self.global_rank == 0:
                 self._launched[0] = LaunchedServer(generation, self.policy, self.tokenizer, seed)
             server = self._launched[0]
             port, token = strategy.broadcast((server.port, str(server.token_file)) if server else None)
             generation = connect_to(generation, port, token)
-        context = BackendContext(self.policy, self.tokenizer, self.global_rank, run, seed)
-        backend = self._backend[0] = build_backend(generation, context, self.device)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        prompts = None if self.episodic else getattr(datamodule, "hparams", {}).get("max_prompt_length")
+        context = BackendContext(self.policy, self.tokenizer, self.global_rank, run, seed, str(self.trainer.precision),
+                                 prompts)  # fmt: skip
+        if fleet is not None:
+            backend = self._backend[0] = build_fleet(fleet, endpoints, generation, context, policy_weights)
+        else:
+            backend = self._backend[0] = build_backend(generation, context, self.device)
         if self.generation.pipelined:
             if backend.location != "server":
                 raise ConfigError(
@@ -454,7 +474,8 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         if pipeline is not None:
             pipeline.trained()
         # 5. log (one all-reduce of a fixed-size vector, never of ragged tensors)
-        stats.update(self.rollout_stats(rollout), **pipelined)
+        fleet = self.backend.stats() if isinstance(self.backend, Fleet) else {}  # servers up, per-server figures
+        stats.update(self.rollout_stats(rollout), **pipelined, **fleet)
         self.log_iteration(stats, n=rollout.input_ids.shape[0])
 
     def scheduled_rollout(self, batch: dict[str, Any], seed: int) -> RolloutBatch:
@@ -528,15 +549,19 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
                     self.manual_backward(loss / accum)
                 history.append(stats)
                 if last_micro:
-                    if hp.max_grad_norm:
-                        self.clip_gradients(
-                            optimizer, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm"
-                        )
-                    optimizer.step()
+                    optimizer.step()  # clips first (``on_before_optimizer_step``)
                     optimizer.zero_grad(set_to_none=True)
                     scheduler.step()
         self.update_history = history  # per-minibatch stats of the last iteration (tests, debugging)
         return {k: torch.stack([h[k] for h in history]).mean() for k in history[0]}
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Clip the gradients to ``max_grad_norm`` inside the precision plugin's step, where they are unscaled:
+        under ``16-mixed`` Lightning unscales only inside ``optimizer.step()`` (Lightning #18089), so a clip before
+        it would clip gradients still multiplied by the loss scale; here the plugin's ``scaler.unscale_`` has run,
+        once, and the scaler then skips a step whose gradients are not finite."""
+        if self.hparams.max_grad_norm:
+            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
 
     def log_iteration(self, stats: dict[str, torch.Tensor], n: int) -> None:
         """Average the iteration's stats over ranks in one all-reduce (``.../min`` and ``.../max`` entries in

@@ -55,7 +55,7 @@ class PreferenceModule(SharedStepModule):
     # ------------------------------------------------------------------ reference log-probs
     def _place_reference(self) -> None:
         if self.reference is not None:  # a no-op under LoRA and once the frozen copy was released
-            self.reference.to(self.device, next(self.policy.parameters()).dtype)
+            self.reference.to(self.device, self.frozen_dtype())
 
     def on_fit_start(self) -> None:
         self._place_reference()

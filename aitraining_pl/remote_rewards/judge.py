@@ -21,25 +21,34 @@ DEFAULT_JUDGE_TEMPLATE = (
 )
 
 _NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)"
+#: the default ``score_pattern``: the last number, read with the scale it is given on ("7/10", "8 out of 10")
+DEFAULT_SCORE_PATTERN = rf"({_NUMBER})(?:\s*(?:/|out\s+of)\s*(?P<scale>{_NUMBER}))?"
 
 
 def parse_judge_score(answer: str, pattern: re.Pattern, score_range: Sequence[float], normalize: bool = True) -> float:
     """The score in a judge's answer: the *last* match of ``pattern`` in ``answer`` (its first group when the pattern
     has groups) read as a number, which must lie in ``score_range = [low, high]``; mapped to ``(s - low) / (high -
-    low)`` in [0, 1] when ``normalize``, else returned as is.
+    low)`` in [0, 1] when ``normalize``, else returned as is. A pattern with a group named ``scale`` (the default,
+    ``DEFAULT_SCORE_PATTERN``: "7/10", "8 out of 10") reads the scale the score is given on, which must be ``high``:
+    "Rating: 7/10" is 7, and "4/5" against ``[0, 10]`` is refused rather than read as 4 out of 10.
 
     Raises:
-        ValueError: no match, a match that is not a number, or a score outside the range (the message says which).
+        ValueError: no match, a match that is not a number, a score on another scale, or a score outside the range
+            (the message says which).
     """
     matches = list(pattern.finditer(answer))
     if not matches:
         raise ValueError(f"no score matching {pattern.pattern!r}")
-    text = matches[-1].group(1) if pattern.groups else matches[-1].group(0)
+    last = matches[-1]
+    text = last.group(1) if pattern.groups else last.group(0)
     try:
         score = float(text)
     except (TypeError, ValueError):
         raise ValueError(f"the score {text!r} is not a number") from None
     low, high = score_range
+    scale = last.groupdict().get("scale")
+    if scale is not None and float(scale) != high:
+        raise ValueError(f"the score {last.group(0)!r} is on a scale of {scale}, not score_range's {high:g}")
     if not (low <= score <= high):  # NaN fails too
         raise ValueError(f"the score {score:g} is outside score_range [{low:g}, {high:g}]")
     return (score - low) / (high - low) if normalize else score
@@ -64,8 +73,9 @@ class JudgeReward:
         system: an optional system message.
         api_key_env: name of the environment variable holding the API key, sent as ``Authorization: Bearer ...``
             (never written in the config).
-        score_pattern: a regular expression for the score; its last match counts (its first group if it has one).
-            Default: the last number in the answer.
+        score_pattern: a regular expression for the score; its last match counts (its first group if it has one;
+            a group named ``scale`` must match ``score_range``'s high). Default: the last number in the answer, with
+            its scale where one is written ("7/10", "8 out of 10": ``DEFAULT_SCORE_PATTERN``).
         score_range: ``[low, high]`` a score must lie in (default ``[0, 10]``).
         normalize: map scores to [0, 1] (``(s - low) / (high - low)``; default) or keep the judge's scale.
         on_unparseable: ``error`` (default) or ``zero``: what an answer without a score in range gives.
@@ -105,7 +115,7 @@ class JudgeReward:
         where = self.endpoint.where
         try:
             self.fields = {f.split(".")[0].split("[")[0] for _, f, _, _ in string.Formatter().parse(template) if f}
-            self.pattern = re.compile(score_pattern if score_pattern is not None else _NUMBER)
+            self.pattern = re.compile(score_pattern if score_pattern is not None else DEFAULT_SCORE_PATTERN)
         except (ValueError, re.error) as err:
             raise RewardError(where, f"bad template or score_pattern: {err}") from None
         if "" in self.fields:

@@ -158,9 +158,9 @@ class HTTPEndpoint:
             request = urllib.request.Request(self._target, data=data, headers=self._headers, method="POST")
             try:
                 with _OPENER.open(request, timeout=self.timeout) as response:
-                    status, body = response.status, response.read()
+                    status, body = response.status, response.read(MAX_ANSWER_BYTES + 1)
             except urllib.error.HTTPError as err:
-                status, body = err.code, err.read()
+                status, body = err.code, err.read(MAX_ANSWER_BYTES + 1)
             except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out (URLError, TimeoutError)
                 reason = getattr(err, "reason", err)
                 timed_out = isinstance(reason, TimeoutError) or "timed out" in str(reason)
@@ -170,6 +170,11 @@ class HTTPEndpoint:
                 raise RewardError(
                     self.where, f"{failure} after {attempts} attempts (retries: {self.retries})"
                 ) from None
+            if len(body) > MAX_ANSWER_BYTES:
+                raise RewardError(
+                    self.where,
+                    f"HTTP {status} with an answer of more than {MAX_ANSWER_BYTES >> 20} MiB (read no further)",
+                )
             if status == 200:
                 try:
                     return json.loads(body)
@@ -180,6 +185,10 @@ class HTTPEndpoint:
             tried = f"after {attempts} attempts (retries: {self.retries})" if status >= 500 or status == 429 else ""
             raise RewardError(self.where, f"HTTP {status} {tried or '(not retried)'}: {self.quote(body)}")
         raise AssertionError("unreachable")
+
+
+#: the longest answer a reward server or judge may send; a longer one is refused, read no further than this
+MAX_ANSWER_BYTES = 16 << 20
 
 
 def check_scores(where: str, values: Any, count: int, what: str = "scores", allow_none: bool = False) -> list:

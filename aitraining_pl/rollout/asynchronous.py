@@ -10,7 +10,9 @@ synchronous loop). ``version`` counts the iterations that trained.
 at each ``training_step`` the pipeline
 
 1. pushes the policy's weights as ``version`` when ``weight_sync_steps`` versions have passed since the last push
-   (a CPU snapshot taken here, in the trainer's thread, and sent by the worker thread in order);
+   (a host snapshot queued here, and sent by the worker thread in order: ``HostSnapshot``; on a GPU the copies go
+   into pinned buffers on a side stream, non-blocking, and overlap the next step, whose first optimizer step waits
+   for them on the device, not in the trainer's thread);
 2. submits the rollouts of this step's batch, to be sampled by the last pushed version, and scored, on a worker
    thread (the server samples; the reward source runs in this process);
 3. returns the rollouts submitted ``lag = max_staleness - weight_sync_steps + 1`` steps ago (waiting for them if
@@ -66,12 +68,67 @@ Weights = list[tuple[str, torch.Tensor]]
 TIMES = ("trainer_wait", "generator_busy", "generator_idle", "push")
 
 
-def snapshot(policy: torch.nn.Module, keep: bool) -> Weights | None:
-    """The policy's weights as CPU copies (``keep``), or None; under FSDP2 every rank walks the gathers."""
-    if not keep and not is_sharded(policy):
-        return None
-    weights = [(name, tensor.to("cpu", copy=True)) for name, tensor in policy_weights(policy)]
-    return weights if keep else None
+class HostSnapshot(list):
+    """The policy's weights as host copies, ``(name, tensor)`` pairs, perhaps still being copied: ``wait`` before
+    reading them (the worker does, before a push). On a GPU each tensor is copied into a pinned buffer (PyTorch's
+    caching host allocator reuses them across pushes once their copies are done) with a non-blocking copy on a side
+    stream; the event recorded after the last copy is what ``wait`` waits for, and the device's next optimizer step
+    waits for it too (on the device: it would change the parameters being read)."""
+
+    def __init__(self, weights: Weights, done: Any = None):
+        super().__init__(weights)
+        self.done = done  #: the CUDA event recorded after the copies (None: copied already)
+
+    def wait(self) -> HostSnapshot:
+        if self.done is not None:
+            self.done.synchronize()
+        return self
+
+
+def copy_to_host(weights: Any) -> HostSnapshot:
+    """``HostSnapshot`` of the ``(name, tensor)`` stream ``weights`` (see there); the trainer's thread only queues the
+    copies of device tensors."""
+    copies: Weights = []
+    stream = event = None
+    for name, tensor in weights:
+        tensor = tensor.detach()
+        if tensor.device.type != "cuda":
+            copies.append((name, tensor.to("cpu", copy=True)))
+            continue
+        if stream is None:
+            stream = torch.cuda.Stream(tensor.device)
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the weights as the step left them
+        with torch.cuda.stream(stream):
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(stream)  # a gathered (FSDP2) or merged (LoRA) temporary stays alive until copied
+        copies.append((name, host))
+    if stream is not None:
+        event = torch.cuda.Event()
+        event.record(stream)
+        before_next_update(event)
+    return HostSnapshot(copies, event)
+
+
+def before_next_update(event: Any) -> None:
+    """Make the device's next optimizer step (any optimizer's) wait for ``event`` first, once."""
+    handle = None
+
+    def hook(*args: Any) -> None:
+        torch.cuda.current_stream().wait_event(event)
+        handle.remove()
+
+    handle = torch.optim.optimizer.register_optimizer_step_pre_hook(hook)
+
+
+def snapshot(policy: torch.nn.Module, keep: bool) -> HostSnapshot | None:
+    """The policy's weights as host copies (``keep``: rank 0), or None; under FSDP2 every rank walks the gathers
+    (the other ranks copy nothing)."""
+    if keep:
+        return copy_to_host(policy_weights(policy))
+    if is_sharded(policy):
+        collections.deque(policy_weights(policy), maxlen=0)
+    return None
 
 
 def job_seed(seed: int, step: int, rank: int, stream: int = 0) -> int:
@@ -197,6 +254,8 @@ class RolloutPipeline:
 
         def send() -> None:
             start = time.perf_counter()
+            if isinstance(weights, HostSnapshot):
+                weights.wait()  # the copies queued in the trainer's thread
             self.backend.push(weights, version, in_flight=self.free)
             self.timing["push"] += time.perf_counter() - start
 
@@ -267,7 +326,7 @@ class RolloutPipeline:
                 }
                 for pending in self.queue
             ],  # fmt: skip
-            "weights": self.held if self.pushed < self.version < self.pushed + self.sync_every else None,
+            "weights": held_weights(self.held) if self.pushed < self.version < self.pushed + self.sync_every else None,
         }
 
     def load_state_dict(self, state: dict[str, Any], restore: Callable[[dict[str, Any]], Any]) -> None:
@@ -294,6 +353,13 @@ class RolloutPipeline:
         self.closing = True
         self.jobs.put(None)
         self.thread.join(timeout=timeout)
+
+
+def held_weights(held: Weights | None) -> Weights | None:
+    """The held push as a plain list of finished copies (checkpoint-safe)."""
+    if isinstance(held, HostSnapshot):
+        held.wait()
+    return None if held is None else list(held)
 
 
 def staleness(version: int, sampled_by: int, rollout: Any) -> dict[str, torch.Tensor]:

@@ -40,7 +40,12 @@ PROMPTS = ["Add 2 and 3.", "Go", "What is 6 * 7?"]
 def qwen():
     tokenizer, end = template_tokenizer("qwen2.5")
     tokenizer.padding_side = "left"
-    model = sharpen(build_causal_lm({**TINY_LLAMA, "vocab_size": len(tokenizer)}, seed=0), 4.0).eval()
+    config = {
+        **TINY_LLAMA,
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": 2048,
+    }  # the Qwen template: ~840 tokens
+    model = sharpen(build_causal_lm(config, seed=0), 4.0).eval()
     return tokenizer, end, model
 
 

@@ -222,3 +222,33 @@ def test_a_learning_rate_above_float32s_range_is_refused():
 
     with pytest.raises(HyperparameterError, match=r"DPOModule.learning_rate: must be 0 < value <= 3.40282e\+38"):
         DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e39)
+
+
+def test_losses_are_read_once_per_optimizer_step_not_per_micro_batch(monkeypatch):
+    """A host read of a tensor (``item``, ``bool``, ``tolist``, ``float``) is a device sync on a GPU: the losses of
+    the micro-batches are checked together at the optimizer step, in one read; a NaN among them is still named."""
+    trainer = type(
+        "T", (), {"precision_plugin": None, "world_size": 1, "global_step": 4, "current_epoch": 0,
+                  "fit_loop": type("F", (), {"epoch_loop": type("E", (), {"batch_idx": 2})})},
+    )()  # fmt: skip
+    layer = torch.nn.Linear(2, 1)
+    layer.weight.grad, layer.bias.grad = torch.ones(1, 2), torch.ones(1)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    reads = {"n": 0}
+    for name in ("tolist", "item", "__bool__", "__float__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _r=real: reads.update(n=reads["n"] + 1) or _r(self, *a)
+        )
+    guard = NonFiniteGuard()
+    for losses, reads_expected in (([0.5, 0.25, 0.75, 1.0], 1), ([0.5, float("nan"), 2.0], None)):
+        reads["n"] = 0
+        for value in losses:
+            guard.on_before_backward(trainer, None, torch.tensor(value))
+        assert reads["n"] == 0
+        if reads_expected is None:
+            with pytest.raises(NonFiniteError, match=r"non-finite train/loss \(nan\) at global_step 4"):
+                guard.on_before_optimizer_step(trainer, None, optimizer)
+        else:
+            guard.on_before_optimizer_step(trainer, None, optimizer)
+            assert reads["n"] == reads_expected

@@ -94,7 +94,8 @@ def test_a_new_backend_is_one_class_and_one_registry_line(monkeypatch, tmp_path)
     class Strategy:
         broadcast = staticmethod(lambda value: value)
 
-    monkeypatch.setattr(type(module), "trainer", property(lambda self: type("T", (), {"strategy": Strategy})()))
+    trainer = type("T", (), {"strategy": Strategy, "precision": "32-true"})
+    monkeypatch.setattr(type(module), "trainer", property(lambda self: trainer()))
     module.setup("fit")
     backend = module.backend
     assert isinstance(backend, FixedBackend) and FixedBackend.built[-1][:2] == (0, True)

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from aitraining_pl.losses import chunk_rows, fused_head_logps
-from aitraining_pl.losses.fused_head import _TEMPORARIES
+from aitraining_pl.losses import fused_head as fused_head_module
+from aitraining_pl.losses.fused_head import _TEMPORARIES, DEFAULT_MEMORY_BUDGET, device_memory_budget
 
 M, H, V = 50, 16, 97  # 50 positions in chunks of 7: the last chunk is short
 POST = {  # name: (scale, softcap, temperature)
@@ -193,6 +194,53 @@ def test_chunk_size_from_memory_budget():
     hidden, weight, bias, targets, _ = _inputs(seed=8)
     budgeted = fused_head_logps(hidden, weight, targets, bias, memory_budget=V * 4 * 2 * 3)  # 3 positions a chunk
     torch.testing.assert_close(budgeted.logps, reference(hidden, weight, targets, bias)[0])
+
+
+class _Matmuls(TorchDispatchMode):
+    """Counts the matrix products run (one per chunk in a no-grad forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+def test_chunk_budget_per_device(monkeypatch):
+    """96 MiB on a CPU, 1 GiB on CUDA (a stub device: only its type is read), and the default chunk follows the
+    budget of the hidden states' device."""
+    assert device_memory_budget("cpu") == DEFAULT_MEMORY_BUDGET == 96 * 2**20
+    assert device_memory_budget(torch.device("cuda", 1)) == 2**30
+    assert chunk_rows(152_000, device_memory_budget("cpu")) == 82
+    assert chunk_rows(152_000, device_memory_budget("cuda")) == 883
+    hidden, weight, bias, targets, _ = _inputs(seed=8)
+    monkeypatch.setitem(fused_head_module.MEMORY_BUDGETS, "cpu", V * 4 * _TEMPORARIES * 7)  # 7 positions a chunk
+    with torch.no_grad(), _Matmuls() as matmuls:
+        logps = fused_head_logps(hidden, weight, targets, bias).logps
+    assert matmuls.calls == -(-M // 7)
+    torch.testing.assert_close(logps, reference(hidden, weight, targets, bias)[0])
+
+
+def test_weight_gradient_accumulates_in_float32():
+    """bf16 autocast over many chunks: the head's weight gradient is the float64 gradient of a plain log-softmax
+    over the same bf16 logits to float32 precision. Each chunk's product rounded to bf16 before it is added (the
+    earlier code) is off by about 2e-3."""
+    g = torch.Generator().manual_seed(11)
+    rows, chunk = 256, 4
+    hidden = torch.randn(rows, H, generator=g)
+    weight = (torch.randn(V, H, generator=g) * 0.5).requires_grad_()
+    targets, upstream = torch.randint(0, V, (rows,), generator=g), torch.randn(rows, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logps = fused_head_logps(hidden, weight, targets, chunk_size=chunk).logps
+    (grad,) = torch.autograd.grad((logps * upstream).sum(), weight)
+    h, w = hidden.bfloat16(), weight.detach().bfloat16()
+    logits = torch.cat([F.linear(h[i : i + chunk], w) for i in range(0, rows, chunk)]).double().requires_grad_()
+    (dz,) = torch.autograd.grad((F.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0] * upstream).sum(), logits)
+    want = dz.t() @ h.double()
+    assert grad.dtype == torch.float32
+    assert float((grad.double() - want).norm() / want.norm()) < 1e-5
 
 
 def test_rejects_bad_shapes():

@@ -18,7 +18,7 @@ from aitraining_pl.losses.policy_options import (
     PolicyLossType,
     completed_rows,
     high_entropy_mask,
-    sequence_log_ratio,
+    sequence_log_ratio_mean,
 )
 
 
@@ -52,7 +52,7 @@ def test_gspo_ratio_is_invariant_to_response_length():
     c = 0.1  # the same per-token log-ratio on every token
     old = -torch.rand(3, 5)
     mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
-    log_s = sequence_log_ratio(old + c, old, mask)
+    log_s = sequence_log_ratio_mean(old + c, old, mask)
     torch.testing.assert_close(log_s * mask, c * mask.float())
     # the loss of each row is then -A * exp(c) (inside the clip range), whatever its length
     adv = torch.tensor([[1.0] * 5, [1.0] * 5, [1.0] * 5])

@@ -192,3 +192,24 @@ def test_samples_of_a_prompt_start_from_its_one_cache(model_type):
     got = _seeded(decode, model, ids, mask, _config([]), None, 3)
     assert torch.equal(got.response_ids, want.response_ids)
     torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_stop_strings_read_the_tokens_once_per_step_not_once_per_row(monkeypatch, byte_tokenizer):
+    """Each host read of a tensor (``tolist``, ``item``, ``bool``) is a device sync on a GPU: with a stop string the
+    decoder reads the step's tokens once for all rows, so 8 rows cost the reads of 2."""
+    model = build_causal_lm({"model_type": "llama", **spec("llama"), "vocab_size": 384}, seed=3).eval()
+    rule = StopRule(byte_tokenizer, ["a stop string no row reaches in 6 tokens"])
+    config = _config([], do_sample=False, max_new_tokens=6)
+    reads = {"n": 0}
+    for name in ("tolist", "item", "__bool__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _real=real: reads.update(n=reads["n"] + 1) or _real(self, *a)
+        )
+    counts = []
+    for rows in (2, 8):
+        ids, mask = _prompts(rows)
+        reads["n"] = 0
+        assert decode(model, ids, mask, config, rule).response_ids.shape == (rows, 6)
+        counts.append(reads["n"])
+    assert counts[0] == counts[1]

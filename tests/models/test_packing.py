@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from architectures import build_sharpened
 from conftest import TINY_LLAMA
+from test_architectures import _rows, own_logps, preference_batch
 from transformers import AutoConfig
 
-from aitraining_pl.models import build_causal_lm
+from aitraining_pl.models import build_causal_lm, packing
 from aitraining_pl.models.packing import AttentionPlan, packed_attention, supports_packing
 from aitraining_pl.models.scoring import completion_logps, pack_batch
+from aitraining_pl.models.training import disable_dropout
 
 
 def _config(**overrides):
@@ -23,6 +27,73 @@ def test_plan_pieces_cut_the_row_at_every_boundary():
     sizes, blocks = plan.pieces()
     assert sizes == [3, 2, 2, 3]
     assert blocks == [([0], [0]), ([1, 2], [1, 2]), ([1, 3], [3])]
+
+
+def test_plan_runs_cut_long_blocks_into_query_runs():
+    # a sequence of 5 tokens and a pair (prompt [5, 7), chosen [7, 9), rejected [9, 13)), runs of about 2 queries
+    plan = AttentionPlan([(((0, 5),), 5), (((5, 9),), 4), (((5, 7), (9, 13)), 4)])
+    assert plan.runs(2) == [[(0, 2, 2), (2, 5, 5)], [(0, 2, 2), (2, 4, 4)], [(0, 2, 4), (2, 4, 6)]]
+    assert plan.runs(None) == [[(0, 5, 5)], [(0, 4, 4)], [(0, 4, 6)]]
+    masks = plan.masks(2, torch.device("cpu"), torch.float32)
+    assert masks[0][0] is None and masks[1][1].shape == (2, 4) and masks[2][0].shape == (2, 4)
+    assert (masks[2][0] == 0).tolist() == [[True, True, True, False], [True, True, True, True]]
+
+
+def _attention(plan, chunk, monkeypatch, seed=0):
+    """Output and input gradients of the plan's attention on random (1, 2, N, 8) inputs, in runs of ``chunk``."""
+    monkeypatch.setattr(packing, "CPU_QUERY_CHUNK", chunk)
+    n = sum(q for _, q in plan.blocks)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g).requires_grad_() for _ in range(3))
+    out, _ = packing.packed_attention_forward(None, q, k, v, None, packed_plan=plan)
+    return (out, *torch.autograd.grad((out * torch.randn(out.shape, generator=g)).sum(), (q, k, v)))
+
+
+def test_query_runs_give_the_same_attention_and_gradients(monkeypatch):
+    plan = AttentionPlan([(((0, 9),), 9), (((9, 20),), 11), (((9, 14), (20, 27)), 7)])
+    whole = _attention(plan, None, monkeypatch)
+    for chunk in (1, 2, 3):
+        for got, want in zip(_attention(plan, chunk, monkeypatch), whole):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma", "phi3"])
+def test_query_runs_keep_dpo_logps_equal_the_models_own_forward(model_type, monkeypatch):
+    """The architecture matrix's DPO check (``test_architectures``) with runs of 2 queries, so that every block of
+    its short rows is cut."""
+    monkeypatch.setattr(packing, "CPU_QUERY_CHUNK", 2)
+    model = build_sharpened(model_type)
+    disable_dropout(model)
+    model.train()
+    rows = _rows(0)
+    got = completion_logps(model, preference_batch(rows), padding_free=True, share_prompt=True).logps
+    sequences = [(p, c) for p, c, _ in rows] + [(p, r) for p, _, r in rows]
+    want = torch.stack([own_logps(model, p, c).sum() for p, c in sequences])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_half_precision_cuda_batches_run_one_variable_length_call(monkeypatch):
+    """The CUDA path (FlashAttention's varlen kernel; stubbed here by SDPA per sequence, bottom-right causal as
+    FlashAttention's mask is) gives what the per-block calls give, in one call with the plan's keys end to end."""
+    plan = AttentionPlan([(((0, 9),), 9), (((9, 20),), 11), (((9, 14), (20, 27)), 7)])
+    seen = []
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        seen.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k, window_size))
+        out = []
+        for (a, b), (c, d) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):
+            qs, ks, vs = (t.transpose(0, 1)[None] for t in (q[a:b], k[c:d], v[c:d]))
+            mask = torch.ones(b - a, d - c, dtype=torch.bool).tril(int(d - c) - int(b - a))
+            out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)[0].transpose(0, 1))
+        return torch.cat(out)
+
+    monkeypatch.setattr(packing, "_varlen_attn", lambda: varlen_attn)
+    monkeypatch.setattr(packing, "_use_varlen", lambda query, dropout: True)
+    got = _attention(plan, None, monkeypatch)
+    monkeypatch.setattr(packing, "_use_varlen", lambda query, dropout: False)
+    for a, b in zip(got, _attention(plan, None, monkeypatch)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert seen == [([0, 9, 20, 27], [0, 9, 20, 32], 11, 12, (-1, 0))]
 
 
 def test_packed_attention_equals_separate_sequences():

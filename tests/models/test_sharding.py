@@ -120,3 +120,69 @@ def test_fsdp1_is_refused_with_the_fsdp2_name():
     module._trainer = SimpleNamespace(strategy=FSDPStrategy())
     with pytest.raises(ConfigError, match="use fsdp2"):
         module.configure_model()
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [(None, "cpu:gloo,cuda:nccl"), ("nccl", "cpu:gloo,cuda:nccl"), ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl")],
+)
+def test_cpu_offload_gives_the_process_group_a_cpu_side(monkeypatch, given, expected):
+    """On a (stub) CUDA device Lightning would start NCCL alone; the host shards of ``fsdp2_cpu_offload`` need gloo
+    for the clip's all-reduce and their gathers. Without offload the backend is left to Lightning."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from aitraining_pl.strategies import FSDP2Strategy
+
+    monkeypatch.setattr(ModelParallelStrategy, "setup_environment", lambda self: None)  # no process group here
+    for offload, backend in ((True, expected), (False, given or "nccl")):
+        strategy = FSDP2Strategy(cpu_offload=offload, process_group_backend=given)
+        strategy.parallel_devices = [torch.device("cuda", 0)]
+        strategy.setup_environment()
+        assert strategy._get_process_group_backend() == backend
+
+
+def test_offloaded_shards_are_gathered_on_the_mesh_device(mesh, monkeypatch):
+    """``full_weights`` under CPU offload on a (stub) accelerator: every shard is moved to the mesh's device before
+    ``full_tensor`` (the gather runs there), and the full weights come back to the host."""
+    from torch.distributed.tensor import DTensor
+
+    from aitraining_pl.models import build_causal_lm, sharding
+
+    sharded = shard(build_causal_lm(TINY_LLAMA, seed=0), mesh)
+    gathered_on: list[str] = []
+
+    def gather(self):
+        gathered_on.append(self.to_local().device.type)
+        return torch.zeros(self.shape)  # what the device would send back
+
+    monkeypatch.setattr(sharding, "mesh_device", lambda mesh: torch.device("meta"))
+    monkeypatch.setattr(DTensor, "full_tensor", gather)
+    with full_weights(sharded):
+        devices = {p.device.type for p in sharded.parameters()}
+    monkeypatch.undo()
+    assert set(gathered_on) == {"meta"} and len(gathered_on) == len(list(sharded.parameters()))
+    assert devices == {"cpu"}
+
+
+def test_cpu_offload_is_decided_by_the_strategys_device_not_the_modules(mesh, monkeypatch):
+    """``configure_model`` runs before Lightning moves the module to its device: on a (stub) GPU the parameters are
+    still on the CPU there, so the offload check reads the strategy's root device; on a CPU offload is refused."""
+    from types import SimpleNamespace
+
+    import aitraining_pl.modules.base as base
+    from aitraining_pl.errors import ConfigError
+    from aitraining_pl.modules.dpo import DPOModule
+
+    sharded: list[bool] = []
+    monkeypatch.setattr(base, "shard", lambda network, mesh, precision, offload: sharded.append(offload))
+    monkeypatch.setattr(base, "DTensor", torch.Tensor)  # every parameter counts as sharded (shard is stubbed)
+    for device in ("cuda", "cpu"):
+        module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte")
+        strategy = SimpleNamespace(cpu_offload=True, root_device=torch.device(device))
+        module._trainer, module._device_mesh = SimpleNamespace(strategy=strategy, precision="bf16-mixed"), mesh
+        if device == "cpu":
+            with pytest.raises(ConfigError, match="cpu_offload"):
+                module.configure_model()
+        else:
+            module.configure_model()
+            assert sharded == [True, True]  # the policy and the frozen reference

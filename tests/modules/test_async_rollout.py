@@ -154,3 +154,44 @@ def test_a_server_fault_is_raised_in_the_trainer_and_the_worker_stops():
     pipeline.close()
     assert not pipeline.thread.is_alive()
     assert "aitraining-pl-rollouts" not in [t.name for t in threading.enumerate()]
+
+
+def test_a_push_queues_the_host_copy_and_the_worker_sends_it_once_copied(monkeypatch):
+    """The trainer's thread only queues the snapshot (on a GPU: non-blocking copies into pinned buffers on a side
+    stream; here a stub device whose copy finishes when the test says): ``push`` returns at once, the next step
+    goes on (the policy changes), and the worker sends the weights of the push once the copy is done."""
+    import aitraining_pl.rollout.asynchronous as asynchronous
+
+    copied = threading.Event()
+
+    class StubCopy:
+        def synchronize(self):
+            assert copied.wait(10)
+
+    def queued_copy(weights):  # what the device would hold once done: the values at the push
+        return asynchronous.HostSnapshot([(n, t.detach().clone()) for n, t in weights], StubCopy())
+
+    monkeypatch.setattr(asynchronous, "copy_to_host", queued_copy)
+    client, policy = StandInClient(), policy_at(3)
+    pipeline = RolloutPipeline(client, policy, 0, lag=1, sync_every=1, seed=0)
+    try:
+        start = time.perf_counter()
+        pipeline.push()
+        assert time.perf_counter() - start < 1.0 and client.events == []  # queued, not sent, the trainer goes on
+        with torch.no_grad():
+            policy.weight.fill_(4.0)  # the next step's update
+        copied.set()
+        pipeline.wait(pipeline._run(lambda: None))  # the worker is past the push
+        assert client.events == [("push", 0, 3.0)]
+    finally:
+        pipeline.close()
+
+
+def test_host_snapshot_holds_the_weights_of_the_push():
+    from aitraining_pl.rollout.asynchronous import copy_to_host
+
+    policy = policy_at(5)
+    weights = copy_to_host(policy.state_dict().items())
+    with torch.no_grad():
+        policy.weight.fill_(6.0)
+    assert float(dict(weights.wait())["weight"]) == 5.0 and weights.done is None  # on the CPU: copied at once

@@ -127,6 +127,18 @@ def test_bad_judge_configs_are_refused_when_built(monkeypatch):
         build_reward_source({"base_url": url, "model": "m", "api_key_env": "JUDGE_KEY"})
 
 
+@pytest.mark.parametrize(
+    "answer, score",
+    [("Rating: 7/10", 0.7), ("I give it 8 out of 10.", 0.8), ("Good.\n9", 0.9), ("2 issues; 6 / 10", 0.6)],
+)
+def test_the_default_pattern_reads_a_score_with_its_scale(answer, score):
+    from aitraining_pl.remote_rewards.judge import DEFAULT_SCORE_PATTERN
+
+    assert parse_judge_score(answer, re.compile(DEFAULT_SCORE_PATTERN), (0, 10)) == pytest.approx(score)
+    with pytest.raises(ValueError, match="'4/5' is on a scale of 5, not score_range's 10"):
+        parse_judge_score("Rating: 4/5", re.compile(DEFAULT_SCORE_PATTERN), (0, 10))
+
+
 def test_parse_judge_score_reads_the_last_match():
     number = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)")
     assert parse_judge_score("3 of 5 points; overall 4", number, (1, 5)) == 0.75

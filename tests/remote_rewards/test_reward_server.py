@@ -129,6 +129,17 @@ def test_a_bad_answer_is_one_line_naming_the_url(server, path, why):
     assert failure(remote(server, path)) == f"remote reward {server.url(path)}: {why}"
 
 
+def test_an_oversized_answer_is_refused_without_reading_it_whole(server, monkeypatch):
+    from aitraining_pl.remote_rewards import transport
+
+    monkeypatch.setattr(transport, "MAX_ANSWER_BYTES", 1 << 20)
+    server.routes["/huge"] = lambda hit: (200, b'{"scores": [' + b"1, " * (1 << 20) + b"1]}")
+    message = failure(remote(server, "/huge"))
+    assert (
+        message == f"remote reward {server.url('/huge')}: HTTP 200 with an answer of more than 1 MiB (read no further)"
+    )
+
+
 def test_a_refused_connection_is_retried_then_named():
     closed = LoopbackServer({})
     url = closed.url("/score")

@@ -1,0 +1,467 @@
+"""``Fleet``: one generation backend over N generation servers (``Replica``\\ s), with the server client's interface
+(``location = "server"``, ``sample``, ``sync``, ``push``, ``sleep``, ``close``), so the rollout engine and the
+asynchronous pipeline use one server or many alike.
+
+**Routing.** A ``sample`` call's prompts are split into runs of consecutive prompts, each sent to one server: a
+prompt that continues one served before (the next turn of a multi-turn episode, an agent's next call: its tokens
+start with that earlier prompt) goes where that one went, so the server's prefix cache holds its earlier turns;
+the others go to the servers with the fewest outstanding tokens (asked for, not yet answered), filling the least
+loaded first. The answers are put back in the prompts' order. Prompt ``i`` of a call seeded ``s`` is drawn with
+seed ``s + i * num_samples`` (vLLM's rule for a request's prompts): a run starting at prompt ``k`` is sent with
+seed ``s + k * num_samples``, so the samples do not depend on which server drew which prompt.
+
+**Versions.** A push goes to every server (in parallel) before the fleet's version moves, so no request names a
+version some server lacks; a request goes only to a server holding its version (the free schedule's ``newer``:
+that version or a later one), so ``max_staleness`` holds across the fleet. An in-flight push (``async_schedule:
+free``) pauses each server between decode steps keeping its KV cache, pushes, and resumes it.
+
+**Faults.** A server that cannot be reached, or does not answer by its deadline (``connect_timeout`` plus
+``token_timeout`` per ``max_new_tokens``: a slow server does not hold up the others), is marked down with one
+warning; its requests are re-sent to the servers up (the same seed: the same samples from a deterministic
+server) and ``fleet/servers_up`` drops. At each push a server marked down is asked its health route and, when it
+answers, gets the push and rejoins. With none up, the call fails with one ``GenerationServerError`` line.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import importlib
+import itertools
+import threading
+import time
+import uuid
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.config import ServerConfig
+from aitraining_pl.generation.servers.replica import PushReport, Replica, ReplicaDown
+from aitraining_pl.generation.version import WeightsVersion
+from aitraining_pl.models.generation import SampledTokens, StopRule
+from aitraining_pl.models.sharding import is_sharded
+
+#: what builds the ``Replica`` of a URL, by its scheme (``"module:name"``, imported only when a URL of that scheme is
+#: used), called as ``(url, generation, context, token_file, connect_timeout)``
+REPLICAS = {
+    "http": "aitraining_pl.generation.servers.fleet_launch:http_replica",
+    "https": "aitraining_pl.generation.servers.fleet_launch:http_replica",
+    "tcp": "aitraining_pl.generation.servers.tcp_replica:TCPReplica",  # ``aitraining-pl serve``'s frames (one release)
+}
+RESUME = "a run that had started resumes from its last checkpoint with --ckpt_path"
+#: seeds drawn for unseeded calls are offset by this per rank (every rank's global generator is the same)
+RANK_SEED_STRIDE = 1_000_003
+
+
+def replica_factory(url: str) -> Callable[..., Replica]:
+    """What builds the ``Replica`` of ``url`` (``REPLICAS``)."""
+    module, _, name = REPLICAS[url.partition("://")[0].lower()].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_fleet(
+    servers: ServerConfig, endpoints: Sequence[tuple[str, str | None]], generation: Any, context: Any, weights
+) -> Fleet:
+    """The fleet of ``endpoints`` (``(url, token file or None)``, one per server) for ``generation.server``
+    ``servers`` and a ``BackendContext``; each replica is ``replica_factory(url)(url, generation, context, token_file,
+    connect_timeout)``. ``weights``: ``policy_weights``."""
+    timeout = float(servers.connect_timeout)
+    replicas = [replica_factory(url)(url, generation, context, token, timeout) for url, token in endpoints]
+    return Fleet(replicas, weights, context.rank, context.run, timeout, float(servers.token_timeout),
+                 bool(generation.vllm.sync_weights))  # fmt: skip
+
+
+@dataclasses.dataclass
+class ReplicaRequest(SampleRequest):
+    """What one server is asked: a ``sample`` call's arguments for a run of its prompts (on the CPU; prompt ``i``
+    drawn with ``seed + i * num_samples``), and the weights that must sample them (``version``; with ``newer`` that
+    version or a later one of the run)."""
+
+    version: WeightsVersion | None = None
+    newer: bool = False
+
+    @property
+    def tokens(self) -> int:
+        """Tokens asked for: responses times ``max_new_tokens``."""
+        return int(self.prompt_ids.shape[0]) * int(self.num_samples) * int(self.generation.max_new_tokens)
+
+
+class PrefixAffinity:
+    """Which server served each recent prompt, found again for a later prompt that strictly extends it (an
+    episode's next turn); a repeated prompt is not a continuation and is routed by load. Keys are rolling hashes of
+    the prompt's tokens; the oldest of ``capacity`` entries are forgotten."""
+
+    MOD, BASE = (1 << 61) - 1, 1_000_003
+
+    def __init__(self, capacity: int = 65536):
+        self.capacity, self.table, self.lock = capacity, OrderedDict(), threading.Lock()
+
+    def hashes(self, tokens: Sequence[int]) -> list[int]:
+        out, h = [], 0
+        for token in tokens:
+            h = (h * self.BASE + int(token) + 1) % self.MOD
+            out.append(h)
+        return out
+
+    def record(self, tokens: Sequence[int], index: int) -> None:
+        if not tokens:
+            return
+        key = (len(tokens), self.hashes(tokens)[-1])
+        with self.lock:
+            self.table[key] = index
+            self.table.move_to_end(key)
+            while len(self.table) > self.capacity:
+                self.table.popitem(last=False)
+
+    def lookup(self, tokens: Sequence[int]) -> int | None:
+        """The server of the longest recorded prompt that ``tokens`` strictly extends, or None."""
+        hashes = self.hashes(tokens)
+        with self.lock:
+            for length in range(len(tokens) - 1, 0, -1):
+                index = self.table.get((length, hashes[length - 1]))
+                if index is not None:
+                    return index
+        return None
+
+
+class _Member:
+    """One server of the fleet and what the fleet knows of it (its counters since the last ``stats``)."""
+
+    def __init__(self, index: int, replica: Replica):
+        self.index, self.replica, self.up = index, replica, True
+        self.version: WeightsVersion | None = None  #: the weights it holds (pushed by this fleet)
+        self.outstanding = 0  #: tokens asked for and not answered
+        self.running, self.busy_since = 0, 0.0
+        self.requests = self.tokens = self.push_bytes = 0
+        self.busy = self.push_seconds = 0.0
+
+    def enter(self, tokens: int) -> None:
+        self.outstanding += tokens
+        self.running += 1
+        if self.running == 1:
+            self.busy_since = time.perf_counter()
+
+    def leave(self, tokens: int) -> None:
+        self.outstanding -= tokens
+        self.running -= 1
+        if self.running == 0:
+            self.busy += time.perf_counter() - self.busy_since
+
+    def busy_seconds(self) -> float:
+        """Busy time since the last ``stats`` (the running stretch up to now included; restarted)."""
+        now, busy = time.perf_counter(), self.busy
+        if self.running:
+            busy, self.busy_since = busy + now - self.busy_since, now
+        self.busy = 0.0
+        return busy
+
+
+class Fleet:
+    """The generation backend over ``replicas`` (see the module docstring).
+
+    Args:
+        replicas: the servers' clients, in the order of their URLs (metrics are ``fleet/<index>/...``).
+        weights: the policy's ``(name, tensor)`` pairs for ``sync`` (``policy_weights``).
+        rank: this process's global rank; rank 0 pushes (the others record the version their rollouts need).
+        run: the run's id (shared by its ranks): versions are ``WeightsVersion(run, step)``.
+        connect_timeout: seconds a request may take beyond its generation time (connecting, queueing).
+        token_timeout: seconds per ``max_new_tokens`` a request may take, on top of ``connect_timeout``.
+        sync_weights: False: push only once (debugging).
+    """
+
+    location = "server"  #: a ``GenerationBackend`` in other processes
+    kind = "generation fleet"
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        weights: Callable[[torch.nn.Module], Iterable[tuple[str, torch.Tensor]]],
+        rank: int = 0,
+        run: str | None = None,
+        connect_timeout: float = 30.0,
+        token_timeout: float = 1.0,
+        sync_weights: bool = True,
+    ):
+        if not replicas:
+            raise ValueError("a fleet needs at least one replica")
+        self.members = [_Member(i, r) for i, r in enumerate(replicas)]
+        self.weights, self.rank, self.run = weights, int(rank), run or uuid.uuid4().hex
+        self.connect_timeout, self.token_timeout, self.sync_weights = connect_timeout, token_timeout, sync_weights
+        self.at_least = False  #: requests take their version or any later one (the free schedule)
+        self._version: WeightsVersion | None = None
+        self.calls = itertools.count()
+        self.lock = threading.Lock()  #: guards the members' state
+        self.affinity = PrefixAffinity()
+        self.sampling = concurrent.futures.ThreadPoolExecutor(4 * len(replicas), thread_name_prefix="fleet-sample")
+        self.pushing = concurrent.futures.ThreadPoolExecutor(len(replicas), thread_name_prefix="fleet-push")
+        self.sync_seconds = 0.0  #: wall time of the last push (all servers)
+        self.cached_tokens = 0  #: prompt tokens of the last ``sample`` found in the servers' prefix caches
+
+    @property
+    def version(self) -> WeightsVersion | None:
+        """The weights version this process's requests name (set as ``WeightsVersion`` or ``run:step`` text)."""
+        return self._version
+
+    @version.setter
+    def version(self, value: Any) -> None:
+        self._version = WeightsVersion.parse(value)
+
+    def urls(self) -> str:
+        return ", ".join(m.replica.url for m in self.members)
+
+    def up(self) -> int:
+        return sum(m.up for m in self.members)
+
+    def gone(self, doing: str) -> GenerationServerError:
+        """The one line for a fleet with no server left."""
+        n = len(self.members)
+        every = "the generation server" if n == 1 else f"all {n} generation servers"
+        return GenerationServerError(
+            self.kind, f"{every} ({self.urls()}) are down or unreachable while {doing}; start them again; {RESUME}"
+        )
+
+    def _down(self, member: _Member, err: BaseException, doing: str) -> None:
+        with self.lock:
+            was, member.up = member.up, False
+            up = self.up()
+        if was:
+            warnings.warn(
+                f"generation fleet: server {member.index} ({member.replica.url}) is down while {doing} ({err}); "
+                f"its requests go to the others ({up} of {len(self.members)} up; it rejoins at a push once it answers)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    # ------------------------------------------------------------------ sampling
+    def _serving(self, version: WeightsVersion | None, newer: bool) -> list[_Member]:
+        with self.lock:
+            return [m for m in self.members if m.up and _serves(m, version, newer)]
+
+    def plan(self, prompts: list[list[int]], request: ReplicaRequest) -> list[int]:
+        """The member index for each prompt: the one whose earlier prompt it continues, else by load."""
+        members = self._serving(request.version, request.newer)
+        if not members:
+            raise self.gone(f"sampling with the weights of version {request.version}")
+        cost = int(request.num_samples) * int(request.generation.max_new_tokens)
+        load = {m.index: m.outstanding for m in members}
+        assigned: list[int | None] = [None] * len(prompts)
+        for i, tokens in enumerate(prompts):
+            index = self.affinity.lookup(tokens)
+            if index in load:
+                assigned[i] = index
+                load[index] += cost
+        free = [i for i, a in enumerate(assigned) if a is None]
+        counts = dict.fromkeys(load, 0)
+        for _ in free:  # fill the least loaded first
+            index = min(load, key=lambda k: (load[k], k))
+            load[index] += cost
+            counts[index] += 1
+        order = iter(free)
+        for index, count in counts.items():
+            for _ in range(count):
+                assigned[next(order)] = index
+        return assigned  # type: ignore[return-value]
+
+    def sample(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        generation: Any,
+        end_ids: Sequence[int],
+        stop_rule: StopRule,
+        pad_token_id: int,
+        num_samples: int = 1,
+        seed: int | None = None,
+    ) -> SampledTokens:
+        """``num_samples`` responses per left-padded prompt from the fleet (rows in ``repeat_interleave`` order),
+        by weights of this process's version; ``seed`` None: drawn from torch's global generator."""
+        if seed is None:
+            seed = (int(torch.randint(0, 2**31, (1,))) + self.rank * RANK_SEED_STRIDE) % 2**31
+        ids, mask = prompt_ids.cpu(), prompt_mask.cpu()
+        request = ReplicaRequest(ids, mask, generation, list(end_ids), stop_rule, int(pad_token_id),
+                                 int(num_samples), int(seed), self.version, bool(self.at_least))  # fmt: skip
+        prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+        assigned = self.plan(prompts, request)
+        runs = [(k, len(list(g))) for k, g in itertools.groupby(assigned)]
+        futures, start = [], 0
+        for index, length in runs:
+            part = _part(request, start, start + length)
+            futures.append(self.sampling.submit(self._serve, part, self.members[index]))
+            start += length
+        answers = [f.result() for f in futures]
+        served = [index for (member, _), (_, length) in zip(answers, runs) for index in [member.index] * length]
+        for tokens, index in zip(prompts, served):
+            self.affinity.record(tokens, index)
+        self.cached_tokens = sum(int(getattr(m.replica, "cached_tokens", 0) or 0) for m, _ in answers)
+        return _joined([out for _, out in answers], int(pad_token_id), prompt_ids.device)
+
+    def _serve(self, request: ReplicaRequest, member: _Member) -> tuple[_Member, SampledTokens]:
+        """``request`` on ``member``, re-sent to the least loaded server up while the one asked is down."""
+        while True:
+            try:
+                return member, self._call(member, request)
+            except ReplicaDown as err:
+                self._down(member, err, f"sampling {request.tokens} tokens")
+                members = self._serving(request.version, request.newer)
+                if not members:
+                    raise self.gone(f"sampling with the weights of version {request.version}") from None
+                member = min(members, key=lambda m: (m.outstanding, m.index))
+
+    def _call(self, member: _Member, request: ReplicaRequest) -> SampledTokens:
+        tokens = request.tokens
+        deadline = time.monotonic() + self.connect_timeout + self.token_timeout * int(request.generation.max_new_tokens)
+        with self.lock:
+            member.enter(tokens)
+        try:
+            out = member.replica.sample(request, deadline)
+        finally:
+            with self.lock:
+                member.leave(tokens)
+        versions = out.token_versions
+        answered = int((versions >= 0).sum()) if versions is not None else int(out.response_ids.numel())
+        with self.lock:
+            member.requests += 1
+            member.tokens += answered
+        return out
+
+    # ------------------------------------------------------------------ weights
+    def sync(self, policy: torch.nn.Module, version: Any = None) -> bool:
+        """Rank 0: push ``policy``'s weights as ``version`` unless the fleet holds it; the other ranks record it
+        (under FSDP2 they walk the gathers with rank 0). Returns whether the weights changed."""
+        walk = self.rank == 0 or is_sharded(policy)
+        return self.push(self.weights(policy) if walk else iter(()), version)
+
+    @torch.no_grad()
+    def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: Any = None, in_flight: bool = False) -> bool:
+        """Push ``weights`` as ``version`` (the optimizer step; None: a fresh one) to every server up, and to each
+        server marked down that answers its health route (it rejoins), in parallel; the fleet's requests name
+        ``version`` only once every server up holds it. ``in_flight``: pause each server (keeping its KV cache),
+        push, resume. Returns whether the weights changed."""
+        key = WeightsVersion(self.run, next(self.calls) if version is None else int(version))
+        if self._version is not None and (key == self._version or not self.sync_weights):
+            return False
+        with self.lock:
+            down = [m for m in self.members if not m.up]
+        back = [m for m in down if _answers(m.replica)]
+        targets = [m for m in self.members if m.up] + back
+        start = time.perf_counter()
+        if self.rank != 0:  # rank 0 pushes to the same servers; they hold this rank's requests until they have it
+            for _ in weights:
+                pass
+            for member in targets:
+                member.version, member.up = key, True
+        else:
+            weights = list(weights)
+            list(self.pushing.map(lambda m: self._push_one(m, weights, key, in_flight), targets))
+        for member in back:
+            if member.up and self.rank == 0:
+                warnings.warn(
+                    f"generation fleet: server {member.index} ({member.replica.url}) answers again and rejoined at "
+                    f"version {key} ({self.up()} of {len(self.members)} up)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        if not any(m.up and m.version == key for m in self.members):
+            raise self.gone(f"pushing the weights of version {key}")
+        self.sync_seconds = time.perf_counter() - start
+        self._version = key
+        return True
+
+    def _push_one(self, member: _Member, weights: list, key: WeightsVersion, in_flight: bool) -> None:
+        replica, paused = member.replica, False
+        try:
+            if in_flight:
+                replica.pause()
+                paused = True
+            report: PushReport = replica.push(weights, key)
+            if paused:
+                paused = False
+                replica.resume()
+        except ReplicaDown as err:
+            self._down(member, err, f"pushing the weights of version {key}")
+            return
+        finally:
+            if paused:
+                try:
+                    replica.resume()
+                except ReplicaDown:
+                    pass
+        with self.lock:
+            member.version, member.up = key, True
+            member.push_seconds += report.seconds
+            member.push_bytes += report.bytes
+
+    # ------------------------------------------------------------------ the rest of the backend
+    def stats(self) -> dict[str, torch.Tensor]:
+        """``fleet/size``, ``fleet/servers_up`` and per server ``fleet/<i>/requests``, ``tokens_per_s`` (while
+        busy), ``queue_depth`` (outstanding tokens now), ``push_s`` and ``push_bytes``, since the last call; the
+        same keys on every rank."""
+        out = {"fleet/size": float(len(self.members)), "fleet/servers_up": float(self.up())}
+        with self.lock:
+            for m in self.members:
+                busy = m.busy_seconds()
+                figures = {
+                    "requests": m.requests,
+                    "tokens_per_s": m.tokens / busy if busy > 0 else 0.0,
+                    "queue_depth": m.outstanding,
+                    "push_s": m.push_seconds,
+                    "push_bytes": m.push_bytes,
+                }
+                out.update({f"fleet/{m.index}/{k}": float(v) for k, v in figures.items()})
+                m.requests = m.tokens = m.push_bytes = 0
+                m.push_seconds = 0.0
+        return {k: torch.tensor(v) for k, v in out.items()}
+
+    def sleep(self) -> None:
+        """Nothing to free: the servers' memory is their own."""
+
+    def close(self) -> None:
+        self.sampling.shutdown(wait=False, cancel_futures=True)
+        self.pushing.shutdown(wait=False, cancel_futures=True)
+        for member in self.members:
+            try:
+                member.replica.close()
+            except (OSError, ReplicaDown):
+                pass
+
+
+def _serves(member: _Member, version: WeightsVersion | None, newer: bool) -> bool:
+    return version is None or (member.version is not None and member.version.serves(version, newer))
+
+
+def _answers(replica: Replica) -> bool:
+    try:
+        return bool(replica.alive())
+    except (OSError, ReplicaDown):
+        return False
+
+
+def _part(request: ReplicaRequest, start: int, stop: int) -> ReplicaRequest:
+    """Prompts ``start .. stop`` of ``request`` (common left padding dropped), seeded as they are in it."""
+    mask = request.prompt_mask[start:stop]
+    width = max(1, int(mask.sum(1).max())) if mask.numel() else 1
+    seed = None if request.seed is None else (request.seed + start * request.num_samples) % 2**31
+    ids = request.prompt_ids[start:stop, -width:]
+    return dataclasses.replace(request, prompt_ids=ids, prompt_mask=mask[:, -width:], seed=seed)
+
+
+def _joined(parts: list[SampledTokens], pad: int, device: torch.device) -> SampledTokens:
+    """The answers of consecutive runs of prompts as one, right padded to the longest response."""
+    width = max(p.response_ids.shape[1] for p in parts)
+
+    def cat(tensors: list[torch.Tensor | None], value: float) -> torch.Tensor | None:
+        if any(t is None for t in tensors):
+            return None
+        padded = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in tensors]
+        return torch.cat(padded).to(device)
+
+    return SampledTokens(
+        cat([p.response_ids for p in parts], pad),
+        sampling_logprobs=cat([p.sampling_logprobs for p in parts], 0.0),
+        token_versions=cat([p.token_versions for p in parts], -1),
+    )

@@ -1,0 +1,212 @@
+"""The HF server over HTTP: this project's KV-cache decoder (``HFServerEngine``) behind the subset of ``vllm serve``'s
+routes that ``HTTPReplica`` uses, so CPU users, tests and vLLM all go through one client (``python -m
+aitraining_pl.generation.servers.hf_routes --model DIR``; the launcher starts it for ``generation.server: launch``
+with ``backend: hf``).
+
+- ``/v1/completions``: one prompt of token ids, ``n``, ``max_tokens``, ``temperature`` (0: greedy), ``top_p``,
+  ``top_k`` (-1 or 0: off), ``seed``, ``stop_token_ids``, ``stop``, ``skip_special_tokens``; each choice's
+  ``logprobs.tokens`` are ``token_id:<id>`` with the sampled tokens' log-probs under the distribution sampled from
+  (the fields vLLM accepts and this engine has no use for, such as ``min_p: 0``, are accepted). A prompt that does
+  not fit the model's positions with ``max_tokens`` gets 400.
+- ``/pause`` (any ``mode``: the decoder waits before its next forward, keeping its cache), ``/resume``,
+  ``/is_paused``; ``/health``, ``/v1/models``.
+- ``/collective_rpc`` with the worker extension's two methods (``aitraining_pl_load``, ``aitraining_pl_release``;
+  ``vllm_worker``): a push checked before anything loads (``checks``), handed to the engine's ``stage``, so that it
+  lands between two decode steps of a running batch; ``/reset_prefix_cache`` (nothing cached here),
+  ``/update_weight_version``, ``/weight_info``.
+
+Every route requires the run's token (``auth.TokenMiddleware``, the same middleware vLLM is given); a server
+started by a trainer stops when that trainer dies (``auth.watch_parent``). The server binds 127.0.0.1 unless
+``--host`` says otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import threading
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+
+from aitraining_pl.generation.config import GenerationConfig
+from aitraining_pl.generation.servers.auth import TokenMiddleware
+from aitraining_pl.generation.servers.checks import PushGuard, PushRefused, WeightSpecs
+from aitraining_pl.generation.servers.vllm_worker import load_checked
+from aitraining_pl.models.generation import StopRule
+
+
+class Completion(BaseModel):
+    """The ``/v1/completions`` fields this server reads (others are accepted and ignored)."""
+
+    model_config = {"extra": "allow"}
+    prompt: list[int] = Field(min_length=1)
+    n: int = Field(1, ge=1, le=256)
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    stop: list[str] | str | None = None
+    skip_special_tokens: bool = True
+
+
+class Rpc(BaseModel):
+    method: str
+    kwargs: dict[str, Any] = {}
+
+
+class NewVersion(BaseModel):
+    new_version: str
+
+
+def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positions: int | None, token: str) -> Any:
+    """The FastAPI app of the routes above around ``engine`` (an ``HFServerEngine``); ``name``: the model id
+    ``/v1/models`` answers; ``positions``: the model's longest sequence."""
+    from fastapi import FastAPI, HTTPException
+
+    app = FastAPI(title="aitraining-pl HF server")
+    app.add_middleware(TokenMiddleware, token=token)
+    guard, resumed, label = PushGuard(), threading.Event(), {"version": "default"}
+    sampling = threading.Lock()  #: one request at a time: a seeded draw seeds torch's global generator
+    resumed.set()
+    engine.before_forward = lambda column: resumed.wait()  # /pause holds the decoder before its next forward
+    vocab = len(tokenizer) if tokenizer is not None else None
+    pad = getattr(tokenizer, "pad_token_id", None) or 0
+
+    @app.get("/health")
+    def health() -> dict:
+        return {}
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "aitraining-pl"}]}
+
+    @app.post("/v1/completions")
+    def completions(body: Completion) -> dict:
+        from aitraining_pl.generation.backend import SampleRequest
+
+        if positions is not None and len(body.prompt) + body.max_tokens > positions:
+            raise HTTPException(400, f"the prompt ({len(body.prompt)} tokens) and max_tokens ({body.max_tokens}) "
+                                     f"exceed the model's {positions} positions")  # fmt: skip
+        if vocab is not None and not all(0 <= t < vocab for t in body.prompt):
+            raise HTTPException(400, f"prompt token ids must be in [0, {vocab})")
+        greedy = body.temperature == 0
+        generation = GenerationConfig(
+            max_new_tokens=body.max_tokens, temperature=body.temperature or 1.0, top_p=body.top_p,
+            top_k=max(0, body.top_k), do_sample=not greedy,
+        )  # fmt: skip
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop
+        rule = StopRule(tokenizer if stops else None, stops, skip_special_tokens=body.skip_special_tokens)
+        ids = torch.tensor([body.prompt])
+        request = SampleRequest(
+            ids, torch.ones_like(ids), generation, body.stop_token_ids, rule, pad, body.n, body.seed
+        )
+        with sampling:
+            sampled = engine.sample_many([request])[0]
+        choices = []
+        for index, (tokens, logps, versions) in enumerate(
+            zip(sampled.response_ids, sampled.sampling_logprobs, sampled.token_versions)
+        ):
+            length = int((versions >= 0).sum())
+            kept = tokens[:length].tolist()
+            ended = bool(kept) and kept[-1] in body.stop_token_ids
+            choices.append({
+                "index": index, "text": tokenizer.decode(kept) if tokenizer is not None else "",
+                "finish_reason": "stop" if ended else "length",
+                "logprobs": {"tokens": [f"token_id:{t}" for t in kept], "token_logprobs": logps[:length].tolist()},
+            })  # fmt: skip
+        return {"object": "text_completion", "model": name, "choices": choices}
+
+    @app.post("/pause")
+    def pause(mode: str = "abort") -> dict:
+        resumed.clear()
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    def resume() -> dict:
+        resumed.set()
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    def is_paused() -> dict:
+        return {"is_paused": not resumed.is_set()}
+
+    @app.post("/collective_rpc")
+    def collective_rpc(body: Rpc) -> dict:
+        kwargs = body.kwargs
+        if body.method == "aitraining_pl_release":
+            return {"results": [{"ok": True, "released": guard.release(str(kwargs.get("owner", "")))}]}
+        if body.method != "aitraining_pl_load":
+            raise HTTPException(400, f"this server has no method {body.method!r}")
+        owner, version = str(kwargs.get("owner", "")), str(kwargs.get("version", ""))
+        try:
+            parsed = guard.admit(owner, version)
+            engine.stage(load_checked(str(kwargs.get("path", "")), specs), str(parsed))
+            guard.accept(owner, parsed)
+        except PushRefused as err:
+            return {"results": [{"ok": False, "error": str(err)}]}
+        return {"results": [{"ok": True}]}
+
+    @app.post("/reset_prefix_cache")
+    def reset_prefix_cache() -> dict:
+        return {}
+
+    @app.post("/update_weight_version")
+    def update_weight_version(body: NewVersion) -> dict:
+        label["version"] = body.new_version
+        return {"success": True, "new_version": body.new_version}
+
+    @app.get("/weight_info")
+    def weight_info() -> dict:
+        return {"weight_version": engine.version if engine.version is not None else label["version"]}
+
+    return app
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m aitraining_pl.generation.servers.hf_routes",
+                                description=__doc__.split("\n\n")[0])  # fmt: skip
+    p.add_argument("--model", required=True, help="a folder with the policy's config.json and tokenizer")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    p.add_argument("--port", type=int, default=0, help="TCP port (0: a free one, printed)")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the config's)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the unseeded requests")
+    p.add_argument("--threads", type=int, default=None, help="torch's CPU threads")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Build the engine for ``--model``'s architecture (no weights until the first push) and serve."""
+    import uvicorn
+
+    from aitraining_pl.generation.servers.auth import server_token, watch_parent
+    from aitraining_pl.generation.servers.hf_server import HFServerEngine
+    from aitraining_pl.generation.servers.serve import meta_model
+    from aitraining_pl.models.loading import load_tokenizer
+
+    watch_parent()  # a launched server stops with its trainer, even while it is still being built
+    args = parser().parse_args(argv)
+    token = server_token()  # before anything is built: a server without a token never starts
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    policy = meta_model(args.model, None if args.dtype == "auto" else args.dtype)
+    specs = WeightSpecs(policy)
+    tokenizer = load_tokenizer(args.model)
+    engine = HFServerEngine(policy, seed=args.seed)
+    positions = getattr(policy.config, "max_position_embeddings", None)
+    app = build_app(engine, tokenizer, specs, args.model, positions, token)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    host, port = sock.getsockname()[:2]
+    print(f"hf-server: listening on {host}:{port}", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30))
+    server.run(sockets=[sock])
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,325 @@
+"""``HTTPReplica``: one generation server's client over the engine's own HTTP routes (``generation.servers.replica``'s
+``Replica``), the same for a ``vllm serve`` and for this project's HF server (``hf_routes``), which speaks the subset
+used here.
+
+**Rollouts** go to ``/v1/completions`` with each prompt's token ids (unpadded), ``n`` samples, the sampling fields
+of the colocated engine's ``SamplingParams`` (``temperature`` 0 when greedy, ``top_p``, ``top_k``, ``min_p`` 0, no
+penalties, ``ignore_eos`` with the end ids as ``stop_token_ids``) and ``logprobs: 0`` with
+``return_tokens_as_token_ids``: each choice's ``logprobs.tokens`` are ``token_id:<id>`` and ``token_logprobs`` the
+sampled tokens' log-probs (under the processed distribution when the server runs with ``--logprobs-mode
+processed_logprobs``, as the launcher starts it). One request per prompt, sent concurrently, so that prompt ``i`` of
+a seeded call gets the seed ``seed + i * n`` exactly as the colocated engine gives it (vLLM gives a request's ``n``
+samples the seeds that follow): greedy and seeded rollouts are the colocated engine's token for token. A greedy
+prompt is asked once (vLLM refuses ``n > 1`` at temperature 0) and its answer repeated.
+
+**Weights** (``push``), chosen at the first push from where the first tensor lives (never in ``setup``, before
+Lightning has moved the policy): CPU tensors go as one safetensors file in a private folder of shared memory that
+the server's worker extension loads (``vllm_worker``: ``/collective_rpc`` ``aitraining_pl_load``; the server is on
+this machine), then ``/reset_prefix_cache`` and ``/update_weight_version``; CUDA tensors go by vLLM's own NCCL
+weight-transfer engine (``/init_weight_transfer_engine`` once, then ``/start_weight_update``, ``/update_weights``
+with the names, dtypes and shapes while the tensors are broadcast, ``/finish_weight_update`` with the version;
+the server started with ``--weight-transfer-config '{"backend": "nccl"}'``). Every push carries this client's owner
+key (``checks.PushGuard``), which no one else has.
+
+**Failures.** Nothing listening, a dropped connection or a passed deadline is ``ReplicaDown`` (a fleet re-sends the
+request elsewhere); a refused push, a 401 or any other answer that is not a success is one
+``GenerationServerError`` line naming the server's URL and what was being done (never the token or a run id).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.servers.replica import PushReport, ReplicaDown, ReplicaStats
+from aitraining_pl.generation.servers.vllm_worker import PUSH_PREFIX
+from aitraining_pl.generation.version import WeightsVersion
+from aitraining_pl.models.generation import SampledTokens
+
+#: seconds to open a connection (apart from a request's deadline, which scales with its tokens)
+CONNECT_TIMEOUT = 10.0
+#: where pushed files are written: shared memory when the machine has it
+SHARED_MEMORY = "/dev/shm"
+
+
+def completion_body(model: str, prompt: list[int], request: Any, n: int, seed: int | None) -> dict[str, Any]:
+    """The ``/v1/completions`` body of one prompt of ``request`` (a ``SampleRequest``) for ``n`` samples."""
+    generation, stop_rule = request.generation, request.stop_rule
+    sampling = bool(generation.do_sample)
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "n": n,
+        "max_tokens": int(generation.max_new_tokens),
+        "temperature": float(generation.temperature) if sampling else 0.0,
+        "top_p": float(generation.top_p) if sampling else 1.0,
+        "top_k": int(generation.top_k) if sampling and generation.top_k else -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "min_tokens": 0,
+        "ignore_eos": True,
+        "stop_token_ids": [int(t) for t in request.end_ids],
+        "stop": list(stop_rule.stop_strings) or None,
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": bool(stop_rule.skip_special_tokens),
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+    }
+    if seed is not None:
+        body["seed"] = int(seed)
+    return body
+
+
+def choice_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """The token ids and log-probs of one completion choice (``token_id:<id>`` tokens)."""
+    logprobs = choice.get("logprobs") or {}
+    tokens = [int(str(t).rpartition(":")[2]) for t in logprobs.get("tokens") or []]
+    values = [float(v) if v is not None else 0.0 for v in logprobs.get("token_logprobs") or []]
+    return tokens, values + [0.0] * (len(tokens) - len(values))
+
+
+def padded_samples(rows: Sequence[tuple[list[int], list[float]]], pad_token_id: int) -> SampledTokens:
+    """``rows`` of (ids, log-probs) as ``SampledTokens`` right padded with ``pad_token_id`` (log-probs 0 there)."""
+    length = max((len(ids) for ids, _ in rows), default=0)
+    ids = torch.full((len(rows), length), int(pad_token_id), dtype=torch.long)
+    logps = torch.zeros(len(rows), length)
+    for row, (tokens, values) in enumerate(rows):
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        logps[row, : len(tokens)] = torch.tensor(values, dtype=torch.float32)
+    return SampledTokens(ids, sampling_logprobs=logps)
+
+
+class HTTPReplica:
+    """A client of one server at ``url`` (see the module docstring); thread-safe.
+
+    Args:
+        url: the server's base URL (``http://127.0.0.1:8000``).
+        token: the run's token, sent as ``Authorization: Bearer`` on every request.
+        timeout: seconds a push, a pause or a health check may take (a rollout has its own deadline).
+        workers: most requests in flight at once (one per prompt).
+    """
+
+    def __init__(self, url: str, token: str | None, timeout: float = 300.0, workers: int = 32):
+        import httpx
+
+        self.url = url.rstrip("/")
+        self.timeout = float(timeout)
+        self.stats = ReplicaStats()
+        self.owner = secrets.token_hex(32)  #: this client's push key (``checks.PushGuard``): never sent elsewhere
+        self.held: WeightsVersion | None = None  #: the version this client last pushed or saw served
+        self.channel: str | None = None  #: ``shm`` or ``nccl``, decided at the first push
+        self.transfer: Any = None  #: vLLM's NCCL trainer engine, once opened
+        self._lock = threading.Lock()
+        self._outstanding = 0
+        self._busy_since: float | None = None
+        self._model: str | None = None
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        limits = httpx.Limits(max_connections=workers, max_keepalive_connections=workers)
+        self.http = httpx.Client(base_url=self.url, headers=headers, limits=limits, timeout=self.timeout)
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aitraining-pl-http")
+
+    # ------------------------------------------------------------------ requests
+    def call(self, method: str, route: str, doing: str, timeout: float | None = None, **kwargs: Any) -> Any:
+        """One request; its JSON answer (None when empty). ``ReplicaDown`` when the server cannot be reached or
+        does not answer in ``timeout`` seconds; ``GenerationServerError`` for any answer but a success."""
+        import httpx
+
+        seconds = self.timeout if timeout is None else max(0.1, timeout)
+        try:
+            response = self.http.request(method, route, timeout=httpx.Timeout(seconds, connect=CONNECT_TIMEOUT),
+                                         **kwargs)  # fmt: skip
+        except httpx.TimeoutException:
+            raise ReplicaDown(f"{self.url}: no answer within {seconds:.3g} s while {doing}") from None
+        except httpx.TransportError as err:
+            raise ReplicaDown(f"{self.url}: cannot reach the server while {doing} ({type(err).__name__})") from None
+        if response.status_code == 401:
+            raise GenerationServerError(
+                self.url, f"it refused the run's token (401) while {doing}: give the trainer the server's token "
+                "(docs/vllm.md, Server mode)",
+            )  # fmt: skip
+        if response.status_code >= 400:
+            raise GenerationServerError(self.url, f"{doing} failed ({response.status_code}: {reason(response)})")
+        return response.json() if response.content else None
+
+    def model(self) -> str:
+        """The served model's name (``/v1/models``: what completions name)."""
+        if self._model is None:
+            self._model = self.call("GET", "/v1/models", "listing the served model")["data"][0]["id"]
+        return self._model
+
+    def alive(self) -> bool:
+        try:
+            return self.http.get("/health", timeout=5.0).status_code == 200
+        except Exception:  # noqa: BLE001 - any failure means not up
+            return False
+
+    def outstanding_tokens(self) -> int:
+        with self._lock:
+            return self._outstanding
+
+    def pause(self) -> None:
+        self.call("POST", "/pause", "pausing generation", params={"mode": "keep"})
+
+    def resume(self) -> None:
+        self.call("POST", "/resume", "resuming generation")
+
+    def served_version(self) -> WeightsVersion | None:
+        """The weights version the server says it holds (``/weight_info``)."""
+        answer = self.call("GET", "/weight_info", "reading the served weights version") or {}
+        return WeightsVersion.parse(answer.get("weight_version"))
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, request: Any, deadline: float) -> SampledTokens:
+        wanted = WeightsVersion.parse(getattr(request, "version", None))
+        self.wait_for(wanted, deadline)
+        n, generation = int(request.num_samples), request.generation
+        asked = 1 if not generation.do_sample else n
+        prompts = [ids[m.bool()].tolist() for ids, m in zip(request.prompt_ids, request.prompt_mask)]
+        tokens = len(prompts) * n * int(generation.max_new_tokens)
+        self._begin(tokens)
+        try:
+            model = self.model()
+            futures = []
+            for i, prompt in enumerate(prompts):
+                seed = None if request.seed is None else (int(request.seed) + i * asked) % 2**31
+                body = completion_body(model, prompt, request, asked, seed)
+                futures.append(self.pool.submit(self._complete, body, deadline, i))
+            rows = []
+            for future in futures:
+                choices = future.result()
+                rows += choices if asked == n else [c for c in choices for _ in range(n)]
+        finally:
+            self._end(tokens)
+        sampled = padded_samples(rows, request.pad_token_id)
+        with self._lock:
+            self.stats.requests += len(prompts)
+            self.stats.tokens += sum(len(ids) for ids, _ in rows)
+        device = request.prompt_ids.device
+        return SampledTokens(sampled.response_ids.to(device), sampling_logprobs=sampled.sampling_logprobs.to(device))
+
+    def _complete(self, body: dict[str, Any], deadline: float, index: int) -> list[tuple[list[int], list[float]]]:
+        doing = f"sampling {body['n']} responses of prompt {index}"
+        answer = self.call("POST", "/v1/completions", doing, timeout=deadline - time.monotonic(), json=body)
+        choices = sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0))
+        if len(choices) != body["n"]:
+            raise GenerationServerError(self.url, f"{doing}: {len(choices)} choices came back for n={body['n']}")
+        return [choice_tokens(c) for c in choices]
+
+    def wait_for(self, wanted: WeightsVersion | None, deadline: float) -> None:
+        """Return once the server serves ``wanted`` or a later step of its run (a version another process
+        pushed); ``ReplicaDown`` at ``deadline``."""
+        while wanted is not None and not (self.held is not None and self.held.serves(wanted, newer=True)):
+            self.held = self.served_version()
+            if self.held is not None and self.held.serves(wanted, newer=True):
+                return
+            if time.monotonic() >= deadline:
+                raise ReplicaDown(f"{self.url}: weights version {wanted.step} never arrived (it serves {self.held})")
+            time.sleep(0.05)
+
+    def _begin(self, tokens: int) -> None:
+        with self._lock:
+            if self._outstanding == 0:
+                self._busy_since = time.monotonic()
+            self._outstanding += tokens
+
+    def _end(self, tokens: int) -> None:
+        with self._lock:
+            self._outstanding -= tokens
+            if self._outstanding == 0 and self._busy_since is not None:
+                self.stats.busy_seconds += time.monotonic() - self._busy_since
+                self._busy_since = None
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: WeightsVersion) -> PushReport:
+        start = time.perf_counter()
+        weights = iter(weights)
+        first = next(weights, None)
+        if first is None:
+            raise GenerationServerError(self.url, f"pushing weights version {version.step}: no tensors")
+        stream = _chained(first, weights)
+        if self.channel is None:  # here, not at setup: by now Lightning has put the policy on its device
+            self.channel = "nccl" if first[1].is_cuda else "shm"
+        size = self.push_nccl(stream, version) if self.channel == "nccl" else self.push_file(stream, version)
+        self.call("POST", "/reset_prefix_cache", "dropping the prefix cache")
+        self.call("POST", "/update_weight_version", "naming the weights version", json={"new_version": str(version)})
+        self.held = version
+        report = PushReport(time.perf_counter() - start, size)
+        with self._lock:
+            self.stats.pushes.append(report)
+        return report
+
+    def push_file(self, weights: Iterable[tuple[str, torch.Tensor]], version: WeightsVersion) -> int:
+        """The CPU path: one safetensors file in shared memory, loaded by the worker extension; its bytes."""
+        from safetensors.torch import save_file
+
+        base = SHARED_MEMORY if os.path.isdir(SHARED_MEMORY) else None
+        folder = tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=base)  # 0700: this user only
+        try:
+            tensors, storages = {}, set()
+            for name, tensor in weights:
+                tensor = tensor.detach().to("cpu").contiguous()
+                key = tensor.untyped_storage().data_ptr()
+                tensors[name] = tensor.clone() if key in storages else tensor  # safetensors refuses shared storage
+                storages.add(key)
+            path = os.path.join(folder, "weights.safetensors")
+            save_file(tensors, path)
+            doing = f"pushing weights version {version.step}"
+            kwargs = {"path": path, "version": str(version), "owner": self.owner}
+            body = {"method": "aitraining_pl_load", "kwargs": kwargs, "timeout": self.timeout}
+            answer = self.call("POST", "/collective_rpc", doing, json=body) or {}
+            refused = [r.get("error") for r in answer.get("results") or [{}] if not (r or {}).get("ok")]
+            if refused:
+                raise GenerationServerError(self.url, f"it refused weights version {version.step}: {refused[0]} "
+                                            "(the previous weights keep serving)")  # fmt: skip
+            return sum(t.numel() * t.element_size() for t in tensors.values())
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def push_nccl(self, weights: Iterable[tuple[str, torch.Tensor]], version: WeightsVersion) -> int:
+        """The GPU path: vLLM's NCCL weight transfer (``nccl_transfer``); its bytes. Not run in CI (no GPU)."""
+        from aitraining_pl.generation.servers.nccl_transfer import send_weights
+
+        self.transfer, size = send_weights(self, self.transfer, list(weights), str(version))
+        return size
+
+    def close(self) -> None:
+        """Free the server's weights for another run (this client's key) and close the connections."""
+        try:
+            body = {"method": "aitraining_pl_release", "kwargs": {"owner": self.owner}}
+            self.http.post("/collective_rpc", json=body, timeout=5.0)
+        except Exception:  # noqa: BLE001 - a server already gone has nothing to free
+            pass
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.http.close()
+
+
+def _chained(first: tuple[str, torch.Tensor], rest: Iterable[tuple[str, torch.Tensor]]):
+    yield first
+    yield from rest
+
+
+def reason(response: Any) -> str:
+    """The one-line reason in an error answer (``error``, ``detail`` or ``message``), at most 300 characters."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:300].replace("\n", " ")
+    if isinstance(body, dict):
+        inner = body.get("error", body.get("detail", body.get("message", body)))
+        if isinstance(inner, dict):
+            inner = inner.get("message", inner)
+        return str(inner)[:300].replace("\n", " ")
+    return str(body)[:300]

@@ -1,0 +1,179 @@
+"""The HF server over HTTP (``generation.servers.hf_routes``) and the one client (``HTTPReplica``), in the main venv:
+one launched server shared by the module. Every route answers 401 without the run's token; a pushed policy samples
+greedily as the policy itself; seeded draws repeat; NaN weights, a wrong shape, a foreign version and another
+client's push are refused with one line (no run id in it) and the previous weights keep serving; ``/pause`` holds
+generation; an unreachable server is ``ReplicaDown``; a SIGKILLed trainer's server exits and its folder goes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import transformers
+from server_fixtures import SPEC
+
+from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.backend import HFBackend
+from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
+from aitraining_pl.generation.servers.http import HTTPReplica
+from aitraining_pl.generation.servers.replica import Replica, ReplicaDown
+from aitraining_pl.generation.servers.start import start
+from aitraining_pl.generation.version import WeightsVersion
+from aitraining_pl.models import build_causal_lm
+from aitraining_pl.models.generation import StopRule
+from aitraining_pl.vllm_backend.engine import SampleRequest
+
+GREEDY = GenerationConfig(max_new_tokens=8, do_sample=False)
+SAMPLED = GenerationConfig(max_new_tokens=8, temperature=1.0)
+#: what a launched server answers on, with and without a route behind it: all of it needs the token
+ROUTES = [("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/collective_rpc"),
+          ("POST", "/pause"), ("POST", "/resume"), ("POST", "/update_weight_version"), ("GET", "/weight_info"),
+          ("POST", "/update_weights"), ("GET", "/openapi.json"), ("GET", "/docs")]  # fmt: skip
+
+
+def saved_policy(folder):
+    torch.manual_seed(0)
+    model = build_causal_lm(SPEC).eval()
+    with torch.no_grad():  # sharper than the random init: greedy ties are then unlikely
+        model.lm_head.weight.mul_(20)
+    model.config.save_pretrained(folder)
+    transformers.ByT5Tokenizer().save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf-server")
+    model = saved_policy(folder)
+    process = start("hf", folder, options=VLLMConfig(), dtype="float32", threads=1, timeout=120)
+    replica = HTTPReplica(process.url, process.token)
+    replica.push(model.state_dict().items(), WeightsVersion("run-a", 1))
+    yield process, replica, model
+    replica.close()
+    process.stop()
+
+
+def request(generation, seed=None, num_samples=2):
+    ids = torch.tensor([[0, 0, 5, 17, 33], [9, 60, 27, 3, 44]])
+    return SampleRequest(ids, (ids != 0).long(), generation, [1], StopRule(None), 0, num_samples, seed)
+
+
+def test_every_route_answers_401_without_the_token(server):
+    process, _, _ = server
+    for method, route in ROUTES:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": process.token}):
+            answer = httpx.request(method, process.url + route, headers=headers, json={})
+            assert answer.status_code == 401, (method, route, headers.keys())
+            assert process.token not in answer.text
+    assert stat.S_IMODE(os.stat(process.token_file).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(process.folder).st_mode) == 0o700
+
+
+def test_greedy_samples_are_the_policys_and_seeded_ones_repeat(server):
+    _, replica, model = server
+    assert isinstance(replica, Replica)
+    asked = request(GREEDY)
+    greedy = replica.sample(asked, time.monotonic() + 60)
+    for row, (ids, mask) in enumerate(zip(asked.prompt_ids, asked.prompt_mask)):
+        own = HFBackend(model).sample(ids[mask.bool()][None], torch.ones(1, int(mask.sum())), GREEDY, [1],
+                                      StopRule(None), 0)  # fmt: skip
+        for sample in (2 * row, 2 * row + 1):
+            length = own.response_ids.shape[1]
+            assert greedy.response_ids[sample, :length].tolist() == own.response_ids[0].tolist()
+    first, again = (replica.sample(request(SAMPLED, seed=3), time.monotonic() + 60) for _ in range(2))
+    other = replica.sample(request(SAMPLED, seed=4), time.monotonic() + 60)
+    assert torch.equal(first.response_ids, again.response_ids)
+    assert torch.equal(first.sampling_logprobs, again.sampling_logprobs)
+    assert not torch.equal(first.response_ids, other.response_ids)
+    assert replica.outstanding_tokens() == 0 and replica.stats.requests >= 8
+
+
+def test_refused_pushes_keep_the_previous_weights_serving(server):
+    _, replica, model = server
+    before = replica.sample(request(GREEDY), time.monotonic() + 60).response_ids
+    weights = dict(model.state_dict())
+    nan = {**weights, "model.norm.weight": torch.full_like(weights["model.norm.weight"], float("nan"))}
+    short = {**weights, "model.norm.weight": weights["model.norm.weight"][:-1]}
+    zeros = {name: torch.zeros_like(t) for name, t in weights.items()}
+    thief = HTTPReplica(replica.url, server[0].token)  # holds the token, not the run's push key
+    cases = [
+        (replica, nan, WeightsVersion("run-a", 2), "'model.norm.weight' has 64 non-finite values"),
+        (replica, short, WeightsVersion("run-a", 3), "'model.norm.weight' has shape [63], the served model's is [64]"),
+        (replica, zeros, WeightsVersion("run-b", 4), "weights version run-b:4 is not of the run that owns"),
+        (replica, zeros, WeightsVersion("run-a", 1), "is not newer than the last push"),
+        (thief, zeros, WeightsVersion("run-a", 9), "the server's weights belong to another training run"),
+    ]
+    for client, pushed, version, line in cases:
+        with pytest.raises(GenerationServerError, match="the previous weights keep serving") as refused:
+            client.push(pushed.items(), version)
+        assert line in str(refused.value) and "run-a" not in str(refused.value).replace(str(version), "")
+    thief.close()
+    assert torch.equal(replica.sample(request(GREEDY), time.monotonic() + 60).response_ids, before)
+    assert replica.served_version() == WeightsVersion("run-a", 1)
+
+
+def test_pause_holds_generation_until_resume(server):
+    _, replica, _ = server
+    replica.pause()
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (replica.sample(request(GREEDY), time.monotonic() + 60), done.set()))
+    worker.start()
+    assert not done.wait(1.0)
+    replica.resume()
+    assert done.wait(30)
+    worker.join()
+
+
+def test_an_unreachable_server_is_replica_down():
+    replica = HTTPReplica("http://127.0.0.1:9", "token")
+    with pytest.raises(ReplicaDown, match="cannot reach the server"):
+        replica.sample(request(GREEDY), time.monotonic() + 5)
+    assert not replica.alive()
+    replica.close()
+
+
+TRAINER = """
+import sys, time
+from pathlib import Path
+from aitraining_pl.generation.config import VLLMConfig
+from aitraining_pl.generation.servers.start import start
+server = start("hf", Path(sys.argv[1]), options=VLLMConfig(), dtype="float32", threads=1, timeout=120)
+print(server.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_sigkilled_trainers_server_exits_and_its_folder_goes(tmp_path):
+    """Issue 40, probe 3: the launched server outlived a SIGKILLed trainer (parent 1, still listening)."""
+    folder = tmp_path / "launched"
+    folder.mkdir()
+    saved_policy(folder)
+    trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(TRAINER), str(folder)], stdout=subprocess.PIPE,
+                               text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})  # fmt: skip
+    pid = int(trainer.stdout.readline())
+    assert (folder / "token").is_file()
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (folder.exists() or _alive(pid)):
+        time.sleep(0.1)
+    assert not _alive(pid), "the server outlived its trainer"
+    assert not folder.exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat_file:  # a zombie (not yet reaped by init) has exited
+        return stat_file.read().split()[2] != "Z"

