@@ -257,7 +257,7 @@ class DistillationModule(CriticFreeModule):
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        self.teacher.to(self.device, next(self.policy.parameters()).dtype)
+        self.teacher.to(self.device, self.frozen_dtype())
 
     def sharded_networks(self) -> list[torch.nn.Module]:
         """The student's and, in this process, the teacher (its own FSDP root)."""
