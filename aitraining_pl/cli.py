@@ -319,7 +319,12 @@ def main(args: list[str] | None = None) -> None:
         raise SystemExit(0)
     quiet_known_noise()
     try:
-        if argv[0] in ("serve", "vllm-serve"):  # the generation server of server mode (docs/vllm.md)
+        if argv[0] == "vllm-serve":  # vLLM's own server with this project's flags (docs/vllm.md)
+            from aitraining_pl.generation.servers.vllm_serve import main as vllm_serve
+
+            vllm_serve(argv[1:])
+            return
+        if argv[0] == "serve":  # the frame-protocol generation server (deprecated; docs/vllm.md)
             from aitraining_pl.generation.servers.serve import main as serve
 
             serve(argv[1:], argv[0])

@@ -41,7 +41,7 @@ QWEN2_05B = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 486
 PROTOCOL_MODES = {
     "http-1": {"server": {"launch": {"count": 1}}, "max_staleness": 1},
     "http-2": {"server": {"launch": {"count": 2}}, "max_staleness": 1},
-    "tcp-1": {"server": "launch", "max_staleness": 1},
+    "tcp-1": {"server": "launch", "vllm": {"protocol": "tcp"}, "max_staleness": 1},
 }
 
 

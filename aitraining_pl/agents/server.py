@@ -6,7 +6,8 @@ time.
 Limits: a body longer than ``MAX_BODY_BYTES`` is refused (413) while it is read, a body nested too deeply for the
 JSON decoder gets a 400; the server (``server_config``) answers at most ``MAX_CONNECTIONS`` connections at once
 (503 beyond), and closes a connection that sends nothing for ``IDLE_TIMEOUT`` seconds, fresh ones included
-(uvicorn's keep-alive timeout only starts after a first response)."""
+(uvicorn's keep-alive timeout only starts after a first response). ``raise_open_files`` lifts the process's soft
+limit of open files to its hard limit (as vLLM does), so that many concurrent episodes do not run out of them."""
 
 import json
 
@@ -19,7 +20,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from aitraining_pl.agents.protocol import RequestError, models_body, sse_lines
 
 MAX_BODY_BYTES = 32 << 20
-MAX_CONNECTIONS = 512
+MAX_CONNECTIONS = 2048
 IDLE_TIMEOUT = 10
 
 
@@ -32,8 +33,22 @@ class IdleClosingProtocol(H11Protocol):
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
 
+def raise_open_files(wanted: int = 65536) -> None:
+    """Lift the soft ``RLIMIT_NOFILE`` towards ``wanted`` (at most the hard limit); nothing where it cannot."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, ValueError, OSError):  # not POSIX, or not allowed
+        pass
+
+
 def server_config(app) -> uvicorn.Config:
     """The uvicorn configuration of the endpoint (see the module docstring)."""
+    raise_open_files()
     return uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="off", http=IdleClosingProtocol,
         limit_concurrency=MAX_CONNECTIONS, timeout_keep_alive=IDLE_TIMEOUT,

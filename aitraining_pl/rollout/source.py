@@ -25,8 +25,7 @@ from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.generation.registry import build_backend
-from aitraining_pl.generation.servers.fleet import build_fleet
-from aitraining_pl.generation.servers.fleet_launch import LaunchedFleet
+from aitraining_pl.generation.servers.fleet_launch import LaunchedFleet, build_fleet
 from aitraining_pl.generation.servers.launcher import LaunchedServer, connect_to
 from aitraining_pl.losses import place_scores
 from aitraining_pl.models.weights import policy_weights
@@ -95,7 +94,9 @@ class RolloutSource:
                 endpoints = strategy.broadcast(launched.endpoints() if launched else None)
         elif generation.server == "launch":  # rank 0 starts the server; every rank connects to it (one machine)
             if rank == 0:
-                self.launched = LaunchedServer(generation, policy, tokenizer, seed)
+                on_gpu = strategy.root_device.type == "cuda"  # read here, not from the policy (still on the CPU)
+                gpus = trainer.num_devices if on_gpu else 0
+                self.launched = LaunchedServer(generation, policy, tokenizer, seed, gpus)
             server = self.launched
             port, token = strategy.broadcast((server.port, str(server.token_file)) if server else None)
             generation = connect_to(generation, port, token)

@@ -132,7 +132,7 @@ def litellm_agent(client, prompt, metadata):
         "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]  # fmt: skip
     ask = dict(model="openai/policy", api_base=str(client.base_url), api_key=client.api_key, tools=tools)
     messages = [{"role": "user", "content": prompt}]
-    chunks = list(litellm.completion(messages=messages, stream=True, **ask))
+    chunks = list(litellm.completion(messages=messages, stream=True, stream_options={"include_usage": True}, **ask))
     reply = litellm.stream_chunk_builder(chunks, messages=messages).choices[0].message
     messages.append(reply.model_dump(exclude_none=True))
     for call in reply.tool_calls or []:
@@ -146,7 +146,7 @@ FRAMEWORKS = {
     "langchain": ("langchain_openai", langchain_agent, 1),
     "langgraph": ("langgraph.prebuilt", langgraph_agent, 1),
     "smolagents": ("smolagents", smolagents_agent, 2),  # writes past calls back as text: a sequence per call
-    "openai-agents": ("agents", openai_agents_agent, 1),
+    "openai-agents": ("agents.run", openai_agents_agent, 1),  # "agents" alone would find tests/agents
     "litellm": ("litellm", litellm_agent, 1),
 }
 

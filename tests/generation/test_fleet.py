@@ -14,7 +14,8 @@ from standin import StandInReplica, tokens_for
 
 from aitraining_pl.errors import GenerationServerError
 from aitraining_pl.generation.config import GenerationConfig
-from aitraining_pl.generation.servers.fleet import Fleet, PrefixAffinity
+from aitraining_pl.generation.servers.fleet import Fleet
+from aitraining_pl.generation.servers.routing import PrefixAffinity
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import StopRule
 
@@ -102,6 +103,28 @@ def test_an_in_flight_push_pauses_pushes_and_resumes_each_server():
     assert all(r.events == ["push", "pause", "push", "resume"] for r in replicas)
 
 
+def test_a_lora_policy_pushes_its_base_once_per_server_then_adapters_alone():
+    from peft import LoraConfig, get_peft_model
+
+    from aitraining_pl.models.loading import build_causal_lm
+
+    policy = get_peft_model(build_causal_lm({"preset": "tiny-llama"}), LoraConfig(r=2, target_modules=["q_proj"]))
+    replicas = [StandInReplica(f"standin://{i}") for i in range(2)]
+    fleet = Fleet(replicas, weights=lambda policy: iter(WEIGHTS), run="run")
+    fleet.sync(policy, 0)
+    fleet.sync(policy, 1)
+    for replica in replicas:  # base (no adapter weight), adapter (only those), adapter
+        base, first, second = replica.pushed
+        assert not any("lora_" in n for n in base) and all("lora_" in n for n in first + second), replica.pushed
+    replicas[0].kill()
+    with pytest.warns(RuntimeWarning, match="is down"):
+        sample(fleet, ROWS)
+    replicas[0].restart()
+    with pytest.warns(RuntimeWarning, match="rejoined"):
+        fleet.sync(policy, 2)
+    assert [len(r.pushed) for r in replicas] == [5, 4]  # the restarted server gets the base again
+
+
 def test_a_killed_server_s_requests_are_resent_and_the_run_goes_on():
     doomed, other = StandInReplica("standin://doomed", token_seconds=0.01), StandInReplica("standin://other")
     fleet = fleet_of(doomed, other)
@@ -126,7 +149,7 @@ def test_a_restarted_server_rejoins_at_the_next_push():
     back.restart()
     sample(fleet, ROWS)  # not before a push: it holds no weights
     assert back.served == []
-    with pytest.warns(RuntimeWarning, match=r"server 0 \(standin://back\) answers again and rejoined at version run:1"):
+    with pytest.warns(RuntimeWarning, match=r"server 0 \(standin://back\) answers again and rejoined at step 1"):
         fleet.push(WEIGHTS, 1)
     assert fleet.stats()["fleet/servers_up"].item() == 2.0
     sample(fleet, ROWS)
@@ -142,10 +165,10 @@ def test_every_server_gone_is_one_line():
         sample(fleet, ROWS)
     assert str(caught.value) == (
         "generation fleet: all 2 generation servers (standin://0, standin://1) are down or unreachable while sampling "
-        "with the weights of version run:0; start them again; a run that had started resumes from its last checkpoint "
+        "with the weights of step 0; start them again; a run that had started resumes from its last checkpoint "
         "with --ckpt_path"
     )
-    with pytest.raises(GenerationServerError, match="while pushing the weights of version run:1"):
+    with pytest.raises(GenerationServerError, match="while pushing the weights of step 1"):
         fleet.push(WEIGHTS, 1)
 
 
@@ -166,7 +189,10 @@ def test_a_slow_server_misses_its_deadline_and_the_others_answer():
         ({"urls": ["http://h:1", "h:2"]}, r"GenerationConfig.server.urls\[1\]: 'h:2' is not a URL"),
         ({"urls": []}, "GenerationConfig.server.urls: is empty"),
         ({"launch": {"count": 0}}, "GenerationConfig.server.launch.count: must be >= 1 \\(an integer\\), got 0"),
-        ({"launch": {"count": 2, "devices": ["1"]}}, "GenerationConfig.server.launch.devices: 1 entries for count 2"),
+        (
+            {"launch": {"count": 2, "devices": ["1"]}},
+            "GenerationConfig.server.launch.devices: 1 entries for count 2: one entry",
+        ),
         ({"launch": {"engine": "sglang"}}, "GenerationConfig.server.launch.engine: unknown engine 'sglang'"),
         ({"urls": ["http://h:1"], "launch": {}}, "GenerationConfig.server: give either urls"),
     ],

@@ -18,19 +18,16 @@ import time
 import httpx
 import pytest
 import torch
-import transformers
-from server_fixtures import SPEC
+from http_fixtures import lora_policy, saved_policy
 
 from aitraining_pl.errors import GenerationServerError
-from aitraining_pl.generation.backend import HFBackend
+from aitraining_pl.generation.backend import HFBackend, SampleRequest
 from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
 from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.replica import Replica, ReplicaDown
 from aitraining_pl.generation.servers.start import start
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models import build_causal_lm
 from aitraining_pl.models.generation import StopRule
-from aitraining_pl.vllm_backend.engine import SampleRequest
 
 GREEDY = GenerationConfig(max_new_tokens=8, do_sample=False)
 SAMPLED = GenerationConfig(max_new_tokens=8, temperature=1.0)
@@ -38,16 +35,6 @@ SAMPLED = GenerationConfig(max_new_tokens=8, temperature=1.0)
 ROUTES = [("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/collective_rpc"),
           ("POST", "/pause"), ("POST", "/resume"), ("POST", "/update_weight_version"), ("GET", "/weight_info"),
           ("POST", "/update_weights"), ("GET", "/openapi.json"), ("GET", "/docs")]  # fmt: skip
-
-
-def saved_policy(folder):
-    torch.manual_seed(0)
-    model = build_causal_lm(SPEC).eval()
-    with torch.no_grad():  # sharper than the random init: greedy ties are then unlikely
-        model.lm_head.weight.mul_(20)
-    model.config.save_pretrained(folder)
-    transformers.ByT5Tokenizer().save_pretrained(folder)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +164,100 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat_file:  # a zombie (not yet reaped by init) has exited
         return stat_file.read().split()[2] != "Z"
+
+
+def test_lora_adapter_pushes_sample_as_merged_pushes(server):
+    """Issue 38, part 4: the base once, then the adapter alone; the same greedy samples as a merged push."""
+    from aitraining_pl.generation.servers.served import ServedBackend
+    from aitraining_pl.models.lora import plain_weights
+
+    _, replica, model = server
+    peft = lora_policy(model)
+    backend = ServedBackend(replica, rank=0, run="run-a", timeout=60)
+    args = request(GREEDY)
+    plain = backend.sample(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2).response_ids
+    assert backend.sync(peft, 5) and backend.base_pushed
+    adapted = backend.sample(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2).response_ids
+    base_push, adapter_push = replica.stats.pushes[-2:]
+    replica.push(plain_weights(peft, merged=True), WeightsVersion("run-a", 6))
+    merged = replica.sample(args, time.monotonic() + 60).response_ids
+    assert torch.equal(adapted, merged) and not torch.equal(adapted, plain)
+    full = replica.stats.pushes[-1].bytes
+    print(f"push bytes: full {full}, adapter {adapter_push.bytes} ({adapter_push.bytes / full:.2%})")
+    assert base_push.bytes == full and adapter_push.bytes < 0.05 * full
+
+
+def test_an_open_server_other_machines_reach_is_refused_unless_allowed(monkeypatch):
+    """Issue 38, part 5: a non-loopback server without the token middleware stops the run before training."""
+    import http.server
+    import warnings
+
+    from aitraining_pl.errors import ConfigError
+    from aitraining_pl.generation.servers import served
+
+    class Open(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Open)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(served, "is_loopback", lambda host: False)  # as if on another machine
+    replica = HTTPReplica(f"http://127.0.0.1:{server.server_address[1]}", None)
+    try:
+        with pytest.raises(ConfigError, match="answers without a token and other machines can reach it"):
+            served.check_guarded(replica, allow=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            served.check_guarded(replica, allow=True)
+            served.check_guarded(replica, allow=True)
+        assert len([w for w in caught if "takes requests without a token" in str(w.message)]) == 1
+    finally:
+        replica.close()
+        server.shutdown()
+
+
+def test_vllm_serve_launches_vllms_own_server_with_the_flags_and_a_token(tmp_path, monkeypatch):
+    """``aitraining-pl vllm-serve`` (one release): ``vllm serve`` with the middleware, the worker extension and dev
+    mode; a token of its own on loopback, owner-only where the trainer looks; another host needs one given."""
+    from aitraining_pl.errors import ConfigError
+    from aitraining_pl.generation.servers import auth
+    from aitraining_pl.generation.servers.served import find_token
+    from aitraining_pl.generation.servers.vllm_serve import command
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    argv, env, where = command(["--model", "m", "--port", "8123", "--dtype", "bfloat16", "--data-parallel-size", "2"])
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[-4:] == ["--dtype", "bfloat16", "--data-parallel-size", "2"]
+    for flag in ("aitraining_pl.generation.servers.auth.TokenMiddleware",
+                 "aitraining_pl.generation.servers.vllm_worker.PushedWeights", "processed_logprobs"):  # fmt: skip
+        assert flag in argv
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env[auth.TOKEN_FILE_ENV] == where
+    assert stat.S_IMODE(os.stat(where).st_mode) == 0o600
+    token = open(where).read()
+    assert find_token(VLLMConfig(server_port=8123)) == token  # the trainer on this machine finds it
+    with pytest.raises(ConfigError, match="--host 0.0.0.0: a server other machines can reach needs the run's token"):
+        command(["--model", "m", "--host", "0.0.0.0"])
+
+
+def test_a_launched_server_gets_gpus_of_its_own(monkeypatch):
+    """Issue 38, part 6: a launched server inherited ``CUDA_VISIBLE_DEVICES`` and landed on rank 0's GPU. Now its
+    ``CUDA_VISIBLE_DEVICES`` is set: ``server_devices``, else the visible GPUs after the trainer's; never the
+    trainer's own."""
+    from aitraining_pl.errors import ConfigError
+    from aitraining_pl.generation.servers.start import server_devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    assert server_devices(None, trainer_gpus=1) == "5,6"
+    assert server_devices([2], trainer_gpus=2) == "6"
+    with pytest.raises(ConfigError, match="generation.server_devices: .0. are not GPUs of the server's own"):
+        server_devices([0], trainer_gpus=1)
+    with pytest.raises(ConfigError, match="the trainer uses all 3 GPUs visible here"):
+        server_devices(None, trainer_gpus=3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    if not torch.cuda.is_available():
+        assert server_devices(None, trainer_gpus=0) is None  # a CPU machine: the variable is set empty

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 from conftest import TINY_LLAMA
-from server_fixtures import serving
+from http_fixtures import http_hf_server
 
 from aitraining_pl.datamodules.prompt import PromptDataModule
 from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
@@ -18,14 +17,9 @@ TOY_REWARD = "aitraining_pl.rewards:char_length_reward"  # varies within a group
 
 @contextlib.contextmanager
 def hf_server_port(model_config, seed: int = 0):
-    """An HF generation server (``generation.servers.hf_server.HFServerEngine`` behind ``GenerationServer``) for
-    ``model_config``'s architecture, served from a thread on a free loopback port (yielded) until the block ends."""
-    from aitraining_pl.generation.servers.hf_server import HFServerEngine
-    from aitraining_pl.models.loading import build_causal_lm
-
-    with torch.device("meta"):
-        model = build_causal_lm(model_config)
-    with serving(HFServerEngine(model, seed=seed, device="cpu"), model) as port:
+    """An HF generation server over HTTP (``generation.servers.hf_routes``) for ``model_config``'s architecture, served
+    from a thread on a free loopback port (yielded) until the block ends."""
+    with http_hf_server(model_config, seed) as port:
         yield port
 
 

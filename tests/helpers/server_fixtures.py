@@ -13,7 +13,7 @@ SPEC = {"preset": "tiny-llama", "num_attention_heads": 2, "num_key_value_heads":
 
 
 def options(port: int, **kw) -> VLLMConfig:
-    return VLLMConfig(mode="server", server_port=port, **{"server_timeout": 60, **kw})
+    return VLLMConfig(mode="server", server_port=port, **{"server_timeout": 60, "protocol": "tcp", **kw})
 
 
 class RecordingEngine:

@@ -38,6 +38,7 @@ class StandInReplica:
         self.served: list[tuple[int, WeightsVersion | None]] = []  #: (prompts, version asked) of each answer
         self.prompts: list[list[int]] = []  #: every prompt answered
         self.pushes: list[WeightsVersion] = []
+        self.pushed: list[list[str]] = []  #: the names of each push
         self.events: list[str] = []  #: "pause", "push", "resume", in order
         self.outstanding = 0
 
@@ -86,6 +87,7 @@ class StandInReplica:
             raise ReplicaDown(f"{self.url}: connection refused")
         start = time.perf_counter()
         size = sum(t.numel() * t.element_size() for _, t in weights)
+        self.pushed.append([name for name, _ in weights])
         time.sleep(self.push_rate * size / 1e9)
         self.events.append("push")
         self.version = version

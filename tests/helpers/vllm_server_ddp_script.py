@@ -47,7 +47,13 @@ class Recorded(GRPOModule):
 
 def main(out: str, port: str, strategy: str, channel: str = "tcp") -> None:
     pl.seed_everything(0)
-    vllm = {"mode": "server", "server_port": int(port), "server_timeout": 120, "weight_channel": channel}
+    vllm = {
+        "mode": "server",
+        "server_port": int(port),
+        "server_timeout": 120,
+        "weight_channel": channel,
+        "protocol": "tcp",
+    }
     module = Recorded(
         model_config=SPEC,
         tokenizer_name="byte",

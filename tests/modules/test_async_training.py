@@ -155,7 +155,7 @@ def test_a_server_killed_mid_run_stops_the_run_with_one_line(tmp_path):
         quiet_trainer(tmp_path, max_steps=6, callbacks=[KillServer()]).fit(module, data)
     print(caught.value)
     assert "\n" not in str(caught.value) and re.search(
-        r"server 127\.0\.0\.1:\d+: the connection was lost", str(caught.value)
+        r"generation server http://127\.0\.0\.1:\d+: cannot reach the server while ", str(caught.value)
     )
     assert module.pipeline is None and module._launched[0] is None  # torn down on the failure
     assert "aitraining-pl-rollouts" not in [t.name for t in threading.enumerate()]

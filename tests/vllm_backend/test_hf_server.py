@@ -285,8 +285,7 @@ def test_serve_with_the_hf_engine_starts_serves_and_stops_on_sigterm(tmp_path, m
 
 
 def test_the_command_names_and_threads(monkeypatch):
-    """``serve`` and ``vllm-serve`` are one command whose ``--engine`` defaults to vLLM; ``--threads`` parses."""
-    for command in ("serve", "vllm-serve"):
-        args = parser(command).parse_args(["--model", "tiny-llama", "--threads", "2"])
-        assert args.engine == "vllm" and args.threads == 2
+    """``serve``'s ``--engine`` defaults to vLLM; ``--threads`` parses."""
+    args = parser("serve").parse_args(["--model", "tiny-llama", "--threads", "2"])
+    assert args.engine == "vllm" and args.threads == 2
     assert isinstance(parser().parse_args(["--model", "m", "--engine", "hf"]), argparse.Namespace)

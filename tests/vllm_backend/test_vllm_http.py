@@ -19,17 +19,18 @@ import httpx
 import pytest
 import torch
 import transformers
+from http_fixtures import lora_policy, saved_policy
 from server_fixtures import SPEC
 
 pytest.importorskip("vllm")
 
 from aitraining_pl.errors import GenerationServerError  # noqa: E402
+from aitraining_pl.generation.backend import SampleRequest  # noqa: E402
 from aitraining_pl.generation.config import GenerationConfig, VLLMConfig  # noqa: E402
 from aitraining_pl.generation.servers.http import HTTPReplica  # noqa: E402
 from aitraining_pl.generation.version import WeightsVersion  # noqa: E402
-from aitraining_pl.models import build_causal_lm  # noqa: E402
+from aitraining_pl.generation.vllm import VLLMEngine  # noqa: E402
 from aitraining_pl.models.generation import StopRule  # noqa: E402
-from aitraining_pl.vllm_backend.engine import SampleRequest, VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +50,7 @@ from pathlib import Path
 from aitraining_pl.generation.config import VLLMConfig
 from aitraining_pl.generation.servers.start import start
 options = VLLMConfig(**json.loads(sys.argv[2]))
-server = start("vllm", Path(sys.argv[1]), options=options, dtype="float32", threads=1, timeout=300)
+server = start("vllm", Path(sys.argv[1]), options=options, dtype="float32", threads=1, lora_rank=4, timeout=300)
 print(json.dumps({"url": server.url, "token": server.token, "pid": server.process.pid}), flush=True)
 time.sleep(3600)
 """
@@ -60,12 +61,7 @@ def launched(tmp_path_factory):
     """A stand-in trainer that launched a ``vllm serve`` (its process, the server's url, token, pid, folder), and
     the policy, pushed as version 1."""
     folder = tmp_path_factory.mktemp("vllm-serve")
-    torch.manual_seed(0)
-    policy = build_causal_lm(SPEC).eval()
-    with torch.no_grad():
-        policy.lm_head.weight.mul_(20)  # sharp enough that greedy never meets a near tie
-    policy.config.save_pretrained(folder)
-    transformers.ByT5Tokenizer().save_pretrained(folder)
+    policy = saved_policy(folder)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     options = {"max_model_len": 256, "enforce_eager": True, "cpu_kv_cache_gb": 1}
     trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(TRAINER), str(folder), json.dumps(options)],
@@ -136,6 +132,55 @@ def test_refused_pushes_keep_the_previous_weights_serving(launched):
             replica.push(pushed.items(), version)
         assert line in str(refused.value)
     assert torch.equal(replica.sample(request(GREEDY), time.monotonic() + 120).response_ids, before)
+
+
+def test_lora_adapter_pushes_sample_as_merged_pushes(launched):
+    """Issue 38, part 4: the base once, then the adapter alone (a vLLM dynamic LoRA adapter); the same greedy
+    samples as a merged push."""
+    from aitraining_pl.generation.servers.served import ServedBackend
+    from aitraining_pl.models.lora import plain_weights
+
+    _, replica, policy = launched
+    peft = lora_policy(policy)
+    backend = ServedBackend(replica, rank=0, run="run-a", timeout=120)
+    args = request(GREEDY)
+    plain = backend.sample(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2).response_ids
+    assert backend.sync(peft, 5)
+    adapted = backend.sample(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2).response_ids
+    adapter_bytes = replica.stats.pushes[-1].bytes
+    replica.push(plain_weights(peft, merged=True), WeightsVersion("run-a", 6))
+    merged = replica.sample(args, time.monotonic() + 120).response_ids
+    print(json.dumps({"push_bytes_full": replica.stats.pushes[-1].bytes, "push_bytes_adapter": adapter_bytes}))
+    assert torch.equal(adapted, merged) and not torch.equal(adapted, plain)
+
+
+def test_grpo_trains_through_the_served_vllm(launched, tmp_path, monkeypatch):
+    """A few GRPO steps with ``generation.server: connect`` to the ``vllm serve``: the policy's weights are pushed
+    (the module's client owns the server once the fixture's has let go), the rollouts carry vLLM's log-probs, and the
+    policy changes."""
+    import lightning.pytorch as pl
+
+    from aitraining_pl.datamodules.prompt import PromptDataModule
+    from aitraining_pl.generation.servers.auth import TOKEN_ENV
+    from aitraining_pl.modules.critic_free import GRPOModule
+
+    server, replica, _ = launched
+    replica.close()  # frees the server's weights for the run
+    monkeypatch.setenv(TOKEN_ENV, server["token"])
+    port = int(server["url"].rpartition(":")[2])
+    generation = GenerationConfig(max_new_tokens=4, temperature=1.0, backend="vllm", server="connect",
+                                  vllm=VLLMConfig(server_port=port, server_timeout=120))  # fmt: skip
+    module = GRPOModule(reward="aitraining_pl.rewards:char_length_reward", model_config=SPEC, tokenizer_name="byte",
+                        learning_rate=1e-2, num_generations=2, mini_batch_size=4, generation=generation)  # fmt: skip
+    data = PromptDataModule(prompts=["ab", "cd", "ef", "gh"], tokenizer=module.tokenizer, batch_size=2)
+    before = {k: v.clone() for k, v in module.policy.state_dict().items()}
+    trainer = pl.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu")  # fmt: skip
+    trainer.fit(module, data)
+    assert trainer.global_step == 2
+    assert any(not torch.equal(before[k], v) for k, v in module.policy.state_dict().items())
+    served = HTTPReplica(server["url"], server["token"]).served_version()
+    assert served is not None and served.step >= 1  # the run pushed its updated weights
 
 
 def test_a_sigkilled_trainers_server_exits_and_its_folder_goes(launched):

@@ -14,7 +14,6 @@ server (``hf_routes``):
 from __future__ import annotations
 
 import hashlib
-import math
 import threading
 import time
 from collections.abc import Iterable
@@ -99,9 +98,10 @@ class PushGuard:
         self.version: WeightsVersion | None = None  #: the owner's last accepted version
         self.last = 0.0  #: ``time.monotonic()`` of the owner's last push
 
-    def admit(self, owner: str, version: str) -> WeightsVersion:
+    def admit(self, owner: str, version: str, same: bool = False) -> WeightsVersion:
         """The parsed ``version`` of a push by the key ``owner``; ``PushRefused`` when another run owns the
-        weights, the version is not the owner's run's or not newer than its last."""
+        weights, the version is not the owner's run's or not newer than its last (``same``: not older, for a LoRA
+        adapter pushed right after its base weights)."""
         parsed = WeightsVersion.parse(version)
         if parsed is None or not owner:
             raise PushRefused("a push needs a weights version run:step and the pusher's key")
@@ -115,7 +115,7 @@ class PushGuard:
             mine = held and self.version is not None
             if mine and parsed.run != self.version.run:
                 raise PushRefused(f"weights version {parsed} is not of the run that owns this server")
-            if mine and parsed.step <= self.version.step:
+            if mine and (parsed.step < self.version.step if same else parsed.step <= self.version.step):
                 raise PushRefused(f"weights version {parsed} is not newer than the last push (step "
                                   f"{self.version.step})")  # fmt: skip
         return parsed
@@ -132,12 +132,3 @@ class PushGuard:
                 self.owner = self.version = None
                 return True
         return False
-
-
-def finite_seconds(value: object, default: float) -> float:
-    """``value`` as a finite positive number of seconds, else ``default``."""
-    try:
-        seconds = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return default
-    return seconds if math.isfinite(seconds) and seconds > 0 else default

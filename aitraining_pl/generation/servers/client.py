@@ -82,13 +82,13 @@ def find_token(options: VLLMConfig, setting: str = "generation.vllm.server_token
     )
 
 
-def weight_channel(name: str, policy: torch.nn.Module, server_device: str | None) -> str:
+def weight_channel(name: str, policy: torch.nn.Module | str, server_device: str | None) -> str:
     """``tcp``, ``nccl`` or ``gloo`` for ``generation.vllm.weight_channel`` ``name``: ``auto`` is ``nccl`` when the
-    policy and the server are both on GPUs (and this torch has NCCL), else ``tcp``. ``nccl`` with either side on a
-    CPU is a ``ConfigError``."""
+    policy (a module, or the device type its weights are on) and the server are both on GPUs (and this torch has
+    NCCL), else ``tcp``. ``nccl`` with either side on a CPU is a ``ConfigError``."""
     import torch.distributed as dist
 
-    policy_device = next(policy.parameters()).device.type
+    policy_device = policy if isinstance(policy, str) else next(policy.parameters()).device.type
     on_gpu = policy_device == "cuda" and server_device == "cuda"
     if name == "auto":
         return "nccl" if on_gpu and dist.is_nccl_available() else "tcp"
@@ -152,8 +152,8 @@ class VLLMServerClient:
                 f"the server at {self.address} serves another model: {', '.join(wrong)}; start vllm-serve with the "
                 "policy's config (--model)",
             )
-        if self.rank == 0:
-            self.open_channel(weight_channel(options.weight_channel, policy, answer.get("device")))
+        self.server_device = answer.get("device")  #: where the server's engine runs (``ready``)
+        self.channel_chosen = self.rank != 0  #: rank 0 chooses at its first push (``choose_channel``)
 
     def hello(self) -> dict[str, Any]:
         """``hello``, then the answer to the server's challenge (the token's proof): the server's ``ready``."""
@@ -271,6 +271,7 @@ class VLLMServerClient:
                 pass
         elif self.talking.acquire(blocking=False):
             try:
+                weights = self.choose_channel(weights)
                 self.send_weights(weights, key, version, in_flight)
             finally:
                 self.talking.release()
@@ -281,6 +282,18 @@ class VLLMServerClient:
             self.sync_seconds = self.pusher.sync_seconds
         self.version = key
         return True
+
+    def choose_channel(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """Rank 0's first push: open the weight channel for the device of the first tensor pushed (here, not when
+        the client is built: at ``setup`` Lightning has not yet moved the policy to its GPU); ``weights`` again."""
+        if self.channel_chosen:
+            return weights
+        weights = iter(weights)
+        first = next(weights, None)
+        device = first[1].device.type if first is not None else "cpu"
+        self.open_channel(weight_channel(self.options.weight_channel, device, self.server_device))
+        self.channel_chosen = True
+        return weights if first is None else itertools.chain([first], weights)
 
     def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], key: str, version: Any, in_flight: bool):
         """Send one push (``load``, a ``weight`` frame per tensor, ``end``) on this connection and read its answer."""

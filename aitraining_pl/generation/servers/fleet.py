@@ -25,108 +25,28 @@ answers, gets the push and rejoins. With none up, the call fails with one ``Gene
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import importlib
 import itertools
 import threading
 import time
 import uuid
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from aitraining_pl.errors import GenerationServerError
-from aitraining_pl.generation.backend import SampleRequest
-from aitraining_pl.generation.config import ServerConfig
+from aitraining_pl.generation.servers.adapters import adapter_weights, supported
 from aitraining_pl.generation.servers.replica import PushReport, Replica, ReplicaDown
+from aitraining_pl.generation.servers.routing import PrefixAffinity, ReplicaRequest, joined, part
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import SampledTokens, StopRule
+from aitraining_pl.models.lora import is_peft_model, plain_weights
 from aitraining_pl.models.sharding import is_sharded
 
-#: what builds the ``Replica`` of a URL, by its scheme (``"module:name"``, imported only when a URL of that scheme is
-#: used), called as ``(url, generation, context, token_file, connect_timeout)``
-REPLICAS = {
-    "http": "aitraining_pl.generation.servers.fleet_launch:http_replica",
-    "https": "aitraining_pl.generation.servers.fleet_launch:http_replica",
-    "tcp": "aitraining_pl.generation.servers.tcp_replica:TCPReplica",  # ``aitraining-pl serve``'s frames (one release)
-}
 RESUME = "a run that had started resumes from its last checkpoint with --ckpt_path"
 #: seeds drawn for unseeded calls are offset by this per rank (every rank's global generator is the same)
 RANK_SEED_STRIDE = 1_000_003
-
-
-def replica_factory(url: str) -> Callable[..., Replica]:
-    """What builds the ``Replica`` of ``url`` (``REPLICAS``)."""
-    module, _, name = REPLICAS[url.partition("://")[0].lower()].partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def build_fleet(
-    servers: ServerConfig, endpoints: Sequence[tuple[str, str | None]], generation: Any, context: Any, weights
-) -> Fleet:
-    """The fleet of ``endpoints`` (``(url, token file or None)``, one per server) for ``generation.server``
-    ``servers`` and a ``BackendContext``; each replica is ``replica_factory(url)(url, generation, context, token_file,
-    connect_timeout)``. ``weights``: ``policy_weights``."""
-    timeout = float(servers.connect_timeout)
-    replicas = [replica_factory(url)(url, generation, context, token, timeout) for url, token in endpoints]
-    return Fleet(replicas, weights, context.rank, context.run, timeout, float(servers.token_timeout),
-                 bool(generation.vllm.sync_weights))  # fmt: skip
-
-
-@dataclasses.dataclass
-class ReplicaRequest(SampleRequest):
-    """What one server is asked: a ``sample`` call's arguments for a run of its prompts (on the CPU; prompt ``i``
-    drawn with ``seed + i * num_samples``), and the weights that must sample them (``version``; with ``newer`` that
-    version or a later one of the run)."""
-
-    version: WeightsVersion | None = None
-    newer: bool = False
-
-    @property
-    def tokens(self) -> int:
-        """Tokens asked for: responses times ``max_new_tokens``."""
-        return int(self.prompt_ids.shape[0]) * int(self.num_samples) * int(self.generation.max_new_tokens)
-
-
-class PrefixAffinity:
-    """Which server served each recent prompt, found again for a later prompt that strictly extends it (an
-    episode's next turn); a repeated prompt is not a continuation and is routed by load. Keys are rolling hashes of
-    the prompt's tokens; the oldest of ``capacity`` entries are forgotten."""
-
-    MOD, BASE = (1 << 61) - 1, 1_000_003
-
-    def __init__(self, capacity: int = 65536):
-        self.capacity, self.table, self.lock = capacity, OrderedDict(), threading.Lock()
-
-    def hashes(self, tokens: Sequence[int]) -> list[int]:
-        out, h = [], 0
-        for token in tokens:
-            h = (h * self.BASE + int(token) + 1) % self.MOD
-            out.append(h)
-        return out
-
-    def record(self, tokens: Sequence[int], index: int) -> None:
-        if not tokens:
-            return
-        key = (len(tokens), self.hashes(tokens)[-1])
-        with self.lock:
-            self.table[key] = index
-            self.table.move_to_end(key)
-            while len(self.table) > self.capacity:
-                self.table.popitem(last=False)
-
-    def lookup(self, tokens: Sequence[int]) -> int | None:
-        """The server of the longest recorded prompt that ``tokens`` strictly extends, or None."""
-        hashes = self.hashes(tokens)
-        with self.lock:
-            for length in range(len(tokens) - 1, 0, -1):
-                index = self.table.get((length, hashes[length - 1]))
-                if index is not None:
-                    return index
-        return None
 
 
 class _Member:
@@ -135,6 +55,7 @@ class _Member:
     def __init__(self, index: int, replica: Replica):
         self.index, self.replica, self.up = index, replica, True
         self.version: WeightsVersion | None = None  #: the weights it holds (pushed by this fleet)
+        self.base_pushed = False  #: it holds a LoRA policy's base weights (its adapter then travels alone)
         self.outstanding = 0  #: tokens asked for and not answered
         self.running, self.busy_since = 0, 0.0
         self.requests = self.tokens = self.push_bytes = 0
@@ -228,6 +149,7 @@ class Fleet:
     def _down(self, member: _Member, err: BaseException, doing: str) -> None:
         with self.lock:
             was, member.up = member.up, False
+            member.base_pushed = False  # a restarted server holds no base weights
             up = self.up()
         if was:
             warnings.warn(
@@ -246,7 +168,7 @@ class Fleet:
         """The member index for each prompt: the one whose earlier prompt it continues, else by load."""
         members = self._serving(request.version, request.newer)
         if not members:
-            raise self.gone(f"sampling with the weights of version {request.version}")
+            raise self.gone(f"sampling with the weights of step {_step(request.version)}")
         cost = int(request.num_samples) * int(request.generation.max_new_tokens)
         load = {m.index: m.outstanding for m in members}
         assigned: list[int | None] = [None] * len(prompts)
@@ -290,15 +212,15 @@ class Fleet:
         runs = [(k, len(list(g))) for k, g in itertools.groupby(assigned)]
         futures, start = [], 0
         for index, length in runs:
-            part = _part(request, start, start + length)
-            futures.append(self.sampling.submit(self._serve, part, self.members[index]))
+            piece = part(request, start, start + length)
+            futures.append(self.sampling.submit(self._serve, piece, self.members[index]))
             start += length
         answers = [f.result() for f in futures]
         served = [index for (member, _), (_, length) in zip(answers, runs) for index in [member.index] * length]
         for tokens, index in zip(prompts, served):
             self.affinity.record(tokens, index)
         self.cached_tokens = sum(int(getattr(m.replica, "cached_tokens", 0) or 0) for m, _ in answers)
-        return _joined([out for _, out in answers], int(pad_token_id), prompt_ids.device)
+        return joined([out for _, out in answers], int(pad_token_id), prompt_ids.device)
 
     def _serve(self, request: ReplicaRequest, member: _Member) -> tuple[_Member, SampledTokens]:
         """``request`` on ``member``, re-sent to the least loaded server up while the one asked is down."""
@@ -309,7 +231,7 @@ class Fleet:
                 self._down(member, err, f"sampling {request.tokens} tokens")
                 members = self._serving(request.version, request.newer)
                 if not members:
-                    raise self.gone(f"sampling with the weights of version {request.version}") from None
+                    raise self.gone(f"sampling with the weights of step {_step(request.version)}") from None
                 member = min(members, key=lambda m: (m.outstanding, m.index))
 
     def _call(self, member: _Member, request: ReplicaRequest) -> SampledTokens:
@@ -332,16 +254,25 @@ class Fleet:
     # ------------------------------------------------------------------ weights
     def sync(self, policy: torch.nn.Module, version: Any = None) -> bool:
         """Rank 0: push ``policy``'s weights as ``version`` unless the fleet holds it; the other ranks record it
-        (under FSDP2 they walk the gathers with rank 0). Returns whether the weights changed."""
+        (under FSDP2 they walk the gathers with rank 0). A LoRA policy whose adapter travels alone
+        (``adapters.supported``) pushes its unmerged base weights once to each server (again to one that rejoins),
+        then its adapter alone. Returns whether the weights changed."""
+        if is_peft_model(policy) and not is_sharded(policy) and supported(policy):
+            if self.rank != 0:
+                return self.push(iter(()), version)
+            return self.push(adapter_weights(policy), version, base=lambda: list(plain_weights(policy, merged=False)))
         walk = self.rank == 0 or is_sharded(policy)
         return self.push(self.weights(policy) if walk else iter(()), version)
 
     @torch.no_grad()
-    def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: Any = None, in_flight: bool = False) -> bool:
+    def push(
+        self, weights: Iterable[tuple[str, torch.Tensor]], version: Any = None, in_flight: bool = False, base=None
+    ) -> bool:
         """Push ``weights`` as ``version`` (the optimizer step; None: a fresh one) to every server up, and to each
         server marked down that answers its health route (it rejoins), in parallel; the fleet's requests name
         ``version`` only once every server up holds it. ``in_flight``: pause each server (keeping its KV cache),
-        push, resume. Returns whether the weights changed."""
+        push, resume. ``base``: ``weights`` are an adapter, and ``base()`` the weights under it, pushed first to a
+        server that has not had them. Returns whether the weights changed."""
         key = WeightsVersion(self.run, next(self.calls) if version is None else int(version))
         if self._version is not None and (key == self._version or not self.sync_weights):
             return False
@@ -356,34 +287,39 @@ class Fleet:
             for member in targets:
                 member.version, member.up = key, True
         else:
-            weights = list(weights)
-            list(self.pushing.map(lambda m: self._push_one(m, weights, key, in_flight), targets))
+            weights = list(weights) if iter(weights) is weights else weights  # a stream, read once per server
+            bare = [m for m in targets if not m.base_pushed]
+            under = base() if base is not None and bare else None
+            list(self.pushing.map(lambda m: self._push_one(m, weights, key, in_flight, under), targets))
         for member in back:
             if member.up and self.rank == 0:
                 warnings.warn(
                     f"generation fleet: server {member.index} ({member.replica.url}) answers again and rejoined at "
-                    f"version {key} ({self.up()} of {len(self.members)} up)",
+                    f"step {key.step} ({self.up()} of {len(self.members)} up)",
                     RuntimeWarning,
                     stacklevel=2,
                 )
         if not any(m.up and m.version == key for m in self.members):
-            raise self.gone(f"pushing the weights of version {key}")
+            raise self.gone(f"pushing the weights of step {key.step}")
         self.sync_seconds = time.perf_counter() - start
         self._version = key
         return True
 
-    def _push_one(self, member: _Member, weights: list, key: WeightsVersion, in_flight: bool) -> None:
-        replica, paused = member.replica, False
+    def _push_one(self, member: _Member, weights: Any, key: WeightsVersion, in_flight: bool, base=None) -> None:
+        replica, paused, seconds, size = member.replica, False, 0.0, 0
         try:
             if in_flight:
                 replica.pause()
                 paused = True
+            if base is not None and not member.base_pushed:
+                first = replica.push(base, key)
+                seconds, size, member.base_pushed = first.seconds, first.bytes, True
             report: PushReport = replica.push(weights, key)
             if paused:
                 paused = False
                 replica.resume()
         except ReplicaDown as err:
-            self._down(member, err, f"pushing the weights of version {key}")
+            self._down(member, err, f"pushing the weights of step {key.step}")
             return
         finally:
             if paused:
@@ -393,8 +329,8 @@ class Fleet:
                     pass
         with self.lock:
             member.version, member.up = key, True
-            member.push_seconds += report.seconds
-            member.push_bytes += report.bytes
+            member.push_seconds += seconds + report.seconds
+            member.push_bytes += size + report.bytes
 
     # ------------------------------------------------------------------ the rest of the backend
     def stats(self) -> dict[str, torch.Tensor]:
@@ -434,34 +370,13 @@ def _serves(member: _Member, version: WeightsVersion | None, newer: bool) -> boo
     return version is None or (member.version is not None and member.version.serves(version, newer))
 
 
+def _step(version: WeightsVersion | None) -> str:
+    """How messages name a version: its step (the run's id stays out of logs)."""
+    return "any" if version is None else str(version.step)
+
+
 def _answers(replica: Replica) -> bool:
     try:
         return bool(replica.alive())
     except (OSError, ReplicaDown):
         return False
-
-
-def _part(request: ReplicaRequest, start: int, stop: int) -> ReplicaRequest:
-    """Prompts ``start .. stop`` of ``request`` (common left padding dropped), seeded as they are in it."""
-    mask = request.prompt_mask[start:stop]
-    width = max(1, int(mask.sum(1).max())) if mask.numel() else 1
-    seed = None if request.seed is None else (request.seed + start * request.num_samples) % 2**31
-    ids = request.prompt_ids[start:stop, -width:]
-    return dataclasses.replace(request, prompt_ids=ids, prompt_mask=mask[:, -width:], seed=seed)
-
-
-def _joined(parts: list[SampledTokens], pad: int, device: torch.device) -> SampledTokens:
-    """The answers of consecutive runs of prompts as one, right padded to the longest response."""
-    width = max(p.response_ids.shape[1] for p in parts)
-
-    def cat(tensors: list[torch.Tensor | None], value: float) -> torch.Tensor | None:
-        if any(t is None for t in tensors):
-            return None
-        padded = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in tensors]
-        return torch.cat(padded).to(device)
-
-    return SampledTokens(
-        cat([p.response_ids for p in parts], pad),
-        sampling_logprobs=cat([p.sampling_logprobs for p in parts], 0.0),
-        token_versions=cat([p.token_versions for p in parts], -1),
-    )

@@ -1,22 +1,35 @@
-"""What a fleet is built from (``generation.server``): the replica of a URL by its scheme (``http_replica``, the
-``REPLICAS`` entry of ``http``/``https``) and the servers the trainer starts for a fleet (``LaunchedFleet``)."""
+"""What a fleet is built from (``generation.server``): the replica of each URL by its scheme (``REPLICAS``;
+``http_replica`` for ``http``/``https``), the servers the trainer starts for a fleet (``LaunchedFleet``), and the
+fleet itself (``build_fleet``)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import importlib
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from aitraining_pl.generation.config import LaunchConfig
+from aitraining_pl.errors import ConfigError
+from aitraining_pl.generation.config import LaunchConfig, ServerConfig
+from aitraining_pl.generation.servers.fleet import Fleet
 from aitraining_pl.generation.servers.http import HTTPReplica
+from aitraining_pl.generation.servers.replica import Replica
 from aitraining_pl.generation.servers.served import check_guarded, find_token
 from aitraining_pl.generation.servers.start import ServerProcess, spawn
 from aitraining_pl.models.generation import hf_model
 
+#: what builds the ``Replica`` of a URL, by its scheme (``"module:name"``, imported only when a URL of that scheme is
+#: used), called as ``(url, generation, context, token_file, connect_timeout)``
+REPLICAS = {
+    "http": "aitraining_pl.generation.servers.fleet_launch:http_replica",
+    "https": "aitraining_pl.generation.servers.fleet_launch:http_replica",
+    "tcp": "aitraining_pl.generation.servers.tcp_replica:TCPReplica",  # ``aitraining-pl serve``'s frames (one release)
+}
 #: seconds a launched server has to answer its health route (it imports torch, builds the model)
 START_TIMEOUT = 300.0
 
@@ -30,6 +43,40 @@ def http_replica(url: str, generation: Any, context: Any, token_file: str | None
     replica = HTTPReplica(url, find_token(options, "generation.vllm.server_token_file"), timeout=options.server_timeout)
     check_guarded(replica, bool(getattr(options, "allow_unauthenticated", False)))
     return replica
+
+
+def replica_factory(url: str) -> Callable[..., Replica]:
+    """What builds the ``Replica`` of ``url`` (``REPLICAS``)."""
+    module, _, name = REPLICAS[url.partition("://")[0].lower()].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_fleet(
+    servers: ServerConfig, endpoints: Sequence[tuple[str, str | None]], generation: Any, context: Any, weights
+) -> Fleet:
+    """The fleet of ``endpoints`` (``(url, token file or None)``, one per server) for ``generation.server``
+    ``servers`` and a ``BackendContext``; each replica is ``replica_factory(url)(url, generation, context, token_file,
+    connect_timeout)``. ``weights``: ``policy_weights``."""
+    timeout = float(servers.connect_timeout)
+    replicas = [replica_factory(url)(url, generation, context, token, timeout) for url, token in endpoints]
+    return Fleet(replicas, weights, context.rank, context.run, timeout, float(servers.token_timeout),
+                 bool(generation.vllm.sync_weights))  # fmt: skip
+
+
+def spread(launch: LaunchConfig, trainer_gpus: int) -> list[list[int] | None]:
+    """Each server's GPUs when ``launch.devices`` is unset: the GPUs after the trainer's, split evenly (none on a
+    machine without GPUs); a ``ConfigError`` naming the option when there are fewer than servers."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    free = list(range(trainer_gpus, count))
+    if count == 0 or launch.count == 1:
+        return [None] * launch.count
+    if len(free) < launch.count:
+        raise ConfigError(
+            "generation.server.launch.devices",
+            f"{launch.count} servers, {len(free)} GPUs besides the trainer's {trainer_gpus}: give each its own",
+        )
+    share = len(free) // launch.count
+    return [free[i * share : (i + 1) * share] for i in range(launch.count)]
 
 
 class LaunchedFleet:
@@ -48,8 +95,7 @@ class LaunchedFleet:
     def __init__(self, launch: LaunchConfig, generation: Any, policy: torch.nn.Module, tokenizer: Any, seed: int = 0,
                  trainer_gpus: int = 1):  # fmt: skip
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
-        devices = [None if d is None else [int(i) for i in str(d).split(",")] for d in launch.devices or []]
-        devices += [None] * (launch.count - len(devices))
+        devices = [[int(i) for i in str(d).split(",")] for d in launch.devices or []] or spread(launch, trainer_gpus)
         folders = []
         for _ in range(launch.count):
             folder = Path(tempfile.mkdtemp(prefix="aitraining-pl-fleet-"))

@@ -10,9 +10,10 @@ with ``backend: hf``).
   not fit the model's positions with ``max_tokens`` gets 400.
 - ``/pause`` (any ``mode``: the decoder waits before its next forward, keeping its cache), ``/resume``,
   ``/is_paused``; ``/health``, ``/v1/models``.
-- ``/collective_rpc`` with the worker extension's two methods (``aitraining_pl_load``, ``aitraining_pl_release``;
-  ``vllm_worker``): a push checked before anything loads (``checks``), handed to the engine's ``stage``, so that it
-  lands between two decode steps of a running batch; ``/reset_prefix_cache`` (nothing cached here),
+- ``/collective_rpc`` with the worker extension's methods (``aitraining_pl_load``, ``aitraining_pl_release``;
+  ``vllm_worker``) and ``aitraining_pl_load_adapter`` (a LoRA adapter folder applied over the last full push,
+  ``adapters.merged``): a push checked before anything loads (``checks``), handed to the engine's ``stage``, so that
+  it lands between two decode steps of a running batch; ``/reset_prefix_cache`` (nothing cached here),
   ``/update_weight_version``, ``/weight_info``.
 
 Every route requires the run's token (``auth.TokenMiddleware``, the same middleware vLLM is given); a server
@@ -30,10 +31,12 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
+from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.config import GenerationConfig
+from aitraining_pl.generation.servers.adapters import merged
 from aitraining_pl.generation.servers.auth import TokenMiddleware
 from aitraining_pl.generation.servers.checks import PushGuard, PushRefused, WeightSpecs
-from aitraining_pl.generation.servers.vllm_worker import load_checked
+from aitraining_pl.generation.servers.vllm_worker import load_checked, push_file
 from aitraining_pl.models.generation import StopRule
 
 
@@ -70,6 +73,7 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
     app = FastAPI(title="aitraining-pl HF server")
     app.add_middleware(TokenMiddleware, token=token)
     guard, resumed, label = PushGuard(), threading.Event(), {"version": "default"}
+    base: dict[str, torch.Tensor] = {}  #: the last full push (unmerged): what an adapter push applies to
     sampling = threading.Lock()  #: one request at a time: a seeded draw seeds torch's global generator
     resumed.set()
     engine.before_forward = lambda column: resumed.wait()  # /pause holds the decoder before its next forward
@@ -86,8 +90,6 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
 
     @app.post("/v1/completions")
     def completions(body: Completion) -> dict:
-        from aitraining_pl.generation.backend import SampleRequest
-
         if positions is not None and len(body.prompt) + body.max_tokens > positions:
             raise HTTPException(400, f"the prompt ({len(body.prompt)} tokens) and max_tokens ({body.max_tokens}) "
                                      f"exceed the model's {positions} positions")  # fmt: skip
@@ -117,6 +119,7 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
                 "index": index, "text": tokenizer.decode(kept) if tokenizer is not None else "",
                 "finish_reason": "stop" if ended else "length",
                 "logprobs": {"tokens": [f"token_id:{t}" for t in kept], "token_logprobs": logps[:length].tolist()},
+                "token_versions": versions[:length].tolist(),  # the weights step of each token (in-flight pushes)
             })  # fmt: skip
         return {"object": "text_completion", "model": name, "choices": choices}
 
@@ -139,12 +142,21 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
         kwargs = body.kwargs
         if body.method == "aitraining_pl_release":
             return {"results": [{"ok": True, "released": guard.release(str(kwargs.get("owner", "")))}]}
-        if body.method != "aitraining_pl_load":
+        if body.method not in ("aitraining_pl_load", "aitraining_pl_load_adapter"):
             raise HTTPException(400, f"this server has no method {body.method!r}")
-        owner, version = str(kwargs.get("owner", "")), str(kwargs.get("version", ""))
+        owner, version, path = str(kwargs.get("owner", "")), str(kwargs.get("version", "")), str(kwargs.get("path"))
+        adapter = body.method == "aitraining_pl_load_adapter"
         try:
-            parsed = guard.admit(owner, version)
-            engine.stage(load_checked(str(kwargs.get("path", "")), specs), str(parsed))
+            parsed = guard.admit(owner, version, same=adapter)
+            if adapter:
+                if not base:
+                    raise PushRefused("an adapter needs the base weights pushed first")
+                staged = merged(push_file(path, folder=True), base, specs)
+            else:
+                staged = load_checked(path, specs)
+                base.clear()
+                base.update(staged)
+            engine.stage(staged, str(parsed))
             guard.accept(owner, parsed)
         except PushRefused as err:
             return {"results": [{"ok": False, "error": str(err)}]}

@@ -36,11 +36,13 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.servers.adapters import AdapterWeights, write_adapter
 from aitraining_pl.generation.servers.replica import PushReport, ReplicaDown, ReplicaStats
 from aitraining_pl.generation.servers.vllm_worker import PUSH_PREFIX
 from aitraining_pl.generation.version import WeightsVersion
@@ -48,6 +50,8 @@ from aitraining_pl.models.generation import SampledTokens
 
 #: seconds to open a connection (apart from a request's deadline, which scales with its tokens)
 CONNECT_TIMEOUT = 10.0
+#: the name a pushed LoRA adapter is served under (``vllm serve`` with ``--enable-lora``)
+LORA_NAME = "aitraining-pl-policy"
 #: where pushed files are written: shared memory when the machine has it
 SHARED_MEMORY = "/dev/shm"
 
@@ -82,23 +86,30 @@ def completion_body(model: str, prompt: list[int], request: Any, n: int, seed: i
     return body
 
 
-def choice_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
-    """The token ids and log-probs of one completion choice (``token_id:<id>`` tokens)."""
+def choice_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float], list[int] | None]:
+    """The token ids, log-probs and (from the HF server, whose pushes may land mid-response) the weights step of
+    each token of one completion choice (``token_id:<id>`` tokens)."""
     logprobs = choice.get("logprobs") or {}
     tokens = [int(str(t).rpartition(":")[2]) for t in logprobs.get("tokens") or []]
     values = [float(v) if v is not None else 0.0 for v in logprobs.get("token_logprobs") or []]
-    return tokens, values + [0.0] * (len(tokens) - len(values))
+    versions = choice.get("token_versions")
+    return tokens, values + [0.0] * (len(tokens) - len(values)), versions if isinstance(versions, list) else None
 
 
-def padded_samples(rows: Sequence[tuple[list[int], list[float]]], pad_token_id: int) -> SampledTokens:
-    """``rows`` of (ids, log-probs) as ``SampledTokens`` right padded with ``pad_token_id`` (log-probs 0 there)."""
-    length = max((len(ids) for ids, _ in rows), default=0)
+def padded_samples(rows: Sequence[tuple[list[int], list[float], list[int] | None]], pad_token_id: int) -> SampledTokens:
+    """``rows`` of (ids, log-probs, steps) as ``SampledTokens`` right padded with ``pad_token_id`` (log-probs 0 and
+    steps -1 there; ``token_versions`` only when every row has its steps)."""
+    length = max((len(ids) for ids, _, _ in rows), default=0)
     ids = torch.full((len(rows), length), int(pad_token_id), dtype=torch.long)
     logps = torch.zeros(len(rows), length)
-    for row, (tokens, values) in enumerate(rows):
+    steps = torch.full((len(rows), length), -1, dtype=torch.long)
+    for row, (tokens, values, versions) in enumerate(rows):
         ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         logps[row, : len(tokens)] = torch.tensor(values, dtype=torch.float32)
-    return SampledTokens(ids, sampling_logprobs=logps)
+        if versions is not None:
+            steps[row, : len(versions)] = torch.tensor(versions, dtype=torch.long)
+    known = bool(rows) and all(versions is not None for _, _, versions in rows)
+    return SampledTokens(ids, sampling_logprobs=logps, token_versions=steps if known else None)
 
 
 class HTTPReplica:
@@ -125,6 +136,9 @@ class HTTPReplica:
         self._outstanding = 0
         self._busy_since: float | None = None
         self._model: str | None = None
+        self._engine: str | None = None
+        self.lora: Path | None = None  #: the folder of the LoRA adapter vLLM serves the rollouts with (None: none)
+        self.lora_loaded = False  #: vLLM has an adapter under ``LORA_NAME`` (the next one loads in place)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         limits = httpx.Limits(max_connections=workers, max_keepalive_connections=workers)
         self.http = httpx.Client(base_url=self.url, headers=headers, limits=limits, timeout=self.timeout)
@@ -151,7 +165,10 @@ class HTTPReplica:
             )  # fmt: skip
         if response.status_code >= 400:
             raise GenerationServerError(self.url, f"{doing} failed ({response.status_code}: {reason(response)})")
-        return response.json() if response.content else None
+        try:
+            return response.json() if response.content else None
+        except ValueError:  # a plain-text success (vLLM's /v1/load_lora_adapter)
+            return None
 
     def model(self) -> str:
         """The served model's name (``/v1/models``: what completions name)."""
@@ -190,7 +207,7 @@ class HTTPReplica:
         tokens = len(prompts) * n * int(generation.max_new_tokens)
         self._begin(tokens)
         try:
-            model = self.model()
+            model = LORA_NAME if self.lora is not None else self.model()
             futures = []
             for i, prompt in enumerate(prompts):
                 seed = None if request.seed is None else (int(request.seed) + i * asked) % 2**31
@@ -205,11 +222,13 @@ class HTTPReplica:
         sampled = padded_samples(rows, request.pad_token_id)
         with self._lock:
             self.stats.requests += len(prompts)
-            self.stats.tokens += sum(len(ids) for ids, _ in rows)
+            self.stats.tokens += sum(len(ids) for ids, _, _ in rows)
         device = request.prompt_ids.device
-        return SampledTokens(sampled.response_ids.to(device), sampling_logprobs=sampled.sampling_logprobs.to(device))
+        versions = None if sampled.token_versions is None else sampled.token_versions.to(device)
+        return SampledTokens(sampled.response_ids.to(device), sampling_logprobs=sampled.sampling_logprobs.to(device),
+                             token_versions=versions)  # fmt: skip
 
-    def _complete(self, body: dict[str, Any], deadline: float, index: int) -> list[tuple[list[int], list[float]]]:
+    def _complete(self, body: dict[str, Any], deadline: float, index: int) -> list[tuple]:
         doing = f"sampling {body['n']} responses of prompt {index}"
         answer = self.call("POST", "/v1/completions", doing, timeout=deadline - time.monotonic(), json=body)
         choices = sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0))
@@ -244,22 +263,69 @@ class HTTPReplica:
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: WeightsVersion) -> PushReport:
+        """``Replica.push``; ``weights`` may be an ``adapters.AdapterWeights`` (a LoRA adapter alone, after the
+        unmerged base weights were pushed once)."""
         start = time.perf_counter()
+        if isinstance(weights, AdapterWeights):
+            size = self.push_adapter(weights, version)
+            return self.named(version, PushReport(time.perf_counter() - start, size))
         weights = iter(weights)
         first = next(weights, None)
         if first is None:
             raise GenerationServerError(self.url, f"pushing weights version {version.step}: no tensors")
         stream = _chained(first, weights)
+        if self.lora is not None:  # full weights: the rollouts name the base model again
+            shutil.rmtree(self.lora, ignore_errors=True)
+            self.lora = None
         if self.channel is None:  # here, not at setup: by now Lightning has put the policy on its device
             self.channel = "nccl" if first[1].is_cuda else "shm"
         size = self.push_nccl(stream, version) if self.channel == "nccl" else self.push_file(stream, version)
+        return self.named(version, PushReport(time.perf_counter() - start, size))
+
+    def named(self, version: WeightsVersion, report: PushReport) -> PushReport:
+        """After a push: drop the prefix cache, name the version, count the push."""
         self.call("POST", "/reset_prefix_cache", "dropping the prefix cache")
         self.call("POST", "/update_weight_version", "naming the weights version", json={"new_version": str(version)})
         self.held = version
-        report = PushReport(time.perf_counter() - start, size)
         with self._lock:
             self.stats.pushes.append(report)
         return report
+
+    def engine(self) -> str:
+        """``vllm`` or ``hf``: who serves (``/v1/models``' ``owned_by``)."""
+        if self._engine is None:
+            data = self.call("GET", "/v1/models", "listing the served model")["data"][0]
+            self._engine = "hf" if data.get("owned_by") == "aitraining-pl" else "vllm"
+        return self._engine
+
+    def push_adapter(self, adapter: AdapterWeights, version: WeightsVersion) -> int:
+        """A LoRA adapter alone: vLLM loads it as a dynamic adapter that the rollouts then name; the HF server
+        applies it over its base weights. The adapter's bytes."""
+        base = SHARED_MEMORY if os.path.isdir(SHARED_MEMORY) else None
+        folder = write_adapter(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=base), adapter)
+        doing = f"pushing the LoRA adapter of weights version {version.step}"
+        try:
+            if self.engine() == "vllm":
+                body = {"lora_name": LORA_NAME, "lora_path": str(folder), "load_inplace": self.lora_loaded}
+                self.call("POST", "/v1/load_lora_adapter", doing, json=body)
+                self.lora_loaded = True
+                folder, self.lora = self.lora, folder  # vLLM may read it again (its adapter cache): kept until the next
+            else:
+                kwargs = {"path": str(folder), "version": str(version), "owner": self.owner}
+                answer = self.call("POST", "/collective_rpc", doing, json={"method": "aitraining_pl_load_adapter",
+                                                                           "kwargs": kwargs}) or {}  # fmt: skip
+                self.refused(answer, version)
+        finally:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        return adapter.bytes
+
+    def refused(self, answer: dict[str, Any], version: WeightsVersion) -> None:
+        """Raise the first refusal in a ``/collective_rpc`` answer (one result per worker)."""
+        refused = [r.get("error") for r in answer.get("results") or [{}] if not (r or {}).get("ok")]
+        if refused:
+            raise GenerationServerError(self.url, f"it refused weights version {version.step}: {refused[0]} "
+                                        "(the previous weights keep serving)")  # fmt: skip
 
     def push_file(self, weights: Iterable[tuple[str, torch.Tensor]], version: WeightsVersion) -> int:
         """The CPU path: one safetensors file in shared memory, loaded by the worker extension; its bytes."""
@@ -279,11 +345,7 @@ class HTTPReplica:
             doing = f"pushing weights version {version.step}"
             kwargs = {"path": path, "version": str(version), "owner": self.owner}
             body = {"method": "aitraining_pl_load", "kwargs": kwargs, "timeout": self.timeout}
-            answer = self.call("POST", "/collective_rpc", doing, json=body) or {}
-            refused = [r.get("error") for r in answer.get("results") or [{}] if not (r or {}).get("ok")]
-            if refused:
-                raise GenerationServerError(self.url, f"it refused weights version {version.step}: {refused[0]} "
-                                            "(the previous weights keep serving)")  # fmt: skip
+            self.refused(self.call("POST", "/collective_rpc", doing, json=body) or {}, version)
             return sum(t.numel() * t.element_size() for t in tensors.values())
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -304,6 +366,8 @@ class HTTPReplica:
             pass
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
+        if self.lora is not None:
+            shutil.rmtree(self.lora, ignore_errors=True)
 
 
 def _chained(first: tuple[str, torch.Tensor], rest: Iterable[tuple[str, torch.Tensor]]):

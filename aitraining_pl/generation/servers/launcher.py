@@ -1,22 +1,21 @@
-"""``generation.server: launch``: the trainer starts the generation server it needs (``aitraining-pl serve --engine
-<backend>``, ``generation.servers.serve``) on this machine and stops it at the end of the run.
+"""``generation.server: launch``: the trainer starts the generation server it needs on this machine (a ``vllm serve``
+for ``backend: vllm``, else this project's HF server over the same HTTP routes; ``generation.servers.start``) and
+stops it at the end of the run.
 
 Rank 0 writes the policy's config and tokenizer to a private folder (the server builds the architecture from them
-and holds no weights until the first push), a fresh token to an owner-only file there, and starts the server as a
-child process on a free loopback port with ``generation.server_threads`` CPU threads. The run's other ranks connect
-to it (the port and the token file are broadcast: one machine). ``LaunchedServer.stop`` (the module's ``teardown``)
+and holds no weights until the first push) and starts the server as a child process on a free loopback port, with a
+fresh token in an owner-only file there, ``generation.server_threads`` CPU threads and, on a GPU machine, GPUs of
+its own (``generation.server_devices``, else the visible GPUs after the trainer's). The run's other ranks connect to
+it (the port and the token file are broadcast: one machine). ``LaunchedServer.stop`` (the module's ``teardown``)
 asks the server to stop (SIGTERM), waits, kills it if it does not, and deletes the folder; an ``atexit`` hook does
-the same if the process ends another way (an exception in ``fit``), so no server outlives its trainer.
+the same if the process ends another way (an exception in ``fit``), and a trainer killed outright (SIGKILL, the OOM
+killer) takes its server with it (``auth.watch_parent``): no server outlives its trainer.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
-import secrets
-import shutil
-import signal
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -24,52 +23,43 @@ from typing import Any
 import torch
 
 from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
+from aitraining_pl.generation.servers.start import start
 from aitraining_pl.models.generation import hf_model
 
-#: seconds a launched server has to start listening (it imports torch and transformers, builds the model)
+#: seconds a launched server has to answer (it imports torch and transformers or vLLM, builds the model)
 START_TIMEOUT = 300.0
-#: seconds a launched server has to exit after SIGTERM before it is killed
-STOP_TIMEOUT = 30.0
 
 
 class LaunchedServer:
     """A generation server started by this process (rank 0); ``stop`` ends it.
 
     Args:
-        generation: the run's ``generation`` (``backend`` names the engine, ``server_threads`` its threads).
-        policy: the policy (its config, dtype and device decide the served architecture).
+        generation: the run's ``generation`` (``backend`` names the engine, ``server_threads`` its threads,
+            ``server_devices`` its GPUs, ``vllm`` its engine options).
+        policy: the policy (its config, dtype and LoRA rank decide the served architecture).
         tokenizer: the policy's tokenizer (saved for the server).
         seed: the server's seed (requests of an asynchronous run carry their own).
+        trainer_gpus: GPUs of this machine the training processes use (the server's come after them).
     """
 
-    def __init__(self, generation: GenerationConfig, policy: torch.nn.Module, tokenizer: Any, seed: int = 0):
-        from aitraining_pl.generation.servers.serve import launch
+    def __init__(self, generation: GenerationConfig, policy: torch.nn.Module, tokenizer: Any, seed: int = 0,
+                 trainer_gpus: int = 1):  # fmt: skip
+        from aitraining_pl.generation.servers.adapters import supported
+        from aitraining_pl.models.lora import is_peft_model
 
         self.folder = Path(tempfile.mkdtemp(prefix="aitraining-pl-serve-"))
-        model = hf_model(policy)
-        model.config.save_pretrained(self.folder)
+        hf_model(policy).config.save_pretrained(self.folder)
         tokenizer.save_pretrained(self.folder)
-        self.token_file = self.folder / "token"
-        self.token_file.write_text(secrets.token_hex(32))
-        self.token_file.chmod(0o600)
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
         engine = "vllm" if generation.backend == "vllm" else "hf"
-        argv = [
-            "--engine", engine, "--model", str(self.folder), "--host", "127.0.0.1", "--port", "0",
-            "--token_file", str(self.token_file), "--threads", str(generation.server_threads),
-            "--seed", str(seed), "--dtype", dtype, "--timeout", str(generation.vllm.server_timeout),
-        ]  # fmt: skip
-        if engine == "vllm":  # the engine options are the run's (``VLLMConfig.SERVER_OWNED``), given to the server
-            options = generation.vllm
-            argv += ["--gpu_memory_utilization", str(options.gpu_memory_utilization),
-                     "--cpu_kv_cache_gb", str(options.cpu_kv_cache_gb),
-                     "--tensor_parallel_size", str(options.tensor_parallel_size),
-                     "--enforce_eager", str(options.enforce_eager).lower()]  # fmt: skip
-            if options.max_model_len:
-                argv += ["--max_model_len", str(options.max_model_len)]
-        self.log = self.folder / "server.log"
-        self.process: subprocess.Popen | None = None
-        self.process, self.port = launch(argv, self.log, START_TIMEOUT)
+        lora = is_peft_model(policy) and supported(policy)
+        rank = policy.peft_config[policy.active_adapter].r if lora else None
+        self.server = start(
+            engine, self.folder, options=generation.vllm, dtype=dtype, seed=seed, threads=generation.server_threads,
+            devices=generation.server_devices, trainer_gpus=trainer_gpus, lora_rank=rank, timeout=START_TIMEOUT,
+        )  # fmt: skip
+        self.process, self.log, self.token_file = self.server.process, self.server.log, self.server.token_file
+        self.port = int(self.server.url.rpartition(":")[2])
         atexit.register(self.stop)
 
     def connection(self, generation: GenerationConfig, port: int | None = None, token_file: str | None = None):
@@ -77,25 +67,14 @@ class LaunchedServer:
         return connect_to(generation, port or self.port, token_file or str(self.token_file))
 
     def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after ``STOP_TIMEOUT`` s) and delete its folder; idempotent."""
-        process, self.process = self.process, None
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        if self.folder.exists():
-            shutil.rmtree(self.folder, ignore_errors=True)
+        """Stop the server (SIGTERM, then SIGKILL) and delete its folder; idempotent."""
+        self.process = None
+        self.server.stop()
         atexit.unregister(self.stop)
 
     def tail(self, chars: int = 2000) -> str:
         """The end of the server's log (for messages)."""
-        try:
-            return self.log.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        return self.server.tail(chars)
 
 
 def connect_to(generation: GenerationConfig, port: int, token_file: str) -> GenerationConfig:
@@ -103,5 +82,5 @@ def connect_to(generation: GenerationConfig, port: int, token_file: str) -> Gene
     ``token_file`` (the engine options, given to the server it launched, back to their defaults: nothing to warn)."""
     owned = {name: getattr(VLLMConfig(), name) for name in VLLMConfig.SERVER_OWNED}
     vllm = dataclasses.replace(generation.vllm, server_host="127.0.0.1", server_port=int(port),
-                               server_token_file=token_file, **owned)  # fmt: skip
+                               server_token_file=token_file, protocol="http", **owned)  # fmt: skip
     return dataclasses.replace(generation, server="connect", vllm=vllm)

@@ -60,7 +60,8 @@ def send_weights(replica: Any, engine: Any, weights: list[tuple[str, torch.Tenso
 
     if engine is None:
         world = int(replica.call("GET", "/get_world_size", "reading the server's world size")["world_size"])
-        address = os.environ.get("AITRAINING_PL_WEIGHT_ADDRESS", "127.0.0.1")  # the trainer, seen by the server
+        # rank 0's address as the server sees it: node 0's (``MASTER_ADDR`` of a multi-node run), else this machine
+        address = os.environ.get("AITRAINING_PL_WEIGHT_ADDRESS") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
         info = NCCLTrainerInitInfo(address, free_port(), 1 + world, rank=0)
         engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=Client(), source=Source())
     engine.source = Source()

@@ -3,8 +3,9 @@
 the same calls (``generation.servers.fleet`` wraps N of them).
 
 Rank 0 pushes the policy's weights before each rollout whose weights changed (``sync``; the optimizer step moved),
-streamed one tensor at a time (``policy_weights``: a LoRA policy's base weights with the deltas merged; under FSDP2
-every rank takes part in gathering each tensor); the other ranks walk the same stream and record the version. Each
+streamed one tensor at a time (``policy_weights``; under FSDP2 every rank takes part in gathering each tensor); a
+LoRA policy pushes its unmerged base weights once and then its adapter alone (``adapters``; merged weights under
+FSDP2 or for adapters a server cannot load); the other ranks walk the same stream and record the version. Each
 sample request names the version it needs (``WeightsVersion(run, step)``), and the replica answers it only once the
 server serves it, so no rank samples from stale weights. A push that is not ``in_flight`` waits until the rollouts
 already being sampled are answered (each is sampled by the version it named); an ``in_flight`` one (``async_schedule:
@@ -32,12 +33,17 @@ from urllib.parse import urlparse
 import torch
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
+from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.servers.adapters import adapter_weights, supported
 from aitraining_pl.generation.servers.auth import TOKEN_ENV
 from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.replica import ReplicaDown
+from aitraining_pl.generation.servers.tcp_wire import token_path
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import SampledTokens, StopRule
+from aitraining_pl.models.lora import is_peft_model, plain_weights
 from aitraining_pl.models.sharding import is_sharded
+from aitraining_pl.models.weights import policy_weights
 
 
 def is_loopback(host: str) -> bool:
@@ -54,8 +60,9 @@ def is_loopback(host: str) -> bool:
 
 
 def find_token(options: Any, setting: str = "generation.vllm.server_token_file") -> str | None:
-    """The run's token for a server: the file ``options.server_token_file``, else ``TOKEN_ENV``, else None (a
-    server without the middleware)."""
+    """The run's token for a server: the file ``options.server_token_file``, else ``TOKEN_ENV``, else for a server
+    on this machine the file ``aitraining-pl vllm-serve`` wrote (``tcp_wire.token_path``), else None (a server
+    without the middleware)."""
     if options.server_token_file:
         try:
             token = open(options.server_token_file).read().strip()
@@ -65,7 +72,10 @@ def find_token(options: Any, setting: str = "generation.vllm.server_token_file")
         if not token:
             raise ConfigError(setting, f"the server token file {options.server_token_file} is empty")
         return token
-    return os.environ.get(TOKEN_ENV) or None
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    path = token_path(options.server_port)  # where ``aitraining-pl vllm-serve`` on this machine wrote its own
+    return path.read_text().strip() or None if is_loopback(options.server_host) and path.is_file() else None
 
 
 _warned_open: set[str] = set()
@@ -145,8 +155,14 @@ class ServedBackend:
     location = "server"
 
     @classmethod
-    def from_context(cls, generation: Any, context: Any) -> ServedBackend:
+    def from_context(cls, generation: Any, context: Any) -> Any:
+        """The backend for ``generation.vllm``'s server and a ``BackendContext`` (``registry.BACKENDS``): this one
+        over an ``HTTPReplica``, or with ``protocol: tcp`` the deprecated frame protocol's client."""
         options = generation.vllm
+        if options.protocol == "tcp":
+            from aitraining_pl.generation.servers.client import VLLMServerClient
+
+            return VLLMServerClient.from_context(generation, context)
         replica = HTTPReplica(f"http://{options.server_host}:{options.server_port}", find_token(options),
                               timeout=options.server_timeout)  # fmt: skip
         check_guarded(replica, bool(getattr(options, "allow_unauthenticated", False)))
@@ -156,28 +172,65 @@ class ServedBackend:
                  sync_weights: bool = True):  # fmt: skip
         self.replica, self.rank, self.run = replica, int(rank), run or uuid.uuid4().hex
         self.timeout, self.sync_weights = float(timeout), bool(sync_weights)
-        self.version: WeightsVersion | None = None  #: the version this process's rollouts need
+        self._version: WeightsVersion | None = None
         self.sync_seconds = 0.0  #: time the last push took (rank 0)
         self.cached_tokens = 0  #: not reported by the servers' completions
         self.pushes = 0
+        self.base_pushed = False  #: a LoRA policy's unmerged base weights are on the server
         self._gate = _Gate()
+
+    @property
+    def version(self) -> WeightsVersion | None:
+        """The weights version this process's rollouts need (the asynchronous pipeline pins it per job, as
+        ``run:step`` text or a ``WeightsVersion``)."""
+        return self._version
+
+    @version.setter
+    def version(self, value: Any) -> None:
+        self._version = WeightsVersion.parse(value)
 
     def sync(self, policy: torch.nn.Module, version: Any = None) -> bool:
         """Rank 0: push ``policy``'s weights unless the server already holds ``version``; the other ranks walk
         the weights (a collective under FSDP2) and record the version. Whether the weights changed."""
-        from aitraining_pl.models.weights import policy_weights
-
+        if is_peft_model(policy) and not is_sharded(policy) and supported(policy):
+            return self.push_adapter(policy, version)
         walk = self.rank == 0 or is_sharded(policy)
         return self.push(policy_weights(policy) if walk else iter(()), version)
+
+    @torch.no_grad()
+    def push_adapter(self, policy: torch.nn.Module, version: Any = None) -> bool:
+        """A LoRA policy (``sync``): the unmerged base weights once, then its adapter alone at each push
+        (``adapters``); rank 0 only (nothing to gather)."""
+        key = self.key(version)
+        if self.version is not None and (key == self.version or not self.sync_weights):
+            return False
+        if self.rank == 0:
+            with self._gate.push():
+                try:
+                    seconds = 0.0
+                    if not self.base_pushed:
+                        seconds += self.replica.push(plain_weights(policy, merged=False), key).seconds
+                        self.base_pushed = True
+                    self.sync_seconds = seconds + self.replica.push(adapter_weights(policy), key).seconds
+                except ReplicaDown as err:
+                    raise self.down(err) from None
+        self.pushes += 1
+        self.version = key
+        return True
+
+    def key(self, version: Any) -> WeightsVersion:
+        """The ``WeightsVersion`` of a push of ``version`` (an optimizer step; None: this backend's own count)."""
+        return WeightsVersion(self.run, self.pushes if version is None else int(version))
 
     @torch.no_grad()
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: Any = None, in_flight: bool = False) -> bool:
         """Rank 0: push ``weights`` as ``version`` (an optimizer step; None: the next of this backend's own count)
         unless the server holds it; ``in_flight``: without waiting for the rollouts being sampled. Other ranks
         consume ``weights``. Whether the weights changed."""
-        key = WeightsVersion(self.run, self.pushes if version is None else int(version))
+        key = self.key(version)
         if self.version is not None and (key == self.version or not self.sync_weights):
             return False
+        self.base_pushed = False  # full weights: a LoRA adapter's base must go again before the next adapter
         if self.rank != 0:
             for _ in weights:
                 pass
@@ -187,7 +240,7 @@ class ServedBackend:
                 try:
                     self.sync_seconds = self.replica.push(weights, key).seconds
                 except ReplicaDown as err:
-                    raise self.down(err, f"pushing weights version {key.step}") from None
+                    raise self.down(err) from None
         self.pushes += 1
         self.version = key
         return True
@@ -204,8 +257,6 @@ class ServedBackend:
         seed: int | None = None,
     ) -> SampledTokens:
         """The server's samples of the left-padded prompts, by the weights of this process's version."""
-        from aitraining_pl.generation.backend import SampleRequest
-
         request = SampleRequest(
             prompt_ids, prompt_mask, generation, end_ids, stop_rule, pad_token_id, num_samples, seed
         )
@@ -220,10 +271,12 @@ class ServedBackend:
                 err, f"sampling {num_samples} responses for each of {prompt_ids.shape[0]} prompts"
             ) from None
 
-    def down(self, err: ReplicaDown, doing: str) -> GenerationServerError:
+    def down(self, err: ReplicaDown) -> GenerationServerError:
+        """The one line of a server that cannot be reached (a single server: nowhere else to send the request)."""
+        what = str(err).removeprefix(f"{self.replica.url}: ")
         return GenerationServerError(
-            self.replica.url,
-            f"{err} ({doing}); a run that had started resumes from its last checkpoint with --ckpt_path",
+            f"generation server {self.replica.url}",
+            f"{what}; a run that had started resumes from its last checkpoint with --ckpt_path",
         )
 
     def sleep(self) -> None:

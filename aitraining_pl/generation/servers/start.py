@@ -61,27 +61,37 @@ def server_devices(devices: Sequence[int] | None, trainer_gpus: int) -> str | No
         devices = list(range(trainer_gpus, count))
         if not devices:
             raise ConfigError(
-                "generation.server.devices",
+                "generation.server_devices",
                 f"the trainer uses all {count} GPUs visible here: give the launched server GPUs of its own (the "
                 "trainer on fewer, or a server started apart; docs/vllm.md)",
             )
     bad = [d for d in devices if not 0 <= int(d) < count or int(d) < trainer_gpus]
     if bad:
         raise ConfigError(
-            "generation.server.devices",
+            "generation.server_devices",
             f"{bad} are not GPUs of the server's own: {count} visible, the trainer's are 0 to {trainer_gpus - 1}",
         )
     return ",".join(ids[int(d)] for d in devices)
 
 
-def vllm_command(folder: Path, host: str, port: int, dtype: str, seed: int, options: Any, gpu: bool) -> list[str]:
-    """The ``vllm serve`` command line for the launched server (``options``: the run's ``VLLMConfig``)."""
+def vllm_command(folder: Path, host: str, port: int, dtype: str, seed: int, options: Any, gpu: bool,
+                 lora_rank: int | None = None) -> list[str]:  # fmt: skip
+    """The ``vllm serve`` command line for the launched server (``options``: the run's ``VLLMConfig``;
+    ``lora_rank``: the policy's LoRA rank, whose adapters are then pushed alone)."""
     argv = [sys.executable, "-m", "aitraining_pl.generation.servers.auth",  # watched from its first instant
             "vllm.entrypoints.openai.api_server", "--model", str(folder),
             "--host", host, "--port", str(port), "--dtype", dtype, "--seed", str(seed),
             "--tensor-parallel-size", str(options.tensor_parallel_size), *VLLM_FLAGS]  # fmt: skip
     if options.max_model_len:
         argv += ["--max-model-len", str(options.max_model_len)]
+    if lora_rank:  # vLLM's ranks: 8, 16, 32, ...
+        argv += [
+            "--enable-lora",
+            "--max-loras",
+            "1",
+            "--max-lora-rank",
+            str(max(8, 1 << (int(lora_rank) - 1).bit_length())),
+        ]
     if options.eager("cuda" if gpu else "cpu"):
         argv.append("--enforce-eager")
     if gpu:
@@ -165,25 +175,27 @@ class ServerProcess:
 
 def start(engine: str, folder: Path, *, options: Any, dtype: str = "auto", seed: int = 0, threads: int | None = None,
           host: str = "127.0.0.1", devices: Sequence[int] | None = None, trainer_gpus: int = 1,
-          timeout: float = 300.0) -> ServerProcess:  # fmt: skip
-    """Start a ``vllm`` or ``hf`` server for the model in ``folder`` (see the module docstring) and wait until it
-    answers: the running ``ServerProcess``."""
+          lora_rank: int | None = None, timeout: float = 300.0) -> ServerProcess:  # fmt: skip
+    """Start a ``vllm`` or ``hf`` server for the model in ``folder`` (see the module docstring; ``lora_rank``: a
+    LoRA policy's rank, so that vLLM takes its adapters) and wait until it answers: the running ``ServerProcess``."""
     server = spawn(engine, folder, options=options, dtype=dtype, seed=seed, threads=threads, host=host,
-                   devices=devices, trainer_gpus=trainer_gpus)  # fmt: skip
+                   devices=devices, trainer_gpus=trainer_gpus, lora_rank=lora_rank)  # fmt: skip
     server.wait_ready(timeout)
     return server
 
 
 def spawn(engine: str, folder: Path, *, options: Any, dtype: str = "auto", seed: int = 0, threads: int | None = None,
-          host: str = "127.0.0.1", devices: Sequence[int] | None = None,
-          trainer_gpus: int = 1) -> ServerProcess:  # fmt: skip
+          host: str = "127.0.0.1", devices: Sequence[int] | None = None, trainer_gpus: int = 1,
+          lora_rank: int | None = None) -> ServerProcess:  # fmt: skip
     """``start`` without the wait (``ServerProcess.wait_ready``): call it from the thread that lives as long as the
     server (the kernel's parent-death signal follows the thread that started the child)."""
     visible = server_devices(devices, trainer_gpus)
     port = free_port(host)
     if engine == "vllm":
-        argv = vllm_command(folder, host, port, dtype, seed, options, gpu=visible is not None)
+        argv = vllm_command(folder, host, port, dtype, seed, options, visible is not None, lora_rank)
         env = {} if visible is not None else {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(options.cpu_kv_cache_gb)))}
+        if lora_rank:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
     else:

@@ -29,6 +29,8 @@ import torch
 
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.config import VLLMConfig
+from aitraining_pl.generation.servers import checks
+from aitraining_pl.generation.servers.checks import PushRefused
 from aitraining_pl.generation.servers.tcp_wire import (
     TOKEN_ENV,
     Entry,
@@ -72,42 +74,19 @@ class Limits:
         return min(seconds, self.timeout) if math.isfinite(seconds) and seconds > 0 else self.timeout
 
 
-class PushRefused(ValueError):
-    """A weight push that does not fit the served model (answered with ``error``; the engine is untouched)."""
-
-
-class WeightSpecs:
-    """The served model's tensors (``state_dict`` names, shapes and dtypes): what a push must carry, each once."""
+class WeightSpecs(checks.WeightSpecs):
+    """``checks.WeightSpecs`` (the same checks as the HTTP servers'), with the bound on a declared tensor's bytes and
+    the check of a frame's declared tensor before its bytes are read."""
 
     def __init__(self, model: torch.nn.Module):
-        self.specs = {name: (list(t.shape), t.dtype) for name, t in model.state_dict().items()}
+        super().__init__(model)
         #: the largest tensor a push may declare (a float64 copy of the largest parameter)
         self.largest = max((nbytes(torch.float64, shape) for shape, _ in self.specs.values()), default=0)
 
-    def check(self, entry: Entry, seen: set[str]) -> None:
-        """Refuse a declared tensor that is not one of the model's, comes twice, or has another shape or a dtype
-        of another kind (an integer tensor for a float weight); before its bytes are read."""
+    def check_entry(self, entry: Entry, seen: set[str]) -> None:
+        """``check`` of a frame's declared tensor (name, dtype, shape)."""
         name, dtype, shape = entry
-        if name not in self.specs:
-            raise PushRefused(f"{name!r} is not a tensor of the served model")
-        if name in seen:
-            raise PushRefused(f"{name!r} came twice")
-        want_shape, want_dtype = self.specs[name]
-        if shape != want_shape:
-            raise PushRefused(f"{name!r} has shape {shape}, the served model's is {want_shape}")
-        if dtype != want_dtype and not (dtype.is_floating_point and want_dtype.is_floating_point):
-            raise PushRefused(f"{name!r} is {str(dtype).removeprefix('torch.')}, the served model's is "
-                              f"{str(want_dtype).removeprefix('torch.')}")  # fmt: skip
-
-    def stage(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` in host memory in the served dtype, once its values are known finite."""
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise PushRefused(f"{name!r} has {bad} non-finite values (NaN or inf)")
-        return tensor.to(device="cpu", dtype=self.specs[name][1])
-
-    def missing(self, seen: set[str]) -> list[str]:
-        return [name for name in self.specs if name not in seen]
+        self.check(name, dtype, shape, seen)
 
 
 class Push:
@@ -135,7 +114,7 @@ class Push:
                              "the served model")  # fmt: skip
         if self.refused is None:
             try:
-                self.specs.check(entry, self.seen)
+                self.specs.check_entry(entry, self.seen)
             except PushRefused as err:
                 self.refused = err
         self.seen.add(entry[0])
@@ -190,7 +169,7 @@ class Ownership:
         with self.lock:
             if self.owner is not None and self.owner != run and self.open[self.owner]:
                 raise PermissionError(
-                    f"this server serves run {self.owner} ({self.open[self.owner]} connections open); one training "
+                    f"this server serves another run ({self.open[self.owner]} connections open); one training "
                     "run per server: stop that run or start another vllm-serve (--port)"
                 )
             if self.owner != run:

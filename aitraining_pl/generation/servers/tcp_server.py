@@ -109,6 +109,7 @@ from aitraining_pl.generation.servers.tcp_wire import (
     send_frame,
 )
 from aitraining_pl.generation.servers.weights import BACKENDS, WeightGroup, failure, host_store
+from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import StopRule
 from aitraining_pl.models.loading import one_line
 
@@ -307,7 +308,9 @@ class GenerationServer(socketserver.ThreadingTCPServer):
                 )
             scores = self.engine.prompt_logprobs(ids, mask, start)
             version = self.engine.version
-        return {"op": "logprobs", "version": str(version)}, {"logprobs": scores.float()}
+        parsed = WeightsVersion.parse(version)  # a scorer never sees the owner's run
+        shown = parsed.step if parsed is not None else str(version)
+        return {"op": "logprobs", "version": shown}, {"logprobs": scores.float()}
 
 
 class _Connection(socketserver.BaseRequestHandler):
@@ -377,7 +380,10 @@ class _Connection(socketserver.BaseRequestHandler):
             if role == "trainer":
                 server.queue.seats[id(self)] = self.seat
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        ready = {"op": "ready", "model": server.model, "version": server.engine.version, "device": device}
+        # the step only: the run's id in ``run:step`` would let a token holder reconnect as the owner (issue 40)
+        held = WeightsVersion.parse(server.engine.version)
+        version = held.step if held is not None else server.engine.version
+        ready = {"op": "ready", "model": server.model, "version": version, "device": device}
         send_frame(sock, {**ready, "fixed": server.fixed, "engine": getattr(server.engine, "kind", "vLLM")})
         return True
 

@@ -26,12 +26,18 @@ from aitraining_pl.generation.servers.checks import PushGuard, PushRefused, Weig
 PUSH_PREFIX = "aitraining-pl-push-"
 
 
-def push_file(path: str) -> Path:
-    """``path`` as a pushed file: a regular file in a folder named ``PUSH_PREFIX...`` (a token holder cannot make
-    the server read any other file); ``PushRefused`` otherwise."""
+def push_file(path: str, folder: bool = False) -> Path:
+    """``path`` as a pushed file (``folder``: an adapter folder): a regular file in a folder named
+    ``PUSH_PREFIX...``, or such a folder (a token holder cannot make the server read anything else); ``PushRefused``
+    otherwise."""
     file = Path(str(path)).resolve()
-    if not file.parent.name.startswith(PUSH_PREFIX) or not file.is_file():
-        raise PushRefused(f"{path!r} is not a pushed weights file (a file in a {PUSH_PREFIX}* folder)")
+    if not file.exists():
+        raise PushRefused(f"{path!r} does not exist on the server's machine: CPU pushes go through this machine's "
+                          "shared memory, so the server must run beside the trainer (GPUs: NCCL)")  # fmt: skip
+    where = file if folder else file.parent
+    if not where.name.startswith(PUSH_PREFIX) or not (file.is_dir() if folder else file.is_file()):
+        kind = f"a {PUSH_PREFIX}* folder" if folder else f"a file in a {PUSH_PREFIX}* folder"
+        raise PushRefused(f"{path!r} is not a pushed weights {'folder' if folder else 'file'} ({kind})")
     return file
 
 

@@ -1,0 +1,96 @@
+"""How a fleet (``generation.servers.fleet``) splits a rollout over its servers and puts it back together: what one
+server is asked (``ReplicaRequest``: a run of consecutive prompts, seeded as they are in the whole, and the version
+that must sample them), which server an episode's next turn goes to (``PrefixAffinity``), and the answers joined in
+the prompts' order."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.version import WeightsVersion
+from aitraining_pl.models.generation import SampledTokens
+
+
+@dataclasses.dataclass
+class ReplicaRequest(SampleRequest):
+    """What one server is asked: a ``sample`` call's arguments for a run of its prompts (on the CPU; prompt ``i``
+    drawn with ``seed + i * num_samples``), and the weights that must sample them (``version``; with ``newer`` that
+    version or a later one of the run)."""
+
+    version: WeightsVersion | None = None
+    newer: bool = False
+
+    @property
+    def tokens(self) -> int:
+        """Tokens asked for: responses times ``max_new_tokens``."""
+        return int(self.prompt_ids.shape[0]) * int(self.num_samples) * int(self.generation.max_new_tokens)
+
+
+class PrefixAffinity:
+    """Which server served each recent prompt, found again for a later prompt that strictly extends it (an
+    episode's next turn); a repeated prompt is not a continuation and is routed by load. Keys are rolling hashes of
+    the prompt's tokens; the oldest of ``capacity`` entries are forgotten."""
+
+    MOD, BASE = (1 << 61) - 1, 1_000_003
+
+    def __init__(self, capacity: int = 65536):
+        self.capacity, self.table, self.lock = capacity, OrderedDict(), threading.Lock()
+
+    def hashes(self, tokens: Sequence[int]) -> list[int]:
+        out, h = [], 0
+        for token in tokens:
+            h = (h * self.BASE + int(token) + 1) % self.MOD
+            out.append(h)
+        return out
+
+    def record(self, tokens: Sequence[int], index: int) -> None:
+        if not tokens:
+            return
+        key = (len(tokens), self.hashes(tokens)[-1])
+        with self.lock:
+            self.table[key] = index
+            self.table.move_to_end(key)
+            while len(self.table) > self.capacity:
+                self.table.popitem(last=False)
+
+    def lookup(self, tokens: Sequence[int]) -> int | None:
+        """The server of the longest recorded prompt that ``tokens`` strictly extends, or None."""
+        hashes = self.hashes(tokens)
+        with self.lock:
+            for length in range(len(tokens) - 1, 0, -1):
+                index = self.table.get((length, hashes[length - 1]))
+                if index is not None:
+                    return index
+        return None
+
+
+def part(request: ReplicaRequest, start: int, stop: int) -> ReplicaRequest:
+    """Prompts ``start .. stop`` of ``request`` (common left padding dropped), seeded as they are in it."""
+    mask = request.prompt_mask[start:stop]
+    width = max(1, int(mask.sum(1).max())) if mask.numel() else 1
+    seed = None if request.seed is None else (request.seed + start * request.num_samples) % 2**31
+    ids = request.prompt_ids[start:stop, -width:]
+    return dataclasses.replace(request, prompt_ids=ids, prompt_mask=mask[:, -width:], seed=seed)
+
+
+def joined(parts: list[SampledTokens], pad: int, device: torch.device) -> SampledTokens:
+    """The answers of consecutive runs of prompts as one, right padded to the longest response."""
+    width = max(p.response_ids.shape[1] for p in parts)
+
+    def cat(tensors: list[torch.Tensor | None], value: float) -> torch.Tensor | None:
+        if any(t is None for t in tensors):
+            return None
+        padded = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in tensors]
+        return torch.cat(padded).to(device)
+
+    return SampledTokens(
+        cat([p.response_ids for p in parts], pad),
+        sampling_logprobs=cat([p.sampling_logprobs for p in parts], 0.0),
+        token_versions=cat([p.token_versions for p in parts], -1),
+    )

@@ -1,0 +1,67 @@
+"""``aitraining-pl vllm-serve``: for one release, a launcher of vLLM's own ``vllm serve`` with the flags this project's
+client needs (``start.VLLM_FLAGS``: the token middleware, the worker extension, the processed log-probs, no
+checkpoint weights), ``VLLM_SERVER_DEV_MODE=1`` and the run's token.
+
+``aitraining-pl vllm-serve --model M [--host H] [--port P] [--token_file F] [vLLM's own options ...]``: the token is
+``$AITRAINING_PL_SERVER_TOKEN``, else the file ``--token_file``, else, on a loopback host, a new one written to an
+owner-only file named by the port (the trainer on this machine finds it there; its path is printed); a host other
+machines can reach needs one given. Every other option goes to vLLM unchanged (``--dtype``, ``--data-parallel-size``,
+``--enable-lora``, ...). The command line is printed, then this process becomes vLLM (``exec``). The frame-protocol
+server of earlier releases is ``aitraining-pl serve`` (deprecated)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from aitraining_pl.errors import ConfigError
+from aitraining_pl.generation.servers import auth
+from aitraining_pl.generation.servers.served import is_loopback
+from aitraining_pl.generation.servers.start import VLLM_FLAGS
+from aitraining_pl.generation.servers.tcp_wire import token_path
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="aitraining-pl vllm-serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="the policy's folder or hub id (its config and tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--token_file", default=None, help="a file holding the run's token (owner-only)")
+    return p
+
+
+def command(argv: list[str]) -> tuple[list[str], dict[str, str], str]:
+    """The ``vllm serve`` command line, its environment and where its token lives (for the message)."""
+    args, rest = parser().parse_known_args(argv)
+    if "--teacher" in rest:
+        raise ConfigError(
+            "--teacher",
+            "a served distillation teacher is `aitraining-pl serve --teacher --model ...` in this release (vllm-serve "
+            "starts vLLM's own server; docs/distillation.md)",
+        )
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    if os.environ.get(auth.TOKEN_ENV):
+        where = f"${auth.TOKEN_ENV}"
+    elif args.token_file:
+        env[auth.TOKEN_FILE_ENV] = where = os.path.abspath(args.token_file)
+    elif is_loopback(args.host):
+        path = auth.write_token(token_path(args.port), auth.new_token())
+        env[auth.TOKEN_FILE_ENV] = where = str(path)
+    else:
+        raise ConfigError(
+            f"--host {args.host}",
+            f"a server other machines can reach needs the run's token: set {auth.TOKEN_ENV} or --token_file (the "
+            "same on the trainer: the variable or generation.vllm.server_token_file); docs/vllm.md",
+        )
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host", args.host,
+            "--port", str(args.port), *VLLM_FLAGS, *rest]  # fmt: skip
+    return argv, env, where
+
+
+def main(argv: list[str]) -> None:
+    """Print the command and become it."""
+    line, env, where = command(argv)
+    print(f"vllm-serve: the token is in {where}; running: {shlex.join(line)}", file=sys.stderr, flush=True)
+    os.execvpe(line[0], line, env)
