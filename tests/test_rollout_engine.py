@@ -297,3 +297,23 @@ def test_the_three_samplers_call_the_engine(monkeypatch, tiny_config, byte_token
     ids, mask = _prompts(["a", "bc"])
     module.generate(ids, mask, num_samples=2)
     assert calls == [1, 1, 2]  # the distinct prompts (each is decoded once for its samples)
+
+
+def test_a_rollout_batch_is_made_from_a_rollout_by_one_function():
+    """``RolloutBatch.from_rollout``: the rollout's rows, masks and what the sampler knew, with the scores given;
+    keywords set the other fields or replace the copied ones."""
+    from aitraining_pl.rollout import Rollout, RolloutBatch
+
+    ids, mask = torch.tensor([[0, 5], [6, 7]]), torch.tensor([[0, 1], [1, 1]])
+    response, response_mask = torch.tensor([[8, 2], [9, 0]]), torch.tensor([[1, 1], [1, 0]])
+    logps, versions = torch.full((2, 2), -0.5), torch.tensor([[3, 3], [3, -1]])
+    group, ended = torch.tensor([0, 0]), torch.tensor([True, False])
+    rollout = Rollout(ids, mask, response, response_mask, ended, ["a", "b"], group, None, logps, versions)
+    batch = RolloutBatch.from_rollout(rollout, torch.tensor([1.0, 0.0]), {"c": [1.0, None]})
+    assert batch.input_ids.tolist() == [[0, 5, 8, 2], [6, 7, 9, 0]] and batch.prompt_length == 2
+    assert batch.attention_mask.tolist() == [[0, 1, 1, 1], [1, 1, 1, 0]] and batch.mask is response_mask
+    assert batch.texts == ["a", "b"] and batch.ended is ended and batch.group is group
+    assert batch.sampling_logprobs is logps and batch.token_versions is versions
+    assert batch.components == {"c": [1.0, None]}
+    plain = RolloutBatch.from_rollout(rollout, torch.zeros(2), token_versions=None, episode=torch.tensor([0, 1]))
+    assert plain.components == {} and plain.token_versions is None and plain.episode.tolist() == [0, 1]

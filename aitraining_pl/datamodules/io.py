@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import UserError
+from aitraining_pl.models.tokens import padded
 
 #: Local file suffixes understood by ``read_records``.
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -363,19 +364,9 @@ def check_text(value: Any, source: str, row: int, field: str, *, allow_messages:
 def pad_sequences(
     sequences: Sequence[Sequence[int] | torch.Tensor], pad_value: int, side: str = "right"
 ) -> torch.Tensor:
-    """Stack variable-length 1-D sequences into (N, longest), padding on ``side`` ("right" or "left")."""
-    if side not in ("right", "left"):
-        raise ValueError(f"side must be 'right' or 'left', got {side!r}")
-    longest = max(len(s) for s in sequences)
-    out = torch.full((len(sequences), longest), pad_value, dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        seq = torch.as_tensor(seq, dtype=torch.long)
-        if len(seq):
-            if side == "right":
-                out[i, : len(seq)] = seq
-            else:
-                out[i, longest - len(seq) :] = seq
-    return out
+    """Stack variable-length 1-D sequences into (N, longest) on the CPU, padding on ``side`` ("right" or "left"):
+    ``models.tokens.padded``'s values."""
+    return padded(sequences, pad_value, side, device="cpu")[0]
 
 
 class PaddingCollator:

@@ -22,7 +22,7 @@ from aitraining_pl.environments.episode_guard import guarded_reset, guarded_step
 from aitraining_pl.environments.tools import ToolTemplateError
 from aitraining_pl.models.episode_decoding import EpisodeTokens, TurnSample, decode_episodes, decode_turns
 from aitraining_pl.models.generation import hf_generation_config
-from aitraining_pl.models.tokens import with_bos
+from aitraining_pl.models.tokens import padded, with_bos
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT
 from aitraining_pl.rollout import Rollout, RolloutEngine
@@ -310,23 +310,16 @@ def _prompts(chat: ChatFormat, first, prompt_ids, prompt_mask, engine, model):
         for i, messages in enumerate(first)
     ]
     end_ids = engine.end_token_ids(model)
-    ids = torch.full((len(rows), max(map(len, rows))), engine.pad_token_id(model, end_ids), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, ids.shape[1] - len(row) :], mask[i, ids.shape[1] - len(row) :] = torch.tensor(row), 1
+    ids, mask = padded(rows, engine.pad_token_id(model, end_ids), "left", device="cpu")
     return ids.to(prompt_ids.device), mask.to(prompt_mask.device)
 
 
 def _as_rollout(tokens: EpisodeTokens, episodes: _Episodes, prompt_ids, prompt_mask, group, pad) -> Rollout:
     n, device = len(tokens.tokens), prompt_ids.device
-    width = max(1, max(len(t) for t in tokens.tokens))
-    ids = torch.full((n, width), int(pad), dtype=torch.long)
-    model_mask, attention, rewards = torch.zeros_like(ids), torch.zeros_like(ids), torch.zeros(n, width)
+    ids, attention = padded(tokens.tokens, int(pad), width=1, device="cpu")
+    model_mask, _ = padded(tokens.from_model, 0, width=ids.shape[1], device="cpu")
+    rewards = torch.zeros(ids.shape)
     for r in range(n):
-        length = len(tokens.tokens[r])
-        ids[r, :length] = torch.tensor(tokens.tokens[r], dtype=torch.long)
-        model_mask[r, :length] = torch.tensor(tokens.from_model[r], dtype=torch.long)
-        attention[r, :length] = 1
         for end, reward in zip(tokens.turn_ends[r], episodes.rewards[r]):
             rewards[r, end] += reward
     # ended: the environment ended the episode after a turn that itself ended (not cut at max_new_tokens)
@@ -344,9 +337,7 @@ def _as_rollout(tokens: EpisodeTokens, episodes: _Episodes, prompt_ids, prompt_m
     )
     rollout = Rollout(prompt_ids, prompt_mask, ids.to(device), model_mask.to(device), ended.to(device), texts, group)
     if tokens.sampling_logprobs is not None:
-        logps = torch.zeros(n, width)
-        for r, row in enumerate(tokens.sampling_logprobs):
-            logps[r, : len(row)] = torch.tensor(row, dtype=torch.float32)
+        logps, _ = padded(tokens.sampling_logprobs, 0.0, width=ids.shape[1], dtype=torch.float32, device="cpu")
         rollout.sampling_logprobs = logps.to(device)
     rollout.episodes = info
     return rollout

@@ -50,6 +50,7 @@ from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.config import EXTRA_CPU, EXTRA_GPU, VLLMConfig
 from aitraining_pl.generation.registry import vllm_available  # noqa: F401 (its old home: generation.vllm.vllm_available)
 from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
+from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.weights import policy_weights
 
 #: apart the per-request seeds of two ranks' rollouts (``VLLMEngine.sample``): more than any rollout's rows
@@ -459,16 +460,13 @@ class VLLMEngine:
     def collect(outputs: Sequence[Any], pad_token_id: int, device: torch.device) -> SampledTokens:
         """vLLM's ``RequestOutput``s of one request as ``SampledTokens`` on ``device`` (``sample``'s layout)."""
         completions = [c for out in outputs for c in out.outputs]
-        length = max((len(c.token_ids) for c in completions), default=0)
-        ids = torch.full((len(completions), length), int(pad_token_id), dtype=torch.long)
-        logps = torch.zeros(len(completions), length)
-        for row, completion in enumerate(completions):
-            tokens = list(completion.token_ids)
-            ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            if completion.logprobs is not None:
-                logps[row, : len(tokens)] = torch.tensor(
-                    [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens)]
-                )
+        tokens = [list(c.token_ids) for c in completions]
+        scores = [
+            [] if c.logprobs is None else [float(step[token].logprob) for step, token in zip(c.logprobs, row)]
+            for c, row in zip(completions, tokens)
+        ]
+        ids, _ = padded(tokens, int(pad_token_id), device="cpu")
+        logps, _ = padded(scores, 0.0, width=ids.shape[1], dtype=torch.float32, device="cpu")
         return SampledTokens(ids.to(device), sampling_logprobs=logps.to(device))
 
     def close(self) -> None:

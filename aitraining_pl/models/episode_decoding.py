@@ -41,6 +41,7 @@ from aitraining_pl.models.decoding import (
     sample_steps,
 )
 from aitraining_pl.models.generation import StopRule
+from aitraining_pl.models.tokens import padded
 
 #: ``respond(turn, rows, turn_tokens, turn_ended)`` -> per row the tokens to append, or None: episode over
 Respond = Callable[[int, list[int], list[list[int]], list[bool]], list[list[int] | None]]
@@ -137,23 +138,12 @@ class _Parked:
         """The batch of the ``going`` rows (episode row, tokens to prefill: the turn's last sampled token and the
         reply) after one forward pass over those tokens, left padded, on their parked caches."""
         rows, chunks = [r for r, _ in going], [chunk for _, chunk in going]
-        ids, new = _left_padded(chunks, pad, self.groups[0][2].device)  # the parked masks' device
+        ids, new = padded(chunks, pad, "left", width=1, device=self.groups[0][2].device)  # the parked masks' device
         cache, mask, position = self.take(rows, new.shape[1] + steps)
         mask = torch.cat([mask, new], dim=1)
         positions = position + new.cumsum(1)
         logits, cache = forward(ids, mask, positions, cache)
         return DecodeBatch(logits, cache, mask, positions[:, -1:])
-
-
-def _left_padded(chunks: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(1, max(len(c) for c in chunks))
-    ids = torch.full((len(chunks), width), pad, dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for i, chunk in enumerate(chunks):
-        if chunk:
-            ids[i, width - len(chunk) :] = torch.tensor(chunk, device=device)
-            mask[i, width - len(chunk) :] = 1
-    return ids, mask
 
 
 def _turn_end(ids: list[int], ends: set[int], stop_rule: StopRule | None) -> tuple[int, bool]:
@@ -247,4 +237,4 @@ def decode_turns(
         if not going:
             return out
         rows, samples = going, 1
-        ids, mask = _left_padded([prompts[r] + out.tokens[r] for r in rows], pad, prompt_ids.device)
+        ids, mask = padded([prompts[r] + out.tokens[r] for r in rows], pad, "left", width=1, device=prompt_ids.device)

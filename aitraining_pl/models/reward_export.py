@@ -39,8 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.training import eval_mode
-from aitraining_pl.models.trunk_positions import _padded, _probe_ids
+from aitraining_pl.models.trunk_positions import _probe_ids
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def _probe_difference(model: nn.Module, standard: nn.Module, offset: float) -> f
     text = getattr(standard.config, "get_text_config", lambda: standard.config)() or standard.config
     seqs, _ = _probe_ids(text, next(model.parameters()).device, torch.Generator().manual_seed(1))
     pad = text.pad_token_id if text.pad_token_id is not None else 0
-    ids, mask = _padded(seqs, pad, "right")
+    ids, mask = padded(seqs, pad, "right")
     ours = model.score(ids, mask).float().cpu()
     theirs = standard(input_ids=ids.cpu(), attention_mask=mask.cpu()).logits[:, 0].float() + offset
     return float((ours - theirs).abs().max())

@@ -39,6 +39,7 @@ from aitraining_pl.models.packing import (  # noqa: F401 - the packing helpers, 
     supports_packing,
 )
 from aitraining_pl.models.sharding import as_forward
+from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.training import eval_mode
 
 log = logging.getLogger(__name__)
@@ -178,15 +179,9 @@ def _probe_batch(config: Any, device: torch.device) -> dict[str, torch.Tensor]:
         for prompt, lengths in zip(prompts, pairs)
         for n in [lengths[k]]
     ]
-    width = max(len(p) + len(c) for p, c in rows)
-    keys = ("input_ids", "attention_mask", "completion_mask")
-    batch = {key: torch.zeros(len(rows), width, dtype=torch.long) for key in keys}
-    for i, (prompt, completion) in enumerate(rows):
-        p, n = len(prompt), len(prompt) + len(completion)
-        batch["input_ids"][i, :n] = torch.cat([prompt, completion])
-        batch["attention_mask"][i, :n] = 1
-        batch["completion_mask"][i, p:n] = 1
-    return {k: v.to(device) for k, v in batch.items()}
+    ids, attention = padded([torch.cat(row) for row in rows], 0, device=device)
+    completion, _ = padded([[0] * len(p) + [1] * len(c) for p, c in rows], 0, device=device)
+    return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
 
 
 def _matches(model: nn.Module, path: str, batch: dict[str, torch.Tensor], want: torch.Tensor) -> str:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from aitraining_pl.losses import positions_from_mask
+from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.training import eval_mode
 
 log = logging.getLogger(__name__)
@@ -81,16 +82,6 @@ def _probe_ids(config, device: torch.device, generator: torch.Generator) -> tupl
     return seqs, int(pad if pad is not None else 0)
 
 
-def _padded(seqs: list[torch.Tensor], pad: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long, device=seqs[0].device)
-    mask = torch.zeros_like(ids)
-    for row, seq in enumerate(seqs):
-        cols = slice(width - len(seq), width) if side == "left" else slice(0, len(seq))
-        ids[row, cols], mask[row, cols] = seq, 1
-    return ids, mask
-
-
 def probe_position_errors(trunk: nn.Module, modes: tuple[str, ...], *, use_cache: bool) -> dict[str, float]:
     """Mode -> max relative difference of the hidden states on padded probe batches from the trunk's own
     forward on each unpadded sequence (runs in eval mode; the trunk's train/eval flags are restored)."""
@@ -106,7 +97,7 @@ def probe_position_errors(trunk: nn.Module, modes: tuple[str, ...], *, use_cache
         for mode in modes:
             worst = 0.0
             for side in ("left", "right"):
-                ids, mask = _padded(seqs, pad, side)
+                ids, mask = padded(seqs, pad, side)
                 hidden = trunk_hidden(trunk, ids, mask, mode, use_cache=use_cache)
                 for row, ref in enumerate(refs):
                     got = hidden[row][mask[row].bool()]

@@ -194,24 +194,46 @@ class CriticFreeModule(OnlineRLModule):
             )
 
     # ------------------------------------------------------------------ one iteration (steps in OnlineRLModule)
-    def make_experience(self, rollout: RolloutBatch) -> tuple[PolicyExperience, dict[str, torch.Tensor]]:
-        """Old / reference log-probs as needed, token rewards (score, minus k1 KL when in the reward), the
-        registered advantages (``scale_rewards`` for ``grpo``), DAPO's filter of groups with no signal and of
-        truncated responses (``policy_loss.mask_truncated_completions``)."""
-        hp, mask, stats = self.hparams, rollout.mask, {}
-        kl_in_reward = bool(self.kl_coef) and hp.kl_in_reward
-        # a sampler's rollout (vLLM, a generation server): its mismatch needs the trainer's log-probs
-        sampled = rollout.sampling_logprobs is not None
-        # one optimizer step per iteration (its micro-batches all before it) and no old log-probs otherwise needed: the
-        # correction is taken in each micro-batch against its current (detached) log-probs, which are pi_old's then
-        # (the same weights, the same numbers), without a separate pass for pi_old
+    @property
+    def has_reference(self) -> bool:
+        """Whether a reference scores the rollouts (``reference_logprobs``; a subclass may score with another)."""
+        return self.reference is not None
+
+    def deferred_correction(self, rollout: RolloutBatch) -> bool:
+        """Whether the sampler correction is taken in each micro-batch instead of against a separate pi_old pass: a
+        sampler's rollout (vLLM, a generation server), one optimizer step per iteration (its micro-batches all before
+        it) and no old log-probs otherwise needed; its micro-batches' current (detached) log-probs are pi_old's then
+        (the same weights, the same numbers)."""
+        hp = self.hparams
         one_step = (
             hp.num_iterations == 1 and rollout.input_ids.shape[0] == hp.mini_batch_size * hp.gradient_accumulation_steps
         )
-        deferred = sampled and one_step and not kl_in_reward
+        kl_in_reward = bool(self.kl_coef) and hp.kl_in_reward
+        return rollout.sampling_logprobs is not None and one_step and not kl_in_reward
+
+    def frozen_passes(self, rollout: RolloutBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(N, R) old and reference log-probs of ``rollout``, each only where the update needs it (else None)."""
+        hp = self.hparams
+        kl_in_reward = bool(self.kl_coef) and hp.kl_in_reward
+        sampled, deferred = rollout.sampling_logprobs is not None, self.deferred_correction(rollout)
         need_old = hp.num_iterations > 1 or kl_in_reward or (sampled and not deferred)
         old = self.frozen_logprobs(rollout, reference=False) if need_old else None
-        ref = self.frozen_logprobs(rollout, reference=True) if self.reference is not None and self.kl_coef else None
+        ref = self.frozen_logprobs(rollout, reference=True) if self.has_reference and self.kl_coef else None
+        return old, ref
+
+    def make_experience(self, rollout: RolloutBatch) -> tuple[PolicyExperience, dict[str, torch.Tensor]]:
+        """The experience of ``rollout`` from its old / reference log-probs (``frozen_passes``, ``experience``)."""
+        return self.experience(rollout, *self.frozen_passes(rollout))
+
+    def experience(
+        self, rollout: RolloutBatch, old: torch.Tensor | None, ref: torch.Tensor | None
+    ) -> tuple[PolicyExperience, dict[str, torch.Tensor]]:
+        """Token rewards (score, minus k1 KL when in the reward), the registered advantages (``scale_rewards`` for
+        ``grpo``), DAPO's filter of groups with no signal and of truncated responses
+        (``policy_loss.mask_truncated_completions``), given the old and reference log-probs."""
+        hp, mask, stats = self.hparams, rollout.mask, {}
+        kl_in_reward = bool(self.kl_coef) and hp.kl_in_reward
+        deferred = self.deferred_correction(rollout)
         weights, stats = (None, {}) if deferred else self.sampler_correction(old, rollout.sampling_logprobs, mask)
         if kl_in_reward:
             rewards, kl = token_rewards(rollout.scores, old, ref, mask, self.kl_coef, "k1", rollout.token_scores)

@@ -11,42 +11,52 @@ multi-turn episodes, the reward sources, the update loop over minibatches, the p
   batches is sampled by the student, the rest are the data's own completions (a ``completion`` column). Both heads run
   fused, chunk by chunk: no (tokens, vocabulary) tensor of either model is kept.
 - ``mode: sampled`` (on-policy distillation with a per-token reward, the form of Tinker / Thinking Machines 2025 and
-  NeMo-RL): the reward of each sampled token is ``r_t = kl_coef * (log p_teacher(y_t) - log p_student(y_t))`` plus
-  the task reward (``reward``; weighted components as ``reward: {components: ...}``) on the last token, optimised
-  with the online policy loss and every option of ``CriticFreeModule``. The design that reuses most: that reward is
-  exactly the online modules' k1 KL penalty in the reward (``kl_in_reward``, ``losses.token_rewards``) with the
-  *teacher* in the reference's slot, so the advantage estimators, episodes (per-turn rewards, response masks with
-  holes), vLLM rollouts (the sampler correction) and the KL metric (``train/kl``: the reverse KL to the teacher per
-  response) apply unchanged. Any online module (``PPOModule``, ``GRPOModule`` with ``kl_in_reward: true``,
-  ``RLOOModule``) distils the same way once its ``reference`` is a ``LocalTeacher`` (``use_teacher``).
+  NeMo-RL): the reward of each sampled token is ``r_t = kl_coef * (log p_teacher(y_t) - log p_student(y_t))`` plus the
+  task reward (``reward``; weighted components as ``reward: {components: ...}``) on the last token, optimised with the
+  online policy loss and every option of ``CriticFreeModule``. The design that reuses most: that reward is exactly the
+  online modules' k1 KL penalty in the reward (``kl_in_reward``, ``losses.token_rewards``) with the *teacher*'s
+  log-probs in the reference's part (``reference_logprobs``), so the advantage estimators, episodes (per-turn rewards,
+  response masks with holes), vLLM rollouts (the sampler correction) and the KL metric (``train/kl``: the reverse KL to
+  the teacher per response) apply unchanged. Any online module (``PPOModule``, ``GRPOModule`` with ``kl_in_reward:
+  true``, ``RLOOModule``) distils the same way once its ``reference`` is the teacher (``use_teacher``).
 
-The teacher is scored through a small interface, ``TeacherScorer`` (``token_logprobs``: the teacher's log-probs of
-given token sequences); ``LocalTeacher`` is the teacher in this process (its hidden states and head also give the full
-distribution). A served teacher (``teacher_server``: ``servers.client.ServedTeacher``, the prompt log-probs of
-a server started with ``aitraining-pl serve --teacher``) implements ``token_logprobs`` only, enough for ``mode:
-sampled``. The teacher is held outside the module tree: checkpoints and exports never contain it.
+The teacher is scored through a small interface, ``TeacherScorer`` (``token_logprobs``: the teacher's log-probs of given
+token sequences; ``modules.teacher``), an object the module holds; ``LocalTeacher`` is the teacher in this process (its
+hidden states and head also give the full distribution). A served teacher (``teacher_server``:
+``servers.client.ServedTeacher``, the prompt log-probs of a server started with ``aitraining-pl serve --teacher``)
+implements ``token_logprobs`` only, enough for ``mode: sampled``. The teacher is held outside the module tree:
+checkpoints and exports never contain it. Its log-probs are checked before use, and its tokenizer (not its embedding's
+rows) is compared with the student's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.losses import fused_distillation_loss, masked_mean, positions_from_mask
+from aitraining_pl.losses import fused_distillation_loss, masked_mean
 from aitraining_pl.losses.advantages import CriticFreeAdvantage
 from aitraining_pl.losses.policy_gradient import LossAggregation
 from aitraining_pl.models import ReferencePolicy, load_tokenizer
 from aitraining_pl.models.lm_head import head_parameters, logit_postprocessing
 from aitraining_pl.models.loading import load_causal_lm
-from aitraining_pl.models.sharding import as_forward
+from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.critic_free import CriticFreeModule
-from aitraining_pl.modules.online import RolloutBatch
-from aitraining_pl.rollout import Rollout
-from aitraining_pl.validation import FRACTION, OneOf, Range, fixed, rules
+from aitraining_pl.modules.teacher import (
+    LocalTeacher,
+    TeacherScorer,
+    check_vocabularies,
+    checked_logprobs,
+    language_model,
+    response_hidden,
+    teacher_rows,
+)
+from aitraining_pl.rollout.batch import Rollout, RolloutBatch
+from aitraining_pl.validation import FRACTION, OneOf, Range, check_arguments, fixed, rules, save_hparams
 
 #: the keys of ``teacher_server`` and the ``VLLMConfig`` fields they set
 SERVER_KEYS = {
@@ -65,16 +75,6 @@ def no_task_reward(prompts: list[str], responses: list[str], metadata: list[dict
     return [0.0] * len(responses)
 
 
-class TeacherScorer(Protocol):
-    """What scores the student's tokens with the teacher. A served teacher implements ``token_logprobs``."""
-
-    def token_logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, temperature: float
-    ) -> torch.Tensor:
-        """(N, R) teacher log-probs (logits / ``temperature``) of the response tokens of rollout rows (N, P + R)."""
-        ...
-
-
 def check_teacher_server(server: Any, mode: str) -> None:
     """A ``ConfigError`` for a ``teacher_server`` that is not ``{host, port, timeout, token_file}`` or with ``mode:
     full`` (it needs the teacher's whole distribution, hence the teacher in this process)."""
@@ -88,30 +88,6 @@ def check_teacher_server(server: Any, mode: str) -> None:
         )
 
 
-def language_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside a ``peft`` wrapper (LoRA layers included), or ``model``."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def response_hidden(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, mask
-) -> torch.Tensor:
-    """(M, H) last hidden states predicting the response tokens where ``mask`` (N, R), row-major: the decoder only,
-    no LM head (the distillation loss runs both heads fused). Positions as ``generate`` counts left-padded rows."""
-    decoder = language_model(model).get_decoder()
-
-    def run() -> torch.Tensor:
-        out = decoder(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions_from_mask(attention_mask),
-            use_cache=False,
-        )
-        return out.last_hidden_state[:, prompt_length - 1 : -1][mask.bool()]
-
-    return as_forward(model, run)
-
-
 def head_of(model: torch.nn.Module, owner: str) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
     """``(weight, bias, (scale, softcap))`` of the model's LM head (``models.lm_head``); a ``ConfigError`` for a head
     the fused loss cannot run (not a linear layer, or logits scaled in a way ``logit_postprocessing`` does not know)."""
@@ -123,36 +99,13 @@ def head_of(model: torch.nn.Module, owner: str) -> tuple[torch.Tensor, torch.Ten
     return params[0], params[1], post
 
 
-class LocalTeacher(ReferencePolicy):
-    """The teacher LM in this process: frozen, in eval mode, outside the module tree (never checkpointed). It sits in
-    the online modules' ``reference`` slot, so their reference passes score with it.
-
-    Args:
-        model: the teacher (a transformers causal LM).
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__(model, build_reference=lambda: model)
-
-    @torch.no_grad()
-    def token_logprobs(self, input_ids, attention_mask, prompt_length: int, temperature: float) -> torch.Tensor:
-        from aitraining_pl.models.rollout_scoring import response_logps
-
-        with eval_mode(self.model):
-            return response_logps(self.model, input_ids, attention_mask, prompt_length, temperature).logprobs
-
-    @torch.no_grad()
-    def hidden(self, input_ids, attention_mask, prompt_length: int, mask) -> torch.Tensor:
-        """(M, H_T) the teacher's hidden states predicting the response tokens where ``mask``."""
-        with eval_mode(self.model):
-            return response_hidden(self.model, input_ids, attention_mask, prompt_length, mask)
-
-
 def use_teacher(module: Any, teacher: torch.nn.Module) -> LocalTeacher:
     """Make ``teacher`` the reference of an online module (``PPOModule``, ``GRPOModule``, ``RLOOModule``): with the
     KL in the reward (k1, ``kl_in_reward``; PPO's default) each sampled token's reward becomes ``kl_coef * (log
-    p_teacher - log p_student)``, i.e. sampled-token distillation, combined with the module's task reward."""
-    module.reference = LocalTeacher(teacher)
+    p_teacher - log p_student)``, i.e. sampled-token distillation, combined with the module's task reward. (The
+    ``DistillationModule`` holds its teacher itself, apart from the reference's slot.)"""
+    teacher.eval().requires_grad_(False)
+    module.reference = ReferencePolicy(teacher, build_reference=lambda: teacher)
     return module.reference
 
 
@@ -196,7 +149,7 @@ class DistillationModule(CriticFreeModule):
         reward: an optional task reward source (as ``CriticFreeModule``'s); in ``sampled`` mode added to the teacher's
             per-token reward, else only logged (``reward_mean``).
         kl_coef: weight of the teacher's per-token reward ``log p_teacher - log p_student`` (``sampled`` mode: the
-            weight of KL(student || teacher), the reference's slot holding the teacher).
+            weight of KL(student || teacher), the teacher's log-probs in the reference's part).
         advantage: the advantage estimator of ``sampled`` mode (default ``reinforce_pp``: per-token returns).
         num_generations: samples per prompt.
         loss_aggregation: how ``sampled`` mode averages the policy loss (default ``token``).
@@ -230,7 +183,7 @@ class DistillationModule(CriticFreeModule):
     ):
         own = dict(teacher_model_name=teacher_model_name, teacher_model_config=teacher_model_config, mode=mode)
         own.update(teacher_server=teacher_server, beta=beta, lmbda=lmbda, temperature=temperature)
-        self.__dict__["_own_arguments"] = own
+        check_arguments(type(self).argument_ranges, own, type(self).__name__)  # before any model loads
         if teacher_server is not None:
             check_teacher_server(teacher_server, mode)
         elif (teacher_model_name is None) == (teacher_model_config is None):
@@ -254,24 +207,30 @@ class DistillationModule(CriticFreeModule):
                 f"a served teacher's log-probs are at temperature 1 (vLLM's prompt log-probs are of the raw logits), "
                 f"so the student samples at generation.temperature 1, not {self.generation.temperature:g}",
             )
+        save_hparams(self, {**self.hparams, **own})  # the base's hyperparameters and this class's, in one store
+        self._teacher = [self.build_teacher()]  # in a list: never a submodule, never saved
         self.check_tokenizers()
-        self._last_frozen: dict[bool, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ setup
-    def setup_online(self, arguments: dict[str, Any], sequence_level: bool = True) -> None:
-        """``OnlineRLModule.setup_online`` with this class's own arguments stored beside the base's."""
-        super().setup_online({**arguments, **self.__dict__.pop("_own_arguments")}, sequence_level)
-
     def load_policy_from_hparams(self, *, with_reference: bool):
-        """The student (no reference copy of it) and the teacher in the reference's slot (``LocalTeacher``)."""
-        student, _ = super().load_policy_from_hparams(with_reference=False)
+        """The student, with no reference (the teacher is held apart: ``build_teacher``)."""
+        return super().load_policy_from_hparams(with_reference=False)
+
+    @property
+    def has_reference(self) -> bool:
+        """The teacher's log-probs take the reference's part in the sampled mode's reward (``reference_logprobs``)."""
+        return True
+
+    def build_teacher(self) -> LocalTeacher | TeacherScorer:
+        """The teacher of ``teacher_server`` (a ``ServedTeacher``) or of ``teacher_model_name`` /
+        ``teacher_model_config`` (a ``LocalTeacher``, without dropout when ``disable_dropout``)."""
         hp = self.hparams
         if hp.get("teacher_server") is not None:
             from aitraining_pl.generation.config import VLLMConfig
             from aitraining_pl.generation.servers.client import ServedTeacher
 
             fields = {SERVER_KEYS[k]: v for k, v in hp.teacher_server.items()}
-            return student, ServedTeacher(VLLMConfig(mode="server", **fields), "DistillationModule.teacher_server")
+            return ServedTeacher(VLLMConfig(mode="server", **fields), "DistillationModule.teacher_server")
         teacher = load_causal_lm(
             hp.teacher_model_name,
             hp.teacher_model_config,
@@ -280,33 +239,43 @@ class DistillationModule(CriticFreeModule):
             trust_remote_code=bool(hp.trust_remote_code),
             seed=int(hp.seed) + 1,
         )
-        return student, LocalTeacher(teacher)
+        self.apply_training_options(teacher)
+        return LocalTeacher(teacher)
 
     @property
     def teacher(self) -> LocalTeacher | TeacherScorer:
         """The teacher (``TeacherScorer``), held outside the module tree."""
-        return self.reference
+        return self._teacher[0]
+
+    @property
+    def teacher_name(self) -> str:
+        """The teacher as messages name it: its server, or its model."""
+        teacher = self.teacher
+        if hasattr(teacher, "address"):
+            return f"DistillationModule.teacher_server ({teacher.kind} {teacher.address})"
+        return f"DistillationModule teacher {self.hparams.teacher_model_name or '(teacher_model_config)'}"
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        self.teacher.to(self.device, self.frozen_dtype())
+
+    def sharded_networks(self) -> list[torch.nn.Module]:
+        """The student's and, in this process, the teacher (its own FSDP root)."""
+        model = getattr(self.teacher, "model", None)
+        return super().sharded_networks() + ([model] if model is not None else [])
 
     @property
     def loss_temperature(self) -> float:
         return float(self.hparams.temperature or self.generation.temperature)
 
     def check_tokenizers(self) -> None:
-        """One ``ConfigError`` before training when the teacher's vocabulary or tokenizer is not the student's."""
-        rows = language_model(self.policy).get_output_embeddings().weight.shape[0]
-        served = getattr(self.teacher, "vocab_size", None)  # a served teacher: its model's, asked of the server
-        sizes = [
-            rows,
-            served() if served else language_model(self.teacher.model).get_output_embeddings().weight.shape[0],
-        ]
+        """One ``ConfigError`` before training when the teacher cannot score the student's tokens: another tokenizer
+        (``teacher_model_name``'s, compared with the student's), or fewer vocabulary rows than the student's
+        tokenizer has tokens (``modules.teacher.check_vocabularies``; a checkpoint's padding rows are allowed)."""
         name = self.hparams.teacher_model_name
         theirs = load_tokenizer(name, trust_remote_code=bool(self.hparams.trust_remote_code)) if name else None
-        if sizes[0] != sizes[1] or (theirs is not None and theirs.get_vocab() != self.tokenizer.get_vocab()):
-            raise ConfigError(
-                "DistillationModule.teacher_model_name",
-                f"the teacher's tokenizer differs from the student's (vocabulary {sizes[1]} vs {sizes[0]} rows): "
-                "distillation compares next-token distributions over one shared vocabulary",
-            )
+        where = "DistillationModule.teacher_model_name"
+        check_vocabularies(self.tokenizer, theirs, teacher_rows(self.teacher), where)
 
     # ------------------------------------------------------------------ rollouts: the student's, or the data's
     def rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
@@ -327,13 +296,9 @@ class DistillationModule(CriticFreeModule):
                               "data needs a 'completion' column (or set lmbda: 1)")  # fmt: skip
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         ids = [(tokenizer(t, add_special_tokens=False)["input_ids"] + eos)[:limit] for t in texts]
-        device, width = batch["input_ids"].device, max(1, max(len(i) for i in ids))
+        device = batch["input_ids"].device
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        response = torch.full((len(ids), width), pad, dtype=torch.long, device=device)
-        mask = torch.zeros_like(response)
-        for row, tokens in enumerate(ids):
-            response[row, : len(tokens)] = torch.tensor(tokens, device=device)
-            mask[row, : len(tokens)] = 1
+        response, mask = padded(ids, pad, width=1, device=device)
         ended = torch.tensor([bool(i) and i[-1] in eos for i in ids], device=device)
         group = torch.arange(len(ids), device=device).repeat_interleave(samples)
         rollout = Rollout(
@@ -341,21 +306,15 @@ class DistillationModule(CriticFreeModule):
             [texts[g] for g in group.tolist()], group,
         )  # fmt: skip
         scores, components = self.score(batch["prompts"], batch["metadata"], rollout)
-        return RolloutBatch(
-            rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1], rollout.response_mask,
-            rollout.ended, group, rollout.texts, scores, components,
-        )  # fmt: skip
+        return RolloutBatch.from_rollout(rollout, scores, components)
 
     # ------------------------------------------------------------------ the teacher's scores
     @torch.no_grad()
     def reference_logprobs(self, input_ids, attention_mask, prompt_length: int) -> torch.Tensor:
-        """(N, R) the teacher's log-probs at the sampling temperature, through the ``TeacherScorer``."""
-        return self.teacher.token_logprobs(input_ids, attention_mask, prompt_length, self.generation.temperature)
-
-    def frozen_logprobs(self, rollout: RolloutBatch, reference: bool) -> torch.Tensor:
-        """``CriticFreeModule.frozen_logprobs``, the last of each kept for the sampled mode's metrics."""
-        self._last_frozen[reference] = out = super().frozen_logprobs(rollout, reference)
-        return out
+        """(N, R) the teacher's log-probs at the sampling temperature, through the ``TeacherScorer``, checked
+        (``modules.teacher.checked_logprobs``: one value per response token, finite, at most 0)."""
+        scores = self.teacher.token_logprobs(input_ids, attention_mask, prompt_length, self.generation.temperature)
+        return checked_logprobs(scores, input_ids, attention_mask, prompt_length, self.teacher_name)
 
     def divergence(self, ids, attention, prompt_length, mask, teacher_hidden, grad: bool = True):
         """``fused_distillation_loss`` of the student on rows ``ids`` (token mean over ``mask``) against the teacher's
@@ -363,6 +322,10 @@ class DistillationModule(CriticFreeModule):
         student = response_hidden(self.policy, ids, attention, prompt_length, mask)
         weight, bias, post = head_of(self.policy, "DistillationModule.model_name")
         t_weight, t_bias, t_post = head_of(self.teacher.model, "DistillationModule.teacher_model_name")
+        shared = min(weight.shape[0], t_weight.shape[0])  # rows past the tokenizer: a checkpoint's padding
+        if weight.shape[0] != t_weight.shape[0]:  # (check_tokenizers): the distributions over the rows both have
+            weight, bias = weight[:shared], None if bias is None else bias[:shared]
+            t_weight, t_bias = t_weight[:shared], None if t_bias is None else t_bias[:shared]
         targets = ids[:, prompt_length:][mask.bool()]
         weights = torch.full(targets.shape, 1.0 / max(1, targets.numel()), device=ids.device)
         return fused_distillation_loss(
@@ -386,8 +349,8 @@ class DistillationModule(CriticFreeModule):
         """``sampled``: ``CriticFreeModule``'s (the teacher's log-probs as the reference's, k1 in the reward) and the
         teacher's log-prob and the reverse KL of the sampled tokens. ``full``: the teacher's hidden states."""
         if self.hparams.mode == "sampled":
-            experience, stats = super().make_experience(rollout)
-            old, teacher = self._last_frozen[False], self._last_frozen[True]
+            old, teacher = self.frozen_passes(rollout)
+            experience, stats = self.experience(rollout, old, teacher)
             stats.update(
                 teacher_logprob=masked_mean(teacher, rollout.mask), reverse_kl=masked_mean(old - teacher, rollout.mask)
             )

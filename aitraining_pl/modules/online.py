@@ -16,12 +16,10 @@ Manual optimisation: Lightning's ``global_step`` counts optimizer steps.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,15 +28,12 @@ import torch
 from aitraining_pl.environments.episode import is_episode_environment
 from aitraining_pl.environments.episode_rollout import sample_episodes
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
+from aitraining_pl.generation.backend import GenerationBackend
 from aitraining_pl.generation.config import check_server
 from aitraining_pl.generation.servers.fleet import Fleet
-from aitraining_pl.generation.servers.fleet_launch import LaunchedFleet, build_fleet
-from aitraining_pl.generation.servers.launcher import LaunchedServer, connect_to
-from aitraining_pl.losses import group_statistics, off_policy_log_ratio, off_policy_weights, place_scores
+from aitraining_pl.losses import group_statistics, off_policy_log_ratio, off_policy_weights
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.training import eval_mode
-from aitraining_pl.models.weights import policy_weights
 from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
 from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions, moved_correction
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, build_reward_source
@@ -46,11 +41,11 @@ from aitraining_pl.rollout import (
     GenerationConfig,
     Rollout,
     RolloutEngine,
-    build_backend,
-    score_rollout,
     warn_truncated_sampling,
 )
 from aitraining_pl.rollout.asynchronous import RolloutPipeline, staleness
+from aitraining_pl.rollout.batch import RolloutBatch
+from aitraining_pl.rollout.source import RolloutSource
 from aitraining_pl.validation import rules
 
 #: ranges of the arguments every online RL module has; PPO and the critic-free module add their own.
@@ -80,31 +75,6 @@ def primitive(value: Any) -> bool:
     if isinstance(value, dict):
         return all(isinstance(k, str) and primitive(v) for k, v in value.items())
     return False
-
-
-@dataclass
-class RolloutBatch:
-    """Sampled and scored responses; per-token tensors are (N, R), N = prompts x samples per prompt."""
-
-    input_ids: torch.Tensor  #: (N, P + R) prompt and response
-    attention_mask: torch.Tensor  #: (N, P + R)
-    prompt_length: int  #: P
-    mask: torch.Tensor  #: (N, R) response mask (a prefix up to the end token; holes where an environment spoke)
-    ended: torch.Tensor  #: (N,) ended by EOS / stop string (False: truncated at max_new_tokens)
-    group: torch.Tensor  #: (N,) index of the prompt each row answers
-    texts: list[str]
-    scores: torch.Tensor  #: (N,) reward-source scores (minus the missing-EOS penalty); an episode's return
-    components: dict[str, list[float]]
-    token_scores: torch.Tensor | None = None  #: (N, R) an episode's per-turn rewards on each turn's last token
-    episode_metrics: dict[str, list[float]] | None = None  #: per episode: turns, tool calls, ... (episodes only)
-    sampling_logprobs: torch.Tensor | None = None  #: (N, R) the sampler's log-probs (vLLM backend), else None
-    token_versions: torch.Tensor | None = None  #: (N, R) the weights version of each sampled token (a server)
-    episode: torch.Tensor | None = None  #: (N,) the episode of each row where an episode gives several (agents)
-    vision: Any = None  #: the images of each row's prompt (``models.vision.VisionInputs``), for VL models
-
-    def placed_scores(self) -> torch.Tensor:
-        """(N, R) the scores on the tokens they reward: per turn in an episode, else on the last token."""
-        return self.token_scores if self.token_scores is not None else place_scores(self.scores, self.mask)
 
 
 class TeardownOnFailure(pl.Callback):
@@ -161,27 +131,45 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         self.set_policy_loss(options, sequence_level)
         warn_truncated_sampling(self.generation)
         source = reward if is_episode_environment(reward) else build_reward_source(reward)
-        self._reward_source = [source]  # in a list: never a submodule, never saved
-        self._backend: list[GenerationBackend | None] = [None]  # what samples the rollouts (built in ``setup``)
-        #: the servers this process started (``server: launch``, ``server: {launch: ...}``)
-        self._launched: list[LaunchedServer | LaunchedFleet | None] = [None]
-        self._pipeline: list[RolloutPipeline | None] = [None]  # the asynchronous schedule (``max_staleness``)
-        self._sampling_seed: torch.Generator | None = None  # the seeds of an asynchronous job's sampling calls
+        episodes = functools.partial(sample_episodes, environment=source) if is_episode_environment(source) else None
+        #: what this module asks for rollouts: the backend, launched servers, the pipeline and the reward source
+        self.source = RolloutSource(
+            self.generation,
+            source,
+            episodes,
+            self.hparams.missing_eos_penalty,
+            self.hparams.get("reward_timeout", DEFAULT_REWARD_TIMEOUT),
+            type(self).__name__,
+        )
         self.kl_coef = values["kl_coef"]
         self.last_kl = 0.0  #: batch-mean KL(pi || ref) per response (nats), for the KL callback
         self.last_num_samples = 0  #: responses behind ``last_kl`` (all ranks)
         self.update_history: list[dict[str, torch.Tensor]] = []
-        self.last_episodes = None  #: ``EpisodeInfo`` of the last episode rollout (multi-turn episodes only)
 
     @property
     def reward_source(self) -> Callable:
         """The reward source (protocol in ``aitraining_pl.rewards``), or an episode environment."""
-        return self._reward_source[0]
+        return self.source.reward
 
     @property
     def episodic(self) -> bool:
         """Whether rollouts are multi-turn episodes (the reward is an ``EpisodeEnvironment``)."""
-        return is_episode_environment(self.reward_source)
+        return self.source.episodic
+
+    @property
+    def last_episodes(self) -> Any:
+        """``EpisodeInfo`` of the last episode rollout (multi-turn episodes only)."""
+        return self.source.last_episodes
+
+    @property
+    def _launched(self) -> list[Any]:
+        """``[source.launched]``: the servers this process started (read-only; for one release)."""
+        return [self.source.launched]
+
+    @property
+    def _backend(self) -> list[GenerationBackend | None]:
+        """``[source.built]``: the backend once set up (read-only; for one release)."""
+        return [self.source.built]
 
     # ------------------------------------------------------------------ setup
     def on_fit_start(self) -> None:
@@ -191,55 +179,15 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             self.reward_source.to(self.device)
 
     def setup(self, stage: str) -> None:
-        """Build the generation backend (``registry.build_backend``: the policy itself, a colocated vLLM engine or
-        a generation server's client; one line naming the extra to install when vLLM is missing). It gets the
-        policy's weights before the first rollout (``generate``), so a resumed run samples from the resumed
-        weights."""
-        if self._backend[0] is not None:
-            return
-        strategy, seed = self.trainer.strategy, int(self.hparam("seed", 0))
-        run = strategy.broadcast(uuid.uuid4().hex)  # one id for the run's weight versions (servers)
-        generation, fleet = self.generation, self.generation.fleet()
-        if fleet is not None:  # several servers (or one URL): rank 0 starts those to launch, every rank connects
-            if fleet.launch is not None and self.global_rank == 0:
-                gpus = self.trainer.num_devices if self.trainer.strategy.root_device.type == "cuda" else 0
-                self._launched[0] = LaunchedFleet(fleet.launch, generation, self.policy, self.tokenizer, seed, gpus)
-            launched = self._launched[0]
-            endpoints = [(url, None) for url in fleet.urls or []]
-            if fleet.launch is not None:
-                endpoints = strategy.broadcast(launched.endpoints() if launched else None)
-        elif generation.server == "launch":  # rank 0 starts the server; every rank connects to it (one machine)
-            if self.global_rank == 0:
-                on_gpu = strategy.root_device.type == "cuda"  # read here, not from the policy (still on the CPU)
-                gpus = self.trainer.num_devices if on_gpu else 0
-                self._launched[0] = LaunchedServer(generation, self.policy, self.tokenizer, seed, gpus)
-            server = self._launched[0]
-            port, token = strategy.broadcast((server.port, str(server.token_file)) if server else None)
-            generation = connect_to(generation, port, token)
-        datamodule = getattr(self.trainer, "datamodule", None)
-        prompts = None if self.episodic else getattr(datamodule, "hparams", {}).get("max_prompt_length")
-        context = BackendContext(self.policy, self.tokenizer, self.global_rank, run, seed, str(self.trainer.precision),
-                                 prompts)  # fmt: skip
-        if fleet is not None:
-            backend = self._backend[0] = build_fleet(fleet, endpoints, generation, context, policy_weights)
-        else:
-            backend = self._backend[0] = build_backend(generation, context, self.device)
-        if self.generation.pipelined:
-            if backend.location != "server":
-                raise ConfigError(
-                    f"{type(self).__name__}.generation.max_staleness",
-                    f"{self.generation.max_staleness}: asynchronous training samples on a generation server while the "
-                    "policy trains; set generation.server: launch (the trainer starts one on this machine) or connect "
-                    "(docs/async.md)",
-                )
-            lag, every = self.generation.lag(), self.generation.weight_sync_steps
-            free = self.generation.async_schedule == "free"
-            self._pipeline[0] = RolloutPipeline(backend, self.policy, self.global_rank, lag, every, seed, free)
+        """Set the rollout source up (``RolloutSource.setup``: the generation backend or fleet, launched servers,
+        the asynchronous pipeline) for this process's rank."""
+        seed = int(self.hparam("seed", 0))
+        self.source.setup(self.policy, self.tokenizer, self.global_rank, self.trainer, seed, self.device)
 
     @property
     def backend(self) -> GenerationBackend:
         """What samples the rollouts (``generation.backend``); the policy itself before ``setup``."""
-        return self._backend[0] if self._backend[0] is not None else HFBackend(self.policy)
+        return self.source.backend(self.policy)
 
     def configure_callbacks(self):
         """``AlignmentModule``'s, and one that tears the generation side down when ``fit`` fails (Lightning calls
@@ -248,24 +196,13 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
 
     @property
     def pipeline(self) -> RolloutPipeline | None:
-        """The asynchronous schedule (``generation.max_staleness`` >= 1; ``modules.async_rollout``), once set up."""
-        return self._pipeline[0]
+        """The asynchronous schedule (``generation.max_staleness`` >= 1; ``rollout.asynchronous``), once set up."""
+        return self.source.pipeline
 
     def teardown(self, stage: str) -> None:
-        """Stop the asynchronous pipeline (its rollouts in flight dropped), close the backend, stop a launched
-        server."""
-        pipeline, backend, server = self._pipeline[0], self._backend[0], self._launched[0]
-        self._pipeline[0] = self._backend[0] = self._launched[0] = None
-        try:
-            if pipeline is not None:
-                pipeline.close()
-            if backend is not None:
-                backend.close()
-            if hasattr(self.reward_source, "close"):  # an environment's own servers (an agent's endpoint)
-                self.reward_source.close()
-        finally:
-            if server is not None:
-                server.stop()
+        """Tear the rollout source down (``RolloutSource.teardown``: the pipeline, the backend, launched
+        servers)."""
+        self.source.teardown()
 
     @property
     def rows_per_sample(self) -> int:
@@ -302,9 +239,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
     @property
     def rollout_engine(self) -> RolloutEngine:
         """The rollout engine for ``generation`` with this module's tokenizer and generation backend."""
-        return RolloutEngine(
-            self.tokenizer, self.generation, warn_truncation=False, backend=self.backend, seed=self._sampling_seed
-        )
+        return self.source.engine(self.policy, self.tokenizer)
 
     @torch.no_grad()
     def generate(
@@ -323,111 +258,35 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         pipeline = self.pipeline
         if pipeline is not None and not pipeline.in_worker():
             return pipeline.now(
-                lambda seed: self.seeded(seed, self.generate, prompt_ids, prompt_mask, config, num_samples)
+                lambda seed: self.seeded(seed, self.generate, prompt_ids, prompt_mask, config, num_samples, vision)
             )
-        engine = self.rollout_engine
-        if config is not None:
-            engine = RolloutEngine(self.tokenizer, config, backend=self.backend, seed=self._sampling_seed)
-        with self.sampling():
-            return engine.sample(self.policy, prompt_ids, prompt_mask, num_samples, vision=vision)
+        step = self.global_step
+        return self.source.generate(
+            self.policy, self.tokenizer, step, prompt_ids, prompt_mask, config, num_samples, vision
+        )
 
-    @contextlib.contextmanager
     def sampling(self):
-        """Around a rollout: the backend takes the policy's weights of this optimizer step (a vLLM engine or server
-        loads them if they changed since its last rollout; the policy itself gathers its full parameters under
-        FSDP2: one all-gather for the whole rollout) and sleeps afterwards. Nothing on the asynchronous pipeline's
-        worker: it pushed the weights its jobs name."""
-        backend = self.backend
-        if self.pipeline is not None:
-            yield
-            return
-        backend.sync(self.policy, version=self.global_step)
-        try:
-            yield
-        finally:
-            backend.sleep()
+        """Around a rollout: the backend takes the policy's weights of this optimizer step and sleeps afterwards
+        (``RolloutSource.sampling``)."""
+        return self.source.sampling(self.policy, self.global_step)
 
     def score(self, prompts: list[str], metadata: list[dict], rollout: Rollout):
         """Scores (N,) from the reward source, minus ``missing_eos_penalty`` where a response did not end;
         and the source's per-component scores."""
-        return score_rollout(
-            self.reward_source, prompts, metadata, rollout, self.hparams.missing_eos_penalty,
-            timeout=self.hparams.get("reward_timeout", DEFAULT_REWARD_TIMEOUT),
-        )  # fmt: skip
+        return self.source.score(prompts, metadata, rollout)
 
     def seeded(self, seed: int, fn: Callable, *args: Any) -> Any:
         """``fn(*args)`` with every sampling call seeded from ``seed`` (an asynchronous job on the worker)."""
-        self._sampling_seed = torch.Generator().manual_seed(seed)
-        try:
-            return fn(*args)
-        finally:
-            self._sampling_seed = None
+        return self.source.seeded(seed, fn, *args)
 
     def rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
-        """Sample ``samples`` responses per prompt of ``batch`` and score them (or play that many episodes); in
-        asynchronous training, on the pipeline's worker with the current weights (``RolloutPipeline.now``)."""
+        """Sample ``samples`` responses per prompt of ``batch`` (``generate``) and score them, or play that many
+        episodes (``RolloutSource.rollout``); in asynchronous training, on the pipeline's worker with the current
+        weights (``RolloutPipeline.now``)."""
         pipeline = self.pipeline
         if pipeline is not None and not pipeline.in_worker():
             return pipeline.now(lambda seed: self.seeded(seed, self.rollout, batch, samples))
-        if self.episodic:
-            return self.episode_rollout(batch, samples)
-        vision = batch.get("vision")  # a VL model's prompt images (``datamodules.vision``)
-        rollout = self.generate(batch["input_ids"], batch["attention_mask"], num_samples=samples, vision=vision)
-        scores, components = self.score(batch["prompts"], batch["metadata"], rollout)
-        return RolloutBatch(
-            rollout.input_ids,
-            rollout.attention_mask,
-            rollout.prompt_ids.shape[1],
-            rollout.response_mask,
-            rollout.ended,
-            rollout.group,
-            rollout.texts,
-            scores,
-            components,
-            sampling_logprobs=rollout.sampling_logprobs,
-            token_versions=rollout.token_versions,
-            vision=vision.for_rows(rollout.group) if vision is not None else None,
-        )
-
-    def episode_rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
-        """Play ``samples`` episodes per prompt (``environments.episode_rollout``); the score of an episode is
-        its return, minus ``missing_eos_penalty`` (on its last sampled token) when a limit cut it short."""
-        source = self.reward_source
-        # an environment that plays its own episodes (``play_episodes``, e.g. an agent given the policy through an
-        # endpoint) returns the same ``Rollout``; the others are played turn by turn here (``sample_episodes``)
-        play = getattr(source, "play_episodes", None)
-        if play is not None:  # the version its recorded calls were sampled by
-            play = functools.partial(play, version=self.pipeline.version if self.pipeline else self.global_step)
-        play = play or functools.partial(sample_episodes, environment=source)
-        with self.sampling():
-            rollout = play(
-                self.rollout_engine,
-                self.policy,
-                prompts=batch["prompts"],
-                metadata=batch["metadata"],
-                prompt_ids=batch["input_ids"],
-                prompt_mask=batch["attention_mask"],
-                num_samples=samples,
-                timeout=self.hparams.get("reward_timeout", DEFAULT_REWARD_TIMEOUT),
-            )
-        info, mask = rollout.episodes, rollout.response_mask
-        self.last_episodes = info
-        penalty = (~rollout.ended).float() * float(self.hparams.missing_eos_penalty or 0.0)
-        return RolloutBatch(
-            rollout.input_ids,
-            rollout.attention_mask,
-            rollout.prompt_ids.shape[1],
-            mask,
-            rollout.ended,
-            rollout.group,
-            rollout.texts,
-            info.returns - penalty,
-            {},
-            token_scores=info.token_rewards - place_scores(penalty, mask),
-            episode_metrics=info.metrics,
-            sampling_logprobs=rollout.sampling_logprobs,
-            episode=info.episode,
-        )
+        return self.source.rollout(self.policy, self.tokenizer, self.global_step, batch, samples, self.generate)
 
     # ------------------------------------------------------------------ log-prob passes
     @property

@@ -1,5 +1,6 @@
 """The rollout side: the one rollout engine (``rollout.engine``: prompts in; responses, masks, ended flags and
-texts out, ``G`` samples per prompt) and the asynchronous pipeline that asks a generation server ahead
+texts out, ``G`` samples per prompt), what a rollout is (``rollout.batch``: ``Rollout``, and ``RolloutBatch``, the
+scored rows the modules train on) and the asynchronous pipeline that asks a generation server ahead
 (``rollout.asynchronous``). ``from aitraining_pl.rollout import X`` reaches what the engine module holds, and the
 backend registry and factory (``generation.registry``) it builds backends with."""
 
@@ -11,8 +12,8 @@ from aitraining_pl.generation.backend import BackendContext, GenerationBackend, 
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.generation.registry import BACKEND_NAMES, BACKENDS, build_backend, resolve_backend, vllm_available
 from aitraining_pl.models.generation import SampledTokens, StopRule
+from aitraining_pl.rollout.batch import Rollout, RolloutBatch
 from aitraining_pl.rollout.engine import (
-    Rollout,
     RolloutEngine,
     decode_responses,
     end_token_ids,
@@ -29,6 +30,7 @@ __all__ = [
     "GenerationConfig",
     "HFBackend",
     "Rollout",
+    "RolloutBatch",
     "RolloutEngine",
     "SampledTokens",
     "StopRule",

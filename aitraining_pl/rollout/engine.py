@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -46,46 +44,7 @@ from aitraining_pl.models.generation import SampledTokens, StopRule
 from aitraining_pl.models.vision import VisionInputs
 from aitraining_pl.models.vision_decoding import sample_with_images
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, score_responses
-
-
-@dataclass
-class Rollout:
-    """Sampled responses of N = B * G rows; prompt ``i``'s samples are rows ``i*G .. i*G+G-1``."""
-
-    prompt_ids: torch.Tensor  #: (N, P) left padded
-    prompt_mask: torch.Tensor  #: (N, P)
-    response_ids: torch.Tensor  #: (N, R) right padded after the end
-    response_mask: torch.Tensor  #: (N, R) long, 1 up to and including the end token
-    ended: torch.Tensor  #: (N,) bool: ended by an end token or stop (False: hit max_new_tokens)
-    texts: list[str]  #: decoded responses (end/special tokens removed); empty strings without a tokenizer
-    group: torch.Tensor  #: (N,) long: index of the prompt each row came from
-    logprobs: torch.Tensor | None = None  #: (N, R) untruncated log-probs at temperature 1 (``with_logprobs``)
-    #: (N, R) log-probs under the distribution sampled from, as the sampler computed them (``with_logprobs``;
-    #: always from the vLLM backend, whose numerics differ from the trainer's), zero after each response
-    sampling_logprobs: torch.Tensor | None = None
-    #: (N, R) the weights version (step) that sampled each token, as a generation server reports it (-1 after the
-    #: end); None from the other backends
-    token_versions: torch.Tensor | None = None
-    #: multi-turn episodes (``environments.episode_rollout.EpisodeInfo``): then ``response_mask`` marks the
-    #: sampled tokens only and ``episodes.response_attention`` every real token (the environment's replies too)
-    episodes: Any = None
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        """(N, P + R) prompt and response."""
-        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
-
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        """(N, P + R): the prompt mask, then the response mask (0 after the end); in an episode every real
-        token after the prompt (``episodes.response_attention``)."""
-        response = self.response_mask if self.episodes is None else self.episodes.response_attention
-        return torch.cat([self.prompt_mask, response.to(self.prompt_mask.dtype)], dim=1)
-
-    @property
-    def num_samples(self) -> int:
-        """G: samples per prompt."""
-        return self.group.shape[0] // max(1, int(self.group.max()) + 1) if self.group.numel() else 0
+from aitraining_pl.rollout.batch import Rollout
 
 
 def end_token_ids(tokenizer, model) -> list[int]:

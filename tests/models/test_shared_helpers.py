@@ -88,3 +88,17 @@ def test_the_two_length_rewards_have_distinct_names_and_the_old_ones_warn():
         assert rewards.length_reward is rewards.char_length_reward
     with pytest.warns(DeprecationWarning, match="use aitraining_pl.environments.word_count_reward"):
         assert environments.length_reward is environments.word_count_reward
+
+
+def test_padded_stacks_rows_on_either_side_with_their_mask():
+    """``models.tokens.padded``: the one padding of variable-length rows (prompts left, responses right)."""
+    from aitraining_pl.models.tokens import padded
+
+    ids, mask = padded([[1, 2, 3], [4], []], 0)
+    assert ids.tolist() == [[1, 2, 3], [4, 0, 0], [0, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0]]
+    ids, mask = padded([torch.tensor([1, 2]), torch.tensor([3])], 9, "left", width=3)
+    assert ids.tolist() == [[9, 1, 2], [9, 9, 3]] and mask.tolist() == [[0, 1, 1], [0, 0, 1]]
+    values, _ = padded([[0.5], []], 0.0, width=1, dtype=torch.float32)
+    assert values.dtype == torch.float32 and values.tolist() == [[0.5], [0.0]]
+    with pytest.raises(ValueError, match="side must be 'right' or 'left'"):
+        padded([[1]], 0, "middle")

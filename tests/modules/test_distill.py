@@ -72,7 +72,7 @@ def test_bandit_sampled_token_reaches_teacher(tmp_path):
 def test_different_tokenizer_is_one_error(tmp_path):
     with pytest.raises(ConfigError, match="teacher's tokenizer differs"):
         DistillationModule(
-            model_config=TINY_LLAMA, teacher_model_config={**TINY_LLAMA, "vocab_size": 500}, tokenizer_name="byte"
+            model_config=TINY_LLAMA, teacher_model_config={**TINY_LLAMA, "vocab_size": 200}, tokenizer_name="byte"
         )
     with pytest.raises(ConfigError, match="lmbda"):
         DistillationModule(model_config=TINY_LLAMA, teacher_model_config=TINY_LLAMA, tokenizer_name="byte",

@@ -71,7 +71,8 @@ def one_rollout(module: GRPOModule, monkeypatch):
     class Strategy:
         broadcast = staticmethod(lambda value: value)
 
-    monkeypatch.setattr(type(module), "trainer", property(lambda self: type("T", (), {"strategy": Strategy})()))
+    trainer = type("T", (), {"strategy": Strategy, "precision": "32-true"})
+    monkeypatch.setattr(type(module), "trainer", property(lambda self: trainer()))
     module.setup("fit")
     ids = torch.tensor([[0, 104, 105], [106, 107, 108]])
     batch = {"input_ids": ids, "attention_mask": (ids > 0).long(), "prompts": ["ab", "cd"], "metadata": [{}, {}]}
