@@ -29,7 +29,7 @@ import torch
 
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.config import VLLMConfig
-from aitraining_pl.generation.servers import checks
+from aitraining_pl.generation.servers import auth, checks
 from aitraining_pl.generation.servers.checks import PushRefused
 from aitraining_pl.generation.servers.tcp_wire import (
     TOKEN_ENV,
@@ -232,16 +232,8 @@ def server_token(host: str, token_file: str | None) -> tuple[str, bool]:
 
 
 def write_token(token: str, port: int) -> Path:
-    """Write ``token`` to ``wire.token_path(port)``, readable by this user only (folder 0700, file 0600)."""
-    path = token_path(port)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # a file left by an earlier server keeps its mode otherwise
-        os.write(fd, token.encode())
-    finally:
-        os.close(fd)
-    return path
+    """Write ``token`` to ``wire.token_path(port)``, readable by this user only (``auth.write_token``)."""
+    return auth.write_token(token_path(port), token)
 
 
 def no_tensors(header: dict[str, Any], entries: list[Entry]) -> None:
