@@ -310,9 +310,12 @@ class DistillationModule(CriticFreeModule):
 
     # ------------------------------------------------------------------ the teacher's scores
     @torch.no_grad()
-    def reference_logprobs(self, input_ids, attention_mask, prompt_length: int) -> torch.Tensor:
+    def reference_logprobs(self, input_ids, attention_mask, prompt_length: int, vision: Any = None) -> torch.Tensor:
         """(N, R) the teacher's log-probs at the sampling temperature, through the ``TeacherScorer``, checked
-        (``modules.teacher.checked_logprobs``: one value per response token, finite, at most 0)."""
+        (``modules.teacher.checked_logprobs``: one value per response token, finite, at most 0). A text teacher:
+        ``vision`` (a VL student's images) is refused."""
+        if vision is not None:
+            raise ConfigError("DistillationModule.teacher_model_name", "distillation with images is not supported yet")
         scores = self.teacher.token_logprobs(input_ids, attention_mask, prompt_length, self.generation.temperature)
         return checked_logprobs(scores, input_ids, attention_mask, prompt_length, self.teacher_name)
 

@@ -23,7 +23,7 @@ def test_completions_are_logged_every_n_steps_with_components_and_advantages(tmp
     reward = WeightedRewards(
         {"a": lambda p, r, m: [1.0, 0.0, 0.5, None], "b": lambda p, r, m: [None, 1.0, 0.5, 0.5]}, {"a": 1.0, "b": 2.0}
     )
-    module._reward_source = [reward]
+    module.source.reward = reward
     data = PromptDataModule(prompts=["hello", "a longer prompt"] * 2, tokenizer=byte_tokenizer, batch_size=2)
     callback = CompletionLogCallback(every_n_steps=2)
     quiet_trainer(tmp_path, max_epochs=2, callbacks=[callback]).fit(module, data)  # 4 iterations: 2 logged
