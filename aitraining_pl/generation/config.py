@@ -164,7 +164,7 @@ def check_server(server: str | ServerConfig, setting: str) -> None:
     ``launch.devices`` not one per server."""
     if isinstance(server, str):
         if server not in SERVER_MODES:
-            _check_url(server, setting, f"none, connect, launch, a URL ({'/'.join(SERVER_SCHEMES)}://host:port)")
+            check_url(server, setting, f"none, connect, launch, a URL ({'/'.join(SERVER_SCHEMES)}://host:port)")
         return
     if (server.urls is None) == (server.launch is None):
         raise HyperparameterError(setting, "give either urls (running servers) or launch (servers to start), one")
@@ -172,7 +172,7 @@ def check_server(server: str | ServerConfig, setting: str) -> None:
         if not server.urls:
             raise HyperparameterError(f"{setting}.urls", "is empty: give at least one server URL")
         for i, url in enumerate(server.urls):
-            _check_url(url, f"{setting}.urls[{i}]", "a URL")
+            check_url(url, f"{setting}.urls[{i}]", "a URL")
     launch = server.launch
     if launch is not None and launch.devices is not None and len(launch.devices) != launch.count:
         raise HyperparameterError(
@@ -181,7 +181,9 @@ def check_server(server: str | ServerConfig, setting: str) -> None:
         )
 
 
-def _check_url(url: Any, setting: str, expected: str) -> None:
+def check_url(url: Any, setting: str, expected: str = "a URL") -> None:
+    """Raise ``HyperparameterError`` naming ``setting`` for a ``url`` that is not ``scheme://host:port`` (one of
+    ``SERVER_SCHEMES``)."""
     from urllib.parse import urlsplit
 
     try:

@@ -22,15 +22,17 @@ multi-turn episodes, the reward sources, the update loop over minibatches, the p
 
 The teacher is scored through a small interface, ``TeacherScorer`` (``token_logprobs``: the teacher's log-probs of given
 token sequences; ``modules.teacher``), an object the module holds; ``LocalTeacher`` is the teacher in this process (its
-hidden states and head also give the full distribution). A served teacher (``teacher_server``:
-``servers.client.ServedTeacher``, the prompt log-probs of a server started with ``aitraining-pl serve --teacher``)
-implements ``token_logprobs`` only, enough for ``mode: sampled``. The teacher is held outside the module tree:
-checkpoints and exports never contain it. Its log-probs are checked before use, and its tokenizer (not its embedding's
-rows) is compared with the student's.
+hidden states and head also give the full distribution). A served teacher (``teacher_server: {url: ...}``:
+``servers.teacher.HTTPTeacher``, the prompt log-probs of a ``vllm serve --model <teacher>`` through its
+``/v1/completions``, or of the HF server with ``--teacher``; the deprecated ``{host, port}``: the frame protocol's
+``servers.client.ServedTeacher``) implements ``token_logprobs`` only, enough for ``mode: sampled``. The teacher is
+held outside the module tree: checkpoints and exports never contain it. Its log-probs are checked before use, and
+its tokenizer (not its embedding's rows) is compared with the student's.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -58,13 +60,17 @@ from aitraining_pl.modules.teacher import (
 from aitraining_pl.rollout.batch import Rollout, RolloutBatch
 from aitraining_pl.validation import FRACTION, OneOf, Range, check_arguments, fixed, rules, save_hparams
 
-#: the keys of ``teacher_server`` and the ``VLLMConfig`` fields they set
+#: the keys of ``teacher_server`` and the ``VLLMConfig`` fields they set (``url``: the engine's HTTP routes; ``host`` /
+#: ``port``: the deprecated frame protocol of ``aitraining-pl serve --teacher``)
 SERVER_KEYS = {
+    "url": None,
     "host": "server_host",
     "port": "server_port",
     "timeout": "server_timeout",
     "token_file": "server_token_file",
 }
+#: a served teacher's URL when ``teacher_server`` names none (nor the deprecated ``host`` / ``port``)
+DEFAULT_TEACHER_URL = "http://127.0.0.1:8000"
 #: the reward source of a run without a task reward: every response scores 0 (only the teacher trains the student)
 NO_TASK_REWARD = "aitraining_pl.modules.distill:no_task_reward"
 DistillationMode = Literal["full", "sampled"]
@@ -76,16 +82,46 @@ def no_task_reward(prompts: list[str], responses: list[str], metadata: list[dict
 
 
 def check_teacher_server(server: Any, mode: str) -> None:
-    """A ``ConfigError`` for a ``teacher_server`` that is not ``{host, port, timeout, token_file}`` or with ``mode:
-    full`` (it needs the teacher's whole distribution, hence the teacher in this process)."""
+    """A ``ConfigError`` for a ``teacher_server`` that is not ``{url, timeout, token_file}`` (or the deprecated
+    ``{host, port, timeout, token_file}``, not both forms), or with ``mode: full`` (it needs the teacher's whole
+    distribution, hence the teacher in this process)."""
     where = "DistillationModule.teacher_server"
     if not isinstance(server, dict) or set(server) - set(SERVER_KEYS):
         raise ConfigError(where, f"a mapping with keys among {', '.join(SERVER_KEYS)}, got {server!r}")
+    if "url" in server and {"host", "port"} & set(server):
+        raise ConfigError(where, "give url (a vllm serve or the HF server) or the deprecated host and port (the "
+                          "frame protocol of aitraining-pl serve --teacher), not both")  # fmt: skip
+    if "url" in server:
+        from aitraining_pl.generation.config import check_url
+
+        check_url(server["url"], f"{where}.url")
     if mode != "sampled":
         why = "(mode: full needs the teacher's whole distribution: the teacher in this process)"
         raise ConfigError(
             where, f"a served teacher gives the log-probs of the sampled tokens only: mode: sampled {why}"
         )
+
+
+def served_teacher(server: dict[str, Any]) -> TeacherScorer:
+    """The teacher of a checked ``teacher_server``: an ``HTTPTeacher`` at its ``url`` (the default), or with
+    ``host`` / ``port`` the deprecated frame protocol's ``ServedTeacher`` (with a ``DeprecationWarning``)."""
+    where = "DistillationModule.teacher_server"
+    if {"host", "port"} & set(server):
+        from aitraining_pl.generation.config import VLLMConfig
+        from aitraining_pl.generation.servers.client import ServedTeacher
+
+        warnings.warn(
+            f"{where}: host and port name a teacher on the frame protocol of aitraining-pl serve --teacher, deprecated "
+            "and kept for one release; serve the teacher with vllm serve and give its url (docs/distillation.md)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        fields = {SERVER_KEYS[k]: v for k, v in server.items()}
+        return ServedTeacher(VLLMConfig(mode="server", **fields), where)
+    from aitraining_pl.generation.servers.teacher import HTTPTeacher
+
+    return HTTPTeacher(server.get("url", DEFAULT_TEACHER_URL), server.get("token_file"),
+                       float(server.get("timeout", 240.0)), where)  # fmt: skip
 
 
 def head_of(model: torch.nn.Module, owner: str) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
@@ -135,9 +171,11 @@ class DistillationModule(CriticFreeModule):
         teacher_model_name: the teacher as a local folder or hub id; it must share the student's tokenizer.
         teacher_model_config: the teacher as an inline config dict (random init; tests), instead of a name.
         teacher_server: a served teacher instead of one in this process (``mode: sampled`` and
-            ``generation.temperature`` 1 only): ``{host, port, timeout, token_file}`` of an ``aitraining-pl serve
-            --teacher --model <teacher>`` (defaults ``127.0.0.1``, 8000, 240 s, the token as for
-            ``generation.vllm.server_token_file``); ``teacher_model_name``, if given, only checks the tokenizer.
+            ``generation.temperature`` 1 only): ``{url, timeout, token_file}`` of a server that speaks the engine's
+            HTTP routes, a ``vllm serve --model <teacher>`` or the HF server with ``--teacher`` (defaults
+            ``http://127.0.0.1:8000``, 240 s, the token as for ``generation.vllm.server_token_file``; docs/
+            distillation.md); ``{host, port, ...}`` instead of ``url``: the frame protocol of ``aitraining-pl serve
+            --teacher`` (deprecated, for one release). ``teacher_model_name``, if given, only checks the tokenizer.
         mode: ``full`` (the generalized JSD over the full vocabulary, GKD) or ``sampled`` (per-token reward
             ``log p_teacher - log p_student`` of the sampled tokens, optimised with the online policy loss).
         beta: the generalized JSD's interpolation (TRL's ``beta``, not DPO's): 0 forward KL(teacher || student),
@@ -222,15 +260,12 @@ class DistillationModule(CriticFreeModule):
         return True
 
     def build_teacher(self) -> LocalTeacher | TeacherScorer:
-        """The teacher of ``teacher_server`` (a ``ServedTeacher``) or of ``teacher_model_name`` /
+        """The teacher of ``teacher_server`` (``served_teacher``) or of ``teacher_model_name`` /
         ``teacher_model_config`` (a ``LocalTeacher``, without dropout when ``disable_dropout``)."""
         hp = self.hparams
-        if hp.get("teacher_server") is not None:
-            from aitraining_pl.generation.config import VLLMConfig
-            from aitraining_pl.generation.servers.client import ServedTeacher
-
-            fields = {SERVER_KEYS[k]: v for k, v in hp.teacher_server.items()}
-            return ServedTeacher(VLLMConfig(mode="server", **fields), "DistillationModule.teacher_server")
+        server = hp.get("teacher_server")
+        if server is not None:
+            return served_teacher(dict(server))
         teacher = load_causal_lm(
             hp.teacher_model_name,
             hp.teacher_model_config,

@@ -42,10 +42,11 @@ def lora_policy(model):
 
 
 @contextlib.contextmanager
-def http_hf_server(model_config, seed: int = 0, token: str = "test-token"):
+def http_hf_server(model_config, seed: int = 0, token: str = "test-token", teacher=None, tokenizer="byte"):
     """The HF server over HTTP (``hf_routes.build_app`` around an ``HFServerEngine`` for ``model_config``'s
-    architecture, the byte tokenizer) served by uvicorn from a thread on a free loopback port (yielded) until the
-    block ends; ``AITRAINING_PL_SERVER_TOKEN`` set to its ``token`` meanwhile (the trainer reads it there)."""
+    architecture, the ``tokenizer``, byte-level by default) served by uvicorn from a thread on a free loopback port
+    (yielded) until the block ends; ``AITRAINING_PL_SERVER_TOKEN`` set to its ``token`` meanwhile (the trainer reads
+    it there). ``teacher``: a model of that architecture whose weights it serves fixed, as ``--teacher`` does."""
     import socket
     import threading
 
@@ -61,8 +62,10 @@ def http_hf_server(model_config, seed: int = 0, token: str = "test-token"):
         model = build_causal_lm(model_config)
     specs = WeightSpecs(model)
     engine = HFServerEngine(model, seed=seed, device="cpu")
+    if teacher is not None:
+        engine.load(teacher.state_dict().items(), "teacher")
     positions = getattr(model.config, "max_position_embeddings", None)
-    app = build_app(engine, load_tokenizer("byte"), specs, "policy", positions, token)
+    app = build_app(engine, load_tokenizer(tokenizer), specs, "policy", positions, token, fixed=teacher is not None)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

@@ -1,6 +1,10 @@
-"""A served teacher (``DistillationModule(teacher_server=...)``, ``servers.client.ServedTeacher``): the teacher's
-log-probs through the real client, wire and server (a stand-in engine scoring with a local HF model; no vLLM) equal
-the local teacher's, and a lost or absent teacher server is one clear line."""
+"""A served teacher (``DistillationModule(teacher_server=...)``). Over HTTP (``{url: ...}``,
+``servers.teacher.HTTPTeacher``, the default): the HF server with a teacher's fixed weights answers vLLM's
+``prompt_logprobs`` equal to the local teacher's, refuses pushes, and a distillation run trains through it (the
+one-token bandit's student reaches the teacher); a 401, a server gone, a short answer and a NaN are each one line.
+The deprecated frame protocol (``{host, port}``, ``servers.client.ServedTeacher``): the teacher's log-probs through
+the real client, wire and server (a stand-in engine scoring with a local HF model; no vLLM) equal the local
+teacher's, and a lost or absent teacher server is one clear line."""
 
 from __future__ import annotations
 
@@ -8,13 +12,18 @@ import socket
 
 import pytest
 import torch
+from http_fixtures import http_hf_server
 from server_fixtures import SPEC, ScoringEngine, serving
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
 from aitraining_pl.generation.config import VLLMConfig
 from aitraining_pl.generation.servers.client import ServedTeacher
+from aitraining_pl.generation.servers.http import HTTPReplica
+from aitraining_pl.generation.servers.teacher import HTTPTeacher
+from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models import build_causal_lm
 from aitraining_pl.modules.distill import LocalTeacher
+from aitraining_pl.modules.teacher import checked_logprobs
 
 
 def rows():
@@ -61,6 +70,10 @@ def test_a_served_teacher_needs_sampled_mode():
     with pytest.raises(ConfigError, match="mode: sampled"):
         check_teacher_server({"port": 8000}, "full")
     with pytest.raises(ConfigError, match="keys among"):
+        check_teacher_server({"uri": "http://127.0.0.1:8000"}, "sampled")
+    with pytest.raises(ConfigError, match="not both"):
+        check_teacher_server({"url": "http://127.0.0.1:8000", "port": 8001}, "sampled")
+    with pytest.raises(ConfigError, match=r"teacher_server.url: 'x' is not a URL"):
         check_teacher_server({"url": "x"}, "sampled")
 
 
@@ -87,3 +100,131 @@ def test_the_module_scores_with_a_served_teacher_in_sampled_mode_only():
             DistillationModule(mode="sampled", generation=GenerationConfig(temperature=0.7), **kw)
         with pytest.raises(ConfigError, match="mode: sampled"):
             DistillationModule(mode="full", **kw)
+
+
+# ---------------------------------------------------------------------- over HTTP (the engine's routes)
+@pytest.fixture(scope="module")
+def hf_teacher():
+    """The HF server serving a teacher's fixed weights (``--teacher``) over HTTP: (its URL, the teacher)."""
+    teacher = build_causal_lm(SPEC, seed=3).float().eval()
+    with http_hf_server(SPEC, teacher=teacher) as port:
+        yield f"http://127.0.0.1:{port}", teacher
+
+
+def test_the_hf_servers_prompt_logprobs_equal_the_local_teachers(hf_teacher):
+    """``HTTPTeacher`` through ``/v1/completions`` with ``prompt_logprobs: 0`` (the rows' own token ids, unpadded):
+    the local teacher's log-probs on every response token, 0 on the padding; temperature 0.7 is refused; the server
+    refuses pushes (a teacher's weights are fixed) and keeps serving the same scores."""
+    url, teacher = hf_teacher
+    ids, mask = rows()
+    local = LocalTeacher(teacher).token_logprobs(ids, mask, 5, 1.0)
+    served = HTTPTeacher(url, timeout=30)
+    got = served.token_logprobs(ids, mask, 5, 1.0)
+    assert got.dtype == torch.float32 and got.shape == local.shape
+    response = mask[:, 5:].bool()
+    diff = float((got - local)[response].abs().max())
+    print(f"served over HTTP (HF server) vs local teacher: max |diff| {diff:.2e}")
+    assert diff < 1e-5 and float(got[~response].abs().max()) == 0
+    with pytest.raises(ConfigError, match="temperature 1 .* not 0.7"):
+        served.token_logprobs(ids, mask, 5, 0.7)
+    pusher = HTTPReplica(url, "test-token")
+    zeros = {k: torch.zeros_like(v) for k, v in teacher.state_dict().items()}
+    with pytest.raises(GenerationServerError, match="fixed weights"):
+        pusher.push(zeros.items(), WeightsVersion("run", 1))
+    pusher.close()
+    assert torch.equal(served.token_logprobs(ids, mask, 5, 1.0), got)
+    served.close()
+
+
+def test_a_failing_http_teacher_is_one_line(hf_teacher, monkeypatch):
+    """A wrong token (401), a short answer and an entry under another token id are each one ``GenerationServerError``
+    line naming the teacher's URL; a NaN is refused by the module's check; a server gone too."""
+    from aitraining_pl.generation.servers.auth import TOKEN_ENV
+
+    url, _ = hf_teacher
+    ids, mask = rows()
+    monkeypatch.setenv(TOKEN_ENV, "wrong")
+    with pytest.raises(GenerationServerError, match=rf"^teacher server {url}: it refused the run's token \(401\)"):
+        HTTPTeacher(url, timeout=30).token_logprobs(ids, mask, 5, 1.0)
+    monkeypatch.setenv(TOKEN_ENV, "test-token")
+    teacher = HTTPTeacher(url, timeout=30)
+    real = teacher.replica().call
+
+    def answer(change):
+        def call(method, route, doing, **kwargs):
+            out = real(method, route, doing, **kwargs)
+            if route == "/v1/completions":
+                change(out["choices"][0]["prompt_logprobs"], kwargs["json"]["prompt"])
+            return out
+
+        return call
+
+    for change, line in [
+        (lambda entries, prompt: entries.pop(), "8 prompt log-probs came back for 9 tokens"),
+        (lambda entries, prompt: entries.__setitem__(6, {"7": {"logprob": -1.0}}), "no log-prob of the given token"),
+    ]:
+        monkeypatch.setattr(teacher.replica(), "call", answer(change))
+        with pytest.raises(GenerationServerError, match=f"^teacher server {url}: ") as failed:
+            teacher.token_logprobs(ids[:1], mask[:1], 5, 1.0)
+        assert line in str(failed.value) and "\n" not in str(failed.value), str(failed.value)
+
+    def nan(entries, prompt):
+        entries[6][str(prompt[6])]["logprob"] = float("nan")
+
+    monkeypatch.setattr(teacher.replica(), "call", answer(nan))
+    scores = teacher.token_logprobs(ids[:1], mask[:1], 5, 1.0)
+    with pytest.raises(GenerationServerError, match="not finite numbers <= 0"):
+        checked_logprobs(scores, ids[:1], mask[:1], 5, f"teacher server {url}")
+    gone = HTTPTeacher("http://127.0.0.1:9", timeout=5)  # nothing listens on the discard port
+    with pytest.raises(GenerationServerError, match=r"^teacher server http://127.0.0.1:9: cannot reach the server"):
+        gone.token_logprobs(ids, mask, 5, 1.0)
+
+
+@pytest.mark.slow
+def test_the_bandit_student_reaches_an_http_teacher(tmp_path):
+    """``teacher_server: {url: ...}`` (the HF server with the teacher's weights): sampled-token distillation of the
+    one-token bandit reaches the teacher (TV < 0.05), as with the teacher in this process (``test_distill``), and
+    the module holds no teacher weights."""
+    import lightning.pytorch as pl
+    from bandit import POLICY, word_tokenizer
+    from conftest import quiet_trainer
+
+    from aitraining_pl.datamodules.prompt import PromptDataModule
+    from aitraining_pl.models import load_tokenizer
+    from aitraining_pl.modules.distill import DistillationModule
+    from aitraining_pl.rollout import GenerationConfig
+
+    config = {**POLICY, "initializer_range": 0.25}
+    teacher = build_causal_lm(config, seed=1).float().eval()
+    folder = word_tokenizer(tmp_path / "tokenizer")
+    tokenizer = load_tokenizer(folder)
+    prompt = tokenizer("a", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with http_hf_server(config, teacher=teacher, tokenizer=folder) as port:
+        pl.seed_everything(0)
+        module = DistillationModule(
+            model_config=POLICY, tokenizer_name=folder, teacher_server={"url": f"http://127.0.0.1:{port}"},
+            mode="sampled", num_generations=8, advantage="rloo", learning_rate=0.03, mini_batch_size=64,
+            generation=GenerationConfig(max_new_tokens=1, temperature=1.0, top_p=1.0),
+        )  # fmt: skip
+        assert isinstance(module.teacher, HTTPTeacher)
+        before = next_token(module.policy, prompt)
+        dm = PromptDataModule(prompts=["a"] * (8 * STEPS), tokenizer=tokenizer, batch_size=8)
+        quiet_trainer(tmp_path, max_epochs=1).fit(module, dm)
+        module.teacher.close()
+    target = next_token(teacher, prompt)
+    tv_before, tv = total_variation(before, target), total_variation(next_token(module.policy, prompt), target)
+    print(f"sampled through an HTTP teacher: TV {tv_before:.4f} -> {tv:.4f}")
+    assert tv < 0.05 < tv_before
+    assert set(module.state_dict()) == {f"model.{k}" for k in module.policy.state_dict()}  # the student only
+
+
+STEPS = 30
+
+
+def next_token(model, prompt):
+    with torch.no_grad():
+        return torch.softmax(model(input_ids=prompt).logits[0, -1].double(), -1)
+
+
+def total_variation(p, q):
+    return float((p - q).abs().sum() / 2)

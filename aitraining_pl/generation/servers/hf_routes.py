@@ -7,7 +7,10 @@ with ``backend: hf``).
   ``top_k`` (-1 or 0: off), ``seed``, ``stop_token_ids``, ``stop``, ``skip_special_tokens``; each choice's
   ``logprobs.tokens`` are ``token_id:<id>`` with the sampled tokens' log-probs under the distribution sampled from
   (the fields vLLM accepts and this engine has no use for, such as ``min_p: 0``, are accepted). A prompt that does
-  not fit the model's positions with ``max_tokens`` gets 400.
+  not fit the model's positions with ``max_tokens`` gets 400. ``prompt_logprobs: 0`` adds vLLM's ``prompt_logprobs``
+  to each choice (None, then ``{"<id>": {"logprob": ...}}`` of each given prompt token under the untruncated softmax
+  at temperature 1: a served teacher's scores, ``teacher.HTTPTeacher``); top-k prompt log-probs (above 0) are not
+  served.
 - ``/pause`` (any ``mode``: the decoder waits before its next forward, keeping its cache), ``/resume``,
   ``/is_paused``; ``/health``, ``/v1/models``.
 - ``/collective_rpc`` with the worker extension's methods (``aitraining_pl_load``, ``aitraining_pl_release``;
@@ -18,7 +21,8 @@ with ``backend: hf``).
 
 Every route requires the run's token (``auth.TokenMiddleware``, the same middleware vLLM is given); a server
 started by a trainer stops when that trainer dies (``auth.watch_parent``). The server binds 127.0.0.1 unless
-``--host`` says otherwise."""
+``--host`` says otherwise. With ``--teacher`` it serves ``--model``'s own weights, read at start, and refuses every
+push (a distillation teacher); else it holds no weights until the first push."""
 
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ class Completion(BaseModel):
     stop_token_ids: list[int] = []
     stop: list[str] | str | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=0)  #: 0: each prompt token's log-prob (a served teacher)
 
 
 class Rpc(BaseModel):
@@ -65,9 +70,22 @@ class NewVersion(BaseModel):
     new_version: str
 
 
-def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positions: int | None, token: str) -> Any:
+def prompt_entries(scores: torch.Tensor, prompt: list[int], tokenizer: Any) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` of ``prompt`` with ``prompt_logprobs: 0``: None for the first token, then
+    ``{"<id>": {"logprob", "rank", "decoded_token"}}`` of each given token (``scores``: the log-probs of
+    ``prompt[1:]``; no rank: the full distribution is not ranked here)."""
+    entries: list[dict | None] = [None]
+    for tok, value in zip(prompt[1:], scores.tolist()):
+        text = tokenizer.decode([tok]) if tokenizer is not None else None
+        entries.append({str(tok): {"logprob": value, "rank": None, "decoded_token": text}})
+    return entries
+
+
+def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positions: int | None, token: str,
+              fixed: bool = False) -> Any:  # fmt: skip
     """The FastAPI app of the routes above around ``engine`` (an ``HFServerEngine``); ``name``: the model id
-    ``/v1/models`` answers; ``positions``: the model's longest sequence."""
+    ``/v1/models`` answers; ``positions``: the model's longest sequence; ``fixed``: the engine holds a teacher's
+    weights (``--teacher``), and every push is refused."""
     from fastapi import FastAPI, HTTPException
 
     app = FastAPI(title="aitraining-pl HF server")
@@ -106,6 +124,12 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
         request = SampleRequest(
             ids, torch.ones_like(ids), generation, body.stop_token_ids, rule, pad, body.n, body.seed
         )
+        scored = None
+        if body.prompt_logprobs is not None:
+            if engine.version is None:
+                raise HTTPException(400, "the server holds no weights yet: prompt_logprobs score with a teacher's "
+                                         "weights (start it with --teacher) or pushed ones")  # fmt: skip
+            scored = prompt_entries(engine.prompt_logprobs(ids, torch.ones_like(ids), 1)[0], body.prompt, tokenizer)
         with sampling:
             sampled = engine.sample_many([request])[0]
         choices = []
@@ -120,6 +144,7 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
                 "finish_reason": "stop" if ended else "length",
                 "logprobs": {"tokens": [f"token_id:{t}" for t in kept], "token_logprobs": logps[:length].tolist()},
                 "token_versions": versions[:length].tolist(),  # the weights step of each token (in-flight pushes)
+                "prompt_logprobs": scored,
             })  # fmt: skip
         return {"object": "text_completion", "model": name, "choices": choices}
 
@@ -147,6 +172,8 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
         owner, version, path = str(kwargs.get("owner", "")), str(kwargs.get("version", "")), str(kwargs.get("path"))
         adapter = body.method == "aitraining_pl_load_adapter"
         try:
+            if fixed:
+                raise PushRefused("this server serves a teacher's fixed weights (--teacher): no pushes")
             parsed = guard.admit(owner, version, same=adapter)
             if adapter:
                 if not base:
@@ -187,6 +214,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the config's)")
     p.add_argument("--seed", type=int, default=0, help="seeds the unseeded requests")
     p.add_argument("--threads", type=int, default=None, help="torch's CPU threads")
+    teacher = "serve --model's own weights, read at start, as a distillation teacher (teacher_server: {url: ...}); "
+    p.add_argument("--teacher", action="store_true", help=teacher + "pushes are refused")
     return p
 
 
@@ -196,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from aitraining_pl.generation.servers.auth import server_token, watch_parent
     from aitraining_pl.generation.servers.hf_server import HFServerEngine
-    from aitraining_pl.generation.servers.serve import meta_model
+    from aitraining_pl.generation.servers.serve import load_teacher, meta_model
     from aitraining_pl.models.loading import load_tokenizer
 
     watch_parent()  # a launched server stops with its trainer, even while it is still being built
@@ -208,8 +237,10 @@ def main(argv: list[str] | None = None) -> None:
     specs = WeightSpecs(policy)
     tokenizer = load_tokenizer(args.model)
     engine = HFServerEngine(policy, seed=args.seed)
+    if args.teacher:
+        load_teacher(engine, args.model)
     positions = getattr(policy.config, "max_position_embeddings", None)
-    app = build_app(engine, tokenizer, specs, args.model, positions, token)
+    app = build_app(engine, tokenizer, specs, args.model, positions, token, fixed=args.teacher)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

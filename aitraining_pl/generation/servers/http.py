@@ -357,11 +357,13 @@ class HTTPReplica:
         self.transfer, size = send_weights(self, self.transfer, list(weights), str(version))
         return size
 
-    def close(self) -> None:
-        """Free the server's weights for another run (this client's key) and close the connections."""
+    def close(self, release: bool = True) -> None:
+        """Free the server's weights for another run (this client's key; not when ``release`` is False: a client that
+        never pushed, such as a served teacher's) and close the connections."""
         try:
-            body = {"method": "aitraining_pl_release", "kwargs": {"owner": self.owner}}
-            self.http.post("/collective_rpc", json=body, timeout=5.0)
+            if release:
+                body = {"method": "aitraining_pl_release", "kwargs": {"owner": self.owner}}
+                self.http.post("/collective_rpc", json=body, timeout=5.0)
         except Exception:  # noqa: BLE001 - a server already gone has nothing to free
             pass
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -208,6 +208,14 @@ def _interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
 
 
+def load_teacher(engine: Any, model: str) -> None:
+    """Load ``model``'s own weights (a folder or hub id) into an ``HFServerEngine`` as a teacher's fixed version."""
+    import transformers
+
+    teacher = from_pretrained(transformers.AutoModelForCausalLM.from_pretrained, model, "model")
+    engine.load(teacher.state_dict().items(), f"teacher {model}")
+
+
 def build_engine(args: argparse.Namespace, policy: torch.nn.Module, tokenizer: Any) -> Any:
     """The engine ``--engine`` names for ``policy`` (meta device), holding ``--model``'s own weights with
     ``--teacher``."""
@@ -216,10 +224,7 @@ def build_engine(args: argparse.Namespace, policy: torch.nn.Module, tokenizer: A
 
         engine = HFServerEngine(policy, seed=args.seed)
         if args.teacher:
-            import transformers
-
-            teacher = from_pretrained(transformers.AutoModelForCausalLM.from_pretrained, args.model, "model")
-            engine.load(teacher.state_dict().items(), f"teacher {args.model}")
+            load_teacher(engine, args.model)
         return engine
     from aitraining_pl.generation.vllm import VLLMEngine
 
