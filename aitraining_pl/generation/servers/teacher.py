@@ -1,6 +1,7 @@
 """``HTTPTeacher``: a distillation teacher on a server that speaks the engine's own HTTP routes
 (``DistillationModule(teacher_server={"url": ...})``): a plain ``vllm serve --model <teacher>``, this project's HF
-server started with ``--teacher``, or one the trainer launches (``teacher_server: {launch: vllm | hf}``).
+server started with ``--teacher``, or one the trainer launches for ``teacher_model_name`` (``teacher_server: {launch:
+vllm | hf}``: in each process that scores, at its first scoring, with the teacher's own weights).
 
 The teacher's log-probs of the student's rows come from vLLM's ``/v1/completions`` with each row's tokens (its
 attention mask's, unpadded) as the prompt's token ids, ``max_tokens: 1`` and ``prompt_logprobs: 0``: each choice's
@@ -59,35 +60,70 @@ class HTTPTeacher:
         url: the server's base URL, ``http://host:port``.
         token_file: a file holding the run's token (else ``AITRAINING_PL_SERVER_TOKEN``, else the file a loopback
             ``aitraining-pl vllm-serve`` wrote; none: a server without the token middleware).
-        timeout: seconds one scoring call may take.
+        timeout: seconds one scoring call may take (and a launched server to start).
         setting: where these are configured (messages name it).
+        launch: instead of ``url``, start a server of this engine (``vllm`` or ``hf``) for ``model`` in this process
+            at the first use (``start.start``: loopback, a fresh token, GPUs of its own), stopped by ``close`` (the
+            module's ``teardown``) or with this process.
+        model: the teacher's folder or hub id (``launch``).
+        devices: the launched server's GPUs (indices of the visible ones; default: those after the trainer's).
     """
 
     kind = "teacher server"  #: how messages name it (``DistillationModule.teacher_name``)
     model = None  #: no model in this process
 
-    def __init__(self, url: str, token_file: str | None = None, timeout: float = 240.0,
-                 setting: str = "teacher_server"):  # fmt: skip
+    def __init__(self, url: str | None = None, token_file: str | None = None, timeout: float = 240.0,
+                 setting: str = "teacher_server", launch: str | None = None, model: str | None = None,
+                 devices: list[str] | None = None):  # fmt: skip
+        self.setting, self.timeout, self.launch = setting, float(timeout), launch
+        self.model_name, self.devices = model, devices
+        self.server: Any = None  #: the launched server (``start.ServerProcess``), once started
+        self._replica: HTTPReplica | None = None
+        if launch is not None:
+            if launch not in ("vllm", "hf") or not model:
+                raise ConfigError(f"{setting}.launch", f"vllm or hf, with the teacher's folder or hub id "
+                                  f"(teacher_model_name), got {launch!r} for {model!r}")  # fmt: skip
+            self.url = self.address = f"(a {launch} server launched for {model})"
+            return
         check_url(url, f"{setting}.url")
         parts = urlsplit(str(url))
         if parts.scheme not in ("http", "https"):
-            raise ConfigError(
-                f"{setting}.url", f"{url!r}: a teacher is served over http(s) (vllm serve, the HF server)"
-            )
+            raise ConfigError(f"{setting}.url", f"{url!r}: a teacher is served over http(s) (vllm serve, the HF "
+                              "server)")  # fmt: skip
         self.url = self.address = str(url).rstrip("/")
-        self.setting, self.timeout = setting, float(timeout)
         self.options = VLLMConfig(server_host=parts.hostname, server_port=parts.port, server_token_file=token_file)
-        self._replica: HTTPReplica | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_replica": None}  # a copy (another process) opens its own connections
+        return {**self.__dict__, "_replica": None, "server": None}  # a copy (another process) opens its own
 
     def replica(self) -> HTTPReplica:
-        """The connection (``HTTPReplica``: its requests and error handling), opened at the first use."""
+        """The connection (``HTTPReplica``: its requests and error handling), opened at the first use (after
+        starting the server, with ``launch``)."""
         if self._replica is None:
-            token = find_token(self.options, f"{self.setting}.token_file")
+            if self.launch is not None:
+                self.server = self.start()
+                self.url = self.address = self.server.url
+                token = self.server.token
+            else:
+                token = find_token(self.options, f"{self.setting}.token_file")
             self._replica = HTTPReplica(self.url, token, timeout=self.timeout)
         return self._replica
+
+    def start(self) -> Any:
+        """Launch the teacher's server (``launch``) and wait until it answers; one line with the end of its log
+        when it does not start."""
+        import tempfile
+        from pathlib import Path
+
+        from aitraining_pl.generation.servers.start import start
+
+        folder = Path(tempfile.mkdtemp(prefix="aitraining-pl-teacher-"))  # the token and the log (deleted with it)
+        try:
+            return start(self.launch, folder, options=VLLMConfig(), teacher=self.model_name, timeout=self.timeout,
+                         devices=self.devices)  # fmt: skip
+        except RuntimeError as err:
+            tail = " | ".join(line for line in str(err).splitlines()[1:] if line.strip())[-600:]
+            raise self.error(f"the launched {self.launch} server did not start: {tail}") from None
 
     def to(self, *args: Any, **kwargs: Any) -> HTTPTeacher:
         return self  # the weights live on the server
@@ -140,6 +176,10 @@ class HTTPTeacher:
             raise self.error(str(err)) from None
 
     def close(self) -> None:
+        """Close the connections and stop a launched server (the next use launches it again)."""
         replica, self._replica = self._replica, None
         if replica is not None:
             replica.close(release=False)
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()

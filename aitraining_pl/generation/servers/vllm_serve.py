@@ -7,7 +7,10 @@ checkpoint weights), ``VLLM_SERVER_DEV_MODE=1`` and the run's token.
 owner-only file named by the port (the trainer on this machine finds it there; its path is printed); a host other
 machines can reach needs one given. Every other option goes to vLLM unchanged (``--dtype``, ``--data-parallel-size``,
 ``--enable-lora``, ...). The command line is printed, then this process becomes vLLM (``exec``). The frame-protocol
-server of earlier releases is ``aitraining-pl serve`` (deprecated)."""
+server of earlier releases is ``aitraining-pl serve`` (deprecated).
+
+``--teacher``: a distillation teacher (``DistillationModule teacher_server: {url: ...}``): vLLM reads ``--model``'s own
+weights and takes no pushes (``start.SERVE_FLAGS``: the token middleware, no worker extension, no dev mode)."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from aitraining_pl.generation.config import EXTRA_CPU, EXTRA_GPU
 from aitraining_pl.generation.registry import vllm_available
 from aitraining_pl.generation.servers import auth
 from aitraining_pl.generation.servers.served import is_loopback
-from aitraining_pl.generation.servers.start import VLLM_FLAGS
+from aitraining_pl.generation.servers.start import SERVE_FLAGS, VLLM_FLAGS
 from aitraining_pl.generation.servers.tcp_wire import token_path
 
 
@@ -37,13 +40,9 @@ def parser() -> argparse.ArgumentParser:
 def command(argv: list[str]) -> tuple[list[str], dict[str, str], str]:
     """The ``vllm serve`` command line, its environment and where its token lives (for the message)."""
     args, rest = parser().parse_known_args(argv)
-    if "--teacher" in rest:
-        raise ConfigError(
-            "--teacher",
-            "a served distillation teacher is `aitraining-pl serve --teacher --model ...` in this release (vllm-serve "
-            "starts vLLM's own server; docs/distillation.md)",
-        )
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    teacher = "--teacher" in rest
+    rest = [arg for arg in rest if arg != "--teacher"]
+    env = {**os.environ, **({} if teacher else {"VLLM_SERVER_DEV_MODE": "1"})}  # a teacher needs no RL routes
     if os.environ.get(auth.TOKEN_ENV):
         where = f"${auth.TOKEN_ENV}"
     elif args.token_file:
@@ -58,7 +57,7 @@ def command(argv: list[str]) -> tuple[list[str], dict[str, str], str]:
             "same on the trainer: the variable or generation.vllm.server_token_file); docs/vllm.md",
         )
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host", args.host,
-            "--port", str(args.port), *VLLM_FLAGS, *rest]  # fmt: skip
+            "--port", str(args.port), *(SERVE_FLAGS if teacher else VLLM_FLAGS), *rest]  # fmt: skip
     return argv, env, where
 
 
