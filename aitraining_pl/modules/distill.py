@@ -32,7 +32,6 @@ its tokenizer (not its embedding's rows) is compared with the student's.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -51,26 +50,17 @@ from aitraining_pl.modules.critic_free import CriticFreeModule
 from aitraining_pl.modules.teacher import (
     LocalTeacher,
     TeacherScorer,
+    check_teacher_server,
     check_vocabularies,
     checked_logprobs,
     language_model,
     response_hidden,
+    served_teacher,
     teacher_rows,
 )
 from aitraining_pl.rollout.batch import Rollout, RolloutBatch
 from aitraining_pl.validation import FRACTION, OneOf, Range, check_arguments, fixed, rules, save_hparams
 
-#: the keys of ``teacher_server`` and the ``VLLMConfig`` fields they set (``url``: the engine's HTTP routes; ``host`` /
-#: ``port``: the deprecated frame protocol of ``aitraining-pl serve --teacher``)
-SERVER_KEYS = {
-    "url": None,
-    "host": "server_host",
-    "port": "server_port",
-    "timeout": "server_timeout",
-    "token_file": "server_token_file",
-}
-#: a served teacher's URL when ``teacher_server`` names none (nor the deprecated ``host`` / ``port``)
-DEFAULT_TEACHER_URL = "http://127.0.0.1:8000"
 #: the reward source of a run without a task reward: every response scores 0 (only the teacher trains the student)
 NO_TASK_REWARD = "aitraining_pl.modules.distill:no_task_reward"
 DistillationMode = Literal["full", "sampled"]
@@ -79,49 +69,6 @@ DistillationMode = Literal["full", "sampled"]
 def no_task_reward(prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
     """0 for every response: distillation without a task reward."""
     return [0.0] * len(responses)
-
-
-def check_teacher_server(server: Any, mode: str) -> None:
-    """A ``ConfigError`` for a ``teacher_server`` that is not ``{url, timeout, token_file}`` (or the deprecated
-    ``{host, port, timeout, token_file}``, not both forms), or with ``mode: full`` (it needs the teacher's whole
-    distribution, hence the teacher in this process)."""
-    where = "DistillationModule.teacher_server"
-    if not isinstance(server, dict) or set(server) - set(SERVER_KEYS):
-        raise ConfigError(where, f"a mapping with keys among {', '.join(SERVER_KEYS)}, got {server!r}")
-    if "url" in server and {"host", "port"} & set(server):
-        raise ConfigError(where, "give url (a vllm serve or the HF server) or the deprecated host and port (the "
-                          "frame protocol of aitraining-pl serve --teacher), not both")  # fmt: skip
-    if "url" in server:
-        from aitraining_pl.generation.config import check_url
-
-        check_url(server["url"], f"{where}.url")
-    if mode != "sampled":
-        why = "(mode: full needs the teacher's whole distribution: the teacher in this process)"
-        raise ConfigError(
-            where, f"a served teacher gives the log-probs of the sampled tokens only: mode: sampled {why}"
-        )
-
-
-def served_teacher(server: dict[str, Any]) -> TeacherScorer:
-    """The teacher of a checked ``teacher_server``: an ``HTTPTeacher`` at its ``url`` (the default), or with
-    ``host`` / ``port`` the deprecated frame protocol's ``ServedTeacher`` (with a ``DeprecationWarning``)."""
-    where = "DistillationModule.teacher_server"
-    if {"host", "port"} & set(server):
-        from aitraining_pl.generation.config import VLLMConfig
-        from aitraining_pl.generation.servers.client import ServedTeacher
-
-        warnings.warn(
-            f"{where}: host and port name a teacher on the frame protocol of aitraining-pl serve --teacher, deprecated "
-            "and kept for one release; serve the teacher with vllm serve and give its url (docs/distillation.md)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        fields = {SERVER_KEYS[k]: v for k, v in server.items()}
-        return ServedTeacher(VLLMConfig(mode="server", **fields), where)
-    from aitraining_pl.generation.servers.teacher import HTTPTeacher
-
-    return HTTPTeacher(server.get("url", DEFAULT_TEACHER_URL), server.get("token_file"),
-                       float(server.get("timeout", 240.0)), where)  # fmt: skip
 
 
 def head_of(model: torch.nn.Module, owner: str) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
@@ -174,8 +121,10 @@ class DistillationModule(CriticFreeModule):
             ``generation.temperature`` 1 only): ``{url, timeout, token_file}`` of a server that speaks the engine's
             HTTP routes, a ``vllm serve --model <teacher>`` or the HF server with ``--teacher`` (defaults
             ``http://127.0.0.1:8000``, 240 s, the token as for ``generation.vllm.server_token_file``; docs/
-            distillation.md); ``{host, port, ...}`` instead of ``url``: the frame protocol of ``aitraining-pl serve
-            --teacher`` (deprecated, for one release). ``teacher_model_name``, if given, only checks the tokenizer.
+            distillation.md); ``{launch: vllm | hf, devices, timeout}``: a server of ``teacher_model_name`` the
+            trainer starts (each scoring process its own, on GPUs ``devices``) and stops; ``{host, port, ...}``
+            instead of ``url``: the frame protocol of ``aitraining-pl serve --teacher`` (deprecated, for one
+            release). Otherwise ``teacher_model_name``, if given, only checks the tokenizer.
         mode: ``full`` (the generalized JSD over the full vocabulary, GKD) or ``sampled`` (per-token reward
             ``log p_teacher - log p_student`` of the sampled tokens, optimised with the online policy loss).
         beta: the generalized JSD's interpolation (TRL's ``beta``, not DPO's): 0 forward KL(teacher || student),
@@ -265,7 +214,7 @@ class DistillationModule(CriticFreeModule):
         hp = self.hparams
         server = hp.get("teacher_server")
         if server is not None:
-            return served_teacher(dict(server))
+            return served_teacher(dict(server), hp.teacher_model_name)
         teacher = load_causal_lm(
             hp.teacher_model_name,
             hp.teacher_model_config,
@@ -293,6 +242,13 @@ class DistillationModule(CriticFreeModule):
     def on_fit_start(self) -> None:
         super().on_fit_start()
         self.teacher.to(self.device, self.frozen_dtype())
+
+    def teardown(self, stage: str) -> None:
+        """The base's, and a served teacher's connections closed (a launched teacher server stopped)."""
+        super().teardown(stage)
+        close = getattr(self.teacher, "close", None)
+        if close is not None:
+            close()
 
     def sharded_networks(self) -> list[torch.nn.Module]:
         """The student's and, in this process, the teacher (its own FSDP root)."""

@@ -249,6 +249,22 @@ def test_vllm_serve_launches_vllms_own_server_with_the_flags_and_a_token(tmp_pat
     assert "dummy" not in teacher and "aitraining_pl.generation.servers.vllm_worker.PushedWeights" not in teacher
 
 
+def test_a_launched_teacher_server_reads_its_own_weights_and_takes_no_pushes(tmp_path):
+    """``teacher_server: {launch: ...}``'s command lines: the teacher's folder as ``--model``; vLLM without the dummy
+    load and the worker extension (the token middleware kept), the HF server with ``--teacher``."""
+    from aitraining_pl.generation.servers.start import hf_command, vllm_command
+
+    vllm = vllm_command(tmp_path, "127.0.0.1", 8001, "auto", 0, VLLMConfig(), gpu=False, teacher="/models/t")
+    assert vllm[vllm.index("--model") + 1] == "/models/t" and "dummy" not in vllm
+    assert "aitraining_pl.generation.servers.vllm_worker.PushedWeights" not in vllm
+    assert "aitraining_pl.generation.servers.auth.TokenMiddleware" in vllm
+    policy = vllm_command(tmp_path, "127.0.0.1", 8001, "auto", 0, VLLMConfig(), gpu=False)
+    assert policy[policy.index("--model") + 1] == str(tmp_path) and "dummy" in policy
+    hf = hf_command(tmp_path, "127.0.0.1", 8001, "auto", 0, None, teacher="/models/t")
+    assert hf[hf.index("--model") + 1] == "/models/t" and hf[-1] == "--teacher"
+    assert "--teacher" not in hf_command(tmp_path, "127.0.0.1", 8001, "auto", 0, None)
+
+
 def test_a_launched_server_gets_gpus_of_its_own(monkeypatch):
     """Issue 38, part 6: a launched server inherited ``CUDA_VISIBLE_DEVICES`` and landed on rank 0's GPU. Now its
     ``CUDA_VISIBLE_DEVICES`` is set: ``server_devices``, else the visible GPUs after the trainer's; never the

@@ -71,8 +71,12 @@ def test_a_served_teacher_needs_sampled_mode():
         check_teacher_server({"port": 8000}, "full")
     with pytest.raises(ConfigError, match="keys among"):
         check_teacher_server({"uri": "http://127.0.0.1:8000"}, "sampled")
-    with pytest.raises(ConfigError, match="not both"):
+    with pytest.raises(ConfigError, match="not url and host / port"):
         check_teacher_server({"url": "http://127.0.0.1:8000", "port": 8001}, "sampled")
+    with pytest.raises(ConfigError, match="teacher_server.launch: vllm or hf"):
+        check_teacher_server({"launch": "sglang"}, "sampled")
+    with pytest.raises(ConfigError, match="teacher_server.devices: .* give launch too"):
+        check_teacher_server({"url": "http://127.0.0.1:8000", "devices": ["1"]}, "sampled")
     with pytest.raises(ConfigError, match=r"teacher_server.url: 'x' is not a URL"):
         check_teacher_server({"url": "x"}, "sampled")
 
@@ -228,3 +232,32 @@ def next_token(model, prompt):
 
 def total_variation(p, q):
     return float((p - q).abs().sum() / 2)
+
+
+def test_the_trainer_launches_an_hf_teacher_server(tmp_path):
+    """``teacher_server: {launch: hf}``: the module starts the HF server for ``teacher_model_name`` (a folder: its own
+    weights, ``--teacher``) at the first scoring; its log-probs equal the local teacher's, and ``teardown`` stops it
+    (its folder, token included, gone)."""
+    import transformers
+
+    from aitraining_pl.modules.distill import DistillationModule
+    from aitraining_pl.rollout import GenerationConfig
+
+    teacher = build_causal_lm(SPEC, seed=3).float().eval()
+    folder = tmp_path / "teacher"
+    teacher.save_pretrained(folder)
+    transformers.ByT5Tokenizer().save_pretrained(folder)
+    module = DistillationModule(
+        model_config=SPEC, tokenizer_name="byte", teacher_model_name=str(folder), mode="sampled",
+        teacher_server={"launch": "hf", "timeout": 120}, generation=GenerationConfig(max_new_tokens=4, temperature=1.0),
+    )  # fmt: skip
+    ids, mask = rows()
+    try:
+        got = module.reference_logprobs(ids, mask, 5)
+        server = module.teacher.server
+        assert server is not None and module.teacher.url.startswith("http://127.0.0.1:")
+        local = LocalTeacher(teacher).token_logprobs(ids, mask, 5, 1.0)
+        assert float((got - local)[mask[:, 5:].bool()].abs().max()) < 1e-5
+    finally:
+        module.teardown("fit")
+    assert module.teacher.server is None and server.process is None and not server.folder.exists()
