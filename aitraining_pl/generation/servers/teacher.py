@@ -9,8 +9,9 @@ attention mask's, unpadded) as the prompt's token ids, ``max_tokens: 1`` and ``p
 "rank": ..., "decoded_token": ...}}`` for the given token (vLLM 0.32, ``CompletionResponseChoice.prompt_logprobs``;
 with ``prompt_logprobs: 0`` only the given token is listed). The log-prob of each given token is read under its own
 id, never re-tokenised; an entry missing or under another id is refused. vLLM computes them from the raw logits
-(its ``logprobs_mode`` does not apply to prompt tokens), so they are at temperature 1 only. The rows are sent
-concurrently (vLLM batches them).
+(its ``logprobs_mode`` does not apply to prompt tokens), so they are at temperature 1 only, and reads no prefix cache
+for a request with ``prompt_logprobs`` (``SamplingParams.skip_reading_prefix_cache``), so every token is scored. The
+rows are sent concurrently (vLLM batches them).
 
 The requests are ``HTTPReplica.call``'s (the run's token as ``Authorization: Bearer``, found as for a generation
 server: ``token_file``, else ``AITRAINING_PL_SERVER_TOKEN``, else the file a loopback ``aitraining-pl vllm-serve``
