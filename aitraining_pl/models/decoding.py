@@ -269,10 +269,13 @@ def sample_steps(
     stop_rule: StopRule | None = None,
     park: Park | None = None,
     chosen_logprobs: bool = False,
+    draw: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> SampledSteps:
     """The one sampling loop of both decoders: up to ``config.max_new_tokens`` tokens for each row of ``batch``.
 
-    Each step warps the logits as ``generate`` does (``warpers``), draws (``next_tokens``), ends the rows whose
+    Each step warps the logits as ``generate`` does (``warpers``), draws (``next_tokens``; ``draw(scores, rows)``
+    instead when given, ``rows`` the response row of each batch row: a server drawing each request's rows from its
+    own seeded generator), ends the rows whose
     token is an end id or completes a stop, hands them to ``park`` (all rows still going at the last step too),
     and drops them from the batch and its cache before the next forward pass. The cache's full-attention layers
     are preallocated for the whole response (``_PreallocatedLayer``)."""
@@ -292,7 +295,7 @@ def sample_steps(
     prefixes = [[] for _ in range(n)] if stop_rule else None  # the batch rows' responses on the host (stop rule)
     for t in range(steps):
         scores = warp(responses[rows, :t], logits)
-        tokens = next_tokens(scores, config.do_sample)
+        tokens = next_tokens(scores, config.do_sample) if draw is None else draw(scores, rows)
         responses[rows, t] = tokens
         if raw is not None:
             raw[rows, t], scored[rows, t] = logits, scores

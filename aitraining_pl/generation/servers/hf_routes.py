@@ -3,14 +3,14 @@ routes that ``HTTPReplica`` uses, so CPU users, tests and vLLM all go through on
 aitraining_pl.generation.servers.hf_routes --model DIR``; the launcher starts it for ``generation.server: launch``
 with ``backend: hf``).
 
-- ``/v1/completions``: one prompt of token ids, ``n``, ``max_tokens``, ``temperature`` (0: greedy), ``top_p``,
-  ``top_k`` (-1 or 0: off), ``seed``, ``stop_token_ids``, ``stop``, ``skip_special_tokens``; each choice's
-  ``logprobs.tokens`` are ``token_id:<id>`` with the sampled tokens' log-probs under the distribution sampled from
-  (the fields vLLM accepts and this engine has no use for, such as ``min_p: 0``, are accepted). A prompt that does
-  not fit the model's positions with ``max_tokens`` gets 400. ``prompt_logprobs: 0`` adds vLLM's ``prompt_logprobs``
-  to each choice (None, then ``{"<id>": {"logprob": ...}}`` of each given prompt token under the untruncated softmax
-  at temperature 1: a served teacher's scores, ``teacher.HTTPTeacher``); top-k prompt log-probs (above 0) are not
-  served.
+- ``/v1/completions``: one prompt of token ids (requests that arrive together decode as one batch: ``Batcher``),
+  ``n``, ``max_tokens``, ``temperature`` (0: greedy), ``top_p``, ``top_k`` (-1 or 0: off), ``seed``,
+  ``stop_token_ids``, ``stop``, ``skip_special_tokens``; each choice's ``logprobs.tokens`` are ``token_id:<id>`` with
+  the sampled tokens' log-probs under the distribution sampled from (the fields vLLM accepts and this engine has no
+  use for, such as ``min_p: 0``, are accepted). A prompt that does not fit the model's positions with ``max_tokens``
+  gets 400. ``prompt_logprobs: 0`` adds vLLM's ``prompt_logprobs`` to each choice (None, then ``{"<id>": {"logprob":
+  ...}}`` of each given prompt token under the untruncated softmax at temperature 1: a served teacher's scores,
+  ``teacher.HTTPTeacher``); top-k prompt log-probs (above 0) are not served.
 - ``/pause`` (any ``mode``: the decoder waits before its next forward, keeping its cache), ``/resume``,
   ``/is_paused``; ``/health``, ``/v1/models``.
 - ``/collective_rpc`` with the worker extension's methods (``aitraining_pl_load``, ``aitraining_pl_release``;
@@ -30,6 +30,7 @@ import argparse
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import torch
@@ -81,18 +82,65 @@ def prompt_entries(scores: torch.Tensor, prompt: list[int], tokenizer: Any) -> l
     return entries
 
 
+class Batcher:
+    """Completion requests that arrive together decode together (``HFServerEngine.sample_many``: one batch per
+    kind of sampling, each request drawn from its own seed): a client sends a rollout's prompts as concurrent
+    requests, one per prompt, as it does to vLLM. The first request to find the engine free waits ``wait_s`` for
+    the others, then serves every queued one; requests that arrive meanwhile queue for the next batch.
+
+    Args:
+        serve: ``sample_many``: a list of ``SampleRequest`` to their ``SampledTokens``.
+        wait_s: how long a batch waits for the requests sent with its first.
+    """
+
+    def __init__(self, serve: Any, wait_s: float):
+        self.serve, self.wait_s = serve, wait_s
+        self.changed = threading.Condition()
+        self.queue: list[dict[str, Any]] = []
+        self.busy = False
+
+    def submit(self, request: SampleRequest) -> Any:
+        """``request``'s ``SampledTokens`` (an error of its batch raised here too)."""
+        job = {"request": request}
+        with self.changed:
+            self.queue.append(job)
+            while self.busy and "answer" not in job:
+                self.changed.wait()
+            leads = "answer" not in job  # the engine is free and nobody served it: it leads the next batch
+            self.busy = self.busy or leads
+        if leads:
+            self.lead()
+        if isinstance(job["answer"], BaseException):
+            raise job["answer"]
+        return job["answer"]
+
+    def lead(self) -> None:
+        time.sleep(self.wait_s)
+        with self.changed:
+            batch, self.queue = self.queue, []
+        try:
+            answers: list[Any] = list(self.serve([job["request"] for job in batch]))
+        except BaseException as err:  # every request of the batch gets the error
+            answers = [err] * len(batch)
+        with self.changed:
+            for job, answer in zip(batch, answers):
+                job["answer"] = answer
+            self.busy = False
+            self.changed.notify_all()
+
+
 def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positions: int | None, token: str,
-              fixed: bool = False) -> Any:  # fmt: skip
+              fixed: bool = False, wait_s: float = 0.01) -> Any:  # fmt: skip
     """The FastAPI app of the routes above around ``engine`` (an ``HFServerEngine``); ``name``: the model id
     ``/v1/models`` answers; ``positions``: the model's longest sequence; ``fixed``: the engine holds a teacher's
-    weights (``--teacher``), and every push is refused."""
+    weights (``--teacher``), and every push is refused; ``wait_s``: ``Batcher``'s."""
     from fastapi import FastAPI, HTTPException
 
     app = FastAPI(title="aitraining-pl HF server")
     app.add_middleware(TokenMiddleware, token=token)
     guard, resumed, label = PushGuard(), threading.Event(), {"version": "default"}
     base: dict[str, torch.Tensor] = {}  #: the last full push (unmerged): what an adapter push applies to
-    sampling = threading.Lock()  #: one request at a time: a seeded draw seeds torch's global generator
+    batcher = Batcher(engine.sample_many, wait_s)
     resumed.set()
     engine.before_forward = lambda column: resumed.wait()  # /pause holds the decoder before its next forward
     vocab = len(tokenizer) if tokenizer is not None else None
@@ -130,8 +178,7 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
                 raise HTTPException(400, "the server holds no weights yet: prompt_logprobs score with a teacher's "
                                          "weights (start it with --teacher) or pushed ones")  # fmt: skip
             scored = prompt_entries(engine.prompt_logprobs(ids, torch.ones_like(ids), 1)[0], body.prompt, tokenizer)
-        with sampling:
-            sampled = engine.sample_many([request])[0]
+        sampled = batcher.submit(request)
         choices = []
         for index, (tokens, logps, versions) in enumerate(
             zip(sampled.response_ids, sampled.sampling_logprobs, sampled.token_versions)
@@ -214,6 +261,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the config's)")
     p.add_argument("--seed", type=int, default=0, help="seeds the unseeded requests")
     p.add_argument("--threads", type=int, default=None, help="torch's CPU threads")
+    p.add_argument("--batch_wait_ms", type=float, default=10.0,
+                   help="how long a batch waits for the completion requests sent with its first (10 ms)")  # fmt: skip
     teacher = "serve --model's own weights, read at start, as a distillation teacher (teacher_server: {url: ...}); "
     p.add_argument("--teacher", action="store_true", help=teacher + "pushes are refused")
     return p
@@ -240,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.teacher:
         load_teacher(engine, args.model)
     positions = getattr(policy.config, "max_position_embeddings", None)
-    app = build_app(engine, tokenizer, specs, args.model, positions, token, fixed=args.teacher)
+    app = build_app(engine, tokenizer, specs, args.model, positions, token, args.teacher, args.batch_wait_ms / 1e3)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

@@ -39,6 +39,7 @@ from aitraining_pl.losses import positions_from_mask, selective_log_softmax
 from aitraining_pl.models.decoding import Forward, prefill, sample_responses, sample_steps
 from aitraining_pl.models.generation import SampledTokens, hf_generation_config
 from aitraining_pl.models.rollout_scoring import response_logps
+from aitraining_pl.models.tokens import padded
 
 
 def materialise(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -109,53 +110,74 @@ class HFServerEngine:
 
     # ------------------------------------------------------------------ sampling
     def sample_many(self, requests: Sequence[SampleRequest]) -> list[SampledTokens]:
-        """Each request's ``SampledTokens`` (with ``sampling_logprobs`` and ``token_versions``), one request after
-        the other; a push staged meanwhile is swapped in between two decode steps, else at the end."""
+        """Each request's ``SampledTokens`` (with ``sampling_logprobs`` and ``token_versions``). Requests that ask
+        for the same sampling (``batch_key``) decode as one batch, each drawing its rows from a generator of its own
+        seed, so its tokens are the ones it gets alone (up to the batch's float rounding); a push staged meanwhile is
+        swapped in between two decode steps, else at the end."""
+        groups: dict[tuple, list[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault(batch_key(request), []).append(index)
+        results: list[SampledTokens | None] = [None] * len(requests)
         with self.lock:
             self.generating = True
         try:
-            results = [self.sample(request) for request in requests]
+            for indices in groups.values():
+                for index, sampled in zip(indices, self.sample([requests[i] for i in indices])):
+                    results[index] = sampled
         finally:
             with self.lock:
                 self.generating = False
                 self.swap()
         self.cached_each = [0] * len(requests)
-        return results
+        return results  # type: ignore[return-value]
+
+    def seed_of(self, request: SampleRequest) -> int:
+        """``request``'s seed, else one from the engine's own stream (``--seed``)."""
+        if request.seed is not None:
+            return int(request.seed)
+        return int(torch.randint(0, 2**62, (1,), generator=self.generator))
 
     @torch.no_grad()
-    def sample(self, request: SampleRequest) -> SampledTokens:
-        """One request's ``num_samples`` responses per prompt, drawn as ``HFBackend.sample`` draws them."""
-        seed = request.seed
-        if seed is None:  # the engine's own stream (``--seed``), one seed per request
-            seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+    def sample(self, requests: Sequence[SampleRequest]) -> list[SampledTokens]:
+        """The ``num_samples`` responses per prompt of requests with one ``batch_key``, decoded as one batch; each
+        request's rows drawn as ``HFBackend.sample`` draws them with its seed (``SeededDraw``)."""
+        first, seeds = requests[0], [self.seed_of(request) for request in requests]
+        generation, n = first.generation, int(first.num_samples)
+        prompts = [row[keep.bool()] for r in requests for row, keep in zip(r.prompt_ids, r.prompt_mask)]
+        ids, mask = padded(prompts, int(first.pad_token_id), "left", width=1, device=self.device)
+        forward = _SwappingForward(self, ids, n)
+        batch = prefill(forward, ids, mask, n) if generation.drop_ended else None
+        if batch is None:  # ``generate`` (no plain cache, or ``drop_ended`` off): one request at a time
+            return [self.generated(request, seed) for request, seed in zip(requests, seeds)]
+        config = hf_generation_config(generation, first.end_ids, first.pad_token_id)
+        sizes = [int(r.prompt_ids.shape[0]) * n for r in requests]
+        draw = SeededDraw(seeds, sizes, self.device) if config.do_sample else None
+        # the drawn tokens' log-probs only: never (N, R, vocab) on the server
+        drawn = sample_steps(forward, batch, config, first.stop_rule, forward.park, chosen_logprobs=True, draw=draw)
+        answers, begin = [], 0
+        for request, size in zip(requests, sizes):
+            rows = slice(begin, begin + size)
+            width = int(drawn.lengths[rows].max()) if size else 0
+            answers.append(answered(drawn.tokens[rows, :width], drawn.chosen[rows, :width], drawn.lengths[rows],
+                                    forward.steps, request.prompt_ids.device))  # fmt: skip
+            begin += size
+        return answers
+
+    def generated(self, request: SampleRequest, seed: int) -> SampledTokens:
+        """One request by ``generate``: no swap inside it (a staged push waits for the batch's end); its ends are
+        left to the rollout's end rule, as vLLM's are: every column counts."""
         generation, n = request.generation, int(request.num_samples)
-        config = hf_generation_config(generation, request.end_ids, request.pad_token_id)
         ids, mask = request.prompt_ids.to(self.device), request.prompt_mask.to(self.device)
+        with self.lock:
+            steps = [getattr(WeightsVersion.parse(self.version), "step", 0)] * int(generation.max_new_tokens)
+        config = hf_generation_config(generation, request.end_ids, request.pad_token_id, with_logprobs=True)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(seed)
-            forward = _SwappingForward(self, ids, n)
-            batch = prefill(forward, ids, mask, n) if generation.drop_ended else None
-            if batch is not None:
-                # the drawn tokens' log-probs only: never (N, R, vocab) on the server
-                drawn = sample_steps(forward, batch, config, request.stop_rule, forward.park, chosen_logprobs=True)
-                tokens, logprobs, lengths, steps = drawn.tokens, drawn.chosen, drawn.lengths, forward.steps
-            else:  # ``generate``: no swap inside it (a staged push waits for the batch's end); its ends are left
-                # to the rollout's end rule, as vLLM's are: every column counts
-                with self.lock:
-                    steps = [getattr(WeightsVersion.parse(self.version), "step", 0)] * int(config.max_new_tokens)
-                config = hf_generation_config(generation, request.end_ids, request.pad_token_id, with_logprobs=True)
-                sampled = sample_responses(self.model, ids, mask, config, request.stop_rule, False, n)
-                tokens = sampled.response_ids
-                logprobs = selective_log_softmax(sampled.scores, tokens)
-                lengths = torch.full((tokens.shape[0],), tokens.shape[1])
-        columns = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
-        inside = columns < lengths.to(tokens.device)[:, None]
-        logprobs = logprobs * inside
-        versions = torch.tensor(steps[: tokens.shape[1]], dtype=torch.long, device=tokens.device)
-        versions = torch.where(inside, versions[None, :].expand_as(tokens), torch.full_like(tokens, -1))
-        device = request.prompt_ids.device
-        return SampledTokens(
-            tokens.to(device), sampling_logprobs=logprobs.float().to(device), token_versions=versions.to(device)
+            sampled = sample_responses(self.model, ids, mask, config, request.stop_rule, False, n)
+        tokens = sampled.response_ids
+        lengths = torch.full((tokens.shape[0],), tokens.shape[1])
+        return answered(
+            tokens, selective_log_softmax(sampled.scores, tokens), lengths, steps, request.prompt_ids.device
         )
 
     # ------------------------------------------------------------------ scoring (a served teacher)
@@ -171,6 +193,49 @@ class HFServerEngine:
     def close(self) -> None:
         """Drop the model."""
         self.model = self.targets = None
+
+
+def batch_key(request: SampleRequest) -> tuple:
+    """What requests must share to decode as one batch: the generation options, end ids, stops, padding and samples
+    per prompt."""
+    rule = request.stop_rule
+    stops = (tuple(rule.stop_strings), tuple(map(tuple, rule.stop_sequences)), rule.skip_special_tokens) if rule else ()
+    return (repr(request.generation), tuple(int(t) for t in request.end_ids), stops, int(request.pad_token_id),
+            int(request.num_samples))  # fmt: skip
+
+
+class SeededDraw:
+    """``sample_steps``' draw for a batch of requests: request ``r`` owns ``sizes[r]`` consecutive response rows,
+    drawn by ``torch.multinomial`` from a generator seeded with ``seeds[r]``: the same tokens as ``torch.manual_seed
+    (seeds[r])`` and the request alone, whatever else shares the batch (its rows that are still going depend on its
+    own tokens only)."""
+
+    def __init__(self, seeds: Sequence[int], sizes: Sequence[int], device: torch.device):
+        self.generators = [torch.Generator(device=device).manual_seed(int(seed)) for seed in seeds]
+        self.owner = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(device)
+
+    def __call__(self, scores: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores, dim=-1)
+        if len(self.generators) == 1:
+            return torch.multinomial(probs, 1, generator=self.generators[0]).squeeze(1)
+        owners = self.owner[rows]
+        tokens = torch.empty(rows.shape[0], dtype=torch.long, device=scores.device)
+        for r in owners.unique().tolist():
+            at = (owners == r).nonzero().flatten()
+            tokens[at] = torch.multinomial(probs[at], 1, generator=self.generators[r]).squeeze(1)
+        return tokens
+
+
+def answered(tokens: torch.Tensor, logprobs: torch.Tensor, lengths: torch.Tensor, steps: Sequence[int],
+             device: torch.device) -> SampledTokens:  # fmt: skip
+    """``SampledTokens`` of rows ``tokens`` (N, R) of ``lengths`` tokens: their log-probs and the weights step of
+    each column (``steps[t]``), 0 and -1 after each row's end."""
+    columns = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+    inside = columns < lengths.to(tokens.device)[:, None]
+    versions = torch.tensor(list(steps[: tokens.shape[1]]), dtype=torch.long, device=tokens.device)
+    versions = torch.where(inside, versions[None, :].expand_as(tokens), torch.full_like(tokens, -1))
+    return SampledTokens(tokens.to(device), sampling_logprobs=(logprobs * inside).float().to(device),
+                         token_versions=versions.to(device))  # fmt: skip
 
 
 class _SwappingForward(Forward):
