@@ -218,7 +218,7 @@ class SFTCollator(PaddingCollator):
                 {"vision": VisionInputs([e.get(VISION, {}) for e in examples])}
                 if any(VISION in e for e in examples)
                 else {}
-            ),  # fmt: skip
+            ),
         }
 
 

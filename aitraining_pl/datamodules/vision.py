@@ -201,10 +201,11 @@ def vision_processor(tokenizer: Any):
 
 
 def collate_vision(examples: Sequence[dict]) -> VisionInputs | None:
-    """The ``vision`` entry of a batch: each example's vision inputs (``VisionInputs``), or None without images."""
-    if not examples or "vision" not in examples[0]:
+    """The ``vision`` entry of a batch: each example's vision inputs (``VisionInputs``; ``{}`` for a row without
+    images beside rows with), or None when no row has images."""
+    if not any("vision" in e for e in examples):
         return None
-    return VisionInputs([e["vision"] for e in examples])
+    return VisionInputs([e.get("vision", {}) for e in examples])
 
 
 #: the encoded row's vision inputs (a dict of tensors, empty for a row without images)

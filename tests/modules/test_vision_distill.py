@@ -20,10 +20,12 @@ from aitraining_pl.modules.sft import SFTModule
 PRESET = "tiny-qwen2-vl-colours"
 
 
-def colour_teacher(tmp_path) -> dict[str, torch.Tensor]:
+@pytest.fixture(scope="module")
+def colour_teacher(tmp_path_factory) -> dict[str, torch.Tensor]:
     """The weights of a teacher that knows the colours: the tiny Qwen2-VL after SFT on the colour task (images)."""
     from test_vision_sft import sft_rows
 
+    tmp_path = tmp_path_factory.mktemp("teacher")
     pl.seed_everything(0)
     sft = SFTModule(model_config={"preset": PRESET}, tokenizer_name=PRESET, learning_rate=0.004, lr_schedule="constant")
     data = SFTDataModule(rows=sft_rows(48, seed=0), tokenizer=sft.tokenizer, val_split=0, batch_size=16)
@@ -38,8 +40,7 @@ def held_out_kl(module: DistillationModule, data, tmp_path) -> dict[str, float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "sampled"])
-def test_the_kl_to_a_vl_teacher_falls_on_held_out_image_prompts(tmp_path, mode):
-    weights = colour_teacher(tmp_path / "teacher")
+def test_the_kl_to_a_vl_teacher_falls_on_held_out_image_prompts(tmp_path, mode, colour_teacher):
     pl.seed_everything(0)
     options = {
         "full": dict(beta=0.5, mini_batch_size=16),
@@ -55,7 +56,7 @@ def test_the_kl_to_a_vl_teacher_falls_on_held_out_image_prompts(tmp_path, mode):
         lr_schedule="constant",
         **options,
     )
-    module.teacher.model.load_state_dict(weights)
+    module.teacher.model.load_state_dict(colour_teacher)
     assert module.teacher.sees_images
     data = ColourSquaresDataModule(num_prompts=48, num_val_prompts=24, tokenizer=module.tokenizer, batch_size=16)
     before = held_out_kl(module, data, tmp_path)

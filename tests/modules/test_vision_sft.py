@@ -15,6 +15,7 @@ from conftest import quiet_trainer
 from aitraining_pl.datamodules.colours import colour_rows, colour_square
 from aitraining_pl.datamodules.io import DataValidationError
 from aitraining_pl.datamodules.sft import SFTDataModule
+from aitraining_pl.models.vision import VisionInputs
 from aitraining_pl.models.vision_scoring import vision_token_scores
 from aitraining_pl.modules.sft import SFTModule
 
@@ -138,3 +139,24 @@ def test_sft_learns_the_colour_from_the_image_and_not_from_blank_images(tmp_path
     assert after[0] < before[0] and after[1] >= 0.8
     _, blank = run(tmp_path / "blank", blank=True)
     assert blank[1] <= 0.4 and blank[0] > after[0]  # identical images: one letter for all, 1/3
+
+
+def test_a_batch_mixing_rows_with_and_without_images_scores_each_row_as_alone():
+    module = SFTModule(model_config={"preset": PRESET}, tokenizer_name=PRESET)
+    rows = [{"prompt": "colour?", "completion": "g", "images": [colour_square("green", seed=2)]},
+            {"prompt": "colour?", "completion": "b"}]  # fmt: skip
+    mixed = next(iter(loader(module.tokenizer, rows, batch_size=2)))
+    assert mixed["vision"].prompts[1] == {}
+
+    def logps(batch):  # a text row alone: no images at all
+        scored = batch["completion_mask"].bool()
+        vision = batch.get("vision") or VisionInputs([{}] * len(scored))
+        with torch.no_grad():
+            return vision_token_scores(module.policy, batch["input_ids"], batch["attention_mask"], scored,
+                                       vision).logps.sum(1)  # fmt: skip
+
+    alone = [
+        logps(next(iter(loader(module.tokenizer, rows[:1])))),
+        logps(next(iter(loader(module.tokenizer, rows[1:])))),
+    ]
+    torch.testing.assert_close(logps(mixed), torch.cat(alone), atol=1e-5, rtol=1e-4)
