@@ -56,7 +56,8 @@ class PPOModule(OnlineRLModule):
     """PPO with a value head on the policy, a frozen reference and a reward source.
 
     Hyperparameter names and defaults follow the seed's ``PPOConfig``; the prompt batch size is the data
-    module's ``batch_size``.
+    module's ``batch_size``. A vision-language policy trains on prompts with images (``docs/vlm.md``): the value head
+    reads its language model's hidden states from the pass that runs with the pixel values.
 
     Args:
         model_name: policy as a local folder or hub id.
