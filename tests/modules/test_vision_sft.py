@@ -160,3 +160,10 @@ def test_a_batch_mixing_rows_with_and_without_images_scores_each_row_as_alone():
         logps(next(iter(loader(module.tokenizer, rows[1:])))),
     ]
     torch.testing.assert_close(logps(mixed), torch.cat(alone), atol=1e-5, rtol=1e-4)
+
+
+def test_a_max_length_that_would_cut_an_image_is_refused():
+    module = SFTModule(model_config={"preset": PRESET}, tokenizer_name=PRESET)
+    rows = [{"prompt": "colour?", "completion": "r", "images": [colour_square("red")]}]
+    with pytest.raises(DataValidationError, match=r"row 1, field 'prompt'.*an image cannot be cut"):
+        loader(module.tokenizer, rows, max_length=4)
