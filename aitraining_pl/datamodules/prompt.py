@@ -131,7 +131,7 @@ class PromptCollator(PaddingCollator):
             "attention_mask": pad_sequences([[1] * len(i) for i in ids], 0, side="left"),
             "prompts": [e["prompt"] for e in examples],
             "metadata": [e["metadata"] for e in examples],
-            **({"vision": collate_vision(examples)} if "vision" in examples[0] else {}),
+            **({"vision": collate_vision(examples)} if any("vision" in e for e in examples) else {}),
         }
 
 

@@ -29,6 +29,16 @@ from aitraining_pl.datamodules.base import DATA_RANGES, IN_MEMORY, TextDataModul
 from aitraining_pl.datamodules.formats import is_messages
 from aitraining_pl.datamodules.io import DataValidationError, PaddingCollator, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.preference import FALLBACK_CHAT_TEMPLATE, LengthGroupedSampler
+from aitraining_pl.datamodules.vision import (
+    IMAGES,
+    VISION,
+    RowImages,
+    encode_pieces,
+    image_placeholder,
+    merged_vision,
+    vision_processor,
+)
+from aitraining_pl.models.vision import VisionInputs
 from aitraining_pl.validation import constructor_arguments, rules
 
 log = logging.getLogger(__name__)
@@ -114,7 +124,9 @@ class SFTDataset(Dataset):
         self.examples: list[dict[str, Any]] = []
         dropped = 0
         for row, record in enumerate(records, start=1):
-            example = self._tokenize(self._segments(record, layout, columns, source, row))
+            segments = self._segments(record, layout, columns, source, row)
+            field = columns["prompt" if layout == "prompt_completion" else layout]
+            example = self._tokenize(segments, record.get(IMAGES) or [], (source, row, field))
             if example is None:
                 dropped += 1
                 continue
@@ -146,25 +158,40 @@ class SFTDataset(Dataset):
             )
         return segments
 
-    def _tokenize(self, segments: Segments) -> dict[str, list[int]] | None:
-        tok = self.tokenizer
+    def _pieces(self, text: str, images: list[Any]) -> tuple[list[int], list[int], list]:
+        """(ids, image-token flags, vision inputs) of one piece: its image placeholders through the VL processor
+        with the next of ``images`` (``datamodules.vision.encode_pieces``), the rest through the tokenizer."""
+        processor = vision_processor(self.tokenizer)
+        if processor is not None and images:
+            placeholder = image_placeholder(processor)
+            return encode_pieces(processor, text, images[: text.count(placeholder)], placeholder)
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        return ids, [0] * len(ids), []
+
+    def _tokenize(self, segments: Segments, images: list[Any] = (), where: tuple = ()) -> dict[str, Any] | None:
+        tok, images = self.tokenizer, list(images)
         bos, eos = getattr(tok, "bos_token_id", None), tok.eos_token_id
         ids, mask = ([bos], [0]) if bos is not None else ([], [])
-        last_scored = False  # whether the text ends in a scored piece (then so is the EOS)
+        last_scored, vision, image_end = False, [], 0  # whether the text ends in a scored piece (then so is the EOS)
         for text, scored in segments:
-            piece = list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
+            piece, image, inputs = self._pieces(text, images[len(vision) :])
             if ids and piece and bos is not None and piece[0] == bos and len(ids) == 1:
-                piece = piece[1:]  # a template that writes BOS itself
+                piece, image = piece[1:], image[1:]  # a template that writes BOS itself
+            if inputs:  # image tokens are never trained on, wherever they are
+                image_end = len(ids) + max(i + 1 for i, flag in enumerate(image) if flag)
             ids += piece
-            mask += [int(scored or not self.completion_only_loss)] * len(piece)
-            last_scored = scored if piece else last_scored
+            mask += [int((scored or not self.completion_only_loss) and not flag) for flag in image]
+            last_scored, vision = scored if piece else last_scored, vision + inputs
         if eos is not None and (not ids or ids[-1] != eos):
             ids.append(eos)
             mask.append(int(last_scored or not self.completion_only_loss))
+        if image_end > self.max_length:  # cutting an image's tokens would leave features without their tokens
+            raise DataValidationError(*where[:1], f"{image_end} tokens up to the end of its last image: more than "
+                                      f"max_length={self.max_length} (an image cannot be cut)", *where[1:])  # fmt: skip
         ids, mask = ids[: self.max_length], mask[: self.max_length]
         if not any(mask[1:]):  # the first token is never predicted
             return None
-        return {"input_ids": ids, "completion_mask": mask}
+        return {"input_ids": ids, "completion_mask": mask, **({VISION: merged_vision(vision)} if vision else {})}
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -187,6 +214,11 @@ class SFTCollator(PaddingCollator):
             "attention_mask": pad_sequences([[1] * len(i) for i in ids], 0),
             "completion_mask": pad_sequences([e["completion_mask"] for e in examples], 0),
             "index": torch.tensor([e["index"] for e in examples], dtype=torch.long),
+            **(
+                {"vision": VisionInputs([e.get(VISION, {}) for e in examples])}
+                if any(VISION in e for e in examples)
+                else {}
+            ),
         }
 
 
@@ -213,11 +245,14 @@ class SFTDataModule(TextDataModule):
         shuffle: shuffle the training rows each epoch.
         num_workers: DataLoader worker processes.
         seed: seed of the validation split and the sampling order.
+        max_image_pixels: the largest image accepted (width x height) for a vision-language model (an ``images``
+            column and content parts, as prompt data has them: ``datamodules.vision``); a larger one is refused
+            with its file, row and field.
     """
 
     collator = SFTCollator
 
-    argument_ranges = {**DATA_RANGES, **rules("max_length")}
+    argument_ranges = {**DATA_RANGES, **rules("max_length", "max_image_pixels")}
 
     def __init__(
         self,
@@ -239,6 +274,7 @@ class SFTDataModule(TextDataModule):
         shuffle: bool = True,
         num_workers: int = 0,
         seed: int = 0,
+        max_image_pixels: int | None = None,
     ):
         super().__init__(tokenizer, (rows,))
         self.save_arguments(constructor_arguments(SFTDataModule.__init__, locals(), ignore=("tokenizer", "rows")))
@@ -283,7 +319,13 @@ class SFTDataModule(TextDataModule):
         """Check every row (once, before any split) against the layout of the first."""
         layout = self.layout(records, source)
         fields = {"messages": ["messages"], "prompt_completion": ["prompt", "completion"], "text": ["text"]}[layout]
+        processor, checked = vision_processor(self.tokenizer), []
         for row, record in enumerate(records, start=1):
+            if processor is not None:  # a VL model: content parts flattened, the row's images read and checked
+                names = [self.columns[f] for f in fields]
+                found = RowImages(processor, record, names, source, row, self.hparams.max_image_pixels)
+                record = {**record, **found.values, IMAGES: found.images}
+            checked.append(record)
             for field in (self.columns[f] for f in fields):
                 if field not in record:
                     raise DataValidationError(source, "missing field", row, field)
@@ -292,7 +334,7 @@ class SFTDataModule(TextDataModule):
                     raise DataValidationError(source, "expected a list of {role, content} messages", row, field)
                 if layout == "messages" and not any(m["role"] == "assistant" for m in record[field]):
                     raise DataValidationError(source, "no assistant message", row, field)
-        return records
+        return checked
 
     def _dataset(self, records: list[dict], source: str) -> SFTDataset:
         hp = self.hparams

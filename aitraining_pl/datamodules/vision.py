@@ -171,16 +171,41 @@ def encode_with_images(processor, text: str, images: list[Any]) -> tuple[list[in
     return out["input_ids"][0].tolist(), vision
 
 
+def encode_pieces(processor, text: str, images: list[Any], placeholder: str) -> tuple[list[int], list[int], list]:
+    """``text`` with its ``images`` (one per ``placeholder`` in it, in order) as (ids, image, vision): the text
+    between placeholders through the tokenizer, each placeholder through the processor with its image (expanded to
+    the model's image tokens), ``image`` 1 on those expansion tokens (never trained on), ``vision`` each image's
+    inputs (concatenated over images as ``VisionInputs`` concatenates prompts)."""
+    ids, image, vision = [], [], []
+    parts = text.split(placeholder)
+    for i, part in enumerate(parts):
+        piece = list(processor.tokenizer(part, add_special_tokens=False)["input_ids"]) if part else []
+        ids, image = ids + piece, image + [0] * len(piece)
+        if i < len(parts) - 1:
+            expansion, inputs = encode_with_images(processor, placeholder, [images[len(vision)]])
+            ids, image = ids + expansion, image + [1] * len(expansion)
+            vision.append(inputs)
+    return ids, image, vision
+
+
+def merged_vision(inputs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One row's vision inputs from those of its images (``encode_pieces``), each key concatenated (dim 0)."""
+    import torch
+
+    return {k: torch.cat([x[k] for x in inputs]) for k in inputs[0]} if inputs else {}
+
+
 def vision_processor(tokenizer: Any):
     """The processor behind ``tokenizer`` (``models.vision.processor_of``), or None for a text model's."""
     return processor_of(tokenizer)
 
 
 def collate_vision(examples: Sequence[dict]) -> VisionInputs | None:
-    """The ``vision`` entry of a batch: each example's vision inputs (``VisionInputs``), or None without images."""
-    if not examples or "vision" not in examples[0]:
+    """The ``vision`` entry of a batch: each example's vision inputs (``VisionInputs``; ``{}`` for a row without
+    images beside rows with), or None when no row has images."""
+    if not any("vision" in e for e in examples):
         return None
-    return VisionInputs([e["vision"] for e in examples])
+    return VisionInputs([e.get("vision", {}) for e in examples])
 
 
 #: the encoded row's vision inputs (a dict of tensors, empty for a row without images)

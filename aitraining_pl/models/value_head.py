@@ -18,6 +18,7 @@ from torch import nn
 from aitraining_pl.losses import positions_from_mask
 from aitraining_pl.models.loading import hidden_size_of
 from aitraining_pl.models.rollout_scoring import response_logps
+from aitraining_pl.models.vision import VisionInputs
 
 
 class ValueHead(nn.Module):
@@ -138,11 +139,16 @@ class PPOModel(nn.Module):
         temperature: float = 1.0,
         with_entropy: bool = False,
         padding_free: bool = True,
+        vision: VisionInputs | None = None,
     ) -> PolicyValueScores:
         """Log-probs (and entropies) of the response tokens of rollout rows (N, P + R) and the values of the states
         that predict them, from one decoder pass: the value head and the fused LM head read the same hidden
         states (``models.rollout_scoring.response_logps``, packed or padded), so no (N, R, V) logits are built.
-        With a separate ``critic`` its own trunk runs on the padded rows for the values."""
+        With a separate ``critic`` its own trunk runs on the padded rows for the values. ``vision``: the rows'
+        images for a vision-language policy (``models.vision.VisionInputs``): the head reads the language model's
+        last hidden states of the pass that runs with them (a separate critic takes no images)."""
+        if vision is not None and self.critic is not None:
+            raise NotImplementedError("a separate critic trunk with images: the value head reads the policy's trunk")
         out = response_logps(
             self.base_model,
             input_ids,
@@ -152,6 +158,7 @@ class PPOModel(nn.Module):
             padding_free,
             with_entropy,
             with_hidden=self.critic is None,
+            vision=vision,
         )
         response = attention_mask[:, prompt_length:].bool()
         if self.critic is None:

@@ -222,8 +222,10 @@ class VisionInputs:
 
     def kwargs(self, device: torch.device | str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The model's keyword arguments for these rows: each row's prompt's tensors, concatenated in row order
-        (pixel values in ``dtype``, e.g. the model's)."""
-        picked = [self.prompts[i] for i in self.prompt_of()]
+        (pixel values in ``dtype``, e.g. the model's); a row without images (``{}``) adds none."""
+        picked = [p for p in (self.prompts[i] for i in self.prompt_of()) if p]
+        if not picked:
+            return {}
         out = {}
         for key in picked[0]:
             value = _cat([p[key] for p in picked]).to(device)
@@ -261,6 +263,8 @@ PIXEL_KEYS = ("pixel_values", "pixel_attention_mask", "image_sizes")
 
 
 def _images_per_prompt(prompt: dict[str, torch.Tensor]) -> int:
+    if not prompt:
+        return 0
     if "image_grid_thw" in prompt:
         return int(prompt["image_grid_thw"].shape[0])
     pixels = prompt["pixel_values"]
@@ -289,6 +293,8 @@ def encoder_outputs(model: nn.Module, vision: VisionInputs, device, dtype) -> di
     ):
         return None  # Qwen3-VL's deepstack features are not split per image
     key = ("features", id(base), dtype, str(device))
+    if not any(vision.prompts[i] for i in vision.prompt_of()):
+        return None  # these rows have no images
     if key not in vision.cache:
         every = VisionInputs(vision.prompts).kwargs(device, dtype)
         inputs = {k: v for k, v in every.items() if k in PIXEL_KEYS or k == "image_grid_thw"}

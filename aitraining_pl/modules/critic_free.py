@@ -107,6 +107,9 @@ class CriticFreeModule(OnlineRLModule):
         disable_dropout: set every dropout rate to 0 (policy, reference, reward model), as TRL does.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute).
+        freeze_vision_tower: a vision-language policy's vision encoder gets no gradients (its projector into the
+            language model still trains, unless it sits inside the encoder, as Qwen VL's merger does); no effect
+            on a text model.
         quantization: load the policy's base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
             ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``. The reference is
             the same 4-bit base with the adapters off.
@@ -149,6 +152,7 @@ class CriticFreeModule(OnlineRLModule):
         attn_implementation: str | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        freeze_vision_tower: bool = True,
         quantization: QuantizationConfig | None = None,
     ):
         super().__init__()
@@ -180,7 +184,7 @@ class CriticFreeModule(OnlineRLModule):
     def frozen_logprobs(self, rollout: RolloutBatch, reference: bool) -> torch.Tensor:
         """(N, R) log-probs of the policy (eval mode) or of the reference, ``mini_batch_size`` rows at a time."""
         ids, attention, P = rollout.input_ids, rollout.attention_mask, rollout.prompt_length
-        vision = (lambda r: rollout.vision.rows(r)) if rollout.vision is not None else (lambda r: None)  # noqa: E731
+        vision = lambda r: self.vision_rows(rollout.vision, r)  # noqa: E731
         if reference:
             return torch.cat(
                 self.in_minibatches(lambda r: self.reference_logprobs(ids[r], attention[r], P, vision(r)), len(ids))
@@ -266,7 +270,7 @@ class CriticFreeModule(OnlineRLModule):
         """Clipped policy-gradient loss on rollouts ``idx`` (plus ``kl_coef`` * k3 when the KL is in the loss)."""
         hp = self.hparams
         mask = exp.mask[idx]
-        vision = exp.vision.rows(idx) if exp.vision is not None else None
+        vision = self.vision_rows(exp.vision, idx)
         out = self.response_scores(
             self.policy,
             exp.input_ids[idx],

@@ -43,9 +43,10 @@ from aitraining_pl.losses.advantages import CriticFreeAdvantage
 from aitraining_pl.losses.policy_gradient import LossAggregation
 from aitraining_pl.models import ReferencePolicy, load_tokenizer
 from aitraining_pl.models.lm_head import head_parameters, logit_postprocessing
-from aitraining_pl.models.loading import load_causal_lm
+from aitraining_pl.models.loading import hidden_size_of, load_causal_lm
 from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.training import eval_mode
+from aitraining_pl.models.vision import load_processor, load_vision_lm, vision_source
 from aitraining_pl.modules.critic_free import CriticFreeModule
 from aitraining_pl.modules.teacher import (
     LocalTeacher,
@@ -102,6 +103,7 @@ class DistillationExperience:
     mask: torch.Tensor  #: response tokens in the loss (the sampled ones; holes where an environment spoke)
     teacher_hidden: torch.Tensor  #: (N, R, H_T) the teacher's hidden states on the masked tokens, 0 elsewhere
     advantages: torch.Tensor  #: zeros (the completion log of ``CompletionLogCallback`` reads them)
+    vision: Any = None  #: each row's images (``models.vision.VisionInputs``) for a VL student and teacher
 
 
 class DistillationModule(CriticFreeModule):
@@ -215,12 +217,14 @@ class DistillationModule(CriticFreeModule):
         server = hp.get("teacher_server")
         if server is not None:
             return served_teacher(dict(server), hp.teacher_model_name)
-        teacher = load_causal_lm(
+        trust = bool(hp.trust_remote_code)
+        vision = vision_source(hp.teacher_model_name, hp.teacher_model_config, trust)
+        teacher = (load_vision_lm if vision else load_causal_lm)(  # a VL teacher scores with the prompts' images
             hp.teacher_model_name,
             hp.teacher_model_config,
             dtype=hp.dtype,
             attn_implementation=hp.attn_implementation,
-            trust_remote_code=bool(hp.trust_remote_code),
+            trust_remote_code=trust,
             seed=int(hp.seed) + 1,
         )
         self.apply_training_options(teacher)
@@ -263,8 +267,11 @@ class DistillationModule(CriticFreeModule):
         """One ``ConfigError`` before training when the teacher cannot score the student's tokens: another tokenizer
         (``teacher_model_name``'s, compared with the student's), or fewer vocabulary rows than the student's
         tokenizer has tokens (``modules.teacher.check_vocabularies``; a checkpoint's padding rows are allowed)."""
-        name = self.hparams.teacher_model_name
-        theirs = load_tokenizer(name, trust_remote_code=bool(self.hparams.trust_remote_code)) if name else None
+        name, trust = self.hparams.teacher_model_name, bool(self.hparams.trust_remote_code)
+        if name and getattr(self.teacher, "sees_images", False):  # a VL teacher: its processor's tokenizer
+            theirs = load_processor(name, trust_remote_code=trust).tokenizer
+        else:
+            theirs = load_tokenizer(name, trust_remote_code=trust) if name else None
         where = "DistillationModule.teacher_model_name"
         check_vocabularies(self.tokenizer, theirs, teacher_rows(self.teacher), where)
 
@@ -303,17 +310,25 @@ class DistillationModule(CriticFreeModule):
     @torch.no_grad()
     def reference_logprobs(self, input_ids, attention_mask, prompt_length: int, vision: Any = None) -> torch.Tensor:
         """(N, R) the teacher's log-probs at the sampling temperature, through the ``TeacherScorer``, checked
-        (``modules.teacher.checked_logprobs``: one value per response token, finite, at most 0). A text teacher:
-        ``vision`` (a VL student's images) is refused."""
-        if vision is not None:
-            raise ConfigError("DistillationModule.teacher_model_name", "distillation with images is not supported yet")
-        scores = self.teacher.token_logprobs(input_ids, attention_mask, prompt_length, self.generation.temperature)
+        (``modules.teacher.checked_logprobs``: one value per response token, finite, at most 0). ``vision`` (a VL
+        student's images) goes to a VL teacher (``check_sees_images``)."""
+        self.check_sees_images(vision)
+        images = {} if vision is None else {"vision": vision}
+        scores = self.teacher.token_logprobs(input_ids, attention_mask, prompt_length, self.generation.temperature,
+                                             **images)  # fmt: skip
         return checked_logprobs(scores, input_ids, attention_mask, prompt_length, self.teacher_name)
 
-    def divergence(self, ids, attention, prompt_length, mask, teacher_hidden, grad: bool = True):
+    def check_sees_images(self, vision: Any) -> None:
+        """A ``ConfigError`` when rows with images (``vision``) would be scored by a teacher that cannot see them (a
+        text model, or a served teacher): its scores would be of the text alone."""
+        if vision is not None and not getattr(self.teacher, "sees_images", False):
+            raise ConfigError("DistillationModule.teacher_model_name", "the prompts carry images but the teacher is "
+                              "a text model (or served): give a vision-language teacher in this process")  # fmt: skip
+
+    def divergence(self, ids, attention, prompt_length, mask, teacher_hidden, grad: bool = True, vision: Any = None):
         """``fused_distillation_loss`` of the student on rows ``ids`` (token mean over ``mask``) against the teacher's
-        hidden states (M, H_T) at the same tokens."""
-        student = response_hidden(self.policy, ids, attention, prompt_length, mask)
+        hidden states (M, H_T) at the same tokens; ``vision``: the rows' images (a VL student)."""
+        student = response_hidden(self.policy, ids, attention, prompt_length, mask, vision)
         weight, bias, post = head_of(self.policy, "DistillationModule.model_name")
         t_weight, t_bias, t_post = head_of(self.teacher.model, "DistillationModule.teacher_model_name")
         shared = min(weight.shape[0], t_weight.shape[0])  # rows past the tokenizer: a checkpoint's padding
@@ -350,12 +365,14 @@ class DistillationModule(CriticFreeModule):
             )
             return experience, stats
         ids, attention, P, mask = rollout.input_ids, rollout.attention_mask, rollout.prompt_length, rollout.mask
-        hidden = ids.new_zeros(*mask.shape, self.teacher.model.config.hidden_size, dtype=torch.float32)
+        self.check_sees_images(rollout.vision)
+        hidden = ids.new_zeros(*mask.shape, hidden_size_of(self.teacher.model), dtype=torch.float32)
         for rows in torch.arange(len(ids), device=ids.device).split(self.hparams.mini_batch_size):
-            values = self.teacher.hidden(ids[rows], attention[rows], P, mask[rows]).float()
+            images = self.vision_rows(rollout.vision, rows)
+            values = self.teacher.hidden(ids[rows], attention[rows], P, mask[rows], images).float()
             hidden[rows] = hidden[rows].index_put(torch.nonzero(mask[rows], as_tuple=True), values)
         advantages = torch.zeros(mask.shape, device=ids.device)
-        return DistillationExperience(ids, attention, P, mask, hidden, advantages), {}
+        return DistillationExperience(ids, attention, P, mask, hidden, advantages, rollout.vision), {}
 
     def minibatch_loss(self, exp, idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``full``: the generalized JSD (token mean) on rows ``idx``; ``sampled``: the online policy loss."""
@@ -363,8 +380,9 @@ class DistillationModule(CriticFreeModule):
             return super().minibatch_loss(exp, idx)
         mask = exp.mask[idx]
         out = self.divergence(
-            exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_length, mask, exp.teacher_hidden[idx][mask.bool()]
-        )
+            exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_length, mask, exp.teacher_hidden[idx][mask.bool()],
+            vision=self.vision_rows(exp.vision, idx),
+        )  # fmt: skip
         return out.loss, {"loss": out.loss.detach(), **self.distribution_stats(out.stats)}
 
     # ------------------------------------------------------------------ validation: divergence on held-out prompts
@@ -372,9 +390,10 @@ class DistillationModule(CriticFreeModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         rollout = super().rollout(batch, 1)  # the student's samples
         ids, attention, P, mask = rollout.input_ids, rollout.attention_mask, rollout.prompt_length, rollout.mask
-        teacher = self.teacher.hidden(ids, attention, P, mask)
+        self.check_sees_images(rollout.vision)
+        teacher = self.teacher.hidden(ids, attention, P, mask, rollout.vision)
         with eval_mode(self.policy):
-            out = self.divergence(ids, attention, P, mask, teacher)
+            out = self.divergence(ids, attention, P, mask, teacher, vision=rollout.vision)
         tokens = max(1, int(mask.sum()))
         self.log_metrics("val", {"loss": out.stats.divergence.mean(), **self.distribution_stats(out.stats)}, tokens)
         lengths = mask.sum(1).float()

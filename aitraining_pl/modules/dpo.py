@@ -65,6 +65,9 @@ class DPOModule(PreferenceModule):
             training forwards are then deterministic.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
+        freeze_vision_tower: a vision-language policy's vision encoder gets no gradients (its projector into the
+            language model still trains, unless it sits inside the encoder, as Qwen VL's merger does); no effect
+            on a text model.
         quantization: load the base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
             ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``.
         precompute_ref_logps: deprecated spelling of ``precompute_ref_log_probs`` (TRL's name; accepted with a
@@ -99,6 +102,7 @@ class DPOModule(PreferenceModule):
         attn_implementation: str | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        freeze_vision_tower: bool = True,
         quantization: QuantizationConfig | None = None,
         precompute_ref_logps: bool | None = None,
     ):

@@ -316,6 +316,12 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             vision=vision,
         )
 
+    @staticmethod
+    def vision_rows(vision: Any, rows: torch.Tensor) -> Any:
+        """The images of rollout rows ``rows`` (``VisionInputs.rows``: each prompt's tensors held once, never per
+        sample), or None for a text rollout."""
+        return vision.rows(rows) if vision is not None else None
+
     def in_minibatches(self, fn: Callable[[torch.Tensor], Any], n: int) -> list[Any]:
         """``fn(rows)`` over ``mini_batch_size`` rows at a time (bounds the activations of a no-grad pass)."""
         return [fn(rows) for rows in torch.arange(n, device=self.device).split(self.hparams.mini_batch_size)]

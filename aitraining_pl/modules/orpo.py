@@ -82,6 +82,9 @@ class ORPOModule(PreferenceModule):
         attn_implementation: attention kernel passed to transformers (default: transformers' choice).
         disable_dropout: set every dropout rate to 0, as TRL does.
         gradient_checkpointing: recompute activations in backward instead of storing them.
+        freeze_vision_tower: a vision-language policy's vision encoder gets no gradients (its projector into the
+            language model still trains, unless it sits inside the encoder, as Qwen VL's merger does); no effect
+            on a text model.
         quantization: load the base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
             ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``.
     """
@@ -108,6 +111,7 @@ class ORPOModule(PreferenceModule):
         attn_implementation: str | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        freeze_vision_tower: bool = True,
         quantization: QuantizationConfig | None = None,
     ):
         super().__init__()
@@ -175,6 +179,9 @@ class CPOModule(PreferenceModule):
         attn_implementation: attention kernel passed to transformers (default: transformers' choice).
         disable_dropout: set every dropout rate to 0, as TRL does.
         gradient_checkpointing: recompute activations in backward instead of storing them.
+        freeze_vision_tower: a vision-language policy's vision encoder gets no gradients (its projector into the
+            language model still trains, unless it sits inside the encoder, as Qwen VL's merger does); no effect
+            on a text model.
         quantization: load the base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
             ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``.
     """
@@ -204,6 +211,7 @@ class CPOModule(PreferenceModule):
         attn_implementation: str | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        freeze_vision_tower: bool = True,
         quantization: QuantizationConfig | None = None,
     ):
         super().__init__()

@@ -49,13 +49,15 @@ class Experience:
     advantages: torch.Tensor
     returns: torch.Tensor
     is_weights: torch.Tensor | None = None  #: truncated importance weights of a vLLM rollout (``sampler_correction``)
+    vision: Any = None  #: each row's images (``models.vision.VisionInputs``) for a VL policy
 
 
 class PPOModule(OnlineRLModule):
     """PPO with a value head on the policy, a frozen reference and a reward source.
 
     Hyperparameter names and defaults follow the seed's ``PPOConfig``; the prompt batch size is the data
-    module's ``batch_size``.
+    module's ``batch_size``. A vision-language policy trains on prompts with images (``docs/vlm.md``): the value head
+    reads its language model's hidden states from the pass that runs with the pixel values.
 
     Args:
         model_name: policy as a local folder or hub id.
@@ -106,6 +108,9 @@ class PPOModule(OnlineRLModule):
             does: training forwards are then deterministic.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
+        freeze_vision_tower: a vision-language policy's vision encoder gets no gradients (its projector into the
+            language model still trains, unless it sits inside the encoder, as Qwen VL's merger does); no effect
+            on a text model.
         quantization: load the policy's base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
             ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``. The reference is
             the same 4-bit base with the adapters off.
@@ -155,6 +160,7 @@ class PPOModule(OnlineRLModule):
         attn_implementation: str | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        freeze_vision_tower: bool = True,
         quantization: QuantizationConfig | None = None,
         kl_penalty_coef: float | None = None,
         ppo_epochs: int | None = None,
@@ -183,21 +189,25 @@ class PPOModule(OnlineRLModule):
         return [*super().sharded_networks(), self.model.value_head, *critic]
 
     # ------------------------------------------------------------------ forward passes
-    def forward(self, input_ids, attention_mask, prompt_length: int, with_entropy: bool = False) -> PolicyValueScores:
+    def forward(
+        self, input_ids, attention_mask, prompt_length: int, with_entropy: bool = False, vision: Any = None
+    ) -> PolicyValueScores:
         """Response log-probs (temperature-scaled), entropies (``with_entropy``) and values, (B, R) each, from one
-        decoder pass with the fused LM head (``PPOModel.score``: no (B, R, V) logits)."""
-        return self.model.score(input_ids, attention_mask, prompt_length, self.generation.temperature, with_entropy)
+        decoder pass with the fused LM head (``PPOModel.score``: no (B, R, V) logits); ``vision``: the rows' images
+        (a VL policy: the value head on its language model's hidden states)."""
+        temperature = self.generation.temperature
+        return self.model.score(input_ids, attention_mask, prompt_length, temperature, with_entropy, vision=vision)
 
     @torch.no_grad()
-    def old_and_reference(self, input_ids, attention_mask, prompt_length: int):
+    def old_and_reference(self, input_ids, attention_mask, prompt_length: int, vision: Any = None):
         """Log-probs and values of the policy (eval mode) and reference log-probs of the sampled responses,
-        (B, R) each, computed ``mini_batch_size`` rows at a time."""
+        (B, R) each, computed ``mini_batch_size`` rows at a time (with their images, ``vision``, for a VL policy)."""
 
         def rows(r: torch.Tensor):
-            ids, mask = input_ids[r], attention_mask[r]
+            ids, mask, images = input_ids[r], attention_mask[r], self.vision_rows(vision, r)
             with eval_mode(self.model):
-                scores = self(ids, mask, prompt_length)
-            return scores.logprobs, scores.values, self.reference_logprobs(ids, mask, prompt_length)
+                scores = self(ids, mask, prompt_length, vision=images)
+            return scores.logprobs, scores.values, self.reference_logprobs(ids, mask, prompt_length, images)
 
         return tuple(torch.cat(p) for p in zip(*self.in_minibatches(rows, input_ids.shape[0])))
 
@@ -205,7 +215,9 @@ class PPOModule(OnlineRLModule):
     def make_experience(self, rollout: RolloutBatch) -> tuple[Experience, dict[str, torch.Tensor]]:
         """Old log-probs and values, reference log-probs, per-token KL-penalised rewards, whitened GAE."""
         hp, mask, P = self.hparams, rollout.mask, rollout.prompt_length
-        old_logprobs, old_values, ref_logprobs = self.old_and_reference(rollout.input_ids, rollout.attention_mask, P)
+        old_logprobs, old_values, ref_logprobs = self.old_and_reference(
+            rollout.input_ids, rollout.attention_mask, P, rollout.vision
+        )
         # per-token rewards: -kl_coef * KL_t, plus the score on the last response token
         rewards, kl = token_rewards(
             rollout.scores, old_logprobs, ref_logprobs, mask, self.kl_coef, hp.kl_estimator, rollout.token_scores
@@ -223,6 +235,7 @@ class PPOModule(OnlineRLModule):
             advantages,
             returns,
             weights,
+            rollout.vision,
         )
         stats.update(kl=kl.sum(1).mean(), explained_variance=explained_variance(old_values, returns, mask))
         return experience, stats
@@ -232,7 +245,8 @@ class PPOModule(OnlineRLModule):
         ``entropy_coef`` * entropy."""
         hp = self.hparams
         mask = exp.mask[idx]
-        out = self(exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_length, with_entropy=True)
+        images = self.vision_rows(exp.vision, idx)
+        out = self(exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_length, with_entropy=True, vision=images)
         is_weights = exp.is_weights[idx] if exp.is_weights is not None else None
         policy_loss, stats = self.policy_gradient_loss(
             out.logprobs, out.entropy, exp.logprobs[idx], exp.advantages[idx], mask, "token", None, is_weights

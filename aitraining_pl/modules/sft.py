@@ -12,6 +12,7 @@ from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.packing import pack_rows
 from aitraining_pl.models.quantization import QuantizationConfig
 from aitraining_pl.models.scoring import scoring_path, token_logps
+from aitraining_pl.models.vision_scoring import vision_token_scores
 from aitraining_pl.modules.base import MODULE_RANGES, SharedStepModule
 from aitraining_pl.optim import LRSchedule
 from aitraining_pl.validation import constructor_arguments
@@ -19,7 +20,8 @@ from aitraining_pl.validation import constructor_arguments
 
 class SFTModule(SharedStepModule):
     """Supervised fine-tuning of a causal LM on the scored tokens of ``SFTDataModule`` batches (completions,
-    assistant turns or all tokens): loss = mean token negative log-likelihood over the batch's scored tokens.
+    assistant turns or all tokens): loss = mean token negative log-likelihood over the batch's scored tokens. A
+    vision-language model trains on rows with images (``docs/vlm.md``); their image tokens are never scored.
 
     Metrics: ``train/loss``, ``train/num_tokens`` (real tokens trained on so far, all ranks), ``val/loss``
     (token-weighted over the validation set) and ``val/perplexity`` (``exp`` of it); ``test/`` likewise.
@@ -48,6 +50,9 @@ class SFTModule(SharedStepModule):
             transformers' and TRL's SFT trainers do).
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
+        freeze_vision_tower: a vision-language policy's vision encoder gets no gradients (its projector into the
+            language model still trains, unless it sits inside the encoder, as Qwen VL's merger does); no effect
+            on a text model.
         quantization: load the base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
             ``{load_in_4bit: true, quant_type: nf4, compute_dtype: bfloat16}``); needs ``lora``.
     """
@@ -71,6 +76,7 @@ class SFTModule(SharedStepModule):
         attn_implementation: str | None = None,
         disable_dropout: bool = False,
         gradient_checkpointing: bool = False,
+        freeze_vision_tower: bool = True,
         quantization: QuantizationConfig | None = None,
     ):
         super().__init__()
@@ -80,10 +86,15 @@ class SFTModule(SharedStepModule):
         self.num_tokens = 0  #: real tokens trained on, summed over ranks (kept in checkpoints)
 
     def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
-        # 1. log-probs of the scored tokens (packed rows where exact for the model, else padded)
+        # 1. log-probs of the scored tokens (packed rows where exact for the model, else padded; a VL model's rows
+        #    with their images, padded: ``models.vision_scoring``)
         scored = batch["completion_mask"].bool() & batch["attention_mask"].bool()
-        packed = pack_rows(batch) if self.hparams.padding_free and scoring_path(self.policy).packed else None
-        logps = token_logps(self.policy, batch["input_ids"], batch["attention_mask"], scored, packed=packed)
+        if batch.get("vision") is not None:
+            logps = vision_token_scores(self.policy, batch["input_ids"], batch["attention_mask"], scored,
+                                        batch["vision"]).logps  # fmt: skip
+        else:
+            packed = pack_rows(batch) if self.hparams.padding_free and scoring_path(self.policy).packed else None
+            logps = token_logps(self.policy, batch["input_ids"], batch["attention_mask"], scored, packed=packed)
         # 2. the loss: mean token NLL
         n_scored = int(scored[:, 1:].sum())
         loss = sft_loss(logps, scored[:, 1:])

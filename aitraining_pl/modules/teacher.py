@@ -21,6 +21,7 @@ from aitraining_pl.losses import positions_from_mask
 from aitraining_pl.models.rollout_scoring import response_logps
 from aitraining_pl.models.sharding import as_forward
 from aitraining_pl.models.training import eval_mode
+from aitraining_pl.models.vision import is_vision_model, model_inputs
 
 #: the keys of ``teacher_server`` and the ``VLLMConfig`` fields they set (``url``: the engine's HTTP routes; ``host`` /
 #: ``port``: the deprecated frame protocol of ``aitraining-pl serve --teacher``)
@@ -53,19 +54,25 @@ def language_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def response_hidden(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, mask
-) -> torch.Tensor:
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, mask,
+    vision: Any = None,
+) -> torch.Tensor:  # fmt: skip
     """(M, H) last hidden states predicting the response tokens where ``mask`` (N, R), row-major: the decoder only,
-    no LM head (the distillation loss runs both heads fused). Positions as ``generate`` counts left-padded rows."""
-    decoder = language_model(model).get_decoder()
+    no LM head (the distillation loss runs both heads fused). Positions as ``generate`` counts left-padded rows.
+    ``vision``: the rows' images (``models.vision.VisionInputs``) for a VL model, whose base model (vision encoder,
+    projector, language model) runs with them."""
+    lm = language_model(model)
 
     def run() -> torch.Tensor:
-        out = decoder(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions_from_mask(attention_mask),
-            use_cache=False,
-        )
+        if vision is not None:
+            out = lm.model(**model_inputs(model, input_ids, attention_mask, vision), use_cache=False)
+        else:
+            out = lm.get_decoder()(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=positions_from_mask(attention_mask),
+                use_cache=False,
+            )
         return out.last_hidden_state[:, prompt_length - 1 : -1][mask.bool()]
 
     return as_forward(model, run)
@@ -76,7 +83,8 @@ class LocalTeacher:
     a ``state_dict``, an optimizer or a DDP/FSDP wrapping); ``to`` moves it.
 
     Args:
-        model: the teacher (a transformers causal LM).
+        model: the teacher (a transformers causal LM, or a VL model, ``AutoModelForImageTextToText``, which scores
+            rows with their prompts' images).
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -95,16 +103,28 @@ class LocalTeacher:
         """Rows of the teacher's output embedding (its vocabulary, padding rows included)."""
         return int(language_model(self.model).get_output_embeddings().weight.shape[0])
 
-    @torch.no_grad()
-    def token_logprobs(self, input_ids, attention_mask, prompt_length: int, temperature: float) -> torch.Tensor:
-        with eval_mode(self.model):
-            return response_logps(self.model, input_ids, attention_mask, prompt_length, temperature).logprobs
+    @property
+    def sees_images(self) -> bool:
+        """Whether the teacher is a VL model (it scores rows with their images)."""
+        return is_vision_model(self.model)
 
     @torch.no_grad()
-    def hidden(self, input_ids, attention_mask, prompt_length: int, mask) -> torch.Tensor:
-        """(M, H_T) the teacher's hidden states predicting the response tokens where ``mask``."""
+    def token_logprobs(
+        self, input_ids, attention_mask, prompt_length: int, temperature: float, vision: Any = None
+    ) -> torch.Tensor:
+        """``TeacherScorer.token_logprobs``; ``vision``: the rows' images, for a VL teacher (``models.vision_scoring``,
+        each prompt's pixel values held once: ``VisionInputs.rows``)."""
         with eval_mode(self.model):
-            return response_hidden(self.model, input_ids, attention_mask, prompt_length, mask)
+            return response_logps(
+                self.model, input_ids, attention_mask, prompt_length, temperature, vision=vision
+            ).logprobs
+
+    @torch.no_grad()
+    def hidden(self, input_ids, attention_mask, prompt_length: int, mask, vision: Any = None) -> torch.Tensor:
+        """(M, H_T) the teacher's hidden states predicting the response tokens where ``mask`` (with the rows' images,
+        ``vision``, for a VL teacher)."""
+        with eval_mode(self.model):
+            return response_hidden(self.model, input_ids, attention_mask, prompt_length, mask, vision)
 
 
 def teacher_rows(teacher: Any) -> int | None:
