@@ -223,9 +223,9 @@ class VisionInputs:
     def kwargs(self, device: torch.device | str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The model's keyword arguments for these rows: each row's prompt's tensors, concatenated in row order
         (pixel values in ``dtype``, e.g. the model's)."""
-        picked = [self.prompts[i] for i in self.prompt_of()]
+        picked = [p for p in (self.prompts[i] for i in self.prompt_of()) if p]  # rows without images add nothing
         out = {}
-        for key in picked[0]:
+        for key in picked[0] if picked else ():
             value = _cat([p[key] for p in picked]).to(device)
             out[key] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
         return out
@@ -233,6 +233,19 @@ class VisionInputs:
     def to_dict(self) -> dict[str, Any]:
         """A plain form (tensors and lists) for a checkpoint."""
         return {"prompts": self.prompts, "group": self.group}
+
+
+def merge_vision(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The vision inputs of one sequence whose images came in ``parts`` (processor outputs, each of one or more
+    images, in the order of their image tokens), as the processor gives them for one prompt with all those images:
+    each key concatenated over the images (dim 0; dim 1 for Idefics3's (1, images, ...) ``pixel_values`` and
+    ``pixel_attention_mask``). Parts without images ({}) add nothing."""
+    parts = [p for p in parts if p]
+    if len(parts) <= 1:
+        return dict(parts[0]) if parts else {}
+    batched = parts[0].get("pixel_values") is not None and parts[0]["pixel_values"].dim() == 5
+    dims = {k: 1 if batched and k in ("pixel_values", "pixel_attention_mask") else 0 for k in parts[0]}
+    return {k: torch.cat([p[k] for p in parts], dims[k]) for k in parts[0]}
 
 
 def token_types(model: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -261,6 +274,8 @@ PIXEL_KEYS = ("pixel_values", "pixel_attention_mask", "image_sizes")
 
 
 def _images_per_prompt(prompt: dict[str, torch.Tensor]) -> int:
+    if not prompt:
+        return 0
     if "image_grid_thw" in prompt:
         return int(prompt["image_grid_thw"].shape[0])
     pixels = prompt["pixel_values"]
@@ -316,8 +331,9 @@ def model_inputs(
 
     dtype = next(p for p in _unwrapped(model).parameters()).dtype
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, **token_types(model, input_ids)}
-    kwargs.update(vision.kwargs(input_ids.device, dtype))
-    encoded = encoder_outputs(model, vision, input_ids.device, dtype)
+    pixels = vision.kwargs(input_ids.device, dtype)
+    kwargs.update(pixels)
+    encoded = encoder_outputs(model, vision, input_ids.device, dtype) if pixels else None
     if encoded is not None:  # the prompts' features, computed once, for every row
         kwargs = {k: v for k, v in kwargs.items() if k not in PIXEL_KEYS}
         kwargs["mm_encoder_outputs"] = encoded

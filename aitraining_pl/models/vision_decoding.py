@@ -87,11 +87,13 @@ def sample_with_images(
     pad_token_id: int,
     num_samples: int = 1,
     seed: int | None = None,
+    with_logprobs: bool = False,
 ) -> SampledTokens:
     """``num_samples`` responses per left-padded prompt (B, P) with its images (``vision``, one entry per prompt)
     and ``generation`` (a ``GenerationConfig``), in eval mode, seeded by ``seed`` in a forked RNG when given; rows
-    in ``repeat_interleave`` order, as the text backends return them (``generation.backend.HFBackend.sample``)."""
-    config = hf_generation_config(generation, end_ids, pad_token_id, False)
+    in ``repeat_interleave`` order, as the text backends return them (``generation.backend.HFBackend.sample``);
+    ``with_logprobs``: the logits kept (``Rollout.logprobs`` and ``sampling_logprobs``)."""
+    config = hf_generation_config(generation, end_ids, pad_token_id, with_logprobs)
     devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
     seeded = torch.random.fork_rng(devices=devices) if seed is not None else contextlib.nullcontext()
     with seeded, eval_mode(model):

@@ -1,0 +1,146 @@
+"""Multi-turn episodes whose environment answers with an image (``environments.vision_chat``): a tiny random Qwen2-VL
+sees a blank image, says something, is shown a coloured square (``datamodules.colours``) and is rewarded for naming
+its colour. The reply's tokens (image tokens included) are masked out of the loss, the rollout carries every image
+of each row in order, its greedy turns and the trainer's log-prob pass equal the model's own full forward with all of
+the images, and GRPO on it changes the policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import quiet_trainer
+
+from aitraining_pl.datamodules.colours import ColourSquaresDataModule, colour_reward, colour_rows, colour_square
+from aitraining_pl.datamodules.io import DataValidationError
+from aitraining_pl.datamodules.prompt import PromptCollator, PromptDataset
+from aitraining_pl.datamodules.vision import encode_vision_prompt
+from aitraining_pl.environments.episode import EpisodeEnvironment, EpisodeLimits, EpisodeStep
+from aitraining_pl.environments.episode_rollout import sample_episodes
+from aitraining_pl.models.vision import load_processor, load_vision_lm, processor_of, token_types
+from aitraining_pl.models.vision_decoding import image_token_ids
+from aitraining_pl.models.vision_scoring import vision_token_scores
+from aitraining_pl.rollout import GenerationConfig, RolloutEngine
+
+PRESET = "tiny-qwen2-vl-colours"
+
+
+class ColourReply(EpisodeEnvironment):
+    """Turn 1: anything; the reply shows a square of the row's colour and asks ``colour?``; turn 2 is rewarded 1 for
+    the colour's first letter."""
+
+    limits = EpisodeLimits(max_turns=2, max_total_tokens=256)
+
+    def reset(self, prompt, metadata):
+        self.colour = metadata["colour"]
+        return None
+
+    def step(self, turn):
+        if turn.index == 0:
+            square = colour_square(self.colour, seed=len(turn.text))
+            content = [{"type": "image"}, {"type": "text", "text": "colour?"}]
+            return EpisodeStep(messages=[{"role": "user", "content": content}], images=[square])
+        return EpisodeStep(done=True, reward=colour_reward([""], [turn.text], [{"colour": self.colour}])[0])
+
+
+def batch_of(tokenizer, n: int, seed: int = 3) -> dict:
+    """``n`` prompts ``colour?`` with a blank image each (nothing to see before the reply), as one batch."""
+    processor, rows = processor_of(tokenizer), colour_rows(n, seed=seed, blank=True)
+    encoded = [
+        {**encode_vision_prompt(processor, r, "prompt", 64, False, "test", i + 1, None), "colour": r["colour"]}
+        for i, r in enumerate(rows)
+    ]
+    dataset = PromptDataset.from_encoded(encoded, exclude=["__vision"], keep=["colour"])
+    return PromptCollator(tokenizer.pad_token_id)([dataset[i] for i in range(len(dataset))])
+
+
+def play(model, tokenizer, batch, samples: int = 1, **generation):
+    engine = RolloutEngine(tokenizer, GenerationConfig(max_new_tokens=2, **generation))
+    return sample_episodes(engine, model, ColourReply(), batch["prompts"], batch["metadata"], batch["input_ids"],
+                           batch["attention_mask"], samples, vision=batch["vision"])  # fmt: skip
+
+
+def full_forward_logps(model, ids: list[int], images: dict) -> torch.Tensor:
+    """Log-probs of tokens 1.. of one unpadded sequence by the model's own forward with all of its images."""
+    input_ids = torch.tensor([ids])
+    out = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **images,
+                **token_types(model, input_ids))  # fmt: skip
+    return torch.log_softmax(out.logits[0, :-1].float(), -1).gather(1, input_ids[0, 1:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    processor = load_processor(PRESET)
+    return load_vision_lm(model_config={"preset": PRESET}).eval(), processor.tokenizer
+
+
+def test_an_image_reply_is_masked_and_the_turns_and_log_probs_equal_the_full_forward(tiny):
+    model, tokenizer = tiny
+    batch = batch_of(tokenizer, 3)
+    rollout = play(model, tokenizer, batch, do_sample=False)
+    image_token = model.config.image_token_id
+    assert rollout.vision is not None and len(rollout.vision.prompts) == 3
+    for r in range(3):
+        images = rollout.vision.prompts[r]
+        assert images["image_grid_thw"].shape[0] == 2  # the prompt's blank image, then the reply's square
+        attention = rollout.episodes.response_attention[r].bool()
+        response, sampled = rollout.response_ids[r][attention], rollout.response_mask[r][attention].bool()
+        assert (response == image_token).sum() > 0 and not sampled[response == image_token].any()  # masked
+        assert sampled.sum() == 4  # two turns of two tokens
+        prompt = rollout.prompt_ids[r][rollout.prompt_mask[r].bool()]
+        ids = torch.cat([prompt, response]).tolist()
+        with torch.no_grad():
+            want = full_forward_logps(model, ids, images)
+            logits = model(input_ids=torch.tensor([ids]), **images, **token_types(model, torch.tensor([ids]))).logits
+        at = len(prompt) + torch.nonzero(sampled)[:, 0]  # the sampled tokens' places in the sequence
+        logits[..., image_token_ids(model)] = float("-inf")  # never sampled (``models.vision_decoding``)
+        assert logits[0, at - 1].argmax(-1).tolist() == torch.tensor(ids)[at].tolist()  # greedy = full forward
+        # the trainer's log-prob pass (the rollout's rows, padded, with each row's images) = the full forward
+        scored = torch.cat([torch.zeros_like(rollout.prompt_mask), rollout.response_mask], 1)
+        with torch.no_grad():
+            got = vision_token_scores(model, rollout.input_ids, rollout.attention_mask, scored, rollout.vision).logps
+        got_row = got[r][scored[r, 1:].bool()]
+        torch.testing.assert_close(got_row, want[at - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_text_only_policy_refuses_an_image_reply():
+    from conftest import TINY_LLAMA
+
+    from aitraining_pl.models import load_causal_lm, load_tokenizer
+
+    tokenizer, model = load_tokenizer("byte"), load_causal_lm(model_config=dict(TINY_LLAMA))
+    ids = torch.tensor([tokenizer("colour?", add_special_tokens=False)["input_ids"]])
+    engine = RolloutEngine(tokenizer, GenerationConfig(max_new_tokens=1))
+    with pytest.raises(DataValidationError, match=r"EpisodeStep.messages\[0\].content\[0\].*vision-language"):
+        sample_episodes(engine, model, ColourReply(), ["colour?"], [{"colour": "red"}], ids, torch.ones_like(ids))
+
+
+def test_grpo_on_image_replies_changes_the_policy(tmp_path):
+    from aitraining_pl.modules.critic_free import GRPOModule
+
+    torch.manual_seed(0)
+    module = GRPOModule(
+        model_config={"preset": PRESET},
+        tokenizer_name=PRESET,
+        reward=ColourReply(),
+        generation={"max_new_tokens": 1, "temperature": 1.0},
+        num_generations=4,
+        learning_rate=0.004,
+        mini_batch_size=16,
+        kl_coef=0.0,
+    )
+    data = ColourSquaresDataModule(num_prompts=8, num_val_prompts=0, blank=True, tokenizer=module.tokenizer,
+                                   batch_size=4)  # fmt: skip
+    before = {k: v.clone() for k, v in module.policy.model.language_model.state_dict().items()}
+    images, scores = [], module.response_scores
+
+    def spied(*args, vision=None, **kwargs):  # the log-prob passes get each row's images
+        images.append(None if vision is None else [p["image_grid_thw"].shape[0] for p in vision.prompts])
+        return scores(*args, vision=vision, **kwargs)
+
+    module.response_scores = spied
+    quiet_trainer(tmp_path, max_steps=2, limit_val_batches=0).fit(module, data)
+    after = module.policy.model.language_model.state_dict()
+    assert any(not torch.equal(v, after[k]) for k, v in before.items())
+    assert module.last_episodes.metrics["turns"] == [2.0] * 16
+    assert images and all(counts == [2] * 16 for counts in images)  # the prompt's image and the reply's, every row
