@@ -331,7 +331,7 @@ class AgentEndpoint:
         completion = self._answer(key, request, prompt, prefill, samples, images)
         return stream_chunks(completion, request.include_usage) if request.stream else completion
 
-    async def _queued(self, log: EpisodeLog, request: ChatRequest, prompt: list[int], max_new: int, images) -> list:
+    async def _queued(self, log: EpisodeLog, request: ChatRequest, prompt: list[int], max_new: int, images=()) -> list:
         """The call's samples, from the sampler thread."""
         temperature = request.temperature if self.request_sampling else None
         top_p = request.top_p if self.request_sampling else None
@@ -340,7 +340,7 @@ class AgentEndpoint:
             stop += ("</tool_call>",)  # hermes: the turn ends with its first call (tool_prefill refuses the others)
         settings = (max_new, stop, request.n, temperature, top_p)
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put(_Pending(log.order, prompt, settings, future, images))
+        self._queue.put(_Pending(log.order, prompt, settings, future, list(images)))
         return await asyncio.wrap_future(future)
 
     def _answer(self, key, request: ChatRequest, prompt: list[int], prefill: str, samples: list, images) -> dict:

@@ -75,7 +75,8 @@ def _content(content: Any, where: str) -> str | list[dict]:
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
-        raise RequestError(400, f"{where}.content must be a string or a list of content parts", f"{where}.content")
+        raise RequestError(400, f"{where}.content must be a string or a list of text parts (or text and image_url "
+                           "parts)", f"{where}.content")  # fmt: skip
     if all(p.get("type") == "text" for p in content):
         return "".join(str(p.get("text", "")) for p in content)
     parts = []

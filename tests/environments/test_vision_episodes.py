@@ -144,3 +144,45 @@ def test_grpo_on_image_replies_changes_the_policy(tmp_path):
     assert any(not torch.equal(v, after[k]) for k, v in before.items())
     assert module.last_episodes.metrics["turns"] == [2.0] * 16
     assert images and all(counts == [2] * 16 for counts in images)  # the prompt's image and the reply's, every row
+
+
+def held_out_accuracy(module, batch: dict) -> float:
+    """Greedy episodes on the held-out prompts: the share whose second turn names the reply's colour."""
+    rollout = play(module.policy, module.tokenizer, batch, do_sample=False)
+    return float(rollout.episodes.returns.mean())
+
+
+@pytest.mark.slow
+def test_grpo_learns_to_name_the_colour_of_the_replys_image(tmp_path):
+    """The prompt's image is blank: only the environment's image tells the colour, so a policy above chance (1/3)
+    reads the reply's image."""
+    import lightning.pytorch as pl
+
+    from aitraining_pl.modules.critic_free import GRPOModule
+
+    pl.seed_everything(0)
+    module = GRPOModule(
+        model_config={"preset": PRESET},
+        tokenizer_name=PRESET,
+        reward=ColourReply(),
+        generation={"max_new_tokens": 1, "temperature": 1.0},
+        num_generations=8,
+        learning_rate=0.004,
+        lr_schedule="constant",
+        mini_batch_size=64,
+        kl_coef=0.0,
+    )
+    batch = batch_of(module.tokenizer, 30, seed=7)
+
+    class Curve(pl.Callback):
+        points = [(0, held_out_accuracy(module, batch))]
+
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step % 10 == 0:
+                self.points.append((trainer.global_step, held_out_accuracy(module, batch)))
+
+    data = ColourSquaresDataModule(num_prompts=48, num_val_prompts=0, blank=True, tokenizer=module.tokenizer,
+                                   batch_size=16)  # fmt: skip
+    quiet_trainer(tmp_path, max_steps=50, max_epochs=100, limit_val_batches=0, callbacks=[Curve()]).fit(module, data)
+    print("image replies: held-out accuracy by optimizer step", Curve.points)
+    assert Curve.points[-1][1] >= 0.8 > Curve.points[0][1]
