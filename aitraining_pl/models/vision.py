@@ -325,8 +325,8 @@ def model_inputs(
 ) -> dict[str, Any]:
     """Keyword arguments of ``model``'s forward for rows ``input_ids`` with their images: the vision inputs (the
     prompts' image features computed once, ``encoder_outputs``, where the encoder is frozen), the token types and
-    the positions (``None`` for M-RoPE models, which compute theirs from the mask and the image grids; else counted
-    over the real tokens, as ``generate`` counts left-padded rows)."""
+    the positions (``None`` for M-RoPE models given images, which compute theirs from the mask and the image grids;
+    else counted over the real tokens, as ``generate`` counts left-padded rows)."""
     from aitraining_pl.losses import positions_from_mask
 
     dtype = next(p for p in _unwrapped(model).parameters()).dtype
@@ -337,6 +337,6 @@ def model_inputs(
     if encoded is not None:  # the prompts' features, computed once, for every row
         kwargs = {k: v for k, v in kwargs.items() if k not in PIXEL_KEYS}
         kwargs["mm_encoder_outputs"] = encoded
-    if not uses_mrope(model):
+    if not uses_mrope(model) or not pixels:  # M-RoPE without images: text positions, counted over the real tokens
         kwargs["position_ids"] = positions_from_mask(attention_mask)
     return kwargs

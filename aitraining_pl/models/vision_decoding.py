@@ -55,14 +55,14 @@ def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vision:
     extra = {} if not forward.keep_last else {"logits_to_keep": 1}
     base = getattr(_unwrapped(model), "model", None)
     if uses_mrope(model):
-        base.rope_deltas = None  # deltas of an earlier batch would be reused
+        base.rope_deltas = None  # deltas of an earlier batch would be reused (none are set without images)
     out = model(**kwargs, use_cache=True, **extra)
     cache = out.get("cache")
     if cache is None:
         cache = out.get("past_key_values")
     if not plain_cache(cache):
         raise NotImplementedError(f"{type(_unwrapped(model)).__name__}: sampling with images needs a DynamicCache")
-    if uses_mrope(model):  # the last prompt position: its real tokens' count - 1, shifted past the images
+    if uses_mrope(model) and base.rope_deltas is not None:  # the last prompt position: shifted past the images
         position = prompt_mask.sum(1, keepdim=True) - 1 + base.rope_deltas.to(prompt_mask.device)
     else:
         position = positions_from_mask(prompt_mask)[:, -1:]
