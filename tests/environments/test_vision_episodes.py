@@ -152,4 +152,3 @@ def test_grpo_on_image_replies_changes_the_policy(tmp_path):
     assert any(not torch.equal(v, after[k]) for k, v in before.items())
     assert module.last_episodes.metrics["turns"] == [2.0] * 16
     assert images and all(counts == [2] * 16 for counts in images)  # the prompt's image and the reply's, every row
-
