@@ -21,7 +21,7 @@ from aitraining_pl.datamodules.io import DataValidationError
 from aitraining_pl.environments.episode import AssistantTurn, EpisodeEnvironment
 from aitraining_pl.environments.episode_guard import guarded_reset, guarded_step
 from aitraining_pl.environments.tools import ToolTemplateError
-from aitraining_pl.environments.vision_chat import ImageChat, image_part_field, vision_chat_format
+from aitraining_pl.environments.vision_chat import ImageChat, image_part_field, vision_chat_format, without_pixels
 from aitraining_pl.models.episode_decoding import EpisodeTokens, TurnSample, decode_episodes, decode_turns
 from aitraining_pl.models.generation import hf_generation_config
 from aitraining_pl.models.tokens import padded, with_bos
@@ -256,7 +256,7 @@ class _Episodes:
             else:
                 self.length[r] += len(reply)
                 self.images[r] += images
-                self.transcripts[r] += [_described(m) for m in result.messages]
+                self.transcripts[r] += [without_pixels(m) for m in result.messages]
             replies.append(reply)
         return replies
 
@@ -268,15 +268,6 @@ class _Episodes:
         if field:
             raise DataValidationError("the environment's reply", "images need a vision-language policy", None, field)
         return self.chat.reply_ids(result.messages, turn_ids), []
-
-
-def _described(message: dict) -> dict:
-    """A reply message for the transcript: its image parts as ``{"type": "image"}`` (no pixels)."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return dict(message)
-    parts = [{"type": "image"} if p.get("type") in ("image", "image_url") else p for p in content]
-    return {**message, "content": parts}
 
 
 def sample_episodes(

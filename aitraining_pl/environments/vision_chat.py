@@ -40,6 +40,15 @@ def image_part_field(messages: Sequence[dict], where: str = "messages", first: i
     return None
 
 
+def without_pixels(message: dict) -> dict:
+    """``message`` for a transcript: its image parts as ``{"type": "image"}`` (no image data)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return dict(message)
+    parts = [{"type": "image"} if isinstance(p, dict) and p.get("type") in IMAGE_PARTS else p for p in content]
+    return {**message, "content": parts}
+
+
 def vision_chat_format(tokenizer, tools: Sequence[dict] = ()):
     """``ChatFormat`` of ``tokenizer``, with its processor's image placeholder when it is a VL model's."""
     from aitraining_pl.environments.episode_rollout import ChatFormat  # it imports this module

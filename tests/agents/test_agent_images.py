@@ -16,13 +16,14 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from aitraining_pl.agents import AgentEndpoint, AgentEnvironment  # noqa: E402
+from aitraining_pl.agents.recording import split_sequences  # noqa: E402
 from aitraining_pl.datamodules.colours import colour_reward, colour_square  # noqa: E402
 from aitraining_pl.datamodules.formats import prompt_text  # noqa: E402
 from aitraining_pl.datamodules.prompt import PromptDataModule  # noqa: E402
 from aitraining_pl.datamodules.vision import encode_with_images, image_placeholder  # noqa: E402
 from aitraining_pl.models import build_causal_lm, load_tokenizer  # noqa: E402
 from aitraining_pl.models.tokens import with_bos  # noqa: E402
-from aitraining_pl.models.vision import VisionInputs, load_processor, load_vision_lm  # noqa: E402
+from aitraining_pl.models.vision import VisionInputs, load_processor, load_vision_lm, merge_vision  # noqa: E402
 from aitraining_pl.models.vision_decoding import sample_with_images  # noqa: E402
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
 
@@ -69,6 +70,26 @@ def test_an_image_url_part_is_answered_as_the_hf_decoder_answers_the_prompt_and_
     assert record.completion_ids == want[: len(record.completion_ids)] and record.completion_ids
     assert record.ended == (1 in want) and reply.usage.prompt_tokens == len(ids)
     assert reply.choices[0].message.content == tokenizer.decode(record.completion_ids, skip_special_tokens=True)
+
+
+def test_a_call_that_extends_the_last_one_with_another_image_keeps_both_images_in_order(served):
+    endpoint, processor, model = served
+    first, second = colour_square("red", seed=1), colour_square("blue", seed=2)
+    key = endpoint.open_episode()
+    with openai.OpenAI(base_url=endpoint.base_url, api_key=key, max_retries=0) as client:
+        messages = image_message(data_url(first))
+        answer = client.chat.completions.create(model="policy", messages=messages).choices[0].message
+        messages += [answer.model_dump(exclude_none=True), *image_message(data_url(second), "and now?")]
+        client.chat.completions.create(model="policy", messages=messages)
+    one, two = endpoint.finish_episode(key)
+    assert two.prompt_ids[: len(one.prompt_ids) + len(one.completion_ids)] == one.prompt_ids + one.completion_ids
+    assert len(two.images) == 2 and torch.equal(two.images[0]["pixel_values"], one.images[0]["pixel_values"])
+    (sequence,) = split_sequences([one, two])  # one training row, both images in order
+    assert len(sequence.images) == 2 and (torch.tensor(sequence.all_ids) == model.config.image_token_id).sum() == 8
+    prompt = torch.tensor([two.prompt_ids])
+    vision = VisionInputs([merge_vision(two.images)])
+    want = sample_with_images(model, prompt, torch.ones_like(prompt), vision, GREEDY, [1], None, 0).response_ids[0]
+    assert two.completion_ids == want.tolist()[: len(two.completion_ids)]
 
 
 @pytest.mark.parametrize(

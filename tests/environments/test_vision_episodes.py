@@ -111,6 +111,26 @@ def test_an_image_reply_is_masked_and_the_turns_and_log_probs_equal_the_full_for
         assert logits[at - 1].argmax(-1).tolist() == ids[at].tolist()  # greedy turns = the full forward's
 
 
+class ImageReset(ColourReply):
+    """The first prompt from ``reset``, with an image part that carries its own (blank) image."""
+
+    def reset(self, prompt, metadata):
+        super().reset(prompt, metadata)
+        return [{"role": "user", "content": [{"type": "image", "image": colour_square(None)}, {"type": "text",
+                 "text": prompt}]}]  # fmt: skip
+
+
+def test_reset_messages_with_an_image_part_replace_the_prompt_and_its_images(tiny):
+    model, tokenizer = tiny
+    batch = text_batch(tokenizer, ["colour?", "colour"])
+    engine = RolloutEngine(tokenizer, GenerationConfig(max_new_tokens=1, do_sample=False))
+    rollout = sample_episodes(engine, model, ImageReset(), batch["prompts"], batch["metadata"], batch["input_ids"],
+                              batch["attention_mask"], 2)  # fmt: skip
+    image = model.config.image_token_id
+    assert [int((row == image).sum()) for row in rollout.prompt_ids] == [4] * 4  # the reset's image in the prompt
+    assert [int(p["image_grid_thw"].shape[0]) for p in rollout.vision.prompts] == [2] * 4  # and the reply's
+
+
 def test_a_text_only_policy_refuses_an_image_reply():
     from conftest import TINY_LLAMA
 
