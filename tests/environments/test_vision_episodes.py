@@ -53,8 +53,8 @@ def batch_of(tokenizer, n: int, seed: int = 3) -> dict:
     return PromptCollator(tokenizer.pad_token_id)([dataset[i] for i in range(len(dataset))])
 
 
-def play(model, tokenizer, batch, samples: int = 1, **generation):
-    engine = RolloutEngine(tokenizer, GenerationConfig(max_new_tokens=2, **generation))
+def play(model, tokenizer, batch, samples: int = 1, max_new: int = 2, **generation):
+    engine = RolloutEngine(tokenizer, GenerationConfig(max_new_tokens=max_new, **generation))
     return sample_episodes(engine, model, ColourReply(), batch["prompts"], batch["metadata"], batch["input_ids"],
                            batch["attention_mask"], samples, vision=batch["vision"])  # fmt: skip
 
@@ -172,3 +172,58 @@ def test_grpo_on_image_replies_changes_the_policy(tmp_path):
     assert any(not torch.equal(v, after[k]) for k, v in before.items())
     assert module.last_episodes.metrics["turns"] == [2.0] * 16
     assert images and all(counts == [2] * 16 for counts in images)  # the prompt's image and the reply's, every row
+
+
+@pytest.mark.slow
+def test_grpo_learns_to_name_the_colour_of_the_replys_image(tmp_path):
+    """Text prompts: only the environment's image tells the colour. Greedy held-out accuracy (30 episodes, the
+    colours balanced) by optimizer step, seed 0, one thread, measured 2026-12-05: 0.0 (step 0: no colour letter),
+    0.33 (10-50: one colour for every image), 0.67 (60, 70), 1.0 (80)."""
+    import lightning.pytorch as pl
+
+    from aitraining_pl.datamodules.prompt import PromptDataModule
+    from aitraining_pl.modules.critic_free import GRPOModule
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the curve above is one thread's
+    pl.seed_everything(0)
+    module = GRPOModule(
+        model_config={"preset": PRESET},
+        tokenizer_name=PRESET,
+        reward=ColourReply(),
+        generation={"max_new_tokens": 1, "temperature": 1.0},
+        num_generations=8,
+        learning_rate=0.004,
+        lr_schedule="constant",
+        mini_batch_size=64,
+        kl_coef=0.0,
+    )
+    held_out = text_batch(module.tokenizer, ["colour?"] * 3)
+    held_out = {**held_out, "metadata": held_out["metadata"] * 10, "prompts": held_out["prompts"] * 10}
+    held_out.update(
+        input_ids=held_out["input_ids"].repeat(10, 1), attention_mask=held_out["attention_mask"].repeat(10, 1)
+    )
+
+    def accuracy() -> float:
+        return float(
+            play(module.policy, module.tokenizer, held_out, max_new=1, do_sample=False).episodes.returns.mean()
+        )
+
+    curve = [(0, accuracy())]
+
+    class Curve(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step % 20 == 0:
+                curve.append((trainer.global_step, accuracy()))
+
+    names = ["red", "green", "blue"]
+    data = PromptDataModule(prompts=["colour?"] * 48, metadata=[{"colour": names[i % 3]} for i in range(48)],
+                            metadata_columns=["colour"], tokenizer=module.tokenizer, batch_size=16)  # fmt: skip
+    try:
+        quiet_trainer(tmp_path, max_steps=80, max_epochs=100, limit_val_batches=0, callbacks=[Curve()]).fit(
+            module, data
+        )
+    finally:
+        torch.set_num_threads(threads)
+    print("image replies: greedy held-out accuracy by optimizer step", curve)
+    assert curve[0][1] < 0.4 and curve[-1][1] >= 0.8, curve
