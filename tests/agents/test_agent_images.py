@@ -92,6 +92,39 @@ def test_a_call_that_extends_the_last_one_with_another_image_keeps_both_images_i
     assert two.completion_ids == want.tolist()[: len(two.completion_ids)]
 
 
+def test_calls_with_and_without_images_sampled_together_answer_as_each_alone(served, monkeypatch):
+    import threading
+
+    endpoint, _, model = served
+    monkeypatch.setattr(endpoint, "batch_window", 2.0)  # both calls in one batch (the sampler waits for both)
+    real, batches = endpoint._sample, []
+
+    def sample(settings, prompts, images):
+        batches.append([len(i) for i in images])
+        return real(settings, prompts, images)
+
+    monkeypatch.setattr(endpoint, "_sample", sample)
+    keys = [endpoint.open_episode(), endpoint.open_episode()]
+    messages = [image_message(data_url(colour_square("blue", seed=3))), [{"role": "user", "content": "a longer text"}]]
+
+    def call(key, conversation):
+        with openai.OpenAI(base_url=endpoint.base_url, api_key=key, max_retries=0) as client:
+            client.chat.completions.create(model="policy", messages=conversation)
+
+    threads = [threading.Thread(target=call, args=pair) for pair in zip(keys, messages)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert batches == [[1, 0]]  # one batch: the call with its image and the call without
+    for key in keys:
+        (record,) = endpoint.finish_episode(key)
+        prompt = torch.tensor([record.prompt_ids])
+        vision = VisionInputs([merge_vision(record.images)])
+        alone = sample_with_images(model, prompt, torch.ones_like(prompt), vision, GREEDY, [1], None, 0)
+        assert record.completion_ids == alone.response_ids[0].tolist()[: len(record.completion_ids)]
+
+
 @pytest.mark.parametrize(
     ("url", "param"),
     [
