@@ -78,9 +78,9 @@ from aitraining_pl.agents.recording import CallRecord
 from aitraining_pl.datamodules.io import DataValidationError
 from aitraining_pl.environments.episode_rollout import ChatFormat
 from aitraining_pl.environments.tools import detect_tool_format, parse_tool_calls
-from aitraining_pl.environments.vision_chat import ImageChat, image_part_field, vision_chat_format
+from aitraining_pl.environments.vision_chat import chat_ids, vision_chat_format
 from aitraining_pl.models.generation import StopRule
-from aitraining_pl.models.vision import VisionInputs, merge_vision, processor_of
+from aitraining_pl.models.vision import VisionInputs, merge_vision
 from aitraining_pl.rollout import RolloutEngine
 
 #: a request whose messages and tools take more characters than this times the model's context cannot fit: it is
@@ -292,19 +292,9 @@ class AgentEndpoint:
         return self._render(chat, messages)
 
     def _render(self, chat: ChatFormat, messages: list[dict], turn_ids=None, first: int = 0):
-        """Token ids of ``messages`` (a prompt, or with ``turn_ids`` a reply after that turn) and their images'
-        vision inputs; a 400 naming the image part a text-only policy cannot take or that cannot be read."""
-        processor = processor_of(self.engine.tokenizer)
-        if processor is None:
-            field = image_part_field(messages, first=first)
-            if field is not None:
-                raise RequestError(400, f"{field}: the policy is a text-only model: it takes no images", field)
-            return (chat.prompt_ids(messages) if turn_ids is None else chat.reply_ids(messages, turn_ids)), []
-        vision = ImageChat(chat, processor, "the request")
+        """``vision_chat.chat_ids``: a 400 naming the image part a text-only policy cannot take or that is bad."""
         try:
-            if turn_ids is None:
-                return vision.prompt_ids(messages, first=first)
-            return vision.reply_ids(messages, turn_ids, first=first)
+            return chat_ids(chat, messages, turn_ids, first=first, source="the request")
         except DataValidationError as err:
             raise RequestError(400, str(err), err.field) from None
 

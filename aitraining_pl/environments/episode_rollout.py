@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE
-from aitraining_pl.datamodules.io import DataValidationError
 from aitraining_pl.environments.episode import AssistantTurn, EpisodeEnvironment
 from aitraining_pl.environments.episode_guard import guarded_reset, guarded_step
 from aitraining_pl.environments.tools import ToolTemplateError
-from aitraining_pl.environments.vision_chat import ImageChat, image_part_field, vision_chat_format, without_pixels
+from aitraining_pl.environments.vision_chat import chat_ids, vision_chat_format, without_pixels
 from aitraining_pl.models.episode_decoding import EpisodeTokens, TurnSample, decode_episodes, decode_turns
 from aitraining_pl.models.generation import hf_generation_config
 from aitraining_pl.models.tokens import padded, with_bos
@@ -222,8 +221,7 @@ class _Episodes:
         self, environment: EpisodeEnvironment, chat: ChatFormat, tokenizer, rows: int, max_new_tokens: int, timeout
     ):
         self.envs, self.timeout = [environment.spawn() for _ in range(rows)], timeout
-        processor = processor_of(tokenizer)
-        self.vision = None if processor is None else ImageChat(chat, processor, "the environment's reply")
+        self.vision = processor_of(tokenizer) is not None  # a VL policy
         self.images: list[list[dict]] = [[] for _ in range(rows)]
         self.chat, self.tokenizer, self.limits, self.max_new = chat, tokenizer, environment.limits, max_new_tokens
         self.length = [0] * rows
@@ -262,12 +260,8 @@ class _Episodes:
 
     def reply(self, result, turn_ids: list[int]) -> tuple[list[int], list[dict]]:
         """A reply's tokens (image tokens expanded) and its images' vision inputs."""
-        if self.vision is not None:
-            return self.vision.reply_ids(result.messages, turn_ids, result.images, where="EpisodeStep.messages")
-        field = image_part_field(result.messages, "EpisodeStep.messages") or "EpisodeStep.images" * bool(result.images)
-        if field:
-            raise DataValidationError("the environment's reply", "images need a vision-language policy", None, field)
-        return self.chat.reply_ids(result.messages, turn_ids), []
+        where, source = "EpisodeStep.messages", "the environment's reply"
+        return chat_ids(self.chat, result.messages, turn_ids, result.images, where=where, source=source)
 
 
 def sample_episodes(
@@ -313,11 +307,11 @@ def sample_episodes(
     ]
     prompts_images = [vision.prompts[i] if vision is not None else {} for i in range(len(prompts))]
     prompt_ids, prompt_mask = _prompts(
-        chat, first[::num_samples], prompt_ids, prompt_mask, engine, model, episodes.vision, prompts_images
+        chat, first[::num_samples], prompt_ids, prompt_mask, engine, model, prompts_images
     )
     end_ids = engine.end_token_ids(model)
     config = hf_generation_config(engine.generation, end_ids, engine.pad_token_id(model, end_ids))
-    if episodes.vision is not None:  # a VL policy: each row's images so far, the prompt's first
+    if episodes.vision:  # a VL policy: each row's images so far, the prompt's first
         episodes.images = [[prompts_images[g]] for g in group.tolist()]
         sample = backend_turns(engine, model, episodes.images)
         tokens = decode_turns(sample, prompt_ids, prompt_mask, config.pad_token_id, episodes, num_samples)
@@ -330,7 +324,7 @@ def sample_episodes(
                 model, prompt_ids, prompt_mask, config, episodes, engine.stop_rule or None, num_samples, reprefill
             )
     rollout = _as_rollout(tokens, episodes, prompt_ids[group], prompt_mask[group], group, config.pad_token_id)
-    if episodes.vision is not None:
+    if episodes.vision:
         rollout.vision = VisionInputs([merge_vision(images) for images in episodes.images])
     return rollout
 
@@ -356,23 +350,19 @@ def backend_turns(engine: RolloutEngine, model: torch.nn.Module, images: list[li
     return sample
 
 
-def _prompts(chat: ChatFormat, first, prompt_ids, prompt_mask, engine, model, vision=None, images=None):
-    """The prompts: ``reset``'s messages rendered (with their image parts' images, which then replace the
-    prompt's ``images[i]``, for a VL policy's ``vision``), the data module's where it returned None."""
+def _prompts(chat: ChatFormat, first, prompt_ids, prompt_mask, engine, model, images: list[dict]):
+    """The prompts: ``reset``'s messages rendered (a VL policy's: their image parts' images replace the prompt's,
+    ``images[i]``), the data module's where it returned None."""
     if all(messages is None for messages in first):
         return prompt_ids, prompt_mask
     rows = []
     for i, messages in enumerate(first):
         if messages is None:
             rows.append(prompt_ids[i][prompt_mask[i].bool()].tolist())
-        elif vision is not None:
-            ids, parts = vision.prompt_ids(messages)
+        else:
+            ids, parts = chat_ids(chat, messages, where="reset", source="the environment's reset")
             rows.append(ids)
             images[i] = merge_vision(parts)
-        elif image_part_field(messages, "reset"):
-            raise DataValidationError("reset", "images need a vision-language policy", None, image_part_field(messages))
-        else:
-            rows.append(chat.prompt_ids(messages))
     end_ids = engine.end_token_ids(model)
     ids, mask = padded(rows, engine.pad_token_id(model, end_ids), "left", device="cpu")
     return ids.to(prompt_ids.device), mask.to(prompt_mask.device)

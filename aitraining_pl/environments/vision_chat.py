@@ -138,15 +138,19 @@ class ImageChat:
             at = start + width
         return out + list(ids[at:]), parts
 
-    def prompt_ids(self, messages: Sequence[dict], images: Sequence[Any] = (), first: int = 0):
-        """``ChatFormat.prompt_ids`` of messages with images: (ids, per-image vision inputs)."""
-        flat, found = self.flatten(messages, images, first=first)
-        return self.expand(self.chat.prompt_ids(flat), found)
 
-    def reply_ids(
-        self, messages: Sequence[dict], turn_ids: Sequence[int], images: Sequence[Any] = (), first: int = 0,
-        where: str = "messages",
-    ):  # fmt: skip
-        """``ChatFormat.reply_ids`` of messages with images: (ids, per-image vision inputs)."""
-        flat, found = self.flatten(messages, images, where, first)
-        return self.expand(self.chat.reply_ids(flat, turn_ids), found)
+def chat_ids(chat, messages: Sequence[dict], turn_ids=None, images: Sequence[Any] = (), first: int = 0,
+             where: str = "messages", source: str = "messages") -> tuple[list[int], list[dict]]:  # fmt: skip
+    """Token ids of ``messages`` rendered by ``chat`` (a ``ChatFormat``): the first prompt's (``prompt_ids``), or
+    with ``turn_ids`` a reply after that turn's (``reply_ids``); and the per-image vision inputs of their image parts
+    (``images`` fill the ``{"type": "image"}`` ones). A text-only policy's tokenizer (no processor) refuses image
+    parts and images with ``DataValidationError`` naming the field (``where[i].content[j]``), as bad images are."""
+    processor = processor_of(chat.tokenizer)
+    if processor is None:
+        field = image_part_field(messages, where, first) or f"{where} images" * bool(images)
+        if field:
+            raise DataValidationError(source, "the policy is a text-only model: it takes no images", None, field)
+        return (chat.prompt_ids(messages) if turn_ids is None else chat.reply_ids(messages, turn_ids)), []
+    vision = ImageChat(chat, processor, source)
+    flat, found = vision.flatten(messages, images, where, first)
+    return vision.expand(chat.prompt_ids(flat) if turn_ids is None else chat.reply_ids(flat, turn_ids), found)

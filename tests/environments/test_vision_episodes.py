@@ -139,7 +139,7 @@ def test_a_text_only_policy_refuses_an_image_reply():
     tokenizer, model = load_tokenizer("byte"), load_causal_lm(model_config=dict(TINY_LLAMA))
     ids = torch.tensor([tokenizer("colour?", add_special_tokens=False)["input_ids"]])
     engine = RolloutEngine(tokenizer, GenerationConfig(max_new_tokens=1))
-    with pytest.raises(DataValidationError, match=r"EpisodeStep.messages\[0\].content\[0\].*vision-language"):
+    with pytest.raises(DataValidationError, match=r"EpisodeStep.messages\[0\].content\[0\].*text-only"):
         sample_episodes(engine, model, ColourReply(), ["colour?"], [{"colour": "red"}], ids, torch.ones_like(ids))
 
 
