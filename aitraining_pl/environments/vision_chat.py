@@ -15,7 +15,8 @@ exactly as the processor expands them for that image alone (``datamodules.vision
 vision inputs (``pixel_values``, ``image_grid_thw``, ...) beside: a sequence's images, in order, are the list of
 those (``models.vision.merge_vision`` joins them for the model). Bad input raises ``DataValidationError`` naming the
 field (``messages[2].content[0]``): an unreadable image, a URL that is not a data URL, a text that spells the
-placeholder, more or fewer images than ``{"type": "image"}`` parts.
+placeholder, more or fewer images than ``{"type": "image"}`` parts, and any image for a text-only policy.
+``chat_ids`` is the one entry point (a first prompt or a reply, text-only or VL).
 """
 
 from __future__ import annotations
