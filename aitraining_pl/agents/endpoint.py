@@ -14,6 +14,13 @@ itself, a colocated vLLM engine, a generation server) samples, with the run's ge
   (``ChatFormat.reply_ids``): the model's text is never re-tokenised, and the prompt extends the earlier call's
   tokens, so both train as one sequence (``recording.split_sequences``). Other messages (a rewritten history)
   are rendered whole.
+- **Images.** A user message's content may hold ``image_url`` parts whose URLs are ``data:image/...;base64,`` data
+  URLs (any other URL: a 400 naming the field; nothing is fetched). With a vision-language policy (its tokenizer
+  carries its processor), each becomes the processor's image placeholder in the rendered chat, expanded into the
+  image's tokens, and the image's pixel values go with the prompt to the HF decoder (``environments.vision_chat``,
+  ``models.vision_decoding``); each record keeps its prompt's images (``CallRecord.images``), so the trainer's
+  log-prob pass sees the same pixel values; image tokens are part of the prompt, never trained on. A text-only
+  policy answers an image part with a 400 naming it.
 - **Tool calls** in a sampled turn are parsed by the episode path's parser in the chat template's format
   (``environments.tools``) and returned as ``tool_calls`` (``finish_reason: tool_calls``), unless ``tool_choice``
   is ``none``; a call that does not parse is returned as text. ``tool_choice: "required"`` (or a named function)
@@ -64,12 +71,16 @@ from aitraining_pl.agents.protocol import (
     parse_request,
     same_turn,
     stream_chunks,
+    text_size,
     tool_prefill,
 )
 from aitraining_pl.agents.recording import CallRecord
+from aitraining_pl.datamodules.io import DataValidationError
 from aitraining_pl.environments.episode_rollout import ChatFormat
 from aitraining_pl.environments.tools import detect_tool_format, parse_tool_calls
+from aitraining_pl.environments.vision_chat import chat_ids, vision_chat_format
 from aitraining_pl.models.generation import StopRule
+from aitraining_pl.models.vision import VisionInputs, merge_vision
 from aitraining_pl.rollout import RolloutEngine
 
 #: a request whose messages and tools take more characters than this times the model's context cannot fit: it is
@@ -109,6 +120,7 @@ class _Pending:
     prompt_ids: list[int]
     settings: tuple  #: (max_new_tokens, stop, n, temperature, top_p)
     future: concurrent.futures.Future
+    images: list = field(default_factory=list)  #: the prompt's images' vision inputs, in order
 
 
 class AgentEndpoint:
@@ -140,7 +152,7 @@ class AgentEndpoint:
         self._lock = threading.Lock()  # guards ``episodes`` and the engine binding
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._formats: collections.OrderedDict[str, tuple[ChatFormat, str | None]] = collections.OrderedDict()
-        self._render = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agent-endpoint-render")
+        self._renderer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agent-endpoint-render")
         self._opened = itertools.count()
         self._server = self._thread = self._sampler = None
         self.port = 0
@@ -214,7 +226,7 @@ class AgentEndpoint:
         key = json.dumps(tools, sort_keys=True)
         if key not in self._formats:
             try:
-                chat = ChatFormat(self.engine.tokenizer, tools)
+                chat = vision_chat_format(self.engine.tokenizer, tools)
                 tool_format = detect_tool_format(chat.template) if tools else None
             except ValueError as err:  # ToolTemplateError: the template cannot show tools
                 raise RequestError(400, str(err), "tools") from None
@@ -230,22 +242,23 @@ class AgentEndpoint:
         value = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
         return int(value) if isinstance(value, int) and value > 0 else None
 
-    def _checked_prompt(self, log: EpisodeLog, request: ChatRequest) -> tuple[list[int], str, int]:
-        """A call's prompt ids (with the tool-call prefill, ``tool_prefill``), the prefill's text, and its
-        ``max_new_tokens``; ``RequestError`` when it cannot be rendered or would not fit the context."""
+    def _checked_prompt(self, log: EpisodeLog, request: ChatRequest) -> tuple[list[int], list[dict], str, int]:
+        """A call's prompt ids (with the tool-call prefill, ``tool_prefill``), its images' vision inputs, the
+        prefill's text, and its ``max_new_tokens``; ``RequestError`` when it cannot be rendered or would not fit the
+        context."""
         context = self.context_length
         max_new = min(
             request.max_tokens or self.engine.generation.max_new_tokens, self.engine.generation.max_new_tokens
         )
         if context is not None:
-            size = len(json.dumps(request.messages)) + len(json.dumps(request.tools))
+            size = text_size(request.messages) + len(json.dumps(request.tools))
             if size > context * MAX_CHARS_PER_TOKEN:
                 raise RequestError(
                     400, f"this request's messages and tools are {size} characters: more than can fit in the "
                     f"model's context of {context} tokens", "messages", "context_length_exceeded",
                 )  # fmt: skip
         try:
-            prompt = self.prompt_ids(log, request.messages, request.tools)
+            prompt, images = self.prompt_ids(log, request.messages, request.tools)
         except RequestError:
             raise
         except Exception as err:  # the chat template refused the conversation (roles out of order, ...)
@@ -259,10 +272,11 @@ class AgentEndpoint:
                 f"is more than the model's context of {context} tokens (shorten the conversation, lower max_tokens "
                 "or generation.max_new_tokens)", "messages", "context_length_exceeded",
             )  # fmt: skip
-        return prompt, marker + rest, max_new
+        return prompt, images, marker + rest, max_new
 
-    def prompt_ids(self, log: EpisodeLog, messages: list[dict], tools: list[dict]) -> list[int]:
-        """The prompt of a call (see the module docstring: an extended conversation reuses the sampled ids)."""
+    def prompt_ids(self, log: EpisodeLog, messages: list[dict], tools: list[dict]) -> tuple[list[int], list[dict]]:
+        """The prompt of a call (see the module docstring: an extended conversation reuses the sampled ids) and its
+        images' vision inputs, in order."""
         chat, _ = self.chat_format(tools)
         tools_key = json.dumps(tools, sort_keys=True)
         for record in reversed(log.records):
@@ -273,9 +287,16 @@ class AgentEndpoint:
                 and messages[:done] == record.messages
                 and same_turn(messages[done], record.assistant)
             ):
-                reply = chat.reply_ids(messages[done + 1 :], record.completion_ids)
-                return record.prompt_ids + record.completion_ids + reply
-        return chat.prompt_ids(messages)
+                reply, images = self._render(chat, messages[done + 1 :], record.completion_ids, done + 1)
+                return record.prompt_ids + record.completion_ids + reply, record.images + images
+        return self._render(chat, messages)
+
+    def _render(self, chat: ChatFormat, messages: list[dict], turn_ids=None, first: int = 0):
+        """``vision_chat.chat_ids``: a 400 naming the image part a text-only policy cannot take or that is bad."""
+        try:
+            return chat_ids(chat, messages, turn_ids, first=first, source="the request")
+        except DataValidationError as err:
+            raise RequestError(400, str(err), err.field) from None
 
     # ------------------------------------------------------------------ one call
     async def complete(self, key: str | None, body: Any) -> dict | list[dict]:
@@ -291,15 +312,16 @@ class AgentEndpoint:
             log.in_flight.append(opening)
         try:
             loop = asyncio.get_running_loop()
-            prompt, prefill, max_new = await loop.run_in_executor(self._render, self._checked_prompt, log, request)
-            samples = await self._queued(log, request, prompt, max_new)
+            checked = await loop.run_in_executor(self._renderer, self._checked_prompt, log, request)
+            prompt, images, prefill, max_new = checked
+            samples = await self._queued(log, request, prompt, max_new, images)
         finally:
             with self._lock:
                 log.in_flight.remove(opening)
-        completion = self._answer(key, request, prompt, prefill, samples)
+        completion = self._answer(key, request, prompt, prefill, samples, images)
         return stream_chunks(completion, request.include_usage) if request.stream else completion
 
-    async def _queued(self, log: EpisodeLog, request: ChatRequest, prompt: list[int], max_new: int) -> list:
+    async def _queued(self, log: EpisodeLog, request: ChatRequest, prompt: list[int], max_new: int, images=()) -> list:
         """The call's samples, from the sampler thread."""
         temperature = request.temperature if self.request_sampling else None
         top_p = request.top_p if self.request_sampling else None
@@ -308,10 +330,10 @@ class AgentEndpoint:
             stop += ("</tool_call>",)  # hermes: the turn ends with its first call (tool_prefill refuses the others)
         settings = (max_new, stop, request.n, temperature, top_p)
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put(_Pending(log.order, prompt, settings, future))
+        self._queue.put(_Pending(log.order, prompt, settings, future, list(images)))
         return await asyncio.wrap_future(future)
 
-    def _answer(self, key, request: ChatRequest, prompt: list[int], prefill: str, samples: list) -> dict:
+    def _answer(self, key, request: ChatRequest, prompt: list[int], prefill: str, samples: list, images) -> dict:
         """The completion body of ``samples``, each recorded in the episode ``key``."""
         chat, tool_format = self.chat_format(request.tools)
         tokenizer, choices = self.engine.tokenizer, []
@@ -337,7 +359,7 @@ class AgentEndpoint:
                 log.records.append(
                     CallRecord(
                         prompt, ids, logprobs, ended, self.version, request.messages, choice["message"], tools_key,
-                        len(choice["message"].get("tool_calls", [])),
+                        len(choice["message"].get("tool_calls", [])), images,
                     )
                 )  # fmt: skip
         return completion_body(self.model_name, choices, len(prompt))
@@ -372,7 +394,7 @@ class AgentEndpoint:
     def _serve(self, settings: tuple, items: list[_Pending]) -> None:
         """Sample ``items`` together; if that fails, one at a time (a call's error goes to that call only)."""
         try:
-            results = self._sample(settings, [item.prompt_ids for item in items])
+            results = self._sample(settings, [item.prompt_ids for item in items], [item.images for item in items])
         except Exception as err:  # noqa: BLE001 - handed to the waiting call (HTTP 500)
             if len(items) == 1:
                 items[0].future.set_exception(err)
@@ -400,8 +422,9 @@ class AgentEndpoint:
         return engine
 
     @torch.no_grad()
-    def _sample(self, settings: tuple, prompts: list[list[int]]) -> list[list[tuple[list[int], list[float], bool]]]:
-        """``n`` samples of each prompt: per prompt, per sample, (ids, log-probs, ended)."""
+    def _sample(self, settings: tuple, prompts: list[list[int]], images: list[list[dict]]) -> list[list[tuple]]:
+        """``n`` samples of each prompt (with its ``images``' vision inputs): per prompt, per sample, (ids, log-probs,
+        ended)."""
         with self._lock:
             engine, model = self._engine_for(settings), self.model
         n = settings[2]
@@ -412,7 +435,8 @@ class AgentEndpoint:
         mask = torch.zeros_like(ids)
         for i, row in enumerate(prompts):
             ids[i, width - len(row) :], mask[i, width - len(row) :] = torch.tensor(row), 1
-        rollout = engine.sample(model, ids.to(device), mask.to(device), n, with_logprobs=True)
+        vision = VisionInputs([merge_vision(i) for i in images]) if any(images) else None
+        rollout = engine.sample(model, ids.to(device), mask.to(device), n, with_logprobs=True, vision=vision)
         lengths = rollout.response_mask.sum(1).tolist()
         logps = rollout.sampling_logprobs
         rows = [

@@ -171,10 +171,17 @@ class AgentEnvironment(EpisodeEnvironment):
         *,
         timeout: float | None = DEFAULT_REWARD_TIMEOUT,
         version: Any = None,
+        vision: Any = None,
     ) -> Rollout:
         """Play ``num_samples`` episodes per prompt through the endpoint and return their ``Rollout`` (rows as in
         the module docstring); ``version`` is recorded as the weights version of every call (default: the
-        backend's)."""
+        backend's). An agent shows a VL policy images in its calls (``image_url`` parts); the data module's rows
+        (``vision``, the prompts' images) must have none: the agent gets the prompt's text only."""
+        if vision is not None and any(vision.prompts):
+            raise ValueError(
+                f"AgentEnvironment ({self._where}): the data module's prompts have images, which an agent never sees "
+                "(it gets the prompt's text): send images in the agent's calls as image_url parts (data URLs)"
+            )
         endpoint = self.endpoint(engine, model, version)
         groups = [g for g in range(len(prompts)) for _ in range(num_samples)]
         asynchronous = inspect.iscoroutinefunction(self.agent)

@@ -2,10 +2,12 @@
 messages normalised for a chat template, the response built from the ``openai`` package's own types, and the
 error bodies (``{"error": {"message", "type", "param", "code"}}``) of what it refuses.
 
-Served fields: ``messages``, ``tools``, ``tool_choice`` (``auto``, ``none``, ``required``, a named function),
-``parallel_tool_calls``, ``temperature``, ``top_p``, ``max_tokens`` (or ``max_completion_tokens``), ``n``, ``stop``,
-``logprobs``, ``top_logprobs`` (0 only), ``stream`` and ``stream_options.include_usage`` (the answer as OpenAI's
-server-sent events: ``stream_chunks``); ``model`` is accepted and ignored (one policy is served). Fields that would
+Served fields: ``messages`` (content as text, or text and ``image_url`` parts whose URLs are data URLs, for a
+vision-language policy: ``environments.vision_chat``), ``tools``, ``tool_choice`` (``auto``, ``none``, ``required``,
+a named function), ``parallel_tool_calls``, ``temperature``, ``top_p``, ``max_tokens`` (or
+``max_completion_tokens``), ``n``, ``stop``, ``logprobs``, ``top_logprobs`` (0 only), ``stream`` and
+``stream_options.include_usage`` (the answer as OpenAI's server-sent events: ``stream_chunks``); ``model`` is
+accepted and ignored (one policy is served). Fields that would
 change what is sampled and cannot be honoured are refused with a 400 naming them: ``response_format`` other than
 ``text`` (no guided decoding), ``logit_bias``, non-zero ``presence_penalty`` / ``frequency_penalty``. Fields that do
 not change the sample (``seed``, ``user``, ``metadata``, ``store``, ...) are ignored.
@@ -66,13 +68,44 @@ def _number(body: dict, name: str, low: float, high: float, integer: bool = Fals
     return value
 
 
-def _text(content: Any, where: str) -> str:
-    """A message content as text: a string, None, or a list of ``{"type": "text", "text": ...}`` parts."""
+def _content(content: Any, where: str) -> str | list[dict]:
+    """A message content as text (a string, None, or a list of ``{"type": "text", "text": ...}`` parts), or, where
+    it has ``image_url`` parts, as a list of text and ``image_url`` parts whose URLs are ``data:image/...;base64,``
+    data URLs (nothing is fetched: any other URL is refused, naming the field)."""
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+    if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+        raise RequestError(400, f"{where}.content must be a string or a list of text parts (or text and image_url "
+                           "parts)", f"{where}.content")  # fmt: skip
+    if all(p.get("type") == "text" for p in content):
         return "".join(str(p.get("text", "")) for p in content)
-    raise RequestError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
+    parts = []
+    for j, part in enumerate(content):
+        field = f"{where}.content[{j}]"
+        if part.get("type") == "text":
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif part.get("type") == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
+                raise RequestError(400, f"{field}.image_url.url must be a data URL (data:image/png;base64,...): "
+                                   f"nothing is fetched, got {url!r:.60}", f"{field}.image_url.url")  # fmt: skip
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise RequestError(400, f"{field}: a content part must be text or image_url, got {part.get('type')!r:.40}",
+                               field)  # fmt: skip
+    return parts
+
+
+def text_size(messages: list[dict]) -> int:
+    """Characters of ``messages`` as JSON, an image's data URL counted as one (images are not text)."""
+
+    def strip(content):
+        if not isinstance(content, list):
+            return content
+        return [{"type": "image_url"} if p.get("type") == "image_url" else p for p in content]
+
+    return len(json.dumps([{**m, "content": strip(m.get("content"))} for m in messages]))
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict]:
@@ -95,7 +128,8 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
 
 
 def normalise_messages(messages: Any) -> list[dict]:
-    """``messages`` checked and made what chat templates read: content as text, tool-call arguments as mappings."""
+    """``messages`` checked and made what chat templates read: content as text (or text and ``image_url`` parts),
+    tool-call arguments as mappings."""
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages must be a non-empty list of messages", "messages")
     out = []
@@ -105,7 +139,7 @@ def normalise_messages(messages: Any) -> list[dict]:
             got = message.get("role") if isinstance(message, dict) else message
             raise RequestError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {got!r:.40}", f"{where}.role")
         role = "system" if message["role"] == "developer" else message["role"]
-        normal = {"role": role, "content": _text(message.get("content"), where)}
+        normal = {"role": role, "content": _content(message.get("content"), where)}
         if role == "assistant" and message.get("tool_calls"):
             normal["tool_calls"] = _tool_calls(message["tool_calls"], where)
         if role == "tool":

@@ -29,6 +29,8 @@ class CallRecord:
     assistant: dict = field(default_factory=dict)  #: the assistant message returned (normalised)
     tools_key: str = ""  #: the tools the prompt was rendered with (JSON)
     tool_calls: int = 0  #: tool calls returned to the agent
+    #: the prompt's images, in order: each image's vision inputs (``environments.vision_chat``; a VL policy's)
+    images: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -42,6 +44,7 @@ class TokenSequence:
     logprobs: list[float] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
     ended: bool = True  #: the last call ended by an end token or stop
+    images: list[dict] = field(default_factory=list)  #: its images' vision inputs, in order (its last call's)
 
     @property
     def all_ids(self) -> list[int]:
@@ -54,7 +57,7 @@ class TokenSequence:
         self.from_model += [False] * len(context) + [True] * len(record.completion_ids)
         self.logprobs += [0.0] * len(context) + [float(x) for x in record.logprobs]
         self.ends.append(len(self.tokens) - 1)
-        self.ended = record.ended
+        self.ended, self.images = record.ended, list(record.images)
 
 
 def split_sequences(records: Sequence[CallRecord]) -> list[TokenSequence]:

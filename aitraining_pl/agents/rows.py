@@ -10,6 +10,7 @@ import torch
 
 from aitraining_pl.agents.recording import CallRecord, split_sequences
 from aitraining_pl.environments.episode_rollout import EpisodeInfo
+from aitraining_pl.models.vision import VisionInputs, merge_vision
 from aitraining_pl.rollout import Rollout
 
 
@@ -26,7 +27,8 @@ def episode_rows(
 ) -> Rollout:
     """The ``Rollout`` of episodes' records (one list per episode, in ``groups`` order: the prompt index of each
     episode): ``max_sequences`` rows per episode, laid out as ``AgentEnvironment``'s docstring says; ``extra``: more
-    metrics per episode (``agent_errors``, ``no_calls``, ...)."""
+    metrics per episode (``agent_errors``, ``no_calls``, ...). Where the calls had images (a VL policy's), the
+    rollout carries each row's (``Rollout.vision``: its sequence's last call's, in order)."""
     device = prompt_ids.device
     rows, metrics, transcripts = [], [], []
     for e, (episode, reward, g) in enumerate(zip(records, rewards, groups)):
@@ -92,4 +94,6 @@ def episode_rows(
         texts, group.to(device), sampling_logprobs=logprobs.to(device),
     )  # fmt: skip
     rollout.episodes = info
+    if any(sequence is not None and sequence.images for _, _, _, sequence, _ in rows):  # each row's images
+        rollout.vision = VisionInputs([merge_vision(s.images) if s is not None else {} for _, _, _, s, _ in rows])
     return rollout

@@ -21,6 +21,12 @@ return) and metrics. One environment object plays one episode: the rollout makes
                 return EpisodeStep(done=True, reward=1.0, metrics={"success": 1.0})
             return EpisodeStep(messages=[{"role": "user", "content": "higher" if guess < self.secret else "lower"}])
 
+A reply may show a vision-language policy images: content parts with ``{"type": "image"}`` placeholders and the
+images in ``EpisodeStep.images`` (or parts that carry their own, ``environments.vision_chat``)::
+
+    EpisodeStep(messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}],
+                images=[square])
+
 Limits (``EpisodeLimits``) bound each episode: turns, tokens per turn (``GenerationConfig.max_new_tokens``),
 total response tokens (model and environment tokens after the prompt); the tool limits live in
 ``environments.tools``. An episode stopped by a limit is *truncated* (``Rollout.ended`` False).
@@ -78,6 +84,9 @@ class EpisodeStep:
     done: bool = False  #: the episode is over (no reply is rendered)
     reward: float = 0.0  #: this turn's reward
     metrics: dict[str, float] = field(default_factory=dict)  #: summed over the episode's turns
+    #: the images of the reply's ``{"type": "image"}`` content parts, in order (PIL images, paths, bytes or data
+    #: URLs), for a vision-language policy (``environments.vision_chat``)
+    images: list[Any] = field(default_factory=list)
 
 
 class EpisodeEnvironment:

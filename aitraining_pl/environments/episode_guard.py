@@ -100,4 +100,5 @@ def guarded_step(env: EpisodeEnvironment, turn: AssistantTurn, timeout: float | 
     metrics = {str(k): _finite(env, v, f"metric {k!r}", turn.index) for k, v in result.metrics.items()}
     reward = _finite(env, result.reward, "reward", turn.index)
     messages = [] if result.done else checked_messages(env, "step", result.messages, env.limits.max_reply_chars)
-    return EpisodeStep(messages, bool(result.done), reward, metrics)
+    images = result.images if isinstance(result.images, (list, tuple)) else [result.images]
+    return EpisodeStep(messages, bool(result.done), reward, metrics, [] if result.done else list(images))

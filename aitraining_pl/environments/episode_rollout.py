@@ -20,10 +20,12 @@ from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE
 from aitraining_pl.environments.episode import AssistantTurn, EpisodeEnvironment
 from aitraining_pl.environments.episode_guard import guarded_reset, guarded_step
 from aitraining_pl.environments.tools import ToolTemplateError
+from aitraining_pl.environments.vision_chat import chat_ids, vision_chat_format, without_pixels
 from aitraining_pl.models.episode_decoding import EpisodeTokens, TurnSample, decode_episodes, decode_turns
 from aitraining_pl.models.generation import hf_generation_config
 from aitraining_pl.models.tokens import padded, with_bos
 from aitraining_pl.models.training import eval_mode
+from aitraining_pl.models.vision import VisionInputs, merge_vision, processor_of
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT
 from aitraining_pl.rollout import Rollout, RolloutEngine
 
@@ -74,10 +76,14 @@ class ChatFormat:
         tokenizer: a Hugging Face tokenizer.
         tools: JSON schemas shown in the prompt; a template that never reads ``tools`` raises
             ``ToolTemplateError``.
+        image_placeholder: a VL model's image placeholder (``datamodules.vision.image_placeholder``): where a
+            content spells it, it is tokenised with its special tokens (an image's place, which
+            ``environments.vision_chat`` puts there for an image part and expands into the image's tokens).
     """
 
-    def __init__(self, tokenizer, tools: Sequence[dict] = ()):
+    def __init__(self, tokenizer, tools: Sequence[dict] = (), image_placeholder: str | None = None):
         self.tokenizer, self.tools = tokenizer, list(tools) or None
+        self.image_placeholder = image_placeholder
         self.template = getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
         if self.tools and "tools" not in self.template:
             raise ToolTemplateError(
@@ -133,6 +139,16 @@ class ChatFormat:
         """``text`` as plain text: a special token's spelling in it (``<|im_start|>``) is not that token."""
         return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
 
+    def _content_ids(self, text: str) -> list[int]:
+        """A content's ``text`` as plain text, but for the image placeholders in it (with their special tokens)."""
+        if not self.image_placeholder or self.image_placeholder not in text:
+            return self.encode_text(text)
+        pieces = text.split(self.image_placeholder)
+        ids = self.encode_text(pieces[0])
+        for piece in pieces[1:]:
+            ids += self.encode(self.image_placeholder) + self.encode_text(piece)
+        return ids
+
     def _slotted(self, value, slots: list[str]):
         """``value`` with each string (or mapping key) that holds a special token's spelling replaced by a slot
         (``slots`` collects them in order)."""
@@ -174,7 +190,7 @@ class ChatFormat:
                     "the chat template renders a message's text differently from its content (not as is, trimmed, "
                     "nor JSON-escaped), so it cannot be tokenised without its special tokens"
                 )
-            ids += self.encode_text(form) + self.encode(piece)
+            ids += self._content_ids(form) + self.encode(piece)
             at += len(form) + len(piece)
         if at != len(text):
             raise ValueError("the chat template renders these messages differently with the same text")
@@ -198,12 +214,15 @@ class EpisodeInfo:
 
 
 class _Episodes:
-    """The environments of a batch and the ``respond`` callback of the decoder."""
+    """The environments of a batch and the ``respond`` callback of the decoder; for a VL policy (``processor``),
+    each row's images so far (``images``: per-image vision inputs, in order)."""
 
     def __init__(
         self, environment: EpisodeEnvironment, chat: ChatFormat, tokenizer, rows: int, max_new_tokens: int, timeout
     ):
         self.envs, self.timeout = [environment.spawn() for _ in range(rows)], timeout
+        self.vision = processor_of(tokenizer) is not None  # a VL policy
+        self.images: list[list[dict]] = [[] for _ in range(rows)]
         self.chat, self.tokenizer, self.limits, self.max_new = chat, tokenizer, environment.limits, max_new_tokens
         self.length = [0] * rows
         self.done = [False] * rows
@@ -227,16 +246,22 @@ class _Episodes:
             if result.done:
                 self.done[r] = True
             elif turn + 1 < self.limits.max_turns:
-                reply = self.chat.reply_ids(result.messages, ids)
+                reply, images = self.reply(result, ids)
                 if self.length[r] + len(reply) + self.max_new > self.limits.max_total_tokens:
                     reply = None
             if reply is None:
                 self.metrics[r]["truncated"] = float(not self.done[r])
             else:
                 self.length[r] += len(reply)
-                self.transcripts[r] += [dict(m) for m in result.messages]
+                self.images[r] += images
+                self.transcripts[r] += [without_pixels(m) for m in result.messages]
             replies.append(reply)
         return replies
+
+    def reply(self, result, turn_ids: list[int]) -> tuple[list[int], list[dict]]:
+        """A reply's tokens (image tokens expanded) and its images' vision inputs."""
+        where, source = "EpisodeStep.messages", "the environment's reply"
+        return chat_ids(self.chat, result.messages, turn_ids, result.images, where=where, source=source)
 
 
 def sample_episodes(
@@ -251,6 +276,7 @@ def sample_episodes(
     *,
     reprefill: bool = False,
     timeout: float | None = DEFAULT_REWARD_TIMEOUT,
+    vision: VisionInputs | None = None,
 ) -> Rollout:
     """Play ``num_samples`` episodes per prompt with ``engine``'s settings (``max_new_tokens`` per turn) and
     return their ``Rollout``, its ``episodes`` (``EpisodeInfo``) set. Prompts whose ``reset`` returns messages
@@ -258,9 +284,18 @@ def sample_episodes(
     backend on ``engine`` (vLLM), each turn sends every unfinished episode's whole token sequence to it
     (``backend_turns``); the rollout then carries the backend's ``sampling_logprobs``. The environment's ``reset``
     and ``step`` run guarded (``episode_guard``): each call at most ``timeout`` seconds (the online modules'
-    ``reward_timeout``), and any fault stops the run with one ``RewardError`` naming the environment."""
+    ``reward_timeout``), and any fault stops the run with one ``RewardError`` naming the environment.
+
+    A vision-language policy (its tokenizer carries its processor) plays with images: the prompts' (``vision``, one
+    entry per prompt, or the image parts of ``reset``'s messages) and those of the environment's replies
+    (``EpisodeStep.images``, ``environments.vision_chat``), their image tokens masked like the rest of a reply.
+    Each turn re-runs every unfinished episode's whole sequence with all of its images so far through the HF
+    decoder with images (``backend_turns`` with ``images``): exact on every architecture (the model places the image
+    tokens and, for the Qwen VL family, their multimodal positions over the whole sequence itself), where extending
+    the KV cache by a reply with a new image would need the new image's positions computed outside the model. The
+    rollout carries each row's images in order (``Rollout.vision``) for the trainer's log-prob pass."""
     tokenizer, device = engine.tokenizer, prompt_ids.device
-    chat = ChatFormat(tokenizer, environment.tools)
+    chat = vision_chat_format(tokenizer, environment.tools)
     if environment.tools:
         environment.for_template(chat.template)
     n = len(prompts) * num_samples
@@ -270,10 +305,17 @@ def sample_episodes(
         guarded_reset(episodes.envs[r], prompts[int(g)], dict(metadata[int(g)]), timeout)
         for r, g in enumerate(group.tolist())
     ]
-    prompt_ids, prompt_mask = _prompts(chat, first[::num_samples], prompt_ids, prompt_mask, engine, model)
+    prompts_images = [vision.prompts[i] if vision is not None else {} for i in range(len(prompts))]
+    prompt_ids, prompt_mask = _prompts(
+        chat, first[::num_samples], prompt_ids, prompt_mask, engine, model, prompts_images
+    )
     end_ids = engine.end_token_ids(model)
     config = hf_generation_config(engine.generation, end_ids, engine.pad_token_id(model, end_ids))
-    if engine.backend is not None and engine.backend.location != "policy":
+    if episodes.vision:  # a VL policy: each row's images so far, the prompt's first
+        episodes.images = [[prompts_images[g]] for g in group.tolist()]
+        sample = backend_turns(engine, model, episodes.images)
+        tokens = decode_turns(sample, prompt_ids, prompt_mask, config.pad_token_id, episodes, num_samples)
+    elif engine.backend is not None and engine.backend.location != "policy":
         sample = backend_turns(engine, model)
         tokens = decode_turns(sample, prompt_ids, prompt_mask, config.pad_token_id, episodes, num_samples)
     else:
@@ -281,17 +323,23 @@ def sample_episodes(
             tokens = decode_episodes(
                 model, prompt_ids, prompt_mask, config, episodes, engine.stop_rule or None, num_samples, reprefill
             )
-    return _as_rollout(tokens, episodes, prompt_ids[group], prompt_mask[group], group, config.pad_token_id)
+    rollout = _as_rollout(tokens, episodes, prompt_ids[group], prompt_mask[group], group, config.pad_token_id)
+    if episodes.vision:
+        rollout.vision = VisionInputs([merge_vision(images) for images in episodes.images])
+    return rollout
 
 
-def backend_turns(engine: RolloutEngine, model: torch.nn.Module):
+def backend_turns(engine: RolloutEngine, model: torch.nn.Module, images: list[list[dict]] | None = None):
     """``decode_turns``' sampler on ``engine``'s generation backend: each turn is ``engine.sample`` of the
     histories as prompts (token ids as they are: vLLM's ``prompt_token_ids``), with the single-response path's
     sampling settings, end ids and stop rule; the backend's prefix cache keeps the earlier turns' KV
-    (``prefilled``: the prompt tokens it did not find there, ``VLLMEngine.cached_tokens``)."""
+    (``prefilled``: the prompt tokens it did not find there, ``VLLMEngine.cached_tokens``). With ``images`` (a VL
+    policy's: each row's per-image vision inputs so far, in order), each history is sampled with its images by the HF
+    decoder with images (``sample_episodes`` says why the whole history)."""
 
-    def sample(ids: torch.Tensor, mask: torch.Tensor, samples: int) -> TurnSample:
-        drawn = engine.sample(model, ids, mask, samples)
+    def sample(ids: torch.Tensor, mask: torch.Tensor, samples: int, rows: list[int]) -> TurnSample:
+        extra = {} if images is None else {"vision": VisionInputs([merge_vision(images[r]) for r in rows[::samples]])}
+        drawn = engine.sample(model, ids, mask, samples, **extra)
         lengths = drawn.response_mask.sum(1).tolist()
         tokens = [row[:n].tolist() for row, n in zip(drawn.response_ids, lengths)]
         logps = drawn.sampling_logprobs
@@ -302,13 +350,19 @@ def backend_turns(engine: RolloutEngine, model: torch.nn.Module):
     return sample
 
 
-def _prompts(chat: ChatFormat, first, prompt_ids, prompt_mask, engine, model):
+def _prompts(chat: ChatFormat, first, prompt_ids, prompt_mask, engine, model, images: list[dict]):
+    """The prompts: ``reset``'s messages rendered (a VL policy's: their image parts' images replace the prompt's,
+    ``images[i]``), the data module's where it returned None."""
     if all(messages is None for messages in first):
         return prompt_ids, prompt_mask
-    rows = [
-        prompt_ids[i][prompt_mask[i].bool()].tolist() if messages is None else chat.prompt_ids(messages)
-        for i, messages in enumerate(first)
-    ]
+    rows = []
+    for i, messages in enumerate(first):
+        if messages is None:
+            rows.append(prompt_ids[i][prompt_mask[i].bool()].tolist())
+        else:
+            ids, parts = chat_ids(chat, messages, where="reset", source="the environment's reset")
+            rows.append(ids)
+            images[i] = merge_vision(parts)
     end_ids = engine.end_token_ids(model)
     ids, mask = padded(rows, engine.pad_token_id(model, end_ids), "left", device="cpu")
     return ids.to(prompt_ids.device), mask.to(prompt_mask.device)

@@ -92,8 +92,9 @@ class TurnSample(NamedTuple):
     prefilled: int
 
 
-#: ``sample(ids, mask, num_samples)``: one turn for each left-padded history (rows ``repeat_interleave``d)
-TurnSampler = Callable[[torch.Tensor, torch.Tensor, int], TurnSample]
+#: ``sample(ids, mask, num_samples, rows)``: one turn for each left-padded history (rows ``repeat_interleave``d),
+#: ``rows`` the episode rows of the turn (every ``num_samples``-th one is a history's)
+TurnSampler = Callable[[torch.Tensor, torch.Tensor, int, list[int]], TurnSample]
 
 
 class _Parked:
@@ -198,7 +199,7 @@ def hf_turn_sampler(model, config: HFGenerationConfig, stop_rule: StopRule | Non
     around ``generate``)."""
     ends = set(config.eos_token_id or [])
 
-    def sample(ids: torch.Tensor, mask: torch.Tensor, samples: int) -> TurnSample:
+    def sample(ids: torch.Tensor, mask: torch.Tensor, samples: int, rows=None) -> TurnSample:
         sampled = sample_responses(model, ids, mask, config, stop_rule, True, samples).response_ids.tolist()
         turns = [_turn_end(row, ends, stop_rule) for row in sampled]
         return TurnSample(
@@ -224,7 +225,7 @@ def decode_turns(
     prompts = [p for p in prompts for _ in range(num_samples)]
     rows, ids, mask, samples = list(range(n)), prompt_ids, prompt_mask, num_samples
     for turn in count():
-        drawn = sample(ids, mask, samples)
+        drawn = sample(ids, mask, samples, rows)
         out.prefilled.append(drawn.prefilled)
         out.sampled.append(sum(len(t) for t in drawn.tokens))
         if drawn.sampling_logprobs is not None and out.sampling_logprobs is None:

@@ -237,6 +237,19 @@ class VisionInputs:
         return {"prompts": self.prompts, "group": self.group}
 
 
+def merge_vision(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The vision inputs of one sequence whose images came in ``parts`` (processor outputs, each of one or more
+    images, in the order of their image tokens), as the processor gives them for one prompt with all those images:
+    each key concatenated over the images (dim 0; dim 1 for Idefics3's (1, images, ...) ``pixel_values`` and
+    ``pixel_attention_mask``). Parts without images ({}) add nothing."""
+    parts = [p for p in parts if p]
+    if len(parts) <= 1:
+        return dict(parts[0]) if parts else {}
+    batched = parts[0].get("pixel_values") is not None and parts[0]["pixel_values"].dim() == 5
+    dims = {k: 1 if batched and k in ("pixel_values", "pixel_attention_mask") else 0 for k in parts[0]}
+    return {k: torch.cat([p[k] for p in parts], dims[k]) for k in parts[0]}
+
+
 def token_types(model: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """The per-token type ids a VL model reads beside ``input_ids`` (1 on image tokens): ``mm_token_type_ids``
     (the Qwen VL family's M-RoPE positions) or ``token_type_ids`` (Gemma 3's bidirectional attention on images);
@@ -316,17 +329,18 @@ def model_inputs(
 ) -> dict[str, Any]:
     """Keyword arguments of ``model``'s forward for rows ``input_ids`` with their images: the vision inputs (the
     prompts' image features computed once, ``encoder_outputs``, where the encoder is frozen), the token types and
-    the positions (``None`` for M-RoPE models, which compute theirs from the mask and the image grids; else counted
-    over the real tokens, as ``generate`` counts left-padded rows)."""
+    the positions (``None`` for M-RoPE models given images, which compute theirs from the mask and the image grids;
+    else counted over the real tokens, as ``generate`` counts left-padded rows)."""
     from aitraining_pl.losses import positions_from_mask
 
     dtype = next(p for p in _unwrapped(model).parameters()).dtype
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, **token_types(model, input_ids)}
-    kwargs.update(vision.kwargs(input_ids.device, dtype))
-    encoded = encoder_outputs(model, vision, input_ids.device, dtype)
+    pixels = vision.kwargs(input_ids.device, dtype)
+    kwargs.update(pixels)
+    encoded = encoder_outputs(model, vision, input_ids.device, dtype) if pixels else None
     if encoded is not None:  # the prompts' features, computed once, for every row
         kwargs = {k: v for k, v in kwargs.items() if k not in PIXEL_KEYS}
         kwargs["mm_encoder_outputs"] = encoded
-    if not uses_mrope(model):
+    if not uses_mrope(model) or not pixels:  # M-RoPE without images: text positions, counted over the real tokens
         kwargs["position_ids"] = positions_from_mask(attention_mask)
     return kwargs

@@ -55,14 +55,14 @@ def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vision:
     extra = {} if not forward.keep_last else {"logits_to_keep": 1}
     base = getattr(_unwrapped(model), "model", None)
     if uses_mrope(model):
-        base.rope_deltas = None  # deltas of an earlier batch would be reused
+        base.rope_deltas = None  # deltas of an earlier batch would be reused (none are set without images)
     out = model(**kwargs, use_cache=True, **extra)
     cache = out.get("cache")
     if cache is None:
         cache = out.get("past_key_values")
     if not plain_cache(cache):
         raise NotImplementedError(f"{type(_unwrapped(model)).__name__}: sampling with images needs a DynamicCache")
-    if uses_mrope(model):  # the last prompt position: its real tokens' count - 1, shifted past the images
+    if uses_mrope(model) and base.rope_deltas is not None:  # the last prompt position: shifted past the images
         position = prompt_mask.sum(1, keepdim=True) - 1 + base.rope_deltas.to(prompt_mask.device)
     else:
         position = positions_from_mask(prompt_mask)[:, -1:]
@@ -87,11 +87,13 @@ def sample_with_images(
     pad_token_id: int,
     num_samples: int = 1,
     seed: int | None = None,
+    with_logprobs: bool = False,
 ) -> SampledTokens:
     """``num_samples`` responses per left-padded prompt (B, P) with its images (``vision``, one entry per prompt)
     and ``generation`` (a ``GenerationConfig``), in eval mode, seeded by ``seed`` in a forked RNG when given; rows
-    in ``repeat_interleave`` order, as the text backends return them (``generation.backend.HFBackend.sample``)."""
-    config = hf_generation_config(generation, end_ids, pad_token_id, False)
+    in ``repeat_interleave`` order, as the text backends return them (``generation.backend.HFBackend.sample``);
+    ``with_logprobs``: the logits kept (``Rollout.logprobs`` and ``sampling_logprobs``)."""
+    config = hf_generation_config(generation, end_ids, pad_token_id, with_logprobs)
     devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
     seeded = torch.random.fork_rng(devices=devices) if seed is not None else contextlib.nullcontext()
     with seeded, eval_mode(model):

@@ -36,6 +36,9 @@ class Rollout:
     #: multi-turn episodes (``environments.episode_rollout.EpisodeInfo``): then ``response_mask`` marks the
     #: sampled tokens only and ``episodes.response_attention`` every real token (the environment's replies too)
     episodes: Any = None
+    #: each row's images (``models.vision.VisionInputs``, one entry per row) where they differ by row: the episodes of
+    #: a vision-language policy (the environment's and the agent's images); None: the prompts' (the batch's)
+    vision: Any = None
 
     @property
     def input_ids(self) -> torch.Tensor:

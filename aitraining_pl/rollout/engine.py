@@ -189,7 +189,7 @@ class RolloutEngine:
             if backend.location != "policy":
                 raise ConfigError("generation.backend", "prompts with images are sampled by the HF decoder: set hf")
             sampled = sample_with_images(model, prompt_ids, prompt_mask, vision, self.generation, end_ids,
-                                         self.stop_rule, pad, num_samples, seed)  # fmt: skip
+                                         self.stop_rule, pad, num_samples, seed, with_logprobs)  # fmt: skip
         else:
             sampled = backend.sample(
                 prompt_ids, prompt_mask, self.generation, end_ids, self.stop_rule, pad, num_samples, seed

@@ -230,6 +230,7 @@ class RolloutSource:
         if play is not None:  # the version its recorded calls were sampled by
             play = functools.partial(play, version=self.pipeline.version if self.pipeline else step)
         play = play or self.play
+        images = {"vision": batch["vision"]} if batch.get("vision") is not None else {}  # the prompts' images
         with self.sampling(policy, step):
             rollout = play(
                 self.engine(policy, tokenizer),
@@ -240,6 +241,7 @@ class RolloutSource:
                 prompt_mask=batch["attention_mask"],
                 num_samples=samples,
                 timeout=self.reward_timeout,
+                **images,
             )
         info, mask = rollout.episodes, rollout.response_mask
         self.last_episodes = info
@@ -251,4 +253,5 @@ class RolloutSource:
             episode_metrics=info.metrics,
             episode=info.episode,
             token_versions=None,  # an episode's staleness is measured per rollout
+            vision=rollout.vision,  # each row's images (a vision-language policy's episodes)
         )

@@ -190,11 +190,11 @@ def test_a_call_longer_than_the_context_fails_alone(qwen_endpoint):
 def test_a_failed_batch_is_re_served_one_call_at_a_time(qwen_endpoint, monkeypatch):
     real, batches = qwen_endpoint._sample, []
 
-    def sample(settings, prompts):
+    def sample(settings, prompts, images):
         batches.append(len(prompts))
         if any(len(p) > 150 for p in prompts):  # the bad call of one episode (a backend refusing it)
             raise RuntimeError("DefaultCPUAllocator: can't allocate")
-        return real(settings, prompts)
+        return real(settings, prompts, images)
 
     monkeypatch.setattr(qwen_endpoint, "_sample", sample)
     monkeypatch.setattr(qwen_endpoint, "batch_window", 2.0)

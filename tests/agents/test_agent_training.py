@@ -81,6 +81,7 @@ def _rewriter(client, prompt, metadata):
 def test_grpo_trains_on_a_history_rewriting_agent_with_two_rows_per_episode(tmp_path):
     """``max_sequences: 2``: every episode gives two rows (``episodes.episode`` names it), every rank the same row
     count; the update runs on them and moves the policy."""
+    torch.manual_seed(0)  # the draws (some answers shorter than others), whatever ran before in the process
     env = AgentEnvironment(_rewriter, max_sequences=2)
     module = episode_module(env, max_new_tokens=3, num_generations=2, mini_batch_size=4)
     path = tmp_path / "prompts.jsonl"
