@@ -398,26 +398,15 @@ class VLLMEngine:
             detokenize=bool(stop_rule.stop_strings),
         )
 
-    def sample(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        generation: Any,
-        end_ids: Sequence[int],
-        stop_rule: StopRule,
-        pad_token_id: int,
-        num_samples: int = 1,
-        seed: int | None = None,
-    ) -> SampledTokens:
-        """``num_samples`` responses per left-padded prompt (B, P): response ids (N, R) right padded with
+    def sample(self, request: SampleRequest) -> SampledTokens:
+        """``request.num_samples`` responses per left-padded prompt (B, P): response ids (N, R) right padded with
         ``pad_token_id``, rows in ``repeat_interleave`` order, and their log-probs (``sampling_logprobs``, N x R)
         under the distribution sampled from (zeros after each response). ``seed``: sample ``j`` of prompt ``i``
         is drawn with seed ``seed + i * n + j`` (vLLM gives a request's ``n`` samples seeds ``seed + j``), so
         every sample has its own stream; None: from torch's global generator (``seed_everything``), which is the
         same on every training process, so with several the seed is drawn from it and offset by the rank
         (``RANK_SEED_STRIDE``): each rank draws its own samples."""
-        args = prompt_ids, prompt_mask, generation, end_ids, stop_rule, pad_token_id, num_samples, seed
-        return self.sample_many([SampleRequest(*args)])[0]
+        return self.sample_many([request])[0]
 
     @outside_autocast
     def sample_many(self, requests: Sequence[SampleRequest]) -> list[SampledTokens]:

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import torch
 
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.generation.backend import GenerationBackend, HFBackend
+from aitraining_pl.generation.backend import GenerationBackend, HFBackend, SampleRequest
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.losses import selective_log_softmax
 from aitraining_pl.models.generation import SampledTokens, StopRule
@@ -191,9 +191,8 @@ class RolloutEngine:
             sampled = sample_with_images(model, prompt_ids, prompt_mask, vision, self.generation, end_ids,
                                          self.stop_rule, pad, num_samples, seed)  # fmt: skip
         else:
-            sampled = backend.sample(
-                prompt_ids, prompt_mask, self.generation, end_ids, self.stop_rule, pad, num_samples, seed
-            )
+            args = prompt_ids, prompt_mask, self.generation, end_ids, self.stop_rule, pad, num_samples, seed
+            sampled = backend.sample(SampleRequest(*args))
         return self.rollout(prompt_ids[group], prompt_mask[group], sampled, group, end_ids, pad)
 
     def rollout(

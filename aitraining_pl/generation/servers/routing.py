@@ -26,6 +26,14 @@ class ReplicaRequest(SampleRequest):
     version: WeightsVersion | None = None
     newer: bool = False
 
+    @classmethod
+    def of(
+        cls, request: SampleRequest, version: WeightsVersion | None, newer: bool = False, **changes
+    ) -> ReplicaRequest:
+        """``request`` (with ``changes``) to be sampled by ``version`` (with ``newer``: or a later one)."""
+        fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(SampleRequest)}
+        return cls(**{**fields, **changes}, version=version, newer=newer)
+
     @property
     def tokens(self) -> int:
         """Tokens asked for: responses times ``max_new_tokens``."""
