@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 from aitraining_pl.generation.config import GenerationConfig
+from aitraining_pl.generation.images import PromptImages
 from aitraining_pl.models.decoding import sample_responses
 from aitraining_pl.models.generation import SampledTokens, StopRule, hf_generation_config
 from aitraining_pl.models.sharding import gathered
@@ -51,7 +52,8 @@ class SampleRequest:
     """What one ``GenerationBackend.sample`` call is asked (an engine's ``sample_many`` serves several in one
     ``generate``; a server client sends one): ``num_samples`` responses for each left-padded prompt (B, P) under
     ``generation``, ended by ``end_ids`` / ``stop_rule``, right padded with ``pad_token_id``; ``seed``: a
-    non-negative int that makes the draw reproducible (None: the backend's own generator)."""
+    non-negative int that makes the draw reproducible (None: the backend's own generator); ``images``: a VL prompt's
+    images for a backend that encodes them itself (vLLM; ``generation.images``), None for text prompts."""
 
     prompt_ids: torch.Tensor
     prompt_mask: torch.Tensor
@@ -61,6 +63,7 @@ class SampleRequest:
     pad_token_id: int
     num_samples: int = 1
     seed: int | None = None
+    images: PromptImages | None = None
 
 
 @runtime_checkable

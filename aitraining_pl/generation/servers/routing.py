@@ -84,7 +84,8 @@ def part(request: ReplicaRequest, start: int, stop: int) -> ReplicaRequest:
     width = max(1, int(mask.sum(1).max())) if mask.numel() else 1
     seed = None if request.seed is None else (request.seed + start * request.num_samples) % 2**31
     ids = request.prompt_ids[start:stop, -width:]
-    return dataclasses.replace(request, prompt_ids=ids, prompt_mask=mask[:, -width:], seed=seed)
+    images = None if request.images is None else request.images.part(start, stop)
+    return dataclasses.replace(request, prompt_ids=ids, prompt_mask=mask[:, -width:], seed=seed, images=images)
 
 
 def joined(parts: list[SampledTokens], pad: int, device: torch.device) -> SampledTokens:

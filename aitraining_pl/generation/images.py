@@ -1,0 +1,103 @@
+"""A vision-language prompt's images for an engine that encodes them itself (vLLM, colocated or served).
+
+The rollout engine's prompt ids are the trainer's: each image placeholder already expanded by the model's processor
+into one image token per image feature (``datamodules.vision``), and those are the ids the trainer scores. vLLM 0.32
+expands placeholders itself (``BaseMultiModalProcessor._apply_prompt_updates``: Qwen2-VL's ``<|image_pad|>`` becomes
+``grid_t * grid_h * grid_w / merge_size**2`` copies, whatever follows it), so it is given each prompt with every run of
+the image token collapsed to one (``PromptImages.unexpanded``) and the prompt's images, and it expands them back. The
+prompt it expanded must be the trainer's token for token (``check_expanded``; a different image processor setting
+would give another count): what is trained on is what was sampled. Image and video tokens are never sampled
+(``banned_ids``, as the HF decoder bans them: ``models.vision_decoding.image_token_ids``).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aitraining_pl.errors import GenerationServerError
+
+#: the logit bias that bans a token (vLLM clamps a bias to [-100, 100]; e**-100 is nothing next to a real logit)
+BANNED = -100.0
+
+
+@dataclass
+class PromptImages:
+    """The images of a batch of prompts (``images[i]``: prompt ``i``'s RGB PIL images, in order), the token that
+    stands for one image feature in the expanded prompt ids (``placeholder_id``) and the ids never sampled."""
+
+    images: list[list[Any]]
+    placeholder_id: int
+    banned_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, model: Any, images: Sequence[Sequence[Any]]) -> PromptImages:
+        """The images of a VL ``model``'s prompts, with its image token and the tokens it never samples."""
+        from aitraining_pl.models.vision import _unwrapped
+        from aitraining_pl.models.vision_decoding import image_token_ids
+
+        config = _unwrapped(model).config
+        token = getattr(config, "image_token_id", None)
+        token = getattr(config, "image_token_index", None) if token is None else token
+        return cls([list(row) for row in images], int(token), tuple(image_token_ids(model)))
+
+    def part(self, start: int, stop: int) -> PromptImages:
+        """The images of prompts ``start .. stop``."""
+        return PromptImages(self.images[start:stop], self.placeholder_id, self.banned_ids)
+
+    def unexpanded(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` with each run of the image token collapsed to one (the placeholder form vLLM expands)."""
+        token = self.placeholder_id
+        return [int(t) for i, t in enumerate(ids) if not (t == token and i > 0 and ids[i - 1] == token)]
+
+    def logit_bias(self) -> dict[int, float] | None:
+        """vLLM's ``logit_bias`` that bans ``banned_ids`` (None: nothing banned)."""
+        return {int(t): BANNED for t in self.banned_ids} or None
+
+
+def data_url(image: Any) -> str:
+    """An image as a ``data:image/png;base64,`` URL (PNG: lossless, the server decodes the same pixels)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def check_expanded(expected: Sequence[int], got: Sequence[int] | None, where: str, index: int) -> None:
+    """A ``GenerationServerError`` when the engine expanded prompt ``index``'s images into other ids than the
+    trainer's (its image processor differs from the trainer's: another resolution, another patch merge)."""
+    if got is not None and list(got) != list(expected):
+        raise GenerationServerError(
+            where,
+            f"prompt {index}: the engine expanded its images into {len(got)} prompt tokens, the trainer's processor "
+            f"into {len(expected)}; give both the same image processor settings (min/max pixels, patch size)",
+        )
+
+
+def input_norm(image_processor: Any) -> tuple[float, list[float], list[float]]:
+    """(rescale factor, mean, std) of ``image_processor``, as vLLM reads them from a processor config."""
+    rescale = float(getattr(image_processor, "rescale_factor", 1 / 255)) if image_processor.do_rescale else 1.0
+    normalize = image_processor.do_normalize
+    mean = [float(v) for v in image_processor.image_mean] if normalize else [0.0] * 3
+    std = [float(v) for v in image_processor.image_std] if normalize else [1.0] * 3
+    return rescale, mean, std
+
+
+def reset_input_norms(norm: tuple[float, list[float], list[float]], model: Any) -> int:
+    """Set the image normalisation vLLM 0.32 folds into the vision tower (``FusedMMInputNorm``: ``weight`` =
+    rescale / std, ``bias`` = -mean / std, buffers made from the processor config) from ``norm`` (``input_norm``).
+    ``load_format="dummy"`` fills those buffers with random values and no weight load reaches them (they are in no
+    checkpoint), so an engine built with dummy weights sets them again (run in vLLM's worker, ``apply_model``).
+    Returns how many were set."""
+    import torch
+
+    rescale, mean, std = (torch.tensor(v, dtype=torch.float32) for v in norm)
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ == "FusedMMInputNorm":
+            module.weight.copy_((rescale / std).to(module.weight))
+            module.bias.copy_((-mean / std).to(module.bias))
+            count += 1
+    return count
