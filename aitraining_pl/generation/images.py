@@ -101,3 +101,60 @@ def reset_input_norms(norm: tuple[float, list[float], list[float]], model: Any) 
             module.bias.copy_((-mean / std).to(module.bias))
             count += 1
     return count
+
+
+def save_processor(tokenizer: Any, folder: Any) -> bool:
+    """Write a VL model's image processor and tokenizer into ``folder`` (a vLLM engine's or server's model folder:
+    vLLM runs the processor itself); False for a text model's tokenizer (nothing written)."""
+    from aitraining_pl.models.vision import processor_of
+
+    processor = processor_of(tokenizer)
+    if processor is None:
+        return False
+    processor.image_processor.save_pretrained(folder)  # the processor's own save needs its (torchvision) video one
+    processor.tokenizer.save_pretrained(folder)
+    return True
+
+
+def save_model_files(policy: Any, tokenizer: Any, folder: Any) -> None:
+    """A launched server's model folder: the policy's config naming its class (vLLM picks its model by
+    ``architectures``; a config built inline has none, and a VL one would be served as a pooling model), its
+    tokenizer and, for a VL model, its image processor (``save_processor``); no weights (they are pushed)."""
+    import copy
+
+    from aitraining_pl.models.generation import hf_model
+
+    model = hf_model(policy)
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    save_processor(tokenizer, folder)
+
+
+def generate_body(completion: dict[str, Any], images: PromptImages, index: int) -> dict[str, Any]:
+    """The body of vLLM's tokens-in route ``/inference/v1/generate`` (``vllm serve --enable-scale-out``) for the
+    ``/v1/completions`` body ``completion`` of prompt ``index`` of ``images``' prompts: its token ids unexpanded,
+    its images as PNG data URLs (``content_parts``), the same sampling fields as vLLM ``SamplingParams`` (image
+    tokens banned), and the expanded prompt asked back (``return_token_ids``, checked by ``check_expanded``)."""
+    skip = ("model", "prompt", "return_tokens_as_token_ids")
+    sampling = {k: v for k, v in completion.items() if k not in skip and v is not None}
+    sampling.update(logit_bias=images.logit_bias(), detokenize=bool(completion.get("stop")))
+    return {
+        "model": completion["model"],
+        "token_ids": images.unexpanded(completion["prompt"]),
+        "content_parts": [{"type": "image_url", "url": data_url(image)} for image in images.images[index]],
+        "sampling_params": sampling,
+        "return_token_ids": True,
+    }
+
+
+def generate_choices(answer: dict[str, Any]) -> list[tuple[list[int], list[float], None]]:
+    """Each choice of a ``/inference/v1/generate`` answer as (token ids, their log-probs, no versions)."""
+    rows = []
+    for choice in sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0)):
+        tokens = [int(t) for t in choice.get("token_ids") or []]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        values = [float(step.get("logprob") or 0.0) for step in content]
+        rows.append((tokens, values + [0.0] * (len(tokens) - len(values)), None))
+    return rows

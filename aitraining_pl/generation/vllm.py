@@ -48,7 +48,7 @@ import torch
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.config import EXTRA_CPU, EXTRA_GPU, VLLMConfig
-from aitraining_pl.generation.images import check_expanded, input_norm, reset_input_norms
+from aitraining_pl.generation.images import check_expanded, input_norm, reset_input_norms, save_processor
 from aitraining_pl.generation.registry import vllm_available  # noqa: F401 (its old home: generation.vllm.vllm_available)
 from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
 from aitraining_pl.models.tokens import padded
@@ -259,10 +259,7 @@ class VLLMEngine:
         tokenizer_folder = os.path.join(self.folder, "tokenizer")  # apart from config.json: AutoTokenizer would
         if tokenizer is not None:  # otherwise pick a class by the model type (Mistral's) over tokenizer_config's
             tokenizer.save_pretrained(tokenizer_folder)
-        processor = processor_of(tokenizer)
-        if processor is not None:  # a VL model: vLLM runs its image processor itself (``generation.images``)
-            processor.image_processor.save_pretrained(self.folder)
-            processor.tokenizer.save_pretrained(self.folder)
+        processor = processor_of(tokenizer) if save_processor(tokenizer, self.folder) else None  # a VL model
         dtype = engine_dtype(precision, policy)
         kwargs = dict(
             model=weights or self.folder,

@@ -93,6 +93,42 @@ def test_sampled_rollouts_with_images_are_seeded_and_never_sample_image_tokens(p
     torch.testing.assert_close(first.sampling_logprobs, own, atol=1e-4, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def served(policy, tmp_path_factory):
+    """A ``vllm serve`` launched as ``generation.server: launch`` starts one (dummy weights, the token middleware,
+    the tokens-in route) for the policy's folder, and the policy's weights pushed to it."""
+    from aitraining_pl.generation.images import save_model_files
+    from aitraining_pl.generation.servers.http import HTTPReplica
+    from aitraining_pl.generation.servers.served import ServedBackend
+    from aitraining_pl.generation.servers.start import start
+
+    model, processor = policy
+    folder = tmp_path_factory.mktemp("vl-serve")
+    save_model_files(model, processor.tokenizer, folder)
+    options = VLLMConfig(max_model_len=128, enforce_eager=True, cpu_kv_cache_gb=1)
+    server = start("vllm", folder, options=options, dtype="float32", threads=1, timeout=300)
+    backend = ServedBackend(HTTPReplica(server.url, server.token), rank=0, run="run-vl", timeout=120)
+    try:
+        backend.sync(model, 1)
+        yield backend
+    finally:
+        backend.close()
+        server.stop()
+
+
+def test_served_greedy_rollouts_with_images_equal_the_hf_decoder(policy, served):
+    """The same through ``vllm serve``'s ``/inference/v1/generate`` (token ids unexpanded, the images as PNG data
+    URLs): vLLM's expansion is the trainer's prompt (checked on every answer), and the responses are the HF
+    decoder's, token for token; sampled ones carry the policy's own log-probs."""
+    model, processor = policy
+    ids, mask, vision = batch(processor)
+    hf = RolloutEngine(processor.tokenizer, GREEDY, end_token_ids=[]).sample(model, ids, mask, 2, vision=vision)
+    got = RolloutEngine(processor.tokenizer, GREEDY, end_token_ids=[], backend=served).sample(
+        model, ids, mask, 2, vision=vision
+    )
+    assert torch.equal(got.response_ids, hf.response_ids), (got.response_ids, hf.response_ids)
+
+
 class GapRecorder(pl.Callback):
     """The largest gap between vLLM's log-probs of its samples and the trainer's, each training batch."""
 
