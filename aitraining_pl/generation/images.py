@@ -132,6 +132,27 @@ def save_model_files(policy: Any, tokenizer: Any, folder: Any) -> None:
     save_processor(tokenizer, folder)
 
 
+def image_from_url(url: str) -> Any:
+    """An RGB PIL image from a ``data:image/...;base64,`` URL (a ``ValueError`` for anything else: nothing is
+    fetched)."""
+    from PIL import Image
+
+    if not str(url).startswith("data:image/"):
+        raise ValueError("images must be data:image/...;base64, URLs (nothing is fetched)")
+    return Image.open(io.BytesIO(base64.b64decode(str(url).split(",", 1)[-1]))).convert("RGB")
+
+
+def expand(ids: Sequence[int], token: int, counts: Sequence[int]) -> list[int]:
+    """``ids`` with the ``i``-th ``token`` repeated ``counts[i]`` times (``PromptImages.unexpanded``'s inverse); a
+    ``ValueError`` when ``ids`` holds another number of ``token`` than of ``counts``."""
+    if sum(int(t) == token for t in ids) != len(counts):
+        raise ValueError(f"{sum(int(t) == token for t in ids)} image placeholders for {len(counts)} images")
+    out, images = [], iter(counts)
+    for t in ids:
+        out += [int(t)] * next(images) if int(t) == token else [int(t)]
+    return out
+
+
 def generate_body(completion: dict[str, Any], images: PromptImages, index: int) -> dict[str, Any]:
     """The body of vLLM's tokens-in route ``/inference/v1/generate`` (``vllm serve --enable-scale-out``) for the
     ``/v1/completions`` body ``completion`` of prompt ``index`` of ``images``' prompts: its token ids unexpanded,

@@ -30,6 +30,7 @@ import argparse
 import socket
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,6 +62,31 @@ class Completion(BaseModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=0)  #: 0: each prompt token's log-prob (a served teacher)
 
 
+class Generate(BaseModel):
+    """The ``/inference/v1/generate`` fields this server reads (vLLM's tokens-in route: a prompt with images)."""
+
+    model_config = {"extra": "allow"}
+    token_ids: list[int] = Field(min_length=1)
+    content_parts: list[dict[str, Any]] = []
+    sampling_params: dict[str, Any] = {}
+
+
+def prompt_images(image_processor: Any, placeholder: int, ids: list[int], urls: list[str]) -> tuple[list[int], Any]:
+    """A prompt's token ids with each image placeholder expanded (one token per image feature: ``grid_t * grid_h *
+    grid_w / merge_size**2``, the Qwen VL family's processors) and its ``VisionInputs``, from its images' data URLs;
+    a ``ValueError`` naming what is wrong."""
+    from aitraining_pl.generation.images import expand, image_from_url
+    from aitraining_pl.models.vision import VisionInputs
+
+    images = [image_from_url(url) for url in urls]
+    out = image_processor(images=images, return_tensors="pt")
+    merge = getattr(image_processor, "merge_size", None)
+    if "image_grid_thw" not in out or not merge:
+        raise ValueError("this server expands image placeholders for the Qwen VL family's processors only")
+    counts = [int(grid.prod()) // int(merge) ** 2 for grid in out["image_grid_thw"]]
+    return expand(ids, placeholder, counts), VisionInputs.from_processor([out])
+
+
 class Rpc(BaseModel):
     method: str
     kwargs: dict[str, Any] = {}
@@ -82,10 +108,11 @@ def prompt_entries(scores: torch.Tensor, prompt: list[int], tokenizer: Any) -> l
 
 
 def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positions: int | None, token: str,
-              fixed: bool = False) -> Any:  # fmt: skip
+              fixed: bool = False, image_processor: Any = None, placeholder: int | None = None) -> Any:  # fmt: skip
     """The FastAPI app of the routes above around ``engine`` (an ``HFServerEngine``); ``name``: the model id
     ``/v1/models`` answers; ``positions``: the model's longest sequence; ``fixed``: the engine holds a teacher's
-    weights (``--teacher``), and every push is refused."""
+    weights (``--teacher``), and every push is refused; ``image_processor``: a VL model's, whose ``placeholder``
+    token ids ``/inference/v1/generate`` expands."""
     from fastapi import FastAPI, HTTPException
 
     app = FastAPI(title="aitraining-pl HF server")
@@ -106,8 +133,29 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
     def models() -> dict:
         return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "aitraining-pl"}]}
 
+    @app.post("/inference/v1/generate")
+    def generate(body: Generate) -> dict:
+        if image_processor is None:
+            raise HTTPException(400, "this server's model takes no images (no image processor in --model's folder)")
+        urls = [part.get("url", "") for part in body.content_parts if part.get("type") == "image_url"]
+        try:
+            ids, vision = prompt_images(image_processor, placeholder, body.token_ids, urls)
+        except ValueError as err:
+            raise HTTPException(400, str(err)) from None
+        fields = {k: v for k, v in body.sampling_params.items() if k in Completion.model_fields}
+        answer = complete(Completion(prompt=ids, **fields), vision)
+        choices = [{"index": c["index"], "finish_reason": c["finish_reason"], "token_ids": c["token_ids"],
+                    "logprobs": {"content": [{"token_id": t, "logprob": v} for t, v in
+                                             zip(c["token_ids"], c["logprobs"]["token_logprobs"])]}}
+                   for c in answer["choices"]]  # fmt: skip
+        return {"model": name, "choices": choices, "prompt_token_ids": ids}
+
     @app.post("/v1/completions")
     def completions(body: Completion) -> dict:
+        return complete(body)
+
+    def complete(body: Completion, vision: Any = None) -> dict:
+        """A completion of ``body``'s prompt (with its images' ``VisionInputs``: ``generate``)."""
         if positions is not None and len(body.prompt) + body.max_tokens > positions:
             raise HTTPException(400, f"the prompt ({len(body.prompt)} tokens) and max_tokens ({body.max_tokens}) "
                                      f"exceed the model's {positions} positions")  # fmt: skip
@@ -131,7 +179,7 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
                                          "weights (start it with --teacher) or pushed ones")  # fmt: skip
             scored = prompt_entries(engine.prompt_logprobs(ids, torch.ones_like(ids), 1)[0], body.prompt, tokenizer)
         with sampling:
-            sampled = engine.sample_many([request])[0]
+            sampled = engine.sample_many([request], vision)[0]
         choices = []
         for index, (tokens, logps, versions) in enumerate(
             zip(sampled.response_ids, sampled.sampling_logprobs, sampled.token_versions)
@@ -140,7 +188,7 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
             kept = tokens[:length].tolist()
             ended = bool(kept) and kept[-1] in body.stop_token_ids
             choices.append({
-                "index": index, "text": tokenizer.decode(kept) if tokenizer is not None else "",
+                "index": index, "text": tokenizer.decode(kept) if tokenizer is not None else "", "token_ids": kept,
                 "finish_reason": "stop" if ended else "length",
                 "logprobs": {"tokens": [f"token_id:{t}" for t in kept], "token_logprobs": logps[:length].tolist()},
                 "token_versions": versions[:length].tolist(),  # the weights step of each token (in-flight pushes)
@@ -240,7 +288,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.teacher:
         load_teacher(engine, args.model)
     positions = getattr(policy.config, "max_position_embeddings", None)
-    app = build_app(engine, tokenizer, specs, args.model, positions, token, fixed=args.teacher)
+    image_processor = placeholder = None
+    if (Path(args.model) / "preprocessor_config.json").is_file():  # a VL policy (``images.save_model_files``)
+        from transformers import AutoImageProcessor
+
+        image_processor = AutoImageProcessor.from_pretrained(args.model)
+        placeholder = getattr(policy.config, "image_token_id", None)
+    app = build_app(engine, tokenizer, specs, args.model, positions, token, fixed=args.teacher,
+                    image_processor=image_processor, placeholder=placeholder)  # fmt: skip
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

@@ -108,12 +108,15 @@ class HFServerEngine:
         return staged is not None
 
     # ------------------------------------------------------------------ sampling
-    def sample_many(self, requests: Sequence[SampleRequest]) -> list[SampledTokens]:
+    def sample_many(self, requests: Sequence[SampleRequest], vision: Any = None) -> list[SampledTokens]:
         """Each request's ``SampledTokens`` (with ``sampling_logprobs`` and ``token_versions``), one request after
-        the other; a push staged meanwhile is swapped in between two decode steps, else at the end."""
+        the other; a push staged meanwhile is swapped in between two decode steps, else at the end. ``vision``: the
+        ``models.vision.VisionInputs`` of a VL model's single request (``sample_images``)."""
         with self.lock:
             self.generating = True
         try:
+            if vision is not None:
+                return [self.sample_images(requests[0], vision)]
             results = [self.sample(request) for request in requests]
         finally:
             with self.lock:
@@ -157,6 +160,26 @@ class HFServerEngine:
         return SampledTokens(
             tokens.to(device), sampling_logprobs=logprobs.float().to(device), token_versions=versions.to(device)
         )
+
+    @torch.no_grad()
+    def sample_images(self, request: SampleRequest, vision: Any) -> SampledTokens:
+        """A VL model's samples of prompts with their images (``models.vision_decoding``; ``vision``: the prompts'
+        ``VisionInputs``), by the held weights on every token (a push staged meanwhile waits for the end)."""
+        from aitraining_pl.models.vision_decoding import sample_with_images
+
+        seed = request.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        ids, mask = request.prompt_ids.to(self.device), request.prompt_mask.to(self.device)
+        sampled = sample_with_images(self.model, ids, mask, vision, request.generation, list(request.end_ids),
+                                     request.stop_rule, request.pad_token_id, int(request.num_samples), seed,
+                                     chosen_logprobs=True)  # fmt: skip
+        tokens, logprobs = sampled.response_ids, sampled.sampling_logprobs.float()
+        with self.lock:
+            step = getattr(WeightsVersion.parse(self.version), "step", 0)
+        device = request.prompt_ids.device
+        versions = torch.full_like(tokens, step).to(device)
+        return SampledTokens(tokens.to(device), sampling_logprobs=logprobs.to(device), token_versions=versions)
 
     # ------------------------------------------------------------------ scoring (a served teacher)
     @torch.no_grad()
