@@ -11,6 +11,10 @@ with ``backend: hf``).
   to each choice (None, then ``{"<id>": {"logprob": ...}}`` of each given prompt token under the untruncated softmax
   at temperature 1: a served teacher's scores, ``teacher.HTTPTeacher``); top-k prompt log-probs (above 0) are not
   served.
+- ``/inference/v1/generate`` (vLLM's tokens-in route, a VL policy's prompts with images): ``token_ids`` with each
+  image placeholder unexpanded, ``content_parts`` of ``image_url`` data URLs and ``sampling_params`` (the fields
+  above); the placeholders are expanded with ``--model``'s image processor (``prompt_images``) and the answer holds
+  ``prompt_token_ids`` (expanded) and each choice's ``token_ids`` and ``logprobs.content``.
 - ``/pause`` (any ``mode``: the decoder waits before its next forward, keeping its cache), ``/resume``,
   ``/is_paused``; ``/health``, ``/v1/models``.
 - ``/collective_rpc`` with the worker extension's methods (``aitraining_pl_load``, ``aitraining_pl_release``;
