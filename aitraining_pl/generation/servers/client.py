@@ -324,6 +324,9 @@ class VLLMServerClient:
         ``at_least`` a later one): the same ``SamplingParams`` (the server rebuilds ``generation`` and the stop
         rule's strings from the request). ``token_versions``: the step of the weights that sampled each token
         (None from a server that does not say)."""
+        if request.images is not None:
+            raise ConfigError("generation.vllm.protocol", "prompts with images need the engine's HTTP routes (http): "
+                              "the frame protocol (tcp, deprecated) carries no images")  # fmt: skip
         generation, stop_rule, num_samples = request.generation, request.stop_rule, request.num_samples
         prompt_ids, prompt_mask = request.prompt_ids, request.prompt_mask
         fields = {k: v for k, v in dataclasses.asdict(generation).items() if k != "vllm"}
