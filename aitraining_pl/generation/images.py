@@ -76,6 +76,14 @@ def check_expanded(expected: Sequence[int], got: Sequence[int] | None, where: st
         )
 
 
+def check_outputs(expected: Sequence[Sequence[int]], outputs: Sequence[Any], where: str) -> None:
+    """``check_expanded`` on each of one request's vLLM ``RequestOutput``s (``expected``: its prompts' trainer ids;
+    a greedy request's prompts come once per sample)."""
+    repeat = len(outputs) // max(1, len(expected))
+    for i, out in enumerate(outputs):
+        check_expanded(expected[i // repeat], out.prompt_token_ids, where, i // repeat)
+
+
 def input_norm(image_processor: Any) -> tuple[float, list[float], list[float]]:
     """(rescale factor, mean, std) of ``image_processor``, as vLLM reads them from a processor config."""
     rescale = float(getattr(image_processor, "rescale_factor", 1 / 255)) if image_processor.do_rescale else 1.0

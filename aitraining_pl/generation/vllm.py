@@ -48,7 +48,7 @@ import torch
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.config import EXTRA_CPU, EXTRA_GPU, VLLMConfig
-from aitraining_pl.generation.images import check_expanded, input_norm, reset_input_norms, save_processor
+from aitraining_pl.generation.images import check_outputs, input_norm, reset_input_norms, save_processor
 from aitraining_pl.generation.registry import vllm_available  # noqa: F401 (its old home: generation.vllm.vllm_available)
 from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
 from aitraining_pl.models.tokens import padded
@@ -435,10 +435,7 @@ class VLLMEngine:
             own, start = outputs[start : start + len(prompts)], start + len(prompts)
             self.cached_each.append(sum(int(getattr(out, "num_cached_tokens", 0) or 0) for out in own))
             if request.images is not None:  # vLLM's expansion of the images is the trainer's prompt, token for token
-                expected = unpadded_rows(request.prompt_ids, request.prompt_mask)
-                repeat = len(own) // max(1, len(expected))
-                for i, out in enumerate(own):
-                    check_expanded(expected[i // repeat], out.prompt_token_ids, "colocated vLLM engine", i // repeat)
+                check_outputs(unpadded_rows(request.prompt_ids, request.prompt_mask), own, "colocated vLLM engine")
             results.append(self.collect(own, request.pad_token_id, request.prompt_ids.device))
         self.cached_tokens = sum(self.cached_each)
         return results
