@@ -55,6 +55,7 @@ def simulated(servers: int, args: argparse.Namespace) -> dict:
     import torch
     from standin import StandInReplica
 
+    from aitraining_pl.generation.backend import SampleRequest
     from aitraining_pl.generation.config import GenerationConfig
     from aitraining_pl.generation.servers.fleet import Fleet
     from aitraining_pl.models.generation import StopRule
@@ -72,7 +73,9 @@ def simulated(servers: int, args: argparse.Namespace) -> dict:
     generation = GenerationConfig(max_new_tokens=args.max_new_tokens)
 
     def rollout(batch, seed):
-        return fleet.sample(ids, torch.ones_like(ids), generation, [0], StopRule(), 0, args.generations, seed)
+        return fleet.sample(
+            SampleRequest(ids, torch.ones_like(ids), generation, [0], StopRule(), 0, args.generations, seed)
+        )
 
     trained, waits, start = 0, [], None
     while trained < args.warmup + args.steps:

@@ -43,6 +43,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    from aitraining_pl.generation.backend import SampleRequest
     from aitraining_pl.generation.config import VLLMConfig
     from aitraining_pl.generation.servers.client import VLLMServerClient
     from aitraining_pl.generation.servers.serve import launch
@@ -62,7 +63,9 @@ def main() -> None:
 
     def draw(client: VLLMServerClient, c: int) -> int:
         ids = prompts[c]
-        client.sample(ids, torch.ones_like(ids), generation, [], StopRule(), 0, args.samples, seed=1000 * c)
+        client.sample(
+            SampleRequest(ids, torch.ones_like(ids), generation, [], StopRule(), 0, args.samples, seed=1000 * c)
+        )
         return client.batched
 
     seconds: dict[str, list[float]] = {"one_at_a_time": [], "batched": []}

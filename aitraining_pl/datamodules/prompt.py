@@ -27,6 +27,7 @@ from aitraining_pl.datamodules.io import DataValidationError, PaddingCollator, c
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 from aitraining_pl.datamodules.vision import (
     IMAGE_COLUMNS,
+    IMAGES,
     VISION,
     collate_vision,
     encode_vision_prompt,
@@ -118,6 +119,8 @@ class PromptDataset(Dataset):
         item = {"input_ids": row[IDS], "prompt": row[TEXT], "metadata": self._metadata(row)}
         if row.get(VISION):  # a VL model's row with images (``datamodules.vision``)
             item["vision"] = row[VISION]
+            if row.get(IMAGES) is not None:
+                item["images"] = row[IMAGES]
         return item
 
 
@@ -255,7 +258,7 @@ class PromptDataModule(CachedDataModule):
 
     def _build(self, rows: Any, source: str) -> PromptDataset:
         hp = self.hparams
-        exclude = [hp.prompt_column, VISION, *IMAGE_COLUMNS]
+        exclude = [hp.prompt_column, VISION, IMAGES, *IMAGE_COLUMNS]
         return PromptDataset.from_encoded(rows, exclude=exclude, keep=hp.metadata_columns)
 
     def setup(self, stage: str | None = None) -> None:

@@ -202,10 +202,13 @@ def vision_processor(tokenizer: Any):
 
 def collate_vision(examples: Sequence[dict]) -> VisionInputs | None:
     """The ``vision`` entry of a batch: each example's vision inputs (``VisionInputs``; ``{}`` for a row without
-    images beside rows with), or None when no row has images."""
+    images beside rows with) and its images as read (``[]`` for such a row; None when an example with vision inputs
+    did not keep them), or None when no row has images."""
     if not any("vision" in e for e in examples):
         return None
-    return VisionInputs([e.get("vision", {}) for e in examples])
+    kept = all("images" in e for e in examples if "vision" in e)
+    images = [e.get("images", []) for e in examples] if kept else None
+    return VisionInputs([e.get("vision", {}) for e in examples], images=images)
 
 
 #: the encoded row's vision inputs (a dict of tensors, empty for a row without images)
@@ -214,9 +217,9 @@ VISION = "__vision"
 
 def encode_vision_prompt(processor, record: dict, column: str, max_prompt_length: int, use_chat_template: bool,
                          source: str, row: int, max_image_pixels: int | None) -> dict[str, Any]:  # fmt: skip
-    """A prompt row with its images as ``{TEXT, IDS, VISION}`` (``datamodules.prompt.encode_prompt``'s fields and
-    the vision inputs); a prompt longer than ``max_prompt_length`` with its image tokens is refused (cutting it
-    would cut images)."""
+    """A prompt row with its images as ``{TEXT, IDS, VISION, IMAGES}`` (``datamodules.prompt.encode_prompt``'s
+    fields, the vision inputs and the images as read, for vLLM, which encodes them itself); a prompt longer than
+    ``max_prompt_length`` with its image tokens is refused (cutting it would cut images)."""
     from aitraining_pl.datamodules.formats import prompt_text
     from aitraining_pl.datamodules.io import check_text
     from aitraining_pl.datamodules.prompt import IDS, TEXT
@@ -231,7 +234,7 @@ def encode_vision_prompt(processor, record: dict, column: str, max_prompt_length
     if len(ids) > max_prompt_length:
         message = f"{len(ids)} prompt tokens with its image tokens: more than max_prompt_length={max_prompt_length}"
         raise DataValidationError(source, f"{message} (an image cannot be cut)", row, column)
-    return {TEXT: text, IDS: ids, VISION: vision}
+    return {TEXT: text, IDS: ids, VISION: vision, IMAGES: found.images}
 
 
 class PairImages:

@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 from aitraining_pl.generation.config import GenerationConfig
+from aitraining_pl.generation.images import PromptImages
 from aitraining_pl.models.decoding import sample_responses
 from aitraining_pl.models.generation import SampledTokens, StopRule, hf_generation_config
 from aitraining_pl.models.sharding import gathered
@@ -48,8 +49,11 @@ class BackendContext:
 
 @dataclass
 class SampleRequest:
-    """The arguments of one ``GenerationBackend.sample`` call, as one object (an engine's ``sample_many`` serves
-    several in one ``generate``; a server client sends one)."""
+    """What one ``GenerationBackend.sample`` call is asked (an engine's ``sample_many`` serves several in one
+    ``generate``; a server client sends one): ``num_samples`` responses for each left-padded prompt (B, P) under
+    ``generation``, ended by ``end_ids`` / ``stop_rule``, right padded with ``pad_token_id``; ``seed``: a
+    non-negative int that makes the draw reproducible (None: the backend's own generator); ``images``: a VL prompt's
+    images for a backend that encodes them itself (vLLM; ``generation.images``), None for text prompts."""
 
     prompt_ids: torch.Tensor
     prompt_mask: torch.Tensor
@@ -59,6 +63,7 @@ class SampleRequest:
     pad_token_id: int
     num_samples: int = 1
     seed: int | None = None
+    images: PromptImages | None = None
 
 
 @runtime_checkable
@@ -68,19 +73,9 @@ class GenerationBackend(Protocol):
     #: where sampling runs: ``policy`` (the policy itself), ``colocated`` (an engine in this process), ``server``
     location: Location
 
-    def sample(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        generation: GenerationConfig,
-        end_ids: Sequence[int],
-        stop_rule: StopRule,
-        pad_token_id: int,
-        num_samples: int = 1,
-        seed: int | None = None,
-    ) -> SampledTokens:
-        """``num_samples`` responses per left-padded prompt (rows in ``repeat_interleave`` order); ``seed``: a
-        non-negative int that makes the draw reproducible (None: the backend's own generator)."""
+    def sample(self, request: SampleRequest) -> SampledTokens:
+        """``request.num_samples`` responses per left-padded prompt (rows in ``repeat_interleave`` order);
+        ``request.seed``: a non-negative int that makes the draw reproducible (None: the backend's own generator)."""
         ...
 
     def sync(self, policy: torch.nn.Module, version: Any = None) -> bool:
@@ -116,15 +111,16 @@ class HFBackend:
     def from_context(cls, generation: GenerationConfig, context: BackendContext) -> HFBackend:
         return cls(context.policy)
 
-    def sample(self, prompt_ids, prompt_mask, generation, end_ids, stop_rule, pad_token_id, num_samples=1, seed=None):
-        config = hf_generation_config(generation, end_ids, pad_token_id, self.with_logprobs)
-        devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
-        seeded = torch.random.fork_rng(devices=devices) if seed is not None else contextlib.nullcontext()
+    def sample(self, request: SampleRequest) -> SampledTokens:
+        r = request
+        config = hf_generation_config(r.generation, r.end_ids, r.pad_token_id, self.with_logprobs)
+        devices = [r.prompt_ids.device] if r.prompt_ids.device.type == "cuda" else []
+        seeded = torch.random.fork_rng(devices=devices) if r.seed is not None else contextlib.nullcontext()
         with seeded, eval_mode(self.model):
-            if seed is not None:
-                torch.manual_seed(seed)
+            if r.seed is not None:
+                torch.manual_seed(r.seed)
             return sample_responses(
-                self.model, prompt_ids, prompt_mask, config, stop_rule, generation.drop_ended, num_samples
+                self.model, r.prompt_ids, r.prompt_mask, config, r.stop_rule, r.generation.drop_ended, r.num_samples
             )
 
     def sync(self, policy: torch.nn.Module, version: Any = None) -> bool:

@@ -48,9 +48,11 @@ import torch
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.config import EXTRA_CPU, EXTRA_GPU, VLLMConfig
+from aitraining_pl.generation.images import check_outputs, input_norm, reset_input_norms, save_processor
 from aitraining_pl.generation.registry import vllm_available  # noqa: F401 (its old home: generation.vllm.vllm_available)
 from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
 from aitraining_pl.models.tokens import padded
+from aitraining_pl.models.vision import processor_of
 from aitraining_pl.models.weights import policy_weights
 
 #: apart the per-request seeds of two ranks' rollouts (``VLLMEngine.sample``): more than any rollout's rows
@@ -119,6 +121,7 @@ def check_cpu_head_size(config: Any) -> None:
         supported = CPUAttentionBackend.get_supported_head_sizes()
     except (ImportError, AttributeError):  # pragma: no cover - another vLLM layout: let vLLM decide
         return
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VL model's text model
     heads = getattr(config, "num_attention_heads", None)
     head = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
     if head is not None and head not in supported:
@@ -256,6 +259,7 @@ class VLLMEngine:
         tokenizer_folder = os.path.join(self.folder, "tokenizer")  # apart from config.json: AutoTokenizer would
         if tokenizer is not None:  # otherwise pick a class by the model type (Mistral's) over tokenizer_config's
             tokenizer.save_pretrained(tokenizer_folder)
+        processor = processor_of(tokenizer) if save_processor(tokenizer, self.folder) else None  # a VL model
         dtype = engine_dtype(precision, policy)
         kwargs = dict(
             model=weights or self.folder,
@@ -271,6 +275,8 @@ class VLLMEngine:
             max_model_len=max_length,
             enable_sleep_mode=options.sleep,
         )
+        if processor is not None:
+            kwargs["limit_mm_per_prompt"] = {"video": 0}  # images only: no video profiling
         if on_cpu:  # vLLM 0.32 rewinds a seeded request's generator after a partial (chunked) prefill with
             # Generator.set_offset, which CPU generators lack ("CPU Generator does not use offset"): a step whose
             # prefill exceeded the token budget crashed (seeded rollouts; under DDP every rollout is seeded)
@@ -290,6 +296,8 @@ class VLLMEngine:
             kwargs["seed"] = seed + rank  # per rank (the unseeded rollouts of each rank: ``sample``)
         with preserved_rng():  # the in-process engine seeds Python's, NumPy's and torch's global generators
             self.llm = vllm.LLM(**kwargs)
+        if processor is not None and not weights:  # dummy weights randomised the folded image normalisation
+            self.llm.apply_model(functools.partial(reset_input_norms, input_norm(processor.image_processor)))
         self.asleep, self.woken = False, set()  # ``woken``: what a sleeping engine has woken so far (``wake``)
         self.version: Any = None  #: the policy version whose weights the engine holds (None: none loaded yet)
         self.sync_seconds = 0.0  #: time the last ``sync`` took
@@ -372,8 +380,10 @@ class VLLMEngine:
         return place_rows(scores, attention_mask, start)
 
     # ------------------------------------------------------------------ sampling
-    def sampling_params(self, generation: Any, end_ids: Sequence[int], stop_rule: StopRule, n: int, seed: int | None):
-        """The explicit ``SamplingParams`` of ``generation`` (a ``rollout.GenerationConfig``) for ``n`` samples."""
+    def sampling_params(self, generation: Any, end_ids: Sequence[int], stop_rule: StopRule, n: int, seed: int | None,
+                        logit_bias: dict[int, float] | None = None):  # fmt: skip
+        """The explicit ``SamplingParams`` of ``generation`` (a ``rollout.GenerationConfig``) for ``n`` samples
+        (``logit_bias``: the banned image tokens of a VL prompt, ``generation.images``)."""
         from vllm import SamplingParams
 
         sampling = generation.do_sample
@@ -396,28 +406,18 @@ class VLLMEngine:
             skip_special_tokens=stop_rule.skip_special_tokens,
             logprobs=0,
             detokenize=bool(stop_rule.stop_strings),
+            logit_bias=logit_bias,
         )
 
-    def sample(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        generation: Any,
-        end_ids: Sequence[int],
-        stop_rule: StopRule,
-        pad_token_id: int,
-        num_samples: int = 1,
-        seed: int | None = None,
-    ) -> SampledTokens:
-        """``num_samples`` responses per left-padded prompt (B, P): response ids (N, R) right padded with
+    def sample(self, request: SampleRequest) -> SampledTokens:
+        """``request.num_samples`` responses per left-padded prompt (B, P): response ids (N, R) right padded with
         ``pad_token_id``, rows in ``repeat_interleave`` order, and their log-probs (``sampling_logprobs``, N x R)
         under the distribution sampled from (zeros after each response). ``seed``: sample ``j`` of prompt ``i``
         is drawn with seed ``seed + i * n + j`` (vLLM gives a request's ``n`` samples seeds ``seed + j``), so
         every sample has its own stream; None: from torch's global generator (``seed_everything``), which is the
         same on every training process, so with several the seed is drawn from it and offset by the rank
         (``RANK_SEED_STRIDE``): each rank draws its own samples."""
-        args = prompt_ids, prompt_mask, generation, end_ids, stop_rule, pad_token_id, num_samples, seed
-        return self.sample_many([SampleRequest(*args)])[0]
+        return self.sample_many([request])[0]
 
     @outside_autocast
     def sample_many(self, requests: Sequence[SampleRequest]) -> list[SampledTokens]:
@@ -434,6 +434,8 @@ class VLLMEngine:
         for request, (prompts, _) in zip(requests, inputs):
             own, start = outputs[start : start + len(prompts)], start + len(prompts)
             self.cached_each.append(sum(int(getattr(out, "num_cached_tokens", 0) or 0) for out in own))
+            if request.images is not None:  # vLLM's expansion of the images is the trainer's prompt, token for token
+                check_outputs(unpadded_rows(request.prompt_ids, request.prompt_mask), own, "colocated vLLM engine")
             results.append(self.collect(own, request.pad_token_id, request.prompt_ids.device))
         self.cached_tokens = sum(self.cached_each)
         return results
@@ -445,13 +447,19 @@ class VLLMEngine:
         seed, generation, num_samples = request.seed, request.generation, request.num_samples
         if seed is None and self.world_size > 1:  # torch's global generator is the same on every rank: offset it
             seed = int(torch.randint(0, 2**31, (1,))) + self.rank * RANK_SEED_STRIDE
-        pairs = zip(request.prompt_ids, request.prompt_mask)
-        prompts = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist()) for ids, m in pairs]
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in unpadded_rows(request.prompt_ids, request.prompt_mask)]
+        if request.images is not None:  # the placeholders unexpanded: vLLM expands them with the images
+            for prompt, images in zip(prompts, request.images.images):
+                prompt["prompt_token_ids"] = request.images.unexpanded(prompt["prompt_token_ids"])
+                prompt["multi_modal_data"] = {"image": images}
         n = num_samples if generation.do_sample else 1  # vLLM refuses n > 1 when greedy: repeat the prompts
         prompts = prompts if n == num_samples else [p for p in prompts for _ in range(num_samples)]
         end_ids, stop_rule = request.end_ids, request.stop_rule
+        bias = request.images.logit_bias() if request.images is not None else None  # image tokens: never sampled
         params = [
-            self.sampling_params(generation, end_ids, stop_rule, n, None if seed is None else (seed + i * n) % 2**31)
+            self.sampling_params(
+                generation, end_ids, stop_rule, n, None if seed is None else (seed + i * n) % 2**31, bias
+            )  # fmt: skip
             for i in range(len(prompts))
         ]
         return prompts, params

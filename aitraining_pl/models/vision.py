@@ -191,12 +191,15 @@ class VisionInputs:
     which prompt each row answers.
 
     ``prompts[i]`` maps a processor key (``pixel_values``, ``image_grid_thw``, ...) to prompt ``i``'s tensor;
-    ``group`` (N,) is the prompt of each row (every prompt once by default; a rollout's ``Rollout.group``).
+    ``group`` (N,) is the prompt of each row (every prompt once by default; a rollout's ``Rollout.group``);
+    ``images[i]``: prompt ``i``'s images as read (RGB PIL images), for an engine that encodes them itself (vLLM), or
+    None where they were not kept.
     """
 
     prompts: list[dict[str, torch.Tensor]]
     group: torch.Tensor | None = None
     cache: dict = field(default_factory=dict, repr=False)
+    images: list[list[Any]] | None = field(default=None, repr=False)
 
     @classmethod
     def from_processor(cls, outputs: Sequence[Mapping[str, Any]]) -> VisionInputs:
@@ -208,7 +211,7 @@ class VisionInputs:
 
     def for_rows(self, group: torch.Tensor) -> VisionInputs:
         """The same prompts' inputs for rows answering ``group`` (N,) (no tensor copied)."""
-        return VisionInputs(self.prompts, group.cpu(), self.cache)
+        return VisionInputs(self.prompts, group.cpu(), self.cache, self.images)
 
     def prompt_of(self, rows: torch.Tensor | None = None) -> list[int]:
         """The prompt of each of ``rows`` (default: every row)."""
@@ -218,7 +221,7 @@ class VisionInputs:
     def rows(self, rows: torch.Tensor | None = None, device: torch.device | str | None = None) -> VisionInputs:
         """The inputs of ``rows`` only (as a ``VisionInputs`` whose rows are those)."""
         group = torch.tensor(self.prompt_of(rows), dtype=torch.long)
-        return VisionInputs(self.prompts, group, self.cache)
+        return VisionInputs(self.prompts, group, self.cache, self.images)
 
     def kwargs(self, device: torch.device | str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The model's keyword arguments for these rows: each row's prompt's tensors, concatenated in row order

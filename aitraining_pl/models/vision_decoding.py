@@ -88,11 +88,13 @@ def sample_with_images(
     num_samples: int = 1,
     seed: int | None = None,
     with_logprobs: bool = False,
+    chosen_logprobs: bool = False,
 ) -> SampledTokens:
     """``num_samples`` responses per left-padded prompt (B, P) with its images (``vision``, one entry per prompt)
     and ``generation`` (a ``GenerationConfig``), in eval mode, seeded by ``seed`` in a forked RNG when given; rows
     in ``repeat_interleave`` order, as the text backends return them (``generation.backend.HFBackend.sample``);
-    ``with_logprobs``: the logits kept (``Rollout.logprobs`` and ``sampling_logprobs``)."""
+    ``with_logprobs``: the logits kept (``Rollout.logprobs`` and ``sampling_logprobs``); ``chosen_logprobs``: the
+    drawn tokens' log-probs only (``sampling_logprobs``, a server's: never N x R x V)."""
     config = hf_generation_config(generation, end_ids, pad_token_id, with_logprobs)
     devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
     seeded = torch.random.fork_rng(devices=devices) if seed is not None else contextlib.nullcontext()
@@ -100,5 +102,5 @@ def sample_with_images(
         if seed is not None:
             torch.manual_seed(seed)
         forward, batch = _prefill(model, prompt_ids, prompt_mask, vision, num_samples)
-        drawn = sample_steps(forward, batch, config, stop_rule)
-    return SampledTokens(drawn.tokens, drawn.logits, drawn.scores)
+        drawn = sample_steps(forward, batch, config, stop_rule, chosen_logprobs=chosen_logprobs)
+    return SampledTokens(drawn.tokens, drawn.logits, drawn.scores, drawn.chosen if chosen_logprobs else None)

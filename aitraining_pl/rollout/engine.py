@@ -37,8 +37,9 @@ from collections.abc import Sequence
 import torch
 
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.generation.backend import GenerationBackend, HFBackend
+from aitraining_pl.generation.backend import GenerationBackend, HFBackend, SampleRequest
 from aitraining_pl.generation.config import GenerationConfig
+from aitraining_pl.generation.images import PromptImages
 from aitraining_pl.losses import selective_log_softmax
 from aitraining_pl.models.generation import SampledTokens, StopRule
 from aitraining_pl.models.vision import VisionInputs
@@ -108,6 +109,16 @@ def warn_truncated_sampling(config: GenerationConfig) -> None:
         )
 
 
+def prompt_images(model: torch.nn.Module, vision: VisionInputs | None) -> PromptImages | None:
+    """The images of ``vision``'s prompts for a backend that encodes them itself (vLLM: ``generation.images``)."""
+    if vision is None:
+        return None
+    if vision.images is None:
+        raise ConfigError("generation.backend", "these prompts' images were not kept (only their pixel values): "
+                          "sample them with hf, or load the prompts with PromptDataModule")  # fmt: skip
+    return PromptImages.of(model, [vision.images[i] for i in vision.prompt_of()])
+
+
 class RolloutEngine:
     """Samples ``num_samples`` responses per prompt and returns a ``Rollout`` (see the module docstring).
 
@@ -174,7 +185,8 @@ class RolloutEngine:
             seed: sample in a forked RNG seeded with this int, or with a seed drawn from this generator (the
                 global RNG is then left untouched).
             vision: the prompts' images (``models.vision.VisionInputs``) for a vision-language model: sampled by
-                the HF decoder with the images (``models.vision_decoding``).
+                the HF decoder with their pixel values (``models.vision_decoding``), or given to a vLLM backend as
+                images (``generation.images``).
         """
         end_ids = self.end_token_ids(model)
         group = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(num_samples)
@@ -185,15 +197,12 @@ class RolloutEngine:
         backend = self.backend
         if backend is None or backend.location == "policy":  # the model given samples itself
             backend = HFBackend(model, with_logprobs)
-        if vision is not None:  # a VL model's prompts with their images: the HF decoder (models.vision_decoding)
-            if backend.location != "policy":
-                raise ConfigError("generation.backend", "prompts with images are sampled by the HF decoder: set hf")
+        if vision is not None and backend.location == "policy":  # the HF decoder with the images' pixel values
             sampled = sample_with_images(model, prompt_ids, prompt_mask, vision, self.generation, end_ids,
                                          self.stop_rule, pad, num_samples, seed, with_logprobs)  # fmt: skip
         else:
-            sampled = backend.sample(
-                prompt_ids, prompt_mask, self.generation, end_ids, self.stop_rule, pad, num_samples, seed
-            )
+            args = prompt_ids, prompt_mask, self.generation, end_ids, self.stop_rule, pad, num_samples, seed
+            sampled = backend.sample(SampleRequest(*args, images=prompt_images(model, vision)))
         return self.rollout(prompt_ids[group], prompt_mask[group], sampled, group, end_ids, pad)
 
     def rollout(

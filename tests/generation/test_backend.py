@@ -58,8 +58,8 @@ class FixedBackend:
         cls.built.append((context.rank, context.run is not None, backend))
         return backend
 
-    def sample(self, prompt_ids, prompt_mask, generation, end_ids, stop_rule, pad_token_id, num_samples=1, seed=None):
-        rows = prompt_ids.shape[0] * num_samples
+    def sample(self, request):
+        rows = request.prompt_ids.shape[0] * request.num_samples
         logps = torch.full((rows, len(self.tokens)), -0.5)
         return SampledTokens(torch.tensor([self.tokens] * rows), sampling_logprobs=logps)
 

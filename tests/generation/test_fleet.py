@@ -13,6 +13,7 @@ import torch
 from standin import StandInReplica, tokens_for
 
 from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.generation.servers.fleet import Fleet
 from aitraining_pl.generation.servers.routing import PrefixAffinity
@@ -39,7 +40,7 @@ def prompts(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 def sample(fleet: Fleet, rows, n=2, seed=7, max_new_tokens=3):
     ids, mask = prompts(rows)
     generation = GenerationConfig(max_new_tokens=max_new_tokens)
-    return fleet.sample(ids, mask, generation, [0], StopRule(), 0, n, seed)
+    return fleet.sample(SampleRequest(ids, mask, generation, [0], StopRule(), 0, n, seed))
 
 
 ROWS = [[5, 6], [7], [8, 9, 10], [11], [12, 13], [14]]

@@ -38,9 +38,7 @@ def test_requests_decoded_together_draw_the_tokens_each_draws_alone(tmp_path):
         assert torch.equal(both.response_ids, single.response_ids)
         torch.testing.assert_close(both.sampling_logprobs, single.sampling_logprobs)
     # a request alone draws what the policy draws itself with its seed (HFBackend: torch.manual_seed)
-    own = HFBackend(model).sample(
-        requests[0].prompt_ids, requests[0].prompt_mask, SAMPLED, [1], StopRule(None), 0, 3, 3
-    )
+    own = HFBackend(model).sample(requests[0])
     width = own.response_ids.shape[1]
     assert torch.equal(alone[0].response_ids[:, :width], own.response_ids)
     assert together[2].response_ids.shape[0] == 3 and not torch.equal(alone[0].response_ids, alone[1].response_ids)
@@ -49,7 +47,7 @@ def test_requests_decoded_together_draw_the_tokens_each_draws_alone(tmp_path):
 def test_concurrent_requests_are_served_in_one_batch():
     calls = []
 
-    def serve(requests):
+    def serve(requests, vision=None):
         calls.append(len(requests))
         time.sleep(0.05)
         return [f"answer {r}" for r in requests]
@@ -70,7 +68,7 @@ def test_concurrent_requests_are_served_in_one_batch():
 
 
 def test_an_error_reaches_every_request_of_its_batch():
-    def serve(requests):
+    def serve(requests, vision=None):
         raise RuntimeError("engine failed")
 
     batcher = Batcher(serve, wait_s=0.0)

@@ -71,8 +71,8 @@ def test_greedy_samples_are_the_policys_and_seeded_ones_repeat(server):
     asked = request(GREEDY)
     greedy = replica.sample(asked, time.monotonic() + 60)
     for row, (ids, mask) in enumerate(zip(asked.prompt_ids, asked.prompt_mask)):
-        own = HFBackend(model).sample(ids[mask.bool()][None], torch.ones(1, int(mask.sum())), GREEDY, [1],
-                                      StopRule(None), 0)  # fmt: skip
+        alone = ids[mask.bool()][None]
+        own = HFBackend(model).sample(SampleRequest(alone, torch.ones_like(alone), GREEDY, [1], StopRule(None), 0))
         for sample in (2 * row, 2 * row + 1):
             length = own.response_ids.shape[1]
             assert greedy.response_ids[sample, :length].tolist() == own.response_ids[0].tolist()
@@ -175,9 +175,13 @@ def test_lora_adapter_pushes_sample_as_merged_pushes(server):
     peft = lora_policy(model)
     backend = ServedBackend(replica, rank=0, run="run-a", timeout=60)
     args = request(GREEDY)
-    plain = backend.sample(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2).response_ids
+    plain = backend.sample(
+        SampleRequest(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2)
+    ).response_ids
     assert backend.sync(peft, 5) and backend.base_pushed
-    adapted = backend.sample(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2).response_ids
+    adapted = backend.sample(
+        SampleRequest(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2)
+    ).response_ids
     base_push, adapter_push = replica.stats.pushes[-2:]
     replica.push(plain_weights(peft, merged=True), WeightsVersion("run-a", 6))
     merged = replica.sample(args, time.monotonic() + 60).response_ids

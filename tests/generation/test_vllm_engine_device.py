@@ -16,7 +16,7 @@ import torch
 from conftest import TINY_LLAMA, quiet_trainer
 
 from aitraining_pl.datamodules import PromptDataModule
-from aitraining_pl.generation.backend import BackendContext
+from aitraining_pl.generation.backend import BackendContext, SampleRequest
 from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
 from aitraining_pl.generation.vllm import VLLMEngine
 from aitraining_pl.models import build_causal_lm, load_tokenizer
@@ -98,7 +98,9 @@ def test_sleep_level_2_wakes_the_weights_loads_them_then_wakes_the_kv_cache(fake
     llm = fake_vllm.built[-1]
     llm.calls.clear()
     assert vllm_engine.sync(policy, version=0)  # the same version, but level 2 dropped the weights: loaded again
-    vllm_engine.sample(torch.ones(1, 3, dtype=torch.long), torch.ones(1, 3), GenerationConfig(), [1], StopRule(), 0)
+    vllm_engine.sample(
+        SampleRequest(torch.ones(1, 3, dtype=torch.long), torch.ones(1, 3), GenerationConfig(), [1], StopRule(), 0)
+    )
     tensors = len(policy.state_dict())
     assert llm.calls == [
         ("empty_cache",), ("wake_up", ["weights"]), ("reload_weights", tensors), ("empty_cache",),
@@ -112,7 +114,9 @@ def test_sleep_level_2_wakes_the_weights_loads_them_then_wakes_the_kv_cache(fake
 def test_sampling_runs_outside_the_trainers_autocast(fake_vllm):
     vllm_engine = engine("bf16-mixed", 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        vllm_engine.sample(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3), GenerationConfig(), [1], StopRule(), 0)
+        vllm_engine.sample(
+            SampleRequest(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3), GenerationConfig(), [1], StopRule(), 0)
+        )
     assert fake_vllm.built[-1].calls[-1] == ("generate", False)
     vllm_engine.close()
 

@@ -34,8 +34,8 @@ class OffPolicySampler:
     def from_context(cls, generation, context):
         return cls()
 
-    def sample(self, prompt_ids, prompt_mask, generation, end_ids, stop_rule, pad_token_id, num_samples=1, seed=None):
-        rows = prompt_ids.shape[0] * num_samples
+    def sample(self, request):
+        rows = request.prompt_ids.shape[0] * request.num_samples
         logps = torch.tensor([[-5.4 - 0.5 * t - 0.15 * r for t in range(3)] for r in range(rows)])
         return SampledTokens(torch.tensor(TOKENS[:rows]), None, None, logps)  # 4th: the sampler's log-probs
 

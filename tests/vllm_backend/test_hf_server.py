@@ -18,7 +18,7 @@ from architectures import model_config
 from server_fixtures import SPEC, GatedEngine, options, served, serving
 
 from aitraining_pl.errors import GenerationServerError
-from aitraining_pl.generation.backend import HFBackend
+from aitraining_pl.generation.backend import HFBackend, SampleRequest
 from aitraining_pl.generation.servers.client import VLLMServerClient
 from aitraining_pl.generation.servers.hf_server import HFServerEngine
 from aitraining_pl.generation.servers.serve import build_engine, meta_model, parser
@@ -68,11 +68,11 @@ def test_a_pushed_policy_samples_as_the_policy_itself(name, drop_ended):
         client = VLLMServerClient(policy, options(port))
         try:
             assert client.sync(policy, 7) and not client.sync(policy, 7)  # the held version is not pushed again
-            served_rows = client.sample(ids, mask, generation, [2], StopRule(), 0, 3, seed=11)
+            served_rows = client.sample(SampleRequest(ids, mask, generation, [2], StopRule(), 0, 3, seed=11))
             assert client.kind == "HF server"  # how its messages name the server (``ready`` says the engine)
         finally:
             client.close()
-    own = HFBackend(policy).sample(ids, mask, generation, [2], StopRule(), 0, 3, seed=11)
+    own = HFBackend(policy).sample(SampleRequest(ids, mask, generation, [2], StopRule(), 0, 3, seed=11))
     assert torch.equal(served_rows.response_ids, own.response_ids)
     inside = served_rows.token_versions >= 0
     assert set(served_rows.token_versions[inside].tolist()) == {7} and bool(inside[:, 0].all())
@@ -115,7 +115,9 @@ def test_a_push_in_flight_splits_a_response_between_two_versions():
         try:
             client.sync(old, 1)
             sampling = threading.Thread(
-                target=lambda: answer.update(rows=client.sample(ids, mask, generation, [], StopRule(), 0, 2, seed=5))
+                target=lambda: answer.update(
+                    rows=client.sample(SampleRequest(ids, mask, generation, [], StopRule(), 0, 2, seed=5))
+                )
             )
             sampling.start()
             assert paused.wait(60)
@@ -146,11 +148,11 @@ def test_a_newer_version_serves_a_request_that_allows_it():
         try:
             client.sync(policy, 4)
             client.version, client.at_least = f"{client.run}:3", True
-            rows = client.sample(ids, mask, SAMPLING, [2], StopRule(), 0, 1, seed=1)
+            rows = client.sample(SampleRequest(ids, mask, SAMPLING, [2], StopRule(), 0, 1, seed=1))
             assert set(rows.token_versions[rows.token_versions >= 0].tolist()) == {4}
             client.at_least = False
             with pytest.raises(GenerationServerError, match=r"weights \S+:3 did not arrive within 2 s \(held: \S+:4\)"):
-                client.sample(ids, mask, SAMPLING, [2], StopRule(), 0, 1, seed=1)
+                client.sample(SampleRequest(ids, mask, SAMPLING, [2], StopRule(), 0, 1, seed=1))
         finally:
             client.close()
 
@@ -168,7 +170,9 @@ def test_a_load_waits_for_the_other_ranks_request_at_the_held_version():
 
         def sample(client, key):
             return threading.Thread(
-                target=lambda: answers.update({key: client.sample(ids, mask, generate, [2], StopRule(), 0, 1)})
+                target=lambda: answers.update(
+                    {key: client.sample(SampleRequest(ids, mask, generate, [2], StopRule(), 0, 1))}
+                )
             )
 
         try:
@@ -190,7 +194,7 @@ def test_a_load_waits_for_the_other_ranks_request_at_the_held_version():
             assert [v for v, _ in engine.served] == ["run:1", "run:1"] and len(engine.pushes) == 1
             assert pushing.is_alive()  # held at the gate: rank 1's latest request is still at weights 1
             second.sync(model, 2)
-            rows = second.sample(ids, mask, generate, [2], StopRule(), 0, 1)
+            rows = second.sample(SampleRequest(ids, mask, generate, [2], StopRule(), 0, 1))
             pushing.join(60)
             assert len(engine.pushes) == 2 and engine.served[-1][0] == "run:2"
             assert (answers["second"].token_versions == 1).all() and (rows.token_versions == 2).all()
@@ -214,7 +218,7 @@ def test_the_synchronous_two_rank_loop_is_unchanged_by_the_load_gate(capfd):
             for step in (1, 2, 3):
                 barrier.wait(60)
                 client.sync(model, step)
-                rows = client.sample(ids, mask, generate, [2], StopRule(), 0, 1)
+                rows = client.sample(SampleRequest(ids, mask, generate, [2], StopRule(), 0, 1))
                 records[client.rank].append((client.batched, set(rows.token_versions.flatten().tolist())))
 
         try:
@@ -271,7 +275,7 @@ def test_serve_with_the_hf_engine_starts_serves_and_stops_on_sigterm(tmp_path, m
         client = VLLMServerClient(policy, options(port))
         try:
             client.sync(policy, 1)
-            rows = client.sample(*prompts(), SAMPLING, [2], StopRule(), 0, 2, seed=3)
+            rows = client.sample(SampleRequest(*prompts(), SAMPLING, [2], StopRule(), 0, 2, seed=3))
         finally:
             client.close()
         assert rows.response_ids.shape[0] == 4 and (rows.token_versions[:, 0] == 1).all()

@@ -107,7 +107,9 @@ def test_rollouts_equal_the_colocated_engines(launched):
         for generation, seed in ((GREEDY, None), (SAMPLED, 11)):
             asked = request(generation, seed)
             served = replica.sample(asked, time.monotonic() + 120)
-            own = engine.sample(asked.prompt_ids, asked.prompt_mask, generation, [1], StopRule(None), 0, 2, seed)
+            own = engine.sample(
+                SampleRequest(asked.prompt_ids, asked.prompt_mask, generation, [1], StopRule(None), 0, 2, seed)
+            )
             assert served.response_ids.tolist() == own.response_ids.tolist(), generation
             torch.testing.assert_close(served.sampling_logprobs, own.sampling_logprobs, atol=1e-4, rtol=0)
         again = replica.sample(request(SAMPLED, 11), time.monotonic() + 120)
@@ -172,9 +174,13 @@ def test_lora_adapter_pushes_sample_as_merged_pushes(launched):
     peft = lora_policy(policy)
     backend = ServedBackend(replica, rank=0, run="run-a", timeout=120)
     args = request(GREEDY)
-    plain = backend.sample(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2).response_ids
+    plain = backend.sample(
+        SampleRequest(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2)
+    ).response_ids
     assert backend.sync(peft, 5)
-    adapted = backend.sample(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2).response_ids
+    adapted = backend.sample(
+        SampleRequest(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2)
+    ).response_ids
     adapter_bytes = replica.stats.pushes[-1].bytes
     replica.push(plain_weights(peft, merged=True), WeightsVersion("run-a", 6))
     merged = replica.sample(args, time.monotonic() + 120).response_ids

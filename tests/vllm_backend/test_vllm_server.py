@@ -23,6 +23,7 @@ import torch
 from server_fixtures import SPEC, RecordingEngine, options, serving
 
 from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.config import VLLMConfig
 from aitraining_pl.generation.servers.tcp_wire import MAGIC, FrameError, read_frame, send_frame
 from aitraining_pl.generation.version import WeightsVersion
@@ -341,7 +342,7 @@ def test_two_ranks_requests_are_served_in_one_generate_with_the_rows_each_gets_a
     def draw(client, texts, samples, seed, generation):
         enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
         ids, mask = enc["input_ids"], enc["attention_mask"]
-        sampled = client.sample(ids, mask, generation, [1], StopRule(), 0, samples, seed)
+        sampled = client.sample(SampleRequest(ids, mask, generation, [1], StopRule(), 0, samples, seed))
         return sampled, client.batched
 
     ranks = [VLLMServerClient(model, options(server), rank=0, run="batching")]

@@ -33,12 +33,13 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
+from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.config import VLLMConfig
 from aitraining_pl.generation.servers.tcp_guards import read_token
 from aitraining_pl.generation.servers.tcp_wire import (
@@ -57,7 +58,7 @@ from aitraining_pl.generation.servers.tcp_wire import (
 )
 from aitraining_pl.generation.servers.weights import ChannelBroken, WeightGroup, failure
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
+from aitraining_pl.models.generation import SampledTokens, hf_model
 from aitraining_pl.models.sharding import is_sharded
 from aitraining_pl.models.weights import policy_weights
 
@@ -318,39 +319,34 @@ class VLLMServerClient:
             raise self.lost(doing, err) from None
         self.sync_seconds = time.perf_counter() - start
 
-    def sample(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        generation: Any,
-        end_ids: Sequence[int],
-        stop_rule: StopRule,
-        pad_token_id: int,
-        num_samples: int = 1,
-        seed: int | None = None,
-    ) -> SampledTokens:
+    def sample(self, request: SampleRequest) -> SampledTokens:
         """The engine's ``sample`` on the server, once it holds this process's weights version (or with
         ``at_least`` a later one): the same ``SamplingParams`` (the server rebuilds ``generation`` and the stop
         rule's strings from the request). ``token_versions``: the step of the weights that sampled each token
         (None from a server that does not say)."""
+        if request.images is not None:
+            raise ConfigError("generation.vllm.protocol", "prompts with images need the engine's HTTP routes (http): "
+                              "the frame protocol (tcp, deprecated) carries no images")  # fmt: skip
+        generation, stop_rule, num_samples = request.generation, request.stop_rule, request.num_samples
+        prompt_ids, prompt_mask = request.prompt_ids, request.prompt_mask
         fields = {k: v for k, v in dataclasses.asdict(generation).items() if k != "vllm"}
-        request = {
+        message = {
             "op": "sample",
             "version": self.version,
             "newer": bool(self.at_least),
             "timeout": float(self.options.server_timeout),
             "generation": fields,
-            "end_ids": [int(t) for t in end_ids],
+            "end_ids": [int(t) for t in request.end_ids],
             "stop_strings": list(stop_rule.stop_strings),
             "skip_special_tokens": bool(stop_rule.skip_special_tokens),
-            "pad_token_id": int(pad_token_id),
+            "pad_token_id": int(request.pad_token_id),
             "num_samples": int(num_samples),
-            "seed": seed,
+            "seed": request.seed,
         }
         prompts = {"prompt_ids": prompt_ids.long(), "prompt_mask": prompt_mask.long()}
         doing = f"sampling {num_samples} responses for each of {prompt_ids.shape[0]} prompts (rank {self.rank})"
         with self.talking:
-            answer, tensors = self.call(request, doing, prompts)
+            answer, tensors = self.call(message, doing, prompts)
         self.cached_tokens, self.batched = int(answer.get("cached_tokens", 0)), int(answer.get("batched", 1))
         device = prompt_ids.device
         logprobs, versions = tensors["sampling_logprobs"].to(device), tensors.get("token_versions")

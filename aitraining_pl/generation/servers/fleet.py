@@ -36,11 +36,12 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.servers.adapters import adapter_weights, supported
 from aitraining_pl.generation.servers.replica import PushReport, Replica, ReplicaDown
 from aitraining_pl.generation.servers.routing import PrefixAffinity, ReplicaRequest, joined, part
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens, StopRule
+from aitraining_pl.models.generation import SampledTokens
 from aitraining_pl.models.lora import is_peft_model, plain_weights
 from aitraining_pl.models.sharding import is_sharded
 
@@ -189,25 +190,19 @@ class Fleet:
                 assigned[next(order)] = index
         return assigned  # type: ignore[return-value]
 
-    def sample(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        generation: Any,
-        end_ids: Sequence[int],
-        stop_rule: StopRule,
-        pad_token_id: int,
-        num_samples: int = 1,
-        seed: int | None = None,
-    ) -> SampledTokens:
-        """``num_samples`` responses per left-padded prompt from the fleet (rows in ``repeat_interleave`` order),
-        by weights of this process's version; ``seed`` None: drawn from torch's global generator."""
+    def sample(self, request: SampleRequest) -> SampledTokens:
+        """``request.num_samples`` responses per left-padded prompt from the fleet (rows in ``repeat_interleave``
+        order), by weights of this process's version; ``seed`` None: drawn from torch's global generator."""
+        seed = request.seed
         if seed is None:
             seed = (int(torch.randint(0, 2**31, (1,))) + self.rank * RANK_SEED_STRIDE) % 2**31
-        ids, mask = prompt_ids.cpu(), prompt_mask.cpu()
-        request = ReplicaRequest(ids, mask, generation, list(end_ids), stop_rule, int(pad_token_id),
-                                 int(num_samples), int(seed), self.version, bool(self.at_least))  # fmt: skip
-        prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+        device, pad_token_id = request.prompt_ids.device, int(request.pad_token_id)
+        request = ReplicaRequest.of(
+            request, self.version, bool(self.at_least), prompt_ids=request.prompt_ids.cpu(),
+            prompt_mask=request.prompt_mask.cpu(), end_ids=list(request.end_ids), pad_token_id=pad_token_id,
+            num_samples=int(request.num_samples), seed=int(seed),
+        )  # fmt: skip
+        prompts = [row[m.bool()].tolist() for row, m in zip(request.prompt_ids, request.prompt_mask)]
         assigned = self.plan(prompts, request)
         runs = [(k, len(list(g))) for k, g in itertools.groupby(assigned)]
         futures, start = [], 0
@@ -220,7 +215,7 @@ class Fleet:
         for tokens, index in zip(prompts, served):
             self.affinity.record(tokens, index)
         self.cached_tokens = sum(int(getattr(m.replica, "cached_tokens", 0) or 0) for m, _ in answers)
-        return joined([out for _, out in answers], int(pad_token_id), prompt_ids.device)
+        return joined([out for _, out in answers], pad_token_id, device)
 
     def _serve(self, request: ReplicaRequest, member: _Member) -> tuple[_Member, SampledTokens]:
         """``request`` on ``member``, re-sent to the least loaded server up while the one asked is down."""

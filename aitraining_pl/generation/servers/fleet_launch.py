@@ -16,12 +16,12 @@ import torch
 
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.config import LaunchConfig, ServerConfig
+from aitraining_pl.generation.images import save_model_files
 from aitraining_pl.generation.servers.fleet import Fleet
 from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.replica import Replica
 from aitraining_pl.generation.servers.served import check_guarded, find_token
 from aitraining_pl.generation.servers.start import ServerProcess, spawn
-from aitraining_pl.models.generation import hf_model
 
 #: what builds the ``Replica`` of a URL, by its scheme (``"module:name"``, imported only when a URL of that scheme is
 #: used), called as ``(url, generation, context, token_file, connect_timeout)``
@@ -99,8 +99,7 @@ class LaunchedFleet:
         folders = []
         for _ in range(launch.count):
             folder = Path(tempfile.mkdtemp(prefix="aitraining-pl-fleet-"))
-            hf_model(policy).config.save_pretrained(folder)
-            tokenizer.save_pretrained(folder)
+            save_model_files(policy, tokenizer, folder)
             folders.append(folder)
         options = dict(options=generation.vllm, dtype=dtype, seed=seed, threads=generation.server_threads,
                        trainer_gpus=trainer_gpus)  # fmt: skip

@@ -11,6 +11,10 @@ with ``backend: hf``).
   gets 400. ``prompt_logprobs: 0`` adds vLLM's ``prompt_logprobs`` to each choice (None, then ``{"<id>": {"logprob":
   ...}}`` of each given prompt token under the untruncated softmax at temperature 1: a served teacher's scores,
   ``teacher.HTTPTeacher``); top-k prompt log-probs (above 0) are not served.
+- ``/inference/v1/generate`` (vLLM's tokens-in route, a VL policy's prompts with images): ``token_ids`` with each
+  image placeholder unexpanded, ``content_parts`` of ``image_url`` data URLs and ``sampling_params`` (the fields
+  above); the placeholders are expanded with ``--model``'s image processor (``prompt_images``) and the answer holds
+  ``prompt_token_ids`` (expanded) and each choice's ``token_ids`` and ``logprobs.content``.
 - ``/pause`` (any ``mode``: the decoder waits before its next forward, keeping its cache), ``/resume``,
   ``/is_paused``; ``/health``, ``/v1/models``.
 - ``/collective_rpc`` with the worker extension's methods (``aitraining_pl_load``, ``aitraining_pl_release``;
@@ -31,6 +35,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,6 +65,31 @@ class Completion(BaseModel):
     stop: list[str] | str | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=0)  #: 0: each prompt token's log-prob (a served teacher)
+
+
+class Generate(BaseModel):
+    """The ``/inference/v1/generate`` fields this server reads (vLLM's tokens-in route: a prompt with images)."""
+
+    model_config = {"extra": "allow"}
+    token_ids: list[int] = Field(min_length=1)
+    content_parts: list[dict[str, Any]] = []
+    sampling_params: dict[str, Any] = {}
+
+
+def prompt_images(image_processor: Any, placeholder: int, ids: list[int], urls: list[str]) -> tuple[list[int], Any]:
+    """A prompt's token ids with each image placeholder expanded (one token per image feature: ``grid_t * grid_h *
+    grid_w / merge_size**2``, the Qwen VL family's processors) and its ``VisionInputs``, from its images' data URLs;
+    a ``ValueError`` naming what is wrong."""
+    from aitraining_pl.generation.images import expand, image_from_url
+    from aitraining_pl.models.vision import VisionInputs
+
+    images = [image_from_url(url) for url in urls]
+    out = image_processor(images=images, return_tensors="pt")
+    merge = getattr(image_processor, "merge_size", None)
+    if "image_grid_thw" not in out or not merge:
+        raise ValueError("this server expands image placeholders for the Qwen VL family's processors only")
+    counts = [int(grid.prod()) // int(merge) ** 2 for grid in out["image_grid_thw"]]
+    return expand(ids, placeholder, counts), VisionInputs.from_processor([out])
 
 
 class Rpc(BaseModel):
@@ -99,9 +129,10 @@ class Batcher:
         self.queue: list[dict[str, Any]] = []
         self.busy = False
 
-    def submit(self, request: SampleRequest) -> Any:
-        """``request``'s ``SampledTokens`` (an error of its batch raised here too)."""
-        job = {"request": request}
+    def submit(self, request: SampleRequest, vision: Any = None) -> Any:
+        """``request``'s ``SampledTokens`` (an error of its batch raised here too); ``vision``: a VL prompt's
+        ``VisionInputs``, served on its own (``sample_many``'s ``vision``) in the batch's turn."""
+        job = {"request": request, "vision": vision}
         with self.changed:
             self.queue.append(job)
             while self.busy and "answer" not in job:
@@ -118,22 +149,27 @@ class Batcher:
         time.sleep(self.wait_s)
         with self.changed:
             batch, self.queue = self.queue, []
-        try:
-            answers: list[Any] = list(self.serve([job["request"] for job in batch]))
-        except BaseException as err:  # every request of the batch gets the error
-            answers = [err] * len(batch)
-        with self.changed:
-            for job, answer in zip(batch, answers):
+        plain = [job for job in batch if job["vision"] is None]
+        groups = [(plain, None)] * bool(plain) + [([job], job["vision"]) for job in batch if job["vision"] is not None]
+        for jobs, vision in groups:
+            try:
+                answers: list[Any] = list(self.serve([job["request"] for job in jobs], vision))
+            except BaseException as err:  # every request of the batch gets the error
+                answers = [err] * len(jobs)
+            for job, answer in zip(jobs, answers):
                 job["answer"] = answer
+        with self.changed:
             self.busy = False
             self.changed.notify_all()
 
 
 def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positions: int | None, token: str,
-              fixed: bool = False, wait_s: float = 0.01) -> Any:  # fmt: skip
+              fixed: bool = False, image_processor: Any = None, placeholder: int | None = None,
+              wait_s: float = 0.01) -> Any:  # fmt: skip
     """The FastAPI app of the routes above around ``engine`` (an ``HFServerEngine``); ``name``: the model id
     ``/v1/models`` answers; ``positions``: the model's longest sequence; ``fixed``: the engine holds a teacher's
-    weights (``--teacher``), and every push is refused; ``wait_s``: ``Batcher``'s."""
+    weights (``--teacher``), and every push is refused; ``image_processor``: a VL model's, whose ``placeholder``
+    token ids ``/inference/v1/generate`` expands; ``wait_s``: ``Batcher``'s."""
     from fastapi import FastAPI, HTTPException
 
     app = FastAPI(title="aitraining-pl HF server")
@@ -154,8 +190,29 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
     def models() -> dict:
         return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "aitraining-pl"}]}
 
+    @app.post("/inference/v1/generate")
+    def generate(body: Generate) -> dict:
+        if image_processor is None:
+            raise HTTPException(400, "this server's model takes no images (no image processor in --model's folder)")
+        urls = [part.get("url", "") for part in body.content_parts if part.get("type") == "image_url"]
+        try:
+            ids, vision = prompt_images(image_processor, placeholder, body.token_ids, urls)
+        except ValueError as err:
+            raise HTTPException(400, str(err)) from None
+        fields = {k: v for k, v in body.sampling_params.items() if k in Completion.model_fields}
+        answer = complete(Completion(prompt=ids, **fields), vision)
+        choices = [{"index": c["index"], "finish_reason": c["finish_reason"], "token_ids": c["token_ids"],
+                    "logprobs": {"content": [{"token_id": t, "logprob": v} for t, v in
+                                             zip(c["token_ids"], c["logprobs"]["token_logprobs"])]}}
+                   for c in answer["choices"]]  # fmt: skip
+        return {"model": name, "choices": choices, "prompt_token_ids": ids}
+
     @app.post("/v1/completions")
     def completions(body: Completion) -> dict:
+        return complete(body)
+
+    def complete(body: Completion, vision: Any = None) -> dict:
+        """A completion of ``body``'s prompt (with its images' ``VisionInputs``: ``generate``)."""
         if positions is not None and len(body.prompt) + body.max_tokens > positions:
             raise HTTPException(400, f"the prompt ({len(body.prompt)} tokens) and max_tokens ({body.max_tokens}) "
                                      f"exceed the model's {positions} positions")  # fmt: skip
@@ -178,7 +235,7 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
                 raise HTTPException(400, "the server holds no weights yet: prompt_logprobs score with a teacher's "
                                          "weights (start it with --teacher) or pushed ones")  # fmt: skip
             scored = prompt_entries(engine.prompt_logprobs(ids, torch.ones_like(ids), 1)[0], body.prompt, tokenizer)
-        sampled = batcher.submit(request)
+        sampled = batcher.submit(request, vision)
         choices = []
         for index, (tokens, logps, versions) in enumerate(
             zip(sampled.response_ids, sampled.sampling_logprobs, sampled.token_versions)
@@ -187,7 +244,7 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
             kept = tokens[:length].tolist()
             ended = bool(kept) and kept[-1] in body.stop_token_ids
             choices.append({
-                "index": index, "text": tokenizer.decode(kept) if tokenizer is not None else "",
+                "index": index, "text": tokenizer.decode(kept) if tokenizer is not None else "", "token_ids": kept,
                 "finish_reason": "stop" if ended else "length",
                 "logprobs": {"tokens": [f"token_id:{t}" for t in kept], "token_logprobs": logps[:length].tolist()},
                 "token_versions": versions[:length].tolist(),  # the weights step of each token (in-flight pushes)
@@ -289,7 +346,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.teacher:
         load_teacher(engine, args.model)
     positions = getattr(policy.config, "max_position_embeddings", None)
-    app = build_app(engine, tokenizer, specs, args.model, positions, token, args.teacher, args.batch_wait_ms / 1e3)
+    image_processor = placeholder = None
+    if (Path(args.model) / "preprocessor_config.json").is_file():  # a VL policy (``images.save_model_files``)
+        from transformers import AutoImageProcessor
+
+        image_processor = AutoImageProcessor.from_pretrained(args.model)
+        placeholder = getattr(policy.config, "image_token_id", None)
+    app = build_app(engine, tokenizer, specs, args.model, positions, token, fixed=args.teacher,
+                    image_processor=image_processor, placeholder=placeholder,
+                    wait_s=args.batch_wait_ms / 1e3)  # fmt: skip
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

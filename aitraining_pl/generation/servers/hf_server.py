@@ -109,11 +109,12 @@ class HFServerEngine:
         return staged is not None
 
     # ------------------------------------------------------------------ sampling
-    def sample_many(self, requests: Sequence[SampleRequest]) -> list[SampledTokens]:
+    def sample_many(self, requests: Sequence[SampleRequest], vision: Any = None) -> list[SampledTokens]:
         """Each request's ``SampledTokens`` (with ``sampling_logprobs`` and ``token_versions``). Requests that ask
         for the same sampling (``batch_key``) decode as one batch, each drawing its rows from a generator of its own
         seed, so its tokens are the ones it gets alone (up to the batch's float rounding); a push staged meanwhile is
-        swapped in between two decode steps, else at the end."""
+        swapped in between two decode steps, else at the end. ``vision``: the ``models.vision.VisionInputs`` of a VL
+        model's single request (``sample_images``)."""
         groups: dict[tuple, list[int]] = {}
         for index, request in enumerate(requests):
             groups.setdefault(batch_key(request), []).append(index)
@@ -121,7 +122,9 @@ class HFServerEngine:
         with self.lock:
             self.generating = True
         try:
-            for indices in groups.values():
+            if vision is not None:
+                results = [self.sample_images(requests[0], vision)]
+            for indices in groups.values() if vision is None else ():
                 for index, sampled in zip(indices, self.sample([requests[i] for i in indices])):
                     results[index] = sampled
         finally:
@@ -179,6 +182,24 @@ class HFServerEngine:
         return answered(
             tokens, selective_log_softmax(sampled.scores, tokens), lengths, steps, request.prompt_ids.device
         )
+
+    @torch.no_grad()
+    def sample_images(self, request: SampleRequest, vision: Any) -> SampledTokens:
+        """A VL model's samples of prompts with their images (``models.vision_decoding``; ``vision``: the prompts'
+        ``VisionInputs``), by the held weights on every token (a push staged meanwhile waits for the end)."""
+        from aitraining_pl.models.vision_decoding import sample_with_images
+
+        ids, mask = request.prompt_ids.to(self.device), request.prompt_mask.to(self.device)
+        sampled = sample_with_images(self.model, ids, mask, vision, request.generation, list(request.end_ids),
+                                     request.stop_rule, request.pad_token_id, int(request.num_samples),
+                                     self.seed_of(request),
+                                     chosen_logprobs=True)  # fmt: skip
+        tokens, logprobs = sampled.response_ids, sampled.sampling_logprobs.float()
+        with self.lock:
+            step = getattr(WeightsVersion.parse(self.version), "step", 0)
+        device = request.prompt_ids.device
+        versions = torch.full_like(tokens, step).to(device)
+        return SampledTokens(tokens.to(device), sampling_logprobs=logprobs.to(device), token_versions=versions)
 
     # ------------------------------------------------------------------ scoring (a served teacher)
     @torch.no_grad()

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.images import check_expanded, generate_body, generate_choices
 from aitraining_pl.generation.servers.adapters import AdapterWeights, write_adapter
 from aitraining_pl.generation.servers.replica import PushReport, ReplicaDown, ReplicaStats
 from aitraining_pl.generation.servers.vllm_worker import PUSH_PREFIX
@@ -212,7 +213,9 @@ class HTTPReplica:
             for i, prompt in enumerate(prompts):
                 seed = None if request.seed is None else (int(request.seed) + i * asked) % 2**31
                 body = completion_body(model, prompt, request, asked, seed)
-                futures.append(self.pool.submit(self._complete, body, deadline, i))
+                if request.images is not None:  # vLLM's tokens-in route, which takes the images (``images``)
+                    body = generate_body(body, request.images, i)
+                futures.append(self.pool.submit(self._complete, body, deadline, i, prompt))
             rows = []
             for future in futures:
                 choices = future.result()
@@ -228,13 +231,18 @@ class HTTPReplica:
         return SampledTokens(sampled.response_ids.to(device), sampling_logprobs=sampled.sampling_logprobs.to(device),
                              token_versions=versions)  # fmt: skip
 
-    def _complete(self, body: dict[str, Any], deadline: float, index: int) -> list[tuple]:
-        doing = f"sampling {body['n']} responses of prompt {index}"
-        answer = self.call("POST", "/v1/completions", doing, timeout=deadline - time.monotonic(), json=body)
+    def _complete(self, body: dict[str, Any], deadline: float, index: int, prompt: list[int]) -> list[tuple]:
+        images = "sampling_params" in body  # ``generate_body``: a prompt with images
+        n = body["sampling_params"]["n"] if images else body["n"]
+        doing = f"sampling {n} responses of prompt {index}"
+        route = "/inference/v1/generate" if images else "/v1/completions"
+        answer = self.call("POST", route, doing, timeout=deadline - time.monotonic(), json=body)
+        if images:
+            check_expanded(prompt, answer.get("prompt_token_ids"), self.url, index)
         choices = sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0))
-        if len(choices) != body["n"]:
-            raise GenerationServerError(self.url, f"{doing}: {len(choices)} choices came back for n={body['n']}")
-        return [choice_tokens(c) for c in choices]
+        if len(choices) != n:
+            raise GenerationServerError(self.url, f"{doing}: {len(choices)} choices came back for n={n}")
+        return generate_choices(answer) if images else [choice_tokens(c) for c in choices]
 
     def wait_for(self, wanted: WeightsVersion | None, deadline: float) -> None:
         """Return once the server serves ``wanted`` or a later step of its run (a version another process

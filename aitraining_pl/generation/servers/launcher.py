@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
+from aitraining_pl.generation.images import save_model_files
 from aitraining_pl.generation.servers.start import start
-from aitraining_pl.models.generation import hf_model
 
 #: seconds a launched server has to answer (it imports torch and transformers or vLLM, builds the model)
 START_TIMEOUT = 300.0
@@ -48,8 +48,7 @@ class LaunchedServer:
         from aitraining_pl.models.lora import is_peft_model
 
         self.folder = Path(tempfile.mkdtemp(prefix="aitraining-pl-serve-"))
-        hf_model(policy).config.save_pretrained(self.folder)
-        tokenizer.save_pretrained(self.folder)
+        save_model_files(policy, tokenizer, self.folder)
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
         engine = "vllm" if generation.backend == "vllm" else "hf"
         lora = is_peft_model(policy) and supported(policy)

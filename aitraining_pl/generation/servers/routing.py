@@ -26,6 +26,14 @@ class ReplicaRequest(SampleRequest):
     version: WeightsVersion | None = None
     newer: bool = False
 
+    @classmethod
+    def of(
+        cls, request: SampleRequest, version: WeightsVersion | None, newer: bool = False, **changes
+    ) -> ReplicaRequest:
+        """``request`` (with ``changes``) to be sampled by ``version`` (with ``newer``: or a later one)."""
+        fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(SampleRequest)}
+        return cls(**{**fields, **changes}, version=version, newer=newer)
+
     @property
     def tokens(self) -> int:
         """Tokens asked for: responses times ``max_new_tokens``."""
@@ -76,7 +84,8 @@ def part(request: ReplicaRequest, start: int, stop: int) -> ReplicaRequest:
     width = max(1, int(mask.sum(1).max())) if mask.numel() else 1
     seed = None if request.seed is None else (request.seed + start * request.num_samples) % 2**31
     ids = request.prompt_ids[start:stop, -width:]
-    return dataclasses.replace(request, prompt_ids=ids, prompt_mask=mask[:, -width:], seed=seed)
+    images = None if request.images is None else request.images.part(start, stop)
+    return dataclasses.replace(request, prompt_ids=ids, prompt_mask=mask[:, -width:], seed=seed, images=images)
 
 
 def joined(parts: list[SampledTokens], pad: int, device: torch.device) -> SampledTokens:

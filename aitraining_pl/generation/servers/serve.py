@@ -46,9 +46,12 @@ def meta_model(model: str, dtype: str | None) -> torch.nn.Module:
                 return build_causal_lm(spec, dtype=torch_dtype)
         except ValueError as err:
             raise ConfigError(f"--model {model}", one_line(err)) from None
+    from aitraining_pl.models.vision import is_vision_model_type
+
     config = from_pretrained(transformers.AutoConfig.from_pretrained, model, "model")
+    auto = "AutoModelForImageTextToText" if is_vision_model_type(config.model_type) else "AutoModelForCausalLM"
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(
+        return getattr(transformers, auto).from_config(
             config, dtype=torch_dtype or getattr(config, "dtype", None) or torch.float32
         )
 

@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 from urllib.parse import urlparse
 
@@ -38,9 +38,10 @@ from aitraining_pl.generation.servers.adapters import adapter_weights, supported
 from aitraining_pl.generation.servers.auth import TOKEN_ENV
 from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.replica import ReplicaDown
+from aitraining_pl.generation.servers.routing import ReplicaRequest
 from aitraining_pl.generation.servers.tcp_wire import token_path
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens, StopRule
+from aitraining_pl.models.generation import SampledTokens
 from aitraining_pl.models.lora import is_peft_model, plain_weights
 from aitraining_pl.models.sharding import is_sharded
 from aitraining_pl.models.weights import policy_weights
@@ -245,31 +246,17 @@ class ServedBackend:
         self.version = key
         return True
 
-    def sample(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        generation: Any,
-        end_ids: Sequence[int],
-        stop_rule: StopRule,
-        pad_token_id: int,
-        num_samples: int = 1,
-        seed: int | None = None,
-    ) -> SampledTokens:
+    def sample(self, request: SampleRequest) -> SampledTokens:
         """The server's samples of the left-padded prompts, by the weights of this process's version."""
-        request = SampleRequest(
-            prompt_ids, prompt_mask, generation, end_ids, stop_rule, pad_token_id, num_samples, seed
-        )
-        request.version = self.version  # the weights it must be sampled by
+        request = ReplicaRequest.of(request, self.version)  # the weights it must be sampled by
         deadline = time.monotonic() + self.timeout
         try:
             self.replica.wait_for(self.version, deadline)
             with self._gate.sample():
                 return self.replica.sample(request, deadline)
         except ReplicaDown as err:
-            raise self.down(
-                err, f"sampling {num_samples} responses for each of {prompt_ids.shape[0]} prompts"
-            ) from None
+            doing = f"sampling {request.num_samples} responses for each of {request.prompt_ids.shape[0]} prompts"
+            raise self.down(err, doing) from None
 
     def down(self, err: ReplicaDown) -> GenerationServerError:
         """The one line of a server that cannot be reached (a single server: nowhere else to send the request)."""

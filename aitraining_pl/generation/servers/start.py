@@ -39,6 +39,7 @@ VLLM_FLAGS = (
     *SERVE_FLAGS,
     "--worker-extension-cls", "aitraining_pl.generation.servers.vllm_worker.PushedWeights",
     "--load-format", "dummy",  # no weights read: the trainer pushes them
+    "--enable-scale-out",  # the tokens-in route /inference/v1/generate: prompts with images (``generation.images``)
 )  # fmt: skip
 #: seconds a server has to exit after SIGTERM before it is killed
 STOP_TIMEOUT = 30.0
@@ -91,6 +92,8 @@ def vllm_command(folder: Path, host: str, port: int, dtype: str, seed: int, opti
             "--tensor-parallel-size", str(options.tensor_parallel_size), *flags]  # fmt: skip
     if options.max_model_len:
         argv += ["--max-model-len", str(options.max_model_len)]
+    if not teacher and (folder / "preprocessor_config.json").is_file():  # a VL policy (``images.save_processor``)
+        argv += ["--limit-mm-per-prompt", json.dumps({"video": 0})]
     if lora_rank:  # vLLM's ranks: 8, 16, 32, ...
         argv += [
             "--enable-lora",

@@ -91,9 +91,7 @@ class TCPReplica:
             client.at_least = bool(request.newer)
             client.sock.settimeout(max(0.1, deadline - time.monotonic()))
             try:
-                r = request
-                return client.sample(r.prompt_ids, r.prompt_mask, r.generation, r.end_ids, r.stop_rule,
-                                     r.pad_token_id, r.num_samples, r.seed)  # fmt: skip
+                return client.sample(request)
             except ReplicaDown:
                 self.dropped()
                 raise

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from aitraining_pl.generation.images import reset_input_norms
 from aitraining_pl.generation.servers.checks import PushGuard, PushRefused, WeightSpecs
 
 #: a pushed file must sit in a folder whose name starts so (the trainer's ``tempfile.mkdtemp`` prefix)
@@ -45,8 +46,11 @@ def served_specs(hf_config: Any, dtype: torch.dtype) -> WeightSpecs:
     """The ``WeightSpecs`` of ``hf_config``'s transformers architecture (built on the meta device) in ``dtype``."""
     import transformers
 
+    from aitraining_pl.models.vision import is_vision_model_type
+
+    auto = "AutoModelForImageTextToText" if is_vision_model_type(hf_config.model_type) else "AutoModelForCausalLM"
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = getattr(transformers, auto).from_config(hf_config, dtype=dtype)
     return WeightSpecs(model)
 
 
@@ -78,12 +82,23 @@ class PushedWeights:
             parsed = guard.admit(owner, version)
             staged = load_checked(path, specs)
             self.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
+            self._aitraining_pl_input_norms()
             guard.accept(owner, parsed)
         except PushRefused as err:
             return {"ok": False, "error": str(err)}
         except Exception as err:  # noqa: BLE001 - one line back to the trainer, not a 500 without a reason
             return {"ok": False, "error": f"the load failed: {type(err).__name__}: {err}"}
         return {"ok": True, "seconds": time.perf_counter() - start}
+
+    def _aitraining_pl_input_norms(self) -> None:
+        """A VL model's folded image normalisation, which ``--load-format dummy`` randomised, set from the processor
+        config (``generation.images.reset_input_norms``)."""
+        model = self.get_model()
+        if any(type(m).__name__ == "FusedMMInputNorm" for m in model.modules()):
+            from vllm.model_executor.layers.fusion.mm_input_norm import _load_norm_params
+
+            norm = _load_norm_params(self.vllm_config.model_config)
+            reset_input_norms((norm.rescale_factor, norm.image_mean, norm.image_std), model)
 
     def aitraining_pl_release(self, owner: str) -> dict[str, Any]:
         """Free the server's weights for another run when ``owner`` holds them (the trainer closed its client)."""
