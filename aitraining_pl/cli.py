@@ -326,7 +326,9 @@ def main(args: list[str] | None = None) -> None:
             return
         if argv[0] == "serve":  # the frame-protocol generation server (deprecated; docs/vllm.md)
             from aitraining_pl.generation.servers.serve import main as serve
+            from aitraining_pl.generation.servers.served import TCP_RETIRES
 
+            print(f"aitraining-pl serve: {TCP_RETIRES}", file=sys.stderr, flush=True)
             serve(argv[1:], argv[0])
             return
         available_modules()  # imported: ``--model DPOModule`` resolves the short name

@@ -46,6 +46,12 @@ from aitraining_pl.models.lora import is_peft_model, plain_weights
 from aitraining_pl.models.sharding import is_sharded
 from aitraining_pl.models.weights import policy_weights
 
+#: what ``generation.vllm.protocol: tcp`` and ``aitraining-pl serve`` say once: the frame protocol retires
+TCP_RETIRES = (
+    "the frame protocol of `aitraining-pl serve` (generation.vllm.protocol: tcp) is deprecated and goes in the next "
+    "release: serve rollouts from `vllm serve` or the HF server over HTTP (the default; docs/fleet.md)"
+)
+
 
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
@@ -162,6 +168,8 @@ class ServedBackend:
         options = generation.vllm
         if options.protocol == "tcp":
             from aitraining_pl.generation.servers.client import VLLMServerClient
+
+            warnings.warn(TCP_RETIRES, FutureWarning, stacklevel=2)
 
             return VLLMServerClient.from_context(generation, context)
         replica = HTTPReplica(f"http://{options.server_host}:{options.server_port}", find_token(options),

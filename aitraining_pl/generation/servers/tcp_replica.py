@@ -14,6 +14,7 @@ import dataclasses
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,6 +24,7 @@ import torch
 from aitraining_pl.errors import GenerationServerError
 from aitraining_pl.generation.servers.client import VLLMServerClient
 from aitraining_pl.generation.servers.replica import PushReport, ReplicaDown, ReplicaStats
+from aitraining_pl.generation.servers.served import TCP_RETIRES
 from aitraining_pl.generation.servers.weights import ChannelBroken
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import SampledTokens
@@ -50,6 +52,7 @@ class TCPReplica:
     """
 
     def __init__(self, url: str, generation: Any, context: Any, token_file: str | None = None, connect_timeout=30.0):
+        warnings.warn(TCP_RETIRES, FutureWarning, stacklevel=2)
         parts = urlsplit(url)
         self.url, self.context, self.stats = url, context, ReplicaStats()
         self.options = dataclasses.replace(
