@@ -34,6 +34,10 @@ over ``--repeats`` rounds and the ratios are ours over TRL's, per round and of t
     TRL_PYTHON=/path/to/trl-venv/bin/python python benchmarks/vlm_vs_trl.py --repeats 3
     python benchmarks/vlm_vs_trl.py --dry-run     # this project's side only, 2 steps, in this process (CI)
 
+A rate counts the steady-state steps from the end of step ``--warmup`` to the end of the last step, so that it
+includes what happens between steps too: the loading and collation of a batch (TRL runs its processor on the images
+there; this project runs it once before training, in ``prepare_data``, which is outside the rate) and every callback.
+
 Memory is the **peak RSS** of each side's process (``ru_maxrss``: the whole process, the Python imports
 included), with ``import_rss_mb`` the peak after the imports and before any model or data is built, so that
 ``peak_rss_mb - import_rss_mb`` is what the run itself added. Prints the command, date and versions, one JSON line
@@ -69,10 +73,11 @@ SIZES = {
             "num_key_value_heads": 4,
             "head_dim": 64,
             "rope_scaling": {"rope_type": "default", "mrope_section": [8, 12, 12]},
-        }
+        },
+        "vision_config": {"hidden_size": 256},  # Qwen2-VL's merger writes the language model's width
     },
 }
-#: the chat template of both sides (``--`` module docstring): image parts as Qwen's placeholder, text parts as text
+#: the chat template of both sides (see the module docstring): image parts as Qwen's placeholder, text parts as text
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
     "{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
@@ -138,21 +143,20 @@ def colour_reward_of(texts: list[str], colours: list[str]) -> list[float]:
 
 
 class Steps:
-    """Wall and process CPU seconds of each step; rates over the steps after ``warmup``."""
+    """Wall and process CPU time at the end of each step; a rate is over the steady-state steps, from the end of
+    step ``warmup`` to the end of the last one, so that it counts everything between two steps as well (the
+    batch's loading and collation, where TRL runs its processor, and every callback)."""
 
     def __init__(self, warmup: int):
-        self.warmup, self.wall, self.cpu = warmup, [], []
-
-    def start(self) -> None:
-        self.t0, self.c0 = time.perf_counter(), time.process_time()
+        self.warmup, self.wall, self.cpu = max(1, warmup), [], []
 
     def end(self) -> None:
-        self.wall.append(time.perf_counter() - self.t0)
-        self.cpu.append(time.process_time() - self.c0)
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
 
     def rate(self, units: int, cpu: bool = False) -> float:
-        steady = (self.cpu if cpu else self.wall)[self.warmup :]
-        return round(units * len(steady) / sum(steady), 3)
+        ends = (self.cpu if cpu else self.wall)[self.warmup - 1 :]
+        return round(units * (len(ends) - 1) / (ends[-1] - ends[0]), 3)
 
 
 def _peak_rss_mb() -> float:
@@ -171,9 +175,6 @@ def ours_grpo(args) -> dict:
     import_rss, steps, lengths = _peak_rss_mb(), Steps(args.warmup), []
 
     class Timer(pl.Callback):
-        def on_train_batch_start(self, *a):
-            steps.start()
-
         def on_train_batch_end(self, trainer, *a):
             steps.end()
             lengths.append(float(trainer.callback_metrics["train/completion_length"]))
@@ -224,9 +225,6 @@ def ours_dpo(args) -> dict:
     import_rss, steps = _peak_rss_mb(), Steps(args.warmup)
 
     class Timer(pl.Callback):
-        def on_train_batch_start(self, *a):
-            steps.start()
-
         def on_train_batch_end(self, *a):
             steps.end()
 
@@ -306,9 +304,6 @@ def trl_grpo(args) -> dict:
     class Timer(TrainerCallback):
         trainer = None
 
-        def on_step_begin(self, *a, **k):
-            steps.start()
-
         def on_step_end(self, *a, **k):
             steps.end()  # the trainer's metrics are averaged and cleared when it logs, so read them here
             lengths.append(self.trainer._metrics["train"]["completions/mean_length"][-1])
@@ -369,9 +364,6 @@ def trl_dpo(args) -> dict:
     import_rss, steps = _peak_rss_mb(), Steps(args.warmup)
 
     class Timer(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            steps.start()
-
         def on_step_end(self, *a, **k):
             steps.end()
 
@@ -431,6 +423,17 @@ def measure(args) -> dict:
         **result,
         "peak_rss_mb": _peak_rss_mb(),
     }
+
+
+def in_process(args) -> dict:
+    """``measure`` in this process (``--dry-run``), its thread count restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        return measure(args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _spawn(python: str, side: str, task: str, model_path: str, data: str, args) -> dict:
@@ -530,8 +533,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     for side in sides:
                         source = data["prompts" if task == "grpo" else "pairs"]
                         if args.dry_run:
-                            child = argparse.Namespace(**{**vars(args), "side": side, "task": task})
-                            r = measure(argparse.Namespace(**{**vars(child), "model_path": model_path, "data": source}))
+                            run = {**vars(args), "side": side, "task": task, "model_path": model_path, "data": source}
+                            r = in_process(argparse.Namespace(**run))
                         else:
                             python = args.trl_python if side == "trl" else sys.executable
                             r = _spawn(python, side, task, model_path, source, args)
