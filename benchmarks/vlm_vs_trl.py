@@ -38,9 +38,10 @@ A rate counts the steady-state steps from the end of step ``--warmup`` to the en
 includes what happens between steps too: the loading and collation of a batch (TRL runs its processor on the images
 there; this project runs it once before training, in ``prepare_data``, which is outside the rate) and every callback.
 
-Memory is the **peak RSS** of each side's process (``ru_maxrss``: the whole process, the Python imports
-included), with ``import_rss_mb`` the peak after the imports and before any model or data is built, so that
-``peak_rss_mb - import_rss_mb`` is what the run itself added. Prints the command, date and versions, one JSON line
+Memory is the **peak RSS** of each side's process (Linux's ``VmHWM``, ``_common.peak_rss_mb``: the whole process,
+the Python imports included; not ``ru_maxrss``, which a child inherits from the process that started it), with
+``import_rss_mb`` the peak after the imports and before any model or data is built, so that ``peak_rss_mb -
+import_rss_mb`` is what the run itself added. Prints the command, date and versions, one JSON line
 per measurement (with ``*_per_cpu_s``: the same rate per second of the process's CPU time, the least moved by other
 processes), one ``ratio`` line per task, and a table.
 """
@@ -50,14 +51,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import add_trl_python, print_header, quiet_trainer, require_trl_python, run_child  # noqa: E402
+from _common import add_trl_python, peak_rss_mb, print_header, quiet_trainer, require_trl_python, run_child  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESET = "tiny-qwen2-vl-colours"
@@ -160,7 +160,7 @@ class Steps:
 
 
 def _peak_rss_mb() -> float:
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)
+    return round(peak_rss_mb(), 1)
 
 
 # ---------------------------------------------------------------------------------------------- this project
