@@ -67,6 +67,10 @@ def test_ratios_are_of_the_medians_and_per_round_and_the_table_shows_them():
     trl = [run(10.0, 600, 20.0), run(10.0, 610, 20.0), run(20.0, 590, 20.0)]
     r = vlm_vs_trl.ratio("dpo", ours, trl)
     assert r["speedup"] == 2.0 and r["speedup_per_round"] == [3.0, 1.0, 1.0] and r["speedup_cpu"] == 1.5
+    assert r["speedup_cpu_per_round"] == [2.0, 1.0, 1.5]
     assert r["memory_ratio"] == pytest.approx(510 / 600, abs=1e-3) and r["trl_run_rss_mb"] == 200
     table = vlm_vs_trl.table([r])
-    assert "| dpo (pairs_per_s) | tiny | 20.0 | 10.0 | 2.00x | 1.50x | 510 | 600 | 0.85 | 110 / 200 |" in table
+    row = (
+        "| dpo (pairs_per_s) | tiny | 20.0 | 10.0 | 2.00x | 1.50x (2.00 / 1.00 / 1.50) | 510 / 600 | 0.85 | 110 / 200 |"
+    )
+    assert row in table
