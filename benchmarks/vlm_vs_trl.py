@@ -163,6 +163,11 @@ def _peak_rss_mb() -> float:
     return round(peak_rss_mb(), 1)
 
 
+def _params(model) -> dict:
+    return {"params": sum(p.numel() for p in model.parameters()),
+            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------- this project
 def ours_grpo(args) -> dict:
     import lightning.pytorch as pl
@@ -181,25 +186,17 @@ def ours_grpo(args) -> dict:
 
     pl.seed_everything(0)
     module = GRPOModule(
-        model_name=args.model_path,
-        tokenizer_name=PRESET,  # the same processor as the saved one (vision_presets builds it)
-        reward=lambda p, r, m: colour_reward_of(r, [x["colour"] for x in m]),
-        num_generations=args.num_generations,
-        learning_rate=LR,
-        kl_coef=GRPO_BETA,
+        model_name=args.model_path, tokenizer_name=PRESET,  # the saved processor: vision_presets builds the same
+        reward=lambda p, r, m: colour_reward_of(r, [x["colour"] for x in m]), num_generations=args.num_generations,
+        learning_rate=LR, kl_coef=GRPO_BETA, max_grad_norm=1.0, mini_batch_size=args.num_prompts * args.num_generations,
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0),
-        mini_batch_size=args.num_prompts * args.num_generations,
-        max_grad_norm=1.0,
-    )
+    )  # fmt: skip
     rows = read_rows(args.data)[: args.num_prompts * args.steps]
     data = PromptDataModule(
-        prompts=["colour?"] * len(rows),
-        metadata=[{"images": [r["image"]], "colour": r["colour"]} for r in rows],
-        metadata_columns=["colour"],
-        tokenizer=module.tokenizer,
-        batch_size=args.num_prompts,
+        prompts=["colour?"] * len(rows), metadata=[{"images": [r["image"]], "colour": r["colour"]} for r in rows],
+        metadata_columns=["colour"], tokenizer=module.tokenizer, batch_size=args.num_prompts,
         max_prompt_length=MAX_LENGTH,
-    )
+    )  # fmt: skip
     data.setup("fit")
     data.train_dataloader = lambda: torch.utils.data.DataLoader(  # file order, as TRL's side
         data.train_dataset, args.num_prompts, shuffle=False, collate_fn=data.collate_fn
@@ -208,8 +205,7 @@ def ours_grpo(args) -> dict:
     completions = args.num_prompts * args.num_generations
     return {
         "import_rss_mb": import_rss,
-        "params": sum(p.numel() for p in module.policy.parameters()),
-        "trainable_params": sum(p.numel() for p in module.policy.parameters() if p.requires_grad),
+        **_params(module.policy),
         "completions_per_s": steps.rate(completions),
         "completions_per_cpu_s": steps.rate(completions, cpu=True),
         "completion_tokens": round(sum(lengths) / max(1, len(lengths)), 2),
@@ -233,21 +229,13 @@ def ours_dpo(args) -> dict:
         model_name=args.model_path, tokenizer_name=PRESET, beta=DPO_BETA, learning_rate=LR, warmup_ratio=0.0
     )
     data = PreferenceDataModule(
-        data_path=args.data,
-        val_split=0.0,
-        prompt_column="question",
-        tokenizer=module.tokenizer,
-        batch_size=args.batch_size,
-        max_length=MAX_LENGTH,
-        max_prompt_length=MAX_LENGTH - 16,
-        shuffle=False,
-        seed=0,
-    )
+        data_path=args.data, val_split=0.0, prompt_column="question", tokenizer=module.tokenizer,
+        batch_size=args.batch_size, max_length=MAX_LENGTH, max_prompt_length=MAX_LENGTH - 16, shuffle=False, seed=0,
+    )  # fmt: skip
     quiet_trainer(max_steps=args.steps, callbacks=[Timer()]).fit(module, data)
     return {
         "import_rss_mb": import_rss,
-        "params": sum(p.numel() for p in module.policy.parameters()),
-        "trainable_params": sum(p.numel() for p in module.policy.parameters() if p.requires_grad),
+        **_params(module.policy),
         "pairs_per_s": steps.rate(args.batch_size),
         "pairs_per_cpu_s": steps.rate(args.batch_size, cpu=True),
     }
@@ -321,35 +309,22 @@ def trl_grpo(args) -> dict:
     ).cast_column("image", Image())
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
-            **trl_common(out, args),
-            per_device_train_batch_size=args.num_prompts * args.num_generations,
-            num_generations=args.num_generations,
-            steps_per_generation=1,
-            max_completion_length=args.max_new_tokens,
-            temperature=1.0,
-            top_p=1.0,
-            beta=GRPO_BETA,
-            num_iterations=1,
-            loss_type="grpo",
-            scale_rewards="group",
+            **trl_common(out, args), per_device_train_batch_size=args.num_prompts * args.num_generations,
+            num_generations=args.num_generations, steps_per_generation=1, max_completion_length=args.max_new_tokens,
+            temperature=1.0, top_p=1.0, beta=GRPO_BETA, num_iterations=1, loss_type="grpo", scale_rewards="group",
             shuffle_dataset=False,
-        )
+        )  # fmt: skip
         model = trl_model(args.model_path)
         trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=reward,
-            args=config,
-            train_dataset=dataset,
-            processing_class=trl_processor(args.model_path),
-            callbacks=[timer := Timer()],
-        )
+            model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+            processing_class=trl_processor(args.model_path), callbacks=[timer := Timer()],
+        )  # fmt: skip
         timer.trainer = trainer
         trainer.train()
     completions = args.num_prompts * args.num_generations
     return {
         "import_rss_mb": import_rss,
-        "params": sum(p.numel() for p in model.parameters()),
-        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        **_params(model),
         "completions_per_s": steps.rate(completions),
         "completions_per_cpu_s": steps.rate(completions, cpu=True),
         "completion_tokens": round(sum(lengths) / max(1, len(lengths)), 2),
@@ -397,8 +372,7 @@ def trl_dpo(args) -> dict:
         trainer.train()
     return {
         "import_rss_mb": import_rss,
-        "params": sum(p.numel() for p in model.parameters()),
-        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        **_params(model),
         "pairs_per_s": steps.rate(args.batch_size),
         "pairs_per_cpu_s": steps.rate(args.batch_size, cpu=True),
     }
