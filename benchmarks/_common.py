@@ -128,6 +128,25 @@ def quiet_trainer(**options: Any):
     return pl.Trainer(**{**defaults, **options})
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MiB since it started: Linux's ``VmHWM`` (``/proc/self/status``).
+
+    Not ``getrusage(RUSAGE_SELF).ru_maxrss``: Linux carries that over ``execve`` from the process that forked, so
+    a child started by a parent holding 500 MB reports at least 500 MB whatever it used itself. ``ru_maxrss`` is the
+    fallback where there is no ``/proc`` (macOS: bytes, not KiB)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024.0 * 1024.0 if sys.platform == "darwin" else 1024.0)
+
+
 def run_child(command: list[str], threads: int, what: str, **env: str) -> dict[str, Any]:
     """Run one measurement in its own process (offline, ``threads`` threads, ``env`` added) and return the JSON
     of its ``RESULT `` line; ``what`` names it in the error when it fails."""

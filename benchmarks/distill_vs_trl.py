@@ -26,12 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
 
-from _common import add_trl_python, print_header, require_trl_python, run_child
+from _common import add_trl_python, peak_rss_mb, print_header, require_trl_python, run_child
 from dpo_vs_trl import BASE, SIZES
 
 ROWS, PROMPT, SHORTEST, LONGEST, LR = 8, 16, 64, 112, 1e-4
@@ -43,7 +42,7 @@ def _rss_mb() -> float:
 
 
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return peak_rss_mb()  # not ru_maxrss: a child inherits its parent's over exec (_common.peak_rss_mb)
 
 
 def make_inputs(folder: str, vocab_size: int) -> None:

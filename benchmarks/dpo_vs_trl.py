@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ import time
 from _common import (
     Split,
     add_trl_python,
+    peak_rss_mb,
     print_header,
     quiet_trainer,
     require_trl_python,
@@ -126,7 +126,7 @@ def _model_config(size: str, vocab_size: int = BASE["vocab_size"]) -> dict:
 
 
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return peak_rss_mb()  # not ru_maxrss: a child inherits its parent's over exec (_common.peak_rss_mb)
 
 
 class _Clock:

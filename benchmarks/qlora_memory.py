@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import print_header, quiet_trainer, run_child  # noqa: E402
+from _common import peak_rss_mb, print_header, quiet_trainer, run_child  # noqa: E402
 
 SIZES = {
     "25m": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8},
@@ -34,7 +33,7 @@ SIZES = {
 
 
 def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return peak_rss_mb()  # not ru_maxrss: a child inherits its parent's over exec (_common.peak_rss_mb)
 
 
 def child(folder: str, quantized: bool, steps: int, device: str) -> None:

@@ -142,3 +142,21 @@ def test_module_function_and_optimizer_hooks_time_forward_backward_and_update_ap
         for handle in handles:
             handle.remove()
     assert split.step_split() == {"blocks": 11.0, "head": 22.0, "optimizer": 100.0, "rest": 5.0}
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux's /proc")
+def test_a_childs_peak_rss_is_its_own_not_its_parents():
+    """``ru_maxrss`` survives ``execve``: a child of a parent holding 200 MB reports 200 MB; ``peak_rss_mb`` (VmHWM)
+    reports what the child itself used."""
+    import subprocess
+
+    ballast = bytearray(200 * 1024 * 1024)  # noqa: F841 - resident in this (the parent) process
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    assert _common.peak_rss_mb() >= 200
+    code = (
+        f"import resource, sys; sys.path.insert(0, {str(Path(_common.__file__).parent)!r}); import _common; "
+        "print(_common.peak_rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+    )
+    ours, inherited = map(float, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                check=True).stdout.split())  # fmt: skip
+    assert ours < 150 <= inherited

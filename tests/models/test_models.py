@@ -155,3 +155,21 @@ def test_value_head_and_ppo_model(tiny_config):
     assert out.values.shape == (2, 12)
     generated = model.generate(ids[:1, :4], max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert generated.shape == (1, 7)
+
+
+def test_is_peft_model_does_not_import_peft(tiny_config):
+    """A run without LoRA never imports ``peft`` to ask (it loads ``torch._dynamo`` and ``bitsandbytes``: about
+    60 MB); a peft model is still recognised."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; from aitraining_pl.models.lora import is_peft_model; "
+        "assert not is_peft_model(torch.nn.Linear(2, 2)); print('peft' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False"]
+    from aitraining_pl.models import is_peft_model
+
+    policy, _ = load_policy(model_config=tiny_config, lora=LoRAConfig(r=2))
+    assert is_peft_model(policy)
