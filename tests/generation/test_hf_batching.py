@@ -44,36 +44,35 @@ def test_requests_decoded_together_draw_the_tokens_each_draws_alone(tmp_path):
     assert together[2].response_ids.shape[0] == 3 and not torch.equal(alone[0].response_ids, alone[1].response_ids)
 
 
-def test_concurrent_requests_are_served_in_one_batch():
+def test_requests_are_served_alone_in_arrival_order_unless_a_wait_is_set():
     calls = []
 
     def serve(requests, vision=None):
-        calls.append(len(requests))
+        calls.append(list(requests))
         time.sleep(0.05)
         return [f"answer {r}" for r in requests]
 
-    batcher = Batcher(serve, wait_s=0.2)
-    answers = {}
-    threads = [threading.Thread(target=lambda i=i: answers.update({i: batcher.submit(i)})) for i in range(5)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
-    assert answers == {i: f"answer {i}" for i in range(5)}
-    assert calls == [5]  # all five arrived within the first one's wait
-    late = threading.Thread(target=lambda: answers.update({9: batcher.submit(9)}))
-    late.start()
-    late.join(10)
-    assert answers[9] == "answer 9" and calls == [5, 1]
+    for wait, expected in ((0.0, 5), (0.3, 1)):
+        calls.clear()
+        batcher, answers = Batcher(serve, wait_s=wait), {}
+        threads = [threading.Thread(target=lambda i=i: answers.update({i: batcher.submit([i, i + 10])}))
+                   for i in range(5)]  # fmt: skip
+        for thread in threads:
+            thread.start()
+            time.sleep(0.01)
+        for thread in threads:
+            thread.join(10)
+        assert answers == {i: [f"answer {i}", f"answer {i + 10}"] for i in range(5)}
+        assert len(calls) == expected  # without a wait each HTTP request is its own batch; with one, all five share
 
 
 def test_an_error_reaches_every_request_of_its_batch():
     def serve(requests, vision=None):
         raise RuntimeError("engine failed")
 
-    batcher = Batcher(serve, wait_s=0.0)
+    batcher = Batcher(serve)
     try:
-        batcher.submit(1)
+        batcher.submit([1])
     except RuntimeError as err:
         assert "engine failed" in str(err)
     else:

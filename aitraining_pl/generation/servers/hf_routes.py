@@ -3,8 +3,9 @@ routes that ``HTTPReplica`` uses, so CPU users, tests and vLLM all go through on
 aitraining_pl.generation.servers.hf_routes --model DIR``; the launcher starts it for ``generation.server: launch``
 with ``backend: hf``).
 
-- ``/v1/completions``: one prompt of token ids (requests that arrive together decode as one batch: ``Batcher``),
-  ``n``, ``max_tokens``, ``temperature`` (0: greedy), ``top_p``, ``top_k`` (-1 or 0: off), ``seed``,
+- ``/v1/completions``: one prompt of token ids, or a list of them decoded as one batch (prompt ``i`` seeded
+  ``seed + i * n``, as one request each would be; ``HTTPReplica`` sends a rollout's prompts so; ``Batcher``), ``n``,
+  ``max_tokens``, ``temperature`` (0: greedy), ``top_p``, ``top_k`` (-1 or 0: off), ``seed``,
   ``stop_token_ids``, ``stop``, ``skip_special_tokens``; each choice's ``logprobs.tokens`` are ``token_id:<id>`` with
   the sampled tokens' log-probs under the distribution sampled from (the fields vLLM accepts and this engine has no
   use for, such as ``min_p: 0``, are accepted). A prompt that does not fit the model's positions with ``max_tokens``
@@ -54,7 +55,7 @@ class Completion(BaseModel):
     """The ``/v1/completions`` fields this server reads (others are accepted and ignored)."""
 
     model_config = {"extra": "allow"}
-    prompt: list[int] = Field(min_length=1)
+    prompt: list[int] | list[list[int]] = Field(min_length=1)  #: one prompt, or several decoded as one batch
     n: int = Field(1, ge=1, le=256)
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0)
@@ -113,51 +114,59 @@ def prompt_entries(scores: torch.Tensor, prompt: list[int], tokenizer: Any) -> l
 
 
 class Batcher:
-    """Completion requests that arrive together decode together (``HFServerEngine.sample_many``: one batch per
-    kind of sampling, each request drawn from its own seed): a client sends a rollout's prompts as concurrent
-    requests, one per prompt, as it does to vLLM. The first request to find the engine free waits ``wait_s`` for
-    the others, then serves every queued one; requests that arrive meanwhile queue for the next batch.
+    """The completion requests waiting for the engine, served one HTTP request at a time (its prompts decode as one
+    batch: ``HFServerEngine.sample_many``, each prompt drawn from its own seed), in arrival order. With ``wait_s``
+    above 0 the first request to find the engine free waits that long, then every queued request decodes in the same
+    batch (faster for many independent clients; float rounding then depends on what shared a batch, so runs are no
+    longer bit-reproducible).
 
     Args:
-        serve: ``sample_many``: a list of ``SampleRequest`` to their ``SampledTokens``.
-        wait_s: how long a batch waits for the requests sent with its first.
+        serve: ``sample_many``: a list of ``SampleRequest`` (and a VL request's ``VisionInputs``) to their
+            ``SampledTokens``.
+        wait_s: how long a batch waits for other requests (0: none; each request is its own batch).
     """
 
-    def __init__(self, serve: Any, wait_s: float):
-        self.serve, self.wait_s = serve, wait_s
+    def __init__(self, serve: Any, wait_s: float = 0.0):
+        self.serve, self.wait_s = serve, float(wait_s)
         self.changed = threading.Condition()
         self.queue: list[dict[str, Any]] = []
         self.busy = False
 
-    def submit(self, request: SampleRequest, vision: Any = None) -> Any:
-        """``request``'s ``SampledTokens`` (an error of its batch raised here too); ``vision``: a VL prompt's
-        ``VisionInputs``, served on its own (``sample_many``'s ``vision``) in the batch's turn."""
-        job = {"request": request, "vision": vision}
+    def submit(self, requests: list[SampleRequest], vision: Any = None) -> list[Any]:
+        """The ``SampledTokens`` of one HTTP request's ``requests`` (an error of its batch raised here too);
+        ``vision``: a VL prompt's ``VisionInputs`` (one request), never batched with others."""
+        job = {"requests": list(requests), "vision": vision}
         with self.changed:
             self.queue.append(job)
-            while self.busy and "answer" not in job:
-                self.changed.wait()
-            leads = "answer" not in job  # the engine is free and nobody served it: it leads the next batch
-            self.busy = self.busy or leads
-        if leads:
+        while True:
+            with self.changed:
+                while self.busy and "answer" not in job:
+                    self.changed.wait()
+                if "answer" in job:
+                    break
+                self.busy = True  # the engine is free: this thread serves the next batch
             self.lead()
         if isinstance(job["answer"], BaseException):
             raise job["answer"]
         return job["answer"]
 
     def lead(self) -> None:
-        time.sleep(self.wait_s)
+        if self.wait_s > 0:
+            time.sleep(self.wait_s)
         with self.changed:
-            batch, self.queue = self.queue, []
+            take = len(self.queue) if self.wait_s > 0 else 1
+            batch, self.queue = self.queue[:take], self.queue[take:]
         plain = [job for job in batch if job["vision"] is None]
         groups = [(plain, None)] * bool(plain) + [([job], job["vision"]) for job in batch if job["vision"] is not None]
         for jobs, vision in groups:
             try:
-                answers: list[Any] = list(self.serve([job["request"] for job in jobs], vision))
+                answers: list[Any] = list(self.serve([r for job in jobs for r in job["requests"]], vision))
             except BaseException as err:  # every request of the batch gets the error
-                answers = [err] * len(jobs)
-            for job, answer in zip(jobs, answers):
-                job["answer"] = answer
+                answers = [err] * sum(len(job["requests"]) for job in jobs)
+            for job in jobs:
+                mine, answers = answers[: len(job["requests"])], answers[len(job["requests"]) :]
+                errors = [a for a in mine if isinstance(a, BaseException)]
+                job["answer"] = errors[0] if errors else mine
         with self.changed:
             self.busy = False
             self.changed.notify_all()
@@ -165,7 +174,7 @@ class Batcher:
 
 def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positions: int | None, token: str,
               fixed: bool = False, image_processor: Any = None, placeholder: int | None = None,
-              wait_s: float = 0.01) -> Any:  # fmt: skip
+              wait_s: float = 0.0) -> Any:  # fmt: skip
     """The FastAPI app of the routes above around ``engine`` (an ``HFServerEngine``); ``name``: the model id
     ``/v1/models`` answers; ``positions``: the model's longest sequence; ``fixed``: the engine holds a teacher's
     weights (``--teacher``), and every push is refused; ``image_processor``: a VL model's, whose ``placeholder``
@@ -212,12 +221,14 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
         return complete(body)
 
     def complete(body: Completion, vision: Any = None) -> dict:
-        """A completion of ``body``'s prompt (with its images' ``VisionInputs``: ``generate``)."""
-        if positions is not None and len(body.prompt) + body.max_tokens > positions:
-            raise HTTPException(400, f"the prompt ({len(body.prompt)} tokens) and max_tokens ({body.max_tokens}) "
-                                     f"exceed the model's {positions} positions")  # fmt: skip
-        if vocab is not None and not all(0 <= t < vocab for t in body.prompt):
-            raise HTTPException(400, f"prompt token ids must be in [0, {vocab})")
+        """A completion of ``body``'s prompt or prompts (with its images' ``VisionInputs``: ``generate``)."""
+        prompts = body.prompt if isinstance(body.prompt[0], list) else [body.prompt]
+        for prompt in prompts:
+            if positions is not None and len(prompt) + body.max_tokens > positions:
+                raise HTTPException(400, f"the prompt ({len(prompt)} tokens) and max_tokens ({body.max_tokens}) "
+                                         f"exceed the model's {positions} positions")  # fmt: skip
+            if not prompt or (vocab is not None and not all(0 <= t < vocab for t in prompt)):
+                raise HTTPException(400, f"prompt token ids must be in [0, {vocab}), at least one per prompt")
         greedy = body.temperature == 0
         generation = GenerationConfig(
             max_new_tokens=body.max_tokens, temperature=body.temperature or 1.0, top_p=body.top_p,
@@ -225,31 +236,31 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
         )  # fmt: skip
         stops = [body.stop] if isinstance(body.stop, str) else body.stop
         rule = StopRule(tokenizer if stops else None, stops, skip_special_tokens=body.skip_special_tokens)
-        ids = torch.tensor([body.prompt])
-        request = SampleRequest(
-            ids, torch.ones_like(ids), generation, body.stop_token_ids, rule, pad, body.n, body.seed
-        )
+        requests = []
+        for i, prompt in enumerate(prompts):  # prompt i seeded as its own request would be: seed + i * n
+            ids, seed = torch.tensor([prompt]), None if body.seed is None else (body.seed + i * body.n) % 2**31
+            requests.append(SampleRequest(ids, torch.ones_like(ids), generation, body.stop_token_ids, rule, pad,
+                                          body.n, seed))  # fmt: skip
         scored = None
         if body.prompt_logprobs is not None:
-            if engine.version is None:
-                raise HTTPException(400, "the server holds no weights yet: prompt_logprobs score with a teacher's "
-                                         "weights (start it with --teacher) or pushed ones")  # fmt: skip
-            scored = prompt_entries(engine.prompt_logprobs(ids, torch.ones_like(ids), 1)[0], body.prompt, tokenizer)
-        sampled = batcher.submit(request, vision)
+            if len(prompts) > 1 or engine.version is None:
+                raise HTTPException(400, "prompt_logprobs score one prompt with a teacher's weights (start it with "
+                                         "--teacher) or pushed ones")  # fmt: skip
+            ids = requests[0].prompt_ids
+            scored = prompt_entries(engine.prompt_logprobs(ids, torch.ones_like(ids), 1)[0], prompts[0], tokenizer)
         choices = []
-        for index, (tokens, logps, versions) in enumerate(
-            zip(sampled.response_ids, sampled.sampling_logprobs, sampled.token_versions)
-        ):
-            length = int((versions >= 0).sum())
-            kept = tokens[:length].tolist()
-            ended = bool(kept) and kept[-1] in body.stop_token_ids
-            choices.append({
-                "index": index, "text": tokenizer.decode(kept) if tokenizer is not None else "", "token_ids": kept,
-                "finish_reason": "stop" if ended else "length",
-                "logprobs": {"tokens": [f"token_id:{t}" for t in kept], "token_logprobs": logps[:length].tolist()},
-                "token_versions": versions[:length].tolist(),  # the weights step of each token (in-flight pushes)
-                "prompt_logprobs": scored,
-            })  # fmt: skip
+        for sampled in batcher.submit(requests, vision):
+            for tokens, logps, versions in zip(sampled.response_ids, sampled.sampling_logprobs, sampled.token_versions):
+                length = int((versions >= 0).sum())
+                kept = tokens[:length].tolist()
+                ended = bool(kept) and kept[-1] in body.stop_token_ids
+                choices.append({
+                    "index": len(choices), "text": tokenizer.decode(kept) if tokenizer is not None else "",
+                    "token_ids": kept, "finish_reason": "stop" if ended else "length",
+                    "logprobs": {"tokens": [f"token_id:{t}" for t in kept], "token_logprobs": logps[:length].tolist()},
+                    "token_versions": versions[:length].tolist(),  # the weights step of each token (in-flight pushes)
+                    "prompt_logprobs": scored,
+                })  # fmt: skip
         return {"object": "text_completion", "model": name, "choices": choices}
 
     @app.post("/pause")
@@ -318,8 +329,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the config's)")
     p.add_argument("--seed", type=int, default=0, help="seeds the unseeded requests")
     p.add_argument("--threads", type=int, default=None, help="torch's CPU threads")
-    p.add_argument("--batch_wait_ms", type=float, default=10.0,
-                   help="how long a batch waits for the completion requests sent with its first (10 ms)")  # fmt: skip
+    wait = "above 0: how long a batch waits for other completion requests, which then decode with it (faster for "
+    p.add_argument(
+        "--batch_wait_ms",
+        type=float,
+        default=0.0,
+        help=wait + "many clients, not bit-reproducible); 0 (default): each request is its own batch",
+    )
     teacher = "serve --model's own weights, read at start, as a distillation teacher (teacher_server: {url: ...}); "
     p.add_argument("--teacher", action="store_true", help=teacher + "pushes are refused")
     return p

@@ -10,7 +10,9 @@ sampled tokens' log-probs (under the processed distribution when the server runs
 processed_logprobs``, as the launcher starts it). One request per prompt, sent concurrently, so that prompt ``i`` of
 a seeded call gets the seed ``seed + i * n`` exactly as the colocated engine gives it (vLLM gives a request's ``n``
 samples the seeds that follow): greedy and seeded rollouts are the colocated engine's token for token. A greedy
-prompt is asked once (vLLM refuses ``n > 1`` at temperature 0) and its answer repeated.
+prompt is asked once (vLLM refuses ``n > 1`` at temperature 0) and its answer repeated. The HF server
+(``/v1/models`` owned by ``aitraining-pl``) gets one request with the list of prompts, which it decodes as one batch
+with the same per-prompt seeds: the same tokens, and the same batch whatever the timing (bit-reproducible runs).
 
 **Weights** (``push``), chosen at the first push from where the first tensor lives (never in ``setup``, before
 Lightning has moved the policy): CPU tensors go as one safetensors file in a private folder of shared memory that
@@ -57,8 +59,9 @@ LORA_NAME = "aitraining-pl-policy"
 SHARED_MEMORY = "/dev/shm"
 
 
-def completion_body(model: str, prompt: list[int], request: Any, n: int, seed: int | None) -> dict[str, Any]:
-    """The ``/v1/completions`` body of one prompt of ``request`` (a ``SampleRequest``) for ``n`` samples."""
+def completion_body(model: str, prompt: list, request: Any, n: int, seed: int | None) -> dict[str, Any]:
+    """The ``/v1/completions`` body of one prompt of ``request`` (a ``SampleRequest``; or a list of prompts, for the
+    HF server) for ``n`` samples each."""
     generation, stop_rule = request.generation, request.stop_rule
     sampling = bool(generation.do_sample)
     body = {
@@ -210,7 +213,11 @@ class HTTPReplica:
         try:
             model = LORA_NAME if self.lora is not None else self.model()
             futures = []
-            for i, prompt in enumerate(prompts):
+            if request.images is None and self.engine() == "hf":  # one request: the HF server decodes it as a batch
+                seed = None if request.seed is None else int(request.seed) % 2**31  # prompt i: seed + i * asked
+                body = completion_body(model, prompts, request, asked, seed)
+                futures.append(self.pool.submit(self._complete, body, deadline, "s", prompts))
+            for i, prompt in enumerate(prompts if not futures else ()):
                 seed = None if request.seed is None else (int(request.seed) + i * asked) % 2**31
                 body = completion_body(model, prompt, request, asked, seed)
                 if request.images is not None:  # vLLM's tokens-in route, which takes the images (``images``)
@@ -231,10 +238,12 @@ class HTTPReplica:
         return SampledTokens(sampled.response_ids.to(device), sampling_logprobs=sampled.sampling_logprobs.to(device),
                              token_versions=versions)  # fmt: skip
 
-    def _complete(self, body: dict[str, Any], deadline: float, index: int, prompt: list[int]) -> list[tuple]:
+    def _complete(self, body: dict[str, Any], deadline: float, index: Any, prompt: list) -> list[tuple]:
+        """The choices of one request: ``n`` per prompt (``prompt``: one, or with ``index`` ``"s"`` a list of them,
+        in prompt order)."""
         images = "sampling_params" in body  # ``generate_body``: a prompt with images
-        n = body["sampling_params"]["n"] if images else body["n"]
-        doing = f"sampling {n} responses of prompt {index}"
+        n = body["sampling_params"]["n"] if images else body["n"] * (len(prompt) if index == "s" else 1)
+        doing = f"sampling {n} responses of " + ("the prompts" if index == "s" else f"prompt {index}")
         route = "/inference/v1/generate" if images else "/v1/completions"
         answer = self.call("POST", route, doing, timeout=deadline - time.monotonic(), json=body)
         if images:
