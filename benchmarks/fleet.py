@@ -186,7 +186,7 @@ def overhead(args: argparse.Namespace) -> list[dict]:
                 replica.push(policy_weights(model), version)
                 pushed = time.perf_counter() - begin
                 request = ReplicaRequest(ids, torch.ones_like(ids), generation, [], StopRule(), 0,
-                                         args.generations, step, version)  # fmt: skip
+                                         args.generations, step, version=version)  # fmt: skip
                 begin = time.perf_counter()
                 replica.sample(request, time.monotonic() + 600)
                 sampled = time.perf_counter() - begin
