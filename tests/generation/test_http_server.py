@@ -34,7 +34,8 @@ SAMPLED = GenerationConfig(max_new_tokens=8, temperature=1.0)
 #: what a launched server answers on, with and without a route behind it: all of it needs the token
 ROUTES = [("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/collective_rpc"),
           ("POST", "/pause"), ("POST", "/resume"), ("POST", "/update_weight_version"), ("GET", "/weight_info"),
-          ("POST", "/update_weights"), ("GET", "/openapi.json"), ("GET", "/docs")]  # fmt: skip
+          ("POST", "/update_weights"), ("GET", "/openapi.json"), ("GET", "/docs"),
+          ("POST", "/inference/v1/generate")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

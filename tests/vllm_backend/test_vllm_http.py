@@ -43,7 +43,7 @@ ROUTES = [("POST", "/collective_rpc"), ("POST", "/update_weights"), ("POST", "/i
           ("POST", "/start_weight_update"), ("POST", "/update_weight_version"), ("POST", "/pause"),
           ("POST", "/resume"), ("POST", "/sleep"), ("POST", "/reset_prefix_cache"), ("POST", "/v1/completions"),
           ("POST", "/v1/load_lora_adapter"), ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/metrics"),
-          ("GET", "/openapi.json"), ("GET", "/weight_info")]  # fmt: skip
+          ("GET", "/openapi.json"), ("GET", "/weight_info"), ("POST", "/inference/v1/generate")]  # fmt: skip
 
 TRAINER = """
 import json, sys, time
