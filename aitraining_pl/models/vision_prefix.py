@@ -113,46 +113,55 @@ def _layout(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor, vision: VisionInputs
 ) -> _Layout | None:
     """The rows (N, L) (``scored`` unshifted) as distinct prompts and responses, or None where they share no
-    prompt (same images, same tokens) or do not fit: a row's real tokens not one run, or no prompt token before
-    its first scored token."""
-    from aitraining_pl.datamodules.io import pad_sequences
+    prompt (same images, same tokens) or do not fit: a row's real tokens not one run, no prompt token before
+    its first scored token, or an image token after it."""
     from aitraining_pl.models.vision_decoding import image_token_ids
 
-    real, scored = attention_mask.bool(), scored.bool() & attention_mask.bool()
-    ids, owners = input_ids.tolist(), vision.prompt_of()
-    keys, prompts, group, responses, marks, starts = {}, [], [], [], [], []
-    for n, row in enumerate(real.tolist()):
-        first, count = (row.index(True), sum(row)) if any(row) else (0, 0)
-        if count == 0 or sum(row[first : first + count]) != count:
-            return None
-        end = first + count
-        hits = torch.nonzero(scored[n], as_tuple=True)[0]
-        start = int(hits[0]) if len(hits) else end
-        if start <= first:
-            return None
-        key = (owners[n], tuple(ids[n][first:start]))
-        if key not in keys:
-            keys[key] = len(prompts)
-            prompts.append(key)
-        group.append(keys[key])
-        responses.append(ids[n][start:end])
-        marks.append(scored[n, start:end].long().tolist())
-        starts.append(start)
-    if len(prompts) == len(group):
-        return None  # every row its own prompt: nothing shared
-    banned = set(image_token_ids(model))
-    pad = next(i for i in range(len(banned) + 1) if i not in banned)  # never an image token (counted as one)
     device = input_ids.device
-    prompt_ids = pad_sequences([list(k[1]) for k in prompts], pad, side="left").to(device)
-    prompt_mask = pad_sequences([[1] * len(k[1]) for k in prompts], 0, side="left").to(device)
-    if max(map(len, responses)) == 0:
+    real = attention_mask.bool()
+    hits = scored.bool() & real
+    count = real.sum(1)
+    first = real.int().argmax(1)
+    end = first + count
+    columns = torch.arange(real.shape[1], device=device)
+    if not bool((((columns >= first[:, None]) & (columns < end[:, None])) == real).all()) or not bool(count.all()):
         return None
-    response_ids = pad_sequences(responses, pad).to(device)
-    response_mask = pad_sequences([[1] * len(r) for r in responses], 0).to(device)
-    prompt_vision = vision.for_rows(torch.tensor([k[0] for k in prompts]))
-    return _Layout(prompt_ids, prompt_mask.to(attention_mask.dtype), prompt_vision, response_ids,
-                   response_mask.to(attention_mask.dtype), pad_sequences(marks, 0).to(device).bool(),
-                   torch.tensor(group, device=device), torch.tensor(starts, device=device))  # fmt: skip
+    start = torch.where(hits.any(1), hits.int().argmax(1), end)
+    if not bool((start > first).all()) or not bool((end > start).any()):
+        return None
+    banned = image_token_ids(model)
+    after = columns[None] >= start[:, None]
+    if banned and bool((torch.isin(input_ids, torch.tensor(banned, device=device)) & after & real).any()):
+        return None  # images after the prompt (an episode's later turns): the rows run whole
+    pad = next(i for i in range(len(banned) + 1) if i not in banned)  # never an image token (counted as one)
+    keys, representative, group = {}, [], []
+    ids, owners = input_ids.tolist(), vision.prompt_of()
+    for n, (a, b) in enumerate(zip(first.tolist(), start.tolist())):
+        key = (owners[n], tuple(ids[n][a:b]))
+        if key not in keys:
+            keys[key] = len(representative)
+            representative.append(n)
+        group.append(keys[key])
+    if len(representative) == len(group):
+        return None  # every row its own prompt: nothing shared
+    rep = torch.tensor(representative, device=device)
+    lengths = (start - first)[rep]
+    width = int(lengths.max())
+    offset = torch.arange(width, device=device) - width  # left padded: the last column is the prompt's last token
+    at = start[rep, None] + offset
+    prompt_mask = offset >= -lengths[:, None]
+    prompt_ids = input_ids[rep].gather(1, at.clamp_min(0)).masked_fill(~prompt_mask, pad)
+    sizes = end - start
+    steps = torch.arange(int(sizes.max()), device=device)
+    at = (start[:, None] + steps).clamp_max(real.shape[1] - 1)
+    response_mask = steps < sizes[:, None]
+    response_ids = input_ids.gather(1, at).masked_fill(~response_mask, pad)
+    marks = hits.gather(1, at) & response_mask
+    prompt_vision = vision.for_rows(torch.tensor([owners[n] for n in representative]))
+    group = torch.tensor(group, device=device)
+    dtype = attention_mask.dtype
+    return _Layout(prompt_ids, prompt_mask.to(dtype), prompt_vision, response_ids, response_mask.to(dtype), marks,
+                   group, start)  # fmt: skip
 
 
 def _shared(model, layout: _Layout, shape, temperature: float, with_entropy: bool, with_hidden: bool) -> TokenScores:
@@ -201,10 +210,12 @@ def shared_prompt_scores(
     with gradient checkpointing (no cache) or the shared prompt is not exact for the model (checked once per model
     and dtype on the first batch that shares prompts, with one INFO line)."""
     lm = _unwrapped(model)
-    if lm.training and any(getattr(m, "gradient_checkpointing", False) is True for m in lm.modules()):
+    decoder = lm.model.get_decoder() if hasattr(getattr(lm, "model", None), "get_decoder") else None
+    if decoder is None:
         return None
-    if not hasattr(getattr(lm, "model", None), "get_decoder"):
-        return None
+    layers = [decoder, *getattr(decoder, "layers", ())]
+    if lm.training and any(getattr(layer, "gradient_checkpointing", False) is True for layer in layers):
+        return None  # no cache while checkpointing
     layout = _layout(model, input_ids, attention_mask, scored, vision)
     if layout is None:
         return None

@@ -118,3 +118,12 @@ def test_rows_with_their_own_prompts_run_whole():
     model = _model("tiny-qwen2-vl")
     ids, mask, scored, vision = _dpo_rows("tiny-qwen2-vl", model)
     assert shared_prompt_scores(model, ids[:2], mask[:2], scored[:2], vision.rows(torch.arange(2))) is None
+
+
+def test_rows_with_an_image_after_the_prompt_run_whole():
+    """An episode's later turn with an image: its tokens are not the prompt's, so the rows run whole."""
+    model = _model("tiny-qwen2-vl")
+    ids, mask, scored, vision = _dpo_rows("tiny-qwen2-vl", model)
+    first = int(torch.nonzero(scored[0])[0])
+    ids[0, first + 1] = image_token_ids(model)[0]
+    assert shared_prompt_scores(model, ids, mask, scored, vision) is None
