@@ -31,9 +31,9 @@ log = logging.getLogger(__name__)
 
 #: the prompt work the shared prompt must save to pay for its second model call (the responses' continuation): the
 #: prompt tokens no longer run times the text model's hidden size squared, per layer. Measured on a 2-core CPU with
-#: ``benchmarks/vlm_vs_trl.py``: the tiny Qwen2-VL (width 32) gained 15% in GRPO (4 x 8 rows: 392 tokens saved, 4e5)
-#: and lost 11% in DPO (8 pairs: 112 tokens, 1.1e5), the small one (width 256) gained in both (DPO: 7e6). Any model
-#: of real width (1,000 and more) passes it with one token saved.
+#: ``benchmarks/vlm_vs_trl.py``: the tiny Qwen2-VL (width 32) gained 15 to 19% in GRPO (4 x 8 rows: 392 tokens
+#: saved, 4e5) and lost 11% in DPO (8 pairs: 112 tokens, 1.1e5), the small one (width 256) gained in both (DPO: 7e6).
+#: Any model of real width (1,000 and more) passes it with one token saved.
 SHARING_THRESHOLD = 2**18
 
 
