@@ -4,7 +4,9 @@ Two paths, as ``models.scoring`` has for text: ``head`` runs the VL base model (
 model) to its last hidden states and the LM head fused on the scored positions only (no (B, L, V) logits);
 ``forward`` is the model's own forward (full logits), always exact. ``vision_scoring_path`` compares the two once
 per model on the first batch it scores and falls back to ``forward`` where they differ, with one INFO line.
-Packing is not used: image tokens and their positions (M-RoPE) are laid out per row by the model.
+Packing is not used: image tokens and their positions (M-RoPE) are laid out per row by the model. Rows that share
+a prompt (a DPO pair, a GRPO group) run it once on the head path (``models.vision_prefix``: the prompt's KV cache
+continued by each row's response).
 """
 
 from __future__ import annotations
@@ -95,4 +97,11 @@ def vision_token_scores(
     (``scored`` unshifted: token t is predicted from position t - 1)."""
     shifted = scored[:, 1:].bool()
     path = vision_scoring_path(model, input_ids, attention_mask, shifted, vision)
+    if path == "head":  # rows that share a prompt (a DPO pair, a GRPO group): the prompt runs once
+        from aitraining_pl.models.vision_prefix import shared_prompt_scores
+
+        shared = shared_prompt_scores(model, input_ids, attention_mask, scored, vision, temperature, with_entropy,
+                                      with_hidden)  # fmt: skip
+        if shared is not None:
+            return shared
     return _scores(model, path, input_ids, attention_mask, shifted, vision, temperature, with_entropy, with_hidden)
