@@ -27,6 +27,7 @@ do: every column carries the step and its log-prob).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -41,15 +42,39 @@ from aitraining_pl.models.generation import SampledTokens, hf_generation_config
 from aitraining_pl.models.rollout_scoring import response_logps
 from aitraining_pl.models.tokens import padded
 
+log = logging.getLogger(__name__)
+
 
 def materialise(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """``model`` (a transformers causal LM on the meta device) on ``device`` in eval mode, without gradients: its
-    tensors allocated and initialised by its own ``init_weights`` (non-persistent buffers computed, tied weights
-    tied), the caller's random state untouched."""
+    tensors allocated and initialised by its own ``init_weights`` (tied weights tied), its non-persistent buffers
+    (rotary frequencies, which no push carries) computed again (``fresh_buffers``), the caller's random state
+    untouched."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         model.to_empty(device=device)
         model.init_weights()
+        fresh_buffers(model, device)
     return model.eval().requires_grad_(False)
+
+
+def fresh_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Set the non-persistent buffers that ``to_empty`` left as uninitialised memory: ``init_weights`` of
+    transformers 5.25 leaves a Llama's ``rotary_emb.inv_freq`` so (garbage frequencies: every position encoded
+    wrongly, now and then NaN logits). Each module holding such buffers that was built from a ``config`` is built
+    again on ``device`` and its buffers copied; one that was not is named in a warning."""
+    for name, module in model.named_modules():
+        buffers = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]
+        if not buffers:
+            continue
+        try:
+            with torch.device(device):
+                fresh = type(module)(module.config)
+        except Exception as err:  # noqa: BLE001 - a module not built from its config alone
+            log.warning("%s (%s): its buffers %s are not initialised (%s)", name, type(module).__name__, buffers, err)
+            continue
+        with torch.no_grad():
+            for buffer in buffers:
+                getattr(module, buffer).copy_(getattr(fresh, buffer))
 
 
 class HFServerEngine:

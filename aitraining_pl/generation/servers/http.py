@@ -216,7 +216,7 @@ class HTTPReplica:
             if request.images is None and self.engine() == "hf":  # one request: the HF server decodes it as a batch
                 seed = None if request.seed is None else int(request.seed) % 2**31  # prompt i: seed + i * asked
                 body = completion_body(model, prompts, request, asked, seed)
-                futures.append(self.pool.submit(self._complete, body, deadline, "s", prompts))
+                futures.append(self.pool.submit(self._complete, body, deadline, None, prompts))
             for i, prompt in enumerate(prompts if not futures else ()):
                 seed = None if request.seed is None else (int(request.seed) + i * asked) % 2**31
                 body = completion_body(model, prompt, request, asked, seed)
@@ -238,12 +238,12 @@ class HTTPReplica:
         return SampledTokens(sampled.response_ids.to(device), sampling_logprobs=sampled.sampling_logprobs.to(device),
                              token_versions=versions)  # fmt: skip
 
-    def _complete(self, body: dict[str, Any], deadline: float, index: Any, prompt: list) -> list[tuple]:
-        """The choices of one request: ``n`` per prompt (``prompt``: one, or with ``index`` ``"s"`` a list of them,
-        in prompt order)."""
+    def _complete(self, body: dict[str, Any], deadline: float, index: int | None, prompt: list) -> list[tuple]:
+        """The choices of one request, ``n`` per prompt in prompt order: prompt ``index`` (``prompt``), or with
+        ``index`` None all of them (``prompt``: the list of prompts)."""
         images = "sampling_params" in body  # ``generate_body``: a prompt with images
-        n = body["sampling_params"]["n"] if images else body["n"] * (len(prompt) if index == "s" else 1)
-        doing = f"sampling {n} responses of " + ("the prompts" if index == "s" else f"prompt {index}")
+        n = body["sampling_params"]["n"] if images else body["n"] * (len(prompt) if index is None else 1)
+        doing = f"sampling {n} responses of " + ("the prompts" if index is None else f"prompt {index}")
         route = "/inference/v1/generate" if images else "/v1/completions"
         answer = self.call("POST", route, doing, timeout=deadline - time.monotonic(), json=body)
         if images:
