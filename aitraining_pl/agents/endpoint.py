@@ -18,7 +18,7 @@ itself, a colocated vLLM engine, a generation server) samples, with the run's ge
   URLs (any other URL: a 400 naming the field; nothing is fetched). With a vision-language policy (its tokenizer
   carries its processor), each becomes the processor's image placeholder in the rendered chat, expanded into the
   image's tokens, and the image's pixel values go with the prompt to the HF decoder (``environments.vision_chat``,
-  ``models.vision_decoding``); each record keeps its prompt's images (``CallRecord.images``), so the trainer's
+  ``generation.hf.vision_decoding``); each record keeps its prompt's images (``CallRecord.images``), so the trainer's
   log-prob pass sees the same pixel values; image tokens are part of the prompt, never trained on. A text-only
   policy answers an image part with a 400 naming it.
 - **Tool calls** in a sampled turn are parsed by the episode path's parser in the chat template's format
@@ -79,7 +79,7 @@ from aitraining_pl.datamodules.io import DataValidationError
 from aitraining_pl.environments.episode_rollout import ChatFormat
 from aitraining_pl.environments.tools import detect_tool_format, parse_tool_calls
 from aitraining_pl.environments.vision_chat import chat_ids, vision_chat_format
-from aitraining_pl.models.generation import StopRule
+from aitraining_pl.generation.backend import StopRule
 from aitraining_pl.models.vision import VisionInputs, merge_vision
 from aitraining_pl.rollout import RolloutEngine
 

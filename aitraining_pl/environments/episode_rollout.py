@@ -21,8 +21,8 @@ from aitraining_pl.environments.episode import AssistantTurn, EpisodeEnvironment
 from aitraining_pl.environments.episode_guard import guarded_reset, guarded_step
 from aitraining_pl.environments.tools import ToolTemplateError
 from aitraining_pl.environments.vision_chat import chat_ids, vision_chat_format, without_pixels
-from aitraining_pl.models.episode_decoding import EpisodeTokens, TurnSample, decode_episodes, decode_turns
-from aitraining_pl.models.generation import hf_generation_config
+from aitraining_pl.generation.hf.episode_decoding import EpisodeTokens, TurnSample, decode_episodes, decode_turns
+from aitraining_pl.generation.hf.generate import hf_generation_config
 from aitraining_pl.models.tokens import padded, with_bos
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.models.vision import VisionInputs, merge_vision, processor_of

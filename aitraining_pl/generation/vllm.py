@@ -46,11 +46,11 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampledTokens, SampleRequest, StopRule
 from aitraining_pl.generation.config import EXTRA_CPU, EXTRA_GPU, VLLMConfig
+from aitraining_pl.generation.hf.generate import hf_model
 from aitraining_pl.generation.images import check_outputs, input_norm, reset_input_norms, save_processor
 from aitraining_pl.generation.registry import vllm_available  # noqa: F401 (its old home: generation.vllm.vllm_available)
-from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
 from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.vision import processor_of
 from aitraining_pl.models.weights import policy_weights

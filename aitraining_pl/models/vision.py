@@ -127,6 +127,17 @@ def _unwrapped(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def image_token_ids(model: torch.nn.Module) -> list[int]:
+    """The ids of the tokens that stand for images and videos in ``model``'s prompts (its config's ``*_token_id``
+    and ``*_token_index`` naming an image, a video or a vision span), never sampled: a sampled one would be a
+    placeholder without features."""
+    config = _unwrapped(model).config
+    names = [k for k in vars(config) if k.endswith(("_token_id", "_token_index")) and ("image" in k or "video" in k
+             or "vision" in k or k.startswith(("boi", "eoi")))]  # fmt: skip
+    vocab = config.get_text_config().vocab_size
+    return sorted({int(getattr(config, k)) for k in names if isinstance(getattr(config, k), int)} & set(range(vocab)))
+
+
 def is_vision_name(name: str | None) -> bool:
     """Whether ``name`` is a vision preset's processor (``"tiny-qwen2-vl"``)."""
     from aitraining_pl.models.vision_presets import VISION_PRESETS

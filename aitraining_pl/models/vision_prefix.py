@@ -5,7 +5,7 @@ the responses run as a continuation of that cache.
 Rows with images cannot be packed (``models.vision_scoring``), so without this every row runs its whole prompt:
 a DPO pair twice, a GRPO group ``G`` times (policy and reference). Here the prompts' activations are computed and
 stored once; the rows hold only their responses' (and the selected keys and values, which the padded rows hold
-too). Positions continue where the prompt's ended, as ``models.vision_decoding`` continues them: for the Qwen VL
+too). Positions continue where the prompt's ended, as ``generation.hf.vision_decoding`` continues them: for the Qwen VL
 family's multimodal RoPE the model's ``rope_deltas`` shift the text positions after the images, for the others
 the count of the prompt's real tokens. The LM head runs fused on the scored positions (``_head_scores``).
 
@@ -127,7 +127,7 @@ def _layout(
     """The rows (N, L) (``scored`` unshifted) as distinct prompts and responses, or None where they share no
     prompt (same images, same tokens), save less prompt work than ``threshold`` or do not fit: a row's real tokens
     not one run, no prompt token before its first scored token, or an image token after it."""
-    from aitraining_pl.models.vision_decoding import image_token_ids
+    from aitraining_pl.models.vision import image_token_ids
 
     device = input_ids.device
     real = attention_mask.bool()

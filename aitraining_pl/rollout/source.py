@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
+from aitraining_pl.generation.backend import BackendContext, GenerationBackend
 from aitraining_pl.generation.config import GenerationConfig
+from aitraining_pl.generation.hf.backend import HFBackend
 from aitraining_pl.generation.registry import build_backend
 from aitraining_pl.generation.servers.fleet_launch import LaunchedFleet, build_fleet
 from aitraining_pl.generation.servers.launcher import LaunchedServer, connect_to

@@ -16,8 +16,7 @@ from aitraining_pl.datamodules.prompt import PromptCollator, PromptDataset
 from aitraining_pl.datamodules.vision import encode_vision_prompt
 from aitraining_pl.environments.episode import EpisodeEnvironment, EpisodeLimits, EpisodeStep
 from aitraining_pl.environments.episode_rollout import sample_episodes
-from aitraining_pl.models.vision import load_processor, load_vision_lm, processor_of, token_types
-from aitraining_pl.models.vision_decoding import image_token_ids
+from aitraining_pl.models.vision import image_token_ids, load_processor, load_vision_lm, processor_of, token_types
 from aitraining_pl.models.vision_scoring import vision_token_scores
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine
 
@@ -107,7 +106,7 @@ def test_an_image_reply_is_masked_and_the_turns_and_log_probs_equal_the_full_for
         at = len(prompt) + torch.nonzero(sampled)[:, 0]  # the sampled tokens' places in the sequence
         want = torch.log_softmax(logits, -1)[at - 1, ids[at]]
         torch.testing.assert_close(logps[r][scored[r, 1:].bool()], want, atol=1e-4, rtol=1e-4)
-        logits[..., image_token_ids(model)] = float("-inf")  # never sampled (``models.vision_decoding``)
+        logits[..., image_token_ids(model)] = float("-inf")  # never sampled (``generation.hf.vision_decoding``)
         assert logits[at - 1].argmax(-1).tolist() == ids[at].tolist()  # greedy turns = the full forward's
 
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import TINY_LLAMA
 
-from aitraining_pl.generation.backend import GenerationBackend, HFBackend
+from aitraining_pl.generation.backend import GenerationBackend, SampledTokens
 from aitraining_pl.generation.config import GenerationConfig
+from aitraining_pl.generation.hf.backend import HFBackend
 from aitraining_pl.generation.registry import BACKEND_NAMES, BACKENDS, backend_class, resolve_backend
-from aitraining_pl.models.generation import SampledTokens
 from aitraining_pl.validation import HyperparameterError
 
 PROTOCOL = ("sample", "sync", "sleep", "close", "location", "from_context")

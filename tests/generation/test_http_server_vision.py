@@ -16,8 +16,7 @@ from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.served import ServedBackend
 from aitraining_pl.generation.servers.start import start
 from aitraining_pl.models.tokens import padded
-from aitraining_pl.models.vision import VisionInputs, load_processor, load_vision_lm, model_inputs
-from aitraining_pl.models.vision_decoding import image_token_ids
+from aitraining_pl.models.vision import VisionInputs, image_token_ids, load_processor, load_vision_lm, model_inputs
 from aitraining_pl.rollout import RolloutEngine
 
 

@@ -20,7 +20,7 @@ CALCULATOR_TOOL = {"type": "function", "function": tool_schemas([calculator])[0]
 #: where the samplers are looked up: the backend's (the endpoint) and the episode decoder's (``reprefill``)
 SAMPLERS = (
     "aitraining_pl.generation.backend.sample_responses",
-    "aitraining_pl.models.episode_decoding.sample_responses",
+    "aitraining_pl.generation.hf.episode_decoding.sample_responses",
 )
 
 

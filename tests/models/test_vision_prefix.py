@@ -9,8 +9,13 @@ import torch
 from PIL import Image
 
 from aitraining_pl.datamodules.io import pad_sequences
-from aitraining_pl.models.vision import VisionInputs, freeze_vision_tower, load_processor, load_vision_lm
-from aitraining_pl.models.vision_decoding import image_token_ids
+from aitraining_pl.models.vision import (
+    VisionInputs,
+    freeze_vision_tower,
+    image_token_ids,
+    load_processor,
+    load_vision_lm,
+)
 from aitraining_pl.models.vision_prefix import shared_prompt_scores
 from aitraining_pl.models.vision_presets import VISION_PRESETS
 from aitraining_pl.models.vision_scoring import _scores, vision_token_scores

@@ -39,8 +39,9 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampledTokens, SampleRequest
 from aitraining_pl.generation.config import VLLMConfig
+from aitraining_pl.generation.hf.generate import hf_model
 from aitraining_pl.generation.servers.tcp_guards import read_token
 from aitraining_pl.generation.servers.tcp_wire import (
     MODEL_FIELDS,
@@ -58,7 +59,6 @@ from aitraining_pl.generation.servers.tcp_wire import (
 )
 from aitraining_pl.generation.servers.weights import ChannelBroken, WeightGroup, failure
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens, hf_model
 from aitraining_pl.models.sharding import is_sharded
 from aitraining_pl.models.weights import policy_weights
 

@@ -1,77 +1,21 @@
 """The Hugging Face side of sampling: the one ``generate`` call of the project (``hf_generate``), with a
 complete explicit ``transformers.GenerationConfig`` and the model's own generation config out of the way, and
-the stop rule (stop strings, stop sequences) that decoding and the response mask share. The rollout engine
-(``aitraining_pl.rollout``) samples with ``models.decoding.sample_responses``, which decodes with these
-settings itself where it can (dropping ended rows) and calls ``hf_generate`` otherwise."""
+``generate``'s view of the stop rule (``ResponseStoppingCriteria``; the rule itself, ``StopRule``, is the sampling
+seam's: ``generation.backend``). The HF backend (``generation.hf.backend``) samples with
+``generation.hf.decoding.sample_responses``, which decodes with these settings itself where it can (dropping ended
+rows) and calls ``hf_generate`` otherwise."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from transformers import GenerationConfig as HFGenerationConfig
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-
-class StopRule:
-    """Stop strings and stop sequences of token ids, checked on the response tokens only.
-
-    A response prefix ``ids`` stops when its decoding (special tokens decoded as their text) contains one of
-    ``stop_strings``, or when it ends with one of ``stop_sequences``. ``generate`` checks every prefix as it
-    grows (``ResponseStoppingCriteria``) and ``ends`` finds the first stopping prefix afterwards, so both agree.
-
-    Args:
-        tokenizer: decodes responses for ``stop_strings`` (may be None when there are none).
-        stop_strings: texts that end a response.
-        stop_sequences: token-id sequences that end a response.
-        skip_special_tokens: look for stop strings in the text without special tokens (default: special tokens
-            are decoded as their text, as transformers' own stop strings see them).
-    """
-
-    def __init__(
-        self,
-        tokenizer=None,
-        stop_strings: Sequence[str] | None = None,
-        stop_sequences: Sequence[Sequence[int]] | None = None,
-        skip_special_tokens: bool = False,
-    ):
-        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
-        self.stop_strings = [s for s in (stop_strings or []) if s]
-        self.stop_sequences = [[int(t) for t in s] for s in (stop_sequences or []) if len(s)]
-        if self.stop_strings and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
-
-    def __bool__(self) -> bool:
-        return bool(self.stop_strings or self.stop_sequences)
-
-    def stops(self, ids: list[int]) -> bool:
-        """Whether the response prefix ``ids`` has reached a stop."""
-        if any(len(ids) >= len(s) and ids[-len(s) :] == s for s in self.stop_sequences):
-            return True
-        return bool(self.stop_strings) and self._contains_string(ids)
-
-    def _contains_string(self, ids: list[int]) -> bool:
-        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-        return any(s in text for s in self.stop_strings)
-
-    def ends(self, response_ids: torch.Tensor) -> torch.Tensor:
-        """(N,) index of the token at which a response first stops; -1 where it never does."""
-        ends = torch.full((response_ids.shape[0],), -1, dtype=torch.long, device=response_ids.device)
-        if not self:
-            return ends
-        for row, ids in enumerate(response_ids.tolist()):
-            seq_hit = any(_find(ids, s) >= 0 for s in self.stop_sequences)
-            if not (seq_hit or (self.stop_strings and self._contains_string(ids))):
-                continue  # no prefix can stop if the whole response does not
-            ends[row] = next(t for t in range(len(ids)) if self.stops(ids[: t + 1]))
-        return ends
-
-
-def _find(ids: list[int], seq: list[int]) -> int:
-    """Start of the first occurrence of ``seq`` in ``ids``; -1 where none."""
-    return next((i for i in range(len(ids) - len(seq) + 1) if ids[i : i + len(seq)] == seq), -1)
+from aitraining_pl.generation.backend import SampledTokens, StopRule
 
 
 class ResponseStoppingCriteria(StoppingCriteria):
@@ -89,21 +33,6 @@ class ResponseStoppingCriteria(StoppingCriteria):
         for row, ids in enumerate(response.tolist()):
             done[row] = not finished[row] and self.rule.stops(ids)
         return done
-
-
-class SampledTokens(NamedTuple):
-    """What a sampler returned: response ids (N, R) and, when asked, the per-step logits (N, R, V) before and
-    after the sampling processors (temperature, top-k, top-p); a backend that returns no logits (vLLM) gives
-    the sampled tokens' log-probs under the distribution sampled from (N, R) instead. A generation server also
-    says which weights sampled each token (``token_versions``)."""
-
-    response_ids: torch.Tensor
-    logits: torch.Tensor | None = None
-    scores: torch.Tensor | None = None
-    sampling_logprobs: torch.Tensor | None = None
-    #: (N, R) int64: the step of the weights (version ``run:step``) that sampled each token, -1 after the end; one
-    #: response may span two versions when a push landed while it was generated (``generation.servers.hf_server``)
-    token_versions: torch.Tensor | None = None
 
 
 def hf_generation_config(
