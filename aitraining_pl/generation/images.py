@@ -36,9 +36,10 @@ class PromptImages:
     @classmethod
     def of(cls, model: Any, images: Sequence[Sequence[Any]]) -> PromptImages:
         """The images of a VL ``model``'s prompts, with its image token and the tokens it never samples."""
-        from aitraining_pl.models.vision import _unwrapped, image_token_ids
+        from aitraining_pl.models.lora import base_model
+        from aitraining_pl.models.vision import image_token_ids
 
-        config = _unwrapped(model).config
+        config = base_model(model).config
         token = getattr(config, "image_token_id", None)
         token = getattr(config, "image_token_index", None) if token is None else token
         return cls([list(row) for row in images], int(token), tuple(image_token_ids(model)))
@@ -129,9 +130,9 @@ def save_model_files(policy: Any, tokenizer: Any, folder: Any) -> None:
     tokenizer and, for a VL model, its image processor (``save_processor``); no weights (they are pushed)."""
     import copy
 
-    from aitraining_pl.generation.hf.generate import hf_model
+    from aitraining_pl.models.lora import base_model
 
-    model = hf_model(policy)
+    model = base_model(policy)
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
     config.save_pretrained(folder)

@@ -26,6 +26,7 @@ from torch import nn
 
 from aitraining_pl.losses import HeadLogps, SequenceLogps, entropy_from_logits, selective_log_softmax
 from aitraining_pl.models.lm_head import chunked_head_logps, logit_postprocessing
+from aitraining_pl.models.lora import base_model
 from aitraining_pl.models.packing import (  # noqa: F401 - the packing helpers, also importable from here
     PACKING_THRESHOLD,
     PackedBatch,
@@ -47,16 +48,12 @@ log = logging.getLogger(__name__)
 
 def _decoder_and_head(model: nn.Module):
     """(decoder, lm head, config) of a transformers causal LM (through a ``peft`` wrapper), or Nones."""
-    lm = _language_model(model)
+    lm = base_model(model)
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     if decoder is lm or not isinstance(decoder, nn.Module) or not isinstance(head, nn.Module):
         decoder = head = None
     return decoder, head, getattr(lm, "config", None)
-
-
-def _language_model(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def head_logits(head: nn.Module, config: Any, hidden: torch.Tensor) -> torch.Tensor:
@@ -224,7 +221,7 @@ def _probe(model: nn.Module) -> ScoringPath:
 
 def scoring_path(model: nn.Module) -> ScoringPath:
     """The paths proven exact for ``model`` (probed once per model, attention implementation and dtype)."""
-    lm = _language_model(model)
+    lm = base_model(model)
     config = getattr(lm, "config", None)
     key = (getattr(config, "_attn_implementation", None), next(lm.parameters()).dtype)
     cache = lm.__dict__.setdefault("_aitraining_scoring_paths", {})

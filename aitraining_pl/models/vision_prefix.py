@@ -24,8 +24,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from aitraining_pl.models.lora import base_model
 from aitraining_pl.models.scoring import TokenScores, _head_scores
-from aitraining_pl.models.vision import VisionInputs, _unwrapped, model_inputs, uses_mrope
+from aitraining_pl.models.vision import VisionInputs, model_inputs, uses_mrope
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def prefix_shared_logps(
     ``response_mask``); entry [n, t] of the result is for ``response_ids[n, t]``, predicted from the prompt's last
     hidden state (t = 0) or the response's token t - 1.
     """
-    lm = _unwrapped(model)
+    lm = base_model(model)
     base = lm.model
     scored = response_mask if scored is None else scored
     group = group.to(prompt_ids.device)
@@ -157,7 +158,7 @@ def _layout(
     if len(representative) == len(group):
         return None  # every row its own prompt: nothing shared
     saved = int((start - first).sum()) - sum(int(start[n] - first[n]) for n in representative)
-    if saved * _unwrapped(model).config.get_text_config().hidden_size ** 2 < threshold:
+    if saved * base_model(model).config.get_text_config().hidden_size ** 2 < threshold:
         return None  # too little prompt work saved to pay for the second call
     rep = torch.tensor(representative, device=device)
     lengths = (start - first)[rep]
@@ -195,7 +196,7 @@ def _probe_exact(model, input_ids, attention_mask, scored, vision, layout: _Layo
     from aitraining_pl.models.training import eval_mode
     from aitraining_pl.models.vision_scoring import _scores
 
-    key = next(_unwrapped(model).parameters()).dtype
+    key = next(base_model(model).parameters()).dtype
     device = input_ids.device
     with eval_mode(model), torch.no_grad(), torch.autocast(device.type, enabled=False):
         want = _scores(model, "head", input_ids, attention_mask, scored[:, 1:].bool(), vision, 1.0, False, False)
@@ -226,7 +227,7 @@ def shared_prompt_scores(
     (``SHARING_THRESHOLD``), do not fit (``_layout``), the model trains
     with gradient checkpointing (no cache) or the shared prompt is not exact for the model (checked once per model
     and dtype on the first batch that shares prompts, with one INFO line)."""
-    lm = _unwrapped(model)
+    lm = base_model(model)
     decoder = lm.model.get_decoder() if hasattr(getattr(lm, "model", None), "get_decoder") else None
     if decoder is None:
         return None

@@ -16,9 +16,10 @@ import logging
 import torch
 from torch import nn
 
+from aitraining_pl.models.lora import base_model
 from aitraining_pl.models.scoring import TokenScores, _head_scores, _logits_scores
 from aitraining_pl.models.training import eval_mode
-from aitraining_pl.models.vision import VisionInputs, _unwrapped, model_inputs
+from aitraining_pl.models.vision import VisionInputs, model_inputs
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def _scores(
     rows, cols = torch.nonzero(scored, as_tuple=True)
     targets = input_ids[rows, cols + 1]
     kwargs = {**model_inputs(model, input_ids, attention_mask, vision), "use_cache": False}
-    lm = _unwrapped(model)
+    lm = base_model(model)
     hidden = None
     if path == "head":
         hidden = lm.model(**kwargs).last_hidden_state[rows, cols]
@@ -58,7 +59,7 @@ def vision_scoring_path(
 ) -> str:
     """``head`` where the head path reproduces the model's forward on (the first two rows of) this batch, else
     ``forward``; decided once per model and dtype."""
-    lm = _unwrapped(model)
+    lm = base_model(model)
     key = next(lm.parameters()).dtype
     cache = lm.__dict__.setdefault("_aitraining_vision_paths", {})
     if key in cache:

@@ -44,6 +44,7 @@ from aitraining_pl.losses.policy_gradient import LossAggregation
 from aitraining_pl.models import ReferencePolicy, load_tokenizer
 from aitraining_pl.models.lm_head import head_parameters, logit_postprocessing
 from aitraining_pl.models.loading import hidden_size_of, load_causal_lm
+from aitraining_pl.models.lora import base_model
 from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.models.vision import load_processor, load_vision_lm, vision_source
@@ -54,7 +55,6 @@ from aitraining_pl.modules.teacher import (
     check_teacher_server,
     check_vocabularies,
     checked_logprobs,
-    language_model,
     response_hidden,
     served_teacher,
     teacher_rows,
@@ -75,7 +75,7 @@ def no_task_reward(prompts: list[str], responses: list[str], metadata: list[dict
 def head_of(model: torch.nn.Module, owner: str) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
     """``(weight, bias, (scale, softcap))`` of the model's LM head (``models.lm_head``); a ``ConfigError`` for a head
     the fused loss cannot run (not a linear layer, or logits scaled in a way ``logit_postprocessing`` does not know)."""
-    lm = language_model(model)
+    lm = base_model(model)
     params, post = head_parameters(lm.get_output_embeddings()), logit_postprocessing(lm.config)
     if params is None or post is None:
         why = "its LM head is not a plain (LoRA) linear layer with known logit post-processing"

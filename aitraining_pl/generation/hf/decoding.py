@@ -46,8 +46,9 @@ from transformers import (
 from transformers import GenerationConfig as HFGenerationConfig
 
 from aitraining_pl.generation.backend import SampledTokens, StopRule
-from aitraining_pl.generation.hf.generate import ResponseStoppingCriteria, hf_generate, hf_model
+from aitraining_pl.generation.hf.generate import ResponseStoppingCriteria, hf_generate
 from aitraining_pl.losses import positions_from_mask
+from aitraining_pl.models.lora import base_model
 
 try:  # recent transformers keep a cache as a list of layers; earlier ones as key and value lists
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -97,7 +98,7 @@ class Forward:
     (``cache`` in transformers 5, ``past_key_values`` before): the last position's logits (float32) and the cache."""
 
     def __init__(self, model: torch.nn.Module):
-        params = inspect.signature(hf_model(model).forward).parameters
+        params = inspect.signature(base_model(model).forward).parameters
         self.model = model
         self.cache_name = "cache" if "cache" in params else "past_key_values"
         self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}

@@ -16,6 +16,7 @@ from transformers import GenerationConfig as HFGenerationConfig
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from aitraining_pl.generation.backend import SampledTokens, StopRule
+from aitraining_pl.models.lora import base_model
 
 
 class ResponseStoppingCriteria(StoppingCriteria):
@@ -56,16 +57,11 @@ def hf_generation_config(
     )  # fmt: skip
 
 
-def hf_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a peft wrapper (the one whose ``generation_config`` ``generate`` reads)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 @contextlib.contextmanager
 def _blank_generation_config(model: torch.nn.Module):
     """Swap the model's ``generation_config`` for a blank one: ``generate`` fills every field we leave unset
     from it, so a checkpoint's settings would otherwise apply."""
-    hf = hf_model(model)
+    hf = base_model(model)
     saved = getattr(hf, "generation_config", None)
     hf.generation_config = HFGenerationConfig()
     try:

@@ -21,8 +21,9 @@ from aitraining_pl.generation.backend import SampledTokens, StopRule
 from aitraining_pl.generation.hf.decoding import DecodeBatch, Forward, plain_cache, sample_steps
 from aitraining_pl.generation.hf.generate import hf_generation_config
 from aitraining_pl.losses import positions_from_mask
+from aitraining_pl.models.lora import base_model
 from aitraining_pl.models.training import eval_mode
-from aitraining_pl.models.vision import VisionInputs, _unwrapped, image_token_ids, model_inputs, uses_mrope
+from aitraining_pl.models.vision import VisionInputs, image_token_ids, model_inputs, uses_mrope
 
 
 class _Banned:
@@ -43,7 +44,7 @@ def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vision:
     kwargs = model_inputs(model, prompt_ids, prompt_mask, vision)
     forward = Forward(model)
     extra = {} if not forward.keep_last else {"logits_to_keep": 1}
-    base = getattr(_unwrapped(model), "model", None)
+    base = getattr(base_model(model), "model", None)
     if uses_mrope(model):
         base.rope_deltas = None  # deltas of an earlier batch would be reused (none are set without images)
     out = model(**kwargs, use_cache=True, **extra)
@@ -51,7 +52,7 @@ def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vision:
     if cache is None:
         cache = out.get("past_key_values")
     if not plain_cache(cache):
-        raise NotImplementedError(f"{type(_unwrapped(model)).__name__}: sampling with images needs a DynamicCache")
+        raise NotImplementedError(f"{type(base_model(model)).__name__}: sampling with images needs a DynamicCache")
     if uses_mrope(model) and base.rope_deltas is not None:  # the last prompt position: shifted past the images
         position = prompt_mask.sum(1, keepdim=True) - 1 + base.rope_deltas.to(prompt_mask.device)
     else:
