@@ -17,7 +17,7 @@ itself, a colocated vLLM engine, a generation server) samples, with the run's ge
 - **Images.** A user message's content may hold ``image_url`` parts whose URLs are ``data:image/...;base64,`` data
   URLs (any other URL: a 400 naming the field; nothing is fetched). With a vision-language policy (its tokenizer
   carries its processor), each becomes the processor's image placeholder in the rendered chat, expanded into the
-  image's tokens, and the image's pixel values go with the prompt to the HF decoder (``environments.vision_chat``,
+  image's tokens, and the image's pixel values go with the prompt to the HF decoder (``environments.chat``,
   ``generation.hf.vision_decoding``); each record keeps its prompt's images (``CallRecord.images``), so the trainer's
   log-prob pass sees the same pixel values; image tokens are part of the prompt, never trained on. A text-only
   policy answers an image part with a 400 naming it.
@@ -76,9 +76,8 @@ from aitraining_pl.agents.protocol import (
 )
 from aitraining_pl.agents.recording import CallRecord
 from aitraining_pl.datamodules.io import DataValidationError
-from aitraining_pl.environments.episode_rollout import ChatFormat
+from aitraining_pl.environments.chat import ChatFormat, chat_ids, vision_chat_format
 from aitraining_pl.environments.tools import detect_tool_format, parse_tool_calls
-from aitraining_pl.environments.vision_chat import chat_ids, vision_chat_format
 from aitraining_pl.generation.backend import StopRule
 from aitraining_pl.models.vision import VisionInputs, merge_vision
 from aitraining_pl.rollout import RolloutEngine
@@ -292,7 +291,7 @@ class AgentEndpoint:
         return self._render(chat, messages)
 
     def _render(self, chat: ChatFormat, messages: list[dict], turn_ids=None, first: int = 0):
-        """``vision_chat.chat_ids``: a 400 naming the image part a text-only policy cannot take or that is bad."""
+        """``environments.chat.chat_ids``: a 400 naming the image part a text-only policy cannot take or that is bad."""
         try:
             return chat_ids(chat, messages, turn_ids, first=first, source="the request")
         except DataValidationError as err:

@@ -11,8 +11,7 @@ from aitraining_pl.losses import sft_loss
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.packing import pack_rows
 from aitraining_pl.models.quantization import QuantizationConfig
-from aitraining_pl.models.scoring import scoring_path, token_logps
-from aitraining_pl.models.vision_scoring import vision_token_scores
+from aitraining_pl.models.scoring import scoring_path, token_scores
 from aitraining_pl.modules.base import MODULE_RANGES, SharedStepModule
 from aitraining_pl.optim import LRSchedule
 from aitraining_pl.validation import constructor_arguments
@@ -89,12 +88,11 @@ class SFTModule(SharedStepModule):
         # 1. log-probs of the scored tokens (packed rows where exact for the model, else padded; a VL model's rows
         #    with their images, padded: ``models.vision_scoring``)
         scored = batch["completion_mask"].bool() & batch["attention_mask"].bool()
-        if batch.get("vision") is not None:
-            logps = vision_token_scores(self.policy, batch["input_ids"], batch["attention_mask"], scored,
-                                        batch["vision"]).logps  # fmt: skip
-        else:
-            packed = pack_rows(batch) if self.hparams.padding_free and scoring_path(self.policy).packed else None
-            logps = token_logps(self.policy, batch["input_ids"], batch["attention_mask"], scored, packed=packed)
+        vision, packed = batch.get("vision"), None
+        if vision is None and self.hparams.padding_free and scoring_path(self.policy).packed:
+            packed = pack_rows(batch)
+        logps = token_scores(self.policy, batch["input_ids"], batch["attention_mask"], scored, packed=packed,
+                             vision=vision).logps  # fmt: skip
         # 2. the loss: mean token NLL
         n_scored = int(scored[:, 1:].sum())
         loss = sft_loss(logps, scored[:, 1:])

@@ -1,4 +1,4 @@
-"""Multi-turn episodes whose environment answers with an image (``environments.vision_chat``): a tiny random Qwen2-VL
+"""Multi-turn episodes whose environment answers with an image (``environments.chat``): a tiny random Qwen2-VL
 sees a blank image, says something, is shown a coloured square (``datamodules.colours``) and is rewarded for naming
 its colour. The reply's tokens (image tokens included) are masked out of the loss, the rollout carries every image
 of each row in order, its greedy turns and the trainer's log-prob pass equal the model's own full forward with all of
@@ -12,8 +12,7 @@ from conftest import quiet_trainer
 
 from aitraining_pl.datamodules.colours import ColourSquaresDataModule, colour_reward, colour_rows, colour_square
 from aitraining_pl.datamodules.io import DataValidationError
-from aitraining_pl.datamodules.prompt import PromptCollator, PromptDataset
-from aitraining_pl.datamodules.vision import encode_vision_prompt
+from aitraining_pl.datamodules.prompt import PromptCollator, PromptDataset, encode_vision_prompt
 from aitraining_pl.environments.episode import EpisodeEnvironment, EpisodeLimits, EpisodeStep
 from aitraining_pl.environments.episode_rollout import sample_episodes
 from aitraining_pl.models.vision import image_token_ids, load_processor, load_vision_lm, processor_of, token_types

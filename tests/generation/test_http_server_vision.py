@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aitraining_pl.datamodules.colours import colour_rows
-from aitraining_pl.datamodules.vision import encode_vision_prompt
+from aitraining_pl.datamodules.prompt import encode_vision_prompt
 from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
 from aitraining_pl.generation.images import save_model_files
 from aitraining_pl.generation.servers.http import HTTPReplica

@@ -15,7 +15,7 @@ from conftest import quiet_trainer  # noqa: E402
 from pil_qwen_vl import install_everywhere  # noqa: E402
 
 from aitraining_pl.datamodules.colours import ColourSquaresDataModule, colour_rows  # noqa: E402
-from aitraining_pl.datamodules.vision import encode_vision_prompt  # noqa: E402
+from aitraining_pl.datamodules.prompt import encode_vision_prompt  # noqa: E402
 from aitraining_pl.generation.config import VLLMConfig  # noqa: E402
 from aitraining_pl.models.tokens import padded  # noqa: E402
 from aitraining_pl.models.vision import (  # noqa: E402
