@@ -24,6 +24,7 @@ from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 import torch
 
 from aitraining_pl.generation.images import PromptImages
+from aitraining_pl.models.vision import VisionInputs
 
 Location = Literal["policy", "colocated", "server"]
 
@@ -121,7 +122,9 @@ class SampleRequest:
     ``generate``; a server client sends one): ``num_samples`` responses for each left-padded prompt (B, P) under
     ``generation``, ended by ``end_ids`` / ``stop_rule``, right padded with ``pad_token_id``; ``seed``: a
     non-negative int that makes the draw reproducible (None: the backend's own generator); ``images``: a VL prompt's
-    images for a backend that encodes them itself (vLLM; ``generation.images``), None for text prompts."""
+    images for a backend that encodes them itself (vLLM, a server; ``generation.images``), None for text prompts;
+    ``vision``: the same prompts' encoded images (``models.vision.VisionInputs``, one entry per prompt: pixel values)
+    for a backend that runs the policy itself (``location`` ``policy``), None for text prompts."""
 
     prompt_ids: torch.Tensor
     prompt_mask: torch.Tensor
@@ -132,6 +135,7 @@ class SampleRequest:
     num_samples: int = 1
     seed: int | None = None
     images: PromptImages | None = None
+    vision: VisionInputs | None = None
 
 
 @runtime_checkable
@@ -157,4 +161,9 @@ class GenerationBackend(Protocol):
 
     def close(self) -> None:
         """Free the backend for good (an engine, a connection)."""
+        ...
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        """Figures the trainer logs with each iteration, the same keys on every rank (a fleet's: servers up and
+        per-server figures, ``generation.servers.fleet.Fleet.stats``); ``{}`` for a backend with none."""
         ...

@@ -487,3 +487,7 @@ class VLLMEngine:
                 shutdown()
             del llm
         shutil.rmtree(getattr(self, "folder", ""), ignore_errors=True)
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        """None to log (``GenerationBackend.stats``)."""
+        return {}

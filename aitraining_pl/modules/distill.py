@@ -276,13 +276,13 @@ class DistillationModule(CriticFreeModule):
         check_vocabularies(self.tokenizer, theirs, teacher_rows(self.teacher), where)
 
     # ------------------------------------------------------------------ rollouts: the student's, or the data's
-    def rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
-        """The student's samples in a share ``lmbda`` of the batches (drawn per step, the same on every rank), else
-        the data's own completions (``full`` mode)."""
+    def own_rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch | None:
+        """The student's samples (None) in a share ``lmbda`` of the training batches (drawn per step, the same on
+        every rank), else the data's own completions (``full`` mode)."""
         draw = torch.rand((), generator=torch.Generator().manual_seed(int(self.hparams.seed) * 7919 + self.global_step))
         if self.training and float(draw) >= float(self.hparams.lmbda):
             return self.data_rollout(batch, samples)
-        return super().rollout(batch, samples)
+        return None
 
     def data_rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
         """The data's completions (``metadata["completion"]``, tokenised, ended by EOS, at most ``max_new_tokens``)
@@ -388,7 +388,7 @@ class DistillationModule(CriticFreeModule):
     # ------------------------------------------------------------------ validation: divergence on held-out prompts
     @torch.no_grad()
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        rollout = super().rollout(batch, 1)  # the student's samples
+        rollout = self.rollout(batch, 1)  # the student's samples (not training: never the data's)
         ids, attention, P, mask = rollout.input_ids, rollout.attention_mask, rollout.prompt_length, rollout.mask
         self.check_sees_images(rollout.vision)
         teacher = self.teacher.hidden(ids, attention, P, mask, rollout.vision)

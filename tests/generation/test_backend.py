@@ -73,6 +73,9 @@ class FixedBackend:
     def close(self):
         self.closed = True
 
+    def stats(self):
+        return {}
+
 
 def test_a_new_backend_is_one_class_and_one_registry_line(monkeypatch, tmp_path):
     """Registered under a name, the class is what ``generation.backend: <name>`` builds at setup; the online

@@ -48,6 +48,9 @@ class OffPolicySampler:
     def close(self):
         pass
 
+    def stats(self):
+        return {}
+
 
 def grpo(monkeypatch, **policy_loss) -> GRPOModule:
     monkeypatch.setitem(BACKENDS, "off-policy", OffPolicySampler)

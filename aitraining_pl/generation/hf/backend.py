@@ -12,6 +12,7 @@ from aitraining_pl.generation.backend import BackendContext, Location, SampledTo
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.generation.hf.decoding import sample_responses
 from aitraining_pl.generation.hf.generate import hf_generation_config
+from aitraining_pl.generation.hf.vision_decoding import sample_with_images
 from aitraining_pl.models.sharding import gathered
 from aitraining_pl.models.training import eval_mode
 
@@ -37,6 +38,9 @@ class HFBackend:
 
     def sample(self, request: SampleRequest) -> SampledTokens:
         r = request
+        if r.vision is not None:  # prompts with images: the VL decoder, with their pixel values
+            args = r.generation, r.end_ids, r.stop_rule, r.pad_token_id, r.num_samples, r.seed, self.with_logprobs
+            return sample_with_images(self.model, r.prompt_ids, r.prompt_mask, r.vision, *args)
         config = hf_generation_config(r.generation, r.end_ids, r.pad_token_id, self.with_logprobs)
         devices = [r.prompt_ids.device] if r.prompt_ids.device.type == "cuda" else []
         seeded = torch.random.fork_rng(devices=devices) if r.seed is not None else contextlib.nullcontext()
@@ -60,3 +64,7 @@ class HFBackend:
 
     def close(self) -> None:
         self.sleep()
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        """None to log (``GenerationBackend.stats``)."""
+        return {}

@@ -376,6 +376,10 @@ class VLLMServerClient:
                 pass
             sock.close()
 
+    def stats(self) -> dict[str, torch.Tensor]:
+        """None to log (``GenerationBackend.stats``)."""
+        return {}
+
 
 class _Pusher(VLLMServerClient):
     """The second connection of a trainer's rank 0 (``hello`` role ``pusher``): ``VLLMServerClient.push`` sends on

@@ -278,3 +278,7 @@ class ServedBackend:
 
     def close(self) -> None:
         self.replica.close()
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        """None to log (``GenerationBackend.stats``)."""
+        return {}
