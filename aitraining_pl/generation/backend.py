@@ -101,6 +101,9 @@ class SampledTokens(NamedTuple):
     #: (N, R) int64: the step of the weights (version ``run:step``) that sampled each token, -1 after the end; one
     #: response may span two versions when a push landed while it was generated (``generation.servers.hf_server``)
     token_versions: torch.Tensor | None = None
+    #: (N, P + R, layers, k) int16: the experts each prompt and response token was routed to by an MoE sampler
+    #: (``models.routing_replay``), -1 where none (padding, a response's last token); None for a dense model
+    routes: torch.Tensor | None = None
 
 
 @dataclass

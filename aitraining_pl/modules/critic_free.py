@@ -53,6 +53,7 @@ class PolicyExperience:
     #: the sampler's log-probs when the correction is taken per micro-batch (one optimizer step: ``make_experience``)
     sampling_logprobs: torch.Tensor | None = None
     vision: Any = None  #: each row's images (``models.vision.VisionInputs``) for a VL model
+    routes: torch.Tensor | None = None  #: (N, P + R, layers, k) an MoE sampler's routes, replayed (``policy_scores``)
 
 
 class CriticFreeModule(OnlineRLModule):
@@ -189,13 +190,10 @@ class CriticFreeModule(OnlineRLModule):
             return torch.cat(
                 self.in_minibatches(lambda r: self.reference_logprobs(ids[r], attention[r], P, vision(r)), len(ids))
             )
+        routes = lambda r: None if rollout.routes is None else rollout.routes[r]  # noqa: E731
+        scores = lambda r: self.policy_scores(ids[r], attention[r], P, vision=vision(r), routes=routes(r))  # noqa: E731
         with eval_mode(self.policy):
-            return torch.cat(
-                self.in_minibatches(
-                    lambda r: self.response_scores(self.policy, ids[r], attention[r], P, vision=vision(r)).logprobs,
-                    len(ids),
-                )
-            )
+            return torch.cat(self.in_minibatches(lambda r: scores(r)[0].logprobs, len(ids)))
 
     # ------------------------------------------------------------------ one iteration (steps in OnlineRLModule)
     @property
@@ -263,6 +261,7 @@ class CriticFreeModule(OnlineRLModule):
             weights,
             rollout.sampling_logprobs if deferred else None,
             rollout.vision,
+            rollout.routes,
         )
         return experience, stats
 
@@ -271,13 +270,13 @@ class CriticFreeModule(OnlineRLModule):
         hp = self.hparams
         mask = exp.mask[idx]
         vision = self.vision_rows(exp.vision, idx)
-        out = self.response_scores(
-            self.policy,
+        out, routing = self.policy_scores(
             exp.input_ids[idx],
             exp.attention_mask[idx],
             exp.prompt_length,
             with_entropy=True,
             vision=vision,
+            routes=None if exp.routes is None else exp.routes[idx],
         )
         old = exp.old_logprobs[idx] if exp.old_logprobs is not None else out.logprobs.detach()
         ref = exp.ref_logprobs[idx] if exp.ref_logprobs is not None else None
@@ -290,7 +289,10 @@ class CriticFreeModule(OnlineRLModule):
         loss, stats = self.policy_gradient_loss(
             out.logprobs, out.entropy, old, exp.advantages[idx], mask, hp.loss_aggregation, ref, is_weights
         )
+        if "routing/aux_loss" in routing:  # the config's router auxiliary loss (``output_router_logits``)
+            loss = loss + routing["routing/aux_loss"]
         return loss, {
+            **{k: v.detach() for k, v in routing.items()},
             "loss": loss.detach(),
             "entropy": masked_mean(out.entropy.detach(), exp.response_mask[idx]),
             **stats,

@@ -32,6 +32,8 @@ from aitraining_pl.generation.backend import GenerationBackend
 from aitraining_pl.generation.config import check_server
 from aitraining_pl.losses import group_statistics, off_policy_log_ratio, off_policy_weights
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
+from aitraining_pl.models.routing_replay import replaying, router_aux_loss
+from aitraining_pl.models.scoring import scoring_path
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
 from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions, moved_correction
@@ -303,6 +305,38 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             with_entropy,
             vision=vision,
         )
+
+    def policy_scores(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_length: int,
+        with_entropy: bool = False,
+        vision: Any = None,
+        routes: torch.Tensor | None = None,
+    ) -> tuple[ResponseScores, dict[str, torch.Tensor]]:
+        """``response_scores`` of the policy, and the routing statistics of an MoE policy: with the sampler's
+        ``routes`` (N, P + R, layers, k) and ``generation.routing_replay``, the forward routes as the sampler did
+        (R3, ``models.routing_replay``; rows padded, not packed) and ``routing/flip_rate`` says how many (token,
+        layer) routes it replaced; in training mode the router's auxiliary loss where the config asks for it
+        (``routing/aux_loss``, for the caller to add to the loss)."""
+        model = self.policy
+        replay = routes if routes is not None and self.generation.routing_replay else None
+        aux = model.training and bool(getattr(getattr(model, "config", None), "output_router_logits", False))
+        if replay is None and not aux:
+            return self.response_scores(model, input_ids, attention_mask, prompt_length, with_entropy, vision), {}
+        scoring_path(model)  # probed before the routers are hooked
+        with replaying(model, replay, keep_logits=aux) as routed:
+            out = response_logps(
+                model, input_ids, attention_mask, prompt_length, self.generation.temperature, False, with_entropy
+            )
+        stats = {}
+        if replay is not None:
+            stats["routing/flip_rate"] = torch.tensor(routed.flipped / max(routed.replayed, 1))
+        aux_loss = router_aux_loss(model, routed.logits, attention_mask) if aux else None
+        if aux_loss is not None:
+            stats["routing/aux_loss"] = aux_loss
+        return out, stats
 
     @staticmethod
     def vision_rows(vision: Any, rows: torch.Tensor) -> Any:

@@ -33,6 +33,8 @@ class Rollout:
     #: (N, R) the weights version (step) that sampled each token, as a generation server reports it (-1 after the
     #: end); None from the other backends
     token_versions: torch.Tensor | None = None
+    #: (N, P + R, layers, k) the experts an MoE sampler routed each token to (``SampledTokens.routes``), else None
+    routes: torch.Tensor | None = None
     #: multi-turn episodes (``environments.episode_rollout.EpisodeInfo``): then ``response_mask`` marks the
     #: sampled tokens only and ``episodes.response_attention`` every real token (the environment's replies too)
     episodes: Any = None
@@ -77,6 +79,7 @@ class RolloutBatch:
     token_versions: torch.Tensor | None = None  #: (N, R) the weights version of each sampled token (a server)
     episode: torch.Tensor | None = None  #: (N,) the episode of each row where an episode gives several (agents)
     vision: Any = None  #: the images of each row's prompt (``models.vision.VisionInputs``), for VL models
+    routes: torch.Tensor | None = None  #: (N, P + R, layers, k) an MoE sampler's routes (``Rollout.routes``)
 
     @classmethod
     def from_rollout(
@@ -85,7 +88,9 @@ class RolloutBatch:
         """The batch of ``rollout`` scored ``scores`` (N,) with ``components``: its tokens, masks, ended flags,
         groups, texts, the sampler's log-probs and per-token versions; ``fields`` set the others (an episode's
         ``token_scores``, ...) or replace these."""
-        copied = dict(sampling_logprobs=rollout.sampling_logprobs, token_versions=rollout.token_versions)
+        copied = dict(
+            sampling_logprobs=rollout.sampling_logprobs, token_versions=rollout.token_versions, routes=rollout.routes
+        )
         return cls(
             rollout.input_ids,
             rollout.attention_mask,

@@ -225,7 +225,13 @@ class RolloutEngine:
         versions = sampled.token_versions
         if versions is not None:
             versions = versions.masked_fill(~mask.bool(), -1)
-        return Rollout(prompt_ids, prompt_mask, response, mask, ended, texts, group, logprobs, sampling, versions)
+        routes = sampled.routes
+        if routes is not None:  # none after a row's end
+            pad_columns = torch.cat([torch.ones_like(prompt_mask, dtype=torch.bool), mask.bool()], 1)
+            routes = routes.masked_fill(~pad_columns[..., None, None], -1)
+        return Rollout(
+            prompt_ids, prompt_mask, response, mask, ended, texts, group, logprobs, sampling, versions, routes=routes
+        )
 
 
 def score_rollout(

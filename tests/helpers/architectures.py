@@ -43,6 +43,7 @@ DROPOUT = "dropout"  #: its config carries dropout (the dropout tests)
 HEAD = "head"  #: a post-processing of the LM head's output the fused head reproduces (``test_lm_head``)
 SFT = "sft"  #: SFT's loss against the model's own cross-entropy, padded and packed (``test_sft``)
 VLLM = "vllm"  #: vLLM serves it (``test_vllm_backend``)
+MOE = "moe"  #: a mixture-of-experts decoder with top-k routers (routing replay: ``test_routing_replay``)
 
 
 class Arch(NamedTuple):
@@ -61,7 +62,7 @@ def _row(overrides: dict, *uses: str) -> Arch:
 ARCHITECTURES: dict[str, Arch] = {
     "llama": _row({}, MATRIX, HEAD, SFT, VLLM),
     "mistral": _row({"sliding_window": None}, MATRIX, VLLM),
-    "mixtral": _row({"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}, MATRIX),
+    "mixtral": _row({"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}, MATRIX, MOE),
     "qwen2": _row({}, MATRIX, SFT, VLLM),
     "qwen2_moe": _row(
         {
@@ -71,6 +72,7 @@ ARCHITECTURES: dict[str, Arch] = {
             "shared_expert_intermediate_size": 32,
         },
         MATRIX,
+        MOE,
     ),
     "qwen3": _row({"head_dim": 8}, MATRIX, VLLM),
     "gemma": _row({"head_dim": 8}, MATRIX, VLLM),
@@ -137,6 +139,26 @@ ARCHITECTURES: dict[str, Arch] = {
         },
         MATRIX,
         HYBRID,
+    ),
+    "qwen3_moe": _row({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 8}, MOE),
+    "olmoe": _row({"num_experts": 4, "num_experts_per_tok": 2}, MOE),
+    "deepseek_v3": _row(
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 0,
+            "n_shared_experts": 1,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 8,
+            "num_key_value_heads": 4,
+        },
+        MOE,
     ),
     # variants of a matrix row: strong head post-processings, so a fused head that skipped one would show
     "llama_tied": _row({"model_type": "llama", "tie_word_embeddings": True}, HEAD),

@@ -48,7 +48,14 @@ class HFBackend:
             if r.seed is not None:
                 torch.manual_seed(r.seed)
             return sample_responses(
-                self.model, r.prompt_ids, r.prompt_mask, config, r.stop_rule, r.generation.drop_ended, r.num_samples
+                self.model,
+                r.prompt_ids,
+                r.prompt_mask,
+                config,
+                r.stop_rule,
+                r.generation.drop_ended,
+                r.num_samples,
+                getattr(r.generation, "routing_replay", False),
             )
 
     def sync(self, policy: torch.nn.Module, version: Any = None) -> bool:

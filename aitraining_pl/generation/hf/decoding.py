@@ -28,6 +28,7 @@ other model, before any sampling, and ``sample_responses`` (the rollout engine's
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from collections.abc import Callable
@@ -49,6 +50,7 @@ from aitraining_pl.generation.backend import SampledTokens, StopRule
 from aitraining_pl.generation.hf.generate import ResponseStoppingCriteria, hf_generate
 from aitraining_pl.losses import positions_from_mask
 from aitraining_pl.models.lora import base_model
+from aitraining_pl.models.routing_replay import RouteRecorder, recording
 
 try:  # recent transformers keep a cache as a list of layers; earlier ones as key and value lists
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -224,6 +226,9 @@ class SampledSteps(NamedTuple):
     logits: torch.Tensor | None
     scores: torch.Tensor | None
     chosen: torch.Tensor | None = None
+    #: with a ``recorder``, (N, R, layers, k) int16 the experts each sampled token was routed to when it was fed
+    #: back (``models.routing_replay``), -1 for a row's last token (never fed back) and after its end
+    routes: torch.Tensor | None = None
 
 
 #: ``park(rows, index, batch)``: rows ``index`` of ``batch`` (response rows ``rows``) ended; called before they
@@ -272,6 +277,7 @@ def sample_steps(
     park: Park | None = None,
     chosen_logprobs: bool = False,
     draw: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    recorder: RouteRecorder | None = None,
 ) -> SampledSteps:
     """The one sampling loop of both decoders: up to ``config.max_new_tokens`` tokens for each row of ``batch``.
 
@@ -280,7 +286,8 @@ def sample_steps(
     own seeded generator), ends the rows whose
     token is an end id or completes a stop, hands them to ``park`` (all rows still going at the last step too),
     and drops them from the batch and its cache before the next forward pass. The cache's full-attention layers
-    are preallocated for the whole response (``_PreallocatedLayer``)."""
+    are preallocated for the whole response (``_PreallocatedLayer``). With a ``recorder`` (an MoE model's
+    ``models.routing_replay.RouteRecorder``) the experts of each fed-back token are kept (``SampledSteps.routes``)."""
     steps, logits, cache, mask, position = config.max_new_tokens, batch.logits, batch.cache, batch.mask, batch.position
     n, device, warp = logits.shape[0], logits.device, warpers(config)
     ends = torch.tensor(list(config.eos_token_id or []), dtype=torch.long, device=device)
@@ -295,6 +302,7 @@ def sample_steps(
     ended = torch.zeros(n, dtype=torch.bool, device=device)
     rows = torch.arange(n, device=device)  # the response row of each batch row; every batch row is unfinished
     prefixes = [[] for _ in range(n)] if stop_rule else None  # the batch rows' responses on the host (stop rule)
+    routes = None
     for t in range(steps):
         scores = warp(responses[rows, :t], logits)
         tokens = next_tokens(scores, config.do_sample) if draw is None else draw(scores, rows)
@@ -322,11 +330,18 @@ def sample_steps(
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         position = position + 1
         logits, cache = forward(tokens[:, None], mask, position, cache)
+        if recorder is not None:
+            step = recorder.take()
+            if routes is None:
+                routes = torch.full((n, steps, *step.shape[1:]), -1, dtype=torch.int16, device=device)
+            routes[rows, t] = step.to(torch.int16)
     width = int(lengths.max()) if n else 0
+    if routes is not None:
+        routes = routes[:, :width]
     if raw is not None:
         raw, scored = raw[:, :width], scored[:, :width]
     return SampledSteps(
-        responses[:, :width], lengths, ended, raw, scored, None if chosen is None else chosen[:, :width]
+        responses[:, :width], lengths, ended, raw, scored, None if chosen is None else chosen[:, :width], routes
     )
 
 
@@ -338,6 +353,7 @@ def decode(
     config: HFGenerationConfig,
     stop_rule: StopRule | None = None,
     num_samples: int = 1,
+    record_routes: bool = False,
 ) -> SampledTokens | None:
     """Sample ``num_samples`` responses for each left-padded prompt (B, P) as ``generate`` would for the prompts
     repeated (``repeat_interleave``) with ``config`` (``generation.hf.generate.hf_generation_config``:
@@ -350,17 +366,25 @@ def decode(
         the steps until every row ended or ``max_new_tokens``, padded after each row's end; with
         ``config.output_logits`` the raw logits and the warped scores (N, R, V) of every step a row was sampled
         at (zeros after it ended). None, with nothing sampled, when the model does not build a plain
-        ``DynamicCache`` (``plain_cache``).
+        ``DynamicCache`` (``plain_cache``). With ``record_routes`` and an MoE model, the experts every prompt and
+        response token was routed to (``SampledTokens.routes``).
     """
     if model in _UNSUPPORTED:
         return None
     forward = Forward(model)
-    batch = prefill(forward, prompt_ids, prompt_mask, num_samples)
-    if batch is None:
-        _UNSUPPORTED.add(model)
-        return None
-    drawn = sample_steps(forward, batch, config, stop_rule)
-    return SampledTokens(drawn.tokens, drawn.logits, drawn.scores)
+    with recording(model) if record_routes else contextlib.nullcontext() as recorder:
+        batch = prefill(forward, prompt_ids, prompt_mask, num_samples)
+        if batch is None:
+            _UNSUPPORTED.add(model)
+            return None
+        prompt_routes = recorder.take() if recorder is not None else None
+        drawn = sample_steps(forward, batch, config, stop_rule, recorder=recorder)
+    routes = None
+    if recorder is not None and drawn.routes is not None:
+        prompt_routes = prompt_routes.reshape(*prompt_ids.shape, *prompt_routes.shape[1:]).to(torch.int16)
+        prompt_routes = prompt_routes.masked_fill(~prompt_mask.bool()[..., None, None], -1)
+        routes = torch.cat([prompt_routes.repeat_interleave(num_samples, 0), drawn.routes], 1)
+    return SampledTokens(drawn.tokens, drawn.logits, drawn.scores, routes=routes)
 
 
 def sample_responses(
@@ -371,11 +395,15 @@ def sample_responses(
     stop_rule: StopRule | None = None,
     drop_ended: bool = True,
     num_samples: int = 1,
+    record_routes: bool = False,
 ) -> SampledTokens:
     """The rollout engine's sampler: ``num_samples`` responses per prompt (rows in ``repeat_interleave``
     order) by ``decode`` where the model allows it and ``drop_ended``, else by ``generate`` (``hf_generate``,
-    on the repeated prompts) with the same settings and stop rule."""
-    sampled = decode(model, prompt_ids, prompt_mask, config, stop_rule, num_samples) if drop_ended else None
+    on the repeated prompts) with the same settings and stop rule. ``record_routes``: an MoE model's routes too
+    (``decode`` only: ``generate``'s responses carry none)."""
+    sampled = None
+    if drop_ended:
+        sampled = decode(model, prompt_ids, prompt_mask, config, stop_rule, num_samples, record_routes)
     if sampled is None:
         prompt_ids, prompt_mask = (
             prompt_ids.repeat_interleave(num_samples, 0),
