@@ -97,13 +97,16 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 
 class Forward:
     """One forward pass of a transformers causal LM with its KV cache, whatever its version calls the cache
-    (``cache`` in transformers 5, ``past_key_values`` before): the last position's logits (float32) and the cache."""
+    (``cache`` in transformers 5, ``past_key_values`` before): the last position's logits (float32) and the cache.
+    An MoE model's router logits are not asked for (its config's ``output_router_logits`` is for training)."""
 
     def __init__(self, model: torch.nn.Module):
         params = inspect.signature(base_model(model).forward).parameters
         self.model = model
         self.cache_name = "cache" if "cache" in params else "past_key_values"
         self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        if "output_router_logits" in params:  # an MoE config's aux loss is the trainer's, not the decoder's
+            self.keep_last["output_router_logits"] = False
 
     def __call__(self, ids, mask, positions, cache=None):
         kwargs = {self.cache_name: cache} if cache is not None else {}
