@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from bandit import WORDS, next_token_distribution, word_tokenizer
 from conftest import quiet_trainer
 
