@@ -104,7 +104,7 @@ def _run_call(channel: Connection, fn: Callable, arguments: dict, timeout: float
             os._exit(0)
     send.close()
     try:
-        if not receive.poll(timeout):
+        if not _result_or_death(receive, pid, timeout):
             return "error", f"the tool did not finish within {timeout:g} s"
         return receive.recv()
     except (EOFError, OSError):
@@ -112,6 +112,28 @@ def _run_call(channel: Connection, fn: Callable, arguments: dict, timeout: float
     finally:
         receive.close()
         kill_tree(pid)
+
+
+def _result_or_death(receive: Connection, pid: int, timeout: float) -> bool:
+    """Wait until the call's result can be read, its process ``pid`` has ended or ``timeout`` passed; whether the pipe
+    has something to read (its end: the process died without a result). A grandchild that kept the pipe open cannot
+    hide the process's death: the wait is on the process too (a pidfd, Linux 5.3+; elsewhere on the pipe only)."""
+    from multiprocessing.connection import wait
+
+    try:
+        process = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return receive.poll(timeout)
+    try:
+        wait([receive, process], timeout)
+        if receive.poll(0):
+            return True
+        ended = bool(wait([process], 0))
+    finally:
+        os.close(process)
+    if ended:
+        raise EOFError("the tool's process ended without a result")
+    return False
 
 
 def _exit_on_sigterm(signum, frame) -> None:
