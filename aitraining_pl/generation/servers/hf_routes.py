@@ -77,14 +77,19 @@ class Generate(BaseModel):
     sampling_params: dict[str, Any] = {}
 
 
-def prompt_images(image_processor: Any, placeholder: int, ids: list[int], urls: list[str]) -> tuple[list[int], Any]:
+def prompt_images(image_processor: Any, placeholder: int, ids: list[int], urls: list[str],
+                  max_image_pixels: int | None = None) -> tuple[list[int], Any]:  # fmt: skip
     """A prompt's token ids with each image placeholder expanded (one token per image feature: ``grid_t * grid_h *
     grid_w / merge_size**2``, the Qwen VL family's processors) and its ``VisionInputs``, from its images' data URLs;
-    a ``ValueError`` naming what is wrong."""
+    a ``ValueError`` naming what is wrong (more than ``datamodules.vision.MAX_IMAGES`` images, a bad image, one of
+    more than ``max_image_pixels`` pixels: ``images.image_from_url``)."""
+    from aitraining_pl.datamodules.vision import MAX_IMAGES
     from aitraining_pl.generation.images import expand, image_from_url
     from aitraining_pl.models.vision import VisionInputs
 
-    images = [image_from_url(url) for url in urls]
+    if len(urls) > MAX_IMAGES:
+        raise ValueError(f"content_parts: {len(urls)} images, more than the {MAX_IMAGES} one prompt may carry")
+    images = [image_from_url(url, f"content_parts[{i}]", max_image_pixels) for i, url in enumerate(urls)]
     out = image_processor(images=images, return_tensors="pt")
     merge = getattr(image_processor, "merge_size", None)
     if "image_grid_thw" not in out or not merge:
@@ -348,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     from aitraining_pl.generation.servers.auth import server_token, watch_parent
     from aitraining_pl.generation.servers.hf_server import HFServerEngine
     from aitraining_pl.generation.servers.serve import load_teacher, meta_model
-    from aitraining_pl.models.loading import load_tokenizer
+    from aitraining_pl.models.loading import context_length_of, load_tokenizer
 
     watch_parent()  # a launched server stops with its trainer, even while it is still being built
     args = parser().parse_args(argv)
@@ -361,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = HFServerEngine(policy, seed=args.seed)
     if args.teacher:
         load_teacher(engine, args.model)
-    positions = getattr(policy.config, "max_position_embeddings", None)
+    positions = context_length_of(policy)  # a VL config's in its text_config
     image_processor = placeholder = None
     if (Path(args.model) / "preprocessor_config.json").is_file():  # a VL policy (``images.save_model_files``)
         from transformers import AutoImageProcessor
