@@ -110,6 +110,9 @@ class ImageChat:
         in order (``EncodedImage``s, checked, decoded by ``expand``); ``images`` fill the ``{"type": "image"}``
         parts. ``first``: the index of the first message in the request (error fields)."""
         given, found, out = list(images), [], []
+        count = image_part_count(list(messages))
+        if count > self.max_images:  # before any image is read
+            raise self._error(f"{count} images: more than the {self.max_images} one call or reply may carry", where)
         for i, message in enumerate(messages):
             at = f"{where}[{first + i}].content"
             content = message.get("content")
@@ -133,8 +136,6 @@ class ImageChat:
                 if isinstance(value, str) and kind == "image_url" and not value.startswith("data:image/"):
                     raise self._error(f"image URL {value[:60]!r} refused: only data:image/...;base64 URLs (nothing is "
                                       "fetched)", f"{field}.image_url.url")  # fmt: skip
-                if len(found) >= self.max_images:
-                    raise self._error(f"more than {self.max_images} images: refused", field)
                 found.append(read_image(value, self.source, None, field, self.max_image_pixels))
                 text.append(self.placeholder)
             out.append({**message, "content": "".join(text)})
