@@ -21,7 +21,7 @@ HELPERS = Path(__file__).parents[1] / "helpers"
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_an_agent_thread_calling_os_exit_stops_the_run_with_one_line(kind):
     pytest.importorskip("fastapi")
-    paths = f"{Path.cwd()}:{HELPERS.parent}:{HELPERS}"
+    paths = f"{HELPERS.parents[1]}:{HELPERS.parent}:{HELPERS}"
     env = {**os.environ, "PYTHONPATH": paths, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, str(HELPERS / "agent_exit_script.py"), kind], capture_output=True,
                          text=True, env=env, timeout=300)  # fmt: skip
