@@ -34,7 +34,11 @@ def test_the_connection_cap_sits_below_the_open_files_limit(monkeypatch):
 def test_an_episode_call_goes_through_while_a_stranger_holds_more_connections_than_the_process_can_open():
     """Before: 400 idle connections against a process limited to 384 files exhausted its descriptors, and the
     episode's own call failed (``Too many open files``, or no answer until the stranger let go)."""
-    env = {"PYTHONPATH": f"{HELPERS.parents[1]}:{HELPERS.parent}:{HELPERS}", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {
+        "PYTHONPATH": f"{HELPERS.parents[1]}:{HELPERS.parent}:{HELPERS}",
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     script = subprocess.Popen(
         [sys.executable, str(HELPERS / "endpoint_fd_script.py"), "384"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         text=True, env={**os.environ, **env},
