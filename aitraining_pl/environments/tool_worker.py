@@ -6,7 +6,9 @@ pool live in the trainer cannot hang a tool that uses torch, as it does in a chi
 child subreaper (``sandbox_supervisor.prctl``). Each call runs in a child forked from the worker, leading its own
 process group, with its output captured and bounded; when the call returns, fails or passes its timeout, the
 worker SIGKILLs that group and every process re-parented to it (``sandbox_supervisor.kill_tree``): a subprocess
-the tool started, a ``setsid`` daemon, a hung call and its children do not outlive the call. The worker ends when
+the tool started, a ``setsid`` daemon, a hung call and its children do not outlive the call. The worker waits on the
+call's result pipe and on its process together, so a call that dies is noticed at once, even while a grandchild
+keeps the pipe open. The worker ends when
 the trainer closes its end or stops it (at exit: a call in flight is killed with its processes first), or when the
 trainer dies (its end closes), so it never outlives the trainer for longer than a call.
 

@@ -15,7 +15,9 @@ with ``backend: hf``).
 - ``/inference/v1/generate`` (vLLM's tokens-in route, a VL policy's prompts with images): ``token_ids`` with each
   image placeholder unexpanded, ``content_parts`` of ``image_url`` data URLs and ``sampling_params`` (the fields
   above); the placeholders are expanded with ``--model``'s image processor (``prompt_images``) and the answer holds
-  ``prompt_token_ids`` (expanded) and each choice's ``token_ids`` and ``logprobs.content``.
+  ``prompt_token_ids`` (expanded) and each choice's ``token_ids`` and ``logprobs.content``. At most
+  ``datamodules.vision.MAX_IMAGES`` images of at most ``MAX_IMAGE_PIXELS`` pixels each (read from the header, before
+  decoding); a bad, truncated, SVG or bomb image is a 400 naming its content part.
 - ``/pause`` (any ``mode``: the decoder waits before its next forward, keeping its cache), ``/resume``,
   ``/is_paused``; ``/health``, ``/v1/models``.
 - ``/collective_rpc`` with the worker extension's methods (``aitraining_pl_load``, ``aitraining_pl_release``;
