@@ -31,6 +31,7 @@ def test_the_connection_cap_sits_below_the_open_files_limit(monkeypatch):
     assert agent_server.connection_cap() == agent_server.MAX_CONNECTIONS
 
 
+@pytest.mark.slow  # a subprocess importing torch, transformers and FastAPI: about 20 s here
 def test_an_episode_call_goes_through_while_a_stranger_holds_more_connections_than_the_process_can_open():
     """Before: 400 idle connections against a process limited to 384 files exhausted its descriptors, and the
     episode's own call failed (``Too many open files``, or no answer until the stranger let go)."""

@@ -18,6 +18,7 @@ from aitraining_pl.guarded_call import ExitCalled, exits_watched
 HELPERS = Path(__file__).parents[1] / "helpers"
 
 
+@pytest.mark.slow  # a subprocess importing torch, transformers and FastAPI: about 20 s here
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_an_agent_thread_calling_os_exit_stops_the_run_with_one_line(kind):
     pytest.importorskip("fastapi")
