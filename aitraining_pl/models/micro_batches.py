@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from aitraining_pl.losses.micro_batches import token_budget_partition
@@ -54,19 +55,6 @@ def take_rows(batch: Mapping[str, Any], units: torch.Tensor, n_units: int, paire
             if torch.is_tensor(value) and value.dim() == 2 and value.shape == (len(rows), full):
                 taken[key] = value[:, :width]
     return taken
-
-
-def _structure(outputs: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Any]]:
-    """The tensors of ``outputs`` (a tensor, tuple, NamedTuple or dict of tensors) and how to rebuild it."""
-    if torch.is_tensor(outputs):
-        return [outputs], lambda ts: ts[0]
-    if isinstance(outputs, Mapping):
-        keys = list(outputs)
-        return [outputs[k] for k in keys], lambda ts: dict(zip(keys, ts))
-    if isinstance(outputs, tuple):
-        make = type(outputs)._make if hasattr(type(outputs), "_make") else tuple
-        return list(outputs), make
-    raise TypeError(f"budgeted_forward: the function returned {type(outputs).__name__}, not tensors")
 
 
 def _reassemble(
@@ -124,7 +112,7 @@ def budgeted_forward(
     if len(groups) <= 1:
         return fn(dict(batch))
     n_units, full = len(lengths), mask.shape[1]
-    pieces, index, widths, rebuild = [], [], [], None
+    pieces, index, widths, spec = [], [], [], None
     for k, group in enumerate(groups):
         units = torch.tensor(group, dtype=torch.long, device=mask.device)
         sub = take_rows(batch, units, n_units, paired)
@@ -133,7 +121,7 @@ def budgeted_forward(
             out = checkpoint(fn, sub, use_reentrant=False)
         else:
             out = fn(sub)
-        tensors, rebuild = _structure(out)
+        tensors, spec = tree_flatten(out)  # a tensor, or tuples / NamedTuples / dicts of them
         n_rows = 2 * len(group) if paired else len(group)
         rows = torch.cat([units, units + n_units]) if paired else units
         pieces.append(tensors)
@@ -142,4 +130,4 @@ def budgeted_forward(
     outputs = []
     for j in range(len(pieces[0])):  # each output may be per row or per pair
         outputs.extend(_reassemble([[p[j]] for p in pieces], [ix[j] for ix in index], widths, full, per_position))
-    return rebuild(outputs)
+    return tree_unflatten(outputs, spec)
