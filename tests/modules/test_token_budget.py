@@ -261,3 +261,58 @@ def test_top_entropy_quantile_is_refused_with_a_budget():
             model_config=TINY_LLAMA, tokenizer_name="byte", reward=TOY_REWARD, token_budget=64,
             policy_loss={"top_entropy_quantile": 0.2},
         )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- through Lightning
+def _skewed_sft_rows() -> list[dict]:
+    """One long completion among short ones (a long reasoning trace)."""
+    rows = [{"prompt": f"Q{i}?", "completion": " ok." * (1 + i % 3)} for i in range(7)]
+    rows.insert(2, {"prompt": "Why?", "completion": " because" * 14})
+    return rows
+
+
+@pytest.mark.slow
+def test_sft_fit_with_a_budget_makes_the_same_updates(tmp_path):
+    """Lightning's automatic optimisation (the checkpointed micro-batches inside ``training_step``, its backward):
+    the weights after two steps equal those of the row-count run."""
+    from conftest import quiet_trainer
+
+    from aitraining_pl.datamodules.sft import SFTDataModule
+    from aitraining_pl.models import load_tokenizer
+
+    weights = []
+    for budget in (None, 160):  # the batch with the long row: 153 tokens, two micro-batches
+        module = SFTModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-2, token_budget=budget)
+        data = SFTDataModule(rows=_skewed_sft_rows(), tokenizer=load_tokenizer("byte"), val_split=0, batch_size=4,
+                             shuffle=False)  # fmt: skip
+        quiet_trainer(tmp_path, max_steps=2).fit(module, data)
+        weights.append({n: p.detach().clone() for n, p in module.policy.named_parameters()})
+    assert max(float((weights[0][n] - weights[1][n]).abs().max()) for n in weights[0]) < 1e-5
+    initial = SFTModule(model_config=TINY_LLAMA, tokenizer_name="byte").policy.lm_head.weight
+    assert not torch.allclose(initial, weights[1]["lm_head.weight"])  # it trained
+
+
+@pytest.mark.slow
+def test_grpo_fit_with_a_budget_makes_the_same_update(tmp_path, monkeypatch):
+    """Lightning's manual optimisation (``toggle_model``, ``manual_backward``, one optimizer step per minibatch):
+    one iteration with a budget moves the weights as the one pass over the minibatch does."""
+    from conftest import quiet_trainer
+    from online_fixtures import EOS, fixed_rollout_module
+
+    from aitraining_pl.datamodules.prompt import PromptDataModule
+    from aitraining_pl.models import load_tokenizer
+
+    fixed = torch.tensor([[40] * 30 + [EOS], [41, EOS] + [0] * 29, [42, 43, EOS] + [0] * 28, [44] * 31])
+    weights = []
+    for budget in (None, 60):  # rows of 36, 7, 18 and 46 real tokens: two micro-batches
+        module = fixed_rollout_module(
+            monkeypatch, [1.0, 0.0, 0.2, 0.7], fixed, num_generations=2, kl_coef=0.0, mini_batch_size=4,
+            learning_rate=1e-2, max_grad_norm=0.0, token_budget=budget,
+        )  # fmt: skip
+        data = PromptDataModule(prompts=["hello", "a longer prompt"], tokenizer=load_tokenizer("byte"), batch_size=2)
+        quiet_trainer(tmp_path, limit_train_batches=1).fit(module, data)
+        assert len(module.update_history) == 1  # one minibatch
+        weights.append({n: p.detach().clone() for n, p in module.policy.named_parameters()})
+    assert max(float((weights[0][n] - weights[1][n]).abs().max()) for n in weights[0]) < 1e-5
+    initial = CriticFreeModule(model_config=TINY_LLAMA, tokenizer_name="byte", reward=TOY_REWARD).policy
+    assert not torch.allclose(initial.lm_head.weight, weights[1]["lm_head.weight"])  # it trained
