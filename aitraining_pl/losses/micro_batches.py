@@ -37,7 +37,8 @@ def karmarkar_karp(lengths: Sequence[int], parts: int, equal_size: bool = False)
         lengths: a non-negative size per item (tokens of a row).
         parts: the number of groups (>= 1); groups may be empty when there are fewer items.
         equal_size: every group gets the same number of items (``len(lengths)`` must be a multiple of ``parts``):
-            the items, sorted, enter ``parts`` at a time, one per group.
+            the items, sorted, enter ``parts`` at a time, one per group (verl's); then swaps between the largest and
+            the smallest group even them out while one narrows their gap.
 
     Returns:
         ``parts`` lists of indices, each sorted, ordered by decreasing sum (ties: by first index).
@@ -67,9 +68,31 @@ def karmarkar_karp(lengths: Sequence[int], parts: int, equal_size: bool = False)
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
         tie += 1
     groups = heap[0][2] if heap else [(0, []) for _ in range(parts)]
-    result = [sorted(g[1]) for g in groups]
+    result = [list(g[1]) for g in groups]
+    if equal_size:  # differencing pairs of sorted neighbours leaves little to cancel a long row: swap to even out
+        _even_out(result, lengths)
+    result = [sorted(g) for g in result]
     result.sort(key=lambda g: (-sum(lengths[i] for i in g), g[0] if g else n))
     return result
+
+
+def _even_out(groups: list[list[int]], lengths: Sequence[int]) -> None:
+    """Swap items between the largest and the smallest group (sizes kept) while a swap narrows their gap, each time
+    the swap that brings them closest: a local improvement after the equal-size differencing."""
+    for _ in range(sum(len(g) for g in groups) ** 2):
+        sums = [sum(lengths[i] for i in g) for g in groups]
+        high, low = sums.index(max(sums)), sums.index(min(sums))
+        gap = sums[high] - sums[low]
+        best = None
+        for a, i in enumerate(groups[high]):
+            for b, j in enumerate(groups[low]):
+                moved = lengths[i] - lengths[j]
+                if 0 < moved < gap and (best is None or abs(gap - 2 * moved) < best[0]):
+                    best = (abs(gap - 2 * moved), a, b)
+        if best is None or best[0] >= gap:
+            return
+        _, a, b = best
+        groups[high][a], groups[low][b] = groups[low][b], groups[high][a]
 
 
 def check_row_lengths(lengths: Sequence[int], budget: int, row_limit: int | None = None, what: str = "row") -> None:

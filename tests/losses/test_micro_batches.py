@@ -104,7 +104,7 @@ def test_ranks_get_balanced_token_counts():
     assert _is_partition(groups, 32) and all(len(g) == 8 for g in groups)  # the same rows per rank
     balanced = _sums(groups, lengths)
     strided = [sum(lengths[r::4]) for r in range(4)]  # the distributed sampler's split: 984 to 2445 tokens
-    assert balanced == [1739, 1594, 1584, 1580]  # within 7% of the mean, 1624
+    assert balanced == [1625, 1625, 1624, 1623]  # the mean is 1624.25
     assert max(balanced) - min(balanced) < (max(strided) - min(strided)) / 5
 
 
