@@ -178,7 +178,7 @@ class Engine:
                             "elementwise_loss": elementwise.detach().float().cpu().numpy()})  # fmt: skip
         if not request.forward_only:
             total.backward()
-        return outputs, {"loss:sum": float(total)}
+        return outputs, {"loss:sum": float(total.detach())}
 
     def run_optim_step(self, entry: TrainedModel, adam: dict) -> dict:
         params = self.adapter_params(entry.adapter)

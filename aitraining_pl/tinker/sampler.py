@@ -83,9 +83,11 @@ class Sampler:
             scored = None
             if prompt_logprobs:
                 datum = Datum(prompt[:-1], {"target_tokens": torch.tensor(prompt[1:])})
-                scored = [float("nan")] + engine.logprobs([datum], grad=False)[0].tolist() if len(prompt) > 1 else [
-                    float("nan")
-                ]
+                scored = (
+                    [float("nan")] + engine.logprobs([datum], grad=False)[0].tolist()
+                    if len(prompt) > 1
+                    else [float("nan")]
+                )
         return sequences, scored
 
     def _generate(self, prompt: list[int], params: dict, num_samples: int) -> list[dict]:

@@ -84,8 +84,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parser().parse_args(argv)
     keys = api_keys(args.api_key_file, args.checkpoint_dir)
-    state = make_state(args.model, args.precision, args.device, args.checkpoint_dir, args.max_lora_rank,
-                       int(args.max_body_mb * (1 << 20)), args.max_tokens, args.max_datums, args.max_samples)  # fmt: skip
+    body = int(args.max_body_mb * (1 << 20))
+    state = make_state(args.model, args.precision, args.device, args.checkpoint_dir, args.max_lora_rank, body,
+                       args.max_tokens, args.max_datums, args.max_samples)  # fmt: skip
     print(f"aitraining-pl tinker-serve: {args.model} on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(build_app(state, keys), host=args.host, port=args.port, log_level="warning")
 

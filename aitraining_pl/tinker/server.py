@@ -13,7 +13,6 @@ key that made them: another key gets "unknown" for them. Requests are checked be
 one message naming the field: unknown model or loss, tensor shapes, NaN, token ids, sizes); a request that fails
 on the worker gets a failed future with its message; the server stays up."""
 
-
 import asyncio
 import hashlib
 import hmac
@@ -82,7 +81,12 @@ class State:
 
     def __init__(self, engine: Engine, max_tokens: int, max_datums: int, max_samples: int, max_body: int):
         self.engine, self.sampler = engine, Sampler(engine)
-        self.max_tokens, self.max_datums, self.max_samples, self.max_body = max_tokens, max_datums, max_samples, max_body
+        self.max_tokens, self.max_datums, self.max_samples, self.max_body = (
+            max_tokens,
+            max_datums,
+            max_samples,
+            max_body,
+        )
         self.sessions: dict[str, str] = {}
         self.sampling: dict[str, tuple[str, str | None]] = {}  # id -> (owner, snapshot key or None: base model)
         self.futures: dict[str, tuple[str, Any, str]] = {}  # id -> (owner, concurrent future, kind)
