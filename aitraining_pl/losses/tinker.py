@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from aitraining_pl.losses.policy_options import clipped_surrogate
+
 TinkerLoss = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], torch.Tensor]
 
 #: name -> elementwise loss ``fn(target_logprobs, inputs, config) -> (N,)``
@@ -62,15 +64,17 @@ _CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 
 @_register("ppo", ("logprobs", "advantages"), _CLIP)
 def ppo(target_logprobs, inputs, config):
-    """``-min(r * A, clip(r, low, high) * A)`` per token."""
-    ratio, advantages = _ratio(target_logprobs, inputs), inputs["advantages"]
-    clipped = ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
-    return -torch.minimum(ratio * advantages, clipped * advantages)
+    """``-min(r * A, clip(r, low, high) * A)`` per token: the core's ``clipped_surrogate`` with epsilon
+    ``1 - low`` and epsilon_high ``high - 1``."""
+    low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+    ratio = _ratio(target_logprobs, inputs)
+    return clipped_surrogate(ratio, target_logprobs, inputs["advantages"], 1 - low, high - 1)
 
 
 @_register("cispo", ("logprobs", "advantages"), _CLIP)
 def cispo(target_logprobs, inputs, config):
-    """``-sg(clip(r, low, high)) * log p * A`` per token."""
+    """``-sg(clip(r, low, high)) * log p * A`` per token (Tinker clips both sides; the core's
+    ``cispo_surrogate`` bounds the ratio from above only, as MiniMax-M1 does)."""
     clipped = _ratio(target_logprobs, inputs).clamp(config["clip_low_threshold"], config["clip_high_threshold"])
     return -clipped.detach() * target_logprobs * inputs["advantages"]
 
