@@ -5,7 +5,8 @@ HTTP, protobuf, JSON or futures). Both sides alternate in one process, on a Llam
 
     PYTHONPATH=$PWD python benchmarks/tinker_server.py --steps 6
 
-Prints one JSON line per step and a summary: the protocol's share of the client's step."""
+Prints one JSON line per step and a summary: the protocol's share of the client's step, as the two sides'
+difference and as the part of each client step the engine's worker was not busy with the step's work."""
 
 from __future__ import annotations
 
@@ -89,23 +90,50 @@ def main() -> None:
             engine.run_forward_backward(local, FwdBwd(local.model_id, "importance_sampling", {}, data, False))
             engine.run_optim_step(local, {**adam.model_dump()})
 
-        def timed(step, run) -> float:
-            start = time.perf_counter()
+        busy = [0.0]  # seconds the engine's worker spent on the step's work
+        submit = engine.submit
+
+        def timed_submit(fn, *args):
+            def run():
+                start = time.perf_counter()
+                try:
+                    return fn(*args)
+                finally:
+                    busy[0] += time.perf_counter() - start
+
+            return submit(run)
+
+        engine.submit = timed_submit
+
+        def timed(step, run) -> tuple[float, float]:
+            busy[0], start = 0.0, time.perf_counter()
             run()
-            return time.perf_counter() - start
+            return time.perf_counter() - start, busy[0]
 
         runs = {"client": client_step, "in_process": lambda: engine.submit(in_process_step).result()}
         for run in runs.values():  # warm-up
             run()
-        times = {name: [] for name in runs}
+        times, outside = {name: [] for name in runs}, []
         for step in range(args.steps):
             for name, run in runs.items():
-                times[name].append(timed(step, run))
-                print(json.dumps({"step": step, "side": name, "seconds": round(times[name][-1], 4)}), flush=True)
+                wall, work = timed(step, run)
+                times[name].append(wall)
+                if name == "client":
+                    outside.append((wall - work) / wall)
+                line = {"step": step, "side": name, "seconds": round(wall, 4), "engine_seconds": round(work, 4)}
+                print(json.dumps(line), flush=True)
         client, local_s = statistics.median(times["client"]), statistics.median(times["in_process"])
-        share = (client - local_s) / client
-        print(json.dumps({"summary": True, "client_step_s": round(client, 4), "in_process_step_s": round(local_s, 4),
-                          "protocol_share": round(share, 4), "target": 0.10}), flush=True)  # fmt: skip
+        summary = {
+            "summary": True,
+            "client_step_s": round(client, 4),
+            "in_process_step_s": round(local_s, 4),
+            # the two sides' medians (noisy on a shared machine) and, within each client step, the time not spent
+            # on the engine's work (HTTP, protobuf, JSON, futures, the client's own code)
+            "protocol_share_vs_in_process": round((client - local_s) / client, 4),
+            "protocol_share_within_step": round(statistics.median(outside), 4),
+            "target": 0.10,
+        }
+        print(json.dumps(summary), flush=True)
         service.close("success").result()
 
 
