@@ -29,6 +29,8 @@ from aitraining_pl.tinker.wire import PROTO, BadRequest, read_forward_backward, 
 log = logging.getLogger(__name__)
 #: seconds ``retrieve_future`` waits for a result before answering "try again"
 POLL = 10.0
+#: results kept for retrieval; past this, the oldest finished ones are dropped
+MAX_FUTURES = 10000
 ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
                  "grad_clip_norm": 0.0}  # fmt: skip
 
@@ -94,6 +96,9 @@ class State:
 
     def future(self, owner: str, fn, *args, kind: str = "json", **extra) -> dict:
         request_id = uuid.uuid4().hex
+        if len(self.futures) >= MAX_FUTURES:
+            for old in [k for k, v in self.futures.items() if v[1].done()][: len(self.futures) - MAX_FUTURES + 1]:
+                del self.futures[old]
         self.futures[request_id] = (owner, self.engine.submit(fn, *args), kind)
         return {"request_id": request_id, **extra}
 
