@@ -73,7 +73,8 @@ class Sampler:
             self.loaded[snapshot.lora] = key
         self.engine.use(name)
 
-    def run_sample(self, key: str | None, prompt: list[int], params: dict, num_samples: int, prompt_logprobs: bool):
+    def run_sample(self, key: str | None, prompt: list[int], params: dict, num_samples: int, prompt_logprobs: bool,
+                   last_n: int | None = None):  # fmt: skip
         engine = self.engine
         model = engine.model
         context = model.disable_adapter() if key is None and hasattr(model, "disable_adapter") else _nothing()
@@ -83,11 +84,9 @@ class Sampler:
             scored = None
             if prompt_logprobs:
                 datum = Datum(prompt[:-1], {"target_tokens": torch.tensor(prompt[1:])})
-                scored = (
-                    [float("nan")] + engine.logprobs([datum], grad=False)[0].tolist()
-                    if len(prompt) > 1
-                    else [float("nan")]
-                )
+                scored = [float("nan")] + (engine.logprobs([datum], grad=False)[0].tolist() if len(prompt) > 1 else [])
+                if last_n:  # only the last N are asked for (prompt_logprobs_last_n)
+                    scored[: len(scored) - last_n] = [float("nan")] * (len(scored) - last_n)
         return sequences, scored
 
     def _generate(self, prompt: list[int], params: dict, num_samples: int) -> list[dict]:
@@ -147,6 +146,9 @@ def check_sample(request: dict, vocab: int, max_tokens: int, max_samples: int) -
     limit = params.get("max_tokens") or 16
     if len(tokens) + int(limit) > max_tokens:
         raise BadRequest(f"asample: prompt ({len(tokens)}) plus max_tokens ({limit}) exceeds {max_tokens} tokens")
+    last_n = request.get("prompt_logprobs_last_n")
+    if last_n is not None and not 1 <= int(last_n) <= len(tokens) - 1:
+        raise BadRequest(f"asample: prompt_logprobs_last_n must be 1 to {len(tokens) - 1}")
     if not 1 <= int(request.get("num_samples", 1)) <= max_samples:
         raise BadRequest(f"asample: num_samples must be 1 to {max_samples}")
     return tokens, params

@@ -309,7 +309,8 @@ def build_app(state: State, keys: list[str]):
         n = int(data.get("num_samples", 1))
         ids = [uuid.uuid4().hex for _ in range(n)]
         logprobs = bool(data.get("prompt_logprobs"))
-        return state.future(who, sampler.run_sample, key, prompt, params, n, logprobs, kind="sample",
+        last_n = data.get("prompt_logprobs_last_n")
+        return state.future(who, sampler.run_sample, key, prompt, params, n, logprobs, last_n, kind="sample",
                             sample_sequence_ids=ids)  # fmt: skip
 
     @app.post("/api/v1/retrieve_future")

@@ -193,6 +193,9 @@ def test_sampling_is_seeded_and_prompt_logprobs_equal_the_trainers(service, serv
     forward = client.forward([datum()], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
     assert one.prompt_logprobs[0] is None
     assert one.prompt_logprobs[1:] == pytest.approx(forward, abs=1e-5)
+    assert sampler.compute_logprobs(prompt).result()[1:] == pytest.approx(forward, abs=1e-5)
+    last = sampler.compute_logprobs(prompt, prompt_logprobs_last_n=3).result()
+    assert last[:-3] == [None] * (len(TOKENS) - 3) and last[-3:] == pytest.approx(forward[-3:], abs=1e-5)
     seq = one.sequences[0]
     scored = client.forward([datum(TOKENS + seq.tokens)], "cross_entropy").result()
     assert seq.logprobs == pytest.approx(scored.loss_fn_outputs[0]["logprobs"].tolist()[-len(seq.tokens) :], abs=1e-4)
