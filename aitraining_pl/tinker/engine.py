@@ -145,6 +145,14 @@ class Engine:
         if getattr(result, "unexpected_keys", None):
             raise BadRequest(f"the checkpoint does not fit this adapter ({len(result.unexpected_keys)} extra tensors)")
 
+    def run_release(self, model_ids: list[str]) -> None:
+        """Delete the adapters (and their optimizer state) of ``model_ids`` (a finished session's)."""
+        for model_id in model_ids:
+            with self.lock:
+                entry = self.models.pop(model_id, None)
+            if entry is not None:
+                self.model.delete_adapter(entry.adapter)
+
     # ------------------------------------------------------------------ training
     def run_create(self, entry: TrainedModel, seed: int | None) -> dict:
         self.add_adapter(entry.adapter, entry.lora, seed)

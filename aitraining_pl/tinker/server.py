@@ -193,7 +193,11 @@ def build_app(state: State, keys: list[str]):
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request):
+        """The session's training clients are deleted (their adapters and optimizer state); saved checkpoints stay."""
         state.session(owner(request), session_id)
+        ids = [m for m in engine.models if m.startswith(f"{session_id}:")]
+        await asyncio.wrap_future(engine.submit(engine.run_release, ids))
+        state.sessions.pop(session_id, None)
         return {}
 
     @app.post("/api/v1/create_model")

@@ -247,3 +247,14 @@ def test_bad_requests_get_one_clear_error_and_the_server_stays_up(service, serve
         other.create_training_client_from_state(client.save_state("mine").result().path).result()
     out = client.forward_backward([datum(weights=[1.0] * N)], "cross_entropy").result()
     assert out.metrics["loss:sum"] > 0
+
+
+def test_a_finished_sessions_training_clients_are_deleted(service, served):
+    url, state, folder = served
+    other_session = tinker.ServiceClient(base_url=url, api_key=KEYS[0])
+    gone = other_session.create_lora_training_client(base_model=folder, rank=4, seed=0).result()
+    adapter = state.engine.models[gone.model_id].adapter
+    kept = new_client(service, served, seed=10)
+    other_session.close("success").result()
+    assert gone.model_id not in state.engine.models and adapter not in state.engine.model.peft_config
+    assert kept.forward_backward([datum(weights=[1.0] * N)], "cross_entropy").result().metrics["loss:sum"] > 0
