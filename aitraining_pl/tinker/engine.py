@@ -9,7 +9,8 @@ loss (``losses.tinker``) over every token of every datum to the adapter's gradie
 clipping the global gradient norm to ``grad_clip_norm`` (0: none), then zeroes them. The model stays in eval mode
 (no dropout), so a ``forward`` and a ``forward_backward`` on the same data give the same log-probabilities.
 
-Precision: ``32-true`` (float32 weights) or ``bf16-true`` (bfloat16 weights); one process on one device. No
+Precision: ``32-true`` (float32 weights) or ``bf16-true`` (bfloat16 base weights; the adapters and their AdamW
+state stay float32, so small updates are not lost below a bf16 ulp); one process on one device. No
 Lightning strategy runs here (the protocol is a step at a time on one model; FSDP2 is not wired in)."""
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ class Engine:
             else:
                 self.model = get_peft_model(self.model, config, adapter_name=name)
         self.model.to(self.device).eval()
+        for parameter in self.adapter_params(name):  # fp32 master weights under bf16-true (AdamW steps below an ulp)
+            parameter.data = parameter.data.float()
 
     def use(self, adapter: str | None) -> None:
         """Make ``adapter`` the active one (``None``: the base model, every adapter off)."""

@@ -30,3 +30,27 @@ def test_api_keys(tmp_path, monkeypatch, capsys):
     (tmp_path / "bad").write_text("tml-one\nsecret\n")
     with pytest.raises(SystemExit, match=r"must start with 'tml-'.*\[1\]"):
         api_keys(str(tmp_path / "bad"), str(tmp_path))
+
+
+def test_bf16_base_with_fp32_adapters_trains(tmp_path):
+    """``--precision bf16-true``: the base in bfloat16, each adapter in float32; a step moves the adapter."""
+    import torch
+    from tinker_fixtures import saved_model
+
+    from aitraining_pl.tinker.engine import Engine, Lora, TrainedModel
+    from aitraining_pl.tinker.wire import Datum, FwdBwd
+
+    engine = Engine(saved_model(tmp_path / "m"), "bf16-true", "cpu", str(tmp_path / "ck"))
+    entry = TrainedModel("s:train:0", "owner", "client0", Lora(4))
+    engine.run_create(entry, 0)
+    params = engine.adapter_params("client0")
+    assert params and all(p.dtype == torch.float32 for p in params)
+    assert next(engine.model.get_base_model().model.parameters()).dtype == torch.bfloat16
+    tokens = [72, 101, 108, 108, 111, 32]
+    data = [Datum(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:]), "weights": torch.ones(5)})]
+    before = [p.detach().clone() for p in params]
+    outputs, metrics = engine.run_forward_backward(entry, FwdBwd("s:train:0", "cross_entropy", {}, data, False))
+    assert metrics["loss:sum"] > 0 and outputs[0]["logprobs"].shape == (5,)
+    engine.run_optim_step(entry, {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
+                                  "weight_decay": 0.0, "grad_clip_norm": 0.0})  # fmt: skip
+    assert any(not torch.equal(a, b) for a, b in zip(params, before))  # B moves first (A has no gradient at B = 0)
