@@ -128,6 +128,13 @@ def test_loss_and_gradient_equal_hand_derived(service, served, name):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5 * float(e.abs().max()) + 1e-7)  # summation order
 
 
+def test_get_info_names_the_model_and_its_tokenizer(service, served):
+    client = new_client(service, served, seed=2, rank=8)
+    info = client.get_info()
+    assert info.model_data.model_name == served[2] and info.lora_rank == 8 and info.is_lora
+    assert client.get_tokenizer().encode("Hi", add_special_tokens=False) == [75, 108]  # ByT5: byte + 3
+
+
 def test_optim_step_is_adamw_with_the_calls_parameters(service, served):
     _, state, _ = served
     client = new_client(service, served, seed=4)
