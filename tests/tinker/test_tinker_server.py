@@ -265,3 +265,24 @@ def test_a_finished_sessions_training_clients_are_deleted(service, served):
     other_session.close("success").result()
     assert gone.model_id not in state.engine.models and adapter not in state.engine.model.peft_config
     assert kept.forward_backward([datum(weights=[1.0] * N)], "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_forward_backward_custom_is_a_forward_and_a_weighted_cross_entropy(service, served):
+    """A client-side loss (here 2 x the squared sum of log-probs) reaches the server as a forward, then a
+    cross-entropy with weights -dC/dlogprobs: the adapter's gradient equals the loss's own."""
+    _, state, _ = served
+    client = new_client(service, served, seed=11)
+    train(client, 1)
+    entry = adapter_of(state, client)
+
+    def custom(data, logprobs_list):
+        loss = 2 * sum(lp.sum() for lp in logprobs_list) ** 2
+        return loss, {"custom:mean": float(loss)}
+
+    expected_loss, expected = reference_grads(state, entry, TOKENS, lambda lp: 2 * lp.sum() ** 2)
+    out = client.forward_backward_custom([datum(weights=[1.0] * N)], custom).result()
+    got = grads(state, entry)
+    zero(state, entry)
+    assert out.metrics["loss:sum"] == pytest.approx(expected_loss, rel=1e-5)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5 * float(e.abs().max()) + 1e-7)
