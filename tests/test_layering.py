@@ -40,6 +40,7 @@ LAYERS = {
     "cli": 5,
     "cli_help": 5,  # the command's overview, --version and nested help
     "cli_errors": 5,  # the command's error translation (one-line user errors, SIGTERM)
+    "tinker": 5,  # tinker-serve: the tinker client's protocol on the core's losses and the rollout engine
     # the seed's API (compatibility layer): on top, nothing below imports it
     "compat": 6,
     "facades": 6,
