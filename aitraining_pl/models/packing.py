@@ -238,15 +238,16 @@ def supports_packing(config: Any) -> bool:
     return not (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))
 
 
-#: configs switched to packed attention by the ``packed_attention`` blocks being run (innermost last)
-_ACTIVE: list[Any] = []
+#: (config, attention implementation) switched by the ``packed_attention`` blocks being run (innermost last)
+_ACTIVE: list[tuple[Any, str]] = []
 
 
 @contextmanager
-def _switched(configs: list[Any]) -> Iterator[None]:
+def _switched(switches: list[tuple[Any, str]]) -> Iterator[None]:
+    configs = [config for config, _ in switches]
     previous = [config._attn_implementation for config in configs]
-    for config in configs:
-        config._attn_implementation = PACKED_ATTENTION
+    for config, implementation in switches:
+        config._attn_implementation = implementation
     try:
         yield
     finally:
@@ -261,14 +262,18 @@ def checkpoint_contexts() -> tuple[Any, Any]:
 
 
 @contextmanager
-def packed_attention(config: Any, plan: AttentionPlan) -> Iterator[AttentionPlan]:
+def packed_attention(
+    config: Any, plan: AttentionPlan, implementation: str = PACKED_ATTENTION
+) -> Iterator[AttentionPlan]:
     """Switch a model (through its ``config``) to packed attention for the forwards inside the block; pass
     ``packed_plan=plan`` to the decoder. Raises after the block when no attention layer used the plan (a model
-    whose attention bypasses ``AttentionInterface`` would otherwise attend across sequences silently)."""
+    whose attention bypasses ``AttentionInterface`` would otherwise attend across sequences silently).
+    ``implementation``: the registered attention function that runs the plan (``models.sequence_parallel``'s
+    wraps this one)."""
     plan.calls = 0
-    _ACTIVE.append(config)
+    _ACTIVE.append((config, implementation))
     try:
-        with _switched([config]):
+        with _switched([(config, implementation)]):
             yield plan
     finally:
         _ACTIVE.pop()
