@@ -45,7 +45,8 @@ def rollout_rows() -> dict[str, torch.Tensor]:
         prompt = prompts[i // 3]
         response = torch.randint(3, 90, (length,), generator=g)
         pad_left, pad_right = 5 - len(prompt), 11 - length
-        rows.append(torch.cat([torch.zeros(pad_left, dtype=torch.long), prompt, response, torch.zeros(pad_right, dtype=torch.long)]))
+        zeros = lambda n: torch.zeros(n, dtype=torch.long)  # noqa: E731
+        rows.append(torch.cat([zeros(pad_left), prompt, response, zeros(pad_right)]))
         masks.append(torch.tensor([0] * pad_left + [1] * (len(prompt) + length) + [0] * pad_right))
     ids, mask = torch.stack(rows), torch.stack(masks)
     scored = mask.clone()
