@@ -41,6 +41,9 @@ Block = tuple[tuple[tuple[int, int], ...], int]
 #: one; in chunks of about 128 queries the later keys are left out (fwd + bwd, 4 heads of 64, one thread: 7.9 -> 6.9
 #: ms at 420 tokens, 11.2 -> 9.0 ms at 512, 3.2 -> 2.9 ms at 256, the same within noise at 128).
 CPU_QUERY_CHUNK = 128
+#: the longest block run in query chunks: each chunk's causal mask is (chunk x keys) floats, saved for backward, so a
+#: block of q queries holds about q * q / 2 of them (16k tokens: 512 MB) where one causal call holds none
+CPU_CHUNKED_BLOCK_MAX = 1024
 
 
 @dataclass
@@ -83,12 +86,13 @@ class AttentionPlan:
     def runs(self, chunk: int | None) -> list[list[tuple[int, int, int]]]:
         """Per block, its attention calls as runs of its queries: ``(first, end, keys)``, queries [first, end) of
         the block attending to its first ``keys`` keys (those up to the run's last query). One run per block, or
-        with ``chunk`` a block of ``q >= 2 * chunk`` queries as ``q // chunk`` runs of about equal size."""
+        with ``chunk`` a block of ``2 * chunk <= q <= CPU_CHUNKED_BLOCK_MAX`` queries as ``q // chunk`` runs of about
+        equal size."""
         key = ("runs", chunk)
         if key not in self._pieces:
             runs = []
             for ranges, q in self.blocks:
-                keys, n = sum(b - a for a, b in ranges), q // chunk if chunk else 1
+                keys, n = sum(b - a for a, b in ranges), q // chunk if chunk and q <= CPU_CHUNKED_BLOCK_MAX else 1
                 cuts = [round(i * q / n) for i in range(n + 1)] if n > 1 else [0, q]
                 runs.append([(lo, hi, keys - q + hi) for lo, hi in zip(cuts, cuts[1:])])
             self._pieces[key] = runs
