@@ -143,6 +143,8 @@ def parity_worker(rank: int, out: str, port: int, names: list[str]) -> None:
         torch.save(results, os.path.join(out, "parity.pt"))
     dist.barrier()  # both done before gloo's threads are joined
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # not the interpreter's teardown, where gloo's threads now and then abort ('terminate called')
 
 
 def free_port() -> int:
