@@ -31,7 +31,7 @@ from aitraining_pl.errors import ConfigError  # noqa: E402
 from aitraining_pl.models import sequence_parallel  # noqa: E402
 from aitraining_pl.models.packing import pack_batch, pack_rows  # noqa: E402
 from aitraining_pl.models.scoring import token_scores  # noqa: E402
-from aitraining_pl.models.training import disable_dropout  # noqa: E402
+from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing  # noqa: E402
 from aitraining_pl.models.value_head import ValueHead  # noqa: E402
 from aitraining_pl.strategies import check_sequence_parallel  # noqa: E402
 
@@ -109,11 +109,16 @@ def compare(name: str) -> dict:
     except ConfigError as err:
         return {"error": str(err)}
     result = {}
-    for kind, batch, pack in (
+    kinds = [
         ("rollout", rollout_rows(), lambda b: pack_rows(b, shared_prefix=5)),
         ("pairs", pair_rows(), lambda b: pack_batch(b, share_prompt=True)),
         ("rows", rollout_rows(), lambda b: None),  # packed by token_scores itself under sequence parallelism
-    ):
+    ]
+    if name == "llama":  # and once with activation checkpointing: the recomputation runs the Ulysses attention too
+        kinds.append(("checkpointed", rollout_rows(), lambda b: pack_rows(b, shared_prefix=5)))
+    for kind, batch, pack in kinds:
+        if kind == "checkpointed":
+            enable_gradient_checkpointing(model)
         with sequence_parallel.disabled():
             whole, whole_grads = score(model, head, batch, pack(batch))
         counter = CountCalls()
