@@ -225,6 +225,12 @@ def case_grpo_step(strategy: str, out: str) -> dict:
     return online(GRPOModule, strategy, out, do_sample=True, num_generations=4, mini_batch_size=4)
 
 
+def case_grpo_budget_step(strategy: str, out: str) -> dict:
+    """``grpo_step`` with a ``token_budget`` below every row's length (about 14 tokens): under sequence parallelism 2
+    each row goes alone into a micro-batch (within twice the budget) for the group to split."""
+    return online(GRPOModule, strategy, out, do_sample=True, num_generations=4, mini_batch_size=4, token_budget=10)
+
+
 def case_file_order(strategy: str, out: str) -> dict:
     """The training batches each rank reads from an unshuffled preference file (``shuffle=False``)."""
     module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, warmup_ratio=0.0)

@@ -126,7 +126,7 @@ def test_attention_that_cannot_be_wrapped_is_refused(parity, name):
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp_train")
     script = os.path.join(HELPERS, "fsdp_script.py")
-    run(script, str(out), "sp", "dpo_step", "ppo_step", "grpo_step", "dpo_resume")
+    run(script, str(out), "sp", "dpo_step", "ppo_step", "grpo_step", "grpo_budget_step", "dpo_resume")
     run(script, str(out), "single", "dpo_step", "ppo_step")
     return lambda name: torch.load(out / f"{name}.pt", weights_only=False)
 
@@ -164,3 +164,13 @@ def test_sequence_parallel_checkpoint_resumes_exactly(trained):
     result = trained("dpo_resume-sp")
     assert result["ulysses_calls"] > 0 and result["steps"] == 3
     assert max_difference(result["straight"], result["resumed"]) == 0.0
+
+
+@pytest.mark.ddp
+def test_rows_longer_than_the_token_budget_are_split_by_the_group(trained):
+    """``token_budget`` 10 below every row (about 14 tokens; one process refuses such a row): under sequence
+    parallel 2 each row is a micro-batch of its own, split by the group, and the update equals the one-pass one."""
+    budget, whole = trained("grpo_budget_step-sp"), trained("grpo_step-sp")
+    assert budget["ulysses_calls"] > whole["ulysses_calls"]  # a split forward per row
+    assert max_difference(budget["state"], whole["state"]) < 1e-5
+    assert budget["history"] == pytest.approx(whole["history"], abs=1e-5)
