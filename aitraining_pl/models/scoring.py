@@ -145,8 +145,8 @@ def _scores(
     decoder, head, config = _decoder_and_head(model)
     split = path == "packed" and active_group() is not None  # the row split over the sequence-parallel group
     if split:
-        head_scores = lambda h, t: _head_scores(head, config, h, t, temperature, with_entropy)  # noqa: E731
-        token, hidden = sequence_parallel_scores(decoder, config, packed, head_scores, with_hidden)
+        score_head = lambda h, t: _head_scores(head, config, h, t, temperature, with_entropy)  # noqa: E731
+        token, hidden = sequence_parallel_scores(decoder, config, packed, score_head, with_hidden)
         rows, cols = packed.sequences, packed.columns - 1
     elif path == "packed":
         with packed_attention(config, packed.plan):
