@@ -34,9 +34,11 @@ from aitraining_pl.losses import group_statistics, off_policy_log_ratio, off_pol
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.routing_replay import replaying, router_aux_loss
 from aitraining_pl.models.scoring import scoring_path
+from aitraining_pl.models.sequence_parallel import OPTION, from_group_leader, group_size
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
 from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions, moved_correction
+from aitraining_pl.modules.token_budget import TokenBudgetSteps, check_token_budget
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, build_reward_source
 from aitraining_pl.rollout import (
     GenerationConfig,
@@ -85,7 +87,7 @@ class TeardownOnFailure(pl.Callback):
         pl_module.teardown("fit")
 
 
-class OnlineRLModule(PolicyLossOptions, AlignmentModule):
+class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
     """Base class; subclasses call ``setup_online`` in ``__init__`` and implement ``make_experience`` and
     ``minibatch_loss``. They read ``mini_batch_size``, ``gradient_accumulation_steps``, ``max_grad_norm``,
     ``learning_rate``, ``warmup_ratio``, ``seed``, ``missing_eos_penalty``, ``num_iterations`` and (when they
@@ -130,6 +132,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             del values["reward"]
         self.save_arguments(values)
         self.set_policy_loss(options, sequence_level)
+        check_token_budget(type(self).__name__, arguments.get("token_budget"), options.top_entropy_quantile)
         warn_truncated_sampling(self.generation)
         source = reward if is_episode_environment(reward) else build_reward_source(reward)
         episodes = functools.partial(sample_episodes, environment=source) if is_episode_environment(source) else None
@@ -184,6 +187,8 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         the asynchronous pipeline) for this process's rank."""
         seed = int(self.hparam("seed", 0))
         self.source.setup(self.policy, self.tokenizer, self.global_rank, self.trainer, seed, self.device)
+        if self.pipeline is not None and group_size() > 1:  # its worker thread would run the group's collectives
+            raise ConfigError(OPTION, "sequence parallelism runs synchronous rollouts (generation.max_staleness 0)")
 
     @property
     def backend(self) -> GenerationBackend:
@@ -272,11 +277,13 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
     def rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
         """Sample ``samples`` responses per prompt of ``batch`` and score them, or play that many episodes
         (``RolloutSource.rollout``; in asynchronous training on the pipeline's worker with the current weights), or
-        the module's own rows (``own_rollout``)."""
+        the module's own rows (``own_rollout``). Under sequence parallelism the group's ranks train on its first
+        rank's rollout (``from_group_leader``), since they split that rollout's rows."""
         own = self.own_rollout(batch, samples)
         if own is not None:
             return own
-        return self.source.rollout(self.policy, self.tokenizer, self.global_step, batch, samples)
+        rollout = self.source.rollout(self.policy, self.tokenizer, self.global_step, batch, samples)
+        return from_group_leader(rollout, self.device)
 
     # ------------------------------------------------------------------ log-prob passes
     @property
@@ -325,6 +332,12 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         aux = model.training and bool(getattr(getattr(model, "config", None), "output_router_logits", False))
         if replay is None and not aux:
             return self.response_scores(model, input_ids, attention_mask, prompt_length, with_entropy, vision), {}
+        if replay is not None and group_size() > 1:
+            raise ConfigError(
+                OPTION,
+                "routing replay does not split routes over a sequence group: set "
+                "generation.routing_replay false with sequence parallelism",
+            )
         scoring_path(model)  # probed before the routers are hooked
         with replaying(model, replay, keep_logits=aux) as routed:
             out = response_logps(
@@ -344,9 +357,12 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         sample), or None for a text rollout."""
         return vision.rows(rows) if vision is not None else None
 
-    def in_minibatches(self, fn: Callable[[torch.Tensor], Any], n: int) -> list[Any]:
-        """``fn(rows)`` over ``mini_batch_size`` rows at a time (bounds the activations of a no-grad pass)."""
-        return [fn(rows) for rows in torch.arange(n, device=self.device).split(self.hparams.mini_batch_size)]
+    def in_minibatches(
+        self, fn: Callable[[torch.Tensor], Any], n: int, attention_mask: torch.Tensor | None = None
+    ) -> list[Any]:
+        """``fn(rows)`` over the runs of ``row_chunks`` (bounds the activations of a no-grad pass): ``mini_batch_size``
+        rows at a time, or with a ``token_budget`` and the rows' ``attention_mask`` runs within the budget."""
+        return [fn(rows) for rows in self.row_chunks(n, attention_mask)]
 
     @torch.no_grad()
     def reference_logprobs(
@@ -479,10 +495,8 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             order = torch.randperm(n, generator=generator).to(self.device)
             for i, start in enumerate(range(0, n, hp.mini_batch_size)):
                 last_micro = (i + 1) % accum == 0
-                with optimizer.toggle_model(sync_grad=last_micro):
-                    loss, stats = self.minibatch_loss(experience, order[start : start + hp.mini_batch_size])
-                    self.manual_backward(loss / accum)
-                history.append(stats)
+                rows = order[start : start + hp.mini_batch_size]
+                history.append(self.minibatch_backward(optimizer, experience, rows, accum, sync=last_micro))
                 if last_micro:
                     optimizer.step()  # clips first (``on_before_optimizer_step``)
                     optimizer.zero_grad(set_to_none=True)
