@@ -1,4 +1,4 @@
-"""Shared by the HTTP server tests (``tests/generation/test_http_server.py``, ``tests/vllm_backend/test_vllm_http.py``):
+"""Shared by the HTTP server tests (``tests/generation/servers/test_http_server.py``, ``test_vllm_http.py``):
 the tiny servable policy saved as a folder a server starts from, and a LoRA policy over it whose adapter changes the
 greedy samples."""
 
