@@ -17,10 +17,10 @@ import torch
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.config import LaunchConfig, ServerConfig
 from aitraining_pl.generation.images import save_model_files
+from aitraining_pl.generation.servers.auth import check_guarded, find_token
 from aitraining_pl.generation.servers.fleet import Fleet
 from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.replica import Replica
-from aitraining_pl.generation.servers.served import check_guarded, find_token
 from aitraining_pl.generation.servers.start import ServerProcess, spawn
 
 #: what builds the ``Replica`` of a URL, by its scheme (``"module:name"``, imported only when a URL of that scheme is
@@ -41,7 +41,7 @@ def http_replica(url: str, generation: Any, context: Any, token_file: str | None
     if token_file:
         options = dataclasses.replace(options, server_token_file=token_file)
     replica = HTTPReplica(url, find_token(options, "generation.vllm.server_token_file"), timeout=options.server_timeout)
-    check_guarded(replica, bool(getattr(options, "allow_unauthenticated", False)))
+    check_guarded(replica.url, bool(getattr(options, "allow_unauthenticated", False)))
     return replica
 
 

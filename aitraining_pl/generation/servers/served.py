@@ -19,27 +19,22 @@ one ``GenerationServerError`` line (a single server: nowhere else to send the re
 from __future__ import annotations
 
 import contextlib
-import ipaddress
-import os
-import socket
 import threading
 import time
 import uuid
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 
-from aitraining_pl.errors import ConfigError, GenerationServerError
+from aitraining_pl.errors import GenerationServerError
 from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.servers.adapters import adapter_weights, supported
-from aitraining_pl.generation.servers.auth import TOKEN_ENV
+from aitraining_pl.generation.servers.auth import check_guarded, find_token
 from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.replica import ReplicaDown
 from aitraining_pl.generation.servers.routing import ReplicaRequest
-from aitraining_pl.generation.servers.tcp_wire import token_path
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.generation import SampledTokens
 from aitraining_pl.models.lora import is_peft_model, plain_weights
@@ -51,68 +46,6 @@ TCP_RETIRES = (
     "the frame protocol of `aitraining-pl serve` (generation.vllm.protocol: tcp) is deprecated and goes in the next "
     "release: serve rollouts from `vllm serve` or the HF server over HTTP (the default; docs/fleet.md)"
 )
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        try:
-            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-        except OSError:
-            return False
-
-
-def find_token(options: Any, setting: str = "generation.vllm.server_token_file") -> str | None:
-    """The run's token for a server: the file ``options.server_token_file``, else ``TOKEN_ENV``, else for a server
-    on this machine the file ``aitraining-pl vllm-serve`` wrote (``tcp_wire.token_path``), else None (a server
-    without the middleware)."""
-    if options.server_token_file:
-        try:
-            token = open(options.server_token_file).read().strip()
-        except OSError as err:
-            raise ConfigError(setting, f"cannot read the server token {options.server_token_file} "
-                                       f"({err.strerror or err})") from None  # fmt: skip
-        if not token:
-            raise ConfigError(setting, f"the server token file {options.server_token_file} is empty")
-        return token
-    if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV]
-    path = token_path(options.server_port)  # where ``aitraining-pl vllm-serve`` on this machine wrote its own
-    return path.read_text().strip() or None if is_loopback(options.server_host) and path.is_file() else None
-
-
-_warned_open: set[str] = set()
-
-
-def check_guarded(replica: HTTPReplica, allow: bool, setting: str = "generation.vllm") -> None:
-    """Refuse a server that other machines can reach and that answers without a token (no ``TokenMiddleware``),
-    unless ``allow`` (``allow_unauthenticated``); then warn once per URL."""
-    host = urlparse(replica.url).hostname or ""
-    if is_loopback(host):
-        return
-    import httpx
-
-    try:
-        open_door = httpx.get(f"{replica.url}/collective_rpc", timeout=10.0).status_code != 401
-    except httpx.TransportError:
-        return  # unreachable: the first request says so
-    if not open_door:
-        return
-    if not allow:
-        raise ConfigError(
-            f"{setting}.server_host",
-            f"the server at {replica.url} answers without a token and other machines can reach it: anyone there "
-            "could push weights. Start it with --middleware aitraining_pl.generation.servers.auth.TokenMiddleware "
-            f"and {TOKEN_ENV} (docs/vllm.md), or set {setting}.allow_unauthenticated: true",
-        )
-    if replica.url not in _warned_open:
-        _warned_open.add(replica.url)
-        warnings.warn(f"the generation server {replica.url} takes requests without a token "
-                      f"({setting}.allow_unauthenticated)", UserWarning, stacklevel=3)  # fmt: skip
 
 
 class _Gate:
@@ -174,7 +107,7 @@ class ServedBackend:
             return VLLMServerClient.from_context(generation, context)
         replica = HTTPReplica(f"http://{options.server_host}:{options.server_port}", find_token(options),
                               timeout=options.server_timeout)  # fmt: skip
-        check_guarded(replica, bool(getattr(options, "allow_unauthenticated", False)))
+        check_guarded(replica.url, bool(getattr(options, "allow_unauthenticated", False)))
         return cls(replica, context.rank, context.run, options.server_timeout, options.sync_weights)
 
     def __init__(self, replica: Any, rank: int = 0, run: str | None = None, timeout: float = 240.0,

@@ -23,9 +23,7 @@ from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.config import EXTRA_CPU, EXTRA_GPU
 from aitraining_pl.generation.registry import vllm_available
 from aitraining_pl.generation.servers import auth
-from aitraining_pl.generation.servers.served import is_loopback
 from aitraining_pl.generation.servers.start import SERVE_FLAGS, VLLM_FLAGS
-from aitraining_pl.generation.servers.tcp_wire import token_path
 
 
 def parser() -> argparse.ArgumentParser:
@@ -47,8 +45,8 @@ def command(argv: list[str]) -> tuple[list[str], dict[str, str], str]:
         where = f"${auth.TOKEN_ENV}"
     elif args.token_file:
         env[auth.TOKEN_FILE_ENV] = where = os.path.abspath(args.token_file)
-    elif is_loopback(args.host):
-        path = auth.write_token(token_path(args.port), auth.new_token())
+    elif auth.is_loopback(args.host):
+        path = auth.write_token(auth.token_path(args.port), auth.new_token())
         env[auth.TOKEN_FILE_ENV] = where = str(path)
     else:
         raise ConfigError(

@@ -20,8 +20,8 @@ from server_fixtures import SPEC, GatedEngine, options, served, serving
 from aitraining_pl.errors import GenerationServerError
 from aitraining_pl.generation.backend import HFBackend, SampleRequest
 from aitraining_pl.generation.servers.client import VLLMServerClient
-from aitraining_pl.generation.servers.hf_server import HFServerEngine
-from aitraining_pl.generation.servers.serve import build_engine, meta_model, parser
+from aitraining_pl.generation.servers.hf_server import HFServerEngine, meta_model
+from aitraining_pl.generation.servers.serve import build_engine, parser
 from aitraining_pl.generation.servers.tcp_guards import Limits
 from aitraining_pl.models import build_causal_lm
 from aitraining_pl.models.generation import StopRule
