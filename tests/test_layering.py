@@ -26,9 +26,8 @@ LAYERS = {
     # the rollout engine, and the shared core imports no engine)
     "generation": 3.0,  # GenerationConfig (a leaf), the backend protocol, WeightsVersion, the registry and factory
     "generation.vllm": 3.1,  # the colocated vLLM engine
-    "generation.servers": 3.1,  # the server client, weight sync, the HF server, the launcher, the serve command
+    "generation.servers": 3.1,  # the fleet (one server or N), auth, the HF server, the launcher
     "rollout": 3.2,  # the rollout engine, the asynchronous pipeline
-    "vllm_backend": 3.1,  # deprecated re-export of the old paths, for one release (nothing in the package imports it)
     "rewards": 3,
     "remote_rewards": 3,  # reward sources over HTTP (a reward server, an LLM judge)
     "callbacks": 3,
@@ -114,14 +113,6 @@ def test_imports_respect_the_layers(path):
         assert target <= layer, f"{path.relative_to(PACKAGE)}:{line} (layer {layer}) imports {name} (layer {target})"
         if layer < COMPAT:
             assert target < COMPAT, f"{path.relative_to(PACKAGE)}:{line}: the core imports the compat layer ({name})"
-
-
-def test_nothing_in_the_package_imports_the_deprecated_vllm_backend():
-    """``vllm_backend`` only re-exports the generation side's old paths (for users, with a warning)."""
-    for path in SOURCES:
-        if _component(path) != "vllm_backend":
-            for line, name in _imports(path):
-                assert not name.startswith("aitraining_pl.vllm_backend"), f"{path.relative_to(PACKAGE)}:{line}"
 
 
 @pytest.mark.parametrize("path", sorted((PACKAGE / "losses").rglob("*.py")), ids=lambda p: p.name)

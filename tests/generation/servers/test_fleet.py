@@ -206,7 +206,15 @@ def test_a_bad_server_option_is_one_line_naming_it(server, message):
 
 
 def test_the_forms_of_server():
-    assert GenerationConfig(server="connect").fleet() is None and GenerationConfig(server="launch").fleet() is None
+    """Every form of ``generation.server`` is a fleet; one server a fleet of one, whose requests keep
+    ``vllm.server_timeout`` as their deadline (nowhere else to send them); ``none`` samples in this process."""
+    assert GenerationConfig().fleet() is None
+    connect = GenerationConfig(server="connect", vllm={"server_port": 8123, "server_timeout": 90}).fleet()
+    assert connect.urls == ["http://127.0.0.1:8123"] and (connect.connect_timeout, connect.token_timeout) == (90, 0)
+    assert GenerationConfig(backend="vllm", vllm={"mode": "server"}).fleet().urls == ["http://127.0.0.1:8000"]
+    one = GenerationConfig(server="launch", backend="vllm", server_devices=[1, 2]).fleet().launch
+    assert (one.count, one.engine, one.devices) == (1, "vllm", ["1,2"])
+    assert GenerationConfig(server="launch").fleet().launch.engine == "hf"
     assert GenerationConfig(server="http://127.0.0.1:8000").fleet().urls == ["http://127.0.0.1:8000"]
     launch = GenerationConfig(server={"launch": {"count": 2, "devices": ["0", "1"]}})
     launch.validate()

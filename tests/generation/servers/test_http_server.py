@@ -169,17 +169,18 @@ def _alive(pid: int) -> bool:
 
 def test_lora_adapter_pushes_sample_as_merged_pushes(server):
     """Issue 38, part 4: the base once, then the adapter alone; the same greedy samples as a merged push."""
-    from aitraining_pl.generation.servers.served import ServedBackend
+    from aitraining_pl.generation.servers.fleet import Fleet
     from aitraining_pl.models.lora import plain_weights
+    from aitraining_pl.models.weights import policy_weights
 
     _, replica, model = server
     peft = lora_policy(model)
-    backend = ServedBackend(replica, rank=0, run="run-a", timeout=60)
+    backend = Fleet([replica], policy_weights, run="run-a", connect_timeout=60, token_timeout=0.0)
     args = request(GREEDY)
     plain = backend.sample(
         SampleRequest(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2)
     ).response_ids
-    assert backend.sync(peft, 5) and backend.base_pushed
+    assert backend.sync(peft, 5) and backend.members[0].base_pushed
     adapted = backend.sample(
         SampleRequest(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2)
     ).response_ids
