@@ -341,7 +341,7 @@ class Fleet:
                 except ReplicaDown:
                     pass
         with self.lock:
-            member.version, member.up = key, True
+            member.version, member.up, member.error = key, True, None
             member.push_seconds += seconds + report.seconds
             member.push_bytes += size + report.bytes
 

@@ -33,7 +33,7 @@ from aitraining_pl.generation.vllm import VLLMEngine  # noqa: E402
 from aitraining_pl.models.generation import StopRule  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GREEDY = GenerationConfig(max_new_tokens=8, do_sample=False)
 SAMPLED = GenerationConfig(max_new_tokens=8, temperature=1.0)
 OPTIONS = VLLMConfig(max_model_len=256, enforce_eager=True, cpu_kv_cache_gb=1)
