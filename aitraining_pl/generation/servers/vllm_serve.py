@@ -6,8 +6,7 @@ checkpoint weights), ``VLLM_SERVER_DEV_MODE=1`` and the run's token.
 ``$AITRAINING_PL_SERVER_TOKEN``, else the file ``--token_file``, else, on a loopback host, a new one written to an
 owner-only file named by the port (the trainer on this machine finds it there; its path is printed); a host other
 machines can reach needs one given. Every other option goes to vLLM unchanged (``--dtype``, ``--data-parallel-size``,
-``--enable-lora``, ...). The command line is printed, then this process becomes vLLM (``exec``). The frame-protocol
-server of earlier releases is ``aitraining-pl serve`` (deprecated).
+``--enable-lora``, ...). The command line is printed, then this process becomes vLLM (``exec``).
 
 ``--teacher``: a distillation teacher (``DistillationModule teacher_server: {url: ...}``): vLLM reads ``--model``'s own
 weights and takes no pushes (``start.SERVE_FLAGS``: the token middleware, no worker extension, no dev mode)."""
