@@ -16,16 +16,15 @@ from architectures import model_config
 from http_fixtures import http_hf_server
 
 from aitraining_pl.errors import GenerationServerError
-from aitraining_pl.generation.backend import HFBackend, SampleRequest
+from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.servers.auth import TOKEN_ENV
 from aitraining_pl.generation.servers.fleet import Fleet
 from aitraining_pl.generation.servers.hf_server import HFServerEngine, load_teacher, meta_model
 from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.models import build_causal_lm
-from aitraining_pl.models.generation import StopRule
 from aitraining_pl.models.rollout_scoring import response_logps
 from aitraining_pl.models.weights import policy_weights
-from aitraining_pl.rollout import GenerationConfig
+from aitraining_pl.rollout import GenerationConfig, HFBackend, StopRule
 
 SAMPLING = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=0.7)
 

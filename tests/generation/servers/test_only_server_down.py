@@ -24,7 +24,7 @@ from aitraining_pl.generation.servers.fleet import Fleet
 from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.start import start
 from aitraining_pl.models import build_causal_lm
-from aitraining_pl.models.generation import StopRule
+from aitraining_pl.rollout import StopRule
 
 ROOT = Path(__file__).resolve().parents[3]
 WEIGHTS = [("w", torch.zeros(4))]
