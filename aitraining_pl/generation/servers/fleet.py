@@ -178,8 +178,11 @@ class Fleet:
 
     # ------------------------------------------------------------------ sampling
     def _serving(self, version: WeightsVersion | None, newer: bool) -> list[Member]:
+        """The servers up that may take a request for ``version``: on rank 0, those it pushed it to; on another rank
+        (which may not have walked the push: the asynchronous pipeline pushes from rank 0 only) every server up, which
+        holds the request until rank 0's push of ``version`` arrives (``Replica.sample``)."""
         with self.lock:
-            return [m for m in self.members if m.up and _serves(m, version, newer)]
+            return [m for m in self.members if m.up and (self.rank != 0 or _serves(m, version, newer))]
 
     def plan(self, prompts: list[list[int]], request: ReplicaRequest) -> list[int]:
         """The member index for each prompt: the one whose earlier prompt it continues, else by load."""

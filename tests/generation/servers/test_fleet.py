@@ -141,6 +141,17 @@ def test_a_killed_server_s_requests_are_resent_and_the_run_goes_on():
     assert other.served[-1][0] == len(ROWS)
 
 
+def test_another_rank_asks_for_the_version_rank_0_pushed():
+    """The asynchronous pipeline pushes from rank 0 only: another rank's fleet, which walked no push, names the
+    version and its requests go to the servers up (which hold them until rank 0's push arrives)."""
+    shared = StandInReplica("standin://shared")
+    fleet_of(shared)  # rank 0: pushes step 0
+    other = Fleet([shared], weights=lambda policy: iter(WEIGHTS), rank=1, run="run")
+    other.version = "run:0"
+    out = sample(other, ROWS)
+    assert out.token_versions.eq(0).all() and shared.served[-1][1] == WeightsVersion("run", 0)
+
+
 def test_a_restarted_server_rejoins_at_the_next_push():
     back, other = StandInReplica("standin://back"), StandInReplica("standin://other")
     fleet = fleet_of(back, other)
