@@ -44,13 +44,12 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampleRequest, StopRule
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.generation.servers.adapters import merged
 from aitraining_pl.generation.servers.auth import TokenMiddleware
 from aitraining_pl.generation.servers.checks import PushGuard, PushRefused, WeightSpecs
 from aitraining_pl.generation.servers.vllm_worker import load_checked, push_file
-from aitraining_pl.models.generation import StopRule
 
 
 class Completion(BaseModel):
