@@ -117,8 +117,9 @@ def load_causal_lm(
 ) -> nn.Module:
     """A causal LM from ``model_name`` (local folder or hub id) or ``model_config`` (inline, random init).
 
-    Exactly one of the two must be given. Calling this twice with the same arguments gives models with
-    identical weights, which is how the frozen reference policy is built from its source.
+    Exactly one of the two must be given. The model comes in training mode, loaded or built (``from_pretrained``
+    alone returns eval mode, which would train with dropout off). Calling this twice with the same arguments gives
+    models with identical weights, which is how the frozen reference policy is built from its source.
     """
     return _load("AutoModelForCausalLM", model_name, model_config, dtype, attn_implementation, trust_remote_code, seed)
 
@@ -151,7 +152,8 @@ def _load(auto_class, model_name, model_config, dtype, attn_implementation, trus
         kwargs["dtype"] = resolve_dtype(dtype) or "auto"
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    return from_pretrained(getattr(transformers, auto_class).from_pretrained, model_name, "model", **kwargs)
+    model = from_pretrained(getattr(transformers, auto_class).from_pretrained, model_name, "model", **kwargs)
+    return model.train()  # from_pretrained returns eval mode; the caller trains it (a frozen copy calls .eval())
 
 
 def from_pretrained(load: Callable[..., Any], name: str, kind: str, **kwargs: Any) -> Any:
