@@ -55,10 +55,9 @@ def simulated(servers: int, args: argparse.Namespace) -> dict:
     import torch
     from standin import StandInReplica
 
-    from aitraining_pl.generation.backend import SampleRequest
+    from aitraining_pl.generation.backend import SampleRequest, StopRule
     from aitraining_pl.generation.config import GenerationConfig
     from aitraining_pl.generation.servers.fleet import Fleet
-    from aitraining_pl.models.generation import StopRule
     from aitraining_pl.models.loading import build_causal_lm
     from aitraining_pl.models.weights import policy_weights
     from aitraining_pl.rollout.asynchronous import RolloutPipeline
@@ -152,7 +151,7 @@ def overhead(args: argparse.Namespace) -> list[dict]:
     import torch
     from async_rollouts import model_config
 
-    from aitraining_pl.generation.backend import BackendContext
+    from aitraining_pl.generation.backend import BackendContext, StopRule
     from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
     from aitraining_pl.generation.servers import serve
     from aitraining_pl.generation.servers.http import HTTPReplica
@@ -160,7 +159,6 @@ def overhead(args: argparse.Namespace) -> list[dict]:
     from aitraining_pl.generation.servers.start import start
     from aitraining_pl.generation.servers.tcp_replica import TCPReplica
     from aitraining_pl.generation.version import WeightsVersion
-    from aitraining_pl.models.generation import StopRule
     from aitraining_pl.models.loading import build_causal_lm, load_tokenizer
     from aitraining_pl.models.weights import policy_weights
 

@@ -43,12 +43,11 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from aitraining_pl.generation.backend import SampleRequest
+    from aitraining_pl.generation.backend import SampleRequest, StopRule
     from aitraining_pl.generation.config import VLLMConfig
     from aitraining_pl.generation.servers.client import VLLMServerClient
     from aitraining_pl.generation.servers.serve import launch
     from aitraining_pl.models import build_causal_lm
-    from aitraining_pl.models.generation import StopRule
     from aitraining_pl.rollout import GenerationConfig
 
     print_header(args.threads, size=args.size)

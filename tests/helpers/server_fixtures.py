@@ -72,7 +72,7 @@ class GatedEngine(RecordingEngine):
     def sample_many(self, requests):
         import torch
 
-        from aitraining_pl.models.generation import SampledTokens
+        from aitraining_pl.generation.backend import SampledTokens
 
         self.served.append((self.version, len(requests)))
         self.entered.set()

@@ -32,13 +32,13 @@ class Recorded(GRPOModule):
 
     records: list
 
-    def generate(self, prompt_ids, prompt_mask, config=None, num_samples=1):
-        rollout = super().generate(prompt_ids, prompt_mask, config, num_samples)
+    def rollout(self, batch, samples):
+        rollout = super().rollout(batch, samples)
         with torch.no_grad():
             policy = self.policy.eval()
-            ours = response_logps(policy, rollout.input_ids, rollout.attention_mask, prompt_ids.shape[1], 1.0)
-        gap = float(((rollout.sampling_logprobs - ours.logprobs).abs() * rollout.response_mask).max())
-        prompts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+            ours = response_logps(policy, rollout.input_ids, rollout.attention_mask, rollout.prompt_length, 1.0)
+        gap = float(((rollout.sampling_logprobs - ours.logprobs).abs() * rollout.mask).max())
+        prompts = self.tokenizer.batch_decode(batch["input_ids"], skip_special_tokens=True)
         batched = self.backend.batched  # the ranks' requests the server's generate served together
         record = {"step": self.global_step, "gap": gap, "prompts": prompts, "rows": len(rollout.texts)}
         self.records.append({**record, "batched": batched})

@@ -18,13 +18,13 @@ from architectures import model_config
 from server_fixtures import SPEC, GatedEngine, options, served, serving
 
 from aitraining_pl.errors import GenerationServerError
-from aitraining_pl.generation.backend import HFBackend, SampleRequest
+from aitraining_pl.generation.backend import SampleRequest, StopRule
+from aitraining_pl.generation.hf.backend import HFBackend
 from aitraining_pl.generation.servers.client import VLLMServerClient
 from aitraining_pl.generation.servers.hf_server import HFServerEngine
 from aitraining_pl.generation.servers.serve import build_engine, meta_model, parser
 from aitraining_pl.generation.servers.tcp_guards import Limits
 from aitraining_pl.models import build_causal_lm
-from aitraining_pl.models.generation import StopRule
 from aitraining_pl.models.rollout_scoring import response_logps
 from aitraining_pl.models.weights import policy_weights
 from aitraining_pl.rollout import GenerationConfig

@@ -326,9 +326,9 @@ def test_two_ranks_requests_are_served_in_one_generate_with_the_rows_each_gets_a
     the same tokens and log-probs (a seeded request's samples do not depend on what it is batched with)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from aitraining_pl.generation.backend import StopRule
     from aitraining_pl.generation.servers.client import VLLMServerClient
     from aitraining_pl.models import load_tokenizer
-    from aitraining_pl.models.generation import StopRule
     from aitraining_pl.rollout import GenerationConfig
 
     tokenizer = load_tokenizer("byte", padding_side="left")

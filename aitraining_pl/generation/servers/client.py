@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampledTokens, SampleRequest
 from aitraining_pl.generation.config import VLLMConfig
 from aitraining_pl.generation.servers.tcp_guards import read_token
 from aitraining_pl.generation.servers.tcp_wire import (
@@ -58,7 +58,7 @@ from aitraining_pl.generation.servers.tcp_wire import (
 )
 from aitraining_pl.generation.servers.weights import ChannelBroken, WeightGroup, failure
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens, hf_model
+from aitraining_pl.models.lora import base_model
 from aitraining_pl.models.sharding import is_sharded
 from aitraining_pl.models.weights import policy_weights
 
@@ -144,7 +144,7 @@ class VLLMServerClient:
         answer = self.hello()
         engine = answer.get("engine", "vLLM")  # a server that does not say is a vLLM one
         self.kind = f"{engine} server" if isinstance(engine, str) and engine.isalnum() else self.kind
-        served, ours = answer.get("model") or {}, model_description(hf_model(policy).config)
+        served, ours = answer.get("model") or {}, model_description(base_model(policy).config)
         wrong = [f"{k} {served.get(k)!r} (the policy's: {ours[k]!r})" for k in MODEL_FIELDS if served.get(k) != ours[k]]
         if wrong:
             self.close()
@@ -375,6 +375,10 @@ class VLLMServerClient:
             except (OSError, FrameError):
                 pass
             sock.close()
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        """None to log (``GenerationBackend.stats``)."""
+        return {}
 
 
 class _Pusher(VLLMServerClient):

@@ -12,9 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampledTokens, SampleRequest
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens
 
 
 @dataclasses.dataclass

@@ -33,7 +33,7 @@ from urllib.parse import urlparse
 import torch
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampledTokens, SampleRequest
 from aitraining_pl.generation.servers.adapters import adapter_weights, supported
 from aitraining_pl.generation.servers.auth import TOKEN_ENV
 from aitraining_pl.generation.servers.http import HTTPReplica
@@ -41,7 +41,6 @@ from aitraining_pl.generation.servers.replica import ReplicaDown
 from aitraining_pl.generation.servers.routing import ReplicaRequest
 from aitraining_pl.generation.servers.tcp_wire import token_path
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens
 from aitraining_pl.models.lora import is_peft_model, plain_weights
 from aitraining_pl.models.sharding import is_sharded
 from aitraining_pl.models.weights import policy_weights
@@ -279,3 +278,7 @@ class ServedBackend:
 
     def close(self) -> None:
         self.replica.close()
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        """None to log (``GenerationBackend.stats``)."""
+        return {}

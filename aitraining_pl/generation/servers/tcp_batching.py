@@ -29,10 +29,9 @@ from typing import Any
 
 import torch
 
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampledTokens, SampleRequest
 from aitraining_pl.generation.servers.tcp_guards import Ownership
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens
 from aitraining_pl.models.loading import one_line
 
 

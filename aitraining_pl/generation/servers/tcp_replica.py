@@ -22,12 +22,12 @@ from urllib.parse import urlsplit
 import torch
 
 from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.backend import SampledTokens
 from aitraining_pl.generation.servers.client import VLLMServerClient
 from aitraining_pl.generation.servers.replica import PushReport, ReplicaDown, ReplicaStats
 from aitraining_pl.generation.servers.served import TCP_RETIRES
 from aitraining_pl.generation.servers.weights import ChannelBroken
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens
 
 
 class _Client(VLLMServerClient):

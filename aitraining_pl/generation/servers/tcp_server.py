@@ -85,7 +85,7 @@ from typing import Any
 
 import torch
 
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampleRequest, StopRule
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.generation.servers.tcp_batching import Job, SampleQueue, Seat
 from aitraining_pl.generation.servers.tcp_guards import (
@@ -110,7 +110,6 @@ from aitraining_pl.generation.servers.tcp_wire import (
 )
 from aitraining_pl.generation.servers.weights import BACKENDS, WeightGroup, failure, host_store
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import StopRule
 from aitraining_pl.models.loading import one_line
 
 PROMPTS = ("prompt_ids", "prompt_mask")  #: the tensors of a ``sample`` request
