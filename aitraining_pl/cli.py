@@ -17,9 +17,10 @@ where the input allows. Internal errors keep their traceback; set ``AITRAINING_P
 traceback of a user error too. SIGTERM (a scheduler's preemption) ends the run with exit status 143 and one line
 naming the last checkpoint written.
 
-``aitraining-pl serve --model MODEL`` (also named ``vllm-serve``) serves a run's rollouts from a vLLM engine, or
-with ``--engine hf`` this project's decoder, in its own process (``aitraining_pl.generation.servers.serve``;
-docs/vllm.md, Server mode).
+``aitraining-pl vllm-serve --model MODEL`` starts vLLM's own ``vllm serve`` with the flags a run's generation server
+needs (``aitraining_pl.generation.servers.vllm_serve``; docs/vllm.md, Server mode); this project's HF server is
+``python -m aitraining_pl.generation.servers.hf_routes``. ``aitraining-pl serve`` (the frame protocol) is gone: one
+line names these.
 
 ``aitraining-pl`` alone (or ``--help``) lists the modules and the recipes in ``configs/``; ``--version`` prints the
 version. ``fit`` takes ``--output_dir`` (one folder for logs, checkpoints and exports), ``--run_name`` and
@@ -121,8 +122,9 @@ class AlignmentCLI(LightningCLI):
 
         # a key given twice in a config file is an error, not the last one wins
         set_loader("yaml", strict_yaml_load, exceptions=(yaml.YAMLError,))
-        # a bad option raises (``parser_error`` turns it into one line) instead of printing the usage dump
-        return super().init_parser(**{"exit_on_error": False, **kwargs})
+        # a bad option raises (``parser_error`` turns it into one line) instead of printing the usage dump; an
+        # abbreviated option (``--trainer.max_epoch``) is refused, not read as the option it abbreviates
+        return super().init_parser(**{"exit_on_error": False, "allow_abbrev": False, **kwargs})
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.tokenizer", "data.init_args.tokenizer", apply_on="instantiate")
@@ -300,6 +302,14 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> AlignmentCLI:
     )
 
 
+def importable_working_directory() -> None:
+    """Put the working directory first on ``sys.path``, as ``python -m`` does, so a ``module:function`` in the user's
+    own file (``--model.init_args.reward myreward:has_digit``) imports without ``PYTHONPATH=.``."""
+    cwd = os.getcwd()
+    if not any(entry in ("", ".", cwd) for entry in sys.path):
+        sys.path.insert(0, cwd)
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``aitraining-pl``: ``build_cli`` with user errors turned into one message and exit
     status 2."""
@@ -318,6 +328,7 @@ def main(args: list[str] | None = None) -> None:
         print(text)
         raise SystemExit(0)
     quiet_known_noise()
+    importable_working_directory()
     try:
         if argv[0] == "vllm-serve":  # vLLM's own server with this project's flags (docs/vllm.md)
             from aitraining_pl.generation.servers.vllm_serve import main as vllm_serve
@@ -329,13 +340,11 @@ def main(args: list[str] | None = None) -> None:
 
             tinker_serve(argv[1:])
             return
-        if argv[0] == "serve":  # the frame-protocol generation server (deprecated; docs/vllm.md)
-            from aitraining_pl.generation.servers.serve import main as serve
-            from aitraining_pl.generation.servers.served import TCP_RETIRES
+        if argv[0] == "serve":  # the frame-protocol generation server, removed: one line naming what replaces it
+            from aitraining_pl.generation.config import FRAME_PROTOCOL_GONE
 
-            print(f"aitraining-pl serve: {TCP_RETIRES}", file=sys.stderr, flush=True)
-            serve(argv[1:], argv[0])
-            return
+            print(f"aitraining-pl serve: {FRAME_PROTOCOL_GONE}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
         available_modules()  # imported: ``--model DPOModule`` resolves the short name
         build_cli(args)
     except Terminated as err:

@@ -199,14 +199,6 @@ def test_imports_respect_the_layers(path):
             assert target < COMPAT, f"{path.relative_to(PACKAGE)}:{line}: the core imports the compat layer ({name})"
 
 
-def test_nothing_in_the_package_imports_the_deprecated_vllm_backend():
-    """``vllm_backend`` only re-exports the generation side's old paths (for users, with a warning)."""
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if _component(path) != "vllm_backend":
-            for line, name in imports(path):
-                assert not name.startswith("aitraining_pl.vllm_backend"), f"{path.relative_to(PACKAGE)}:{line}"
-
-
 @pytest.mark.parametrize("path", sorted((PACKAGE / "losses").rglob("*.py")), ids=lambda p: p.name)
 def test_losses_are_pure_tensor_code(path):
     allowed = {"torch", "math", "typing", "dataclasses", "__future__", "collections", "functools", "aitraining_pl"}

@@ -8,8 +8,8 @@ Around each rollout the owner calls ``sync(policy, version)`` (make the policy's
 - ``policy``: the policy itself samples, in this process (``generation.hf.backend.HFBackend``: the KV-cache decoder of
   ``generation.hf.decoding``); nothing is pushed, and under FSDP2 ``sync`` gathers the full parameters for the rollout;
 - ``colocated``: a separate engine in this process holds its own copy of the weights (``generation.vllm.VLLMEngine``);
-- ``server``: another process samples (``generation.servers.client.VLLMServerClient`` talking to
-  ``aitraining-pl vllm-serve``).
+- ``server``: other processes sample (``generation.servers.fleet.Fleet``: one generation server or several, over
+  HTTP).
 
 The backends are named in ``generation.registry.BACKENDS`` (one ``"module:Class"`` line each, imported only when
 chosen) and built by ``generation.registry.build_backend``.

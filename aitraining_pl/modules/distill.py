@@ -24,8 +24,8 @@ The teacher is scored through a small interface, ``TeacherScorer`` (``token_logp
 token sequences; ``modules.teacher``), an object the module holds; ``LocalTeacher`` is the teacher in this process (its
 hidden states and head also give the full distribution). A served teacher (``teacher_server: {url: ...}``:
 ``servers.teacher.HTTPTeacher``, the prompt log-probs of a ``vllm serve --model <teacher>`` through its
-``/v1/completions``, or of the HF server with ``--teacher``; the deprecated ``{host, port}``: the frame protocol's
-``servers.client.ServedTeacher``) implements ``token_logprobs`` only, enough for ``mode: sampled``. The teacher is
+``/v1/completions``, or of the HF server with ``--teacher``) implements ``token_logprobs`` only, enough for
+``mode: sampled``. The teacher is
 held outside the module tree: checkpoints and exports never contain it. Its log-probs are checked before use, and
 its tokenizer (not its embedding's rows) is compared with the student's.
 """
@@ -124,9 +124,8 @@ class DistillationModule(CriticFreeModule):
             HTTP routes, a ``vllm serve --model <teacher>`` or the HF server with ``--teacher`` (defaults
             ``http://127.0.0.1:8000``, 240 s, the token as for ``generation.vllm.server_token_file``; docs/
             distillation.md); ``{launch: vllm | hf, devices, timeout}``: a server of ``teacher_model_name`` the
-            trainer starts (each scoring process its own, on GPUs ``devices``) and stops; ``{host, port, ...}``
-            instead of ``url``: the frame protocol of ``aitraining-pl serve --teacher`` (deprecated, for one
-            release). Otherwise ``teacher_model_name``, if given, only checks the tokenizer.
+            trainer starts (each scoring process its own, on GPUs ``devices``) and stops. Otherwise
+            ``teacher_model_name``, if given, only checks the tokenizer.
         mode: ``full`` (the generalized JSD over the full vocabulary, GKD) or ``sampled`` (per-token reward
             ``log p_teacher - log p_student`` of the sampled tokens, optimised with the online policy loss).
         beta: the generalized JSD's interpolation (TRL's ``beta``, not DPO's): 0 forward KL(teacher || student),

@@ -47,7 +47,6 @@ __all__ = [
 #: backends this package named before the registry became lazy: imported when first asked for
 _LAZY = {
     "VLLMEngine": "aitraining_pl.generation.vllm",
-    "VLLMServerClient": "aitraining_pl.generation.servers.client",
 }
 
 

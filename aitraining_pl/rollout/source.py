@@ -32,10 +32,9 @@ from aitraining_pl.generation.backend import BackendContext, GenerationBackend
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.generation.hf.backend import HFBackend
 from aitraining_pl.generation.registry import build_backend
-from aitraining_pl.generation.servers.fleet_launch import LaunchedFleet, build_fleet
-from aitraining_pl.generation.servers.launcher import LaunchedServer, connect_to
+from aitraining_pl.generation.servers.fleet import Fleet
+from aitraining_pl.generation.servers.launcher import LaunchedFleet
 from aitraining_pl.losses import place_scores
-from aitraining_pl.models.weights import policy_weights
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT
 from aitraining_pl.rollout.asynchronous import RolloutPipeline
 from aitraining_pl.rollout.batch import Rollout, RolloutBatch
@@ -68,7 +67,7 @@ class RolloutSource:
         self.missing_eos_penalty, self.reward_timeout = missing_eos_penalty, reward_timeout
         self.built: GenerationBackend | None = None  #: what samples the rollouts (built in ``setup``)
         #: the servers this process started (``server: launch``, ``server: {launch: ...}``)
-        self.launched: LaunchedServer | LaunchedFleet | None = None
+        self.launched: LaunchedFleet | None = None
         self.pipeline: RolloutPipeline | None = None  #: the asynchronous schedule (``max_staleness``)
         self.sampling_seed: torch.Generator | None = None  #: the seeds of an asynchronous job's sampling calls
         self.last_episodes = None  #: ``EpisodeInfo`` of the last episode rollout (multi-turn episodes only)
@@ -81,38 +80,28 @@ class RolloutSource:
     # ------------------------------------------------------------------ setup and teardown
     def setup(self, policy: torch.nn.Module, tokenizer: Any, rank: int, trainer: Any, seed: int, device: Any) -> None:
         """Build the generation backend (``registry.build_backend``: the policy itself, a colocated vLLM engine or
-        a generation server's client, or ``servers.fleet.build_fleet`` over several servers; one line naming the
+        the fleet of the running servers ``generation.server`` names, one server a fleet of one; one line naming the
         extra to install when vLLM is missing), on this ``rank`` of ``trainer`` (its ``strategy.broadcast``, devices,
-        precision and data module); rank 0 first launches the servers of ``server: launch`` / ``{launch: ...}``. It
-        gets the policy's weights before the first rollout (``sampling``), so a resumed run samples from the resumed
-        weights."""
+        precision and data module); rank 0 first launches the servers of ``server: launch`` / ``{launch: ...}``, which
+        every rank then connects to (``Fleet.connect``). It gets the policy's weights before the first rollout
+        (``sampling``), so a resumed run samples from the resumed weights."""
         if self.built is not None:
             return
         strategy = trainer.strategy
         run = strategy.broadcast(uuid.uuid4().hex)  # one id for the run's weight versions (servers)
-        generation, fleet = self.generation, self.generation.fleet()
-        if fleet is not None:  # several servers (or one URL): rank 0 starts those to launch, every rank connects
-            if fleet.launch is not None and rank == 0:
-                gpus = trainer.num_devices if strategy.root_device.type == "cuda" else 0
-                self.launched = LaunchedFleet(fleet.launch, generation, policy, tokenizer, seed, gpus)
-            launched = self.launched
-            endpoints = [(url, None) for url in fleet.urls or []]
-            if fleet.launch is not None:
-                endpoints = strategy.broadcast(launched.endpoints() if launched else None)
-        elif generation.server == "launch":  # rank 0 starts the server; every rank connects to it (one machine)
+        generation, fleet, endpoints = self.generation, self.generation.fleet(), None
+        if fleet is not None and fleet.launch is not None:  # rank 0 starts them; every rank connects (one machine)
             if rank == 0:
                 on_gpu = strategy.root_device.type == "cuda"  # read here, not from the policy (still on the CPU)
                 gpus = trainer.num_devices if on_gpu else 0
-                self.launched = LaunchedServer(generation, policy, tokenizer, seed, gpus)
-            server = self.launched
-            port, token = strategy.broadcast((server.port, str(server.token_file)) if server else None)
-            generation = connect_to(generation, port, token)
+                self.launched = LaunchedFleet(fleet.launch, generation, policy, tokenizer, seed, gpus)
+            endpoints = strategy.broadcast(self.launched.endpoints() if self.launched else None)
         datamodule = getattr(trainer, "datamodule", None)
         prompts = None if self.episodic else getattr(datamodule, "hparams", {}).get("max_prompt_length")
         context = BackendContext(policy, tokenizer, rank, run, seed, str(trainer.precision), prompts)
-        if fleet is not None:
-            backend = self.built = build_fleet(fleet, endpoints, generation, context, policy_weights)
-        else:
+        if endpoints is not None:
+            backend = self.built = Fleet.connect(fleet, endpoints, generation, context)
+        else:  # in this process, or running servers (``Fleet.from_context``)
             backend = self.built = build_backend(generation, context, device)
         if self.generation.pipelined:
             if backend.location != "server":

@@ -148,7 +148,7 @@ def test_a_server_killed_mid_run_stops_the_run_with_one_line(tmp_path):
     class KillServer(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, *args):
             if pl_module.pipeline.version == 1:
-                pl_module._launched[0].process.kill()
+                pl_module._launched[0].servers[0].process.kill()
 
     module, data = grpo({"server": "launch", "max_staleness": 1, "vllm": VLLMConfig(server_timeout=30)})
     with pytest.raises(GenerationServerError) as caught:

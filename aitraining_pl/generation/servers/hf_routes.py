@@ -352,8 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from aitraining_pl.generation.servers.auth import server_token, watch_parent
-    from aitraining_pl.generation.servers.hf_server import HFServerEngine
-    from aitraining_pl.generation.servers.serve import load_teacher, meta_model
+    from aitraining_pl.generation.servers.hf_server import HFServerEngine, load_teacher, meta_model
     from aitraining_pl.models.loading import context_length_of, load_tokenizer
 
     watch_parent()  # a launched server stops with its trainer, even while it is still being built

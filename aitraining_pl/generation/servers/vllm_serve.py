@@ -6,8 +6,7 @@ checkpoint weights), ``VLLM_SERVER_DEV_MODE=1`` and the run's token.
 ``$AITRAINING_PL_SERVER_TOKEN``, else the file ``--token_file``, else, on a loopback host, a new one written to an
 owner-only file named by the port (the trainer on this machine finds it there; its path is printed); a host other
 machines can reach needs one given. Every other option goes to vLLM unchanged (``--dtype``, ``--data-parallel-size``,
-``--enable-lora``, ...). The command line is printed, then this process becomes vLLM (``exec``). The frame-protocol
-server of earlier releases is ``aitraining-pl serve`` (deprecated).
+``--enable-lora``, ...). The command line is printed, then this process becomes vLLM (``exec``).
 
 ``--teacher``: a distillation teacher (``DistillationModule teacher_server: {url: ...}``): vLLM reads ``--model``'s own
 weights and takes no pushes (``start.SERVE_FLAGS``: the token middleware, no worker extension, no dev mode)."""
@@ -23,9 +22,7 @@ from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.config import EXTRA_CPU, EXTRA_GPU
 from aitraining_pl.generation.registry import vllm_available
 from aitraining_pl.generation.servers import auth
-from aitraining_pl.generation.servers.served import is_loopback
 from aitraining_pl.generation.servers.start import SERVE_FLAGS, VLLM_FLAGS
-from aitraining_pl.generation.servers.tcp_wire import token_path
 
 
 def parser() -> argparse.ArgumentParser:
@@ -47,8 +44,8 @@ def command(argv: list[str]) -> tuple[list[str], dict[str, str], str]:
         where = f"${auth.TOKEN_ENV}"
     elif args.token_file:
         env[auth.TOKEN_FILE_ENV] = where = os.path.abspath(args.token_file)
-    elif is_loopback(args.host):
-        path = auth.write_token(token_path(args.port), auth.new_token())
+    elif auth.is_loopback(args.host):
+        path = auth.write_token(auth.token_path(args.port), auth.new_token())
         env[auth.TOKEN_FILE_ENV] = where = str(path)
     else:
         raise ConfigError(

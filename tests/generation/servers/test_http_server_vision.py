@@ -12,11 +12,12 @@ from aitraining_pl.datamodules.colours import colour_rows
 from aitraining_pl.datamodules.prompt import encode_vision_prompt
 from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
 from aitraining_pl.generation.images import save_model_files
+from aitraining_pl.generation.servers.fleet import Fleet
 from aitraining_pl.generation.servers.http import HTTPReplica
-from aitraining_pl.generation.servers.served import ServedBackend
 from aitraining_pl.generation.servers.start import start
 from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.vision import VisionInputs, image_token_ids, load_processor, load_vision_lm, model_inputs
+from aitraining_pl.models.weights import policy_weights
 from aitraining_pl.rollout import RolloutEngine
 
 
@@ -27,7 +28,9 @@ def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf-vl-server")
     save_model_files(model, processor.tokenizer, folder)
     process = start("hf", folder, options=VLLMConfig(), dtype="float32", threads=1, timeout=120)
-    backend = ServedBackend(HTTPReplica(process.url, process.token), rank=0, run="run-vl", timeout=60)
+    backend = Fleet(
+        [HTTPReplica(process.url, process.token)], policy_weights, run="run-vl", connect_timeout=60, token_timeout=0.0
+    )
     try:
         backend.sync(model, 1)
         yield model, processor, backend

@@ -8,8 +8,7 @@ import time
 
 import pytest
 import torch
-from http_fixtures import saved_policy
-from server_fixtures import SPEC
+from http_fixtures import SPEC, saved_policy
 
 from aitraining_pl.generation.backend import SampleRequest, StopRule
 from aitraining_pl.generation.config import GenerationConfig

@@ -20,8 +20,7 @@ import httpx
 import pytest
 import torch
 import transformers
-from http_fixtures import lora_policy, saved_policy
-from server_fixtures import SPEC
+from http_fixtures import SPEC, lora_policy, saved_policy
 
 pytest.importorskip("vllm")
 
@@ -34,7 +33,7 @@ from aitraining_pl.generation.version import WeightsVersion  # noqa: E402
 from aitraining_pl.generation.vllm import VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GREEDY = GenerationConfig(max_new_tokens=8, do_sample=False)
 SAMPLED = GenerationConfig(max_new_tokens=8, temperature=1.0)
 OPTIONS = VLLMConfig(max_model_len=256, enforce_eager=True, cpu_kv_cache_gb=1)
@@ -167,12 +166,13 @@ def test_refused_pushes_keep_the_previous_weights_serving(launched):
 def test_lora_adapter_pushes_sample_as_merged_pushes(launched):
     """Issue 38, part 4: the base once, then the adapter alone (a vLLM dynamic LoRA adapter); the same greedy
     samples as a merged push."""
-    from aitraining_pl.generation.servers.served import ServedBackend
+    from aitraining_pl.generation.servers.fleet import Fleet
     from aitraining_pl.models.lora import plain_weights
+    from aitraining_pl.models.weights import policy_weights
 
     _, replica, policy = launched
     peft = lora_policy(policy)
-    backend = ServedBackend(replica, rank=0, run="run-a", timeout=120)
+    backend = Fleet([replica], policy_weights, run="run-a", connect_timeout=120, token_timeout=0.0)
     args = request(GREEDY)
     plain = backend.sample(
         SampleRequest(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2)

@@ -169,17 +169,18 @@ def _alive(pid: int) -> bool:
 
 def test_lora_adapter_pushes_sample_as_merged_pushes(server):
     """Issue 38, part 4: the base once, then the adapter alone; the same greedy samples as a merged push."""
-    from aitraining_pl.generation.servers.served import ServedBackend
+    from aitraining_pl.generation.servers.fleet import Fleet
     from aitraining_pl.models.lora import plain_weights
+    from aitraining_pl.models.weights import policy_weights
 
     _, replica, model = server
     peft = lora_policy(model)
-    backend = ServedBackend(replica, rank=0, run="run-a", timeout=60)
+    backend = Fleet([replica], policy_weights, run="run-a", connect_timeout=60, token_timeout=0.0)
     args = request(GREEDY)
     plain = backend.sample(
         SampleRequest(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2)
     ).response_ids
-    assert backend.sync(peft, 5) and backend.base_pushed
+    assert backend.sync(peft, 5) and backend.members[0].base_pushed
     adapted = backend.sample(
         SampleRequest(args.prompt_ids, args.prompt_mask, GREEDY, [1], StopRule(None), 0, 2)
     ).response_ids
@@ -198,7 +199,7 @@ def test_an_open_server_other_machines_reach_is_refused_unless_allowed(monkeypat
     import warnings
 
     from aitraining_pl.errors import ConfigError
-    from aitraining_pl.generation.servers import served
+    from aitraining_pl.generation.servers import auth
 
     class Open(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
@@ -210,15 +211,15 @@ def test_an_open_server_other_machines_reach_is_refused_unless_allowed(monkeypat
 
     server = http.server.HTTPServer(("127.0.0.1", 0), Open)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.setattr(served, "is_loopback", lambda host: False)  # as if on another machine
+    monkeypatch.setattr(auth, "is_loopback", lambda host: False)  # as if on another machine
     replica = HTTPReplica(f"http://127.0.0.1:{server.server_address[1]}", None)
     try:
         with pytest.raises(ConfigError, match="answers without a token and other machines can reach it"):
-            served.check_guarded(replica, allow=False)
+            auth.check_guarded(replica.url, allow=False)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            served.check_guarded(replica, allow=True)
-            served.check_guarded(replica, allow=True)
+            auth.check_guarded(replica.url, allow=True)
+            auth.check_guarded(replica.url, allow=True)
         assert len([w for w in caught if "takes requests without a token" in str(w.message)]) == 1
     finally:
         replica.close()
@@ -231,7 +232,6 @@ def test_vllm_serve_launches_vllms_own_server_with_the_flags_and_a_token(tmp_pat
     ``--teacher``: the checkpoint's own weights (no dummy load) and no worker extension (no pushes)."""
     from aitraining_pl.errors import ConfigError
     from aitraining_pl.generation.servers import auth
-    from aitraining_pl.generation.servers.served import find_token
     from aitraining_pl.generation.servers.vllm_serve import command
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
@@ -245,7 +245,7 @@ def test_vllm_serve_launches_vllms_own_server_with_the_flags_and_a_token(tmp_pat
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env[auth.TOKEN_FILE_ENV] == where
     assert stat.S_IMODE(os.stat(where).st_mode) == 0o600
     token = open(where).read()
-    assert find_token(VLLMConfig(server_port=8123)) == token  # the trainer on this machine finds it
+    assert auth.find_token(VLLMConfig(server_port=8123)) == token  # the trainer on this machine finds it
     with pytest.raises(ConfigError, match="--host 0.0.0.0: a server other machines can reach needs the run's token"):
         command(["--model", "m", "--host", "0.0.0.0"])
     teacher, teacher_env, _ = command(["--model", "t", "--port", "8124", "--teacher", "--dtype", "bfloat16"])

@@ -103,16 +103,19 @@ def served(policy, tmp_path_factory):
     """A ``vllm serve`` launched as ``generation.server: launch`` starts one (dummy weights, the token middleware,
     the tokens-in route) for the policy's folder, and the policy's weights pushed to it."""
     from aitraining_pl.generation.images import save_model_files
+    from aitraining_pl.generation.servers.fleet import Fleet
     from aitraining_pl.generation.servers.http import HTTPReplica
-    from aitraining_pl.generation.servers.served import ServedBackend
     from aitraining_pl.generation.servers.start import start
+    from aitraining_pl.models.weights import policy_weights
 
     model, processor = policy
     folder = tmp_path_factory.mktemp("vl-serve")
     save_model_files(model, processor.tokenizer, folder)
     options = VLLMConfig(max_model_len=128, enforce_eager=True, cpu_kv_cache_gb=1)
     server = start("vllm", folder, options=options, dtype="float32", threads=1, timeout=300)
-    backend = ServedBackend(HTTPReplica(server.url, server.token), rank=0, run="run-vl", timeout=120)
+    backend = Fleet(
+        [HTTPReplica(server.url, server.token)], policy_weights, run="run-vl", connect_timeout=120, token_timeout=0.0
+    )
     try:
         backend.sync(model, 1)
         yield backend

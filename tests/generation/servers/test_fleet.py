@@ -140,6 +140,17 @@ def test_a_killed_server_s_requests_are_resent_and_the_run_goes_on():
     assert other.served[-1][0] == len(ROWS)
 
 
+def test_another_rank_asks_for_the_version_rank_0_pushed():
+    """The asynchronous pipeline pushes from rank 0 only: another rank's fleet, which walked no push, names the
+    version and its requests go to the servers up (which hold them until rank 0's push arrives)."""
+    shared = StandInReplica("standin://shared")
+    fleet_of(shared)  # rank 0: pushes step 0
+    other = Fleet([shared], weights=lambda policy: iter(WEIGHTS), rank=1, run="run")
+    other.version = "run:0"
+    out = sample(other, ROWS)
+    assert out.token_versions.eq(0).all() and shared.served[-1][1] == WeightsVersion("run", 0)
+
+
 def test_a_restarted_server_rejoins_at_the_next_push():
     back, other = StandInReplica("standin://back"), StandInReplica("standin://other")
     fleet = fleet_of(back, other)
@@ -205,7 +216,15 @@ def test_a_bad_server_option_is_one_line_naming_it(server, message):
 
 
 def test_the_forms_of_server():
-    assert GenerationConfig(server="connect").fleet() is None and GenerationConfig(server="launch").fleet() is None
+    """Every form of ``generation.server`` is a fleet; one server a fleet of one, whose requests keep
+    ``vllm.server_timeout`` as their deadline (nowhere else to send them); ``none`` samples in this process."""
+    assert GenerationConfig().fleet() is None
+    connect = GenerationConfig(server="connect", vllm={"server_port": 8123, "server_timeout": 90}).fleet()
+    assert connect.urls == ["http://127.0.0.1:8123"] and (connect.connect_timeout, connect.token_timeout) == (90, 0)
+    assert GenerationConfig(backend="vllm", vllm={"mode": "server"}).fleet().urls == ["http://127.0.0.1:8000"]
+    one = GenerationConfig(server="launch", backend="vllm", server_devices=[1, 2]).fleet().launch
+    assert (one.count, one.engine, one.devices) == (1, "vllm", ["1,2"])
+    assert GenerationConfig(server="launch").fleet().launch.engine == "hf"
     assert GenerationConfig(server="http://127.0.0.1:8000").fleet().urls == ["http://127.0.0.1:8000"]
     launch = GenerationConfig(server={"launch": {"count": 2, "devices": ["0", "1"]}})
     launch.validate()
