@@ -38,6 +38,7 @@ from aitraining_pl.models.packing import (  # noqa: F401 - the packing helpers, 
     prompt_lengths,
     supports_packing,
 )
+from aitraining_pl.models.sequence_parallel import active_group, sequence_parallel_scores
 from aitraining_pl.models.sharding import as_forward
 from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.training import eval_mode
@@ -142,7 +143,12 @@ def _scores(
 ) -> TokenScores:
     """Scores along ``path``: entry [b, t] of (B, L - 1) is for token t + 1 where ``scored[b, t]``, else 0."""
     decoder, head, config = _decoder_and_head(model)
-    if path == "packed":
+    split = path == "packed" and active_group() is not None  # the row split over the sequence-parallel group
+    if split:
+        score_head = lambda h, t: _head_scores(head, config, h, t, temperature, with_entropy)  # noqa: E731
+        token, hidden = sequence_parallel_scores(decoder, config, packed, score_head, with_hidden)
+        rows, cols = packed.sequences, packed.columns - 1
+    elif path == "packed":
         with packed_attention(config, packed.plan):
             hidden = decoder(
                 input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, packed_plan=packed.plan
@@ -160,7 +166,7 @@ def _scores(
             out = model(**kwargs, output_hidden_states=with_hidden)
             hidden = out.hidden_states[-1][rows, cols] if with_hidden else None
             token = _logits_scores(out.logits[rows, cols], targets, temperature, with_entropy)
-    if path != "forward":
+    if path != "forward" and not split:
         token = _head_scores(head, config, hidden, targets, temperature, with_entropy)
     place = lambda values: values.new_zeros(scored.shape).index_put((rows, cols), values)  # noqa: E731
     entropy = place(token.entropy) if with_entropy else None
@@ -271,6 +277,8 @@ def token_scores(
         ``TokenScores``: (B, L - 1) entries [b, t] for token t + 1 where ``scored[b, t + 1]``, else 0.
     """
     path = scoring_path(model)
+    if packed is None and path.packed and attention_mask is not None and active_group() is not None:
+        packed = _packed_rows(input_ids, attention_mask, scored)  # split over the sequence-parallel group
     name = "packed" if packed is not None and path.packed else "head" if path.head else "forward"
     return _run(
         model,
@@ -284,6 +292,18 @@ def token_scores(
         with_entropy,
         with_hidden,
     )
+
+
+def _packed_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor) -> PackedBatch | None:
+    """The rows packed one block each (``pack_rows``) where each row's real tokens are one run and every scored
+    token follows a real one, else None (the rows then run padded, whole on every rank)."""
+    real = attention_mask.bool()
+    column = torch.arange(real.shape[1], device=real.device)
+    first, count = real.long().argmax(1, keepdim=True), real.sum(1, keepdim=True)
+    one_run = torch.equal(real, (column >= first) & (column < first + count))
+    if not one_run or not bool((real[:, :-1] | ~scored.bool()[:, 1:]).all()):
+        return None
+    return pack_rows({"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": scored})
 
 
 def token_logps(

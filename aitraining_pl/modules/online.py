@@ -33,6 +33,7 @@ from aitraining_pl.generation.config import check_server
 from aitraining_pl.generation.servers.fleet import Fleet
 from aitraining_pl.losses import group_statistics, off_policy_log_ratio, off_policy_weights
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
+from aitraining_pl.models.sequence_parallel import OPTION, from_group_leader, group_size
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
 from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions, moved_correction
@@ -185,6 +186,8 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
         the asynchronous pipeline) for this process's rank."""
         seed = int(self.hparam("seed", 0))
         self.source.setup(self.policy, self.tokenizer, self.global_rank, self.trainer, seed, self.device)
+        if self.pipeline is not None and group_size() > 1:  # its worker thread would run the group's collectives
+            raise ConfigError(OPTION, "sequence parallelism runs synchronous rollouts (generation.max_staleness 0)")
 
     @property
     def backend(self) -> GenerationBackend:
@@ -288,7 +291,8 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
         pipeline = self.pipeline
         if pipeline is not None and not pipeline.in_worker():
             return pipeline.now(lambda seed: self.seeded(seed, self.rollout, batch, samples))
-        return self.source.rollout(self.policy, self.tokenizer, self.global_step, batch, samples, self.generate)
+        rollout = self.source.rollout(self.policy, self.tokenizer, self.global_step, batch, samples, self.generate)
+        return from_group_leader(rollout, self.device)  # the ranks splitting its rows score one rollout
 
     # ------------------------------------------------------------------ log-prob passes
     @property
