@@ -2,7 +2,8 @@
 with its choices, then in each choice as many log-probs as tokens, at most ``max_new_tokens`` tokens, token ids in
 the policy's vocabulary, log-probs finite and at most 0 (``LOGPROB_SLACK`` for float rounding), and weights steps no
 older than the version asked for. Anything else is ``BadAnswer`` (a ``ReplicaDown``: one line naming the server, and
-in a fleet the request goes to another server, as for a dead one)."""
+in a fleet the request goes to another server, as for a dead one). Also the rows of a completion answer
+(``choice_tokens``) and their ``SampledTokens`` (``padded_samples``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from aitraining_pl.generation.servers.replica import ReplicaDown
+from aitraining_pl.models.generation import SampledTokens
 
 #: how far above 0 a log-prob may come back (float rounding of a log-softmax)
 LOGPROB_SLACK = 1e-4
@@ -74,3 +78,29 @@ def vocab_of(policy: Any) -> int | None:
         return int(head.weight.shape[0])
     except (AttributeError, TypeError, IndexError):
         return None
+
+
+def choice_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float], list[int] | None]:
+    """The token ids, log-probs and (from the HF server, whose pushes may land mid-response) the weights step of
+    each token of one completion choice (``token_id:<id>`` tokens)."""
+    logprobs = choice.get("logprobs") or {}
+    tokens = [int(str(t).rpartition(":")[2]) for t in logprobs.get("tokens") or []]
+    values = [float(v) if v is not None else 0.0 for v in logprobs.get("token_logprobs") or []]
+    versions = choice.get("token_versions")
+    return tokens, values, versions if isinstance(versions, list) else None
+
+
+def padded_samples(rows: Sequence[tuple[list[int], list[float], list[int] | None]], pad_token_id: int) -> SampledTokens:
+    """``rows`` of (ids, log-probs, steps) as ``SampledTokens`` right padded with ``pad_token_id`` (log-probs 0 and
+    steps -1 there; ``token_versions`` only when every row has its steps)."""
+    length = max((len(ids) for ids, _, _ in rows), default=0)
+    ids = torch.full((len(rows), length), int(pad_token_id), dtype=torch.long)
+    logps = torch.zeros(len(rows), length)
+    steps = torch.full((len(rows), length), -1, dtype=torch.long)
+    for row, (tokens, values, versions) in enumerate(rows):
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        logps[row, : len(tokens)] = torch.tensor(values, dtype=torch.float32)
+        if versions is not None:
+            steps[row, : len(versions)] = torch.tensor(versions, dtype=torch.long)
+    known = bool(rows) and all(versions is not None for _, _, versions in rows)
+    return SampledTokens(ids, sampling_logprobs=logps, token_versions=steps if known else None)

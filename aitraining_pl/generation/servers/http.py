@@ -40,7 +40,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,13 @@ import torch
 from aitraining_pl.errors import GenerationServerError
 from aitraining_pl.generation.images import check_expanded, generate_body, generate_choices
 from aitraining_pl.generation.servers.adapters import AdapterWeights, write_adapter
-from aitraining_pl.generation.servers.answers import BadAnswer, answer_object, checked_rows
+from aitraining_pl.generation.servers.answers import (
+    BadAnswer,
+    answer_object,
+    checked_rows,
+    choice_tokens,
+    padded_samples,
+)
 from aitraining_pl.generation.servers.replica import PushReport, ReplicaDown, ReplicaStats
 from aitraining_pl.generation.servers.vllm_worker import PUSH_PREFIX
 from aitraining_pl.generation.version import WeightsVersion
@@ -93,32 +99,6 @@ def completion_body(model: str, prompt: list, request: Any, n: int, seed: int | 
     if seed is not None:
         body["seed"] = int(seed)
     return body
-
-
-def choice_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float], list[int] | None]:
-    """The token ids, log-probs and (from the HF server, whose pushes may land mid-response) the weights step of
-    each token of one completion choice (``token_id:<id>`` tokens)."""
-    logprobs = choice.get("logprobs") or {}
-    tokens = [int(str(t).rpartition(":")[2]) for t in logprobs.get("tokens") or []]
-    values = [float(v) if v is not None else 0.0 for v in logprobs.get("token_logprobs") or []]
-    versions = choice.get("token_versions")
-    return tokens, values, versions if isinstance(versions, list) else None
-
-
-def padded_samples(rows: Sequence[tuple[list[int], list[float], list[int] | None]], pad_token_id: int) -> SampledTokens:
-    """``rows`` of (ids, log-probs, steps) as ``SampledTokens`` right padded with ``pad_token_id`` (log-probs 0 and
-    steps -1 there; ``token_versions`` only when every row has its steps)."""
-    length = max((len(ids) for ids, _, _ in rows), default=0)
-    ids = torch.full((len(rows), length), int(pad_token_id), dtype=torch.long)
-    logps = torch.zeros(len(rows), length)
-    steps = torch.full((len(rows), length), -1, dtype=torch.long)
-    for row, (tokens, values, versions) in enumerate(rows):
-        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        logps[row, : len(tokens)] = torch.tensor(values, dtype=torch.float32)
-        if versions is not None:
-            steps[row, : len(versions)] = torch.tensor(versions, dtype=torch.long)
-    known = bool(rows) and all(versions is not None for _, _, versions in rows)
-    return SampledTokens(ids, sampling_logprobs=logps, token_versions=steps if known else None)
 
 
 class HTTPReplica:
