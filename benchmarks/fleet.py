@@ -51,10 +51,9 @@ def simulated(servers: int, args: argparse.Namespace) -> dict:
     import torch
     from standin import StandInReplica
 
-    from aitraining_pl.generation.backend import SampleRequest
+    from aitraining_pl.generation.backend import SampleRequest, StopRule
     from aitraining_pl.generation.config import GenerationConfig
     from aitraining_pl.generation.servers.fleet import Fleet
-    from aitraining_pl.models.generation import StopRule
     from aitraining_pl.models.loading import build_causal_lm
     from aitraining_pl.models.weights import policy_weights
     from aitraining_pl.rollout.asynchronous import RolloutPipeline

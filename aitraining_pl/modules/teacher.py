@@ -17,6 +17,7 @@ import torch
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
 from aitraining_pl.losses import positions_from_mask
+from aitraining_pl.models.lora import base_model
 from aitraining_pl.models.rollout_scoring import response_logps
 from aitraining_pl.models.sharding import as_forward
 from aitraining_pl.models.training import eval_mode
@@ -38,11 +39,6 @@ class TeacherScorer(Protocol):
         ...
 
 
-def language_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside a ``peft`` wrapper (LoRA layers included), or ``model``."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def response_hidden(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, mask,
     vision: Any = None,
@@ -51,7 +47,7 @@ def response_hidden(
     no LM head (the distillation loss runs both heads fused). Positions as ``generate`` counts left-padded rows.
     ``vision``: the rows' images (``models.vision.VisionInputs``) for a VL model, whose base model (vision encoder,
     projector, language model) runs with them."""
-    lm = language_model(model)
+    lm = base_model(model)
 
     def run() -> torch.Tensor:
         if vision is not None:
@@ -91,7 +87,7 @@ class LocalTeacher:
 
     def rows(self) -> int:
         """Rows of the teacher's output embedding (its vocabulary, padding rows included)."""
-        return int(language_model(self.model).get_output_embeddings().weight.shape[0])
+        return int(base_model(self.model).get_output_embeddings().weight.shape[0])
 
     @property
     def sees_images(self) -> bool:

@@ -2,7 +2,13 @@
 that samples (``generation.registry.build_backend``: the policy itself, a colocated vLLM engine or a generation
 server's client), a server it launched (``generation.server: launch``), the asynchronous pipeline
 (``max_staleness`` >= 1) and the reward source that scores. A module sets it up and tears it down with itself, and
-asks it to ``generate``, ``score`` and ``rollout``; the module keeps only orchestration (the update, the metrics).
+asks it to ``generate``, ``score`` and ``rollout`` (asynchronously: ``step_with``); the module keeps only
+orchestration (the update, the metrics).
+
+A rollout goes one way: module -> source -> engine -> backend. ``rollout`` samples through ``generate`` (the rollout
+engine, ``RolloutEngine.sample``, which asks the backend, ``GenerationBackend.sample``) and scores; in asynchronous
+training the source itself moves the call onto the pipeline's worker (``now``, ``step_with``). Nothing here calls
+back into the module.
 
 The policy, tokenizer and optimizer step are the module's: they are given at each call, never kept, so the source
 holds no reference to the module (nothing of it is pickled with the module's state or moved with its device).
@@ -22,8 +28,9 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
+from aitraining_pl.generation.backend import BackendContext, GenerationBackend
 from aitraining_pl.generation.config import GenerationConfig
+from aitraining_pl.generation.hf.backend import HFBackend
 from aitraining_pl.generation.registry import build_backend
 from aitraining_pl.generation.servers.fleet import Fleet
 from aitraining_pl.generation.servers.launcher import LaunchedFleet
@@ -164,8 +171,13 @@ class RolloutSource:
         num_samples: int = 1,
         vision: Any = None,
     ) -> Rollout:
-        """``num_samples`` responses per left-padded prompt by ``policy`` at ``step`` (``sampling``); ``vision``: a
-        VL model's prompt images (``models.vision.VisionInputs``)."""
+        """``num_samples`` responses per left-padded prompt by ``policy`` at ``step`` (``sampling``): the rollout
+        engine (``generation``, or ``config``) samples through the backend; ``vision``: a VL model's prompt images
+        (``models.vision.VisionInputs``). In asynchronous training, on the pipeline's worker with the current weights
+        (``now``)."""
+        return self.now(self._generate, policy, tokenizer, step, prompt_ids, prompt_mask, config, num_samples, vision)
+
+    def _generate(self, policy, tokenizer, step, prompt_ids, prompt_mask, config, num_samples, vision) -> Rollout:
         engine = self.engine(policy, tokenizer, config)
         with self.sampling(policy, step):
             return engine.sample(policy, prompt_ids, prompt_mask, num_samples, vision=vision)
@@ -178,6 +190,35 @@ class RolloutSource:
         finally:
             self.sampling_seed = None
 
+    def now(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` (one of this source's sampling methods); in asynchronous training on the pipeline's worker,
+        with the current weights and a seed of the pipeline's (``RolloutPipeline.now``)."""
+        pipeline = self.pipeline
+        if pipeline is None or pipeline.in_worker():
+            return fn(*args)
+        return pipeline.now(lambda seed: self.seeded(seed, fn, *args))
+
+    def step_with(
+        self,
+        policy: torch.nn.Module,
+        tokenizer: Any,
+        step: int,
+        batch: dict[str, Any],
+        samples: int,
+        given: RolloutBatch | None = None,
+    ) -> Any:
+        """One asynchronous training step (``RolloutPipeline.step_with``): submit the rollouts of ``batch``
+        (``samples`` per prompt, sampled and scored on the worker, seeded by the pipeline; ``given``: rows the module
+        trains on instead, queued in the same order) and return those of ``lag`` steps ago, or None in the
+        warm-up."""
+
+        def job(batch: dict[str, Any], seed: int) -> RolloutBatch:
+            if given is not None:
+                return given
+            return self.seeded(seed, self._rollout, policy, tokenizer, step, batch, samples)
+
+        return self.pipeline.step_with(batch, job)
+
     # ------------------------------------------------------------------ scoring
     def score(self, prompts: list[str], metadata: list[dict], rollout: Rollout):
         """Scores (N,) from the reward source, minus ``missing_eos_penalty`` where a response did not end; and the
@@ -187,23 +228,19 @@ class RolloutSource:
         )
 
     def rollout(
-        self,
-        policy: torch.nn.Module,
-        tokenizer: Any,
-        step: int,
-        batch: dict[str, Any],
-        samples: int,
-        generate: Callable[..., Rollout] | None = None,
+        self, policy: torch.nn.Module, tokenizer: Any, step: int, batch: dict[str, Any], samples: int
     ) -> RolloutBatch:
-        """Sample ``samples`` responses per prompt of ``batch`` by ``policy`` at ``step`` and score them, or play
-        that many episodes. ``generate(prompt_ids, prompt_mask, num_samples=...)``: what samples (default
-        ``generate`` with ``policy``; a module gives its own, which a subclass may extend)."""
+        """Sample ``samples`` responses per prompt of ``batch`` by ``policy`` at ``step`` (``generate``) and score
+        them, or play that many episodes; in asynchronous training, on the pipeline's worker with the current weights
+        (``now``)."""
+        return self.now(self._rollout, policy, tokenizer, step, batch, samples)
+
+    def _rollout(self, policy, tokenizer, step: int, batch: dict[str, Any], samples: int) -> RolloutBatch:
         if self.episodic:
             return self.episode_rollout(policy, tokenizer, step, batch, samples)
-        generate = generate or functools.partial(self.generate, policy, tokenizer, step)
         vision = batch.get("vision")  # a VL model's prompt images (``datamodules.vision``)
-        extra = {} if vision is None else {"vision": vision}
-        rollout = generate(batch["input_ids"], batch["attention_mask"], num_samples=samples, **extra)
+        rollout = self._generate(policy, tokenizer, step, batch["input_ids"], batch["attention_mask"], None, samples,
+                                 vision)  # fmt: skip
         scores, components = self.score(batch["prompts"], batch["metadata"], rollout)
         rows = {} if vision is None else {"vision": vision.for_rows(rollout.group)}
         return RolloutBatch.from_rollout(rollout, scores, components, **rows)

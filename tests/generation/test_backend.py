@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import TINY_LLAMA
 
-from aitraining_pl.generation.backend import GenerationBackend, HFBackend
+from aitraining_pl.generation.backend import GenerationBackend, SampledTokens
 from aitraining_pl.generation.config import GenerationConfig
+from aitraining_pl.generation.hf.backend import HFBackend
 from aitraining_pl.generation.registry import BACKEND_NAMES, BACKENDS, backend_class, resolve_backend
-from aitraining_pl.models.generation import SampledTokens
 from aitraining_pl.validation import HyperparameterError
 
 PROTOCOL = ("sample", "sync", "sleep", "close", "location", "from_context")
@@ -72,6 +72,9 @@ class FixedBackend:
 
     def close(self):
         self.closed = True
+
+    def stats(self):
+        return {}
 
 
 def test_a_new_backend_is_one_class_and_one_registry_line(monkeypatch, tmp_path):

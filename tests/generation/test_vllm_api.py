@@ -21,9 +21,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from conftest import TINY_LLAMA  # noqa: E402
 
 from aitraining_pl.generation.config import VLLMConfig  # noqa: E402
+from aitraining_pl.generation.hf.generate import StopRule  # noqa: E402
 from aitraining_pl.generation.vllm import VLLMEngine  # noqa: E402
 from aitraining_pl.models import build_causal_lm, load_tokenizer  # noqa: E402
-from aitraining_pl.models.generation import StopRule  # noqa: E402
 from aitraining_pl.rollout import GenerationConfig  # noqa: E402
 
 pytestmark = pytest.mark.vllm

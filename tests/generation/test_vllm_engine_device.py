@@ -16,11 +16,10 @@ import torch
 from conftest import TINY_LLAMA, quiet_trainer
 
 from aitraining_pl.datamodules import PromptDataModule
-from aitraining_pl.generation.backend import BackendContext, SampleRequest
+from aitraining_pl.generation.backend import BackendContext, SampleRequest, StopRule
 from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
 from aitraining_pl.generation.vllm import VLLMEngine
 from aitraining_pl.models import build_causal_lm, load_tokenizer
-from aitraining_pl.models.generation import StopRule
 
 POLICY = {**TINY_LLAMA, "hidden_size": 64, "num_attention_heads": 2}
 

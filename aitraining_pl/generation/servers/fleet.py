@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import GenerationServerError
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampledTokens, SampleRequest
 from aitraining_pl.generation.servers.adapters import adapter_weights, supported
 from aitraining_pl.generation.servers.answers import vocab_of
 from aitraining_pl.generation.servers.auth import check_guarded, find_token
@@ -56,7 +56,6 @@ from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.replica import PushReport, Replica, ReplicaDown
 from aitraining_pl.generation.servers.routing import Gate, Member, PrefixAffinity, ReplicaRequest, joined, part
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens
 from aitraining_pl.models.lora import is_peft_model, plain_weights
 from aitraining_pl.models.sharding import is_sharded
 from aitraining_pl.models.weights import policy_weights

@@ -49,14 +49,13 @@ if __name__ == "__main__":  # a launched server: its trainer's death stops it fr
 import torch  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
-from aitraining_pl.generation.backend import SampleRequest  # noqa: E402
+from aitraining_pl.generation.backend import SampleRequest, StopRule  # noqa: E402
 from aitraining_pl.generation.config import GenerationConfig  # noqa: E402
 from aitraining_pl.generation.servers import limits  # noqa: E402
 from aitraining_pl.generation.servers.adapters import merged  # noqa: E402
 from aitraining_pl.generation.servers.auth import TokenMiddleware  # noqa: E402
 from aitraining_pl.generation.servers.checks import PushGuard, PushRefused, WeightSpecs  # noqa: E402
 from aitraining_pl.generation.servers.vllm_worker import load_checked, push_file  # noqa: E402
-from aitraining_pl.models.generation import StopRule  # noqa: E402
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 

@@ -7,7 +7,7 @@ the GPU when there is one, else the CPU, by transformers' own ``init_weights``, 
 checkpoint carries, such as rotary frequencies, and ties the tied weights). Its weights come only from the
 trainer's pushes (``load``), by the names ``checks.WeightSpecs`` checks (the ``state_dict``'s, tied ones included).
 
-**Sampling** is ``generation.backend.HFBackend``'s: ``models.decoding``'s prefill and sampling loop with
+**Sampling** is ``generation.hf.backend.HFBackend``'s: ``generation.hf.decoding``'s prefill and sampling loop with
 ``hf_generation_config(..., with_logprobs=True)`` (``generate`` where the model has no plain cache or
 ``drop_ended`` is off), a request's ``seed`` in a forked RNG (the same tokens as ``HFBackend.sample`` with that
 seed), an unseeded request a seed drawn from the engine's own generator (``--seed``). The answer's
@@ -35,11 +35,11 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampledTokens, SampleRequest
+from aitraining_pl.generation.hf.decoding import Forward, prefill, sample_responses, sample_steps
+from aitraining_pl.generation.hf.generate import hf_generation_config
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.losses import positions_from_mask, selective_log_softmax
-from aitraining_pl.models.decoding import Forward, prefill, sample_responses, sample_steps
-from aitraining_pl.models.generation import SampledTokens, hf_generation_config
 from aitraining_pl.models.loading import build_causal_lm, from_pretrained, one_line, resolve_dtype
 from aitraining_pl.models.presets import MODEL_PRESETS
 from aitraining_pl.models.rollout_scoring import response_logps
@@ -251,9 +251,9 @@ class HFServerEngine:
 
     @torch.no_grad()
     def sample_images(self, request: SampleRequest, vision: Any) -> SampledTokens:
-        """A VL model's samples of prompts with their images (``models.vision_decoding``; ``vision``: the prompts'
-        ``VisionInputs``), by the held weights on every token (a push staged meanwhile waits for the end)."""
-        from aitraining_pl.models.vision_decoding import sample_with_images
+        """A VL model's samples of prompts with their images (``generation.hf.vision_decoding``; ``vision``: the
+        prompts' ``VisionInputs``), by the held weights on every token (a push staged meanwhile waits for the end)."""
+        from aitraining_pl.generation.hf.vision_decoding import sample_with_images
 
         ids, mask = request.prompt_ids.to(self.device), request.prompt_mask.to(self.device)
         sampled = sample_with_images(self.model, ids, mask, vision, request.generation, list(request.end_ids),

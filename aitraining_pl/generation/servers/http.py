@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.backend import SampledTokens
 from aitraining_pl.generation.images import check_expanded, generate_body, generate_choices
 from aitraining_pl.generation.servers.adapters import AdapterWeights, write_adapter
 from aitraining_pl.generation.servers.answers import (
@@ -60,7 +61,6 @@ from aitraining_pl.generation.servers.answers import (
 from aitraining_pl.generation.servers.replica import PushReport, ReplicaDown, ReplicaStats
 from aitraining_pl.generation.servers.vllm_worker import PUSH_PREFIX
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens
 
 #: seconds to open a connection (apart from a request's deadline, which scales with its tokens)
 CONNECT_TIMEOUT = 10.0

@@ -15,10 +15,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampledTokens, SampleRequest
 from aitraining_pl.generation.servers.replica import Replica
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens
 
 
 @dataclasses.dataclass

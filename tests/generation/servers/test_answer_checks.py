@@ -15,7 +15,7 @@ import pytest
 import torch
 from standin import StandInReplica
 
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampleRequest, StopRule
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.generation.servers.answers import BadAnswer
 from aitraining_pl.generation.servers.fleet import Fleet
@@ -23,7 +23,6 @@ from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.replica import ReplicaDown
 from aitraining_pl.generation.servers.routing import ReplicaRequest
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import StopRule
 
 GOOD = {"tokens": ["token_id:3", "token_id:4"], "token_logprobs": [-0.5, -1.0]}
 

@@ -13,12 +13,11 @@ import torch
 from standin import StandInReplica, tokens_for
 
 from aitraining_pl.errors import GenerationServerError
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampleRequest, StopRule
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.generation.servers.fleet import Fleet
 from aitraining_pl.generation.servers.routing import MIN_PREFIX_TOKENS, PrefixAffinity
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import StopRule
 
 WEIGHTS = [("w", torch.zeros(4))]
 

@@ -10,12 +10,11 @@ import pytest
 import torch
 from http_fixtures import SPEC, saved_policy
 
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampleRequest, StopRule
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.generation.servers.hf_routes import Batcher
 from aitraining_pl.generation.servers.hf_server import HFServerEngine
 from aitraining_pl.models import build_causal_lm
-from aitraining_pl.models.generation import StopRule
 
 SAMPLED = GenerationConfig(max_new_tokens=12, temperature=1.0)
 

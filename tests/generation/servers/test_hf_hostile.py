@@ -22,13 +22,12 @@ import pytest
 import torch
 from http_fixtures import SPEC, saved_policy
 
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampleRequest, StopRule
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.generation.servers.auth import FOLDER_ENV, PARENT_ENV
 from aitraining_pl.generation.servers.http import SHARED_MEMORY, HTTPReplica
 from aitraining_pl.generation.servers.vllm_worker import PUSH_PREFIX
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import StopRule
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "hostile-token"

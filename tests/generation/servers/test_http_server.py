@@ -21,13 +21,13 @@ import torch
 from http_fixtures import lora_policy, saved_policy
 
 from aitraining_pl.errors import GenerationServerError
-from aitraining_pl.generation.backend import HFBackend, SampleRequest
+from aitraining_pl.generation.backend import SampleRequest, StopRule
 from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
+from aitraining_pl.generation.hf.backend import HFBackend
 from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.replica import Replica, ReplicaDown
 from aitraining_pl.generation.servers.start import start
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import StopRule
 
 GREEDY = GenerationConfig(max_new_tokens=8, do_sample=False)
 SAMPLED = GenerationConfig(max_new_tokens=8, temperature=1.0)

@@ -9,15 +9,14 @@ import pytest
 import torch
 
 from aitraining_pl.datamodules.colours import colour_rows
-from aitraining_pl.datamodules.vision import encode_vision_prompt
+from aitraining_pl.datamodules.prompt import encode_vision_prompt
 from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
 from aitraining_pl.generation.images import save_model_files
 from aitraining_pl.generation.servers.fleet import Fleet
 from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.start import start
 from aitraining_pl.models.tokens import padded
-from aitraining_pl.models.vision import VisionInputs, load_processor, load_vision_lm, model_inputs
-from aitraining_pl.models.vision_decoding import image_token_ids
+from aitraining_pl.models.vision import VisionInputs, image_token_ids, load_processor, load_vision_lm, model_inputs
 from aitraining_pl.models.weights import policy_weights
 from aitraining_pl.rollout import RolloutEngine
 

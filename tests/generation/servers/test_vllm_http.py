@@ -27,10 +27,10 @@ pytest.importorskip("vllm")
 from aitraining_pl.errors import GenerationServerError  # noqa: E402
 from aitraining_pl.generation.backend import SampleRequest  # noqa: E402
 from aitraining_pl.generation.config import GenerationConfig, VLLMConfig  # noqa: E402
+from aitraining_pl.generation.hf.generate import StopRule  # noqa: E402
 from aitraining_pl.generation.servers.http import HTTPReplica  # noqa: E402
 from aitraining_pl.generation.version import WeightsVersion  # noqa: E402
 from aitraining_pl.generation.vllm import VLLMEngine  # noqa: E402
-from aitraining_pl.models.generation import StopRule  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[3]

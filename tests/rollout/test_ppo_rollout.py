@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from aitraining_pl.generation.backend import StopRule
 from aitraining_pl.losses import place_scores, token_rewards
 from aitraining_pl.losses import positions_from_mask as position_ids_from_mask
-from aitraining_pl.models.generation import StopRule
 from aitraining_pl.rewards import (
     RewardError,
     WeightedRewards,

@@ -1,4 +1,4 @@
-"""The fixed asynchronous schedule (``modules.async_rollout.RolloutPipeline``, issue 31) against a stand-in server
+"""The fixed asynchronous schedule (``rollout.asynchronous.RolloutPipeline``, issue 31) against a stand-in server
 client: the staleness bound, the push order, the warm-up, a slow generator, checkpoints and faults. No model: the
 policy is one linear layer whose weight says its version."""
 

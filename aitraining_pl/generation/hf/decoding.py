@@ -17,13 +17,13 @@ the random stream. Each full-attention layer's keys and values live in a buffer 
 (``_PreallocatedLayer``): a step writes one position instead of copying the cache to append it.
 
 The loop itself (``sample_steps``: warp, draw, end or stop, drop ended rows) is the one both decoders run: the
-episode decoder (``models.episode_decoding``) passes a ``park`` hook that keeps the cache of each row that ended its
-turn, to resume it after the environment's reply.
+episode decoder (``generation.hf.episode_decoding``) passes a ``park`` hook that keeps the cache of each row that
+ended its turn, to resume it after the environment's reply.
 
 It needs a model whose forward builds a ``DynamicCache`` of plain attention layers, which every transformers
 decoder of the test matrix does except hybrid state-space ones (falcon_h1). ``decode`` returns None for any
 other model, before any sampling, and ``sample_responses`` (the rollout engine's sampler) then calls
-``generate`` (``models.generation.hf_generate``).
+``generate`` (``generation.hf.generate.hf_generate``).
 """
 
 from __future__ import annotations
@@ -45,8 +45,10 @@ from transformers import (
 )
 from transformers import GenerationConfig as HFGenerationConfig
 
+from aitraining_pl.generation.backend import SampledTokens, StopRule
+from aitraining_pl.generation.hf.generate import ResponseStoppingCriteria, hf_generate
 from aitraining_pl.losses import positions_from_mask
-from aitraining_pl.models.generation import ResponseStoppingCriteria, SampledTokens, StopRule, hf_generate, hf_model
+from aitraining_pl.models.lora import base_model
 
 try:  # recent transformers keep a cache as a list of layers; earlier ones as key and value lists
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -96,7 +98,7 @@ class Forward:
     (``cache`` in transformers 5, ``past_key_values`` before): the last position's logits (float32) and the cache."""
 
     def __init__(self, model: torch.nn.Module):
-        params = inspect.signature(hf_model(model).forward).parameters
+        params = inspect.signature(base_model(model).forward).parameters
         self.model = model
         self.cache_name = "cache" if "cache" in params else "past_key_values"
         self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
@@ -338,7 +340,7 @@ def decode(
     num_samples: int = 1,
 ) -> SampledTokens | None:
     """Sample ``num_samples`` responses for each left-padded prompt (B, P) as ``generate`` would for the prompts
-    repeated (``repeat_interleave``) with ``config`` (``models.generation.hf_generation_config``:
+    repeated (``repeat_interleave``) with ``config`` (``generation.hf.generate.hf_generation_config``:
     ``max_new_tokens``, sampling settings, end ids, pad id, ``output_logits`` / ``output_scores``), dropping
     ended rows as it goes (see the module docstring). Each prompt runs through the model once; its KV cache is
     then repeated for its samples.

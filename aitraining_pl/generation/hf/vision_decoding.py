@@ -7,7 +7,7 @@ only, so no pixel value is ever held or encoded ``G`` times. Image and video tok
 (``image_token_ids``): a response holding one would be a placeholder without an image. Positions continue where
 the prompt's ended: for the Qwen VL family's multimodal RoPE the model's own ``rope_deltas`` shift the text
 positions after the images, for the others the count of real tokens (as ``generate`` counts left-padded rows).
-The steps are ``models.decoding.sample_steps``, the loop the text decoder runs (ended rows leave the batch).
+The steps are ``generation.hf.decoding.sample_steps``, the loop the text decoder runs (ended rows leave the batch).
 """
 
 from __future__ import annotations
@@ -17,22 +17,13 @@ from typing import Any
 
 import torch
 
+from aitraining_pl.generation.backend import SampledTokens, StopRule
+from aitraining_pl.generation.hf.decoding import DecodeBatch, Forward, plain_cache, sample_steps
+from aitraining_pl.generation.hf.generate import hf_generation_config
 from aitraining_pl.losses import positions_from_mask
-from aitraining_pl.models.decoding import DecodeBatch, Forward, plain_cache, sample_steps
-from aitraining_pl.models.generation import SampledTokens, StopRule, hf_generation_config
+from aitraining_pl.models.lora import base_model
 from aitraining_pl.models.training import eval_mode
-from aitraining_pl.models.vision import VisionInputs, _unwrapped, model_inputs, uses_mrope
-
-
-def image_token_ids(model: torch.nn.Module) -> list[int]:
-    """The ids of the tokens that stand for images and videos in ``model``'s prompts (its config's ``*_token_id``
-    and ``*_token_index`` naming an image, a video or a vision span), never sampled: a sampled one would be a
-    placeholder without features."""
-    config = _unwrapped(model).config
-    names = [k for k in vars(config) if k.endswith(("_token_id", "_token_index")) and ("image" in k or "video" in k
-             or "vision" in k or k.startswith(("boi", "eoi")))]  # fmt: skip
-    vocab = config.get_text_config().vocab_size
-    return sorted({int(getattr(config, k)) for k in names if isinstance(getattr(config, k), int)} & set(range(vocab)))
+from aitraining_pl.models.vision import VisionInputs, image_token_ids, model_inputs, uses_mrope
 
 
 class _Banned:
@@ -53,7 +44,7 @@ def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vision:
     kwargs = model_inputs(model, prompt_ids, prompt_mask, vision)
     forward = Forward(model)
     extra = {} if not forward.keep_last else {"logits_to_keep": 1}
-    base = getattr(_unwrapped(model), "model", None)
+    base = getattr(base_model(model), "model", None)
     if uses_mrope(model):
         base.rope_deltas = None  # deltas of an earlier batch would be reused (none are set without images)
     out = model(**kwargs, use_cache=True, **extra)
@@ -61,7 +52,7 @@ def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vision:
     if cache is None:
         cache = out.get("past_key_values")
     if not plain_cache(cache):
-        raise NotImplementedError(f"{type(_unwrapped(model)).__name__}: sampling with images needs a DynamicCache")
+        raise NotImplementedError(f"{type(base_model(model)).__name__}: sampling with images needs a DynamicCache")
     if uses_mrope(model) and base.rope_deltas is not None:  # the last prompt position: shifted past the images
         position = prompt_mask.sum(1, keepdim=True) - 1 + base.rope_deltas.to(prompt_mask.device)
     else:
@@ -92,7 +83,7 @@ def sample_with_images(
 ) -> SampledTokens:
     """``num_samples`` responses per left-padded prompt (B, P) with its images (``vision``, one entry per prompt)
     and ``generation`` (a ``GenerationConfig``), in eval mode, seeded by ``seed`` in a forked RNG when given; rows
-    in ``repeat_interleave`` order, as the text backends return them (``generation.backend.HFBackend.sample``);
+    in ``repeat_interleave`` order, as the text backends return them (``generation.hf.backend.HFBackend.sample``);
     ``with_logprobs``: the logits kept (``Rollout.logprobs`` and ``sampling_logprobs``); ``chosen_logprobs``: the
     drawn tokens' log-probs only (``sampling_logprobs``, a server's: never N x R x V)."""
     config = hf_generation_config(generation, end_ids, pad_token_id, with_logprobs)

@@ -1,15 +1,15 @@
 """Multi-turn decoding: every unfinished episode of a batch decodes its turn together, and the KV cache is kept across
 turns, so each turn prefills only what is new (the environment's reply).
 
-A turn is ``models.decoding.sample_steps``, the loop ``decode`` runs (the same warpers, draws and end rule; each row
-leaves the batch when its turn ends), with a ``park`` hook: a row that ends its turn is *parked* (its KV cache rows
-copied aside; the rows that end at the turn's last step keep their tensors) instead of thrown away. When every row
-has ended its turn, ``respond`` (the episode runner) gives each row the tokens to append (the environment's reply
-rendered by the chat template) or None when its episode is over. The parked caches of the rows that go on are copied
-once into one batch of preallocated buffers (shorter ones padded on the right, with room for the reply and the next
-turn, which write in place), and one forward pass prefills, per row, its turn's last sampled token (never fed to the
-model yet) and the reply tokens (left padded, so the last position of every row is real). Padding inside the cache
-is masked out of attention; positions count real tokens only, so the logits equal those of the dense sequence
+A turn is ``generation.hf.decoding.sample_steps``, the loop ``decode`` runs (the same warpers, draws and end rule;
+each row leaves the batch when its turn ends), with a ``park`` hook: a row that ends its turn is *parked* (its KV
+cache rows copied aside; the rows that end at the turn's last step keep their tensors) instead of thrown away. When
+every row has ended its turn, ``respond`` (the episode runner) gives each row the tokens to append (the environment's
+reply rendered by the chat template) or None when its episode is over. The parked caches of the rows that go on are
+copied once into one batch of preallocated buffers (shorter ones padded on the right, with room for the reply and the
+next turn, which write in place), and one forward pass prefills, per row, its turn's last sampled token (never fed to
+the model yet) and the reply tokens (left padded, so the last position of every row is real). Padding inside the
+cache is masked out of attention; positions count real tokens only, so the logits equal those of the dense sequence
 (prompt, sampled tokens, reply tokens) that training scores (``losses.positions_from_mask``). Tokens enter the
 sequence exactly as sampled and as rendered: the model's text is never re-tokenised.
 
@@ -32,7 +32,8 @@ import torch
 from transformers import DynamicCache
 from transformers import GenerationConfig as HFGenerationConfig
 
-from aitraining_pl.models.decoding import (
+from aitraining_pl.generation.backend import StopRule
+from aitraining_pl.generation.hf.decoding import (
     DecodeBatch,
     Forward,
     preallocated_cache,
@@ -40,7 +41,6 @@ from aitraining_pl.models.decoding import (
     sample_responses,
     sample_steps,
 )
-from aitraining_pl.models.generation import StopRule
 from aitraining_pl.models.tokens import padded
 
 #: ``respond(turn, rows, turn_tokens, turn_ended)`` -> per row the tokens to append, or None: episode over

@@ -1,5 +1,5 @@
-"""Rows with images that share a prompt run it once (``models.vision_prefix``): the same log-probs, entropies,
-hidden states and gradients as every row run whole, on the matrix of tiny VL models."""
+"""Rows with images that share a prompt run it once (``models.vision_scoring.shared_prompt_scores``): the same
+log-probs, entropies, hidden states and gradients as every row run whole, on the matrix of tiny VL models."""
 
 from __future__ import annotations
 
@@ -9,11 +9,15 @@ import torch
 from PIL import Image
 
 from aitraining_pl.datamodules.io import pad_sequences
-from aitraining_pl.models.vision import VisionInputs, freeze_vision_tower, load_processor, load_vision_lm
-from aitraining_pl.models.vision_decoding import image_token_ids
-from aitraining_pl.models.vision_prefix import shared_prompt_scores
+from aitraining_pl.models.vision import (
+    VisionInputs,
+    freeze_vision_tower,
+    image_token_ids,
+    load_processor,
+    load_vision_lm,
+)
 from aitraining_pl.models.vision_presets import VISION_PRESETS
-from aitraining_pl.models.vision_scoring import _scores, vision_token_scores
+from aitraining_pl.models.vision_scoring import _scores, shared_prompt_scores, vision_token_scores
 
 MATRIX = list(VISION_PRESETS)
 
@@ -133,7 +137,7 @@ def test_rows_with_an_image_after_the_prompt_run_whole():
 
 def test_the_prompt_is_shared_only_where_it_saves_enough():
     """Two pairs of the tiny Qwen2-VL (width 32) save too little prompt work to pay for the second call."""
-    from aitraining_pl.models.vision_prefix import SHARING_THRESHOLD
+    from aitraining_pl.models.vision_scoring import SHARING_THRESHOLD
 
     model = _model("tiny-qwen2-vl")
     ids, mask, scored, vision = _dpo_rows("tiny-qwen2-vl", model)

@@ -276,7 +276,7 @@ def test_pipeline_sampling_logprobs_are_of_the_truncated_distribution(tiny_confi
 def test_the_three_samplers_call_the_engine(monkeypatch, tiny_config, byte_tokenizer):
     from aitraining_pl.compat.forward_backward import ForwardBackwardPipeline
     from aitraining_pl.environments import TextGenerationEnv
-    from aitraining_pl.generation import backend as backend_module
+    from aitraining_pl.generation.hf import backend as backend_module
     from aitraining_pl.modules.ppo import PPOModule
 
     calls = []
