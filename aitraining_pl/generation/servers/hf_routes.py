@@ -47,7 +47,7 @@ if __name__ == "__main__":  # a launched server: its trainer's death stops it fr
     watch_parent()
 
 import torch  # noqa: E402
-from pydantic import BaseModel, Field  # noqa: E402
+from pydantic import BaseModel, Field, ValidationError  # noqa: E402
 
 from aitraining_pl.generation.backend import SampleRequest, StopRule  # noqa: E402
 from aitraining_pl.generation.config import GenerationConfig  # noqa: E402
@@ -228,7 +228,11 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
         except ValueError as err:
             raise HTTPException(400, str(err)) from None
         fields = {k: v for k, v in body.sampling_params.items() if k in Completion.model_fields}
-        answer = complete(Completion(prompt=ids, **fields), vision)
+        try:
+            asked = Completion(prompt=ids, **fields)
+        except ValidationError as err:  # checked here, not by FastAPI: the same 422 as /v1/completions
+            return limits.invalid_body(err.errors(), "sampling_params")
+        answer = complete(asked, vision)
         choices = [{"index": c["index"], "finish_reason": c["finish_reason"], "token_ids": c["token_ids"],
                     "logprobs": {"content": [{"token_id": t, "logprob": v} for t, v in
                                              zip(c["token_ids"], c["logprobs"]["token_logprobs"])]}}

@@ -72,9 +72,14 @@ def check_batch(prompts: int, n: int, max_prompts: int = MAX_PROMPTS, max_sample
 async def invalid_request(request: Any, exc: Any) -> Any:
     """FastAPI's ``RequestValidationError`` as a 422 whose body is JSON whatever the request held (each error's
     location, message and type, without the offending value, which may be NaN)."""
+    return invalid_body(exc.errors())
+
+
+def invalid_body(errors: list[dict], prefix: str | None = None) -> Any:
+    """pydantic's ``errors`` as that 422 (each location under ``prefix`` when given)."""
     from fastapi.responses import JSONResponse
 
-    detail = [{"loc": [str(part) for part in error.get("loc", ())], "msg": str(error.get("msg", "")),
-               "type": str(error.get("type", ""))} for error in exc.errors()]  # fmt: skip
+    detail = [{"loc": [prefix] * bool(prefix) + [str(part) for part in error.get("loc", ())],
+               "msg": str(error.get("msg", "")), "type": str(error.get("type", ""))} for error in errors]  # fmt: skip
     return JSONResponse({"error": "; ".join(f"{'.'.join(e['loc'])}: {e['msg']}" for e in detail)[:500],
                          "detail": detail}, status_code=422)  # fmt: skip
