@@ -1,4 +1,4 @@
-"""``aitraining-pl vllm-serve``: for one release, a launcher of vLLM's own ``vllm serve`` with the flags this project's
+"""``aitraining-pl vllm-serve``: a launcher of vLLM's own ``vllm serve`` with the flags this project's
 client needs (``start.VLLM_FLAGS``: the token middleware, the worker extension, the processed log-probs, no
 checkpoint weights), ``VLLM_SERVER_DEV_MODE=1`` and the run's token.
 
