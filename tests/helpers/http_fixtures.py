@@ -45,12 +45,13 @@ def lora_policy(model):
 
 @contextlib.contextmanager
 def http_hf_server(model_config, seed: int = 0, token: str = "test-token", teacher=None, tokenizer="byte",
-                   on_engine=None):  # fmt: skip
+                   on_engine=None, **bounds):  # fmt: skip
     """The HF server over HTTP (``hf_routes.build_app`` around an ``HFServerEngine`` for ``model_config``'s
     architecture, the ``tokenizer``, byte-level by default) served by uvicorn from a thread on a free loopback port
     (yielded) until the block ends; ``AITRAINING_PL_SERVER_TOKEN`` set to its ``token`` meanwhile (the trainer reads
     it there). ``teacher``: a model of that architecture whose weights it serves fixed, as ``--teacher`` does.
-    ``on_engine(engine)``: called with the engine once the app is built (a test's hooks)."""
+    ``on_engine(engine)``: called with the engine once the app is built (a test's hooks); ``bounds``: ``build_app``'s
+    request bounds (``max_body_mb``, ``max_prompts``, ``max_samples``)."""
     import socket
     import threading
 
@@ -69,7 +70,8 @@ def http_hf_server(model_config, seed: int = 0, token: str = "test-token", teach
     if teacher is not None:
         engine.load(teacher.state_dict().items(), "teacher")
     positions = getattr(model.config, "max_position_embeddings", None)
-    app = build_app(engine, load_tokenizer(tokenizer), specs, "policy", positions, token, fixed=teacher is not None)
+    app = build_app(engine, load_tokenizer(tokenizer), specs, "policy", positions, token, fixed=teacher is not None,
+                    **bounds)  # fmt: skip
     if on_engine is not None:
         on_engine(engine)
     sock = socket.socket()

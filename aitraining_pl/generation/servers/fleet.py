@@ -50,6 +50,7 @@ import torch
 from aitraining_pl.errors import GenerationServerError
 from aitraining_pl.generation.backend import SampledTokens, SampleRequest
 from aitraining_pl.generation.servers.adapters import adapter_weights, supported
+from aitraining_pl.generation.servers.answers import vocab_of
 from aitraining_pl.generation.servers.auth import check_guarded, find_token
 from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.replica import PushReport, Replica, ReplicaDown
@@ -134,6 +135,7 @@ class Fleet:
         self.sync_seconds = 0.0  #: wall time of the last push (all servers)
         self.cached_tokens = 0  #: prompt tokens of the last ``sample`` found in the servers' prefix caches
         self.gate = Gate()  #: a push that is not in flight waits for the rollouts being sampled
+        self.vocab: int | None = None  #: the policy's head rows (``sync``): answers' token ids are checked below it
 
     @property
     def version(self) -> WeightsVersion | None:
@@ -184,16 +186,19 @@ class Fleet:
             return [m for m in self.members if m.up and (self.rank != 0 or _serves(m, version, newer))]
 
     def plan(self, prompts: list[list[int]], request: ReplicaRequest) -> list[int]:
-        """The member index for each prompt: the one whose earlier prompt it continues, else by load."""
+        """The member index for each prompt: the one whose earlier prompt it continues (``PrefixAffinity``) while
+        that one holds less than a fair share (this call's prompts over the servers) more than the least loaded, else
+        by load."""
         members = self._serving(request.version, request.newer)
         if not members:
             raise self.gone(f"sampling with the weights of step {_step(request.version)}")
         cost = int(request.num_samples) * int(request.generation.max_new_tokens)
         load = {m.index: m.outstanding for m in members}
         assigned: list[int | None] = [None] * len(prompts)
+        share = cost * -(-len(prompts) // len(members))  # load still weighs: a shared prefix pins no more than this
         for i, tokens in enumerate(prompts):
             index = self.affinity.lookup(tokens)
-            if index in load:
+            if index in load and load[index] - min(load.values()) < share:
                 assigned[i] = index
                 load[index] += cost
         free = [i for i, a in enumerate(assigned) if a is None]
@@ -218,7 +223,7 @@ class Fleet:
         request = ReplicaRequest.of(
             request, self.version, bool(self.at_least), prompt_ids=request.prompt_ids.cpu(),
             prompt_mask=request.prompt_mask.cpu(), end_ids=list(request.end_ids), pad_token_id=pad_token_id,
-            num_samples=int(request.num_samples), seed=int(seed),
+            num_samples=int(request.num_samples), seed=int(seed), vocab=self.vocab,
         )  # fmt: skip
         prompts = [row[m.bool()].tolist() for row, m in zip(request.prompt_ids, request.prompt_mask)]
         with self.gate.sample():
@@ -271,6 +276,7 @@ class Fleet:
         (under FSDP2 they walk the gathers with rank 0). A LoRA policy whose adapter travels alone
         (``adapters.supported``) pushes its unmerged base weights once to each server (again to one that rejoins),
         then its adapter alone. Returns whether the weights changed."""
+        self.vocab = vocab_of(policy)
         if is_peft_model(policy) and not is_sharded(policy) and supported(policy):
             if self.rank != 0:
                 return self.push(iter(()), version)

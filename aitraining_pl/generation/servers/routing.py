@@ -28,6 +28,7 @@ class ReplicaRequest(SampleRequest):
 
     version: WeightsVersion | None = None
     newer: bool = False
+    vocab: int | None = None  #: the policy's head rows, when known: every answered token id is below it
 
     @classmethod
     def of(
@@ -43,15 +44,22 @@ class ReplicaRequest(SampleRequest):
         return int(self.prompt_ids.shape[0]) * int(self.num_samples) * int(self.generation.max_new_tokens)
 
 
+#: the shortest recorded prompt a later prompt is routed by: one block of vLLM's prefix cache (16 tokens, its
+#: default ``--block-size``); a shorter shared prefix saves no cached block and would only pin prompts to one server
+MIN_PREFIX_TOKENS = 16
+
+
 class PrefixAffinity:
     """Which server served each recent prompt, found again for a later prompt that strictly extends it (an
-    episode's next turn); a repeated prompt is not a continuation and is routed by load. Keys are rolling hashes of
-    the prompt's tokens; the oldest of ``capacity`` entries are forgotten."""
+    episode's next turn); a repeated prompt is not a continuation and is routed by load, and so is one whose longest
+    recorded prefix is shorter than ``min_tokens`` (``MIN_PREFIX_TOKENS``). Keys are rolling hashes of the prompt's
+    tokens; the oldest of ``capacity`` entries are forgotten."""
 
     MOD, BASE = (1 << 61) - 1, 1_000_003
 
-    def __init__(self, capacity: int = 65536):
+    def __init__(self, capacity: int = 65536, min_tokens: int = MIN_PREFIX_TOKENS):
         self.capacity, self.table, self.lock = capacity, OrderedDict(), threading.Lock()
+        self.min_tokens = max(1, int(min_tokens))
 
     def hashes(self, tokens: Sequence[int]) -> list[int]:
         out, h = [], 0
@@ -71,10 +79,11 @@ class PrefixAffinity:
                 self.table.popitem(last=False)
 
     def lookup(self, tokens: Sequence[int]) -> int | None:
-        """The server of the longest recorded prompt that ``tokens`` strictly extends, or None."""
+        """The server of the longest recorded prompt of at least ``min_tokens`` that ``tokens`` strictly extends, or
+        None."""
         hashes = self.hashes(tokens)
         with self.lock:
-            for length in range(len(tokens) - 1, 0, -1):
+            for length in range(len(tokens) - 1, self.min_tokens - 1, -1):
                 index = self.table.get((length, hashes[length - 1]))
                 if index is not None:
                     return index

@@ -145,7 +145,7 @@ class HTTPTeacher:
         deadline = time.monotonic() + self.timeout
         replica = self.replica()
         try:
-            model = replica.model()
+            model = replica.model(deadline - time.monotonic())  # the deadline from the first call on
             futures = [replica.pool.submit(self._score, model, tokens, i, deadline) for i, tokens in enumerate(rows)]
             scored = [future.result() for future in futures]
         except ReplicaDown as err:

@@ -16,7 +16,7 @@ from aitraining_pl.errors import GenerationServerError
 from aitraining_pl.generation.backend import SampleRequest, StopRule
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.generation.servers.fleet import Fleet
-from aitraining_pl.generation.servers.routing import PrefixAffinity
+from aitraining_pl.generation.servers.routing import MIN_PREFIX_TOKENS, PrefixAffinity
 from aitraining_pl.generation.version import WeightsVersion
 
 WEIGHTS = [("w", torch.zeros(4))]
@@ -70,16 +70,31 @@ def test_requests_go_to_the_server_with_the_fewest_outstanding_tokens():
 def test_an_episode_s_next_turn_goes_to_the_server_of_its_first():
     replicas = [StandInReplica(f"standin://{i}") for i in range(2)]
     fleet = fleet_of(*replicas)
-    first = sample(fleet, [[1, 2], [3, 4]], n=1)
-    assert [r.prompts for r in replicas] == [[[1, 2]], [[3, 4]]]  # by load: the least loaded first
-    histories = [[3, 4, *first.response_ids[1].tolist(), 9], [1, 2, *first.response_ids[0].tolist(), 9]]
+    one, two = list(range(1, 1 + MIN_PREFIX_TOKENS)), list(range(20, 20 + MIN_PREFIX_TOKENS))  # a cache block each
+    first = sample(fleet, [one, two], n=1)
+    assert [r.prompts for r in replicas] == [[one], [two]]  # by load: the least loaded first
+    histories = [[*two, *first.response_ids[1].tolist(), 9], [*one, *first.response_ids[0].tolist(), 9]]
     sample(fleet, histories, n=1)  # turn 2, the order reversed (by load: the first history to server 0)
     assert [r.prompts[-1] for r in replicas] == [histories[1], histories[0]]
-    sample(fleet, [[1, 2], [1, 2]], n=1)  # a repeated prompt is no continuation: by load
-    assert [r.prompts[-1] for r in replicas] == [[1, 2], [1, 2]]
-    affinity = PrefixAffinity()
+    sample(fleet, [one, one], n=1)  # a repeated prompt is no continuation: by load
+    assert [r.prompts[-1] for r in replicas] == [one, one]
+    affinity = PrefixAffinity(min_tokens=1)
     affinity.record([1, 2], 1)
     assert (affinity.lookup([1, 2, 3]), affinity.lookup([1, 2]), affinity.lookup([1, 5])) == (1, None, None)
+    assert PrefixAffinity().lookup([1, 2, 3]) is None  # the default: shorter than one cache block counts for nothing
+
+
+@pytest.mark.parametrize("prefix", [1, MIN_PREFIX_TOKENS + 4], ids=["short", "long"])
+def test_a_shared_prefix_does_not_pin_a_rollout_to_one_server(prefix):
+    """Issue 52: one earlier prompt that 16 later prompts extend sent all 16 to its server ([16, 0]). A prefix shorter
+    than a cache block counts for nothing; a long one takes its server's fair share, and load places the rest."""
+    replicas = [StandInReplica(f"standin://{i}") for i in range(2)]
+    fleet = fleet_of(*replicas)
+    shared = list(range(1, prefix + 1))
+    sample(fleet, [shared], n=1)
+    served = [len(r.prompts) for r in replicas]
+    sample(fleet, [[*shared, 30 + i] for i in range(16)], n=1)
+    assert [len(r.prompts) - before for r, before in zip(replicas, served)] == [8, 8]
 
 
 def test_a_push_reaches_every_server_before_a_request_names_it():

@@ -287,3 +287,26 @@ def test_a_launched_server_gets_gpus_of_its_own(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     if not torch.cuda.is_available():
         assert server_devices(None, trainer_gpus=0) is None  # a CPU machine: the variable is set empty
+
+
+def test_vllm_serve_on_a_cpu_reserves_a_share_of_ram_that_fits(tmp_path, monkeypatch):
+    """Issue 52: vLLM's default ``--gpu-memory-utilization`` 0.92 is, on a CPU, the share of RAM it reserves (it failed
+    on a 24 GB machine): ``vllm-serve`` without CUDA asks 0.1 and a 1 GiB KV cache, as the launcher does, unless the
+    user gives their own; with CUDA it adds neither."""
+    from aitraining_pl.generation.servers import auth
+    from aitraining_pl.generation.servers.start import CPU_FLAGS, vllm_command
+    from aitraining_pl.generation.servers.vllm_serve import command
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    argv, env, _ = command(["--model", "m", "--port", "8125"], gpu=False)
+    share = argv[argv.index("--gpu-memory-utilization") + 1]
+    assert float(share) <= 0.25 and "--no-enable-chunked-prefill" in argv and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert vllm_command(tmp_path, "127.0.0.1", 1, "auto", 0, VLLMConfig(), gpu=False)[-len(CPU_FLAGS) :] == list(
+        CPU_FLAGS
+    )  # the launcher's CPU flags are the same
+    own, _, _ = command(["--model", "m", "--port", "8125", "--gpu-memory-utilization", "0.5"], gpu=False)
+    assert own.count("--gpu-memory-utilization") == 1 and own[-1] == "0.5"
+    on_gpu, gpu_env, _ = command(["--model", "m", "--port", "8125"], gpu=True)
+    assert "--gpu-memory-utilization" not in on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in gpu_env
