@@ -83,6 +83,21 @@ def char_length_reward(prompts: list[str], responses: list[str], metadata: list[
     return [min(1.0, len(r) / float((m or {}).get("target_length") or 100)) for r, m in zip(responses, metadata)]
 
 
+def exact_answer_reward(prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
+    """1.0 when a response is exactly ``metadata["answer"]`` (surrounding spaces and a final full stop aside),
+    0.5 when its last number is the answer but other text surrounds it (``"14 + 7 = 21"``), else 0.0: the real-model
+    quickstart's task (``quickstart_arithmetic.jsonl``), answering with just the number."""
+    from aitraining_pl.environments.math_problems import parse_final_number
+
+    scores = []
+    for response, meta in zip(responses, metadata):
+        answer = float((meta or {})["answer"])
+        text = response.strip().rstrip(".").strip()
+        exact = parse_final_number(text) == answer and text.lstrip("-").replace(".", "", 1).isdigit()
+        scores.append(1.0 if exact else 0.5 if parse_final_number(response) == answer else 0.0)
+    return scores
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Combinators and loaders
 

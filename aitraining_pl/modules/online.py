@@ -36,6 +36,7 @@ from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
 from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions, moved_correction
+from aitraining_pl.modules.timing import Stopwatch
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, build_reward_source
 from aitraining_pl.rollout import (
     GenerationConfig,
@@ -145,6 +146,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         self.last_kl = 0.0  #: batch-mean KL(pi || ref) per response (nats), for the KL callback
         self.last_num_samples = 0  #: responses behind ``last_kl`` (all ranks)
         self.update_history: list[dict[str, torch.Tensor]] = []
+        self.stopwatch = Stopwatch()  #: seconds per section of the current step (``Stopwatch.online_step``)
 
     @property
     def reward_source(self) -> Callable:
@@ -261,9 +263,10 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
                 lambda seed: self.seeded(seed, self.generate, prompt_ids, prompt_mask, config, num_samples, vision)
             )
         step = self.global_step
-        return self.source.generate(
-            self.policy, self.tokenizer, step, prompt_ids, prompt_mask, config, num_samples, vision
-        )
+        with self.stopwatch("gen"):
+            return self.source.generate(
+                self.policy, self.tokenizer, step, prompt_ids, prompt_mask, config, num_samples, vision
+            )
 
     def sampling(self):
         """Around a rollout: the backend takes the policy's weights of this optimizer step and sleeps afterwards
@@ -332,7 +335,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
     ) -> torch.Tensor:
         """(N, R) log-probs of the frozen reference (eval mode; adapters off under LoRA)."""
         model = self.reference.model
-        with eval_mode(model), self.reference.context():
+        with eval_mode(model), self.reference.context(), self.stopwatch("ref"):
             return self.response_scores(model, input_ids, attention_mask, prompt_length, vision=vision).logprobs
 
     def sampler_correction(
@@ -371,9 +374,11 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         # 1-2. rollout and scoring (errors, wrong lengths and NaNs of the reward source stop the run); asynchronous:
         # submit this batch's, train on those of ``lag`` steps ago (none yet in the warm-up)
-        pipeline, pipelined = self.pipeline, {}
+        pipeline, pipelined, watch = self.pipeline, {}, self.stopwatch
+        watch.reset()
         if pipeline is None:
-            rollout = self.rollout(batch, self.num_generations)
+            with watch("rollout"):
+                rollout = self.rollout(batch, self.num_generations)
         else:
             ready = pipeline.step_with(batch, self.scheduled_rollout)
             if ready is None:
@@ -381,17 +386,19 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             batch, rollout = ready.batch, self.on_device(ready.job.result)
             pipelined = {**staleness(pipeline.version, ready.version, rollout), **pipeline.stats()}
         # 3. old / reference log-probs, values, advantages
-        with torch.no_grad():
+        with torch.no_grad(), watch("experience"):
             experience, stats = self.make_experience(rollout)
             if self.record_completions:  # asked for by ``CompletionLogCallback``
                 self.last_completions = self.completion_rows(batch["prompts"], rollout, experience.advantages)
         # 4. num_iterations passes over shuffled minibatches
-        stats.update(self.update(experience, rollout.input_ids.shape[0]))
+        with watch("update_actor"):
+            stats.update(self.update(experience, rollout.input_ids.shape[0]))
         if pipeline is not None:
             pipeline.trained()
         # 5. log (one all-reduce of a fixed-size vector, never of ragged tensors)
         fleet = self.backend.stats() if isinstance(self.backend, Fleet) else {}  # servers up, per-server figures
         stats.update(self.rollout_stats(rollout), **pipelined, **fleet)
+        stats.update({k: torch.tensor(v) for k, v in watch.online_step(int(rollout.attention_mask.sum())).items()})
         self.log_iteration(stats, n=rollout.input_ids.shape[0])
 
     def scheduled_rollout(self, batch: dict[str, Any], seed: int) -> RolloutBatch:
