@@ -121,8 +121,9 @@ class AlignmentCLI(LightningCLI):
 
         # a key given twice in a config file is an error, not the last one wins
         set_loader("yaml", strict_yaml_load, exceptions=(yaml.YAMLError,))
-        # a bad option raises (``parser_error`` turns it into one line) instead of printing the usage dump
-        return super().init_parser(**{"exit_on_error": False, **kwargs})
+        # a bad option raises (``parser_error`` turns it into one line) instead of printing the usage dump; an
+        # abbreviated option (``--trainer.max_epoch``) is refused, not read as the option it abbreviates
+        return super().init_parser(**{"exit_on_error": False, "allow_abbrev": False, **kwargs})
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.tokenizer", "data.init_args.tokenizer", apply_on="instantiate")
@@ -300,6 +301,14 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> AlignmentCLI:
     )
 
 
+def importable_working_directory() -> None:
+    """Put the working directory first on ``sys.path``, as ``python -m`` does, so a ``module:function`` in the user's
+    own file (``--model.init_args.reward myreward:has_digit``) imports without ``PYTHONPATH=.``."""
+    cwd = os.getcwd()
+    if not any(entry in ("", ".", cwd) for entry in sys.path):
+        sys.path.insert(0, cwd)
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``aitraining-pl``: ``build_cli`` with user errors turned into one message and exit
     status 2."""
@@ -318,6 +327,7 @@ def main(args: list[str] | None = None) -> None:
         print(text)
         raise SystemExit(0)
     quiet_known_noise()
+    importable_working_directory()
     try:
         if argv[0] == "vllm-serve":  # vLLM's own server with this project's flags (docs/vllm.md)
             from aitraining_pl.generation.servers.vllm_serve import main as vllm_serve

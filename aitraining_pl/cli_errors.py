@@ -94,9 +94,9 @@ def parser_error(err: BaseException, args: list[str] | None = None) -> UserError
     that is not valid YAML is named by its path (from ``args``, default ``sys.argv``). A value outside a
     ``Literal`` argument's choices is a ``HyperparameterError`` worded as the range table words it."""
     lines = [line.strip() for line in str(err).replace(' in "<unicode string>",', "").splitlines() if line.strip()]
+    argv = list(sys.argv[1:] if args is None else args)
     if lines and lines[0].startswith("Problems parsing config"):
-        argv = list(sys.argv[1:] if args is None else args)
-        files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
+        files = _config_files(argv)
         return ConfigError(f"--config {files[-1]}" if files else "--config", " ".join(lines)[:400])
     keys, why = [], None
     for line in lines:
@@ -108,6 +108,8 @@ def parser_error(err: BaseException, args: list[str] | None = None) -> UserError
             why = line if not line.startswith(_DUMP_LINES) else why
     unknown = re.search(r"Option '([^']+)' is not accepted", " ".join(lines))
     keys += [unknown.group(1)] if unknown else []
+    refused = re.search(r"does not accept option '([^']+)'", " ".join(lines))  # a whole unknown section key
+    keys = keys or ([refused.group(1)] if refused else [])
     nested = len(keys) > 1 and any(line.startswith("- Problem with given class_path") for line in lines)
     option = keys[0] + (".init_args." if nested else ".") + ".".join(keys[1:]) if len(keys) > 1 else "".join(keys)
     why = (why or (lines[0] if lines else type(err).__name__)).lstrip("- ")
@@ -125,7 +127,36 @@ def parser_error(err: BaseException, args: list[str] | None = None) -> UserError
         name, value = keys[-1], choice.group(2).strip()
         where = f"{owner.group(1).rpartition('.')[2]}.{name}" if owner else f"--{option}"
         return HyperparameterError(where, f"unknown {name} {value!r}; must be one of {choice.group(1)}")
-    return ConfigError(f"--{option}" if option else "command line", why[:400])
+    where = _config_file_key(option, argv) or (f"--{option}" if option else "command line")
+    return ConfigError(where, why[:400])
+
+
+def _config_files(argv: list[str]) -> list[str]:
+    """The ``--config`` files of ``argv``, in order."""
+    files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
+    return files + [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+
+
+def _config_file_key(option: str, argv: list[str]) -> str | None:
+    """``"<file>: <key>"`` for an option that is not on the command line but in a ``--config`` file (the last
+    one that holds it; a file may leave out ``init_args``), so a typo in a file is named by file and key."""
+    if not option or any(a == f"--{option}" or a.startswith(f"--{option}=") for a in argv):
+        return None
+    import yaml
+
+    for path in reversed(_config_files(argv)):
+        try:
+            node = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError, yaml.YAMLError):
+            continue
+        for part in option.split("."):
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif part != "init_args" or not isinstance(node, dict):
+                break
+        else:
+            return f"{path}: {option}"
+    return None
 
 
 def format_error(err: BaseException) -> str:

@@ -317,4 +317,8 @@ def _check_paths(hparams: Mapping[str, Any], owner: str) -> None:
     for name, error in (("model_name", ModelLoadError), ("tokenizer_name", ModelLoadError), ("reward", RewardError)):
         value = hparams.get(name)
         if isinstance(value, str) and looks_like_path(value) and not os.path.isdir(os.path.expanduser(value)):
+            if value.lower().endswith(".gguf") and name != "reward":
+                if not os.path.isfile(os.path.expanduser(value)):
+                    raise error(f"{owner}.{name}", f"GGUF file {value!r} not found")
+                continue
             raise error(f"{owner}.{name}", f"folder {value!r} not found")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -307,3 +308,35 @@ def test_lora_run_logs_every_argument_quietly_and_closes_with_metrics(tmp_path, 
     assert "policy" in logged  # the model summary itself is still there
     closing = [line for line in out.splitlines() if line.startswith("aitraining-pl: done after 2 steps")]
     assert closing and "val/rewards/accuracies=" in closing[0] and "export: out/export/last" in closing[0]
+
+
+@pytest.mark.slow
+def test_a_reward_function_in_the_working_directory_imports(tmp_path):
+    """``--model.init_args.reward myreward:has_digit`` finds ``myreward.py`` in the working directory without
+    ``PYTHONPATH=.`` (the command puts its working directory first on ``sys.path``, as ``python -m`` does). The
+    command runs as the console script does: ``python -P`` adds no working directory of its own."""
+    (tmp_path / "myreward.py").write_text(
+        "def has_digit(prompts, responses, metadata):\n"
+        "    return [float(any(c.isdigit() for c in r)) for r in responses]\n"
+    )
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"count {i}"} for i in range(4)])
+    model = {
+        "model_config": {"preset": "tiny-llama"},
+        "tokenizer_name": "byte",
+        "num_generations": 2,
+        "mini_batch_size": 4,
+        "generation": {"max_new_tokens": 3},
+    }
+    config = json.loads(write_config(tmp_path, model=model, trainer={"max_steps": 1}).read_text())
+    config["model"]["class_path"] = "aitraining_pl.modules.critic_free.GRPOModule"
+    data = {"data_path": str(prompts), "batch_size": 2, "val_split": 0}
+    config["data"] = {"class_path": "aitraining_pl.datamodules.prompt.PromptDataModule", "init_args": data}
+    (tmp_path / "grpo.yaml").write_text(json.dumps(config))
+    config = tmp_path / "grpo.yaml"
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p not in ("", ".")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), *path])}
+    cmd = [sys.executable, "-P", "-c", "from aitraining_pl.cli import main; main()", "fit", "--config", str(config)]
+    cmd += ["--model.init_args.reward", "myreward:has_digit"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "aitraining-pl: done after 1 steps" in proc.stdout + proc.stderr

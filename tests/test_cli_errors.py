@@ -291,6 +291,27 @@ CASES = {
         ["--model.init_args.beta: Expected a <class 'float'>. Got value: abc"],
         True,
     ),
+    "config-file-unknown-key": (  # a typo inside a YAML file is named by the file and the key, not as a flag
+        _dpo,
+        lambda t: ["--config", _prefs(t, "typo.yaml", "model:\n  init_args:\n    betta: 0.1\n")],
+        "config",
+        ["typo.yaml: model.init_args.betta: Option 'betta' is not accepted"],
+        True,
+    ),
+    "config-file-unknown-trainer-key": (
+        _dpo,
+        lambda t: ["--config", _prefs(t, "epochs.yaml", "trainer:\n  max_epoch: 1\n")],
+        "config",
+        ["epochs.yaml: trainer.max_epoch: Subcommand 'fit' does not accept option 'trainer.max_epoch'"],
+        True,
+    ),
+    "config-abbreviated-option": (  # argparse's abbreviations are off: --trainer.max_epoch is not max_epochs
+        _dpo,
+        lambda t: ["--trainer.max_epoch", "1"],
+        "config",
+        ["unrecognized arguments: --trainer.max_epoch 1"],
+        True,
+    ),
     "config-unknown-model-option": (
         _dpo,
         lambda t: ["--model.init_args.betta", "0.1"],

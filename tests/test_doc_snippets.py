@@ -68,10 +68,19 @@ def tiny_hub_model(tmp_path_factory) -> Path:
 
 
 def substitute(code: str, model_path: Path) -> str:
+    code = re.sub(r"enable_checkpointing=False,\s*", "", code)  # FAST_TRAINER sets it
     for name, path in DATA_FILES.items():
         code = code.replace(f'"{name}"', repr(str(path)))
     code = HUB_ID.sub(lambda m: repr(str(model_path)), code)
     return code.replace("pl.Trainer(", FAST_TRAINER)
+
+
+@pytest.mark.parametrize("code", snippets())
+def test_doc_trainers_choose_their_checkpointing(code):
+    """A snippet's ``pl.Trainer`` says what it checkpoints: Lightning's default writes the whole model (a LoRA base
+    and all) to ./lightning_logs on every run; the snippets export with ``HFExportCallback`` instead."""
+    for call in re.finditer(r"pl\.Trainer\((.*?)\)\s*(\.|\n)", code, re.S):
+        assert "enable_checkpointing" in call.group(1) or "ModelCheckpoint" in call.group(1), call.group(0)
 
 
 @pytest.mark.slow

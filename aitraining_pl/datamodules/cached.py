@@ -19,7 +19,7 @@ from aitraining_pl.models.vision import processor_of
 log = logging.getLogger(__name__)
 
 #: Bumped whenever an ``_encode`` rule changes, so caches written by older code are not reused.
-ENCODING_VERSION = 2
+ENCODING_VERSION = 3  # 3: BOS only when the tokenizer adds it, no EOS after a chat template
 
 #: Row count from which tokenising shows a progress bar.
 PROGRESS_ROWS = 10_000

@@ -79,6 +79,15 @@ def render(tokenizer: Any, messages: list[dict], *, generation_prompt: bool = Fa
     )
 
 
+def template_ends_turns(tokenizer: Any) -> bool:
+    """Whether a conversation rendered for ``tokenizer`` ends each turn with the model's own markup: its own chat
+    template does (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, Mistral's ``</s>``), so no EOS follows it, as
+    TRL 1.x's SFT, DPO and reward trainers append EOS to non-conversational rows only (``add_eos`` in
+    ``trl/trainer/sft_trainer.py``, ``dpo_trainer.py``, ``reward_trainer.py``); ``FALLBACK_CHAT_TEMPLATE`` ends
+    none, so EOS follows it."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def common_prefix_length(a: Any, b: Any) -> int:
     """Length of the longest common prefix of two strings or lists."""
     n, limit = 0, min(len(a), len(b))

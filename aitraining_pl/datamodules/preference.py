@@ -28,7 +28,13 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from aitraining_pl.datamodules.base import DATA_RANGES, IN_MEMORY
 from aitraining_pl.datamodules.cached import CachedDataModule
-from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE, preference_texts, split_preference
+from aitraining_pl.datamodules.formats import (
+    FALLBACK_CHAT_TEMPLATE,
+    is_messages,
+    preference_texts,
+    split_preference,
+    template_ends_turns,
+)
 from aitraining_pl.datamodules.io import DataValidationError, PaddingCollator, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.resumable import SeededShuffleSampler
 from aitraining_pl.datamodules.vision import VISION, vision_pair
@@ -56,21 +62,25 @@ def encode_pair(
 ) -> dict[str, Any]:
     """One pair as token ids, after the prompt rules and chat rendering of ``formats`` (``prompt`` ``None``:
     implicit). As TRL's ``tokenize_row``: prompt and completions tokenised separately without special tokens,
-    EOS after each completion, the end of the prompt kept (``max_prompt_length``), the completions cut to what
-    ``max_length`` leaves. Unlike TRL, BOS starts the prompt when the tokenizer has one (and the text lacks it),
-    and a pair with no prompt and no BOS is conditioned on EOS. ``keep`` is false when a completion ends up
+    EOS after each completion unless the model's own chat template ended the turn (``formats.template_ends_turns``,
+    as TRL 1.x appends EOS to non-conversational rows only), BOS first when the tokenizer adds it itself
+    (``models.tokens.adds_bos``, as ``tokenizer(prompt)`` does in TRL) and the text lacks it, the end of the prompt
+    kept (``max_prompt_length``), the completions cut to what ``max_length`` leaves. A pair with no prompt and no
+    BOS is conditioned on EOS. ``keep`` is false when a completion ends up
     empty; ``identical`` when both completions are the same text. ``encode_prompt`` tokenises the prompt text
     instead of ``tokenizer`` (a VL model's processor with the row's images, ``datamodules.vision``)."""
-    prompt_text, chosen_text, rejected_text = preference_texts(tokenizer, *split_preference(prompt, chosen, rejected))
+    parts = split_preference(prompt, chosen, rejected)
+    prompt_text, chosen_text, rejected_text = preference_texts(tokenizer, *parts)
     prompt_ids = encode_prompt(prompt_text) if encode_prompt is not None else _ids(tokenizer, prompt_text)
     prompt_ids, eos = with_bos(prompt_ids, tokenizer), tokenizer.eos_token_id
+    templated = any(is_messages(part) for part in parts) and template_ends_turns(tokenizer)
     if not prompt_ids and eos is not None:
         # nothing to condition on (no prompt, no BOS): start from EOS, as GPT-2 style models do, so the
         # first completion token is scored instead of the pair being dropped
         prompt_ids = [eos]
     prompt_ids = prompt_ids[-max_prompt_length:]
     room = max_length - len(prompt_ids)
-    end = [eos] if eos is not None else []
+    end = [eos] if eos is not None and not templated else []  # the model's own template ended the turn
     chosen_ids = (_ids(tokenizer, chosen_text) + end)[:room]
     rejected_ids = (_ids(tokenizer, rejected_text) + end)[:room]
     keep = bool(chosen_ids and rejected_ids and prompt_ids)

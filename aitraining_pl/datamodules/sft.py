@@ -10,7 +10,8 @@ A row is one of (the layout is read from the columns of the first row, in this o
 
 Batch contract (used by ``SFTModule``): a dict with
 
-- ``input_ids`` (B, L): the sequences (BOS when the tokenizer has one, the text, EOS), right padded;
+- ``input_ids`` (B, L): the sequences (BOS when the tokenizer adds it itself, the text, EOS unless the model's own
+  chat template ended the turn: TRL's tokenization), right padded;
 - ``attention_mask`` (B, L): 1 on real tokens;
 - ``completion_mask`` (B, L): 1 on the tokens the loss is on (see ``SFTDataset``);
 - ``index`` (B,): the row's position in its dataset.
@@ -26,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from aitraining_pl.datamodules.base import DATA_RANGES, IN_MEMORY, TextDataModule
-from aitraining_pl.datamodules.formats import is_messages
+from aitraining_pl.datamodules.formats import is_messages, template_ends_turns
 from aitraining_pl.datamodules.io import DataValidationError, PaddingCollator, check_columns, check_text, pad_sequences
 from aitraining_pl.datamodules.preference import FALLBACK_CHAT_TEMPLATE, LengthGroupedSampler
 from aitraining_pl.datamodules.vision import (
@@ -38,6 +39,7 @@ from aitraining_pl.datamodules.vision import (
     merged_vision,
     vision_processor,
 )
+from aitraining_pl.models.tokens import adds_bos
 from aitraining_pl.models.vision import VisionInputs
 from aitraining_pl.validation import constructor_arguments, rules
 
@@ -92,13 +94,15 @@ def prompt_completion_segments(tokenizer: Any, prompt: Any, completion: Any) -> 
 
 
 class SFTDataset(Dataset):
-    """Tokenised SFT rows, built once. Each row: BOS (when the tokenizer has one), its pieces tokenised one
-    by one (so the boundary of a completion is a token boundary), EOS (unless the text already ends with
-    it), the first ``max_length`` tokens kept.
+    """Tokenised SFT rows, built once. Each row: BOS (when the tokenizer adds it itself: ``models.tokens.adds_bos``),
+    its pieces tokenised one by one (so the boundary of a completion is a token boundary), EOS (unless the text
+    already ends with it, or the model's own chat template rendered the row: ``formats.template_ends_turns``), the
+    first ``max_length`` tokens kept.
 
-    The loss (``completion_mask``) with ``completion_only_loss`` is on: the completion and the EOS
-    (prompt-completion); every assistant turn located by ``assistant_segments``, and the EOS after a final
-    assistant turn (conversational); every token (plain text). Without it, on every token.
+    The loss (``completion_mask``) with ``completion_only_loss`` is on: the completion and its EOS
+    (prompt-completion); every assistant turn located by ``assistant_segments`` with its end-of-turn markup, and
+    the EOS after a final assistant turn under the fallback template (conversational); every token (plain text).
+    Without it, on every token.
 
     Args:
         records: rows in one of the layouts (see the module docstring).
@@ -126,7 +130,9 @@ class SFTDataset(Dataset):
         for row, record in enumerate(records, start=1):
             segments = self._segments(record, layout, columns, source, row)
             field = columns["prompt" if layout == "prompt_completion" else layout]
-            example = self._tokenize(segments, record.get(IMAGES) or [], (source, row, field))
+            fields = {"messages": ("messages",), "prompt_completion": ("prompt", "completion")}.get(layout, ())
+            templated = any(is_messages(record[columns[f]]) for f in fields) and template_ends_turns(tokenizer)
+            example = self._tokenize(segments, record.get(IMAGES) or [], (source, row, field), not templated)
             if example is None:
                 dropped += 1
                 continue
@@ -168,9 +174,12 @@ class SFTDataset(Dataset):
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
         return ids, [0] * len(ids), []
 
-    def _tokenize(self, segments: Segments, images: list[Any] = (), where: tuple = ()) -> dict[str, Any] | None:
+    def _tokenize(
+        self, segments: Segments, images: list[Any] = (), where: tuple = (), eos_after: bool = True
+    ) -> dict[str, Any] | None:
         tok, images = self.tokenizer, list(images)
-        bos, eos = getattr(tok, "bos_token_id", None), tok.eos_token_id
+        bos = tok.bos_token_id if adds_bos(tok) else None  # SmolLM2 declares a BOS it never adds
+        eos = tok.eos_token_id if eos_after else None  # the model's own template ended the turn
         ids, mask = ([bos], [0]) if bos is not None else ([], [])
         last_scored, vision, image_end = False, [], 0  # whether the text ends in a scored piece (then so is the EOS)
         for text, scored in segments:

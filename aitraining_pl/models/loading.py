@@ -54,8 +54,9 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, paddin
     if name_or_path == BYTE_TOKENIZER:
         tokenizer = ByT5Tokenizer()
     else:
+        folder, gguf = gguf_source(name_or_path)
         tokenizer = from_pretrained(
-            AutoTokenizer.from_pretrained, name_or_path, "tokenizer", trust_remote_code=trust_remote_code
+            AutoTokenizer.from_pretrained, folder, "tokenizer", trust_remote_code=trust_remote_code, **gguf
         )
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is not None:
@@ -115,10 +116,12 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     seed: int = 0,
 ) -> nn.Module:
-    """A causal LM from ``model_name`` (local folder or hub id) or ``model_config`` (inline, random init).
+    """A causal LM from ``model_name`` (local folder, hub id or ``.gguf`` file: ``gguf_source``) or ``model_config``
+    (inline, random init).
 
-    Exactly one of the two must be given. Calling this twice with the same arguments gives models with
-    identical weights, which is how the frozen reference policy is built from its source.
+    Exactly one of the two must be given. The model comes in training mode, loaded or built (``from_pretrained``
+    alone returns eval mode, which would train with dropout off). Calling this twice with the same arguments gives
+    models with identical weights, which is how the frozen reference policy is built from its source.
     """
     return _load("AutoModelForCausalLM", model_name, model_config, dtype, attn_implementation, trust_remote_code, seed)
 
@@ -146,12 +149,26 @@ def _load(auto_class, model_name, model_config, dtype, attn_implementation, trus
         return _build_from_config(model_config, auto_class, seed=seed, dtype=dtype)
     import transformers
 
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    model_name, gguf = gguf_source(model_name)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, **gguf}
     if dtype is not None:
         kwargs["dtype"] = resolve_dtype(dtype) or "auto"
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    return from_pretrained(getattr(transformers, auto_class).from_pretrained, model_name, "model", **kwargs)
+    model = from_pretrained(getattr(transformers, auto_class).from_pretrained, model_name, "model", **kwargs)
+    return model.train()  # from_pretrained returns eval mode; the caller trains it (a frozen copy calls .eval())
+
+
+def gguf_source(name: str) -> tuple[str, dict[str, str]]:
+    """``(folder, {"gguf_file": file name})`` for a ``.gguf`` file (a model that exists only in llama.cpp's format:
+    transformers reads its config, tokenizer and weights, dequantised, with ``from_pretrained(folder,
+    gguf_file=...)``; needs the ``gguf`` package), else ``(name, {})``."""
+    if not str(name).lower().endswith(".gguf"):
+        return name, {}
+    path = os.path.expanduser(name)
+    if not os.path.isfile(path):
+        raise ModelLoadError(name, "GGUF file not found")
+    return os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
 
 
 def from_pretrained(load: Callable[..., Any], name: str, kind: str, **kwargs: Any) -> Any:

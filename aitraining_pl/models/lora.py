@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import sys
 import warnings
 from collections.abc import Iterator
@@ -15,6 +16,22 @@ import torch
 from torch import nn
 
 from aitraining_pl.validation import Ranges, replaced, rules
+
+
+class _KernelsNotice(logging.Filter):
+    """Drops the two lines about bitsandbytes' CPU 4-bit kernel on the hub (``kernels-community``): ``import peft``
+    imports bitsandbytes, whose CPU backend tries to fetch it at import on CPUs with AVX512-BF16 (``kernels`` then
+    notes it skips the publisher check offline, bitsandbytes that it could not load it), so every LoRA run printed
+    them, quantized or not; a 4-bit base then runs on bitsandbytes' own kernel."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in record.getMessage() or "bitsandbytes" not in record.getMessage()
+
+
+for _name in ("bitsandbytes.backends.cpu.ops", "kernels._internals.hf_hub"):
+    _logger = logging.getLogger(_name)
+    if not any(isinstance(f, _KernelsNotice) for f in _logger.filters):
+        _logger.addFilter(_KernelsNotice())
 
 
 @dataclass

@@ -100,7 +100,7 @@ def load_quantized(
             load_full().save_pretrained(folder, safe_serialization=True)
             model = auto.from_pretrained(folder, **quant)
     keep_one_weight_format(model)
-    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return prepare_model_for_kbit_training(model.train(), use_gradient_checkpointing=False)  # eval after loading
 
 
 def keep_one_weight_format(model: nn.Module) -> None:

@@ -2,19 +2,42 @@
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 
+#: ``adds_bos`` per tokenizer object (asked once: it encodes a probe text twice)
+_ADDS_BOS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` itself puts its BOS token first when it encodes with special tokens, as TRL's
+    tokenization (``tokenizer(text)``) then has it: Llama 3, Gemma and Mistral do; SmolLM2 declares
+    ``<|im_start|>`` as its BOS token but never adds it; Qwen2.5 has none."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    try:
+        return _ADDS_BOS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    first = list(tokenizer("x")["input_ids"])[:1]
+    answer = first == [bos] and list(tokenizer("x", add_special_tokens=False)["input_ids"])[:1] != [bos]
+    with contextlib.suppress(TypeError):  # an object that cannot be weakly referenced is asked each time
+        _ADDS_BOS[tokenizer] = answer
+    return answer
+
 
 def with_bos(ids: Sequence[int], tokenizer: Any) -> list[int]:
-    """``ids`` with the tokenizer's BOS token in front, unless it has none or ``ids`` already starts with it (a
-    chat template that writes BOS itself), so every sequence starts the way the model was pretrained."""
+    """``ids`` with the tokenizer's BOS token in front when the tokenizer adds it itself (``adds_bos``) and ``ids``
+    do not already start with it (a chat template that writes BOS itself), so every sequence starts as the model's
+    own tokenizer starts it."""
     ids = list(ids)
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is not None and (not ids or ids[0] != bos):
-        ids.insert(0, bos)
+    if adds_bos(tokenizer) and (not ids or ids[0] != tokenizer.bos_token_id):
+        ids.insert(0, tokenizer.bos_token_id)
     return ids
 
 

@@ -311,12 +311,45 @@ class AlignmentModule(pl.LightningModule):
                 self.log(key, value, on_step=True, on_epoch=False, batch_size=batch_size, prog_bar=name in prog_bar)
 
     # ------------------------------------------------------------------ checkpoints and export
+    #: whether checkpoints hold the frozen base of a LoRA network too (off: only what trains; the base is rebuilt
+    #: from its source, ``model_name`` or ``model_config``, when the module is built for a resume)
+    checkpoint_frozen_base: bool = False
+
     def state_dict(self, *args, **kwargs):
-        """Module state without torchmetrics accumulators (they hold no learnt state)."""
+        """Module state without torchmetrics accumulators (they hold no learnt state) and, under LoRA, without the
+        frozen base (``checkpoint_frozen_base``): a LoRA checkpoint holds the adapters, not the whole model."""
         state = super().state_dict(*args, **kwargs)
-        for key in [k for k in state if k.startswith("_epoch_metrics.")]:
+        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+        frozen = {prefix + key for key in self.frozen_base_keys()}
+        for key in [k for k in state if k.startswith(prefix + "_epoch_metrics.") or k in frozen]:
             del state[key]
         return state
+
+    def frozen_base_keys(self) -> set[str]:
+        """State keys of the frozen base of every LoRA network (everything of it but its trainable parameters:
+        base weights, a 4-bit base's quantization state), unless ``checkpoint_frozen_base``."""
+        if self.checkpoint_frozen_base:
+            return set()
+        keys: set[str] = set()
+        for name, network in self.named_modules():
+            if is_peft_model(network):
+                trainable = {n for n, p in network.named_parameters() if p.requires_grad}
+                head = f"{name}." if name else ""
+                keys |= {head + k for k in nn.Module.state_dict(network) if k not in trainable}
+        return keys
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """As ``nn.Module.load_state_dict``, with the frozen LoRA base (``frozen_base_keys``) not expected: the base
+        as built from its source stays."""
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        frozen = self.frozen_base_keys()
+        missing = [k for k in result.missing_keys if k not in frozen and not k.startswith("_epoch_metrics.")]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"{type(self).__name__}: checkpoint state does not match: missing {missing[:5]}, "
+                f"unexpected {result.unexpected_keys[:5]}"
+            )
+        return result
 
     def save_pretrained(self, path: str | os.PathLike, merge_lora: bool = False) -> None:
         """Write the policy as a Hugging Face folder (config + safetensors), the tokenizer and a model card

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.losses import (
@@ -171,6 +172,11 @@ class CriticFreeModule(OnlineRLModule):
                 "weights the k3 KL term of the loss: needs kl_coef > 0 and kl_in_reward: false",
             )
         self.model, self.reference = self.load_policy_from_hparams(with_reference=bool(kl_coef))
+        if self.reference is not None and not self.reference.shares_weights:
+            rank_zero_info(
+                f"{type(self).__name__}: kl_coef={kl_coef} loads a frozen copy of the policy as the KL reference (a "
+                "second full model in memory); kl_coef: 0 (TRL's default) loads none, LoRA shares the base weights"
+            )
         reference = self.reference.model if self.reference is not None else None
         self.apply_training_options(reference, getattr(self.reward_source, "model", self.reward_source))
 
@@ -310,7 +316,9 @@ class GRPOModule(CriticFreeModule):
     Args:
         advantage: advantage estimator (default ``grpo``).
         loss_aggregation: loss aggregation (default ``sequence``).
-        kl_coef: weight of the k3 KL term in the loss.
+        kl_coef: weight of the k3 KL term in the loss. The default 0.04 (DeepSeekMath's) loads a frozen copy of the
+            policy as the reference, a second full model in memory (under LoRA the base with adapters off instead);
+            0, TRL's default (``beta=0.0``), loads no reference.
     """
 
     def __init__(

@@ -135,6 +135,29 @@ def test_dpo_resume_is_bit_identical(tmp_path, deterministic, k):
     _assert_same_weights(full.policy, resumed.policy)
 
 
+def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path, deterministic):
+    """A LoRA checkpoint holds what trains (the adapters), not the frozen base, which the resumed module rebuilds
+    from its source; the resumed run ends bit-identical to the uninterrupted one (adapters and base)."""
+    from aitraining_pl.models import LoRAConfig
+
+    def make():
+        module = DPOModule(
+            model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-2, lora=LoRAConfig(r=4, dropout=0.0)
+        )
+        return module, _preference_data(module.tokenizer)
+
+    full, resumed, (a, first, b), _ = _run_and_resume(tmp_path, make, 3, max_steps=6)
+    state = torch.load(tmp_path / "ckpt" / "step=3.ckpt", weights_only=True)["state_dict"]
+    trainable = {n for n, p in full.named_parameters() if p.requires_grad}
+    assert set(state) == trainable and all("lora_" in k for k in state)
+    base = sum(v.numel() for v in full.policy.state_dict().values())
+    assert sum(v.numel() for v in state.values()) < base / 5
+    assert first.batches[:3] + b.batches == a.batches
+    _assert_same_weights(full.policy, resumed.policy)
+    full.checkpoint_frozen_base = True  # asked for: the whole model
+    assert set(full.state_dict()) == {f"policy.{k}" for k in full.policy.state_dict()}
+
+
 def test_dpo_resume_with_precomputed_reference_and_length_grouping(tmp_path, deterministic):
     def make():
         module = DPOModule(

@@ -120,7 +120,7 @@ def test_ultrafeedback_binarized_h4_layout(tmp_path, tok):
     }
     [(prompt, chosen, rejected)] = pairs(tok, tmp_path / "uf.parquet", [row])
     assert prompt == chatml(user(q), generation_prompt=True)  # the user turn once, with the assistant header
-    assert chosen == "4.<|im_end|>\n</s>" and rejected == "5.<|im_end|>\n</s>"
+    assert chosen == "4.<|im_end|>\n" and rejected == "5.<|im_end|>\n"  # the template ended the turn: no EOS
     assert q not in chosen
 
 
@@ -139,7 +139,7 @@ def test_prompt_plus_completion_tokens_are_the_rendered_conversation(tmp_path, t
     e = dm.train_dataset[0]
     for key, reply in (("chosen_ids", a), ("rejected_ids", b)):
         whole = tok(render(tok, [user(q), assistant(reply)]), add_special_tokens=False)["input_ids"]
-        assert e["prompt_ids"] + e[key] == whole + [tok.eos_token_id]
+        assert e["prompt_ids"] + e[key] == whole  # no EOS after the template's end (TRL)
     assert tok.decode(e["prompt_ids"]) == chatml(user(q), generation_prompt=True)
 
 
@@ -160,7 +160,7 @@ def test_hh_rlhf_conversational_implicit_and_explicit_agree(tmp_path, tok):
     explicit = [{"prompt": history, "chosen": [assistant("Water is wet.")], "rejected": [assistant("No.")]}]
     got = pairs(tok, tmp_path / "implicit.jsonl", implicit)
     assert got == pairs(tok, tmp_path / "explicit.parquet", explicit)
-    assert got == [(chatml(*history, generation_prompt=True), "Water is wet.<|im_end|>\n</s>", "No.<|im_end|>\n</s>")]
+    assert got == [(chatml(*history, generation_prompt=True), "Water is wet.<|im_end|>\n", "No.<|im_end|>\n")]
 
 
 def test_capybara_preferences_layout(tmp_path, tok):
@@ -178,7 +178,7 @@ def test_capybara_preferences_layout(tmp_path, tok):
     }
     [(p, chosen, rejected)] = pairs(tok, tmp_path / "capy.jsonl", [row])
     assert p == chatml(*prompt, generation_prompt=True)
-    assert (chosen, rejected) == ("6<|im_end|>\n</s>", "7<|im_end|>\n</s>")
+    assert (chosen, rejected) == ("6<|im_end|>\n", "7<|im_end|>\n")
 
 
 def test_explicit_standard_and_implicit_standard(tmp_path, tok):
@@ -196,7 +196,7 @@ def test_conversational_extensions(tmp_path, tok):
         {"prompt": "Hi", "chosen": [assistant("A")], "rejected": [assistant("B")]},
     ]
     got = pairs(tok, tmp_path / "x.jsonl", rows)
-    assert got[0] == got[1] == (chatml(user("Hi"), generation_prompt=True), "A<|im_end|>\n</s>", "B<|im_end|>\n</s>")
+    assert got[0] == got[1] == (chatml(user("Hi"), generation_prompt=True), "A<|im_end|>\n", "B<|im_end|>\n")
     prefilled = [{"prompt": q + [assistant("Sure:")], "chosen": [assistant(" yes")], "rejected": [assistant(" no")]}]
     dm = PreferenceDataModule(
         prompts=[r["prompt"] for r in prefilled],

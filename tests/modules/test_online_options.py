@@ -130,3 +130,19 @@ def test_ppo_takes_the_token_level_options(monkeypatch):
         loss_type="cispo", token_weights=weights,
     )  # fmt: skip
     assert stats["policy_loss"].item() == pytest.approx(expected.item(), abs=1e-6) and torch.isfinite(loss)
+
+
+def test_a_reference_copy_is_announced_once_where_it_is_loaded(caplog):
+    """GRPO's default kl_coef 0.04 loads a second full model (TRL's default beta=0.0 loads none): one info line says
+    so when the frozen copy is built; kl_coef 0 and LoRA (the base with adapters off) load no copy and say nothing."""
+    from aitraining_pl.models import LoRAConfig
+
+    common = {"reward": TOY_REWARD, "model_config": TINY_LLAMA, "tokenizer_name": "byte"}
+    with caplog.at_level("INFO"):
+        GRPOModule(**common)
+    assert [r.getMessage() for r in caplog.records if "kl_coef=0.04 loads a frozen copy" in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        GRPOModule(**common, kl_coef=0.0)
+        GRPOModule(**common, lora=LoRAConfig(r=4))
+    assert not [r for r in caplog.records if "frozen copy" in r.getMessage()]

