@@ -75,6 +75,7 @@ def smollm2_folder(root: str | os.PathLike | None = None) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_FOLDER}-", dir=target))
     try:
         _convert(smollm2_gguf(), staging)
+        os.chmod(staging, 0o755)  # mkdtemp's 0700: the folder serves every user of the machine
         try:
             os.rename(staging, folder)
         except OSError:  # another process renamed its copy first: keep that one
