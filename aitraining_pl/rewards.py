@@ -87,15 +87,17 @@ def exact_answer_reward(prompts: list[str], responses: list[str], metadata: list
     """1.0 when a response is exactly ``metadata["answer"]`` (surrounding spaces and a final full stop aside),
     0.5 when its last number is the answer but other text surrounds it (``"14 + 7 = 21"``), else 0.0: the real-model
     quickstart's task (``quickstart_arithmetic.jsonl``), answering with just the number."""
-    from aitraining_pl.environments.math_problems import parse_final_number
-
     scores = []
     for response, meta in zip(responses, metadata):
         answer = float((meta or {})["answer"])
+        numbers = _NUMBER.findall(response)
         text = response.strip().rstrip(".").strip()
-        exact = parse_final_number(text) == answer and text.lstrip("-").replace(".", "", 1).isdigit()
-        scores.append(1.0 if exact else 0.5 if parse_final_number(response) == answer else 0.0)
+        exact = _NUMBER.fullmatch(text) is not None and float(text) == answer
+        scores.append(1.0 if exact else 0.5 if numbers and float(numbers[-1]) == answer else 0.0)
     return scores
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 # ---------------------------------------------------------------------------------------------------------
