@@ -226,6 +226,7 @@ def run_trl(args) -> dict:
         disable_tqdm=True,
         max_grad_norm=1.0,
         weight_decay=0.0,
+        gradient_checkpointing=False,  # TRL 1.16's GRPOConfig turns it on by default; ours is off
     )
     with tempfile.TemporaryDirectory() as out:
         if args.algorithm == "grpo":
