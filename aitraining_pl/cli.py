@@ -334,6 +334,11 @@ def main(args: list[str] | None = None) -> None:
 
             vllm_serve(argv[1:])
             return
+        if argv[0] == "tinker-serve":  # the tinker client's protocol on this project's models (docs/tinker.md)
+            from aitraining_pl.tinker.serve import main as tinker_serve
+
+            tinker_serve(argv[1:])
+            return
         if argv[0] == "serve":  # the frame-protocol generation server (deprecated; docs/vllm.md)
             from aitraining_pl.generation.servers.serve import main as serve
             from aitraining_pl.generation.servers.served import TCP_RETIRES

@@ -12,9 +12,13 @@ installed before (Lightning's, which records it) and then raises ``CallInterrupt
 ``SIGTERMException``: the run stops as Lightning stops it between steps (the command line exits with status 143),
 instead of waiting for a call that may never return. Without a Python handler SIGTERM ends the process as usual.
 
+``exits_watched()`` covers the threads the function starts: while it is open, ``os._exit`` from any thread of this
+process other than the main thread raises ``ExitCalled`` in that thread (which ends it) and is recorded in the list
+it yields, for the caller to fail loudly (the agent environment stops the run with one line naming the thread).
+
 Limits: a function that installs signal handlers (``signal.signal`` works only in the main thread) fails in
-the worker thread; ``os._exit`` from a thread the function starts, or ``posix._exit``, still ends the process;
-a function that swallows ``BaseException`` can hide ``ExitCalled``.
+the worker thread; ``posix._exit`` or a crash of the interpreter still ends the process (only a subprocess could
+see it); a function that swallows ``BaseException`` can hide ``ExitCalled``.
 """
 
 from __future__ import annotations
@@ -46,13 +50,37 @@ class CallInterrupted(SIGTERMException):
 
 _real_exit = os._exit
 _guarded: set[int] = set()  # idents of the worker threads whose os._exit raises
+_watches: list[list] = []  # open ``exits_watched`` lists: (thread name, code) of each os._exit they caught
 _lock = threading.Lock()
 
 
 def _exit(code: int) -> None:
-    if threading.get_ident() in _guarded and os.getpid() == _pid:
-        raise ExitCalled(code)
+    if os.getpid() == _pid:
+        if threading.get_ident() in _guarded:
+            raise ExitCalled(code)
+        if _watches and threading.current_thread() is not threading.main_thread():
+            with _lock:
+                for seen in _watches:
+                    seen.append((threading.current_thread().name, code))
+            raise ExitCalled(code)
     _real_exit(code)
+
+
+@contextlib.contextmanager
+def exits_watched():
+    """While open, ``os._exit`` from a thread of this process other than the main one raises ``ExitCalled`` in that
+    thread instead of ending the process, and is recorded in the yielded list as (thread name, code)."""
+    global _pid
+    seen: list[tuple[str, int]] = []
+    with _lock:
+        _pid = os.getpid()
+        os._exit = _exit
+        _watches.append(seen)
+    try:
+        yield seen
+    finally:
+        with _lock:
+            _watches.remove(seen)
 
 
 _pid = os.getpid()

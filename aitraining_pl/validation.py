@@ -194,6 +194,7 @@ CONSTRAINTS: dict[str, Rule] = {
     "max_grad_norm": Range(0, optional=True),
     "gradient_accumulation_steps": COUNT,
     "mini_batch_size": COUNT,
+    "token_budget": Range(1, integer=True, optional=True),
     # preference losses (DPO family)
     "beta": POSITIVE,
     "label_smoothing": Range(0, 0.5, high_open=True),

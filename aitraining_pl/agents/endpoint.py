@@ -17,7 +17,9 @@ itself, a colocated vLLM engine, a generation server) samples, with the run's ge
 - **Images.** A user message's content may hold ``image_url`` parts whose URLs are ``data:image/...;base64,`` data
   URLs (any other URL: a 400 naming the field; nothing is fetched). With a vision-language policy (its tokenizer
   carries its processor), each becomes the processor's image placeholder in the rendered chat, expanded into the
-  image's tokens, and the image's pixel values go with the prompt to the HF decoder (``environments.vision_chat``,
+  image's tokens (an image of more than ``datamodules.vision.MAX_IMAGE_PIXELS`` pixels, refused from its header, or
+  more than ``MAX_IMAGES`` images in one request: a 400 naming the field; images are decoded one at a time), and the
+  image's pixel values go with the prompt to the HF decoder (``environments.vision_chat``,
   ``models.vision_decoding``); each record keeps its prompt's images (``CallRecord.images``), so the trainer's
   log-prob pass sees the same pixel values; image tokens are part of the prompt, never trained on. A text-only
   policy answers an image part with a 400 naming it.
@@ -29,9 +31,10 @@ itself, a colocated vLLM engine, a generation server) samples, with the run's ge
   trained as sampled), and the model samples the call from there. ``parallel_tool_calls: false`` stops the turn
   after its first call (``hermes``; ``llama3`` writes one call anyway; ``mistral`` refuses it with a 400).
 - **Limits.** A call whose prompt plus ``max_tokens`` (capped as below) is longer than the model's context
-  (``max_position_embeddings``) gets a 400 (``context_length_exceeded``) before anything is sampled, and so does a
-  request whose text is so long that it could not fit (more than ``MAX_CHARS_PER_TOKEN`` characters per token of
-  the context), before it is rendered. Rendering runs in a thread of its own, never on the server's loop.
+  (``max_position_embeddings``, a VL config's in its ``text_config``) gets a 400 (``context_length_exceeded``)
+  before anything is sampled, and so does a request whose text is so long that it could not fit (more than
+  ``MAX_CHARS_PER_TOKEN`` characters per token of the context), before it is rendered. Rendering runs in a thread of
+  its own, never on the server's loop.
   A batch whose sampling fails is sampled again one call at a time, so one episode's bad call fails that call only.
 - **Streaming.** ``stream: true`` is answered in OpenAI's server-sent-events format (``protocol.stream_chunks``)
   once the call is sampled: the recorded tokens are the same as without streaming.
@@ -76,10 +79,12 @@ from aitraining_pl.agents.protocol import (
 )
 from aitraining_pl.agents.recording import CallRecord
 from aitraining_pl.datamodules.io import DataValidationError
+from aitraining_pl.datamodules.vision import MAX_IMAGES
 from aitraining_pl.environments.episode_rollout import ChatFormat
 from aitraining_pl.environments.tools import detect_tool_format, parse_tool_calls
-from aitraining_pl.environments.vision_chat import chat_ids, vision_chat_format
+from aitraining_pl.environments.vision_chat import chat_ids, image_part_count, vision_chat_format
 from aitraining_pl.models.generation import StopRule
+from aitraining_pl.models.loading import context_length_of
 from aitraining_pl.models.vision import VisionInputs, merge_vision
 from aitraining_pl.rollout import RolloutEngine
 
@@ -238,9 +243,9 @@ class AgentEndpoint:
 
     @property
     def context_length(self) -> int | None:
-        """The model's context (``config.max_position_embeddings``; None when it does not say)."""
-        value = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        return int(value) if isinstance(value, int) and value > 0 else None
+        """The model's context (``models.loading.context_length_of``: a VL config's from its ``text_config``; None
+        when it does not say)."""
+        return context_length_of(self.model)
 
     def _checked_prompt(self, log: EpisodeLog, request: ChatRequest) -> tuple[list[int], list[dict], str, int]:
         """A call's prompt ids (with the tool-call prefill, ``tool_prefill``), its images' vision inputs, the
@@ -250,6 +255,10 @@ class AgentEndpoint:
         max_new = min(
             request.max_tokens or self.engine.generation.max_new_tokens, self.engine.generation.max_new_tokens
         )
+        count = image_part_count(request.messages)
+        if count > MAX_IMAGES:
+            raise RequestError(400, f"this request has {count} images: more than the {MAX_IMAGES} a call may carry",
+                               "messages")  # fmt: skip
         if context is not None:
             size = text_size(request.messages) + len(json.dumps(request.tools))
             if size > context * MAX_CHARS_PER_TOKEN:

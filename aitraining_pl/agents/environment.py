@@ -36,8 +36,10 @@ episodes timed out. An exception, ``sys.exit`` / ``os._exit`` in the agent's own
 is not a finite number is an *agent error*: ``on_agent_error`` says what it does (``stop``: the run stops with one
 ``RewardError`` naming the agent; ``zero_reward``: the episode scores 0 and trains on what it sampled; ``drop``:
 the episode gives no rows and no group statistic); ``episode/agent_errors`` counts them. ``os._exit`` from a
-thread the agent itself starts, or a crash of the interpreter, ends the process: only a subprocess could catch it.
-A finished (or timed-out) episode's key is closed at once.
+thread the agent itself starts cannot be told apart by episode: it ends that thread only (``guarded_call.
+exits_watched``) and then stops the run with one ``RewardError`` naming the agent, the thread and the code, whatever
+``on_agent_error`` says (agents run in the trainer's process, which they share with the endpoint and the policy; a
+crash of the interpreter still ends it). A finished (or timed-out) episode's key is closed at once.
 
 **Misattribution.** Calls are attributed by key, so agents that share one client (a process-global default, e.g.
 the OpenAI Agents SDK's ``set_default_openai_client``) land in one episode. ``episode/no_calls`` counts episodes
@@ -63,7 +65,7 @@ from aitraining_pl.agents.rows import episode_rows
 from aitraining_pl.environments.episode import EpisodeEnvironment, EpisodeLimits
 from aitraining_pl.environments.episode_rollout import check_assistant_turns
 from aitraining_pl.errors import RewardError
-from aitraining_pl.guarded_call import CallInterrupted, CallTimeout, guarded_call
+from aitraining_pl.guarded_call import CallInterrupted, CallTimeout, exits_watched, guarded_call
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, describe_failure, import_object
 from aitraining_pl.rollout import Rollout, RolloutEngine
 
@@ -191,20 +193,25 @@ class AgentEnvironment(EpisodeEnvironment):
         keys = [endpoint.open_episode(running=at_once) for _ in groups]
         jobs = [(key, prompts[g], dict(metadata[g] if metadata is not None else {})) for key, g in zip(keys, groups)]
         try:
-            if asynchronous:
-                rewards = self._run_async(endpoint, jobs, timeout)
-            else:
-                if self._http[0] is None:
-                    import openai
+            with exits_watched() as exits:  # os._exit from a thread an agent started: caught, then the run stops
+                if asynchronous:
+                    rewards = self._run_async(endpoint, jobs, timeout)
+                else:
+                    if self._http[0] is None:
+                        import openai
 
-                    self._http[0] = openai.DefaultHttpxClient(timeout=self.client_timeout)
-                rewards = self._run_threads(endpoint, jobs, timeout)
+                        self._http[0] = openai.DefaultHttpxClient(timeout=self.client_timeout)
+                    rewards = self._run_threads(endpoint, jobs, timeout)
             records = [endpoint.finish_episode(key) for key in keys]
             overlapping = [endpoint.overlapping(key) for key in keys]
         finally:
             for key in keys:
                 endpoint.finish_episode(key)
             endpoint.forget(keys)
+        if exits:
+            thread, code = exits[0]
+            why = f"a thread it started ({thread!r}) called os._exit({code}), which would have ended the run silently"
+            raise RewardError(self._where, f"{why}: the run stops (an agent returns or raises, never exits)")
         rewards, failed = self._outcomes(rewards)
         records = [[] if bad and self.on_agent_error == "drop" else r for r, bad in zip(records, failed)]
         extra = [

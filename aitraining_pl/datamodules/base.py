@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from aitraining_pl.datamodules.io import DataSource, DataValidationError, data_sources, read_records
-from aitraining_pl.datamodules.resumable import ResumableDataLoader
+from aitraining_pl.datamodules.resumable import RankBalancedSampler, ResumableDataLoader, SeededShuffleSampler
 from aitraining_pl.validation import Ranges, check_arguments, rules, save_hparams
 
 #: Source name of in-memory data in error messages.
@@ -129,11 +129,31 @@ class TextDataModule(pl.LightningDataModule):
         hp = self.hparams
         batch_size = batch_size or hp.eval_batch_size or hp.batch_size
         kwargs.setdefault("generator", torch.Generator().manual_seed(int(hp.seed)))
+        if dataset is getattr(self, "train_dataset", None) and hp.get("balance_ranks") and self._ranks() > 1:
+            kwargs = self._rank_balanced(dataset, batch_size, kwargs)
         if "sampler" not in kwargs and not kwargs.get("shuffle"):
             kwargs["sampler"] = self._in_order_sampler(dataset)
         return ResumableDataLoader(
             dataset, batch_size, collate_fn=self.collate_fn, num_workers=hp.num_workers, **kwargs
         )
+
+    def _ranks(self) -> int:
+        """Data-parallel processes of the trainer (1 without one)."""
+        kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        return int((kwargs or {}).get("num_replicas", 1))
+
+    def _rank_balanced(self, dataset: Any, batch_size: int, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``balance_ranks``: the training order (the given sampler, a seeded shuffle or the dataset's order) dealt to
+        the ranks with balanced token counts per step (``RankBalancedSampler``)."""
+        order = kwargs.pop("sampler", None)
+        if order is None:
+            order = (
+                SeededShuffleSampler(len(dataset), seed=int(self.hparams.seed))
+                if kwargs.pop("shuffle", False)
+                else range(len(dataset))
+            )
+        kwargs["sampler"] = RankBalancedSampler(order, dataset.lengths(), batch_size, self._ranks())
+        return kwargs
 
     def val_dataloader(self):
         return self._loader(self.val_dataset) if self.val_dataset is not None else []

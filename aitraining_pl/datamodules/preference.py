@@ -315,6 +315,9 @@ class PreferenceDataModule(RowPairsDataModule):
         batch_size: pairs per training batch.
         eval_batch_size: pairs per validation batch (default: ``batch_size``).
         group_by_length: batch pairs of similar length together (less padding, faster).
+        balance_ranks: under data parallelism, deal each step's rows to the ranks with balanced token counts
+            (Karmarkar-Karp, ``losses.micro_batches.balance_ranks``) instead of the distributed sampler's strided
+            split: no rank waits on one that drew the long rows (with ``token_budget``, docs/long_context.md).
         shuffle: shuffle the training pairs each epoch (off: file order, e.g. for benchmarks).
         num_workers: DataLoader worker processes.
         seed: seed of the validation split and the sampling order.
@@ -347,6 +350,7 @@ class PreferenceDataModule(RowPairsDataModule):
         batch_size: int = 8,
         eval_batch_size: int | None = None,
         group_by_length: bool = False,
+        balance_ranks: bool = False,
         shuffle: bool = True,
         num_workers: int = 0,
         seed: int = 0,

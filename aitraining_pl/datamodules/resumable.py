@@ -102,3 +102,42 @@ class ResumableDataLoader(DataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resume_at = int(state_dict.get("batches", 0))
         self._batches = self._resume_at
+
+
+class RankBalancedSampler(Sampler[int]):
+    """``sampler``'s order rearranged so that the data-parallel ranks' batches carry balanced token counts
+    (``losses.micro_batches.balance_ranks``, verl's ``_balance_batch``): each run of ``batch_size * ranks`` indices
+    (one step of every rank) is dealt so that the distributed sampler's split, index ``j`` to rank ``j % ranks``,
+    gives rank ``r`` the ``r``-th balanced group. The rows of a step stay that step's; a last, shorter run is left as
+    it is. ``set_epoch`` reaches ``sampler``.
+
+    Args:
+        sampler: the order (indices into the dataset).
+        lengths: tokens of each example.
+        batch_size: rows per rank and step.
+        ranks: data-parallel ranks.
+    """
+
+    def __init__(self, sampler: Iterable[int], lengths: list[int], batch_size: int, ranks: int):
+        self.sampler, self.lengths, self.batch_size, self.ranks = sampler, list(lengths), batch_size, ranks
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[int]:
+        from aitraining_pl.losses.micro_batches import balance_ranks
+
+        order, step = list(self.sampler), self.batch_size * self.ranks
+        dealt = []
+        for start in range(0, len(order), step):
+            run = order[start : start + step]
+            if len(run) < step:
+                dealt.extend(run)
+                break
+            groups = balance_ranks([self.lengths[i] for i in run], self.ranks)
+            dealt.extend(run[groups[r][j]] for j in range(self.batch_size) for r in range(self.ranks))
+        return iter(dealt)

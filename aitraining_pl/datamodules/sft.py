@@ -251,6 +251,9 @@ class SFTDataModule(TextDataModule):
         batch_size: rows per training batch.
         eval_batch_size: rows per validation batch (default: ``batch_size``).
         group_by_length: batch rows of similar length together (less padding).
+        balance_ranks: under data parallelism, deal each step's rows to the ranks with balanced token counts
+            (Karmarkar-Karp, ``losses.micro_batches.balance_ranks``) instead of the distributed sampler's strided
+            split: no rank waits on one that drew the long rows (with ``token_budget``, docs/long_context.md).
         shuffle: shuffle the training rows each epoch.
         num_workers: DataLoader worker processes.
         seed: seed of the validation split and the sampling order.
@@ -280,6 +283,7 @@ class SFTDataModule(TextDataModule):
         batch_size: int = 8,
         eval_batch_size: int | None = None,
         group_by_length: bool = False,
+        balance_ranks: bool = False,
         shuffle: bool = True,
         num_workers: int = 0,
         seed: int = 0,

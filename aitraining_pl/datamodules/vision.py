@@ -32,7 +32,7 @@ from aitraining_pl.models.vision import VisionInputs, processor_of
 
 #: the columns a row's images may come in (TRL's, then RLAIF-V's one image)
 IMAGE_COLUMNS = ("images", "image")
-#: the column of an encoded row that holds its images as read (PIL images)
+#: the column of an encoded row that holds its images as read (``EncodedImage``: decoded on use)
 IMAGES = "__images"
 
 
@@ -55,43 +55,100 @@ def row_images(record: dict) -> tuple[str | None, list[Any]]:
     return None, []
 
 
-def load_image(value: Any, source: str, row: int, field: str, max_image_pixels: int | None = None):
-    """One image as an RGB PIL image from a path, PIL image, bytes, a ``{"bytes", "path"}`` dict or a data URL;
-    a ``DataValidationError`` naming ``source``, ``row`` and ``field`` for a URL, a missing file, an unreadable
-    image or one of more than ``max_image_pixels`` pixels."""
-    from PIL import Image, UnidentifiedImageError
+#: the largest image (width x height) the agent endpoint, the HF server and environment replies decode unless told
+#: otherwise (4096 x 4096; Qwen2-VL's processor shrinks anything above 12.8M pixels anyway): a larger one is refused
+#: from its header, before it is decoded
+MAX_IMAGE_PIXELS = 4096 * 4096
+#: the most images one request (an endpoint call, an HF server prompt) or one environment reply may carry
+MAX_IMAGES = 32
+
+
+class EncodedImage:
+    """An image kept as its encoded bytes (a file's, a data URL's) and decoded on use (``rgb``), so that rows do not
+    keep full-size pixels (``size``: its width and height, from its header). A PIL image given in memory is kept as
+    it is (the caller holds it anyway)."""
+
+    __slots__ = ("data", "size")
+
+    def __init__(self, data: Any, size: tuple[int, int]):
+        self.data, self.size = data, size
+
+    def rgb(self):
+        """A fresh RGB PIL image."""
+        from PIL import Image
+
+        image = self.data if isinstance(self.data, Image.Image) else Image.open(io.BytesIO(self.data))
+        return image.convert("RGB")
+
+    def __repr__(self) -> str:
+        return f"EncodedImage({self.size[0]}x{self.size[1]})"
+
+
+def as_rgb(image: Any):
+    """``image`` as an RGB PIL image: an ``EncodedImage`` decoded, a PIL image converted where it is not RGB."""
+    if isinstance(image, EncodedImage):
+        return image.rgb()
+    return image if getattr(image, "mode", "RGB") == "RGB" else image.convert("RGB")
+
+
+def _encoded_bytes(value: Any, source: str, row: int | None, field: str) -> Any:
+    """The encoded bytes of an image value (or the PIL image itself); ``DataValidationError`` for a URL, a missing
+    file or something that is not an image."""
+    from PIL import Image
 
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path") or value.get("url")
+    if isinstance(value, (Image.Image, bytes)):
+        return value
+    if isinstance(value, bytearray):
+        return bytes(value)
+    if isinstance(value, str) and value.startswith("data:"):
+        return base64.b64decode(value.split(",", 1)[-1])
+    if isinstance(value, str) and value.startswith(("http://", "https://")):
+        raise DataValidationError(source, f"image URL {value[:80]!r} refused: nothing is fetched (offline); "
+                                  "download the image and give its path", row, field)  # fmt: skip
+    if isinstance(value, str):
+        path = os.path.expanduser(value)
+        if not os.path.isfile(path):
+            raise DataValidationError(source, f"image file not found: {value}", row, field)
+        with open(path, "rb") as handle:
+            return handle.read()
+    raise DataValidationError(source, f"not an image (path, bytes or PIL image): {type(value).__name__}", row, field)
+
+
+def read_image(value: Any, source: str, row: int | None, field: str, max_image_pixels: int | None = None,
+               decode: bool = True) -> EncodedImage:  # fmt: skip
+    """One image from a path, PIL image, bytes, a ``{"bytes", "path"}`` dict or a data URL, kept encoded
+    (``EncodedImage``). Its size is read from its header and checked against ``max_image_pixels`` before anything is
+    decoded; with ``decode`` it is then decoded once (and dropped) so that a broken file fails here. A URL, a missing
+    file, an unreadable, truncated or oversized image (PIL's decompression-bomb limit included) is a
+    ``DataValidationError`` naming ``source``, ``row`` and ``field``."""
+    from PIL import Image
+
+    data = _encoded_bytes(value, source, row, field)
     try:
-        if isinstance(value, Image.Image):
-            image = value
-        elif isinstance(value, (bytes, bytearray)):
-            image = Image.open(io.BytesIO(value))
-        elif isinstance(value, str) and value.startswith("data:"):
-            image = Image.open(io.BytesIO(base64.b64decode(value.split(",", 1)[-1])))
-        elif isinstance(value, str) and value.startswith(("http://", "https://")):
-            raise DataValidationError(source, f"image URL {value[:80]!r} refused: nothing is fetched (offline); "
-                                      "download the image and give its path", row, field)  # fmt: skip
-        elif isinstance(value, str):
-            path = os.path.expanduser(value)
-            if not os.path.isfile(path):
-                raise DataValidationError(source, f"image file not found: {value}", row, field)
-            image = Image.open(path)
-        else:
-            raise DataValidationError(source, f"not an image (path, bytes or PIL image): {type(value).__name__}", row,
-                                      field)  # fmt: skip
-        image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as err:
-        if isinstance(err, DataValidationError):
-            raise
+        image = data if isinstance(data, Image.Image) else Image.open(io.BytesIO(data))  # reads the header only
+        width, height = image.size
+        if max_image_pixels is not None and width * height > max_image_pixels:
+            raise DataValidationError(source, f"image of {width}x{height} = {width * height} pixels is larger than "
+                                      f"max_image_pixels={max_image_pixels}: refused (resize it or raise the limit)",
+                                      row, field)  # fmt: skip
+        if decode and not isinstance(data, Image.Image):
+            image.load()
+    except DataValidationError:
+        raise
+    except Exception as err:  # UnidentifiedImageError, OSError (truncated), DecompressionBombError, ValueError, ...
         raise DataValidationError(source, f"unreadable image: {type(err).__name__}: {err}"[:300], row, field) from None
-    width, height = image.size
-    if max_image_pixels is not None and width * height > max_image_pixels:
-        raise DataValidationError(source, f"image of {width}x{height} = {width * height} pixels is larger than "
-                                  f"max_image_pixels={max_image_pixels}: refused (resize it or raise the limit)", row,
-                                  field)  # fmt: skip
-    return image.convert("RGB")
+    return EncodedImage(data, (width, height))
+
+
+def load_image(value: Any, source: str, row: int | None, field: str, max_image_pixels: int | None = None):
+    """``read_image`` decoded: an RGB PIL image (the same ``DataValidationError``s)."""
+    image = read_image(value, source, row, field, max_image_pixels, decode=False)
+    try:
+        return image.rgb()
+    except Exception as err:  # noqa: BLE001 - a truncated or broken image, however PIL says it
+        raise DataValidationError(source, f"unreadable image: {type(err).__name__}: {err}"[:300], row, field) from None
 
 
 def _flatten(content: Any, placeholder: str, urls: list[Any]) -> tuple[Any, int]:
@@ -153,8 +210,10 @@ class RowImages:
             value, n, found = flatten_parts(record.get(name), self.placeholder)
             self.values[name], count, urls = value, count + n, urls + found
         field = column or (fields[0] if fields else "images")
-        self.images = [load_image(v, source, row, f"{field}[{i}]" if column else field, max_image_pixels)
-                       for i, v in enumerate(images + urls)]  # fmt: skip
+        self.images = [
+            read_image(v, source, row, f"{field}[{i}]" if column else field, max_image_pixels)
+            for i, v in enumerate(images + urls)
+        ]  # fmt: skip (kept encoded: ``EncodedImage``)
         if count == 0 and images and not urls and fields and isinstance(self.values[fields[0]], str):
             self.values[fields[0]] = self.placeholder * len(images) + self.values[fields[0]]  # images first
             count = len(images)
@@ -166,6 +225,7 @@ class RowImages:
 def encode_with_images(processor, text: str, images: list[Any]) -> tuple[list[int], dict[str, Any]]:
     """``text`` and its images through the processor: the token ids (image placeholders expanded, no special tokens
     added) and the vision inputs (no text keys)."""
+    images = [as_rgb(image) for image in images]  # an ``EncodedImage`` decoded here, dropped after
     out = processor(text=[text], images=[images] if images else None, add_special_tokens=False, return_tensors="pt")
     vision = VisionInputs.from_processor([out]).prompts[0] if images else {}
     return out["input_ids"][0].tolist(), vision

@@ -6,7 +6,9 @@ pool live in the trainer cannot hang a tool that uses torch, as it does in a chi
 child subreaper (``sandbox_supervisor.prctl``). Each call runs in a child forked from the worker, leading its own
 process group, with its output captured and bounded; when the call returns, fails or passes its timeout, the
 worker SIGKILLs that group and every process re-parented to it (``sandbox_supervisor.kill_tree``): a subprocess
-the tool started, a ``setsid`` daemon, a hung call and its children do not outlive the call. The worker ends when
+the tool started, a ``setsid`` daemon, a hung call and its children do not outlive the call. The worker waits on the
+call's result pipe and on its process together, so a call that dies is noticed at once, even while a grandchild
+keeps the pipe open. The worker ends when
 the trainer closes its end or stops it (at exit: a call in flight is killed with its processes first), or when the
 trainer dies (its end closes), so it never outlives the trainer for longer than a call.
 
@@ -104,7 +106,7 @@ def _run_call(channel: Connection, fn: Callable, arguments: dict, timeout: float
             os._exit(0)
     send.close()
     try:
-        if not receive.poll(timeout):
+        if not _result_or_death(receive, pid, timeout):
             return "error", f"the tool did not finish within {timeout:g} s"
         return receive.recv()
     except (EOFError, OSError):
@@ -112,6 +114,28 @@ def _run_call(channel: Connection, fn: Callable, arguments: dict, timeout: float
     finally:
         receive.close()
         kill_tree(pid)
+
+
+def _result_or_death(receive: Connection, pid: int, timeout: float) -> bool:
+    """Wait until the call's result can be read, its process ``pid`` has ended or ``timeout`` passed; whether the pipe
+    has something to read (its end: the process died without a result). A grandchild that kept the pipe open cannot
+    hide the process's death: the wait is on the process too (a pidfd, Linux 5.3+; elsewhere on the pipe only)."""
+    from multiprocessing.connection import wait
+
+    try:
+        process = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return receive.poll(timeout)
+    try:
+        wait([receive, process], timeout)
+        if receive.poll(0):
+            return True
+        ended = bool(wait([process], 0))
+    finally:
+        os.close(process)
+    if ended:
+        raise EOFError("the tool's process ended without a result")
+    return False
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -14,8 +14,10 @@ so a message's text cannot forge an image), and then each placeholder's tokens a
 exactly as the processor expands them for that image alone (``datamodules.vision.encode_with_images``), the image's
 vision inputs (``pixel_values``, ``image_grid_thw``, ...) beside: a sequence's images, in order, are the list of
 those (``models.vision.merge_vision`` joins them for the model). Bad input raises ``DataValidationError`` naming the
-field (``messages[2].content[0]``): an unreadable image, a URL that is not a data URL, a text that spells the
-placeholder, more or fewer images than ``{"type": "image"}`` parts, and any image for a text-only policy.
+field (``messages[2].content[0]``): an unreadable, truncated or bomb image, one of more than ``max_image_pixels``
+pixels (refused from its header, before it is decoded), more than ``max_images`` images, a URL that is not a data
+URL, a text that spells the placeholder, more or fewer images than ``{"type": "image"}`` parts, and any image for a
+text-only policy. Images are decoded one at a time, as the processor takes each.
 ``chat_ids`` is the one entry point (a first prompt or a reply, text-only or VL).
 """
 
@@ -25,7 +27,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from aitraining_pl.datamodules.io import DataValidationError
-from aitraining_pl.datamodules.vision import encode_with_images, image_placeholder, load_image
+from aitraining_pl.datamodules.vision import (
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGES,
+    encode_with_images,
+    image_placeholder,
+    read_image,
+)
 from aitraining_pl.models.vision import processor_of
 
 IMAGE_PARTS = ("image", "image_url")
@@ -39,6 +47,16 @@ def image_part_field(messages: Sequence[dict], where: str = "messages", first: i
             if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
                 return f"{where}[{first + i}].content[{j}]"
     return None
+
+
+def image_part_count(messages: Any) -> int:
+    """How many image parts ``messages`` hold (nothing decoded)."""
+    return sum(
+        isinstance(part, dict) and part.get("type") in IMAGE_PARTS
+        for message in (messages if isinstance(messages, list) else ())
+        if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
 
 
 def without_pixels(message: dict) -> dict:
@@ -65,10 +83,14 @@ class ImageChat:
         chat: the chat format, made with the processor's placeholder (``vision_chat_format``).
         processor: the VL model's processor.
         source: what the errors name as the input (``the request``, ``the environment's reply``).
+        max_image_pixels: the largest image accepted (width x height).
+        max_images: the most images one call of ``flatten`` takes.
     """
 
-    def __init__(self, chat: Any, processor: Any, source: str = "messages"):
+    def __init__(self, chat: Any, processor: Any, source: str = "messages", max_image_pixels: int = MAX_IMAGE_PIXELS,
+                 max_images: int = MAX_IMAGES):  # fmt: skip
         self.chat, self.processor, self.source = chat, processor, source
+        self.max_image_pixels, self.max_images = max_image_pixels, max_images
         self.placeholder = image_placeholder(processor)
         self._placeholder_ids = chat.encode(self.placeholder)
 
@@ -85,9 +107,12 @@ class ImageChat:
         self, messages: Sequence[dict], images: Sequence[Any] = (), where: str = "messages", first: int = 0
     ) -> tuple[list[dict], list[Any]]:
         """``messages`` with each content list as one string, an image part as the placeholder, and their images
-        in order (RGB PIL images); ``images`` fill the ``{"type": "image"}`` parts. ``first``: the index of the
-        first message in the request (error fields)."""
+        in order (``EncodedImage``s, checked, decoded by ``expand``); ``images`` fill the ``{"type": "image"}``
+        parts. ``first``: the index of the first message in the request (error fields)."""
         given, found, out = list(images), [], []
+        count = image_part_count(list(messages))
+        if count > self.max_images:  # before any image is read
+            raise self._error(f"{count} images: more than the {self.max_images} one call or reply may carry", where)
         for i, message in enumerate(messages):
             at = f"{where}[{first + i}].content"
             content = message.get("content")
@@ -111,7 +136,7 @@ class ImageChat:
                 if isinstance(value, str) and kind == "image_url" and not value.startswith("data:image/"):
                     raise self._error(f"image URL {value[:60]!r} refused: only data:image/...;base64 URLs (nothing is "
                                       "fetched)", f"{field}.image_url.url")  # fmt: skip
-                found.append(load_image(value, self.source, None, field))
+                found.append(read_image(value, self.source, None, field, self.max_image_pixels))
                 text.append(self.placeholder)
             out.append({**message, "content": "".join(text)})
         if given:

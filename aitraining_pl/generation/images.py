@@ -26,8 +26,9 @@ BANNED = -100.0
 
 @dataclass
 class PromptImages:
-    """The images of a batch of prompts (``images[i]``: prompt ``i``'s RGB PIL images, in order), the token that
-    stands for one image feature in the expanded prompt ids (``placeholder_id``) and the ids never sampled."""
+    """The images of a batch of prompts (``images[i]``: prompt ``i``'s RGB PIL images or ``EncodedImage``s, in
+    order), the token that stands for one image feature in the expanded prompt ids (``placeholder_id``) and the ids
+    never sampled."""
 
     images: list[list[Any]]
     placeholder_id: int
@@ -60,8 +61,10 @@ class PromptImages:
 
 def data_url(image: Any) -> str:
     """An image as a ``data:image/png;base64,`` URL (PNG: lossless, the server decodes the same pixels)."""
+    from aitraining_pl.datamodules.vision import as_rgb
+
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
+    as_rgb(image).save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
@@ -140,14 +143,16 @@ def save_model_files(policy: Any, tokenizer: Any, folder: Any) -> None:
     save_processor(tokenizer, folder)
 
 
-def image_from_url(url: str) -> Any:
-    """An RGB PIL image from a ``data:image/...;base64,`` URL (a ``ValueError`` for anything else: nothing is
-    fetched)."""
-    from PIL import Image
+def image_from_url(url: str, field: str = "image", max_image_pixels: int | None = None) -> Any:
+    """An RGB PIL image from a ``data:image/...;base64,`` URL (a ``ValueError`` naming ``field`` for anything else,
+    nothing is fetched; for an unreadable, truncated or bomb image; for one of more than ``max_image_pixels`` pixels
+    (default ``datamodules.vision.MAX_IMAGE_PIXELS``), refused from its header before it is decoded)."""
+    from aitraining_pl.datamodules.vision import MAX_IMAGE_PIXELS, load_image
 
     if not str(url).startswith("data:image/"):
-        raise ValueError("images must be data:image/...;base64, URLs (nothing is fetched)")
-    return Image.open(io.BytesIO(base64.b64decode(str(url).split(",", 1)[-1]))).convert("RGB")
+        raise ValueError(f"{field}: images must be data:image/...;base64, URLs (nothing is fetched)")
+    limit = MAX_IMAGE_PIXELS if max_image_pixels is None else max_image_pixels
+    return load_image(str(url), "the request", None, field, limit)
 
 
 def expand(ids: Sequence[int], token: int, counts: Sequence[int]) -> list[int]:

@@ -45,12 +45,14 @@ from typing import Any
 
 import torch
 
+from aitraining_pl.datamodules.vision import as_rgb
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.config import EXTRA_CPU, EXTRA_GPU, VLLMConfig
 from aitraining_pl.generation.images import check_outputs, input_norm, reset_input_norms, save_processor
 from aitraining_pl.generation.registry import vllm_available  # noqa: F401 (its old home: generation.vllm.vllm_available)
 from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
+from aitraining_pl.models.loading import context_length_of
 from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.vision import processor_of
 from aitraining_pl.models.weights import policy_weights
@@ -254,7 +256,7 @@ class VLLMEngine:
         config = copy.deepcopy(hf.config)
         config.architectures = [type(hf).__name__]  # vLLM picks its model class by this (a bare trunk otherwise)
         config.save_pretrained(self.folder)
-        positions = getattr(config, "max_position_embeddings", None)
+        positions = context_length_of(config)  # a VL config's in its text_config
         max_length = options.max_model_len or (min(max_length, positions) if max_length and positions else max_length)
         tokenizer_folder = os.path.join(self.folder, "tokenizer")  # apart from config.json: AutoTokenizer would
         if tokenizer is not None:  # otherwise pick a class by the model type (Mistral's) over tokenizer_config's
@@ -451,7 +453,7 @@ class VLLMEngine:
         if request.images is not None:  # the placeholders unexpanded: vLLM expands them with the images
             for prompt, images in zip(prompts, request.images.images):
                 prompt["prompt_token_ids"] = request.images.unexpanded(prompt["prompt_token_ids"])
-                prompt["multi_modal_data"] = {"image": images}
+                prompt["multi_modal_data"] = {"image": [as_rgb(image) for image in images]}  # decoded here
         n = num_samples if generation.do_sample else 1  # vLLM refuses n > 1 when greedy: repeat the prompts
         prompts = prompts if n == num_samples else [p for p in prompts for _ in range(num_samples)]
         end_ids, stop_rule = request.end_ids, request.stop_rule

@@ -239,6 +239,17 @@ def _weights_file(folder: str) -> str | None:
     return files[0] if len(files) == 1 else None
 
 
+def context_length_of(model: Any) -> int | None:
+    """The longest sequence ``model`` (or its config) takes: ``max_position_embeddings``, which a vision-language
+    config keeps in its ``text_config``; None when the config does not say."""
+    config = getattr(model, "config", model)
+    for candidate in (config, getattr(config, "get_text_config", lambda: None)()):
+        value = getattr(candidate, "max_position_embeddings", None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def hidden_size_of(model: nn.Module) -> int:
     """The hidden size of a transformers model (``config.hidden_size``, or ``d_model``/``n_embd``)."""
     config = model.config

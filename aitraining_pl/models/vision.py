@@ -192,8 +192,8 @@ class VisionInputs:
 
     ``prompts[i]`` maps a processor key (``pixel_values``, ``image_grid_thw``, ...) to prompt ``i``'s tensor;
     ``group`` (N,) is the prompt of each row (every prompt once by default; a rollout's ``Rollout.group``);
-    ``images[i]``: prompt ``i``'s images as read (RGB PIL images), for an engine that encodes them itself (vLLM), or
-    None where they were not kept.
+    ``images[i]``: prompt ``i``'s images as read (RGB PIL images, or ``datamodules.vision.EncodedImage``s decoded on
+    use), for an engine that encodes them itself (vLLM), or None where they were not kept.
     """
 
     prompts: list[dict[str, torch.Tensor]]

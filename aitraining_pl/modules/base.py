@@ -52,7 +52,13 @@ EPOCH_STAGES = ("val", "test")
 
 #: ranges of the arguments every module has (the optimizer, the weights' dtype, LoRA); a module adds its own.
 MODULE_RANGES = rules(
-    "learning_rate", "warmup_ratio", "weight_decay", "lr_schedule", "dtype", lora=LoRAConfig.argument_ranges
+    "learning_rate",
+    "warmup_ratio",
+    "weight_decay",
+    "lr_schedule",
+    "dtype",
+    "token_budget",
+    lora=LoRAConfig.argument_ranges,
 )
 
 

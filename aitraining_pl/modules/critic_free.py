@@ -79,6 +79,10 @@ class CriticFreeModule(OnlineRLModule):
         learning_rate: peak AdamW learning rate (warmup by ``warmup_ratio``, then ``lr_schedule``).
         mini_batch_size: rollouts per forward/backward pass in the update.
         gradient_accumulation_steps: minibatches per optimizer step.
+        token_budget: real tokens per forward/backward pass in the update (TRL's AsyncGRPO name; verl's
+            ``ppo_max_token_len_per_gpu``): each minibatch of ``mini_batch_size`` rows is split into balanced
+            micro-batches within it with the minibatch's loss and gradients (docs/
+            long_context.md); a longer row is an error. ``null``: one pass per minibatch.
         num_iterations: passes over each rollout batch (old log-probs are computed only when > 1).
         epsilon: lower clip range of the ratio (``1 - epsilon``).
         epsilon_high: upper clip range (``1 + epsilon_high``; default ``epsilon``; DAPO's clip-higher: 0.28).
@@ -133,6 +137,7 @@ class CriticFreeModule(OnlineRLModule):
         learning_rate: float = 1e-6,
         mini_batch_size: int = 8,
         gradient_accumulation_steps: int = 1,
+        token_budget: int | None = None,
         num_iterations: int = 1,
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
@@ -188,18 +193,21 @@ class CriticFreeModule(OnlineRLModule):
     # ------------------------------------------------------------------ log-prob passes
     @torch.no_grad()
     def frozen_logprobs(self, rollout: RolloutBatch, reference: bool) -> torch.Tensor:
-        """(N, R) log-probs of the policy (eval mode) or of the reference, ``mini_batch_size`` rows at a time."""
+        """(N, R) log-probs of the policy (eval mode) or of the reference, a run of rows at a time (``row_chunks``)."""
         ids, attention, P = rollout.input_ids, rollout.attention_mask, rollout.prompt_length
         vision = lambda r: self.vision_rows(rollout.vision, r)  # noqa: E731
         if reference:
             return torch.cat(
-                self.in_minibatches(lambda r: self.reference_logprobs(ids[r], attention[r], P, vision(r)), len(ids))
+                self.in_minibatches(
+                    lambda r: self.reference_logprobs(ids[r], attention[r], P, vision(r)), len(ids), attention
+                )
             )
         with eval_mode(self.policy):
             return torch.cat(
                 self.in_minibatches(
                     lambda r: self.response_scores(self.policy, ids[r], attention[r], P, vision=vision(r)).logprobs,
                     len(ids),
+                    attention,
                 )
             )
 
@@ -271,6 +279,10 @@ class CriticFreeModule(OnlineRLModule):
             rollout.vision,
         )
         return experience, stats
+
+    def share_aggregation(self) -> str:
+        """``loss_aggregation``: what weighs a micro-batch's loss in its minibatch's (``token_budget``)."""
+        return self.hparams.loss_aggregation
 
     def minibatch_loss(self, exp: PolicyExperience, idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Clipped policy-gradient loss on rollouts ``idx`` (plus ``kl_coef`` * k3 when the KL is in the loss)."""

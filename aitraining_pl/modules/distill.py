@@ -367,12 +367,16 @@ class DistillationModule(CriticFreeModule):
         ids, attention, P, mask = rollout.input_ids, rollout.attention_mask, rollout.prompt_length, rollout.mask
         self.check_sees_images(rollout.vision)
         hidden = ids.new_zeros(*mask.shape, hidden_size_of(self.teacher.model), dtype=torch.float32)
-        for rows in torch.arange(len(ids), device=ids.device).split(self.hparams.mini_batch_size):
+        for rows in self.row_chunks(len(ids), attention):
             images = self.vision_rows(rollout.vision, rows)
             values = self.teacher.hidden(ids[rows], attention[rows], P, mask[rows], images).float()
             hidden[rows] = hidden[rows].index_put(torch.nonzero(mask[rows], as_tuple=True), values)
         advantages = torch.zeros(mask.shape, device=ids.device)
         return DistillationExperience(ids, attention, P, mask, hidden, advantages, rollout.vision), {}
+
+    def share_aggregation(self) -> str:
+        """``full``: the divergence is a token mean; ``sampled``: ``loss_aggregation`` (``token_budget``)."""
+        return super().share_aggregation() if self.hparams.mode == "sampled" else "token"
 
     def minibatch_loss(self, exp, idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``full``: the generalized JSD (token mean) on rows ``idx``; ``sampled``: the online policy loss."""

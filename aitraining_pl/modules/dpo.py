@@ -63,6 +63,10 @@ class DPOModule(PreferenceModule):
             default: transformers' choice, SDPA where supported).
         disable_dropout: set every dropout rate to 0 (policy and reference), as TRL does:
             training forwards are then deterministic.
+        token_budget: real tokens per forward pass (TRL's AsyncGRPO name; verl's ``ppo_max_token_len_per_gpu``): the
+            batch's rows (pairs kept together) run in balanced micro-batches within it, each but the last recomputed
+            in backward, with the whole batch's loss and gradients (docs/long_context.md); a longer row is an error.
+            ``null``: the batch in one pass.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
         freeze_vision_tower: a vision-language policy's vision encoder gets no gradients (its projector into the
@@ -102,6 +106,7 @@ class DPOModule(PreferenceModule):
         attn_implementation: str | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        token_budget: int | None = None,
         freeze_vision_tower: bool = True,
         quantization: QuantizationConfig | None = None,
         precompute_ref_logps: bool | None = None,

@@ -48,6 +48,10 @@ class KTOModule(PreferenceModule):
         trust_remote_code: allow custom model code from the hub (off by default).
         attn_implementation: attention kernel passed to transformers (default: transformers' choice).
         disable_dropout: set every dropout rate to 0 (policy and reference), as TRL does.
+        token_budget: real tokens per forward pass (TRL's AsyncGRPO name; verl's ``ppo_max_token_len_per_gpu``): the
+            batch's rows (pairs kept together) run in balanced micro-batches within it, each but the last recomputed
+            in backward, with the whole batch's loss and gradients (docs/long_context.md); a longer row is an error.
+            ``null``: the batch in one pass.
         gradient_checkpointing: recompute activations in backward instead of storing them.
         freeze_vision_tower: a vision-language policy's vision encoder gets no gradients (its projector into the
             language model still trains, unless it sits inside the encoder, as Qwen VL's merger does); no effect
@@ -79,6 +83,7 @@ class KTOModule(PreferenceModule):
         attn_implementation: str | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        token_budget: int | None = None,
         freeze_vision_tower: bool = True,
         quantization: QuantizationConfig | None = None,
     ):

@@ -37,6 +37,7 @@ from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
 from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions, moved_correction
 from aitraining_pl.modules.timing import Stopwatch
+from aitraining_pl.modules.token_budget import TokenBudgetSteps, check_token_budget
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, build_reward_source
 from aitraining_pl.rollout import (
     GenerationConfig,
@@ -85,7 +86,7 @@ class TeardownOnFailure(pl.Callback):
         pl_module.teardown("fit")
 
 
-class OnlineRLModule(PolicyLossOptions, AlignmentModule):
+class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
     """Base class; subclasses call ``setup_online`` in ``__init__`` and implement ``make_experience`` and
     ``minibatch_loss``. They read ``mini_batch_size``, ``gradient_accumulation_steps``, ``max_grad_norm``,
     ``learning_rate``, ``warmup_ratio``, ``seed``, ``missing_eos_penalty``, ``num_iterations`` and (when they
@@ -130,6 +131,7 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             del values["reward"]
         self.save_arguments(values)
         self.set_policy_loss(options, sequence_level)
+        check_token_budget(type(self).__name__, arguments.get("token_budget"), options.top_entropy_quantile)
         warn_truncated_sampling(self.generation)
         source = reward if is_episode_environment(reward) else build_reward_source(reward)
         episodes = functools.partial(sample_episodes, environment=source) if is_episode_environment(source) else None
@@ -325,9 +327,12 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
         sample), or None for a text rollout."""
         return vision.rows(rows) if vision is not None else None
 
-    def in_minibatches(self, fn: Callable[[torch.Tensor], Any], n: int) -> list[Any]:
-        """``fn(rows)`` over ``mini_batch_size`` rows at a time (bounds the activations of a no-grad pass)."""
-        return [fn(rows) for rows in torch.arange(n, device=self.device).split(self.hparams.mini_batch_size)]
+    def in_minibatches(
+        self, fn: Callable[[torch.Tensor], Any], n: int, attention_mask: torch.Tensor | None = None
+    ) -> list[Any]:
+        """``fn(rows)`` over the runs of ``row_chunks`` (bounds the activations of a no-grad pass): ``mini_batch_size``
+        rows at a time, or with a ``token_budget`` and the rows' ``attention_mask`` runs within the budget."""
+        return [fn(rows) for rows in self.row_chunks(n, attention_mask)]
 
     @torch.no_grad()
     def reference_logprobs(
@@ -467,10 +472,8 @@ class OnlineRLModule(PolicyLossOptions, AlignmentModule):
             order = torch.randperm(n, generator=generator).to(self.device)
             for i, start in enumerate(range(0, n, hp.mini_batch_size)):
                 last_micro = (i + 1) % accum == 0
-                with optimizer.toggle_model(sync_grad=last_micro):
-                    loss, stats = self.minibatch_loss(experience, order[start : start + hp.mini_batch_size])
-                    self.manual_backward(loss / accum)
-                history.append(stats)
+                rows = order[start : start + hp.mini_batch_size]
+                history.append(self.minibatch_backward(optimizer, experience, rows, accum, sync=last_micro))
                 if last_micro:
                     optimizer.step()  # clips first (``on_before_optimizer_step``)
                     optimizer.zero_grad(set_to_none=True)

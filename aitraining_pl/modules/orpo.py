@@ -14,6 +14,7 @@ import torch
 from aitraining_pl.losses import DPOOutput, SequenceLogps, dpo_loss, orpo_loss
 from aitraining_pl.losses.preference import DPOLossType
 from aitraining_pl.models import LoRAConfig
+from aitraining_pl.models.micro_batches import budgeted_forward
 from aitraining_pl.models.quantization import QuantizationConfig
 from aitraining_pl.models.scoring import is_contiguous, pack_rows, scoring_path, token_logps
 from aitraining_pl.modules.base import MODULE_RANGES
@@ -81,6 +82,10 @@ class ORPOModule(PreferenceModule):
         trust_remote_code: allow custom model code from the hub (off by default).
         attn_implementation: attention kernel passed to transformers (default: transformers' choice).
         disable_dropout: set every dropout rate to 0, as TRL does.
+        token_budget: real tokens per forward pass (TRL's AsyncGRPO name; verl's ``ppo_max_token_len_per_gpu``): the
+            batch's rows (pairs kept together) run in balanced micro-batches within it, each but the last recomputed
+            in backward, with the whole batch's loss and gradients (docs/long_context.md); a longer row is an error.
+            ``null``: the batch in one pass.
         gradient_checkpointing: recompute activations in backward instead of storing them.
         freeze_vision_tower: a vision-language policy's vision encoder gets no gradients (its projector into the
             language model still trains, unless it sits inside the encoder, as Qwen VL's merger does); no effect
@@ -111,6 +116,7 @@ class ORPOModule(PreferenceModule):
         attn_implementation: str | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        token_budget: int | None = None,
         freeze_vision_tower: bool = True,
         quantization: QuantizationConfig | None = None,
     ):
@@ -124,7 +130,8 @@ class ORPOModule(PreferenceModule):
         if self.hparam("disable_prompt_loss", True):
             return super().shared_step(batch, stage)
         hp = self.hparams
-        policy, chosen_rows = logps_with_chosen_prompts(self.policy, batch, hp.padding_free or hp.share_prompt)
+        score = lambda rows: logps_with_chosen_prompts(self.policy, rows, hp.padding_free or hp.share_prompt)  # noqa: E731
+        policy, chosen_rows = budgeted_forward(score, batch, hp.token_budget, paired=True)
         return self.objective(policy, None, batch, stage, nll=chosen_nll(chosen_rows.logps, chosen_rows.lengths))
 
     def objective(self, policy, reference, batch, stage, nll: torch.Tensor | None = None):
@@ -178,6 +185,10 @@ class CPOModule(PreferenceModule):
         trust_remote_code: allow custom model code from the hub (off by default).
         attn_implementation: attention kernel passed to transformers (default: transformers' choice).
         disable_dropout: set every dropout rate to 0, as TRL does.
+        token_budget: real tokens per forward pass (TRL's AsyncGRPO name; verl's ``ppo_max_token_len_per_gpu``): the
+            batch's rows (pairs kept together) run in balanced micro-batches within it, each but the last recomputed
+            in backward, with the whole batch's loss and gradients (docs/long_context.md); a longer row is an error.
+            ``null``: the batch in one pass.
         gradient_checkpointing: recompute activations in backward instead of storing them.
         freeze_vision_tower: a vision-language policy's vision encoder gets no gradients (its projector into the
             language model still trains, unless it sits inside the encoder, as Qwen VL's merger does); no effect
@@ -211,6 +222,7 @@ class CPOModule(PreferenceModule):
         attn_implementation: str | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        token_budget: int | None = None,
         freeze_vision_tower: bool = True,
         quantization: QuantizationConfig | None = None,
     ):

@@ -76,6 +76,10 @@ class PPOModule(OnlineRLModule):
         learning_rate: peak AdamW learning rate (warmup by ``warmup_ratio``, then ``lr_schedule``).
         mini_batch_size: rollouts per forward/backward pass in the update.
         gradient_accumulation_steps: minibatches per optimizer step.
+        token_budget: real tokens per forward/backward pass in the update (TRL's AsyncGRPO name; verl's
+            ``ppo_max_token_len_per_gpu``): each minibatch of ``mini_batch_size`` rows is split into balanced
+            micro-batches within it with the minibatch's loss and gradients (docs/
+            long_context.md); a longer row is an error. ``null``: one pass per minibatch.
         num_iterations: passes over each rollout batch (TRL's ``num_ppo_epochs``; the seed's ``ppo_epochs``).
         gamma: discount factor of GAE.
         lam: lambda of GAE.
@@ -137,6 +141,7 @@ class PPOModule(OnlineRLModule):
         learning_rate: float = 1e-5,
         mini_batch_size: int = 4,
         gradient_accumulation_steps: int = 1,
+        token_budget: int | None = None,
         num_iterations: int = 4,
         gamma: float = 0.99,
         lam: float = 0.95,
@@ -201,7 +206,8 @@ class PPOModule(OnlineRLModule):
     @torch.no_grad()
     def old_and_reference(self, input_ids, attention_mask, prompt_length: int, vision: Any = None):
         """Log-probs and values of the policy (eval mode) and reference log-probs of the sampled responses,
-        (B, R) each, computed ``mini_batch_size`` rows at a time (with their images, ``vision``, for a VL policy)."""
+        (B, R) each, computed a run of rows at a time (``row_chunks``; with their images, ``vision``, for a VL
+        policy)."""
 
         def rows(r: torch.Tensor):
             ids, mask, images = input_ids[r], attention_mask[r], self.vision_rows(vision, r)
@@ -209,7 +215,7 @@ class PPOModule(OnlineRLModule):
                 scores = self(ids, mask, prompt_length, vision=images)
             return scores.logprobs, scores.values, self.reference_logprobs(ids, mask, prompt_length, images)
 
-        return tuple(torch.cat(p) for p in zip(*self.in_minibatches(rows, input_ids.shape[0])))
+        return tuple(torch.cat(p) for p in zip(*self.in_minibatches(rows, input_ids.shape[0], attention_mask)))
 
     # ------------------------------------------------------------------ one PPO iteration (steps in OnlineRLModule)
     def make_experience(self, rollout: RolloutBatch) -> tuple[Experience, dict[str, torch.Tensor]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from aitraining_pl.losses import DPOOutput, SequenceLogps
+from aitraining_pl.models.micro_batches import budgeted_forward
 from aitraining_pl.models.scoring import completion_logps
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import SharedStepModule
@@ -52,6 +53,13 @@ class PreferenceModule(SharedStepModule):
         """The loss from the (2B,) policy log-probs (with lengths) and reference log-probs; logs its metrics."""
         raise NotImplementedError
 
+    def budgeted_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> SequenceLogps:
+        """``completion_logps`` of the batch's 2B rows, in micro-batches of pairs within ``token_budget`` when set
+        (``models.micro_batches.budgeted_forward``)."""
+        hp = self.hparams
+        score = lambda rows: completion_logps(model, rows, hp.padding_free, hp.share_prompt)  # noqa: E731
+        return budgeted_forward(score, batch, self.hparam("token_budget"), paired=True)
+
     # ------------------------------------------------------------------ reference log-probs
     def _place_reference(self) -> None:
         if self.reference is not None:  # a no-op under LoRA and once the frozen copy was released
@@ -73,7 +81,7 @@ class PreferenceModule(SharedStepModule):
         """(2B,) reference log-probs: the frozen copy, or the policy with adapters disabled, in eval mode."""
         model = self.reference.model
         with eval_mode(model), self.reference.context():
-            return completion_logps(model, batch, self.hparams.padding_free, self.hparams.share_prompt).logps
+            return self.budgeted_logps(model, batch).logps
 
     def precompute_reference(self) -> None:
         """One pass over every split of the data module; afterwards the frozen reference copy is released."""
@@ -103,11 +111,10 @@ class PreferenceModule(SharedStepModule):
 
     # ------------------------------------------------------------------ steps
     def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
-        hp = self.hparams
         # 1. reference log-probs (precomputed, or under no_grad), when the objective has a reference; first, so
         #    that its activations are freed before the policy's are built (a lower peak)
         reference = self.reference_logps(batch, stage) if self.uses_reference else None
-        # 2. policy log-probs of all 2B rows in one forward
-        policy = completion_logps(self.policy, batch, hp.padding_free, hp.share_prompt)
+        # 2. policy log-probs of all 2B rows in one forward (or in micro-batches within ``token_budget``)
+        policy = self.budgeted_logps(self.policy, batch)
         # 3. the loss and its metrics
         return self.objective(policy, reference, batch, stage)

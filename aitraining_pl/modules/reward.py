@@ -23,6 +23,7 @@ from aitraining_pl.losses import bradley_terry_loss, masked_objective_mse
 from aitraining_pl.losses.reward import PoolingStrategy, known_objectives
 from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.loading import load_backbone
+from aitraining_pl.models.micro_batches import budgeted_forward
 from aitraining_pl.models.quantization import (
     QuantizationConfig,
     as_quantization_config,
@@ -71,6 +72,10 @@ class RewardModule(SharedStepModule):
             then read from its config.
         disable_dropout: set every dropout rate to 0 (trunk and head; overrides ``dropout_prob``), as TRL does:
             training forwards are then deterministic.
+        token_budget: real tokens per forward pass (TRL's AsyncGRPO name; verl's ``ppo_max_token_len_per_gpu``): the
+            batch's rows (pairs kept together) run in balanced micro-batches within it, each but the last recomputed
+            in backward, with the whole batch's loss and gradients (docs/long_context.md); a longer row is an error.
+            ``null``: the batch in one pass.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
         quantization: load the trunk's base weights in 4 bits (QLoRA through bitsandbytes, ``QuantizationConfig``:
@@ -104,6 +109,7 @@ class RewardModule(SharedStepModule):
         reward_model: RewardModel | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        token_budget: int | None = None,
         quantization: QuantizationConfig | None = None,
         center_rewards_coef: float | None = None,
     ):
@@ -203,7 +209,9 @@ class RewardModule(SharedStepModule):
     # ------------------------------------------------------------------ steps
     def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         # 1. one forward over chosen rows (first half) and rejected rows (second half)
-        rewards = self.reward_model.score(batch["input_ids"], batch["attention_mask"])
+        #    (in micro-batches of pairs within ``token_budget`` when set: ``models.micro_batches``)
+        score = lambda rows: self.reward_model.score(rows["input_ids"], rows["attention_mask"])  # noqa: E731
+        rewards = budgeted_forward(score, batch, self.hparam("token_budget"), paired=True)
         chosen, rejected = rewards.chunk(2)
         # 2. Bradley-Terry loss with the optional per-pair margin and the centring term
         loss = bradley_terry_loss(chosen, rejected, batch.get("margin"), self.hparams.center_rewards_coefficient)
@@ -248,7 +256,7 @@ class MultiObjectiveRewardModule(RewardModule):
         objective_names: n names used in metric names (``train/loss/<name>``; default ``0``, ``1``, ...).
         model_name, model_config, tokenizer_name, lora, pooling_strategy, dropout_prob, temperature,
         learning_rate, warmup_ratio, lr_schedule, weight_decay, dtype, seed, trust_remote_code, reward_model,
-        disable_dropout, gradient_checkpointing, quantization: as in ``RewardModule``.
+        disable_dropout, gradient_checkpointing, token_budget, quantization: as in ``RewardModule``.
     """
 
     model_class = MultiObjectiveRewardModel
@@ -277,6 +285,7 @@ class MultiObjectiveRewardModule(RewardModule):
         reward_model: MultiObjectiveRewardModel | None = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        token_budget: int | None = None,
         quantization: QuantizationConfig | None = None,
     ):
         if objective_names is not None and len(objective_names) != num_objectives:
@@ -288,7 +297,7 @@ class MultiObjectiveRewardModule(RewardModule):
             learning_rate=learning_rate, warmup_ratio=warmup_ratio, lr_schedule=lr_schedule,
             weight_decay=weight_decay, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code,
             reward_model=reward_model, disable_dropout=disable_dropout, gradient_checkpointing=gradient_checkpointing,
-            quantization=quantization,
+            token_budget=token_budget, quantization=quantization,
         )  # fmt: skip
         self.objective_names = list(objective_names or map(str, range(num_objectives)))
 
@@ -316,7 +325,8 @@ class MultiObjectiveRewardModule(RewardModule):
 
     def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         # 1. every objective's reward and the combined reward
-        out = self.reward_model(batch["input_ids"], batch["attention_mask"], return_all_objectives=True)
+        forward = lambda rows: self.reward_model(rows["input_ids"], rows["attention_mask"], return_all_objectives=True)  # noqa: E731
+        out = budgeted_forward(forward, batch, self.hparam("token_budget"))
         # 2. squared error per objective over the rows that have its score
         loss, per_objective = masked_objective_mse(out["rewards"], batch["targets"], batch["objective_mask"])
         # 3. metrics

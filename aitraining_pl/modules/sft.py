@@ -9,6 +9,7 @@ import torch
 
 from aitraining_pl.losses import sft_loss
 from aitraining_pl.models import LoRAConfig
+from aitraining_pl.models.micro_batches import budgeted_forward
 from aitraining_pl.models.packing import pack_rows
 from aitraining_pl.models.quantization import QuantizationConfig
 from aitraining_pl.models.scoring import scoring_path, token_logps
@@ -48,6 +49,10 @@ class SFTModule(SharedStepModule):
             default: transformers' choice, SDPA where supported).
         disable_dropout: set every dropout rate to 0 (off by default: SFT keeps the model's dropout, as
             transformers' and TRL's SFT trainers do).
+        token_budget: real tokens per forward pass (TRL's AsyncGRPO name; verl's ``ppo_max_token_len_per_gpu``): the
+            batch's rows (pairs kept together) run in balanced micro-batches within it, each but the last recomputed
+            in backward, with the whole batch's loss and gradients (docs/long_context.md); a longer row is an error.
+            ``null``: the batch in one pass.
         gradient_checkpointing: recompute activations in backward instead of storing them (less memory, about a
             third more compute); works on the packed path.
         freeze_vision_tower: a vision-language policy's vision encoder gets no gradients (its projector into the
@@ -76,6 +81,7 @@ class SFTModule(SharedStepModule):
         attn_implementation: str | None = None,
         disable_dropout: bool = False,
         gradient_checkpointing: bool = False,
+        token_budget: int | None = None,
         freeze_vision_tower: bool = True,
         quantization: QuantizationConfig | None = None,
     ):
@@ -88,14 +94,10 @@ class SFTModule(SharedStepModule):
     def shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         # 1. log-probs of the scored tokens (packed rows where exact for the model, else padded; a VL model's rows
         #    with their images, padded: ``models.vision_scoring``)
+        #    in micro-batches within ``token_budget`` when set (``models.micro_batches``)
         scored = batch["completion_mask"].bool() & batch["attention_mask"].bool()
-        if batch.get("vision") is not None:
-            logps = vision_token_scores(self.policy, batch["input_ids"], batch["attention_mask"], scored,
-                                        batch["vision"]).logps  # fmt: skip
-        else:
-            packed = pack_rows(batch) if self.hparams.padding_free and scoring_path(self.policy).packed else None
-            logps = token_logps(self.policy, batch["input_ids"], batch["attention_mask"], scored, packed=packed)
-        # 2. the loss: mean token NLL
+        logps = budgeted_forward(self.scored_logps, batch, self.hparam("token_budget"), per_position=True)
+        # 2. the loss: mean token NLL over the batch's scored tokens
         n_scored = int(scored[:, 1:].sum())
         loss = sft_loss(logps, scored[:, 1:])
         # 3. metrics: per step in training; token-weighted over the epoch in validation / test
@@ -106,6 +108,15 @@ class SFTModule(SharedStepModule):
         else:
             self.log_metrics(stage, {"loss": loss}, batch_size=max(1, n_scored))
         return loss
+
+    def scored_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(N, L - 1) log-probs of the scored tokens of ``batch``'s rows, 0 elsewhere."""
+        scored = batch["completion_mask"].bool() & batch["attention_mask"].bool()
+        if batch.get("vision") is not None:
+            return vision_token_scores(self.policy, batch["input_ids"], batch["attention_mask"], scored,
+                                       batch["vision"]).logps  # fmt: skip
+        packed = pack_rows(batch) if self.hparams.padding_free and scoring_path(self.policy).packed else None
+        return token_logps(self.policy, batch["input_ids"], batch["attention_mask"], scored, packed=packed)
 
     def _log_perplexity(self, stage: str) -> None:
         """``<stage>/perplexity`` = exp of the epoch's token-weighted ``<stage>/loss`` (reduced across ranks)."""

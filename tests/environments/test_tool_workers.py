@@ -131,3 +131,30 @@ def test_arguments_nested_1100_deep_are_an_error_message_and_the_episode_goes_on
 def test_a_tool_that_cannot_reach_the_worker_is_refused_when_the_environment_is_built():
     with pytest.raises(ConfigError, match="tool '.*<lambda>': tools run in a worker process"):
         ToolEnvironment([lambda expression: expression], reward=lambda p, r, m: [1.0])
+
+
+def dies_leaving_a_grandchild(path: str) -> str:
+    """Fork a grandchild that keeps every descriptor (the result pipe too) and sleeps, write its pid to `path`, then
+    end this process without a result.
+
+    Args:
+        path: where the grandchild's pid goes.
+    """
+    grandchild = os.fork()
+    if grandchild == 0:
+        import time
+
+        time.sleep(300)
+        os._exit(0)
+    with open(path, "w") as handle:
+        handle.write(str(grandchild))
+    os._exit(3)
+
+
+def test_a_tool_that_dies_while_its_grandchild_holds_the_result_pipe_is_noticed_at_once(tmp_path):
+    """Before: the worker waited on the result pipe only, which the grandchild kept open, so the death was noticed at
+    the call's timeout ("did not finish within 20 s"); now the worker waits on the tool's process as well."""
+    path = tmp_path / "pid"
+    text, ok = call_tool(dies_leaving_a_grandchild, {"path": str(path)}, ToolLimits(timeout=20.0))
+    assert not ok and text == "error: the tool's process died without a result"
+    assert not _alive(int(path.read_text()))

@@ -82,3 +82,19 @@ def test_two_rank_async_grpo_on_a_launched_server_ends_with_identical_weights(tm
     assert r0["metrics"]["train/async/staleness/max"] == r1["metrics"]["train/async/staleness/max"] == 1.0
     for name, tensor in r0["state"].items():
         assert torch.equal(tensor, r1["state"][name]), name
+
+
+@pytest.mark.ddp
+def test_two_rank_grpo_with_a_token_budget_ends_with_identical_weights(tmp_path):
+    """``token_budget`` under two DDP ranks whose responses differ in length (3 and 7 tokens at most): the ranks agree
+    on one micro-batch count per minibatch (an all-reduce of the most either needs), make the same optimizer steps,
+    and end with identical weights."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    command = [sys.executable, SCRIPT, str(tmp_path), "budget"]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    assert r0["global_step"] == r1["global_step"] == 4
+    for name, tensor in r0["state"].items():
+        assert torch.equal(tensor, r1["state"][name]), name

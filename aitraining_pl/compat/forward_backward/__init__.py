@@ -10,6 +10,7 @@ from aitraining_pl.compat.forward_backward.pipeline import (
     ForwardResult,
     OptimStepResult,
 )
+from aitraining_pl.compat.forward_backward.remote import RemotePipeline
 from aitraining_pl.compat.forward_backward.sampling import filter_logits, sample_with_cache
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "ForwardBackwardResult",
     "ForwardResult",
     "OptimStepResult",
+    "RemotePipeline",
     "PIPELINE_LOSSES",
     "LossInputs",
     "register_loss",

@@ -52,6 +52,18 @@ class AsyncTrainingClient:
             reference_model.to(self.device)
         self.reference_model = reference_model
 
+    @classmethod
+    def connect(cls, base_url: str, api_key: str, base_model: str, **remote: Any) -> AsyncTrainingClient:
+        """The same client against a Tinker-compatible server (``aitraining-pl tinker-serve``): its work goes to a
+        LoRA adapter there (``remote.RemotePipeline``; ``remote`` holds ``rank``, ``seed``,
+        ``gradient_accumulation_steps``). There is no local model and no reference model."""
+        from aitraining_pl.compat.forward_backward.remote import RemotePipeline
+
+        client = cls.__new__(cls)
+        client.pipeline = RemotePipeline(base_url, api_key, base_model, **remote)
+        client.device, client.reference_model = client.pipeline.device, None
+        return client
+
     @property
     def model(self) -> nn.Module:
         return self.pipeline.model

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from aitraining_pl.losses import clipped_policy_loss, masked_mean, ppo_value_loss
+from aitraining_pl.losses.tinker import TINKER_LOSSES
 
 
 @dataclass
@@ -72,8 +73,9 @@ def align(value: Any, like: torch.Tensor, name: str) -> torch.Tensor:
 
 @register_loss("cross_entropy")
 def cross_entropy(inputs: LossInputs, **_: Any) -> tuple[torch.Tensor, dict[str, float]]:
-    """Language-modelling loss: mean negative log-likelihood of the label tokens."""
-    loss = -masked_mean(inputs.logprobs, inputs.mask)
+    """Language-modelling loss: mean negative log-likelihood of the label tokens (Tinker's ``cross_entropy`` per
+    token, ``losses.tinker``, averaged over the label tokens)."""
+    loss = masked_mean(TINKER_LOSSES["cross_entropy"](inputs.logprobs, {"weights": inputs.mask}, {}), inputs.mask)
     return loss, {"nll": loss.item()}
 
 
@@ -82,13 +84,14 @@ def importance_sampling(
     inputs: LossInputs, old_logprobs: Any, advantages: Any, **_: Any
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Off-policy policy gradient with per-token importance weights, the unclipped surrogate of TRPO
-    (Schulman et al. 2015): ``L = -mean(exp(logp - old_logp) * A)`` over label tokens. Its gradient is the
+    (Schulman et al. 2015): ``L = -mean(exp(logp - old_logp) * A)`` over label tokens (Tinker's
+    ``importance_sampling`` per token, ``losses.tinker``, averaged). Its gradient is the
     policy gradient for samples drawn from the policy that gave ``old_logprobs``."""
     old = align(old_logprobs, inputs.logprobs, "old_logprobs")
     adv = align(advantages, inputs.logprobs, "advantages")
-    ratio = torch.exp(inputs.logprobs - old)
-    loss = -masked_mean(ratio * adv, inputs.mask)
-    return loss, {"ratio": masked_mean(ratio.detach(), inputs.mask).item()}
+    per_token = TINKER_LOSSES["importance_sampling"](inputs.logprobs, {"logprobs": old, "advantages": adv}, {})
+    ratio = torch.exp(inputs.logprobs.detach() - old)
+    return masked_mean(per_token, inputs.mask), {"ratio": masked_mean(ratio, inputs.mask).item()}
 
 
 @register_loss("ppo", required=("old_log_probs", "advantages"))

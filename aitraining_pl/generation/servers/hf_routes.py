@@ -15,7 +15,9 @@ with ``backend: hf``).
 - ``/inference/v1/generate`` (vLLM's tokens-in route, a VL policy's prompts with images): ``token_ids`` with each
   image placeholder unexpanded, ``content_parts`` of ``image_url`` data URLs and ``sampling_params`` (the fields
   above); the placeholders are expanded with ``--model``'s image processor (``prompt_images``) and the answer holds
-  ``prompt_token_ids`` (expanded) and each choice's ``token_ids`` and ``logprobs.content``.
+  ``prompt_token_ids`` (expanded) and each choice's ``token_ids`` and ``logprobs.content``. At most
+  ``datamodules.vision.MAX_IMAGES`` images of at most ``MAX_IMAGE_PIXELS`` pixels each (read from the header, before
+  decoding); a bad, truncated, SVG or bomb image is a 400 naming its content part.
 - ``/pause`` (any ``mode``: the decoder waits before its next forward, keeping its cache), ``/resume``,
   ``/is_paused``; ``/health``, ``/v1/models``.
 - ``/collective_rpc`` with the worker extension's methods (``aitraining_pl_load``, ``aitraining_pl_release``;
@@ -77,14 +79,19 @@ class Generate(BaseModel):
     sampling_params: dict[str, Any] = {}
 
 
-def prompt_images(image_processor: Any, placeholder: int, ids: list[int], urls: list[str]) -> tuple[list[int], Any]:
+def prompt_images(image_processor: Any, placeholder: int, ids: list[int], urls: list[str],
+                  max_image_pixels: int | None = None) -> tuple[list[int], Any]:  # fmt: skip
     """A prompt's token ids with each image placeholder expanded (one token per image feature: ``grid_t * grid_h *
     grid_w / merge_size**2``, the Qwen VL family's processors) and its ``VisionInputs``, from its images' data URLs;
-    a ``ValueError`` naming what is wrong."""
+    a ``ValueError`` naming what is wrong (more than ``datamodules.vision.MAX_IMAGES`` images, a bad image, one of
+    more than ``max_image_pixels`` pixels: ``images.image_from_url``)."""
+    from aitraining_pl.datamodules.vision import MAX_IMAGES
     from aitraining_pl.generation.images import expand, image_from_url
     from aitraining_pl.models.vision import VisionInputs
 
-    images = [image_from_url(url) for url in urls]
+    if len(urls) > MAX_IMAGES:
+        raise ValueError(f"content_parts: {len(urls)} images, more than the {MAX_IMAGES} one prompt may carry")
+    images = [image_from_url(url, f"content_parts[{i}]", max_image_pixels) for i, url in enumerate(urls)]
     out = image_processor(images=images, return_tensors="pt")
     merge = getattr(image_processor, "merge_size", None)
     if "image_grid_thw" not in out or not merge:
@@ -348,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     from aitraining_pl.generation.servers.auth import server_token, watch_parent
     from aitraining_pl.generation.servers.hf_server import HFServerEngine
     from aitraining_pl.generation.servers.serve import load_teacher, meta_model
-    from aitraining_pl.models.loading import load_tokenizer
+    from aitraining_pl.models.loading import context_length_of, load_tokenizer
 
     watch_parent()  # a launched server stops with its trainer, even while it is still being built
     args = parser().parse_args(argv)
@@ -361,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = HFServerEngine(policy, seed=args.seed)
     if args.teacher:
         load_teacher(engine, args.model)
-    positions = getattr(policy.config, "max_position_embeddings", None)
+    positions = context_length_of(policy)  # a VL config's in its text_config
     image_processor = placeholder = None
     if (Path(args.model) / "preprocessor_config.json").is_file():  # a VL policy (``images.save_model_files``)
         from transformers import AutoImageProcessor

@@ -1,0 +1,78 @@
+"""Token-budget micro-batches in the online RL modules' update (``OnlineRLModule``, manual optimisation): each
+minibatch of ``mini_batch_size`` rows is split into micro-batches of at most ``token_budget`` real tokens, balanced
+(``losses.micro_batches``), one forward and backward each. Each micro-batch's loss, with its own normaliser, is
+weighted by its ``loss_share`` (its normaliser over the minibatch's), so the minibatch's loss and gradient are the
+same as in one pass for every ``loss_aggregation``, with no second forward; the peak holds one micro-batch's
+activations. The no-grad passes (old, reference, teacher) run in consecutive runs within the budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from aitraining_pl.errors import ConfigError
+from aitraining_pl.losses.micro_batches import contiguous_budget_split, loss_share, token_budget_partition
+
+
+def check_token_budget(owner: str, token_budget: int | None, top_entropy_quantile: float) -> None:
+    """Refuse what a token budget cannot split exactly: ``policy_loss.top_entropy_quantile`` below 1 ranks the
+    entropies of the whole minibatch, which no micro-batch sees."""
+    if token_budget and top_entropy_quantile < 1:
+        raise ConfigError(
+            f"{owner}.policy_loss.top_entropy_quantile",
+            "ranks the entropies of the whole minibatch: not with token_budget (set one of them only)",
+        )
+
+
+class TokenBudgetSteps:
+    """Mixin of ``OnlineRLModule``: reads ``token_budget`` and ``mini_batch_size`` from ``hparams``; calls the
+    module's ``minibatch_loss`` and ``manual_backward``."""
+
+    def row_chunks(self, n: int, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Consecutive runs of the ``n`` rows for a no-grad pass: ``mini_batch_size`` rows at a time, or with a
+        ``token_budget`` (and the rows' ``attention_mask``) runs of at most that many real tokens."""
+        budget = self.hparam("token_budget")
+        if budget and attention_mask is not None:
+            lengths = attention_mask.sum(1).tolist()
+            return [torch.arange(r.start, r.stop, device=self.device) for r in contiguous_budget_split(lengths, budget)]
+        return list(torch.arange(n, device=self.device).split(self.hparams.mini_batch_size))
+
+    def share_aggregation(self) -> str:
+        """The aggregation of ``minibatch_loss`` that ``losses.micro_batches.loss_share`` weighs micro-batches by
+        (PPO: ``token``; the critic-free family: its ``loss_aggregation``)."""
+        return "token"
+
+    def micro_batches(self, experience: Any, rows: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
+        """The micro-batches of minibatch ``rows`` with the share of the minibatch's loss each carries: ``[(rows,
+        1.0)]``, or with a ``token_budget`` the rows balanced into the fewest micro-batches within it
+        (``token_budget_partition``), as many on every rank as the most any rank needs (FSDP2 gathers the weights in
+        every forward; a rank with fewer rows than that makes one pass per row), each weighted by ``loss_share`` of
+        ``share_aggregation`` so that the normalisers stay the minibatch's."""
+        budget = self.hparam("token_budget")
+        if not budget:
+            return [(rows, 1.0)]
+        lengths = experience.attention_mask[rows].sum(1).tolist()
+        count = len(token_budget_partition(lengths, budget))
+        if self._trainer is not None and self.trainer.world_size > 1:
+            count = int(self.trainer.strategy.reduce(torch.tensor(float(count), device=self.device), reduce_op="max"))
+        groups = token_budget_partition(lengths, budget, min_parts=min(count, len(lengths)))
+        mask, aggregation = experience.mask, self.share_aggregation()
+        return [(rows[g], loss_share(aggregation, mask[rows[g]], mask[rows])) for g in groups]
+
+    def minibatch_backward(
+        self, optimizer: Any, experience: Any, rows: torch.Tensor, accum: int, sync: bool
+    ) -> dict[str, torch.Tensor]:
+        """``minibatch_loss`` on ``rows`` and its backward, divided by ``accum``; gradients synchronised across
+        ranks after the last backward when ``sync``. With a ``token_budget``, one forward/backward per micro-batch
+        (``micro_batches``), each loss times its share: the sum is the minibatch's loss, and its gradient. Returns
+        the stats: ``loss`` that sum, the others the share-weighted means of the micro-batches'."""
+        parts = self.micro_batches(experience, rows)
+        merged: dict[str, torch.Tensor] = {}
+        for k, (micro, share) in enumerate(parts):
+            with optimizer.toggle_model(sync_grad=sync and k == len(parts) - 1):
+                loss, stats = self.minibatch_loss(experience, micro)
+                self.manual_backward((loss * share) / accum if len(parts) > 1 else loss / accum)
+            for key, value in stats.items():
+                merged[key] = merged.get(key, 0.0) + value * share if len(parts) > 1 else value
+        return merged

@@ -1,0 +1,258 @@
+"""The model side of the Tinker-compatible server: one base model, one LoRA adapter per training client (peft's
+multiple adapters on one ``PeftModel``), each with its own AdamW state; every operation runs on ONE worker thread
+in the order it was queued, and selects its adapter first (multi-tenant: adapters are swapped by
+``set_adapter``, never merged).
+
+Semantics follow Tinker's documentation: a ``forward_backward`` adds the gradient of the SUM of the elementwise
+loss (``losses.tinker``) over every token of every datum to the adapter's gradients; gradients accumulate until
+``optim_step``, which runs ``torch.optim.AdamW`` with that call's learning rate, betas, eps and weight decay after
+clipping the global gradient norm to ``grad_clip_norm`` (0: none), then zeroes them. The model stays in eval mode
+(no dropout), so a ``forward`` and a ``forward_backward`` on the same data give the same log-probabilities.
+
+Precision: ``32-true`` (float32 weights) or ``bf16-true`` (bfloat16 base weights; the adapters and their AdamW
+state stay float32, so small updates are not lost below a bf16 ulp); one process on one device. No
+Lightning strategy runs here (the protocol is a step at a time on one model; FSDP2 is not wired in)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from aitraining_pl.losses import selective_log_softmax
+from aitraining_pl.losses.tinker import TINKER_LOSSES
+from aitraining_pl.tinker.wire import BadRequest, FwdBwd
+
+DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16}
+ADAPTER_FILE, OPTIMIZER_FILE, META_FILE = "adapter.safetensors", "optimizer.pt", "meta.json"
+
+
+@dataclass(frozen=True)
+class Lora:
+    rank: int
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+
+@dataclass
+class TrainedModel:
+    model_id: str
+    owner: str
+    adapter: str
+    lora: Lora
+    optimizer: torch.optim.AdamW | None = None
+    step: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def linear_layers(model: torch.nn.Module) -> dict[str, str]:
+    """The plain model's Linear layers by full name, each as ``attn`` (names with ``attn``/``attention``),
+    ``mlp`` (``mlp``/``feed_forward``), ``unembed`` (the output embedding) or ``other``."""
+    unembed, kinds = model.get_output_embeddings(), {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            if module is unembed:
+                kinds[name] = "unembed"
+            elif "attn" in name or "attention" in name:
+                kinds[name] = "attn"
+            else:
+                kinds[name] = "mlp" if "mlp" in name or "feed_forward" in name else "other"
+    return kinds
+
+
+def target_modules(layers: dict[str, str], lora: Lora) -> list[str]:
+    """The layers LoRA goes on, as ``lora`` asks (``train_attn``, ``train_mlp``, ``train_unembed``)."""
+    wanted = {"attn": lora.train_attn, "mlp": lora.train_mlp, "unembed": lora.train_unembed}
+    names = [name for name, kind in layers.items() if wanted.get(kind)]
+    if not names:
+        raise BadRequest("lora_config selects no layer of this model (train_attn, train_mlp, train_unembed)")
+    return names
+
+
+class Engine:
+    """Training clients (LoRA adapters) on one base model. Methods named ``run_*`` run on the worker thread; call
+    them through ``submit``.
+
+    Args:
+        model: a folder (or hub id) of a transformers causal LM.
+        precision: ``32-true`` or ``bf16-true``.
+        device: where the model runs (``None``: CUDA if available, else CPU).
+        checkpoint_dir: where ``save_state`` and named sampler weights go (one folder per API key).
+        max_lora_rank: the largest LoRA rank a client may ask for.
+    """
+
+    def __init__(self, model: str, precision: str = "32-true", device: str | None = None,
+                 checkpoint_dir: str = "tinker_checkpoints", max_lora_rank: int = 64):  # fmt: skip
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if precision not in DTYPES:
+            raise ValueError(f"--precision {precision!r}: this server runs {', '.join(DTYPES)}")
+        self.name, self.checkpoint_dir, self.max_lora_rank = model, checkpoint_dir, max_lora_rank
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES[precision]).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.vocab = self.model.get_output_embeddings().weight.shape[0]
+        self.layers = linear_layers(self.model)
+        self.models: dict[str, TrainedModel] = {}
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="tinker-engine")
+        self.lock = threading.Lock()  # guards self.models between the HTTP threads and the worker
+
+    def submit(self, fn: Callable, *args: Any) -> Future:
+        return self.worker.submit(fn, *args)
+
+    # ------------------------------------------------------------------ adapters
+    def add_adapter(self, name: str, lora: Lora, seed: int | None) -> None:
+        """Add a LoRA adapter ``name`` (B = 0, so it starts as the base model); A is drawn with ``seed``."""
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        if not 1 <= lora.rank <= self.max_lora_rank:
+            raise BadRequest(f"lora_config.rank {lora.rank}: this server takes ranks 1 to {self.max_lora_rank}")
+        config = LoraConfig(r=lora.rank, lora_alpha=32, lora_dropout=0.0,
+                            target_modules=target_modules(self.layers, lora))  # fmt: skip
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+            if isinstance(self.model, PeftModel):
+                self.model.add_adapter(name, config)
+            else:
+                self.model = get_peft_model(self.model, config, adapter_name=name)
+        self.model.to(self.device).eval()
+        for parameter in self.adapter_params(name):  # fp32 master weights under bf16-true (AdamW steps below an ulp)
+            parameter.data = parameter.data.float()
+
+    def use(self, adapter: str | None) -> None:
+        """Make ``adapter`` the active one (``None``: the base model, every adapter off)."""
+        if adapter is not None:
+            self.model.set_adapter(adapter)
+
+    def adapter_params(self, adapter: str) -> list[torch.nn.Parameter]:
+        return [p for n, p in self.model.named_parameters() if f".{adapter}." in n]
+
+    def adapter_state(self, adapter: str) -> dict[str, torch.Tensor]:
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self.model, adapter_name=adapter, save_embedding_layers=False)
+        return {k: v.detach().clone().contiguous() for k, v in state.items()}
+
+    def load_adapter_state(self, adapter: str, state: dict[str, torch.Tensor]) -> None:
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(self.model, state, adapter_name=adapter)
+        if getattr(result, "unexpected_keys", None):
+            raise BadRequest(f"the checkpoint does not fit this adapter ({len(result.unexpected_keys)} extra tensors)")
+
+    def run_release(self, model_ids: list[str]) -> None:
+        """Delete the adapters (and their optimizer state) of ``model_ids`` (a finished session's)."""
+        for model_id in model_ids:
+            with self.lock:
+                entry = self.models.pop(model_id, None)
+            if entry is not None:
+                self.model.delete_adapter(entry.adapter)
+
+    # ------------------------------------------------------------------ training
+    def run_create(self, entry: TrainedModel, seed: int | None) -> dict:
+        self.add_adapter(entry.adapter, entry.lora, seed)
+        with self.lock:
+            self.models[entry.model_id] = entry
+        return {"model_id": entry.model_id}
+
+    def logprobs(self, data: list, grad: bool) -> list[torch.Tensor]:
+        """Log-probabilities of each datum's ``target_tokens`` after each of its tokens (one padded batch)."""
+        longest = max(len(d.tokens) for d in data)
+        ids = torch.zeros(len(data), longest, dtype=torch.long)
+        targets, mask = torch.zeros_like(ids), torch.zeros_like(ids)
+        for i, d in enumerate(data):
+            n = len(d.tokens)
+            ids[i, :n], targets[i, :n], mask[i, :n] = torch.tensor(d.tokens), d.inputs["target_tokens"], 1
+        with torch.set_grad_enabled(grad):
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+            logprobs = selective_log_softmax(logits.logits.float(), targets.to(self.device))
+        return [logprobs[i, : len(d.tokens)] for i, d in enumerate(data)]
+
+    def run_forward_backward(self, entry: TrainedModel, request: FwdBwd) -> tuple[list[dict], dict]:
+        self.use(entry.adapter)
+        loss_fn = TINKER_LOSSES[request.loss_fn]
+        logprobs = self.logprobs(request.data, grad=not request.forward_only)
+        total, outputs = 0.0, []
+        for d, lp in zip(request.data, logprobs):
+            inputs = {k: v.to(self.device) for k, v in d.inputs.items()}
+            elementwise = loss_fn(lp, inputs, request.config)
+            total = total + elementwise.sum()
+            outputs.append({"logprobs": lp.detach().float().cpu().numpy(),
+                            "elementwise_loss": elementwise.detach().float().cpu().numpy()})  # fmt: skip
+        if not request.forward_only:
+            total.backward()
+        return outputs, {"loss:sum": float(total.detach())}
+
+    def run_optim_step(self, entry: TrainedModel, adam: dict) -> dict:
+        params = self.adapter_params(entry.adapter)
+        if entry.optimizer is None:
+            entry.optimizer = torch.optim.AdamW(params, lr=adam["learning_rate"])
+        group = entry.optimizer.param_groups[0]
+        group.update(lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
+                     weight_decay=adam["weight_decay"])  # fmt: skip
+        with_grad = [p for p in params if p.grad is not None]
+        clip = adam["grad_clip_norm"] if adam["grad_clip_norm"] > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(with_grad, clip) if with_grad else torch.tensor(0.0)
+        entry.optimizer.step()
+        entry.optimizer.zero_grad(set_to_none=True)
+        entry.step += 1
+        return {"metrics": {"grad_norm:mean": float(norm), "step:max": float(entry.step)}}
+
+    # ------------------------------------------------------------------ checkpoints
+    def folder(self, owner: str, run: str, kind: str, name: str) -> str:
+        return os.path.join(self.checkpoint_dir, owner, run.replace(":", "_"), kind, name)
+
+    def run_save(self, entry: TrainedModel, name: str, kind: str, with_optimizer: bool) -> str:
+        from safetensors.torch import save_file
+
+        path = self.folder(entry.owner, entry.model_id, kind, name)
+        os.makedirs(path, exist_ok=True)
+        save_file(self.adapter_state(entry.adapter), os.path.join(path, ADAPTER_FILE))
+        if with_optimizer and entry.optimizer is not None:
+            torch.save(entry.optimizer.state_dict(), os.path.join(path, OPTIMIZER_FILE))
+        meta = {"base_model": self.name, "lora": entry.lora.__dict__, "step": entry.step, "model_id": entry.model_id}
+        with open(os.path.join(path, META_FILE), "w") as handle:
+            json.dump(meta, handle)
+        return f"tinker://{entry.model_id}/{kind}/{name}"
+
+    def resolve(self, owner: str, path: str) -> str:
+        """The folder of a ``tinker://RUN/KIND/NAME`` path saved under ``owner``'s key (a clear error otherwise)."""
+        parts = path[len("tinker://") :].split("/") if path.startswith("tinker://") else []
+        if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") or ".." in parts:
+            raise BadRequest(f"path {path!r}: expected tinker://RUN/weights/NAME or tinker://RUN/sampler_weights/NAME")
+        folder = self.folder(owner, *parts)
+        if not os.path.isfile(os.path.join(folder, META_FILE)):
+            raise BadRequest(f"path {path!r}: no such checkpoint for this API key")
+        return folder
+
+    def read_checkpoint(self, folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        from safetensors.torch import load_file
+
+        with open(os.path.join(folder, META_FILE)) as handle:
+            meta = json.load(handle)
+        return meta, load_file(os.path.join(folder, ADAPTER_FILE), device=str(self.device))
+
+    def run_load(self, entry: TrainedModel, folder: str, with_optimizer: bool, create: bool) -> dict:
+        meta, state = self.read_checkpoint(folder)
+        if create:
+            entry.lora = Lora(**meta["lora"])
+            self.run_create(entry, 0)
+        elif Lora(**meta["lora"]) != entry.lora:
+            raise BadRequest(f"the checkpoint's LoRA {meta['lora']} differs from this training client's")
+        self.load_adapter_state(entry.adapter, state)
+        entry.optimizer, entry.step = None, int(meta.get("step", 0))
+        optimizer_file = os.path.join(folder, OPTIMIZER_FILE)
+        if with_optimizer and os.path.isfile(optimizer_file):
+            entry.optimizer = torch.optim.AdamW(self.adapter_params(entry.adapter))
+            entry.optimizer.load_state_dict(torch.load(optimizer_file, map_location=self.device, weights_only=True))
+        for p in self.adapter_params(entry.adapter):
+            p.grad = None
+        return {"model_id": entry.model_id}

@@ -1,0 +1,95 @@
+"""``aitraining-pl tinker-serve --model M``: a server the ``tinker`` client (and tinker-cookbook recipes, through
+their ``base_url``) trains on (``aitraining_pl.tinker.server``).
+
+It binds loopback unless told otherwise. Its API keys (each must start with ``tml-``, as the client requires) come
+from ``--api-key-file`` (one a line; one tenant each), else from the project's server token
+(``AITRAINING_PL_SERVER_TOKEN_FILE`` / ``AITRAINING_PL_SERVER_TOKEN``), else a new key is written to an owner-only
+file beside the checkpoints, whose path (never the key) is printed. Point the client at it with
+``TINKER_BASE_URL=http://127.0.0.1:PORT`` and ``TINKER_API_KEY=$(cat FILE)``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+from pathlib import Path
+
+from aitraining_pl.generation.servers.auth import TOKEN_ENV, TOKEN_FILE_ENV, new_token, write_token
+from aitraining_pl.tinker.engine import DTYPES, Engine
+from aitraining_pl.tinker.server import State, build_app
+
+
+def parser() -> argparse.ArgumentParser:
+    args = argparse.ArgumentParser("aitraining-pl tinker-serve", description=__doc__.split("\n\n")[0])
+    args.add_argument("--model", required=True, help="folder or hub id of the base causal LM")
+    args.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    args.add_argument("--port", type=int, default=8000)
+    args.add_argument("--precision", default="32-true", choices=sorted(DTYPES), help="weights' dtype")
+    args.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: CUDA if available)")
+    args.add_argument("--checkpoint-dir", default="tinker_checkpoints", help="save_state / sampler weights folder")
+    args.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank a client may ask for")
+    args.add_argument("--api-key-file", default=None, help="file of API keys (tml-...), one a line")
+    args.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body, in MiB")
+    args.add_argument("--max-tokens", type=int, default=65536, help="most tokens in one request")
+    args.add_argument("--max-datums", type=int, default=256, help="most datums in one forward_backward request")
+    args.add_argument("--max-samples", type=int, default=64, help="most samples in one request")
+    return args
+
+
+def api_keys(key_file: str | None, checkpoint_dir: str) -> list[str]:
+    """The server's keys (see the module docstring); a ``SystemExit`` line for a key without ``tml-``."""
+    if key_file:
+        keys = [line.strip() for line in Path(key_file).read_text().splitlines() if line.strip()]
+    elif os.environ.get(TOKEN_FILE_ENV) or os.environ.get(TOKEN_ENV):
+        source = os.environ.get(TOKEN_FILE_ENV)
+        keys = [Path(source).read_text().strip() if source else os.environ[TOKEN_ENV].strip()]
+    else:
+        path = write_token(Path(checkpoint_dir) / "api_key", "tml-" + new_token())
+        print(f"aitraining-pl tinker-serve: a new API key is in {path} (owner-only)", flush=True)
+        keys = [path.read_text()]
+    bad = [i for i, key in enumerate(keys) if not key.startswith("tml-")]
+    if not keys or bad:
+        raise SystemExit("aitraining-pl tinker-serve: every API key must start with 'tml-' (the tinker client "
+                         f"refuses others); keys {bad} do not")  # fmt: skip
+    return keys
+
+
+def make_state(model: str, precision: str = "32-true", device: str | None = None,
+               checkpoint_dir: str = "tinker_checkpoints", max_lora_rank: int = 64, max_body: int = 64 << 20,
+               max_tokens: int = 65536, max_datums: int = 256, max_samples: int = 64) -> State:  # fmt: skip
+    engine = Engine(model, precision, device, checkpoint_dir, max_lora_rank)
+    return State(engine, max_tokens, max_datums, max_samples, max_body)
+
+
+def start_in_thread(app, host: str = "127.0.0.1", port: int = 0):
+    """Run ``app`` with uvicorn on a background thread; returns ``(server, base_url)`` once it listens (tests,
+    benchmarks). ``server.should_exit = True`` stops it."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="tinker-serve", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("tinker-serve did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, f"http://{host}:{port}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = parser().parse_args(argv)
+    keys = api_keys(args.api_key_file, args.checkpoint_dir)
+    body = int(args.max_body_mb * (1 << 20))
+    state = make_state(args.model, args.precision, args.device, args.checkpoint_dir, args.max_lora_rank, body,
+                       args.max_tokens, args.max_datums, args.max_samples)  # fmt: skip
+    print(f"aitraining-pl tinker-serve: {args.model} on http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(build_app(state, keys), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Tinker's built-in losses (``losses.tinker``) per token against numbers worked out by hand, and their config
+checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from aitraining_pl.losses.tinker import TINKER_LOSSES, loss_config
+
+LP = torch.tensor([math.log(0.5), math.log(0.2), math.log(0.9)])
+Q = torch.tensor([math.log(0.25), math.log(0.2), math.log(0.9)])  # ratios 2, 1, 1
+A = torch.tensor([1.0, -2.0, 0.5])
+
+
+def run(name, **config):
+    lp = LP.clone().requires_grad_(True)
+    out = TINKER_LOSSES[name](lp, {"logprobs": Q, "advantages": A, "weights": torch.tensor([1.0, 0.0, 2.0])},
+                              loss_config(name, config))  # fmt: skip
+    out.sum().backward()
+    return out.detach(), lp.grad
+
+
+def test_each_loss_per_token_and_gradient_by_hand():
+    out, grad = run("cross_entropy")
+    assert out.tolist() == pytest.approx([-math.log(0.5), 0.0, -2 * math.log(0.9)])
+    assert grad.tolist() == pytest.approx([-1.0, 0.0, -2.0])
+    out, grad = run("importance_sampling")  # -r A; d/dlp = -r A
+    assert out.tolist() == pytest.approx([-2.0, 2.0, -0.5])
+    assert grad.tolist() == pytest.approx([-2.0, 2.0, -0.5])
+    out, grad = run("ppo")  # token 0: r = 2 > 1.2 with A > 0: clipped, no gradient
+    assert out.tolist() == pytest.approx([-1.2, 2.0, -0.5])
+    assert grad.tolist() == pytest.approx([0.0, 2.0, -0.5])
+    out, grad = run("cispo")  # -sg(clip(r)) lp A; d/dlp = -clip(r) A
+    assert out.tolist() == pytest.approx([-1.2 * math.log(0.5), 2 * math.log(0.2), -0.5 * math.log(0.9)])
+    assert grad.tolist() == pytest.approx([-1.2, 2.0, -0.5])
+    out, grad = run("dro", beta=0.5)  # -(lp A - beta/2 (lp - q)^2); d/dlp = -A + beta (lp - q)
+    d = math.log(2)
+    assert out.tolist() == pytest.approx([-(math.log(0.5) - 0.25 * d * d), 2 * math.log(0.2), -0.5 * math.log(0.9)])
+    assert grad.tolist() == pytest.approx([-1.0 + 0.5 * d, 2.0, -0.5])
+
+
+def test_ppo_thresholds_from_the_config_and_unknown_keys_refused():
+    out, _ = run("ppo", clip_low_threshold=0.5, clip_high_threshold=3.0)
+    assert out.tolist() == pytest.approx([-2.0, 2.0, -0.5])
+    with pytest.raises(ValueError, match="takes no loss_fn_config key beta"):
+        loss_config("ppo", {"beta": 1.0})

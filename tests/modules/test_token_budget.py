@@ -1,0 +1,318 @@
+"""``token_budget``: on a batch of rows with skewed lengths, every module's loss and gradients equal those of the
+batch in one pass (the row-count path), for every aggregation; every micro-batch is within the budget; a row
+longer than the budget is refused by name."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+from conftest import TINY_LLAMA
+from online_fixtures import TOY_REWARD
+
+import aitraining_pl.models.micro_batches as micro_batches
+from aitraining_pl.errors import ConfigError
+from aitraining_pl.losses.micro_batches import TokenBudgetError
+from aitraining_pl.modules.critic_free import CriticFreeModule, PolicyExperience
+from aitraining_pl.modules.distill import DistillationExperience, DistillationModule
+from aitraining_pl.modules.dpo import DPOModule
+from aitraining_pl.modules.kto import KTOModule
+from aitraining_pl.modules.orpo import CPOModule, ORPOModule
+from aitraining_pl.modules.ppo import Experience, PPOModule
+from aitraining_pl.modules.reward import MultiObjectiveRewardModule, RewardModule
+from aitraining_pl.modules.sft import SFTModule
+from aitraining_pl.rollout import GenerationConfig
+
+BUDGET = 128
+#: real tokens per row (pairs: first 4 rows chosen, last 4 rejected): long-tailed, two rows near the budget
+LENGTHS = [14, 100, 17, 22, 12, 20, 96, 16]
+PROMPT = 5
+#: float tolerance: a micro-batch packs other rows beside a row than the whole batch does (other matmul shapes)
+ATOL = 2e-5
+
+
+def _rows(lengths: list[int], seed: int = 0, pairs: bool = False) -> dict[str, torch.Tensor]:
+    """Right-padded rows of the given lengths, the first ``PROMPT`` tokens a prompt (a pair's prompt is shared)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, 300, (len(lengths), width), generator=g)
+    if pairs:
+        half = len(lengths) // 2
+        ids[half:, :PROMPT] = ids[:half, :PROMPT]
+    columns = torch.arange(width)
+    attention = (columns < torch.tensor(lengths)[:, None]).long()
+    ids = ids * attention
+    completion = attention * (columns >= PROMPT).long()
+    return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
+
+
+def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys() and a
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture()
+def partitions(monkeypatch):
+    """The micro-batches the offline modules' forward was split into (lists of units), recorded."""
+    seen: list[list[list[int]]] = []
+    real = micro_batches.token_budget_partition
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(micro_batches, "token_budget_partition", spy)
+    return seen
+
+
+def _offline(module, batch: dict[str, torch.Tensor], budget: int | None) -> tuple[torch.Tensor, dict]:
+    module.hparams["token_budget"] = budget
+    module.zero_grad(set_to_none=True)
+    module.log_metrics = lambda *args, **kwargs: None  # no trainer here
+    loss = module.shared_step(batch, "val")
+    loss.backward()
+    return loss.detach(), _grads(module)
+
+
+def _check_offline(module, batch, partitions, paired: bool, equality_table: list | None = None, name: str = ""):
+    want_loss, want_grads = _offline(module, batch, None)
+    loss, grads = _offline(module, batch, BUDGET)
+    lengths = micro_batches.unit_lengths(batch["attention_mask"], paired)
+    assert partitions, "the budget split nothing"
+    for groups in partitions:
+        assert len(groups) > 1 and all(sum(lengths[i] for i in g) <= BUDGET for g in groups)
+    torch.testing.assert_close(loss, want_loss, rtol=0, atol=ATOL)
+    assert _max_diff(grads, want_grads) < ATOL
+    print(f"EQUALITY {name}: loss {float((loss - want_loss).abs()):.2e} grads {_max_diff(grads, want_grads):.2e}")
+
+
+def _pairs(seed: int = 0) -> dict[str, torch.Tensor]:
+    return _rows(LENGTHS, seed, pairs=True)
+
+
+@pytest.fixture(scope="module")
+def dpo():
+    return DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte")
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "aot", ["sigmoid", "sft"]])
+def test_dpo_losses(dpo, loss_type, partitions):
+    dpo.hparams.update(loss_type=loss_type, padding_free=True, share_prompt=True)
+    _check_offline(dpo, _pairs(), partitions, paired=True, name=f"DPO {loss_type}")
+
+
+def test_dpo_padded_rows(dpo, partitions):
+    dpo.hparams.update(loss_type="sigmoid", padding_free=False, share_prompt=False)
+    _check_offline(dpo, _pairs(1), partitions, paired=True, name="DPO padded")
+
+
+@pytest.mark.parametrize("kind", [ORPOModule, CPOModule])
+def test_orpo_and_cpo(kind, partitions):
+    module = kind(model_config=TINY_LLAMA, tokenizer_name="byte")
+    _check_offline(module, _pairs(2), partitions, paired=True, name=kind.__name__)
+    if kind is ORPOModule:  # the chosen rows' prompt tokens in the NLL too: a second output, per pair
+        partitions.clear()
+        module.hparams["disable_prompt_loss"] = False
+        _check_offline(module, _pairs(3), partitions, paired=True, name="ORPO prompt loss")
+
+
+def test_kto_keeps_each_row_with_its_mismatched_partner(partitions):
+    module = KTOModule(model_config=TINY_LLAMA, tokenizer_name="byte")
+    batch = _rows(LENGTHS, 4)  # rows 4..7: the mismatched partners, other prompts
+    batch["label"] = torch.tensor([True, False, True, False])
+    _check_offline(module, batch, partitions, paired=True, name="KTO")
+
+
+def test_sft_with_gradient_checkpointing(partitions):
+    # per-layer checkpoints (transformers', non-reentrant) nested inside the checkpointed micro-batches, packed rows
+    module = SFTModule(
+        model_config=TINY_LLAMA, tokenizer_name="byte", gradient_checkpointing=True, disable_dropout=True
+    )
+    module.train()
+    _check_offline(module, _rows(LENGTHS, 6), partitions, paired=False, name="SFT + gradient checkpointing")
+
+
+def test_reward_model(partitions):
+    module = RewardModule(model_config=TINY_LLAMA, tokenizer_name="byte", center_rewards_coefficient=0.01)
+    batch = _pairs(7)
+    batch["margin"] = torch.tensor([0.5, 0.0, 1.0, 0.2])
+    _check_offline(module, batch, partitions, paired=True, name="Reward (Bradley-Terry)")
+
+
+def test_multi_objective_reward_model(partitions):
+    module = MultiObjectiveRewardModule(num_objectives=2, model_config=TINY_LLAMA, tokenizer_name="byte")
+    batch = _rows(LENGTHS, 8)
+    batch["targets"] = torch.randn(8, 2, generator=torch.Generator().manual_seed(0))
+    batch["objective_mask"] = torch.tensor([[1, 1], [1, 0], [0, 1], [1, 1]] * 2)
+    _check_offline(module, batch, partitions, paired=False, name="Reward (multi-objective)")
+
+
+def test_too_long_row_is_named():
+    module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", token_budget=100)
+    module.log_metrics = lambda *args, **kwargs: None
+    why = r"pair 1 of the batch has 120 tokens, more than the token budget of 100 "
+    with pytest.raises(TokenBudgetError, match=why):
+        module.shared_step(_pairs(), "val")  # pair 1: 100 + 20 tokens
+    assert issubclass(TokenBudgetError, ConfigError)
+
+
+# ---------------------------------------------------------------------------------------------- online modules
+class _Optimizer:
+    """What ``minibatch_backward`` asks of Lightning's optimizer wrapper (one process: no gradient sync)."""
+
+    def toggle_model(self, sync_grad: bool = True):
+        return nullcontext()
+
+
+def _online(module, experience, budget: int | None) -> tuple[torch.Tensor, dict]:
+    module.hparams["token_budget"] = budget
+    module.zero_grad(set_to_none=True)
+    module.manual_backward = lambda loss: loss.backward()  # no trainer here
+    rows = torch.arange(experience.input_ids.shape[0])
+    stats = module.minibatch_backward(_Optimizer(), experience, rows, accum=2, sync=True)
+    return stats["loss"], _grads(module)
+
+
+def _check_online(module, experience, name: str):
+    want_loss, want_grads = _online(module, experience, None)
+    loss, grads = _online(module, experience, BUDGET)
+    rows = torch.arange(experience.input_ids.shape[0])
+    parts = module.micro_batches(experience, rows)
+    lengths = experience.attention_mask.sum(1)
+    assert len(parts) > 1 and all(int(lengths[micro].sum()) <= BUDGET for micro, _ in parts)
+    assert sorted(torch.cat([micro for micro, _ in parts]).tolist()) == rows.tolist()
+    torch.testing.assert_close(loss, want_loss, rtol=0, atol=ATOL)
+    assert _max_diff(grads, want_grads) < ATOL
+    print(f"EQUALITY {name}: loss {float((loss - want_loss).abs()):.2e} grads {_max_diff(grads, want_grads):.2e}")
+
+
+def _rollout_tensors(seed: int = 0):
+    """A rollout's rows: left-padded prompts of 4 tokens, responses of long-tailed lengths (one left out of the
+    loss, as a dropped group is)."""
+    g = torch.Generator().manual_seed(seed)
+    response = [3, 92, 5, 8, 2, 30, 4, 6]
+    R = max(response)
+    prompt_mask = torch.ones(8, 4, dtype=torch.long)
+    prompt_mask[1, :2] = 0
+    mask = (torch.arange(R) < torch.tensor(response)[:, None]).float()
+    attention = torch.cat([prompt_mask, mask.long()], 1)
+    ids = torch.randint(3, 300, (8, 4 + R), generator=g) * attention
+    loss_mask = mask.clone()
+    loss_mask[6] = 0  # a row with no token in the loss
+    advantages = torch.randn(8, 1, generator=g).expand(8, R) * mask
+    old = -torch.rand(8, R, generator=g) * 6 * mask
+    ref = -torch.rand(8, R, generator=g) * 6 * mask
+    return ids, attention, mask, loss_mask, advantages, old, ref
+
+
+@pytest.fixture(scope="module")
+def grpo():
+    return CriticFreeModule(
+        model_config=TINY_LLAMA, tokenizer_name="byte", reward=TOY_REWARD, kl_coef=0.1,
+        generation=GenerationConfig(max_new_tokens=100), num_generations=2, epsilon_high=0.28,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("aggregation", ["sequence", "token", "constant"])
+def test_grpo_family(grpo, aggregation):
+    grpo.hparams["loss_aggregation"] = aggregation
+    ids, attention, mask, loss_mask, advantages, old, ref = _rollout_tensors()
+    experience = PolicyExperience(ids, attention, 4, loss_mask, advantages, old, ref, mask)
+    _check_online(grpo, experience, f"GRPO family, loss_aggregation {aggregation}")
+
+
+def test_gspo_sequence_ratio():
+    module = CriticFreeModule(
+        model_config=TINY_LLAMA, tokenizer_name="byte", reward=TOY_REWARD, kl_coef=0.0, num_generations=2,
+        policy_loss={"importance_sampling_level": "sequence"},
+    )  # fmt: skip
+    ids, attention, mask, loss_mask, advantages, old, _ = _rollout_tensors(1)
+    _check_online(module, PolicyExperience(ids, attention, 4, loss_mask, advantages, old, None, mask), "GSPO")
+
+
+def test_ppo():
+    module = PPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", reward=TOY_REWARD)
+    ids, attention, mask, loss_mask, advantages, old, _ = _rollout_tensors(2)
+    g = torch.Generator().manual_seed(9)
+    values, returns = torch.randn(8, mask.shape[1], generator=g) * mask, torch.randn(8, mask.shape[1], generator=g)
+    experience = Experience(ids, attention, 4, loss_mask, old, values, advantages, returns * mask)
+    _check_online(module, experience, "PPO (policy + value + entropy)")
+
+
+def test_distillation_full_divergence():
+    module = DistillationModule(
+        teacher_model_config={**TINY_LLAMA, "num_hidden_layers": 1}, model_config=TINY_LLAMA, tokenizer_name="byte"
+    )
+    ids, attention, mask, _, _, _, _ = _rollout_tensors(3)
+    values = module.teacher.hidden(ids, attention, 4, mask).float()
+    hidden = torch.zeros(*mask.shape, values.shape[-1]).index_put(torch.nonzero(mask, as_tuple=True), values)
+    experience = DistillationExperience(ids, attention, 4, mask, hidden, torch.zeros_like(mask))
+    _check_online(module, experience, "Distillation (generalized JSD)")
+
+
+def test_top_entropy_quantile_is_refused_with_a_budget():
+    with pytest.raises(ConfigError, match="top_entropy_quantile"):
+        CriticFreeModule(
+            model_config=TINY_LLAMA, tokenizer_name="byte", reward=TOY_REWARD, token_budget=64,
+            policy_loss={"top_entropy_quantile": 0.2},
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- through Lightning
+def _skewed_sft_rows() -> list[dict]:
+    """One long completion among short ones (a long reasoning trace)."""
+    rows = [{"prompt": f"Q{i}?", "completion": " ok." * (1 + i % 3)} for i in range(7)]
+    rows.insert(2, {"prompt": "Why?", "completion": " because" * 14})
+    return rows
+
+
+@pytest.mark.slow
+def test_sft_fit_with_a_budget_makes_the_same_updates(tmp_path):
+    """Lightning's automatic optimisation (the checkpointed micro-batches inside ``training_step``, its backward):
+    the weights after two steps equal those of the row-count run."""
+    from conftest import quiet_trainer
+
+    from aitraining_pl.datamodules.sft import SFTDataModule
+    from aitraining_pl.models import load_tokenizer
+
+    weights = []
+    for budget in (None, 160):  # the batch with the long row: 153 tokens, two micro-batches
+        module = SFTModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-2, token_budget=budget)
+        data = SFTDataModule(rows=_skewed_sft_rows(), tokenizer=load_tokenizer("byte"), val_split=0, batch_size=4,
+                             shuffle=False)  # fmt: skip
+        quiet_trainer(tmp_path, max_steps=2).fit(module, data)
+        weights.append({n: p.detach().clone() for n, p in module.policy.named_parameters()})
+    assert max(float((weights[0][n] - weights[1][n]).abs().max()) for n in weights[0]) < 1e-5
+    initial = SFTModule(model_config=TINY_LLAMA, tokenizer_name="byte").policy.lm_head.weight
+    assert not torch.allclose(initial, weights[1]["lm_head.weight"])  # it trained
+
+
+@pytest.mark.slow
+def test_grpo_fit_with_a_budget_makes_the_same_update(tmp_path, monkeypatch):
+    """Lightning's manual optimisation (``toggle_model``, ``manual_backward``, one optimizer step per minibatch):
+    one iteration with a budget moves the weights as the one pass over the minibatch does."""
+    from conftest import quiet_trainer
+    from online_fixtures import EOS, fixed_rollout_module
+
+    from aitraining_pl.datamodules.prompt import PromptDataModule
+    from aitraining_pl.models import load_tokenizer
+
+    fixed = torch.tensor([[40] * 30 + [EOS], [41, EOS] + [0] * 29, [42, 43, EOS] + [0] * 28, [44] * 31])
+    weights = []
+    for budget in (None, 60):  # rows of 36, 7, 18 and 46 real tokens: two micro-batches
+        module = fixed_rollout_module(
+            monkeypatch, [1.0, 0.0, 0.2, 0.7], fixed, num_generations=2, kl_coef=0.0, mini_batch_size=4,
+            learning_rate=1e-2, max_grad_norm=0.0, token_budget=budget,
+        )  # fmt: skip
+        data = PromptDataModule(prompts=["hello", "a longer prompt"], tokenizer=load_tokenizer("byte"), batch_size=2)
+        quiet_trainer(tmp_path, limit_train_batches=1).fit(module, data)
+        assert len(module.update_history) == 1  # one minibatch
+        weights.append({n: p.detach().clone() for n, p in module.policy.named_parameters()})
+    assert max(float((weights[0][n] - weights[1][n]).abs().max()) for n in weights[0]) < 1e-5
+    initial = CriticFreeModule(model_config=TINY_LLAMA, tokenizer_name="byte", reward=TOY_REWARD).policy
+    assert not torch.allclose(initial.lm_head.weight, weights[1]["lm_head.weight"])  # it trained
