@@ -31,6 +31,9 @@ from aitraining_pl.models.tokens import padded
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
+log = logging.getLogger(__name__)
+
+
 class DataValidationError(UserError):
     """Bad input data: the message names the source, row and field."""
 
@@ -196,7 +199,8 @@ def data_sources(hp: Any) -> tuple[DataSource | None, DataSource | None]:
     held-out fraction) named by a data module's hyperparameters ``data_path``, ``split``, ``name``,
     ``data_files``, ``revision``, ``val_data_path`` and ``val_split_name`` (the last five optional).
 
-    ``val_split_name`` alone: that split of the training source. ``val_data_path``: another source, read with
+    ``val_split_name`` alone: that split of the training source (a local file has none: the held-out fraction
+    ``val_split`` applies, so a hub recipe runs on a local file unchanged). ``val_data_path``: another source, read with
     ``val_split_name`` (default ``split``). ``val_data_path`` equal to a hub ``data_path`` without
     ``val_split_name`` still means its ``"test"`` split, with a deprecation warning."""
     get = hp.get if hasattr(hp, "get") else lambda key, default=None: getattr(hp, key, default)
@@ -210,6 +214,9 @@ def data_sources(hp: Any) -> tuple[DataSource | None, DataSource | None]:
         return train, DataSource(val_path, val_name or get("split", "train"))
     if train is None:
         raise DataValidationError(str(val_path or val_name), "val_split_name needs a data_path to read it from")
+    if val_path is None and Path(path).suffix in _READERS:  # one file has one split: hold out val_split instead
+        log.info("%s is one file with no %r split: val_split of its rows is held out instead", path, val_name)
+        return train, None
     if val_name is None:
         if not _is_local(path):
             warnings.warn(

@@ -471,3 +471,16 @@ def test_bad_sources_are_named(tmp_path, tok, monkeypatch):
     path = write(tmp_path / "p.jsonl", [{"prompt": "q", "answer": 1}, {"prompt": "r"}])
     with pytest.raises(DataValidationError, match=r"p.jsonl, row 2, field 'answer': missing field"):
         PromptDataModule(data_path=path, metadata_columns=["answer"], tokenizer=tok, batch_size=1).setup()
+
+
+def test_a_local_file_holds_out_val_split_where_a_hub_split_is_named(tmp_path, tok):
+    """A hub recipe's ``val_split_name: test`` on a local file (one file has one split): ``val_split`` of its rows is
+    held out, not the whole file validated on the rows it trains on."""
+    rows = [{"prompt": f"q{i}", "chosen": "yes", "rejected": "no"} for i in range(10)]
+    dm = PreferenceDataModule(
+        data_path=write(tmp_path / "p.jsonl", rows), val_split_name="test", val_split=0.2, tokenizer=tok
+    )
+    dm.setup()
+    train = {tok.decode(r["prompt_ids"]) for r in dm.train_dataset}
+    held_out = {tok.decode(r["prompt_ids"]) for r in dm.val_dataset}
+    assert (len(train), len(held_out)) == (8, 2) and not train & held_out
