@@ -169,7 +169,10 @@ def run_ours(args) -> dict:
             tokenizer=module.tokenizer,
             use_chat_template=True,
             batch_size=args.num_prompts,
-            shuffle=False,
+        )
+        data.setup("fit")
+        data.train_dataloader = lambda: torch.utils.data.DataLoader(  # the prompts in file order, as TRL's side
+            data.train_dataset, args.num_prompts, shuffle=False, collate_fn=data.collate_fn
         )
     else:
         from aitraining_pl.modules.dpo import DPOModule
