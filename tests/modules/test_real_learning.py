@@ -68,15 +68,21 @@ def test_dpo_raises_the_held_out_preference_accuracy_of_the_real_model(tmp_path,
 
 
 def test_reward_model_raises_its_held_out_accuracy_on_the_real_trunk(tmp_path, smollm2):
+    """The reward model learns to prefer the worked sum over the bare number (the pairs of the file reversed,
+    those with a wrong number left out): a freshly initialised head prefers the shorter bare number on every
+    held-out pair (measured: accuracy 1.0 on the file's order), so its accuracy on the reversed pairs starts low."""
     from aitraining_pl.modules.reward import RewardModule
 
     pl.seed_everything(0)
-    train, held_out = arithmetic_rows(24, 8)
+    train, held_out = ([r for r in rows if "=" in r["rejected"]] for rows in arithmetic_rows(32, 12))
+    reverse = [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in train + held_out]
     module = RewardModule(model_name=smollm2, lora=LORA, learning_rate=2e-3, warmup_ratio=0.0, disable_dropout=True)
-    data = PreferenceDataModule(**_pairs(train + held_out), tokenizer=module.tokenizer, val_split=0.25, batch_size=8)
+    data = PreferenceDataModule(
+        **_pairs(reverse), tokenizer=module.tokenizer, val_split=len(held_out) / len(reverse), batch_size=8
+    )
     head = module.reward_model.head.weight.detach().clone()
     before, after = _fit_and_compare(tmp_path, module, data, "val/rewards/accuracies", steps=3)
-    assert after >= 0.9 and after > before
+    assert after >= 0.9 and after > before + 0.3
     assert not torch.equal(module.reward_model.head.weight, head)
 
 
