@@ -17,9 +17,10 @@ where the input allows. Internal errors keep their traceback; set ``AITRAINING_P
 traceback of a user error too. SIGTERM (a scheduler's preemption) ends the run with exit status 143 and one line
 naming the last checkpoint written.
 
-``aitraining-pl serve --model MODEL`` (also named ``vllm-serve``) serves a run's rollouts from a vLLM engine, or
-with ``--engine hf`` this project's decoder, in its own process (``aitraining_pl.generation.servers.serve``;
-docs/vllm.md, Server mode).
+``aitraining-pl vllm-serve --model MODEL`` starts vLLM's own ``vllm serve`` with the flags a run's generation server
+needs (``aitraining_pl.generation.servers.vllm_serve``; docs/vllm.md, Server mode); this project's HF server is
+``python -m aitraining_pl.generation.servers.hf_routes``. ``aitraining-pl serve`` (the frame protocol) is gone: one
+line names these.
 
 ``aitraining-pl`` alone (or ``--help``) lists the modules and the recipes in ``configs/``; ``--version`` prints the
 version. ``fit`` takes ``--output_dir`` (one folder for logs, checkpoints and exports), ``--run_name`` and
@@ -339,13 +340,11 @@ def main(args: list[str] | None = None) -> None:
 
             tinker_serve(argv[1:])
             return
-        if argv[0] == "serve":  # the frame-protocol generation server (deprecated; docs/vllm.md)
-            from aitraining_pl.generation.servers.serve import main as serve
-            from aitraining_pl.generation.servers.served import TCP_RETIRES
+        if argv[0] == "serve":  # the frame-protocol generation server, removed: one line naming what replaces it
+            from aitraining_pl.generation.config import FRAME_PROTOCOL_GONE
 
-            print(f"aitraining-pl serve: {TCP_RETIRES}", file=sys.stderr, flush=True)
-            serve(argv[1:], argv[0])
-            return
+            print(f"aitraining-pl serve: {FRAME_PROTOCOL_GONE}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
         available_modules()  # imported: ``--model DPOModule`` resolves the short name
         build_cli(args)
     except Terminated as err:

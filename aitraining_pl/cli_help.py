@@ -82,7 +82,7 @@ def overview() -> str:
     lines = [
         "usage: aitraining-pl {fit,validate,test} --config RECIPE.yaml [--model.init_args.NAME VALUE ...]",
         "       aitraining-pl fit --help | fit --model.help DPOModule | fit --model.lora.help | --version",
-        "       aitraining-pl serve --engine hf|vllm --model MODEL [--port 8000]   (generation server; serve --help)",
+        "       aitraining-pl vllm-serve --model MODEL [--port 8000] [vLLM's options]   (a generation server)",
         "",
         "modules (--model CLASS; the short class name is enough):",
     ]

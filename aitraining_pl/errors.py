@@ -53,7 +53,7 @@ class SandboxError(UserError):
 
 
 class GenerationServerError(UserError, RuntimeError):
-    """The generation server (``aitraining-pl serve``; ``generation.server`` ``connect`` or ``launch``) could not be
+    """A generation server (``generation.server``: ``connect``, ``launch``, a URL or a fleet) could not be
     reached, did not answer in time, closed the connection or refused a request: one line naming its ``host:port``,
     what was being done, and how to go on (start it; resume the run from its last checkpoint with ``--ckpt_path``)."""
 

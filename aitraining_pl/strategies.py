@@ -9,13 +9,22 @@ all-reduce of the gradient norm and any gather of the host shards need gloo). Re
 ``fsdp2`` (and ``fsdp2_cpu_offload``): ``--trainer.strategy fsdp2`` in the CLI, ``pl.Trainer(strategy="fsdp2")``
 once this module is imported (every module of the project imports it). The plain ``ModelParallelStrategy`` with
 ``data_parallel_size`` = processes and ``tensor_parallel_size=1`` is equivalent (without offload).
+
+With ``sequence_parallel_size`` P > 1 the mesh is (data parallel = processes / P) x (sequence parallel = P), named
+``("data_parallel", "sequence_parallel")``: the P ranks of a sequence-parallel group read the same batches (the
+sampler follows the data-parallel dimension) and split each packed row between them (Ulysses,
+``models.sequence_parallel``), and FSDP2 shards over every rank (``sharding_mesh``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
+import torch
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+
+from aitraining_pl.errors import ConfigError
+from aitraining_pl.models import sequence_parallel
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -27,6 +36,9 @@ class FSDP2Strategy(ModelParallelStrategy):
             the process group then has a gloo side for the host tensors (``with_cpu_side``).
         save_distributed_checkpoint: save each rank's shard (``True``, the default) or one full checkpoint file
             written by rank 0.
+        sequence_parallel_size: ranks each packed row is split over (Ulysses sequence parallelism, Jacobs et al.
+            2023): activations per rank shrink by this factor for rows too long for one device; it must divide the
+            number of processes and the model's query and key/value heads (1: off).
         kwargs: other ``ModelParallelStrategy`` arguments (``process_group_backend``, ``timeout``).
     """
 
@@ -35,6 +47,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         data_parallel_size: Literal["auto"] | int = "auto",
         cpu_offload: bool = False,
         save_distributed_checkpoint: bool = True,
+        sequence_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -44,13 +57,76 @@ class FSDP2Strategy(ModelParallelStrategy):
             **kwargs,
         )
         self.cpu_offload = cpu_offload
+        if int(sequence_parallel_size) < 1:
+            raise ConfigError(sequence_parallel.OPTION, f"must be at least 1, got {sequence_parallel_size}")
+        self.sequence_parallel_size = int(sequence_parallel_size)
 
     def setup_environment(self) -> None:
+        processes, size = self.num_nodes * self.num_processes, self.sequence_parallel_size
+        if processes % size:
+            raise ConfigError(
+                sequence_parallel.OPTION, f"sequence_parallel_size {size} does not divide the {processes} processes"
+            )
         if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes * self.num_processes
+            self._data_parallel_size = processes
+        elif size > 1 and self._data_parallel_size * size != processes:
+            raise ConfigError(
+                sequence_parallel.OPTION,
+                f"data_parallel_size {self._data_parallel_size} x sequence_parallel_size {size} must equal the "
+                f"{processes} processes",
+            )
+        if size > 1:
+            self._data_parallel_size = processes  # Lightning's (data, tensor) mesh first; replaced below
         if self.cpu_offload:
             self._process_group_backend = with_cpu_side(self._process_group_backend, self.root_device.type)
         super().setup_environment()
+        if size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._device_mesh = init_device_mesh(
+                self.root_device.type, (processes // size, size), mesh_dim_names=("data_parallel", "sequence_parallel")
+            )
+            self._data_parallel_size = processes // size
+            self.lightning_module._device_mesh = self._device_mesh
+            sequence_parallel.set_group(self._device_mesh["sequence_parallel"].get_group())
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        policy = getattr(self.lightning_module, "policy", None)
+        if self.sequence_parallel_size > 1 and isinstance(policy, torch.nn.Module):
+            check_sequence_parallel(policy, self.sequence_parallel_size)
+
+    def teardown(self) -> None:
+        sequence_parallel.set_group(None)
+        super().teardown()
+
+
+def check_sequence_parallel(model: torch.nn.Module, size: int) -> None:
+    """Before training, a clear error where ``model`` cannot split its rows over ``size`` ranks: heads that do not
+    divide, an attention that cannot run packed (``models.sequence_parallel.check_model``), or one that does not go
+    through transformers' ``AttentionInterface``, so the Ulysses wrapper would never run: the scoring probe
+    (``models.scoring.scoring_path``) runs the split path on every rank of the group against the model's own
+    forward. Every rank of the group must call it."""
+    from aitraining_pl.models.scoring import scoring_path
+
+    sequence_parallel.check_model(model, size)
+    path = scoring_path(model)
+    if not path.packed:
+        raise ConfigError(
+            sequence_parallel.OPTION,
+            f"{type(model).__name__}: its attention cannot be wrapped for sequence parallelism ({path.reason}); "
+            "use sequence_parallel_size 1",
+        )
+
+
+def sharding_mesh(mesh: Any) -> Any:
+    """The 1-D mesh FSDP2 shards over: the ``data_parallel`` dimension of Lightning's mesh, or, with a
+    ``sequence_parallel`` dimension, every rank (data x sequence, flattened): the ranks of a sequence-parallel
+    group hold different shards, and the gradients are averaged over all ranks (``models.sequence_parallel``)."""
+    names = mesh.mesh_dim_names or ()
+    if "sequence_parallel" in names:
+        return mesh._flatten("data_sequence_parallel") if mesh.ndim > 1 else mesh
+    return mesh["data_parallel"] if "data_parallel" in names else mesh
 
 
 def with_cpu_side(backend: str | None, device_type: str) -> str | None:

@@ -1,5 +1,5 @@
-"""A fleet of generation servers (issue 38, ``generation.servers.fleet``): how rollouts scale with the servers, what a
-push costs, and what the engine's HTTP protocol costs against the old TCP one.
+"""A fleet of generation servers (issue 38, ``generation.servers.fleet``): how rollouts scale with the servers, and
+what a push costs.
 
 - ``simulated``: the real ``Fleet`` and asynchronous pipeline (``max_staleness`` 1) over stand-in servers
   (``tests/helpers/standin.py``: a fixed time per generated token, one request at a time) set so that one server
@@ -9,18 +9,15 @@ push costs, and what the engine's HTTP protocol costs against the old TCP one.
   launched HF server (``start``: the safetensors file in shared memory its worker loads): full fp32 and bf16;
   LoRA adapters only (r ``--lora-r`` on every linear layer): their bytes and the seconds to write them the same
   way (no server loads adapters yet, so no load is timed for them).
-- ``overhead``: what the protocol itself costs, without a training run's noise around it: the same push of the 25M
-  policy's weights and the same rollout request (``--prompts`` x ``--generations``, ``--overhead-tokens`` new tokens)
-  to one launched HF server over HTTP and one over the old TCP frames, alternated call by call, ``--repeats`` times;
-  the medians' difference, per step (one push and one rollout), against the step time of ``protocol``'s HTTP run
-  (or ``--step-s-25m`` when that part does not run).
 - ``protocol``: GRPO at 25M on this machine (``benchmarks/async_rollouts.py``'s run, ``max_staleness`` 1): one HF
-  server over HTTP, two (a fleet), and one over the old TCP frames (``server: launch``), alternated by round.
+  server over HTTP (a fleet of one) and two (a fleet), alternated by round.
 
     python benchmarks/fleet.py                       # all three parts
     python benchmarks/fleet.py --parts simulated --steps 30
 
-Prints the command, date and versions, then one JSON line per measurement and a table per part.
+Prints the command, date and versions, then one JSON line per measurement and a table per part. (The ``overhead``
+part compared HTTP with the frame protocol of ``aitraining-pl serve``, removed since: docs/benchmarks.md keeps its
+figures.)
 """
 
 from __future__ import annotations
@@ -46,7 +43,6 @@ QWEN2_05B = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 486
 PROTOCOL_MODES = {
     "http-1": {"server": {"launch": {"count": 1}}, "max_staleness": 1},
     "http-2": {"server": {"launch": {"count": 2}}, "max_staleness": 1},
-    "tcp-1": {"server": "launch", "vllm": {"protocol": "tcp"}, "max_staleness": 1},
 }
 
 
@@ -55,10 +51,9 @@ def simulated(servers: int, args: argparse.Namespace) -> dict:
     import torch
     from standin import StandInReplica
 
-    from aitraining_pl.generation.backend import SampleRequest
+    from aitraining_pl.generation.backend import SampleRequest, StopRule
     from aitraining_pl.generation.config import GenerationConfig
     from aitraining_pl.generation.servers.fleet import Fleet
-    from aitraining_pl.models.generation import StopRule
     from aitraining_pl.models.loading import build_causal_lm
     from aitraining_pl.models.weights import policy_weights
     from aitraining_pl.rollout.asynchronous import RolloutPipeline
@@ -146,62 +141,6 @@ def push(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def overhead(args: argparse.Namespace) -> list[dict]:
-    """Median seconds of a push of the 25M policy and of one rollout request, over HTTP and over the TCP frames, to
-    two launched HF servers (one thread each), alternated call by call."""
-    import torch
-    from async_rollouts import model_config
-
-    from aitraining_pl.generation.backend import BackendContext
-    from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
-    from aitraining_pl.generation.servers import serve
-    from aitraining_pl.generation.servers.http import HTTPReplica
-    from aitraining_pl.generation.servers.routing import ReplicaRequest
-    from aitraining_pl.generation.servers.start import start
-    from aitraining_pl.generation.servers.tcp_replica import TCPReplica
-    from aitraining_pl.generation.version import WeightsVersion
-    from aitraining_pl.models.generation import StopRule
-    from aitraining_pl.models.loading import build_causal_lm, load_tokenizer
-    from aitraining_pl.models.weights import policy_weights
-
-    torch.manual_seed(0)
-    model = build_causal_lm(model_config("25m"))
-    folder = Path(tempfile.mkdtemp(prefix="fleet-overhead-"))
-    model.config.save_pretrained(folder)
-    load_tokenizer("byte").save_pretrained(folder)
-    generation = GenerationConfig(max_new_tokens=args.overhead_tokens, temperature=1.0)
-    http_server = start("hf", folder, options=VLLMConfig(), dtype="float32", threads=1, trainer_gpus=0, timeout=600)
-    tcp_proc, port = serve.launch(["--engine", "hf", "--model", str(folder), "--tokenizer", "byte", "--port", "0",
-                                   "--threads", "1"], folder / "tcp.log", timeout=600)  # fmt: skip
-    context = BackendContext(policy=model, rank=0, run="bench")
-    replicas = {"http": HTTPReplica(http_server.url, http_server.token),
-                "tcp": TCPReplica(f"tcp://127.0.0.1:{port}", GenerationConfig(), context)}  # fmt: skip
-    ids = torch.randint(2, 200, (args.prompts, 32))
-    rows = []
-    try:
-        for step in range(args.warmup + args.repeats):
-            for way, replica in replicas.items():
-                version = WeightsVersion("bench", step)
-                begin = time.perf_counter()
-                replica.push(policy_weights(model), version)
-                pushed = time.perf_counter() - begin
-                request = ReplicaRequest(ids, torch.ones_like(ids), generation, [], StopRule(), 0,
-                                         args.generations, step, version=version)  # fmt: skip
-                begin = time.perf_counter()
-                replica.sample(request, time.monotonic() + 600)
-                sampled = time.perf_counter() - begin
-                if step >= args.warmup:
-                    rows.append({"part": "overhead", "protocol": way, "push_s": pushed, "rollout_s": sampled})
-                    print(json.dumps(rows[-1]), flush=True)
-    finally:
-        for replica in replicas.values():
-            replica.close()
-        http_server.stop()
-        tcp_proc.terminate()
-        tcp_proc.wait(30)
-    return rows
-
-
 def protocol_child(args: argparse.Namespace) -> None:
     import async_rollouts
 
@@ -211,7 +150,9 @@ def protocol_child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", nargs="+", default=["simulated", "push", "overhead", "protocol"])
+    p.add_argument(
+        "--parts", nargs="+", default=["simulated", "push", "protocol"], choices=["simulated", "push", "protocol"]
+    )
     p.add_argument("--servers", nargs="+", type=int, default=[1, 2, 4, 8])
     p.add_argument("--rounds", type=int, default=2, help="passes over the sides (alternated)")
     p.add_argument("--steps", type=int, default=20, help="simulated: steady-state steps per run")
@@ -223,8 +164,6 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="push: pushes per way")
     p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--overhead-tokens", type=int, default=16, help="overhead: new tokens per rollout request")
-    p.add_argument("--step-s-25m", type=float, default=None, help="overhead: the 25M step's seconds (else protocol's)")
     p.add_argument("--updates", type=int, default=8, help="protocol: updates per run")
     p.add_argument("--modes", nargs="+", default=list(PROTOCOL_MODES), choices=list(PROTOCOL_MODES))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -263,7 +202,6 @@ def main() -> None:
             rs = [r for r in rows if r["weights"] == way]
             print(f"| {way} | {statistics.median(r['seconds'] for r in rs):.3f} | {rs[0]['bytes'] / 1e6:.1f} | "
                   f"{rs[0]['bytes'] / full:.2%} |")  # fmt: skip
-    costs = overhead(args) if "overhead" in args.parts else []
     results: dict[str, list[dict]] = {}
     if "protocol" in args.parts:
         for round_ in range(args.rounds):
@@ -281,17 +219,6 @@ def main() -> None:
             med = lambda k: statistics.median(r[k] for r in rs if r.get(k) is not None)  # noqa: E731
             print(f"| {mode} | {med('completions_per_s'):.2f} | {med('step_s'):.3f} | {med('trainer_wait_s'):.3f} | "
                   f"{med('push_s'):.3f} |")  # fmt: skip
-    if costs:
-        step_s = args.step_s_25m or statistics.median(r["step_s"] for r in results.get("http-1", []) or [{"step_s": 0}])
-        median = {(way, k): statistics.median(r[k] for r in costs if r["protocol"] == way)
-                  for way in ("http", "tcp") for k in ("push_s", "rollout_s")}  # fmt: skip
-        extra = sum(median["http", k] - median["tcp", k] for k in ("push_s", "rollout_s"))
-        print("\n| protocol | push s (median) | rollout s (median) |")
-        print("|---|---|---|")
-        for way in ("http", "tcp"):
-            print(f"| {way} | {median[way, 'push_s']:.3f} | {median[way, 'rollout_s']:.3f} |")
-        share = f"{extra / step_s:.1%} of a {step_s:.2f} s step" if step_s else "no step time: pass --step-s-25m"
-        print(f"\nHTTP - TCP per step (one push, one rollout): {extra:+.3f} s = {share}")
 
 
 if __name__ == "__main__":

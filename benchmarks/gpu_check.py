@@ -101,8 +101,8 @@ def clip_norms(setup: Setup, precision: str) -> list[float]:
     """The total norms ``clip_grad_norm_`` saw in one GRPO batch whose rollouts are fixed tokens."""
     import aitraining_pl.generation.backend as backend
     from aitraining_pl.datamodules import PromptDataModule
+    from aitraining_pl.generation.backend import SampledTokens
     from aitraining_pl.models import load_tokenizer
-    from aitraining_pl.models.generation import SampledTokens
     from aitraining_pl.modules import GRPOModule
     from aitraining_pl.rollout import GenerationConfig
 

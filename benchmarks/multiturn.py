@@ -7,7 +7,7 @@ Each episode plays 3 to 5 turns (its ``turns`` metadata, cycling 3, 4, 5); after
 environment answers with a user message of ``--reply-chars`` characters (40; a tool's output is often hundreds),
 rendered by the fallback chat template. The
 random model rarely samples its end token, so turns mostly run to ``--max-new-tokens``. Both modes draw the same
-tokens from the same seed (``models.episode_decoding``), so they do the same episodes.
+tokens from the same seed (``generation.hf.episode_decoding``), so they do the same episodes.
 
 Both modes run on the same model, alternated round by round (re-prefill first in even rounds, the kept cache
 first in odd ones) so that both see the same machine load. Prints one JSON line per mode and size (after a header

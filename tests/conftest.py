@@ -29,7 +29,7 @@ from aitraining_pl.models.presets import MODEL_PRESETS  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 #: the decoder the HF generation backend samples with: tests replace it to roll out fixed tokens
-SAMPLER = "aitraining_pl.generation.backend.sample_responses"
+SAMPLER = "aitraining_pl.generation.hf.backend.sample_responses"
 
 #: The ``tiny-llama`` preset at half its width (hidden 32, MLP 64): trains in seconds on a CPU.
 TINY_LLAMA = {**MODEL_PRESETS["tiny-llama"], "hidden_size": 32, "intermediate_size": 64}

@@ -20,7 +20,7 @@ from aitraining_pl.models import build_causal_lm
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "aitraining_pl" / "data"
 #: the modules that have a quickstart -> their hub recipe
-RECIPES = ["sft", "dpo", "reward", "rloo"]
+RECIPES = ["sft", "dpo", "orpo", "kto", "reward", "ppo", "grpo", "rloo", "distill"]
 #: test-only limits, not user overrides
 LIMITS = ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "1", "--trainer.precision", "32-true"]
 
@@ -34,7 +34,16 @@ def local_data(recipe: str, folder: Path) -> Path:
     if recipe == "sft":  # trl-lib/Capybara: conversations
         turns = [(r["prompt"], r["completion"]) for r in _rows("quickstart_sft.jsonl")]
         rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in turns]
-    elif recipe in ("dpo", "reward"):  # trl-lib/ultrafeedback_binarized: chosen / rejected conversations
+    elif recipe == "kto":  # trl-lib/kto-mix-14k: prompt and completion conversations, label
+        rows = [
+            {
+                "prompt": [{"role": "user", "content": r["prompt"]}],
+                "completion": [{"role": "assistant", "content": r["completion"]}],
+                "label": r["label"],
+            }
+            for r in _rows("quickstart_kto.jsonl")
+        ]
+    elif recipe in ("dpo", "orpo", "reward"):  # trl-lib/ultrafeedback_binarized: chosen / rejected conversations
         rows = [
             {
                 "chosen": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["chosen"]}],

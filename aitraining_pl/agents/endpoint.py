@@ -19,8 +19,8 @@ itself, a colocated vLLM engine, a generation server) samples, with the run's ge
   carries its processor), each becomes the processor's image placeholder in the rendered chat, expanded into the
   image's tokens (an image of more than ``datamodules.vision.MAX_IMAGE_PIXELS`` pixels, refused from its header, or
   more than ``MAX_IMAGES`` images in one request: a 400 naming the field; images are decoded one at a time), and the
-  image's pixel values go with the prompt to the HF decoder (``environments.vision_chat``,
-  ``models.vision_decoding``); each record keeps its prompt's images (``CallRecord.images``), so the trainer's
+  image's pixel values go with the prompt to the HF decoder (``environments.chat``,
+  ``generation.hf.vision_decoding``); each record keeps its prompt's images (``CallRecord.images``), so the trainer's
   log-prob pass sees the same pixel values; image tokens are part of the prompt, never trained on. A text-only
   policy answers an image part with a 400 naming it.
 - **Tool calls** in a sampled turn are parsed by the episode path's parser in the chat template's format
@@ -80,10 +80,9 @@ from aitraining_pl.agents.protocol import (
 from aitraining_pl.agents.recording import CallRecord
 from aitraining_pl.datamodules.io import DataValidationError
 from aitraining_pl.datamodules.vision import MAX_IMAGES
-from aitraining_pl.environments.episode_rollout import ChatFormat
+from aitraining_pl.environments.chat import ChatFormat, chat_ids, image_part_count, vision_chat_format
 from aitraining_pl.environments.tools import detect_tool_format, parse_tool_calls
-from aitraining_pl.environments.vision_chat import chat_ids, image_part_count, vision_chat_format
-from aitraining_pl.models.generation import StopRule
+from aitraining_pl.generation.backend import StopRule
 from aitraining_pl.models.loading import context_length_of
 from aitraining_pl.models.vision import VisionInputs, merge_vision
 from aitraining_pl.rollout import RolloutEngine
@@ -301,7 +300,7 @@ class AgentEndpoint:
         return self._render(chat, messages)
 
     def _render(self, chat: ChatFormat, messages: list[dict], turn_ids=None, first: int = 0):
-        """``vision_chat.chat_ids``: a 400 naming the image part a text-only policy cannot take or that is bad."""
+        """``environments.chat.chat_ids``: a 400 naming the image part a text-only policy cannot take or that is bad."""
         try:
             return chat_ids(chat, messages, turn_ids, first=first, source="the request")
         except DataValidationError as err:

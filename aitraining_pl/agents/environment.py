@@ -62,8 +62,8 @@ import torch
 from aitraining_pl.agents.endpoint import AgentEndpoint, require_agents_extra
 from aitraining_pl.agents.recording import split_sequences
 from aitraining_pl.agents.rows import episode_rows
+from aitraining_pl.environments.chat import check_assistant_turns
 from aitraining_pl.environments.episode import EpisodeEnvironment, EpisodeLimits
-from aitraining_pl.environments.episode_rollout import check_assistant_turns
 from aitraining_pl.errors import RewardError
 from aitraining_pl.guarded_call import CallInterrupted, CallTimeout, exits_watched, guarded_call
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, describe_failure, import_object

@@ -3,7 +3,7 @@ messages normalised for a chat template, the response built from the ``openai`` 
 error bodies (``{"error": {"message", "type", "param", "code"}}``) of what it refuses.
 
 Served fields: ``messages`` (content as text, or text and ``image_url`` parts whose URLs are data URLs, for a
-vision-language policy: ``environments.vision_chat``), ``tools``, ``tool_choice`` (``auto``, ``none``, ``required``,
+vision-language policy: ``environments.chat``), ``tools``, ``tool_choice`` (``auto``, ``none``, ``required``,
 a named function), ``parallel_tool_calls``, ``temperature``, ``top_p``, ``max_tokens`` (or
 ``max_completion_tokens``), ``n``, ``stop``, ``logprobs``, ``top_logprobs`` (0 only), ``stream`` and
 ``stream_options.include_usage`` (the answer as OpenAI's server-sent events: ``stream_chunks``); ``model`` is

@@ -29,7 +29,7 @@ class CallRecord:
     assistant: dict = field(default_factory=dict)  #: the assistant message returned (normalised)
     tools_key: str = ""  #: the tools the prompt was rendered with (JSON)
     tool_calls: int = 0  #: tool calls returned to the agent
-    #: the prompt's images, in order: each image's vision inputs (``environments.vision_chat``; a VL policy's)
+    #: the prompt's images, in order: each image's vision inputs (``environments.chat``; a VL policy's)
     images: list[dict] = field(default_factory=list)
 
 

@@ -29,8 +29,9 @@ from aitraining_pl.datamodules.vision import (
     IMAGE_COLUMNS,
     IMAGES,
     VISION,
+    RowImages,
     collate_vision,
-    encode_vision_prompt,
+    encode_with_images,
     vision_processor,
 )
 from aitraining_pl.models.tokens import with_bos
@@ -48,6 +49,23 @@ def encode_prompt(tokenizer: Any, prompt: Any, max_prompt_length: int, use_chat_
     text = prompt_text(tokenizer, prompt, use_chat_template)
     ids = with_bos(tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer)
     return {TEXT: text, IDS: ids[-max_prompt_length:]}
+
+
+def encode_vision_prompt(processor, record: dict, column: str, max_prompt_length: int, use_chat_template: bool,
+                         source: str, row: int, max_image_pixels: int | None) -> dict[str, Any]:  # fmt: skip
+    """A prompt row with its images as ``{TEXT, IDS, VISION, IMAGES}`` (``encode_prompt``'s fields,
+    the vision inputs and the images as read, for vLLM, which encodes them itself); a prompt longer than
+    ``max_prompt_length`` with its image tokens is refused (cutting it would cut images)."""
+    found = RowImages(processor, record, [column], source, row, max_image_pixels)
+    prompt = found.values[column]
+    check_text(prompt, source, row, column)
+    text = prompt_text(processor.tokenizer, prompt, use_chat_template)
+    ids, vision = encode_with_images(processor, text, found.images)
+    ids = with_bos(ids, processor.tokenizer)
+    if len(ids) > max_prompt_length:
+        message = f"{len(ids)} prompt tokens with its image tokens: more than max_prompt_length={max_prompt_length}"
+        raise DataValidationError(source, f"{message} (an image cannot be cut)", row, column)
+    return {TEXT: text, IDS: ids, VISION: vision, IMAGES: found.images}
 
 
 class PromptDataset(Dataset):

@@ -275,28 +275,6 @@ def collate_vision(examples: Sequence[dict]) -> VisionInputs | None:
 VISION = "__vision"
 
 
-def encode_vision_prompt(processor, record: dict, column: str, max_prompt_length: int, use_chat_template: bool,
-                         source: str, row: int, max_image_pixels: int | None) -> dict[str, Any]:  # fmt: skip
-    """A prompt row with its images as ``{TEXT, IDS, VISION, IMAGES}`` (``datamodules.prompt.encode_prompt``'s
-    fields, the vision inputs and the images as read, for vLLM, which encodes them itself); a prompt longer than
-    ``max_prompt_length`` with its image tokens is refused (cutting it would cut images)."""
-    from aitraining_pl.datamodules.formats import prompt_text
-    from aitraining_pl.datamodules.io import check_text
-    from aitraining_pl.datamodules.prompt import IDS, TEXT
-    from aitraining_pl.models.tokens import with_bos
-
-    found = RowImages(processor, record, [column], source, row, max_image_pixels)
-    prompt = found.values[column]
-    check_text(prompt, source, row, column)
-    text = prompt_text(processor.tokenizer, prompt, use_chat_template)
-    ids, vision = encode_with_images(processor, text, found.images)
-    ids = with_bos(ids, processor.tokenizer)
-    if len(ids) > max_prompt_length:
-        message = f"{len(ids)} prompt tokens with its image tokens: more than max_prompt_length={max_prompt_length}"
-        raise DataValidationError(source, f"{message} (an image cannot be cut)", row, column)
-    return {TEXT: text, IDS: ids, VISION: vision, IMAGES: found.images}
-
-
 class PairImages:
     """A preference (or SFT) row's images: ``row`` (``RowImages``: the flattened texts and the images), ``encode``
     (the prompt text through the processor with them, for ``datamodules.preference.encode_pair``) and, once that

@@ -22,7 +22,7 @@ return) and metrics. One environment object plays one episode: the rollout makes
             return EpisodeStep(messages=[{"role": "user", "content": "higher" if guess < self.secret else "lower"}])
 
 A reply may show a vision-language policy images: content parts with ``{"type": "image"}`` placeholders and the
-images in ``EpisodeStep.images`` (or parts that carry their own, ``environments.vision_chat``)::
+images in ``EpisodeStep.images`` (or parts that carry their own, ``environments.chat``)::
 
     EpisodeStep(messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}],
                 images=[square])
@@ -85,7 +85,7 @@ class EpisodeStep:
     reward: float = 0.0  #: this turn's reward
     metrics: dict[str, float] = field(default_factory=dict)  #: summed over the episode's turns
     #: the images of the reply's ``{"type": "image"}`` content parts, in order (PIL images, paths, bytes or data
-    #: URLs), for a vision-language policy (``environments.vision_chat``)
+    #: URLs), for a vision-language policy (``environments.chat``)
     images: list[Any] = field(default_factory=list)
 
 

@@ -9,192 +9,21 @@ reward sits on that turn's last sampled token (``EpisodeInfo.token_rewards``); t
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from aitraining_pl.datamodules.formats import FALLBACK_CHAT_TEMPLATE
+from aitraining_pl.environments.chat import ChatFormat, chat_ids, vision_chat_format, without_pixels
 from aitraining_pl.environments.episode import AssistantTurn, EpisodeEnvironment
 from aitraining_pl.environments.episode_guard import guarded_reset, guarded_step
-from aitraining_pl.environments.tools import ToolTemplateError
-from aitraining_pl.environments.vision_chat import chat_ids, vision_chat_format, without_pixels
-from aitraining_pl.models.episode_decoding import EpisodeTokens, TurnSample, decode_episodes, decode_turns
-from aitraining_pl.models.generation import hf_generation_config
-from aitraining_pl.models.tokens import padded, with_bos
+from aitraining_pl.generation.hf.episode_decoding import EpisodeTokens, TurnSample, decode_episodes, decode_turns
+from aitraining_pl.generation.hf.generate import hf_generation_config
+from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.models.vision import VisionInputs, merge_vision, processor_of
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT
 from aitraining_pl.rollout import Rollout, RolloutEngine
-
-#: a content's slot in a reply rendered to find the template's own text (plain ASCII: kept by ``trim``, ``tojson``)
-_SLOT = "AITPLSLOT"
-#: content of the assistant message whose rendering shows what a template writes after an assistant turn
-_MARK = "\u2063ASSISTANT-TURN\u2063"
-
-
-def check_assistant_turns(template: str, render=None) -> None:
-    """``ValueError`` (one line saying what the template must render) unless ``template`` writes an assistant
-    message's content and marks it as the assistant's (its rendering differs from the same text as a user's).
-    ``render(messages)`` renders with the tokenizer; default: the template alone (no tokenizer, e.g. when an
-    environment is built)."""
-    if render is None:
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        def render(messages):
-            return render_jinja_template([messages], chat_template=template, bos_token="", eos_token="")[0][0]
-
-    user = {"role": "user", "content": "x"}
-    try:
-        head = render([user, {"role": "assistant", "content": _MARK}])
-        same = head == render([user, {"role": "user", "content": _MARK}])
-    except Exception:  # noqa: BLE001 - a template that refuses two user messages in a row distinguishes roles
-        head, same = render([user, {"role": "assistant", "content": _MARK}]), False
-    if _MARK not in head or same:
-        raise ValueError(
-            "the chat template does not mark assistant turns: it must render an assistant message's content, with "
-            "markers of its own that differ from a user message's (e.g. <|im_start|>assistant ... <|im_end|>)"
-        )
-
-
-class ChatFormat:
-    """Token ids of an episode's prompt and of the environment's replies, from the tokenizer's chat template
-    (``FALLBACK_CHAT_TEMPLATE`` when it has none).
-
-    A reply is what rendering the conversation with the reply adds after rendering it without (the delta of
-    ``[user, assistant] + reply`` over ``[user, assistant]``, with the generation prompt), preceded by what
-    the template writes after an assistant turn's text (``<|im_end|>\\n``, ``<|eot_id|>``, ``</s>``) less
-    the end token the model already sampled. Replies are rendered without the tool list (templates such as
-    Mistral's move it to the last user message; the prompt already showed it). Every string of the messages and
-    tools (contents, names, tool-call arguments, tool descriptions) is tokenised as plain text, in the prompt as in
-    a reply: a tool result or a user message holding ``<|im_start|>`` gets the characters, never the special token
-    (``_plain_tokens``).
-
-    Args:
-        tokenizer: a Hugging Face tokenizer.
-        tools: JSON schemas shown in the prompt; a template that never reads ``tools`` raises
-            ``ToolTemplateError``.
-        image_placeholder: a VL model's image placeholder (``datamodules.vision.image_placeholder``): where a
-            content spells it, it is tokenised with its special tokens (an image's place, which
-            ``environments.vision_chat`` puts there for an image part and expands into the image's tokens).
-    """
-
-    def __init__(self, tokenizer, tools: Sequence[dict] = (), image_placeholder: str | None = None):
-        self.tokenizer, self.tools = tokenizer, list(tools) or None
-        self.image_placeholder = image_placeholder
-        self.template = getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
-        if self.tools and "tools" not in self.template:
-            raise ToolTemplateError(
-                "tools are configured but the tokenizer's chat template does not render them (it never reads the "
-                "`tools` variable): use a tool-calling template (Qwen2.5 / Hermes, Llama 3.1+, Mistral v0.3+)"
-            )
-        self._base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
-        self._head = self.render(self._base)
-        check_assistant_turns(self.template, self.render)
-        self.glue_ids = self.encode(self._head[self._head.rindex(_MARK) + len(_MARK) :])
-        self._replies: dict[str, list[int]] = {}  # rendered replies by their messages (games repeat them)
-        added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)  # special tokens' spellings
-        self._added = re.compile("|".join(map(re.escape, added))) if added else None
-
-    def render(self, messages: list[dict], tools=None, generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, chat_template=self.template, add_generation_prompt=generation_prompt
-        )
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The first messages with the tools and the generation prompt, BOS first (as the data module does); every
-        string of the messages and tools as plain text."""
-        text = self.render(messages, self.tools, generation_prompt=True)
-        ids = self._plain_tokens(
-            lambda v: self.render(v[0], v[1], generation_prompt=True), (messages, self.tools), text
-        )
-        return with_bos(ids, self.tokenizer)
-
-    def reply_ids(self, messages: list[dict], turn_ids: Sequence[int]) -> list[int]:
-        """Tokens appended after a turn that ended with ``turn_ids``: the rest of the template's end of an
-        assistant turn, then the reply messages and the generation prompt."""
-        glue = self.glue_ids
-        if glue and turn_ids and turn_ids[-1] == glue[0]:
-            glue = glue[1:]
-        key = json.dumps(messages, sort_keys=True, default=str)
-        if key not in self._replies:
-            head, full = self._head, self.render(self._base + list(messages), generation_prompt=True)
-            if not full.startswith(head):
-                raise ValueError(
-                    "the chat template renders a conversation differently once a reply is added, so replies cannot "
-                    f"be appended as tokens: {head[-80:]!r} is not the start of {full[len(head) - 80 :][:160]!r}"
-                )
-            if len(self._replies) > 4096:
-                self._replies.clear()
-            reply = lambda v: self.render(self._base + v, generation_prompt=True)[len(head) :]  # noqa: E731
-            self._replies[key] = self._plain_tokens(reply, list(messages), full[len(head) :])
-        return glue + self._replies[key]
-
-    def encode_text(self, text: str) -> list[int]:
-        """``text`` as plain text: a special token's spelling in it (``<|im_start|>``) is not that token."""
-        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
-
-    def _content_ids(self, text: str) -> list[int]:
-        """A content's ``text`` as plain text, but for the image placeholders in it (with their special tokens)."""
-        if not self.image_placeholder or self.image_placeholder not in text:
-            return self.encode_text(text)
-        pieces = text.split(self.image_placeholder)
-        ids = self.encode_text(pieces[0])
-        for piece in pieces[1:]:
-            ids += self.encode(self.image_placeholder) + self.encode_text(piece)
-        return ids
-
-    def _slotted(self, value, slots: list[str]):
-        """``value`` with each string (or mapping key) that holds a special token's spelling replaced by a slot
-        (``slots`` collects them in order)."""
-        if isinstance(value, str):
-            if not self._added.search(value):
-                return value
-            slots.append(value)
-            return f"{_SLOT}{len(slots) - 1}Z"
-        if isinstance(value, dict):
-            return {self._slotted(k, slots): self._slotted(v, slots) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [self._slotted(v, slots) for v in value]
-        return value
-
-    def _plain_tokens(self, render, value, text: str) -> list[int]:
-        """Tokens of ``text = render(value)``: the template's own text with its special tokens, every string of
-        ``value`` that spells a special token as plain text (``encode_text``), so content cannot forge a turn.
-
-        The template's text is ``render`` of ``value`` with those strings replaced by slots (``_slotted``); each
-        slot is then matched, at its known place, against the ways a template writes a string (as is, trimmed, or
-        JSON-escaped by ``tojson``), so a content that repeats the template's markers cannot shift the places."""
-        slots: list[str] = []
-        slotted = self._slotted(value, slots) if self._added is not None else value
-        if not slots:
-            return self.encode(text)  # nothing to forge: the whole text at once
-        pieces = re.split(f"{_SLOT}(\\d+)Z", render(slotted))
-        ids, at = self.encode(pieces[0]), len(pieces[0])
-        for index, piece in zip(pieces[1::2], pieces[2::2]):
-            original = slots[int(index)]
-            forms = (
-                original,
-                original.strip(),
-                json.dumps(original)[1:-1],
-                json.dumps(original, ensure_ascii=False)[1:-1],
-            )
-            form = next((f for f in forms if text.startswith(f + piece, at)), None)
-            if form is None:
-                raise ValueError(
-                    "the chat template renders a message's text differently from its content (not as is, trimmed, "
-                    "nor JSON-escaped), so it cannot be tokenised without its special tokens"
-                )
-            ids += self._content_ids(form) + self.encode(piece)
-            at += len(form) + len(piece)
-        if at != len(text):
-            raise ValueError("the chat template renders these messages differently with the same text")
-        return ids
 
 
 @dataclass
@@ -288,7 +117,7 @@ def sample_episodes(
 
     A vision-language policy (its tokenizer carries its processor) plays with images: the prompts' (``vision``, one
     entry per prompt, or the image parts of ``reset``'s messages) and those of the environment's replies
-    (``EpisodeStep.images``, ``environments.vision_chat``), their image tokens masked like the rest of a reply.
+    (``EpisodeStep.images``, ``environments.chat``), their image tokens masked like the rest of a reply.
     Each turn re-runs every unfinished episode's whole sequence with all of its images so far through the HF
     decoder with images (``backend_turns`` with ``images``): exact on every architecture (the model places the image
     tokens and, for the Qwen VL family, their multimodal positions over the whole sequence itself), where extending

@@ -5,11 +5,11 @@ the rollout engine (``aitraining_pl.rollout``) turns those into a ``Rollout`` by
 Around each rollout the owner calls ``sync(policy, version)`` (make the policy's current weights the sampler's) and
 ``sleep()`` (release what sampling held); ``close()`` at teardown. ``location`` says where sampling runs:
 
-- ``policy``: the policy itself samples, in this process (``HFBackend``: the KV-cache decoder of
-  ``models.decoding``); nothing is pushed, and under FSDP2 ``sync`` gathers the full parameters for the rollout;
+- ``policy``: the policy itself samples, in this process (``generation.hf.backend.HFBackend``: the KV-cache decoder of
+  ``generation.hf.decoding``); nothing is pushed, and under FSDP2 ``sync`` gathers the full parameters for the rollout;
 - ``colocated``: a separate engine in this process holds its own copy of the weights (``generation.vllm.VLLMEngine``);
-- ``server``: another process samples (``generation.servers.client.VLLMServerClient`` talking to
-  ``aitraining-pl vllm-serve``).
+- ``server``: other processes sample (``generation.servers.fleet.Fleet``: one generation server or several, over
+  HTTP).
 
 The backends are named in ``generation.registry.BACKENDS`` (one ``"module:Class"`` line each, imported only when
 chosen) and built by ``generation.registry.build_backend``.
@@ -17,21 +17,90 @@ chosen) and built by ``generation.registry.build_backend``.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.generation.images import PromptImages
-from aitraining_pl.models.decoding import sample_responses
-from aitraining_pl.models.generation import SampledTokens, StopRule, hf_generation_config
-from aitraining_pl.models.sharding import gathered
-from aitraining_pl.models.training import eval_mode
+from aitraining_pl.models.vision import VisionInputs
 
 Location = Literal["policy", "colocated", "server"]
+
+
+class StopRule:
+    """Stop strings and stop sequences of token ids, checked on the response tokens only.
+
+    A response prefix ``ids`` stops when its decoding (special tokens decoded as their text) contains one of
+    ``stop_strings``, or when it ends with one of ``stop_sequences``. ``generate`` checks every prefix as it
+    grows (``ResponseStoppingCriteria``) and ``ends`` finds the first stopping prefix afterwards, so both agree.
+
+    Args:
+        tokenizer: decodes responses for ``stop_strings`` (may be None when there are none).
+        stop_strings: texts that end a response.
+        stop_sequences: token-id sequences that end a response.
+        skip_special_tokens: look for stop strings in the text without special tokens (default: special tokens
+            are decoded as their text, as transformers' own stop strings see them).
+    """
+
+    def __init__(
+        self,
+        tokenizer=None,
+        stop_strings: Sequence[str] | None = None,
+        stop_sequences: Sequence[Sequence[int]] | None = None,
+        skip_special_tokens: bool = False,
+    ):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.stop_strings = [s for s in (stop_strings or []) if s]
+        self.stop_sequences = [[int(t) for t in s] for s in (stop_sequences or []) if len(s)]
+        if self.stop_strings and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+
+    def __bool__(self) -> bool:
+        return bool(self.stop_strings or self.stop_sequences)
+
+    def stops(self, ids: list[int]) -> bool:
+        """Whether the response prefix ``ids`` has reached a stop."""
+        if any(len(ids) >= len(s) and ids[-len(s) :] == s for s in self.stop_sequences):
+            return True
+        return bool(self.stop_strings) and self._contains_string(ids)
+
+    def _contains_string(self, ids: list[int]) -> bool:
+        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return any(s in text for s in self.stop_strings)
+
+    def ends(self, response_ids: torch.Tensor) -> torch.Tensor:
+        """(N,) index of the token at which a response first stops; -1 where it never does."""
+        ends = torch.full((response_ids.shape[0],), -1, dtype=torch.long, device=response_ids.device)
+        if not self:
+            return ends
+        for row, ids in enumerate(response_ids.tolist()):
+            seq_hit = any(_find(ids, s) >= 0 for s in self.stop_sequences)
+            if not (seq_hit or (self.stop_strings and self._contains_string(ids))):
+                continue  # no prefix can stop if the whole response does not
+            ends[row] = next(t for t in range(len(ids)) if self.stops(ids[: t + 1]))
+        return ends
+
+
+def _find(ids: list[int], seq: list[int]) -> int:
+    """Start of the first occurrence of ``seq`` in ``ids``; -1 where none."""
+    return next((i for i in range(len(ids) - len(seq) + 1) if ids[i : i + len(seq)] == seq), -1)
+
+
+class SampledTokens(NamedTuple):
+    """What a sampler returned: response ids (N, R) and, when asked, the per-step logits (N, R, V) before and
+    after the sampling processors (temperature, top-k, top-p); a backend that returns no logits (vLLM) gives
+    the sampled tokens' log-probs under the distribution sampled from (N, R) instead. A generation server also
+    says which weights sampled each token (``token_versions``)."""
+
+    response_ids: torch.Tensor
+    logits: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    sampling_logprobs: torch.Tensor | None = None
+    #: (N, R) int64: the step of the weights (version ``run:step``) that sampled each token, -1 after the end; one
+    #: response may span two versions when a push landed while it was generated (``generation.servers.hf_server``)
+    token_versions: torch.Tensor | None = None
 
 
 @dataclass
@@ -53,7 +122,9 @@ class SampleRequest:
     ``generate``; a server client sends one): ``num_samples`` responses for each left-padded prompt (B, P) under
     ``generation``, ended by ``end_ids`` / ``stop_rule``, right padded with ``pad_token_id``; ``seed``: a
     non-negative int that makes the draw reproducible (None: the backend's own generator); ``images``: a VL prompt's
-    images for a backend that encodes them itself (vLLM; ``generation.images``), None for text prompts."""
+    images for a backend that encodes them itself (vLLM, a server; ``generation.images``), None for text prompts;
+    ``vision``: the same prompts' encoded images (``models.vision.VisionInputs``, one entry per prompt: pixel values)
+    for a backend that runs the policy itself (``location`` ``policy``), None for text prompts."""
 
     prompt_ids: torch.Tensor
     prompt_mask: torch.Tensor
@@ -64,6 +135,7 @@ class SampleRequest:
     num_samples: int = 1
     seed: int | None = None
     images: PromptImages | None = None
+    vision: VisionInputs | None = None
 
 
 @runtime_checkable
@@ -91,48 +163,7 @@ class GenerationBackend(Protocol):
         """Free the backend for good (an engine, a connection)."""
         ...
 
-
-class HFBackend:
-    """The policy samples itself with this project's KV-cache decoder (``models.decoding.sample_responses``, or
-    transformers' ``generate`` where the model has no plain cache or ``drop_ended`` is off), in eval mode.
-
-    Args:
-        model: the plain (unwrapped) transformers or peft causal LM that samples.
-        with_logprobs: also return the logits and processed scores of the sampled tokens (``SampledTokens``).
-    """
-
-    location: Location = "policy"
-
-    def __init__(self, model: torch.nn.Module, with_logprobs: bool = False):
-        self.model, self.with_logprobs = model, with_logprobs
-        self._held = contextlib.ExitStack()
-
-    @classmethod
-    def from_context(cls, generation: GenerationConfig, context: BackendContext) -> HFBackend:
-        return cls(context.policy)
-
-    def sample(self, request: SampleRequest) -> SampledTokens:
-        r = request
-        config = hf_generation_config(r.generation, r.end_ids, r.pad_token_id, self.with_logprobs)
-        devices = [r.prompt_ids.device] if r.prompt_ids.device.type == "cuda" else []
-        seeded = torch.random.fork_rng(devices=devices) if r.seed is not None else contextlib.nullcontext()
-        with seeded, eval_mode(self.model):
-            if r.seed is not None:
-                torch.manual_seed(r.seed)
-            return sample_responses(
-                self.model, r.prompt_ids, r.prompt_mask, config, r.stop_rule, r.generation.drop_ended, r.num_samples
-            )
-
-    def sync(self, policy: torch.nn.Module, version: Any = None) -> bool:
-        """Sample with ``policy`` itself: nothing moves; a sharded policy's full parameters are gathered until
-        ``sleep`` (FSDP2: one all-gather per rollout, not one per generated token)."""
-        self.sleep()
-        self.model = policy
-        self._held.enter_context(gathered(policy))
-        return False
-
-    def sleep(self) -> None:
-        self._held.close()
-
-    def close(self) -> None:
-        self.sleep()
+    def stats(self) -> dict[str, torch.Tensor]:
+        """Figures the trainer logs with each iteration, the same keys on every rank (a fleet's: servers up and
+        per-server figures, ``generation.servers.fleet.Fleet.stats``); ``{}`` for a backend with none."""
+        ...

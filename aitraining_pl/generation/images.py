@@ -7,7 +7,7 @@ expands placeholders itself (``BaseMultiModalProcessor._apply_prompt_updates``: 
 the image token collapsed to one (``PromptImages.unexpanded``) and the prompt's images, and it expands them back. The
 prompt it expanded must be the trainer's token for token (``check_expanded``; a different image processor setting
 would give another count): what is trained on is what was sampled. Image and video tokens are never sampled
-(``banned_ids``, as the HF decoder bans them: ``models.vision_decoding.image_token_ids``).
+(``banned_ids``, as the HF decoder bans them: ``generation.hf.vision_decoding.image_token_ids``).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ class PromptImages:
     @classmethod
     def of(cls, model: Any, images: Sequence[Sequence[Any]]) -> PromptImages:
         """The images of a VL ``model``'s prompts, with its image token and the tokens it never samples."""
-        from aitraining_pl.models.vision import _unwrapped
-        from aitraining_pl.models.vision_decoding import image_token_ids
+        from aitraining_pl.models.lora import base_model
+        from aitraining_pl.models.vision import image_token_ids
 
-        config = _unwrapped(model).config
+        config = base_model(model).config
         token = getattr(config, "image_token_id", None)
         token = getattr(config, "image_token_index", None) if token is None else token
         return cls([list(row) for row in images], int(token), tuple(image_token_ids(model)))
@@ -133,9 +133,9 @@ def save_model_files(policy: Any, tokenizer: Any, folder: Any) -> None:
     tokenizer and, for a VL model, its image processor (``save_processor``); no weights (they are pushed)."""
     import copy
 
-    from aitraining_pl.models.generation import hf_model
+    from aitraining_pl.models.lora import base_model
 
-    model = hf_model(policy)
+    model = base_model(policy)
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
     config.save_pretrained(folder)

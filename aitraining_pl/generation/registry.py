@@ -18,12 +18,12 @@ from aitraining_pl.generation.config import GenerationConfig
 
 #: the generation backends by name (``resolve_backend``): ``"module:Class"``, imported when chosen
 BACKENDS: dict[str, str | type] = {
-    "hf": "aitraining_pl.generation.backend:HFBackend",
+    "hf": "aitraining_pl.generation.hf.backend:HFBackend",
     "vllm": "aitraining_pl.generation.vllm:VLLMEngine",  # vLLM colocated: an engine in each training process
-    # vLLM as a server (``vllm serve``; ``vllm.protocol: tcp``: ``aitraining-pl serve --engine vllm``)
-    "vllm-server": "aitraining_pl.generation.servers.served:ServedBackend",
-    # the HF decoder as a server (``generation.servers.hf_routes``; ``vllm.protocol: tcp``: ``aitraining-pl serve``)
-    "hf-server": "aitraining_pl.generation.servers.served:ServedBackend",
+    # vLLM as servers (``vllm serve``; one URL is a fleet of one)
+    "vllm-server": "aitraining_pl.generation.servers.fleet:Fleet",
+    # the HF decoder as servers (``generation.servers.hf_routes``)
+    "hf-server": "aitraining_pl.generation.servers.fleet:Fleet",
 }
 #: the values of ``generation.backend`` (besides ``auto``): a ``<name>-server`` entry is ``<name>`` in server mode
 BACKEND_NAMES = sorted({name.removesuffix("-server") for name in BACKENDS})
@@ -64,7 +64,7 @@ def build_backend(
     if overridden:
         warnings.warn(
             f"generation.vllm.{', '.join(overridden)}: ignored in server mode (the generation server owns its "
-            "engine: give them to aitraining-pl vllm-serve on its command line)",
+            "engine: give them to vllm serve on its command line)",
             UserWarning,
             stacklevel=2,
         )

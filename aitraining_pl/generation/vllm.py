@@ -47,12 +47,12 @@ import torch
 
 from aitraining_pl.datamodules.vision import as_rgb
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampledTokens, SampleRequest, StopRule
 from aitraining_pl.generation.config import EXTRA_CPU, EXTRA_GPU, VLLMConfig
 from aitraining_pl.generation.images import check_outputs, input_norm, reset_input_norms, save_processor
 from aitraining_pl.generation.registry import vllm_available  # noqa: F401 (its old home: generation.vllm.vllm_available)
-from aitraining_pl.models.generation import SampledTokens, StopRule, hf_model
 from aitraining_pl.models.loading import context_length_of
+from aitraining_pl.models.lora import base_model
 from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.vision import processor_of
 from aitraining_pl.models.weights import policy_weights
@@ -250,7 +250,7 @@ class VLLMEngine:
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(options.cpu_kv_cache_gb))))
         self.folder = tempfile.mkdtemp(prefix="aitraining-pl-vllm-")
-        hf = hf_model(policy)
+        hf = base_model(policy)
         if on_cpu:
             check_cpu_head_size(hf.config)
         config = copy.deepcopy(hf.config)
@@ -489,3 +489,7 @@ class VLLMEngine:
                 shutdown()
             del llm
         shutil.rmtree(getattr(self, "folder", ""), ignore_errors=True)
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        """None to log (``GenerationBackend.stats``)."""
+        return {}

@@ -143,10 +143,13 @@ def token_budget_partition(
     return [[i] for i in over] + [[rest[j] for j in g] for g in groups if g]
 
 
-def contiguous_budget_split(lengths: Sequence[int], budget: int, max_rows: int | None = None) -> list[range]:
+def contiguous_budget_split(
+    lengths: Sequence[int], budget: int, max_rows: int | None = None, row_limit: int | None = None
+) -> list[range]:
     """Consecutive runs of rows of at most ``budget`` tokens (and ``max_rows`` rows) each, in order: the no-grad
-    passes, whose outputs are concatenated in row order. A row longer than the budget is a ``TokenBudgetError``."""
-    check_row_lengths(lengths, budget)
+    passes, whose outputs are concatenated in row order. A row longer than ``row_limit`` (default: the budget) is a
+    ``TokenBudgetError``; one above the budget but within it is a run of its own (``token_budget_partition``)."""
+    check_row_lengths(lengths, budget, row_limit)
     runs, start, total = [], 0, 0
     for i, length in enumerate(lengths):
         if i > start and (total + length > budget or (max_rows is not None and i - start >= max_rows)):

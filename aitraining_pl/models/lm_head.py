@@ -1,16 +1,18 @@
 """The language-model head of a transformers causal LM as tensors: its weight (LoRA merged), bias and the logit
 post-processing its ``forward`` applies, so tokens are scored by ``losses.fused_head_logps`` without building
-(tokens x vocabulary) logits.
+(tokens x vocabulary) logits; and the head kernels every scoring path ends in (text, packed or padded:
+``models.scoring``; with images: ``models.vision_scoring``): ``head_scores`` from hidden states, ``logits_scores``
+from logits, ``head_logits`` where the head runs whole, and what a scoring path returns (``TokenScores``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from aitraining_pl.losses import HeadLogps, fused_head_logps
+from aitraining_pl.losses import HeadLogps, entropy_from_logits, fused_head_logps, selective_log_softmax
 
 #: model_type -> (config attribute, multiply or divide): the scale transformers' ``forward`` applies to the head
 LOGIT_SCALES = {
@@ -112,3 +114,51 @@ def chunked_head_logps(
         with_entropy=with_entropy,
         chunk_size=chunk_size,
     )
+
+
+def head_logits(head: nn.Module, config: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head on ``hidden`` with the post-processing transformers models apply in ``forward``
+    (``logit_postprocessing``: Granite, Cohere, FalconH1 scales, Gemma 2/3 soft-cap). A scaling
+    not listed there is left out here, so the probe (``scoring_path``) sends that model to its own forward."""
+    logits = head(hidden)
+    post = logit_postprocessing(config)
+    if post is None:
+        return logits
+    scale, cap = post
+    if scale != 1.0:
+        logits = logits * scale
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def logits_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool) -> HeadLogps:
+    """Log-probs (and entropies) of ``targets`` from (M, V) logits (the fallback where the head cannot run fused)."""
+    logits = logits.float() / temperature
+    return HeadLogps(selective_log_softmax(logits, targets), entropy_from_logits(logits) if with_entropy else None)
+
+
+def head_scores(
+    head: nn.Module,
+    config: Any,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> HeadLogps:
+    """(M,) log-probs of ``targets`` (and entropies) from hidden states (M, H): chunked for a linear head whose
+    post-processing is known (``chunked_head_logps``: no (M, V) logits, in the forward or saved for backward), else
+    the head's logits."""
+    chunked = chunked_head_logps(head, config, hidden, targets, temperature=temperature, with_entropy=with_entropy)
+    if chunked is not None:
+        return chunked
+    return logits_scores(head_logits(head, config, hidden), targets, temperature, with_entropy)
+
+
+class TokenScores(NamedTuple):
+    """What ``token_scores`` returns; per-token tensors are (B, L - 1), entry [b, t] for token t + 1."""
+
+    logps: torch.Tensor  #: log-probs of the scored tokens, 0 elsewhere
+    entropy: torch.Tensor | None  #: entropies of the distributions predicting them (``with_entropy``), or None
+    hidden: torch.Tensor | None  #: (M, H) last hidden states predicting them, in ``index`` order (``with_hidden``)
+    index: tuple[torch.Tensor, torch.Tensor]  #: (rows, columns) (M,) each: where the scored tokens' entries are

@@ -138,6 +138,12 @@ def is_peft_model(model: nn.Module) -> bool:
     return peft is not None and isinstance(model, getattr(peft, "PeftModel", ()))
 
 
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a ``peft`` wrapper (its LoRA layers included), or ``model`` itself: the one
+    peft unwrap of the package (its config, its decoder and head, its ``generate`` settings live there)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _plain_key(key: str, adapter: str) -> str | None:
     """The name ``key`` of a peft base model has in the plain model; None for adapter weights and for the original
     of a ``modules_to_save`` module (its trained copy takes its place)."""

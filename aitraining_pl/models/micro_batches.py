@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from aitraining_pl.losses.micro_batches import token_budget_partition
+from aitraining_pl.models.sequence_parallel import group_size
 
 
 def unit_lengths(attention_mask: torch.Tensor, paired: bool) -> list[int]:
@@ -96,7 +97,8 @@ def budgeted_forward(
         batch: the rows (2B of them with ``paired``: row ``i`` and row ``i + B`` form pair ``i``).
         budget: tokens per micro-batch.
         paired: keep row ``i`` and row ``i + B`` in one micro-batch (preference pairs, KTO's mismatched rows).
-        row_limit: the longest row allowed (``token_budget_partition``; sequence parallelism's hook).
+        row_limit: the longest row allowed (``token_budget_partition``; default: ``budget`` times the
+            sequence-parallel group's size, ``models.sequence_parallel``, whose ranks split a longer row).
         per_position: ``fn``'s outputs are per position, ``(rows, columns, ...)``: a micro-batch's trailing columns
             that are padding in all its rows are cut before ``fn`` and come back as zeros. Otherwise the outputs are
             per row or per pair only (any further dimensions are kept as they are).
@@ -108,6 +110,7 @@ def budgeted_forward(
         return fn(dict(batch))
     mask = batch["attention_mask"]
     lengths = unit_lengths(mask, paired)
+    row_limit = budget * group_size() if row_limit is None else row_limit  # the sequence-parallel group splits it
     groups = token_budget_partition(lengths, budget, row_limit=row_limit, what="pair" if paired else "row")
     if len(groups) <= 1:
         return fn(dict(batch))

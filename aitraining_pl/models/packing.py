@@ -41,6 +41,9 @@ Block = tuple[tuple[tuple[int, int], ...], int]
 #: one; in chunks of about 128 queries the later keys are left out (fwd + bwd, 4 heads of 64, one thread: 7.9 -> 6.9
 #: ms at 420 tokens, 11.2 -> 9.0 ms at 512, 3.2 -> 2.9 ms at 256, the same within noise at 128).
 CPU_QUERY_CHUNK = 128
+#: the longest block run in query chunks: each chunk's causal mask is (chunk x keys) floats, saved for backward, so a
+#: block of q queries holds about q * q / 2 of them (16k tokens: 512 MB) where one causal call holds none
+CPU_CHUNKED_BLOCK_MAX = 1024
 
 
 @dataclass
@@ -83,12 +86,13 @@ class AttentionPlan:
     def runs(self, chunk: int | None) -> list[list[tuple[int, int, int]]]:
         """Per block, its attention calls as runs of its queries: ``(first, end, keys)``, queries [first, end) of
         the block attending to its first ``keys`` keys (those up to the run's last query). One run per block, or
-        with ``chunk`` a block of ``q >= 2 * chunk`` queries as ``q // chunk`` runs of about equal size."""
+        with ``chunk`` a block of ``2 * chunk <= q <= CPU_CHUNKED_BLOCK_MAX`` queries as ``q // chunk`` runs of about
+        equal size."""
         key = ("runs", chunk)
         if key not in self._pieces:
             runs = []
             for ranges, q in self.blocks:
-                keys, n = sum(b - a for a, b in ranges), q // chunk if chunk else 1
+                keys, n = sum(b - a for a, b in ranges), q // chunk if chunk and q <= CPU_CHUNKED_BLOCK_MAX else 1
                 cuts = [round(i * q / n) for i in range(n + 1)] if n > 1 else [0, q]
                 runs.append([(lo, hi, keys - q + hi) for lo, hi in zip(cuts, cuts[1:])])
             self._pieces[key] = runs
@@ -238,15 +242,16 @@ def supports_packing(config: Any) -> bool:
     return not (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))
 
 
-#: configs switched to packed attention by the ``packed_attention`` blocks being run (innermost last)
-_ACTIVE: list[Any] = []
+#: (config, attention implementation) switched by the ``packed_attention`` blocks being run (innermost last)
+_ACTIVE: list[tuple[Any, str]] = []
 
 
 @contextmanager
-def _switched(configs: list[Any]) -> Iterator[None]:
+def _switched(switches: list[tuple[Any, str]]) -> Iterator[None]:
+    configs = [config for config, _ in switches]
     previous = [config._attn_implementation for config in configs]
-    for config in configs:
-        config._attn_implementation = PACKED_ATTENTION
+    for config, implementation in switches:
+        config._attn_implementation = implementation
     try:
         yield
     finally:
@@ -261,14 +266,18 @@ def checkpoint_contexts() -> tuple[Any, Any]:
 
 
 @contextmanager
-def packed_attention(config: Any, plan: AttentionPlan) -> Iterator[AttentionPlan]:
+def packed_attention(
+    config: Any, plan: AttentionPlan, implementation: str = PACKED_ATTENTION
+) -> Iterator[AttentionPlan]:
     """Switch a model (through its ``config``) to packed attention for the forwards inside the block; pass
     ``packed_plan=plan`` to the decoder. Raises after the block when no attention layer used the plan (a model
-    whose attention bypasses ``AttentionInterface`` would otherwise attend across sequences silently)."""
+    whose attention bypasses ``AttentionInterface`` would otherwise attend across sequences silently).
+    ``implementation``: the registered attention function that runs the plan (``models.sequence_parallel``'s
+    wraps this one)."""
     plan.calls = 0
-    _ACTIVE.append(config)
+    _ACTIVE.append((config, implementation))
     try:
-        with _switched([config]):
+        with _switched([(config, implementation)]):
             yield plan
     finally:
         _ACTIVE.pop()

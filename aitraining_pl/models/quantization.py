@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from aitraining_pl.errors import ConfigError
+from aitraining_pl.models.lora import base_model
 
 
 @dataclass
@@ -120,7 +121,7 @@ def keep_one_weight_format(model: nn.Module) -> None:
 
 def is_quantized(model: nn.Module) -> bool:
     """Whether ``model`` (or the base model of a peft wrapper) holds bitsandbytes 4-bit layers."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     return bool(getattr(base, "is_loaded_in_4bit", False))
 
 

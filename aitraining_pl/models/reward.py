@@ -29,7 +29,14 @@ from torch import nn
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.losses.reward import POOLING_STRATEGIES, pool_hidden_states
 from aitraining_pl.models.loading import hidden_size_of, load_backbone, load_tokenizer, resolve_dtype
-from aitraining_pl.models.lora import LoRAConfig, apply_lora, as_lora_config, is_peft_model, plain_state_dict
+from aitraining_pl.models.lora import (
+    LoRAConfig,
+    apply_lora,
+    as_lora_config,
+    base_model,
+    is_peft_model,
+    plain_state_dict,
+)
 from aitraining_pl.models.tokens import with_bos
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.models.trunk_positions import POSITION_MODES, choose_position_mode, trunk_hidden
@@ -168,7 +175,7 @@ class RewardModel(nn.Module):
                 config.model_name, config.model_config, dtype=config.dtype,
                 trust_remote_code=config.trust_remote_code, seed=config.seed,
             )  # fmt: skip
-        base = trunk.get_base_model() if is_peft_model(trunk) else trunk
+        base = base_model(trunk)
         accepted = inspect.signature(base.forward).parameters
         self._takes_positions, self._takes_cache = "position_ids" in accepted, "use_cache" in accepted
         lora = config.lora
@@ -286,7 +293,7 @@ class RewardModel(nn.Module):
         state = {k: v.contiguous().cpu() for k, v in self.merged_state_dict().items()}
         record = save_standard(self, path, state, tokenizer) if standard else None
         if record is None:
-            base = self.trunk.get_base_model() if is_peft_model(self.trunk) else self.trunk
+            base = base_model(self.trunk)
             base.config.save_pretrained(path)
             save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
         meta = {
@@ -360,7 +367,7 @@ class RewardModel(nn.Module):
         """Load plain weights (as ``merged_state_dict`` gives) into this model, LoRA-wrapped or not. The
         adapters' up-projections (``lora_B``) are zeroed, since the loaded weights already hold whatever the
         adapters had learnt, so the rewards equal the saved model's."""
-        base = self.trunk.get_base_model() if is_peft_model(self.trunk) else self.trunk
+        base = base_model(self.trunk)
         if is_peft_model(self.trunk):
             with torch.no_grad():
                 for name, param in self.trunk.named_parameters():

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from aitraining_pl.models.lora import base_model
 from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.models.trunk_positions import _probe_ids
@@ -133,7 +134,7 @@ def build_standard(
     ``trunk_state``: the trunk's plain weights (LoRA merged), keys without the ``trunk.`` prefix."""
     from transformers import AutoModelForSequenceClassification
 
-    base = model.trunk.get_base_model() if hasattr(model.trunk, "get_base_model") else model.trunk
+    base = base_model(model.trunk)
     pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     config = _standard_config(base.config, pad)
     dtype = next(base.parameters()).dtype

@@ -21,7 +21,6 @@ from aitraining_pl.losses import positions_from_mask
 from aitraining_pl.models.packing import pack_rows, packing_pays
 from aitraining_pl.models.scoring import scoring_path, token_scores
 from aitraining_pl.models.vision import VisionInputs
-from aitraining_pl.models.vision_scoring import vision_token_scores
 
 
 class ResponseScores(NamedTuple):
@@ -69,18 +68,15 @@ def response_logps(
     """
     scored = attention_mask.clone()
     scored[:, :prompt_length] = 0
-    packed = None
-    if vision is not None:
-        args = (temperature, with_entropy, with_hidden)
-        out = vision_token_scores(model, input_ids, attention_mask, scored, vision, *args)
-    elif will_pack(model, attention_mask, prompt_length, padding_free):
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": scored}
-        packed = pack_rows(batch, shared_prefix=prompt_length)
+    packed = positions = None  # rows with images: padded, the model's own positions (``models.vision_scoring``)
     if vision is None:
         positions = positions_from_mask(attention_mask)  # as ``generate`` counts left-padded rows
-        out = token_scores(
-            model, input_ids, attention_mask, scored, positions, packed, temperature, with_entropy, with_hidden
-        )
+        if will_pack(model, attention_mask, prompt_length, padding_free):
+            batch = {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": scored}
+            packed = pack_rows(batch, shared_prefix=prompt_length)
+    out = token_scores(
+        model, input_ids, attention_mask, scored, positions, packed, temperature, with_entropy, with_hidden, vision
+    )
     response = slice(prompt_length - 1, None)
     hidden = out.hidden
     if hidden is not None:  # row-major order of the response mask

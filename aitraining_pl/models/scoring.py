@@ -19,13 +19,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from aitraining_pl.losses import HeadLogps, SequenceLogps, entropy_from_logits, selective_log_softmax
-from aitraining_pl.models.lm_head import chunked_head_logps, logit_postprocessing
+from aitraining_pl.losses import SequenceLogps
+from aitraining_pl.models.lm_head import (  # noqa: F401 - head_logits and TokenScores, also importable from here
+    TokenScores,
+    head_logits,
+    head_scores,
+    logits_scores,
+)
+from aitraining_pl.models.lora import base_model
 from aitraining_pl.models.packing import (  # noqa: F401 - the packing helpers, also importable from here
     PACKING_THRESHOLD,
     PackedBatch,
@@ -38,73 +44,24 @@ from aitraining_pl.models.packing import (  # noqa: F401 - the packing helpers, 
     prompt_lengths,
     supports_packing,
 )
+from aitraining_pl.models.sequence_parallel import active_group, sequence_parallel_scores
 from aitraining_pl.models.sharding import as_forward
 from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.training import eval_mode
+from aitraining_pl.models.vision import VisionInputs
+from aitraining_pl.models.vision_scoring import vision_token_scores
 
 log = logging.getLogger(__name__)
 
 
 def _decoder_and_head(model: nn.Module):
     """(decoder, lm head, config) of a transformers causal LM (through a ``peft`` wrapper), or Nones."""
-    lm = _language_model(model)
+    lm = base_model(model)
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     if decoder is lm or not isinstance(decoder, nn.Module) or not isinstance(head, nn.Module):
         decoder = head = None
     return decoder, head, getattr(lm, "config", None)
-
-
-def _language_model(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def head_logits(head: nn.Module, config: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """The LM head on ``hidden`` with the post-processing transformers models apply in ``forward``
-    (``models.lm_head.logit_postprocessing``: Granite, Cohere, FalconH1 scales, Gemma 2/3 soft-cap). A scaling
-    not listed there is left out here, so the probe (``scoring_path``) sends that model to its own forward."""
-    logits = head(hidden)
-    post = logit_postprocessing(config)
-    if post is None:
-        return logits
-    scale, cap = post
-    if scale != 1.0:
-        logits = logits * scale
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
-
-
-def _logits_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool) -> HeadLogps:
-    """Log-probs (and entropies) of ``targets`` from (M, V) logits (the fallback where the head cannot run fused)."""
-    logits = logits.float() / temperature
-    return HeadLogps(selective_log_softmax(logits, targets), entropy_from_logits(logits) if with_entropy else None)
-
-
-def _head_scores(
-    head: nn.Module,
-    config: Any,
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-) -> HeadLogps:
-    """(M,) log-probs of ``targets`` (and entropies) from hidden states (M, H): chunked for a linear head whose
-    post-processing is known (``models.lm_head``: no (M, V) logits, in the forward or saved for backward), else
-    the head's logits."""
-    chunked = chunked_head_logps(head, config, hidden, targets, temperature=temperature, with_entropy=with_entropy)
-    if chunked is not None:
-        return chunked
-    return _logits_scores(head_logits(head, config, hidden), targets, temperature, with_entropy)
-
-
-class TokenScores(NamedTuple):
-    """What ``token_scores`` returns; per-token tensors are (B, L - 1), entry [b, t] for token t + 1."""
-
-    logps: torch.Tensor  #: log-probs of the scored tokens, 0 elsewhere
-    entropy: torch.Tensor | None  #: entropies of the distributions predicting them (``with_entropy``), or None
-    hidden: torch.Tensor | None  #: (M, H) last hidden states predicting them, in ``index`` order (``with_hidden``)
-    index: tuple[torch.Tensor, torch.Tensor]  #: (rows, columns) (M,) each: where the scored tokens' entries are
 
 
 @dataclass(frozen=True)
@@ -142,7 +99,12 @@ def _scores(
 ) -> TokenScores:
     """Scores along ``path``: entry [b, t] of (B, L - 1) is for token t + 1 where ``scored[b, t]``, else 0."""
     decoder, head, config = _decoder_and_head(model)
-    if path == "packed":
+    split = path == "packed" and active_group() is not None  # the row split over the sequence-parallel group
+    if split:
+        score_head = lambda h, t: head_scores(head, config, h, t, temperature, with_entropy)  # noqa: E731
+        token, hidden = sequence_parallel_scores(decoder, config, packed, score_head, with_hidden)
+        rows, cols = packed.sequences, packed.columns - 1
+    elif path == "packed":
         with packed_attention(config, packed.plan):
             hidden = decoder(
                 input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, packed_plan=packed.plan
@@ -159,9 +121,9 @@ def _scores(
         else:
             out = model(**kwargs, output_hidden_states=with_hidden)
             hidden = out.hidden_states[-1][rows, cols] if with_hidden else None
-            token = _logits_scores(out.logits[rows, cols], targets, temperature, with_entropy)
-    if path != "forward":
-        token = _head_scores(head, config, hidden, targets, temperature, with_entropy)
+            token = logits_scores(out.logits[rows, cols], targets, temperature, with_entropy)
+    if path != "forward" and not split:
+        token = head_scores(head, config, hidden, targets, temperature, with_entropy)
     place = lambda values: values.new_zeros(scored.shape).index_put((rows, cols), values)  # noqa: E731
     entropy = place(token.entropy) if with_entropy else None
     return TokenScores(place(token.logps), entropy, hidden if with_hidden else None, (rows, cols))
@@ -224,7 +186,7 @@ def _probe(model: nn.Module) -> ScoringPath:
 
 def scoring_path(model: nn.Module) -> ScoringPath:
     """The paths proven exact for ``model`` (probed once per model, attention implementation and dtype)."""
-    lm = _language_model(model)
+    lm = base_model(model)
     config = getattr(lm, "config", None)
     key = (getattr(config, "_attn_implementation", None), next(lm.parameters()).dtype)
     cache = lm.__dict__.setdefault("_aitraining_scoring_paths", {})
@@ -249,10 +211,12 @@ def token_scores(
     temperature: float = 1.0,
     with_entropy: bool = False,
     with_hidden: bool = False,
+    vision: VisionInputs | None = None,
 ) -> TokenScores:
     """Per-token log-probs (and entropies, hidden states) of the scored tokens of each row, through the fastest
     path exact for ``model``; the head runs fused (``models.lm_head``), so no (tokens x vocabulary) logits are
-    held where the head allows it.
+    held where the head allows it. The one scoring entry for text and images: rows with images (``vision``) go to
+    ``models.vision_scoring`` (padded rows, each shared prompt run once), every other row through the text paths.
 
     Args:
         model: a transformers causal LM (optionally wrapped by ``peft``).
@@ -266,11 +230,20 @@ def token_scores(
         with_entropy: also the entropy of each scored token's predicting distribution (differentiable).
         with_hidden: also the last hidden states at the positions predicting the scored tokens (a value head's
             input).
+        vision: each row's images (``models.vision.VisionInputs``) for a VL model; such rows are never packed
+            (``packed`` must be None) and take the positions the model lays out for its images.
 
     Returns:
         ``TokenScores``: (B, L - 1) entries [b, t] for token t + 1 where ``scored[b, t + 1]``, else 0.
     """
+    if vision is not None:
+        if packed is not None:
+            raise ValueError("rows with images cannot be packed: pass packed=None with vision")
+        return vision_token_scores(model, input_ids, attention_mask, scored, vision, temperature, with_entropy,
+                                   with_hidden)  # fmt: skip
     path = scoring_path(model)
+    if packed is None and path.packed and attention_mask is not None and active_group() is not None:
+        packed = _packed_rows(input_ids, attention_mask, scored)  # split over the sequence-parallel group
     name = "packed" if packed is not None and path.packed else "head" if path.head else "forward"
     return _run(
         model,
@@ -284,6 +257,18 @@ def token_scores(
         with_entropy,
         with_hidden,
     )
+
+
+def _packed_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor) -> PackedBatch | None:
+    """The rows packed one block each (``pack_rows``) where each row's real tokens are one run and every scored
+    token follows a real one, else None (the rows then run padded, whole on every rank)."""
+    real = attention_mask.bool()
+    column = torch.arange(real.shape[1], device=real.device)
+    first, count = real.long().argmax(1, keepdim=True), real.sum(1, keepdim=True)
+    one_run = torch.equal(real, (column >= first) & (column < first + count))
+    if not one_run or not bool((real[:, :-1] | ~scored.bool()[:, 1:]).all()):
+        return None
+    return pack_rows({"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": scored})
 
 
 def token_logps(
@@ -322,18 +307,13 @@ def completion_logps(
     Returns:
         ``SequenceLogps(logps (2B,), lengths (2B,))``.
     """
-    packed = None
-    if (padding_free or share_prompt) and scoring_path(model).packed:
+    packed, vision = None, batch.get("vision")  # a VL model's rows carry their images: padded, never packed
+    if vision is None and (padding_free or share_prompt) and scoring_path(model).packed:
         if share_prompt and can_pack(batch, share_prompt=True):
             packed = pack_batch(batch, share_prompt=True)
         elif can_pack(batch):  # prompts differ within a pair: still packed, one block per row
             packed = pack_batch(batch)
-    if batch.get("vision") is not None:  # a VL model's rows with their images (``models.vision_scoring``)
-        from aitraining_pl.models.vision_scoring import vision_token_scores
-
-        args = (batch["input_ids"], batch["attention_mask"], batch["completion_mask"], batch["vision"])
-        token = vision_token_scores(model, *args).logps
-    else:
-        token = token_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], packed=packed)
+    args = (batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    token = token_scores(model, *args, packed=packed, vision=vision).logps
     lengths = batch["completion_mask"][:, 1:].sum(-1).to(token.dtype)
     return SequenceLogps(token.sum(-1), lengths)

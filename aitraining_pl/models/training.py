@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from aitraining_pl.models.lora import base_model
 from aitraining_pl.models.packing import checkpoint_contexts
 
 #: attribute names of dropout rates held as plain floats (HF attention's ``attention_dropout``, OPT's ``dropout``,
@@ -59,7 +60,7 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     """Recompute each layer's activations in backward instead of storing them (Chen et al. 2016), through
     transformers' own per-layer checkpointing (non-reentrant). The recomputation sees the attention the forward
     used, packed included (``packing.checkpoint_contexts``)."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = base_model(model)
     if not getattr(lm, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(lm).__name__} does not support gradient checkpointing")
     kwargs = {"use_reentrant": False, "context_fn": checkpoint_contexts}

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aitraining_pl.models.lora import LoRAConfig
+from aitraining_pl.models.lora import LoRAConfig, base_model
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,15 @@ def processor_of(tokenizer: Any):
 
 
 # ---------------------------------------------------------------------------------------------- the model's parts
-def _unwrapped(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+def image_token_ids(model: torch.nn.Module) -> list[int]:
+    """The ids of the tokens that stand for images and videos in ``model``'s prompts (its config's ``*_token_id``
+    and ``*_token_index`` naming an image, a video or a vision span), never sampled: a sampled one would be a
+    placeholder without features."""
+    config = base_model(model).config
+    names = [k for k in vars(config) if k.endswith(("_token_id", "_token_index")) and ("image" in k or "video" in k
+             or "vision" in k or k.startswith(("boi", "eoi")))]  # fmt: skip
+    vocab = config.get_text_config().vocab_size
+    return sorted({int(getattr(config, k)) for k in names if isinstance(getattr(config, k), int)} & set(range(vocab)))
 
 
 def is_vision_name(name: str | None) -> bool:
@@ -138,12 +145,12 @@ def is_vision_model(model: nn.Module | None) -> bool:
     """Whether ``model`` (through a ``peft`` wrapper) is a VL model."""
     if model is None:
         return False
-    return is_vision_model_type(getattr(getattr(_unwrapped(model), "config", None), "model_type", None))
+    return is_vision_model_type(getattr(getattr(base_model(model), "config", None), "model_type", None))
 
 
 def vision_tower(model: nn.Module) -> nn.Module | None:
     """The vision encoder of a VL model (``visual``, ``vision_tower`` or ``vision_model`` of its base model)."""
-    base = getattr(_unwrapped(model), "model", None)
+    base = getattr(base_model(model), "model", None)
     for name in VISION_TOWERS:
         tower = getattr(base, name, None)
         if isinstance(tower, nn.Module):
@@ -167,11 +174,11 @@ def language_model_lora(model: nn.Module, lora: LoRAConfig) -> LoRAConfig:
     and projector get no adapters; peft's ``all-linear`` would put them everywhere but the output head)."""
     if lora.target_modules != "all-linear":
         return lora
-    base = getattr(_unwrapped(model), "model", None)
+    base = getattr(base_model(model), "model", None)
     language = base.get_decoder() if hasattr(base, "get_decoder") else None
     prefix = next((f"{name}." for name, module in model.named_modules() if module is language), None)
     if prefix is None:
-        raise ValueError(f"cannot find the language model of {type(_unwrapped(model)).__name__} for its LoRA adapters")
+        raise ValueError(f"cannot find the language model of {type(base_model(model)).__name__} for its LoRA adapters")
     targets = sorted(
         name for name, module in model.named_modules() if isinstance(module, nn.Linear) and name.startswith(prefix)
     )
@@ -257,7 +264,7 @@ def token_types(model: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Te
     """The per-token type ids a VL model reads beside ``input_ids`` (1 on image tokens): ``mm_token_type_ids``
     (the Qwen VL family's M-RoPE positions) or ``token_type_ids`` (Gemma 3's bidirectional attention on images);
     {} for the others. Derived from the ids, so they follow any padding or concatenation of the rows."""
-    config = _unwrapped(model).config
+    config = base_model(model).config
     image = getattr(config, "image_token_id", None)
     if image is None:
         image = getattr(config, "image_token_index", None)
@@ -271,7 +278,7 @@ def token_types(model: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Te
 
 def uses_mrope(model: nn.Module) -> bool:
     """Whether the model's positions are multimodal RoPE positions it computes itself (the Qwen VL family)."""
-    return "mm_token_type_ids" in token_types(_unwrapped(model), torch.zeros(1, 1, dtype=torch.long))
+    return "mm_token_type_ids" in token_types(base_model(model), torch.zeros(1, 1, dtype=torch.long))
 
 
 #: the vision inputs the encoders read (the others, such as ``image_grid_thw``, also place the image tokens)
@@ -297,7 +304,7 @@ def encoder_outputs(model: nn.Module, vision: VisionInputs, device, dtype) -> di
 
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    base = getattr(_unwrapped(model), "model", None)
+    base = getattr(base_model(model), "model", None)
     if base is None or "mm_encoder_outputs" not in inspect.signature(base.forward).parameters:
         return None
     language = base.get_decoder() if hasattr(base, "get_decoder") else None
@@ -336,7 +343,7 @@ def model_inputs(
     else counted over the real tokens, as ``generate`` counts left-padded rows)."""
     from aitraining_pl.losses import positions_from_mask
 
-    dtype = next(p for p in _unwrapped(model).parameters()).dtype
+    dtype = next(p for p in base_model(model).parameters()).dtype
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, **token_types(model, input_ids)}
     pixels = vision.kwargs(input_ids.device, dtype)
     kwargs.update(pixels)

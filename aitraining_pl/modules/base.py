@@ -44,7 +44,7 @@ from aitraining_pl.models.sharding import is_sharded, shard
 from aitraining_pl.models.training import disable_dropout, enable_gradient_checkpointing, keep_float32
 from aitraining_pl.models.vision import is_vision_model, is_vision_name, load_processor
 from aitraining_pl.optim import adamw_with_warmup, fused_adamw_applies
-from aitraining_pl.strategies import FSDP2Strategy  # noqa: F401 - registers the "fsdp2" strategy names
+from aitraining_pl.strategies import FSDP2Strategy, sharding_mesh  # noqa: F401 - FSDP2Strategy registers "fsdp2"
 from aitraining_pl.validation import Ranges, check_arguments, rules, save_hparams
 
 #: stages whose values are averaged over the epoch with torchmetrics (training values are per step).
@@ -205,7 +205,7 @@ class AlignmentModule(pl.LightningModule):
                 f"tensor_parallel_size={tensor_parallel}: the modules shard with FSDP2 only; "
                 "set tensor_parallel_size=1 and data_parallel_size to the number of processes",
             )
-        data_parallel = mesh["data_parallel"] if "data_parallel" in names else mesh
+        data_parallel = sharding_mesh(mesh)  # every rank (data x sequence) under sequence parallelism
         offload = bool(getattr(self.trainer.strategy, "cpu_offload", False))
         if offload and self.trainer.strategy.root_device.type == "cpu":  # the module is still on the CPU here
             raise ConfigError("trainer.strategy", "cpu_offload moves shards off an accelerator; on CPU use fsdp2")

@@ -24,8 +24,8 @@ The teacher is scored through a small interface, ``TeacherScorer`` (``token_logp
 token sequences; ``modules.teacher``), an object the module holds; ``LocalTeacher`` is the teacher in this process (its
 hidden states and head also give the full distribution). A served teacher (``teacher_server: {url: ...}``:
 ``servers.teacher.HTTPTeacher``, the prompt log-probs of a ``vllm serve --model <teacher>`` through its
-``/v1/completions``, or of the HF server with ``--teacher``; the deprecated ``{host, port}``: the frame protocol's
-``servers.client.ServedTeacher``) implements ``token_logprobs`` only, enough for ``mode: sampled``. The teacher is
+``/v1/completions``, or of the HF server with ``--teacher``) implements ``token_logprobs`` only, enough for
+``mode: sampled``. The teacher is
 held outside the module tree: checkpoints and exports never contain it. Its log-probs are checked before use, and
 its tokenizer (not its embedding's rows) is compared with the student's.
 """
@@ -44,6 +44,7 @@ from aitraining_pl.losses.policy_gradient import LossAggregation
 from aitraining_pl.models import ReferencePolicy, load_tokenizer
 from aitraining_pl.models.lm_head import head_parameters, logit_postprocessing
 from aitraining_pl.models.loading import hidden_size_of, load_causal_lm
+from aitraining_pl.models.lora import base_model
 from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.models.vision import load_processor, load_vision_lm, vision_source
@@ -54,7 +55,6 @@ from aitraining_pl.modules.teacher import (
     check_teacher_server,
     check_vocabularies,
     checked_logprobs,
-    language_model,
     response_hidden,
     served_teacher,
     teacher_rows,
@@ -75,7 +75,7 @@ def no_task_reward(prompts: list[str], responses: list[str], metadata: list[dict
 def head_of(model: torch.nn.Module, owner: str) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
     """``(weight, bias, (scale, softcap))`` of the model's LM head (``models.lm_head``); a ``ConfigError`` for a head
     the fused loss cannot run (not a linear layer, or logits scaled in a way ``logit_postprocessing`` does not know)."""
-    lm = language_model(model)
+    lm = base_model(model)
     params, post = head_parameters(lm.get_output_embeddings()), logit_postprocessing(lm.config)
     if params is None or post is None:
         why = "its LM head is not a plain (LoRA) linear layer with known logit post-processing"
@@ -124,9 +124,8 @@ class DistillationModule(CriticFreeModule):
             HTTP routes, a ``vllm serve --model <teacher>`` or the HF server with ``--teacher`` (defaults
             ``http://127.0.0.1:8000``, 240 s, the token as for ``generation.vllm.server_token_file``; docs/
             distillation.md); ``{launch: vllm | hf, devices, timeout}``: a server of ``teacher_model_name`` the
-            trainer starts (each scoring process its own, on GPUs ``devices``) and stops; ``{host, port, ...}``
-            instead of ``url``: the frame protocol of ``aitraining-pl serve --teacher`` (deprecated, for one
-            release). Otherwise ``teacher_model_name``, if given, only checks the tokenizer.
+            trainer starts (each scoring process its own, on GPUs ``devices``) and stops. Otherwise
+            ``teacher_model_name``, if given, only checks the tokenizer.
         mode: ``full`` (the generalized JSD over the full vocabulary, GKD) or ``sampled`` (per-token reward
             ``log p_teacher - log p_student`` of the sampled tokens, optimised with the online policy loss).
         beta: the generalized JSD's interpolation (TRL's ``beta``, not DPO's): 0 forward KL(teacher || student),
@@ -276,13 +275,13 @@ class DistillationModule(CriticFreeModule):
         check_vocabularies(self.tokenizer, theirs, teacher_rows(self.teacher), where)
 
     # ------------------------------------------------------------------ rollouts: the student's, or the data's
-    def rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
-        """The student's samples in a share ``lmbda`` of the batches (drawn per step, the same on every rank), else
-        the data's own completions (``full`` mode)."""
+    def own_rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch | None:
+        """The student's samples (None) in a share ``lmbda`` of the training batches (drawn per step, the same on
+        every rank), else the data's own completions (``full`` mode)."""
         draw = torch.rand((), generator=torch.Generator().manual_seed(int(self.hparams.seed) * 7919 + self.global_step))
         if self.training and float(draw) >= float(self.hparams.lmbda):
             return self.data_rollout(batch, samples)
-        return super().rollout(batch, samples)
+        return None
 
     def data_rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
         """The data's completions (``metadata["completion"]``, tokenised, ended by EOS, at most ``max_new_tokens``)
@@ -392,7 +391,7 @@ class DistillationModule(CriticFreeModule):
     # ------------------------------------------------------------------ validation: divergence on held-out prompts
     @torch.no_grad()
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        rollout = super().rollout(batch, 1)  # the student's samples
+        rollout = self.rollout(batch, 1)  # the student's samples (not training: never the data's)
         ids, attention, P, mask = rollout.input_ids, rollout.attention_mask, rollout.prompt_length, rollout.mask
         self.check_sees_images(rollout.vision)
         teacher = self.teacher.hidden(ids, attention, P, mask, rollout.vision)

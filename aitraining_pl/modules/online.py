@@ -30,9 +30,9 @@ from aitraining_pl.environments.episode_rollout import sample_episodes
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import GenerationBackend
 from aitraining_pl.generation.config import check_server
-from aitraining_pl.generation.servers.fleet import Fleet
 from aitraining_pl.losses import group_statistics, off_policy_log_ratio, off_policy_weights
 from aitraining_pl.models.rollout_scoring import ResponseScores, response_logps
+from aitraining_pl.models.sequence_parallel import OPTION, from_group_leader, group_size
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
 from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions, moved_correction
@@ -149,6 +149,7 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
         self.last_num_samples = 0  #: responses behind ``last_kl`` (all ranks)
         self.update_history: list[dict[str, torch.Tensor]] = []
         self.stopwatch = Stopwatch()  #: seconds per section of the current step (``Stopwatch.online_step``)
+        self.source.timer = self.stopwatch  # the source times its sampling as ``gen``
 
     @property
     def reward_source(self) -> Callable:
@@ -187,6 +188,8 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
         the asynchronous pipeline) for this process's rank."""
         seed = int(self.hparam("seed", 0))
         self.source.setup(self.policy, self.tokenizer, self.global_rank, self.trainer, seed, self.device)
+        if self.pipeline is not None and group_size() > 1:  # its worker thread would run the group's collectives
+            raise ConfigError(OPTION, "sequence parallelism runs synchronous rollouts (generation.max_staleness 0)")
 
     @property
     def backend(self) -> GenerationBackend:
@@ -255,43 +258,33 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
         vision: Any = None,
     ) -> Rollout:
         """Sample ``num_samples`` responses per left-padded prompt with the rollout engine (``generation``, or
-        ``config``), in eval mode; rows ``i*G .. i*G+G-1`` answer prompt ``i``. With the vLLM backend the engine
-        first loads the policy's weights if they changed since its last rollout (one sync per optimizer step
-        count), and the rollout carries vLLM's log-probs (``sampling_logprobs``). In asynchronous training the
-        pipeline's worker samples it, with the current weights (``RolloutPipeline.now``)."""
-        pipeline = self.pipeline
-        if pipeline is not None and not pipeline.in_worker():
-            return pipeline.now(
-                lambda seed: self.seeded(seed, self.generate, prompt_ids, prompt_mask, config, num_samples, vision)
-            )
-        step = self.global_step
-        with self.stopwatch("gen"):
-            return self.source.generate(
-                self.policy, self.tokenizer, step, prompt_ids, prompt_mask, config, num_samples, vision
-            )
-
-    def sampling(self):
-        """Around a rollout: the backend takes the policy's weights of this optimizer step and sleeps afterwards
-        (``RolloutSource.sampling``)."""
-        return self.source.sampling(self.policy, self.global_step)
+        ``config``), in eval mode; rows ``i*G .. i*G+G-1`` answer prompt ``i`` (``RolloutSource.generate``). With the
+        vLLM backend the engine first loads the policy's weights if they changed since its last rollout (one sync per
+        optimizer step count), and the rollout carries vLLM's log-probs (``sampling_logprobs``). In asynchronous
+        training the pipeline's worker samples it, with the current weights."""
+        args = (prompt_ids, prompt_mask, config, num_samples, vision)
+        return self.source.generate(self.policy, self.tokenizer, self.global_step, *args)
 
     def score(self, prompts: list[str], metadata: list[dict], rollout: Rollout):
         """Scores (N,) from the reward source, minus ``missing_eos_penalty`` where a response did not end;
         and the source's per-component scores."""
         return self.source.score(prompts, metadata, rollout)
 
-    def seeded(self, seed: int, fn: Callable, *args: Any) -> Any:
-        """``fn(*args)`` with every sampling call seeded from ``seed`` (an asynchronous job on the worker)."""
-        return self.source.seeded(seed, fn, *args)
+    def own_rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch | None:
+        """Rows this module trains on instead of sampled ones for ``batch`` (the distillation module's data
+        completions), or None: sample."""
+        return None
 
     def rollout(self, batch: dict[str, Any], samples: int) -> RolloutBatch:
-        """Sample ``samples`` responses per prompt of ``batch`` (``generate``) and score them, or play that many
-        episodes (``RolloutSource.rollout``); in asynchronous training, on the pipeline's worker with the current
-        weights (``RolloutPipeline.now``)."""
-        pipeline = self.pipeline
-        if pipeline is not None and not pipeline.in_worker():
-            return pipeline.now(lambda seed: self.seeded(seed, self.rollout, batch, samples))
-        return self.source.rollout(self.policy, self.tokenizer, self.global_step, batch, samples, self.generate)
+        """Sample ``samples`` responses per prompt of ``batch`` and score them, or play that many episodes
+        (``RolloutSource.rollout``; in asynchronous training on the pipeline's worker with the current weights), or
+        the module's own rows (``own_rollout``). Under sequence parallelism the group's ranks train on its first
+        rank's rollout (``from_group_leader``), since they split that rollout's rows."""
+        own = self.own_rollout(batch, samples)
+        if own is not None:
+            return own
+        rollout = self.source.rollout(self.policy, self.tokenizer, self.global_step, batch, samples)
+        return from_group_leader(rollout, self.device)
 
     # ------------------------------------------------------------------ log-prob passes
     @property
@@ -385,7 +378,8 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
             with watch("rollout"):
                 rollout = self.rollout(batch, self.num_generations)
         else:
-            ready = pipeline.step_with(batch, self.scheduled_rollout)
+            G, step = self.num_generations, self.global_step
+            ready = self.source.step_with(self.policy, self.tokenizer, step, batch, G, self.own_rollout(batch, G))
             if ready is None:
                 return
             batch, rollout = ready.batch, self.on_device(ready.job.result)
@@ -401,14 +395,10 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
         if pipeline is not None:
             pipeline.trained()
         # 5. log (one all-reduce of a fixed-size vector, never of ragged tensors)
-        fleet = self.backend.stats() if isinstance(self.backend, Fleet) else {}  # servers up, per-server figures
-        stats.update(self.rollout_stats(rollout), **pipelined, **fleet)
+        backend = self.backend.stats()  # a fleet's: servers up, per-server figures
+        stats.update(self.rollout_stats(rollout), **pipelined, **backend)
         stats.update({k: torch.tensor(v) for k, v in watch.online_step(int(rollout.attention_mask.sum())).items()})
         self.log_iteration(stats, n=rollout.input_ids.shape[0])
-
-    def scheduled_rollout(self, batch: dict[str, Any], seed: int) -> RolloutBatch:
-        """The rollouts of ``batch`` on the pipeline's worker (``RolloutPipeline.step_with``), seeded by ``seed``."""
-        return self.seeded(seed, self.rollout, batch, self.num_generations)
 
     def on_device(self, rollout: RolloutBatch | dict[str, Any]) -> RolloutBatch:
         """``rollout`` (or its plain form from a checkpoint) with its tensors on this module's device."""

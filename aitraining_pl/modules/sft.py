@@ -12,8 +12,7 @@ from aitraining_pl.models import LoRAConfig
 from aitraining_pl.models.micro_batches import budgeted_forward
 from aitraining_pl.models.packing import pack_rows
 from aitraining_pl.models.quantization import QuantizationConfig
-from aitraining_pl.models.scoring import scoring_path, token_logps
-from aitraining_pl.models.vision_scoring import vision_token_scores
+from aitraining_pl.models.scoring import scoring_path, token_scores
 from aitraining_pl.modules.base import MODULE_RANGES, SharedStepModule
 from aitraining_pl.optim import LRSchedule
 from aitraining_pl.validation import constructor_arguments
@@ -112,11 +111,11 @@ class SFTModule(SharedStepModule):
     def scored_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """(N, L - 1) log-probs of the scored tokens of ``batch``'s rows, 0 elsewhere."""
         scored = batch["completion_mask"].bool() & batch["attention_mask"].bool()
-        if batch.get("vision") is not None:
-            return vision_token_scores(self.policy, batch["input_ids"], batch["attention_mask"], scored,
-                                       batch["vision"]).logps  # fmt: skip
-        packed = pack_rows(batch) if self.hparams.padding_free and scoring_path(self.policy).packed else None
-        return token_logps(self.policy, batch["input_ids"], batch["attention_mask"], scored, packed=packed)
+        packed = None
+        if batch.get("vision") is None and self.hparams.padding_free and scoring_path(self.policy).packed:
+            packed = pack_rows(batch)
+        return token_scores(self.policy, batch["input_ids"], batch["attention_mask"], scored, packed=packed,
+                            vision=batch.get("vision")).logps  # fmt: skip
 
     def _log_perplexity(self, stage: str) -> None:
         """``<stage>/perplexity`` = exp of the epoch's token-weighted ``<stage>/loss`` (reduced across ranks)."""

@@ -1,7 +1,7 @@
 """The teacher of on-policy distillation (``modules.distill``), an object the module holds: in this process
 (``LocalTeacher``) or on a server (``served_teacher`` of a checked ``teacher_server``: ``generation.servers.teacher.
-HTTPTeacher`` over the engine's HTTP routes, or the deprecated frame protocol's ``generation.servers.client.
-ServedTeacher``), either way outside the module tree (never checkpointed, never exported).
+HTTPTeacher`` over the engine's HTTP routes), either way outside the module tree (never checkpointed, never
+exported).
 
 What a teacher gives is checked before it is used: its log-probs must be one finite value per response column
 (``checked_logprobs``: a served teacher's NaN, a missing column or a single column broadcast over the response would
@@ -11,30 +11,21 @@ Qwen2.5-7B has 152064 rows, 0.5B 151936, with one tokenizer)."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Protocol
 
 import torch
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
 from aitraining_pl.losses import positions_from_mask
+from aitraining_pl.models.lora import base_model
 from aitraining_pl.models.rollout_scoring import response_logps
 from aitraining_pl.models.sharding import as_forward
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.models.vision import is_vision_model, model_inputs
 
-#: the keys of ``teacher_server`` and the ``VLLMConfig`` fields they set (``url``: the engine's HTTP routes; ``host`` /
-#: ``port``: the deprecated frame protocol of ``aitraining-pl serve --teacher``)
-SERVER_KEYS = {
-    "url": None,
-    "host": "server_host",
-    "port": "server_port",
-    "timeout": "server_timeout",
-    "token_file": "server_token_file",
-    "launch": None,
-    "devices": None,
-}
-#: a served teacher's URL when ``teacher_server`` names none (nor the deprecated ``host`` / ``port``)
+#: the keys of ``teacher_server`` (``url``: the engine's HTTP routes; ``launch``: a server the trainer starts)
+SERVER_KEYS = ("url", "timeout", "token_file", "launch", "devices")
+#: a served teacher's URL when ``teacher_server`` names none
 DEFAULT_TEACHER_URL = "http://127.0.0.1:8000"
 
 
@@ -48,11 +39,6 @@ class TeacherScorer(Protocol):
         ...
 
 
-def language_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside a ``peft`` wrapper (LoRA layers included), or ``model``."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def response_hidden(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, mask,
     vision: Any = None,
@@ -61,7 +47,7 @@ def response_hidden(
     no LM head (the distillation loss runs both heads fused). Positions as ``generate`` counts left-padded rows.
     ``vision``: the rows' images (``models.vision.VisionInputs``) for a VL model, whose base model (vision encoder,
     projector, language model) runs with them."""
-    lm = language_model(model)
+    lm = base_model(model)
 
     def run() -> torch.Tensor:
         if vision is not None:
@@ -101,7 +87,7 @@ class LocalTeacher:
 
     def rows(self) -> int:
         """Rows of the teacher's output embedding (its vocabulary, padding rows included)."""
-        return int(language_model(self.model).get_output_embeddings().weight.shape[0])
+        return int(base_model(self.model).get_output_embeddings().weight.shape[0])
 
     @property
     def sees_images(self) -> bool:
@@ -186,17 +172,19 @@ def check_vocabularies(student_tokenizer: Any, teacher_tokenizer: Any, rows: int
 
 
 def check_teacher_server(server: Any, mode: str) -> None:
-    """A ``ConfigError`` for a ``teacher_server`` that is not ``{url, timeout, token_file}`` (or the deprecated
-    ``{host, port, timeout, token_file}``, not both forms), or with ``mode: full`` (it needs the teacher's whole
+    """A ``ConfigError`` for a ``teacher_server`` that is not ``{url or launch, timeout, token_file}`` (``host`` /
+    ``port``, the frame protocol's, name what replaced them), or with ``mode: full`` (it needs the teacher's whole
     distribution, hence the teacher in this process)."""
     where = "DistillationModule.teacher_server"
+    if isinstance(server, dict) and {"host", "port"} & set(server):
+        raise ConfigError(f"{where}.host / port", "named a teacher on the frame protocol of `aitraining-pl serve "
+                          "--teacher`, which was removed: give url (a `vllm serve` or the HF server with --teacher, "
+                          "e.g. http://127.0.0.1:8000) or launch: vllm | hf (docs/distillation.md)")  # fmt: skip
     if not isinstance(server, dict) or set(server) - set(SERVER_KEYS):
         raise ConfigError(where, f"a mapping with keys among {', '.join(SERVER_KEYS)}, got {server!r}")
-    forms = [form for form in ("url", "launch", "host / port") if set(form.split(" / ")) & set(server)]
-    if len(forms) > 1:
-        raise ConfigError(where, f"give one of url (a vllm serve or the HF server), launch (vllm or hf: a server the "
-                          f"trainer starts) or the deprecated host and port (the frame protocol of aitraining-pl "
-                          f"serve --teacher), not {' and '.join(forms)}")  # fmt: skip
+    if {"url", "launch"} <= set(server):
+        raise ConfigError(where, "give one of url (a vllm serve or the HF server) or launch (vllm or hf: a server the "
+                          "trainer starts), not url and launch")  # fmt: skip
     if "devices" in server and "launch" not in server:
         raise ConfigError(f"{where}.devices", "the GPUs of a launched teacher server: give launch too")
     if "launch" in server and server["launch"] not in ("vllm", "hf"):
@@ -216,21 +204,8 @@ def check_teacher_server(server: Any, mode: str) -> None:
 
 def served_teacher(server: dict[str, Any], model: str | None = None) -> TeacherScorer:
     """The teacher of a checked ``teacher_server``: an ``HTTPTeacher`` at its ``url`` (the default) or on a server
-    it launches for ``model`` (``launch``), or with ``host`` / ``port`` the deprecated frame protocol's
-    ``ServedTeacher`` (with a ``DeprecationWarning``)."""
+    it launches for ``model`` (``launch``)."""
     where = "DistillationModule.teacher_server"
-    if {"host", "port"} & set(server):
-        from aitraining_pl.generation.config import VLLMConfig
-        from aitraining_pl.generation.servers.client import ServedTeacher
-
-        warnings.warn(
-            f"{where}: host and port name a teacher on the frame protocol of aitraining-pl serve --teacher, deprecated "
-            "and kept for one release; serve the teacher with vllm serve and give its url (docs/distillation.md)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        fields = {SERVER_KEYS[k]: v for k, v in server.items()}
-        return ServedTeacher(VLLMConfig(mode="server", **fields), where)
     from aitraining_pl.generation.servers.teacher import HTTPTeacher
 
     timeout = float(server.get("timeout", 240.0))

@@ -13,6 +13,7 @@ import torch
 
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.losses.micro_batches import contiguous_budget_split, loss_share, token_budget_partition
+from aitraining_pl.models.sequence_parallel import group_size
 
 
 def check_token_budget(owner: str, token_budget: int | None, top_entropy_quantile: float) -> None:
@@ -35,7 +36,8 @@ class TokenBudgetSteps:
         budget = self.hparam("token_budget")
         if budget and attention_mask is not None:
             lengths = attention_mask.sum(1).tolist()
-            return [torch.arange(r.start, r.stop, device=self.device) for r in contiguous_budget_split(lengths, budget)]
+            runs = contiguous_budget_split(lengths, budget, row_limit=budget * group_size())
+            return [torch.arange(r.start, r.stop, device=self.device) for r in runs]
         return list(torch.arange(n, device=self.device).split(self.hparams.mini_batch_size))
 
     def share_aggregation(self) -> str:
@@ -53,10 +55,11 @@ class TokenBudgetSteps:
         if not budget:
             return [(rows, 1.0)]
         lengths = experience.attention_mask[rows].sum(1).tolist()
-        count = len(token_budget_partition(lengths, budget))
+        limit = budget * group_size()  # a longer row than the budget: alone, split by the sequence-parallel group
+        count = len(token_budget_partition(lengths, budget, row_limit=limit))
         if self._trainer is not None and self.trainer.world_size > 1:
             count = int(self.trainer.strategy.reduce(torch.tensor(float(count), device=self.device), reduce_op="max"))
-        groups = token_budget_partition(lengths, budget, min_parts=min(count, len(lengths)))
+        groups = token_budget_partition(lengths, budget, min_parts=min(count, len(lengths)), row_limit=limit)
         mask, aggregation = experience.mask, self.share_aggregation()
         return [(rows[g], loss_share(aggregation, mask[rows[g]], mask[rows])) for g in groups]
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
+from aitraining_pl.generation.backend import BackendContext, GenerationBackend, SampledTokens, StopRule
 from aitraining_pl.generation.config import GenerationConfig
+from aitraining_pl.generation.hf.backend import HFBackend
 from aitraining_pl.generation.registry import BACKEND_NAMES, BACKENDS, build_backend, resolve_backend, vllm_available
-from aitraining_pl.models.generation import SampledTokens, StopRule
 from aitraining_pl.rollout.batch import Rollout, RolloutBatch
 from aitraining_pl.rollout.engine import (
     RolloutEngine,
@@ -47,7 +47,6 @@ __all__ = [
 #: backends this package named before the registry became lazy: imported when first asked for
 _LAZY = {
     "VLLMEngine": "aitraining_pl.generation.vllm",
-    "VLLMServerClient": "aitraining_pl.generation.servers.client",
 }
 
 

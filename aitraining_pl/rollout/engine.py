@@ -17,7 +17,7 @@ neither stops generation nor ends the mask. ``ended`` is False where a response 
 ``min_p``, ...) nor transformers' own defaults (``top_k=50``) apply: responses are sampled from the softmax of
 the logits divided by ``temperature``, truncated only by the ``top_p`` / ``top_k`` given here.
 
-**Decoding.** ``models.decoding`` decodes with the model's KV cache and takes each row out of the batch once it
+**Decoding.** ``generation.hf.decoding`` decodes with the model's KV cache and takes each row out of the batch once it
 has ended, so a GRPO batch whose responses end at different lengths costs its real tokens, not 64 rows run to
 the longest; it draws what ``generate`` draws while no row has ended. Models without a plain ``DynamicCache``
 (hybrid state-space ones), and ``GenerationConfig.drop_ended=False``, use transformers' ``generate``, with the
@@ -37,13 +37,12 @@ from collections.abc import Sequence
 import torch
 
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.generation.backend import GenerationBackend, HFBackend, SampleRequest
+from aitraining_pl.generation.backend import GenerationBackend, SampledTokens, SampleRequest, StopRule
 from aitraining_pl.generation.config import GenerationConfig
+from aitraining_pl.generation.hf.backend import HFBackend
 from aitraining_pl.generation.images import PromptImages
 from aitraining_pl.losses import selective_log_softmax
-from aitraining_pl.models.generation import SampledTokens, StopRule
 from aitraining_pl.models.vision import VisionInputs
-from aitraining_pl.models.vision_decoding import sample_with_images
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, score_responses
 from aitraining_pl.rollout.batch import Rollout
 
@@ -184,9 +183,10 @@ class RolloutEngine:
             with_logprobs: also return ``logprobs`` and ``sampling_logprobs`` (from ``generate``'s logits).
             seed: sample in a forked RNG seeded with this int, or with a seed drawn from this generator (the
                 global RNG is then left untouched).
-            vision: the prompts' images (``models.vision.VisionInputs``) for a vision-language model: sampled by
-                the HF decoder with their pixel values (``models.vision_decoding``), or given to a vLLM backend as
-                images (``generation.images``).
+            vision: the prompts' images (``models.vision.VisionInputs``) for a vision-language model, sampled
+                through the backend like every prompt: the HF backend decodes them with their pixel values
+                (``generation.hf.vision_decoding``), a vLLM engine or a server is given the images
+                (``generation.images``).
         """
         end_ids = self.end_token_ids(model)
         group = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(num_samples)
@@ -197,12 +197,12 @@ class RolloutEngine:
         backend = self.backend
         if backend is None or backend.location == "policy":  # the model given samples itself
             backend = HFBackend(model, with_logprobs)
-        if vision is not None and backend.location == "policy":  # the HF decoder with the images' pixel values
-            sampled = sample_with_images(model, prompt_ids, prompt_mask, vision, self.generation, end_ids,
-                                         self.stop_rule, pad, num_samples, seed, with_logprobs)  # fmt: skip
-        else:
-            args = prompt_ids, prompt_mask, self.generation, end_ids, self.stop_rule, pad, num_samples, seed
-            sampled = backend.sample(SampleRequest(*args, images=prompt_images(model, vision)))
+        args = prompt_ids, prompt_mask, self.generation, end_ids, self.stop_rule, pad, num_samples, seed
+        if backend.location == "policy":  # the policy decodes the images' pixel values itself
+            request = SampleRequest(*args, vision=vision)
+        else:  # an engine or a server that encodes the images itself
+            request = SampleRequest(*args, images=prompt_images(model, vision))
+        sampled = backend.sample(request)
         return self.rollout(prompt_ids[group], prompt_mask[group], sampled, group, end_ids, pad)
 
     def rollout(

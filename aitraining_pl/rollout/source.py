@@ -2,7 +2,13 @@
 that samples (``generation.registry.build_backend``: the policy itself, a colocated vLLM engine or a generation
 server's client), a server it launched (``generation.server: launch``), the asynchronous pipeline
 (``max_staleness`` >= 1) and the reward source that scores. A module sets it up and tears it down with itself, and
-asks it to ``generate``, ``score`` and ``rollout``; the module keeps only orchestration (the update, the metrics).
+asks it to ``generate``, ``score`` and ``rollout`` (asynchronously: ``step_with``); the module keeps only
+orchestration (the update, the metrics).
+
+A rollout goes one way: module -> source -> engine -> backend. ``rollout`` samples through ``generate`` (the rollout
+engine, ``RolloutEngine.sample``, which asks the backend, ``GenerationBackend.sample``) and scores; in asynchronous
+training the source itself moves the call onto the pipeline's worker (``now``, ``step_with``). Nothing here calls
+back into the module.
 
 The policy, tokenizer and optimizer step are the module's: they are given at each call, never kept, so the source
 holds no reference to the module (nothing of it is pickled with the module's state or moved with its device).
@@ -22,13 +28,13 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.generation.backend import BackendContext, GenerationBackend, HFBackend
+from aitraining_pl.generation.backend import BackendContext, GenerationBackend
 from aitraining_pl.generation.config import GenerationConfig
+from aitraining_pl.generation.hf.backend import HFBackend
 from aitraining_pl.generation.registry import build_backend
-from aitraining_pl.generation.servers.fleet_launch import LaunchedFleet, build_fleet
-from aitraining_pl.generation.servers.launcher import LaunchedServer, connect_to
+from aitraining_pl.generation.servers.fleet import Fleet
+from aitraining_pl.generation.servers.launcher import LaunchedFleet
 from aitraining_pl.losses import place_scores
-from aitraining_pl.models.weights import policy_weights
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT
 from aitraining_pl.rollout.asynchronous import RolloutPipeline
 from aitraining_pl.rollout.batch import Rollout, RolloutBatch
@@ -61,10 +67,12 @@ class RolloutSource:
         self.missing_eos_penalty, self.reward_timeout = missing_eos_penalty, reward_timeout
         self.built: GenerationBackend | None = None  #: what samples the rollouts (built in ``setup``)
         #: the servers this process started (``server: launch``, ``server: {launch: ...}``)
-        self.launched: LaunchedServer | LaunchedFleet | None = None
+        self.launched: LaunchedFleet | None = None
         self.pipeline: RolloutPipeline | None = None  #: the asynchronous schedule (``max_staleness``)
         self.sampling_seed: torch.Generator | None = None  #: the seeds of an asynchronous job's sampling calls
         self.last_episodes = None  #: ``EpisodeInfo`` of the last episode rollout (multi-turn episodes only)
+        #: times a named section (the module's ``modules.timing.Stopwatch``): sampling, or playing episodes, is ``gen``
+        self.timer: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
 
     @property
     def episodic(self) -> bool:
@@ -74,38 +82,28 @@ class RolloutSource:
     # ------------------------------------------------------------------ setup and teardown
     def setup(self, policy: torch.nn.Module, tokenizer: Any, rank: int, trainer: Any, seed: int, device: Any) -> None:
         """Build the generation backend (``registry.build_backend``: the policy itself, a colocated vLLM engine or
-        a generation server's client, or ``servers.fleet.build_fleet`` over several servers; one line naming the
+        the fleet of the running servers ``generation.server`` names, one server a fleet of one; one line naming the
         extra to install when vLLM is missing), on this ``rank`` of ``trainer`` (its ``strategy.broadcast``, devices,
-        precision and data module); rank 0 first launches the servers of ``server: launch`` / ``{launch: ...}``. It
-        gets the policy's weights before the first rollout (``sampling``), so a resumed run samples from the resumed
-        weights."""
+        precision and data module); rank 0 first launches the servers of ``server: launch`` / ``{launch: ...}``, which
+        every rank then connects to (``Fleet.connect``). It gets the policy's weights before the first rollout
+        (``sampling``), so a resumed run samples from the resumed weights."""
         if self.built is not None:
             return
         strategy = trainer.strategy
         run = strategy.broadcast(uuid.uuid4().hex)  # one id for the run's weight versions (servers)
-        generation, fleet = self.generation, self.generation.fleet()
-        if fleet is not None:  # several servers (or one URL): rank 0 starts those to launch, every rank connects
-            if fleet.launch is not None and rank == 0:
-                gpus = trainer.num_devices if strategy.root_device.type == "cuda" else 0
-                self.launched = LaunchedFleet(fleet.launch, generation, policy, tokenizer, seed, gpus)
-            launched = self.launched
-            endpoints = [(url, None) for url in fleet.urls or []]
-            if fleet.launch is not None:
-                endpoints = strategy.broadcast(launched.endpoints() if launched else None)
-        elif generation.server == "launch":  # rank 0 starts the server; every rank connects to it (one machine)
+        generation, fleet, endpoints = self.generation, self.generation.fleet(), None
+        if fleet is not None and fleet.launch is not None:  # rank 0 starts them; every rank connects (one machine)
             if rank == 0:
                 on_gpu = strategy.root_device.type == "cuda"  # read here, not from the policy (still on the CPU)
                 gpus = trainer.num_devices if on_gpu else 0
-                self.launched = LaunchedServer(generation, policy, tokenizer, seed, gpus)
-            server = self.launched
-            port, token = strategy.broadcast((server.port, str(server.token_file)) if server else None)
-            generation = connect_to(generation, port, token)
+                self.launched = LaunchedFleet(fleet.launch, generation, policy, tokenizer, seed, gpus)
+            endpoints = strategy.broadcast(self.launched.endpoints() if self.launched else None)
         datamodule = getattr(trainer, "datamodule", None)
         prompts = None if self.episodic else getattr(datamodule, "hparams", {}).get("max_prompt_length")
         context = BackendContext(policy, tokenizer, rank, run, seed, str(trainer.precision), prompts)
-        if fleet is not None:
-            backend = self.built = build_fleet(fleet, endpoints, generation, context, policy_weights)
-        else:
+        if endpoints is not None:
+            backend = self.built = Fleet.connect(fleet, endpoints, generation, context)
+        else:  # in this process, or running servers (``Fleet.from_context``)
             backend = self.built = build_backend(generation, context, device)
         if self.generation.pipelined:
             if backend.location != "server":
@@ -175,10 +173,15 @@ class RolloutSource:
         num_samples: int = 1,
         vision: Any = None,
     ) -> Rollout:
-        """``num_samples`` responses per left-padded prompt by ``policy`` at ``step`` (``sampling``); ``vision``: a
-        VL model's prompt images (``models.vision.VisionInputs``)."""
+        """``num_samples`` responses per left-padded prompt by ``policy`` at ``step`` (``sampling``): the rollout
+        engine (``generation``, or ``config``) samples through the backend; ``vision``: a VL model's prompt images
+        (``models.vision.VisionInputs``). In asynchronous training, on the pipeline's worker with the current weights
+        (``now``)."""
+        return self.now(self._generate, policy, tokenizer, step, prompt_ids, prompt_mask, config, num_samples, vision)
+
+    def _generate(self, policy, tokenizer, step, prompt_ids, prompt_mask, config, num_samples, vision) -> Rollout:
         engine = self.engine(policy, tokenizer, config)
-        with self.sampling(policy, step):
+        with self.timer("gen"), self.sampling(policy, step):
             return engine.sample(policy, prompt_ids, prompt_mask, num_samples, vision=vision)
 
     def seeded(self, seed: int, fn: Callable, *args: Any) -> Any:
@@ -189,6 +192,35 @@ class RolloutSource:
         finally:
             self.sampling_seed = None
 
+    def now(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` (one of this source's sampling methods); in asynchronous training on the pipeline's worker,
+        with the current weights and a seed of the pipeline's (``RolloutPipeline.now``)."""
+        pipeline = self.pipeline
+        if pipeline is None or pipeline.in_worker():
+            return fn(*args)
+        return pipeline.now(lambda seed: self.seeded(seed, fn, *args))
+
+    def step_with(
+        self,
+        policy: torch.nn.Module,
+        tokenizer: Any,
+        step: int,
+        batch: dict[str, Any],
+        samples: int,
+        given: RolloutBatch | None = None,
+    ) -> Any:
+        """One asynchronous training step (``RolloutPipeline.step_with``): submit the rollouts of ``batch``
+        (``samples`` per prompt, sampled and scored on the worker, seeded by the pipeline; ``given``: rows the module
+        trains on instead, queued in the same order) and return those of ``lag`` steps ago, or None in the
+        warm-up."""
+
+        def job(batch: dict[str, Any], seed: int) -> RolloutBatch:
+            if given is not None:
+                return given
+            return self.seeded(seed, self._rollout, policy, tokenizer, step, batch, samples)
+
+        return self.pipeline.step_with(batch, job)
+
     # ------------------------------------------------------------------ scoring
     def score(self, prompts: list[str], metadata: list[dict], rollout: Rollout):
         """Scores (N,) from the reward source, minus ``missing_eos_penalty`` where a response did not end; and the
@@ -198,23 +230,19 @@ class RolloutSource:
         )
 
     def rollout(
-        self,
-        policy: torch.nn.Module,
-        tokenizer: Any,
-        step: int,
-        batch: dict[str, Any],
-        samples: int,
-        generate: Callable[..., Rollout] | None = None,
+        self, policy: torch.nn.Module, tokenizer: Any, step: int, batch: dict[str, Any], samples: int
     ) -> RolloutBatch:
-        """Sample ``samples`` responses per prompt of ``batch`` by ``policy`` at ``step`` and score them, or play
-        that many episodes. ``generate(prompt_ids, prompt_mask, num_samples=...)``: what samples (default
-        ``generate`` with ``policy``; a module gives its own, which a subclass may extend)."""
+        """Sample ``samples`` responses per prompt of ``batch`` by ``policy`` at ``step`` (``generate``) and score
+        them, or play that many episodes; in asynchronous training, on the pipeline's worker with the current weights
+        (``now``)."""
+        return self.now(self._rollout, policy, tokenizer, step, batch, samples)
+
+    def _rollout(self, policy, tokenizer, step: int, batch: dict[str, Any], samples: int) -> RolloutBatch:
         if self.episodic:
             return self.episode_rollout(policy, tokenizer, step, batch, samples)
-        generate = generate or functools.partial(self.generate, policy, tokenizer, step)
         vision = batch.get("vision")  # a VL model's prompt images (``datamodules.vision``)
-        extra = {} if vision is None else {"vision": vision}
-        rollout = generate(batch["input_ids"], batch["attention_mask"], num_samples=samples, **extra)
+        rollout = self._generate(policy, tokenizer, step, batch["input_ids"], batch["attention_mask"], None, samples,
+                                 vision)  # fmt: skip
         scores, components = self.score(batch["prompts"], batch["metadata"], rollout)
         rows = {} if vision is None else {"vision": vision.for_rows(rollout.group)}
         return RolloutBatch.from_rollout(rollout, scores, components, **rows)
@@ -231,7 +259,7 @@ class RolloutSource:
             play = functools.partial(play, version=self.pipeline.version if self.pipeline else step)
         play = play or self.play
         images = {"vision": batch["vision"]} if batch.get("vision") is not None else {}  # the prompts' images
-        with self.sampling(policy, step):
+        with self.timer("gen"), self.sampling(policy, step):
             rollout = play(
                 self.engine(policy, tokenizer),
                 policy,

@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from aitraining_pl.agents import AgentEndpoint  # noqa: E402
-from aitraining_pl.environments.episode_rollout import ChatFormat  # noqa: E402
+from aitraining_pl.environments.chat import ChatFormat  # noqa: E402
 from aitraining_pl.models import build_causal_lm, load_tokenizer  # noqa: E402
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
 

@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 
 from aitraining_pl.agents import AgentEndpoint  # noqa: E402
 from aitraining_pl.agents import server as agent_server  # noqa: E402
-from aitraining_pl.environments.episode_rollout import ChatFormat  # noqa: E402
+from aitraining_pl.environments.chat import ChatFormat  # noqa: E402
 from aitraining_pl.models import build_causal_lm  # noqa: E402
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
 

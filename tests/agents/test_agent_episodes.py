@@ -26,7 +26,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
 from aitraining_pl.agents import AgentEnvironment  # noqa: E402
-from aitraining_pl.environments.episode_rollout import ChatFormat, sample_episodes  # noqa: E402
+from aitraining_pl.environments.chat import ChatFormat  # noqa: E402
+from aitraining_pl.environments.episode_rollout import sample_episodes  # noqa: E402
 from aitraining_pl.environments.multiturn import calculator  # noqa: E402
 from aitraining_pl.errors import RewardError  # noqa: E402
 from aitraining_pl.models import build_causal_lm  # noqa: E402

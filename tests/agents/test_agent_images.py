@@ -21,10 +21,10 @@ from aitraining_pl.datamodules.colours import colour_reward, colour_square  # no
 from aitraining_pl.datamodules.formats import prompt_text  # noqa: E402
 from aitraining_pl.datamodules.prompt import PromptDataModule  # noqa: E402
 from aitraining_pl.datamodules.vision import encode_with_images, image_placeholder  # noqa: E402
+from aitraining_pl.generation.hf.vision_decoding import sample_with_images  # noqa: E402
 from aitraining_pl.models import build_causal_lm, load_tokenizer  # noqa: E402
 from aitraining_pl.models.tokens import with_bos  # noqa: E402
 from aitraining_pl.models.vision import VisionInputs, load_processor, load_vision_lm, merge_vision  # noqa: E402
-from aitraining_pl.models.vision_decoding import sample_with_images  # noqa: E402
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
 
 GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False)

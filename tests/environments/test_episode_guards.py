@@ -16,8 +16,9 @@ import yaml
 from conftest import TINY_LLAMA
 
 from aitraining_pl.cli import main
+from aitraining_pl.environments.chat import ChatFormat
 from aitraining_pl.environments.episode import AssistantTurn, EpisodeEnvironment, EpisodeLimits, EpisodeStep
-from aitraining_pl.environments.episode_rollout import ChatFormat, sample_episodes
+from aitraining_pl.environments.episode_rollout import sample_episodes
 from aitraining_pl.errors import RewardError
 from aitraining_pl.guarded_call import CallInterrupted
 from aitraining_pl.models import build_causal_lm, load_tokenizer

@@ -10,8 +10,8 @@ import time
 import pytest
 from chat_templates import TEMPLATES, template_tokenizer
 
+from aitraining_pl.environments.chat import ChatFormat
 from aitraining_pl.environments.episode import AssistantTurn
-from aitraining_pl.environments.episode_rollout import ChatFormat
 from aitraining_pl.environments.multiturn import ToolEnvironment, calculator, run_python
 from aitraining_pl.environments.tools import (
     ToolLimits,

@@ -11,8 +11,9 @@ import torch
 from conftest import TINY_LLAMA
 from episode_fixtures import SECRETS, episode_module, fit_on_the_game, held_out_success
 
+from aitraining_pl.environments.chat import ChatFormat
 from aitraining_pl.environments.episode import EpisodeEnvironment, EpisodeStep, OneTurnEpisode
-from aitraining_pl.environments.episode_rollout import ChatFormat, sample_episodes
+from aitraining_pl.environments.episode_rollout import sample_episodes
 from aitraining_pl.environments.multiturn import GuessingGame
 from aitraining_pl.losses import clipped_policy_loss, gae, selective_log_softmax
 from aitraining_pl.losses.advantages import reinforce_pp_advantages

@@ -1,4 +1,4 @@
-"""Multi-turn episodes whose environment answers with an image (``environments.vision_chat``): a tiny random Qwen2-VL
+"""Multi-turn episodes whose environment answers with an image (``environments.chat``): a tiny random Qwen2-VL
 sees a blank image, says something, is shown a coloured square (``datamodules.colours``) and is rewarded for naming
 its colour. The reply's tokens (image tokens included) are masked out of the loss, the rollout carries every image
 of each row in order, its greedy turns and the trainer's log-prob pass equal the model's own full forward with all of
@@ -12,12 +12,10 @@ from conftest import quiet_trainer
 
 from aitraining_pl.datamodules.colours import ColourSquaresDataModule, colour_reward, colour_rows, colour_square
 from aitraining_pl.datamodules.io import DataValidationError
-from aitraining_pl.datamodules.prompt import PromptCollator, PromptDataset
-from aitraining_pl.datamodules.vision import encode_vision_prompt
+from aitraining_pl.datamodules.prompt import PromptCollator, PromptDataset, encode_vision_prompt
 from aitraining_pl.environments.episode import EpisodeEnvironment, EpisodeLimits, EpisodeStep
 from aitraining_pl.environments.episode_rollout import sample_episodes
-from aitraining_pl.models.vision import load_processor, load_vision_lm, processor_of, token_types
-from aitraining_pl.models.vision_decoding import image_token_ids
+from aitraining_pl.models.vision import image_token_ids, load_processor, load_vision_lm, processor_of, token_types
 from aitraining_pl.models.vision_scoring import vision_token_scores
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine
 
@@ -107,7 +105,7 @@ def test_an_image_reply_is_masked_and_the_turns_and_log_probs_equal_the_full_for
         at = len(prompt) + torch.nonzero(sampled)[:, 0]  # the sampled tokens' places in the sequence
         want = torch.log_softmax(logits, -1)[at - 1, ids[at]]
         torch.testing.assert_close(logps[r][scored[r, 1:].bool()], want, atol=1e-4, rtol=1e-4)
-        logits[..., image_token_ids(model)] = float("-inf")  # never sampled (``models.vision_decoding``)
+        logits[..., image_token_ids(model)] = float("-inf")  # never sampled (``generation.hf.vision_decoding``)
         assert logits[at - 1].argmax(-1).tolist() == ids[at].tolist()  # greedy turns = the full forward's
 
 

@@ -8,7 +8,7 @@ import pytest
 from hostile_images import BOMB, HUGE, png_claiming
 
 from aitraining_pl.datamodules.io import DataValidationError
-from aitraining_pl.environments.vision_chat import chat_ids, vision_chat_format
+from aitraining_pl.environments.chat import chat_ids, vision_chat_format
 from aitraining_pl.models.vision import load_processor
 
 WHERE, SOURCE = "EpisodeStep.messages", "the environment's reply"

@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import TINY_LLAMA
 
-from aitraining_pl.generation.backend import GenerationBackend, HFBackend
+from aitraining_pl.generation.backend import GenerationBackend, SampledTokens
 from aitraining_pl.generation.config import GenerationConfig
+from aitraining_pl.generation.hf.backend import HFBackend
 from aitraining_pl.generation.registry import BACKEND_NAMES, BACKENDS, backend_class, resolve_backend
-from aitraining_pl.models.generation import SampledTokens
 from aitraining_pl.validation import HyperparameterError
 
 PROTOCOL = ("sample", "sync", "sleep", "close", "location", "from_context")
@@ -35,7 +35,7 @@ def test_a_backend_module_is_imported_only_when_chosen():
     code = (
         "import sys; import aitraining_pl.rollout, aitraining_pl.modules.online; "
         "from aitraining_pl.generation.registry import backend_class; "
-        "before = sorted(m for m in ('aitraining_pl.generation.vllm', 'aitraining_pl.generation.servers.client') "
+        "before = sorted(m for m in ('aitraining_pl.generation.vllm',) "
         "if m in sys.modules); backend_class('vllm'); print(before, 'aitraining_pl.generation.vllm' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -72,6 +72,9 @@ class FixedBackend:
 
     def close(self):
         self.closed = True
+
+    def stats(self):
+        return {}
 
 
 def test_a_new_backend_is_one_class_and_one_registry_line(monkeypatch, tmp_path):

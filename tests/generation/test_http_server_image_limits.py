@@ -72,3 +72,18 @@ def test_a_vl_prompt_longer_than_the_context_in_text_config_is_a_400(server):
     from ``get_rope_index``."""
     answer = _generate(server, [png_url(colour_square("red", seed=1))], tokens=600)
     assert answer.status_code == 400 and "exceed the model's 512 positions" in answer.text, answer.text
+
+
+@pytest.mark.parametrize("fields", [{"temperature": float("nan")}, {"stop_token_ids": [10**20]}], ids=["nan", "huge"])
+def test_bad_sampling_params_on_the_tokens_in_route_are_422_not_500(server, fields):
+    """Issue 52, item 9: the tokens-in route builds its request from ``sampling_params`` itself; a NaN or an id of
+    10**20 there was a 500 (pydantic's error raised in the handler), now the 422 that ``/v1/completions`` answers."""
+    import json
+
+    process, image = server
+    body = {"model": "m", "token_ids": [image, 5, 5], "sampling_params": {"max_tokens": 4, **fields},
+            "content_parts": [{"type": "image_url", "url": png_url(colour_square("red", seed=1))}]}  # fmt: skip
+    headers = {"Authorization": f"Bearer {process.token}", "content-type": "application/json"}
+    answer = httpx.post(process.url + "/inference/v1/generate", content=json.dumps(body), headers=headers, timeout=60)
+    assert answer.status_code == 422, answer.text
+    assert f"sampling_params.{next(iter(fields))}" in answer.json()["error"]

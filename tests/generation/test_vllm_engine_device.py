@@ -2,7 +2,7 @@
 arguments and calls it gets, on a stub GPU: its dtype from the trainer's precision, ``max_model_len`` from the
 prompt budget and ``max_new_tokens``, sleep at level 2 (wake the weights, load them, then wake the KV cache, with
 ``empty_cache`` before each wake), and sampling outside the trainer's autocast. The real vLLM's signatures for the
-same keywords are checked in ``tests/vllm_backend/test_vllm_api.py``."""
+same keywords are checked in ``tests/generation/test_vllm_api.py``."""
 
 from __future__ import annotations
 
@@ -16,11 +16,10 @@ import torch
 from conftest import TINY_LLAMA, quiet_trainer
 
 from aitraining_pl.datamodules import PromptDataModule
-from aitraining_pl.generation.backend import BackendContext, SampleRequest
+from aitraining_pl.generation.backend import BackendContext, SampleRequest, StopRule
 from aitraining_pl.generation.config import GenerationConfig, VLLMConfig
 from aitraining_pl.generation.vllm import VLLMEngine
 from aitraining_pl.models import build_causal_lm, load_tokenizer
-from aitraining_pl.models.generation import StopRule
 
 POLICY = {**TINY_LLAMA, "hidden_size": 64, "num_attention_heads": 2}
 

@@ -19,8 +19,8 @@ from aitraining_pl.environments.tools import ToolCall, run_calls, tool_schemas
 CALCULATOR_TOOL = {"type": "function", "function": tool_schemas([calculator])[0]["function"]}
 #: where the samplers are looked up: the backend's (the endpoint) and the episode decoder's (``reprefill``)
 SAMPLERS = (
-    "aitraining_pl.generation.backend.sample_responses",
-    "aitraining_pl.models.episode_decoding.sample_responses",
+    "aitraining_pl.generation.hf.backend.sample_responses",
+    "aitraining_pl.generation.hf.episode_decoding.sample_responses",
 )
 
 

@@ -2,7 +2,7 @@
 vocabulary answers one prompt with one token, each token has a fixed reward, and RLOO / REINFORCE++ with the
 k1 KL in the reward (``kl_in_reward``) should reach the optimum of ``E[r] - beta KL(pi || pi_ref)``,
 ``pi* = pi_ref exp(r / beta) / Z`` (the closed form of the reverse-KL-regularised objective; e.g. Rafailov et
-al. 2023, eq. 4). Used by ``modules/test_online.py`` (``hf``) and ``vllm_backend/test_vllm_training.py`` (``vllm``)."""
+al. 2023, eq. 4). Used by ``modules/test_online.py`` (``hf``) and ``generation/test_vllm_training.py`` (``vllm``)."""
 
 from __future__ import annotations
 

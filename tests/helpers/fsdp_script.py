@@ -40,13 +40,18 @@ GLOBAL_BATCH = 4  # pairs (DPO, reward) or prompts (PPO, GRPO) per optimizer ste
 
 def trainer(strategy: str, out: str, **overrides) -> pl.Trainer:
     devices = 1 if strategy == "single" else 2
-    kinds = {"single": "auto", "ddp": "ddp", "fsdp": FSDP2Strategy()}
+    kinds = {"single": "auto", "ddp": "ddp", "fsdp": FSDP2Strategy(), "sp": FSDP2Strategy(sequence_parallel_size=2)}
     options = dict(
         accelerator="cpu", devices=devices, strategy=kinds[strategy], max_epochs=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         default_root_dir=out,
     )  # fmt: skip
     return pl.Trainer(**{**options, **overrides})
+
+
+def data_ranks(strategy: str) -> int:
+    """Data-parallel ranks: 1 in one process and under sequence parallelism 2 (both ranks read the same batches)."""
+    return 1 if strategy in ("single", "sp") else 2
 
 
 def pairs_data(module, devices: int, pairs: int = 6) -> PreferenceDataModule:
@@ -71,7 +76,7 @@ def full_state(module: pl.LightningModule) -> dict[str, torch.Tensor]:
 def dpo(strategy: str, out: str, precision: str = "32-true", steps: int = 1, pairs: int = 6, options=None, **fit):
     options = {"learning_rate": 1e-3, "warmup_ratio": 0.0, **(options or {})}
     module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", **options)
-    devices = 1 if strategy == "single" else 2
+    devices = data_ranks(strategy)
     run = trainer(strategy, out, max_steps=steps, max_epochs=None, precision=precision, **fit.pop("trainer", {}))
     data = pairs_data(module, devices, pairs)
     initial = full_state(module)
@@ -140,6 +145,28 @@ def case_dpo_resume(strategy: str, out: str) -> dict:
     }
 
 
+class CountUlysses:
+    """Within the block, counts the calls of the sequence-parallel attention (a split forward really ran)."""
+
+    def __enter__(self):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from aitraining_pl.models.sequence_parallel import ULYSSES_ATTENTION
+
+        self.calls, self.table, self.inner = 0, ALL_ATTENTION_FUNCTIONS, ALL_ATTENTION_FUNCTIONS[ULYSSES_ATTENTION]
+        self.table[ULYSSES_ATTENTION] = self
+        return self
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+    def __exit__(self, *exc):
+        from aitraining_pl.models.sequence_parallel import ULYSSES_ATTENTION
+
+        self.table[ULYSSES_ATTENTION] = self.inner
+
+
 class StopAt(pl.Callback):
     """Stop training after optimizer step ``step`` (an interrupted run)."""
 
@@ -152,7 +179,7 @@ class StopAt(pl.Callback):
 
 def case_reward_step(strategy: str, out: str) -> dict:
     module = RewardModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, warmup_ratio=0.0)
-    devices = 1 if strategy == "single" else 2
+    devices = data_ranks(strategy)
     run, initial = trainer(strategy, out, max_steps=1), full_state(module)
     run.fit(module, datamodule=pairs_data(module, devices))
     return {"state": full_state(module), "initial": initial}
@@ -164,7 +191,7 @@ def distinct_bytes(prompts: list[str], responses: list[str], metadata: list[dict
 
 
 def online(kind, strategy: str, out: str, do_sample: bool = False, **kwargs) -> dict:
-    devices = 1 if strategy == "single" else 2
+    devices = data_ranks(strategy)
     module = kind(
         model_config=TINY_LLAMA, tokenizer_name="byte", reward=distinct_bytes,
         generation=GenerationConfig(max_new_tokens=6, do_sample=do_sample), learning_rate=1e-3, warmup_ratio=0.0,
@@ -198,6 +225,12 @@ def case_grpo_step(strategy: str, out: str) -> dict:
     return online(GRPOModule, strategy, out, do_sample=True, num_generations=4, mini_batch_size=4)
 
 
+def case_grpo_budget_step(strategy: str, out: str) -> dict:
+    """``grpo_step`` with a ``token_budget`` below every row's length (about 14 tokens): under sequence parallelism 2
+    each row goes alone into a micro-batch (within twice the budget) for the group to split."""
+    return online(GRPOModule, strategy, out, do_sample=True, num_generations=4, mini_batch_size=4, token_budget=10)
+
+
 def case_file_order(strategy: str, out: str) -> dict:
     """The training batches each rank reads from an unshuffled preference file (``shuffle=False``)."""
     module = DPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", learning_rate=1e-3, warmup_ratio=0.0)
@@ -219,7 +252,9 @@ def case_file_order(strategy: str, out: str) -> dict:
 def main(out: str, strategy: str, *cases: str) -> None:
     for case in cases:
         pl.seed_everything(0)
-        result = globals()[f"case_{case}"](strategy, os.path.join(out, f"{case}-{strategy}"))
+        with CountUlysses() as counter:
+            result = globals()[f"case_{case}"](strategy, os.path.join(out, f"{case}-{strategy}"))
+        result["ulysses_calls"] = counter.calls
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             torch.save(result, os.path.join(out, f"{case}-{strategy}.pt"))
 

@@ -1,6 +1,6 @@
-"""Shared by the HTTP server tests (``tests/generation/test_http_server.py``, ``tests/vllm_backend/test_vllm_http.py``):
-the tiny servable policy saved as a folder a server starts from, and a LoRA policy over it whose adapter changes the
-greedy samples."""
+"""Shared by the generation-server tests (``tests/generation/servers/``, the served teacher's): the vLLM-servable tiny
+model (``SPEC``), the policy saved as a folder a server starts from, a LoRA policy over it whose adapter changes the
+greedy samples, and the HF server over HTTP served from a thread (``http_hf_server``)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import time
 
 import torch
 import transformers
-from server_fixtures import SPEC
 
 from aitraining_pl.models import build_causal_lm
+
+#: tiny-llama with two heads of 32 (vLLM's CPU attention has no kernel for heads of 16)
+SPEC = {"preset": "tiny-llama", "num_attention_heads": 2, "num_key_value_heads": 1}
 
 
 def saved_policy(folder):
@@ -42,11 +44,14 @@ def lora_policy(model):
 
 
 @contextlib.contextmanager
-def http_hf_server(model_config, seed: int = 0, token: str = "test-token", teacher=None, tokenizer="byte"):
+def http_hf_server(model_config, seed: int = 0, token: str = "test-token", teacher=None, tokenizer="byte",
+                   on_engine=None, **bounds):  # fmt: skip
     """The HF server over HTTP (``hf_routes.build_app`` around an ``HFServerEngine`` for ``model_config``'s
     architecture, the ``tokenizer``, byte-level by default) served by uvicorn from a thread on a free loopback port
     (yielded) until the block ends; ``AITRAINING_PL_SERVER_TOKEN`` set to its ``token`` meanwhile (the trainer reads
-    it there). ``teacher``: a model of that architecture whose weights it serves fixed, as ``--teacher`` does."""
+    it there). ``teacher``: a model of that architecture whose weights it serves fixed, as ``--teacher`` does.
+    ``on_engine(engine)``: called with the engine once the app is built (a test's hooks); ``bounds``: ``build_app``'s
+    request bounds (``max_body_mb``, ``max_prompts``, ``max_samples``)."""
     import socket
     import threading
 
@@ -65,7 +70,10 @@ def http_hf_server(model_config, seed: int = 0, token: str = "test-token", teach
     if teacher is not None:
         engine.load(teacher.state_dict().items(), "teacher")
     positions = getattr(model.config, "max_position_embeddings", None)
-    app = build_app(engine, load_tokenizer(tokenizer), specs, "policy", positions, token, fixed=teacher is not None)
+    app = build_app(engine, load_tokenizer(tokenizer), specs, "policy", positions, token, fixed=teacher is not None,
+                    **bounds)  # fmt: skip
+    if on_engine is not None:
+        on_engine(engine)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

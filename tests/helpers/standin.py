@@ -13,9 +13,9 @@ import time
 import torch
 
 from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.backend import SampledTokens
 from aitraining_pl.generation.servers.replica import PushReport, ReplicaDown, ReplicaStats
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens
 
 
 def tokens_for(prompt: list[int], seed: int, length: int, vocab: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""Run by tests/vllm_backend/test_vllm_distributed.py: GRPO on the colocated vLLM backend in 2 CPU processes (gloo),
+"""Run by tests/generation/test_vllm_distributed.py: GRPO on the colocated vLLM backend in 2 CPU processes (gloo),
 one vLLM engine per process (``external_launcher``). ``python vllm_ddp_script.py OUT STRATEGY SYNC WEIGHTS``:
 ``STRATEGY`` is ``ddp`` or ``fsdp`` (``fsdp2``: the sync all-gathers one parameter at a time), ``SYNC`` ``on`` or
 ``off`` (``generation.vllm.sync_weights``), ``WEIGHTS`` ``full`` or ``lora`` (LoRA adapters on the policy, merged

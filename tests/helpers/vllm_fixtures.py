@@ -1,4 +1,4 @@
-"""Shared by the vLLM backend's tests (``test_vllm_backend.py``, ``test_vllm_server.py``,
+"""Shared by the vLLM backend's tests (``test_vllm_backend.py``,
 ``test_vllm_episodes.py``): the matrix's configs at the width vLLM's CPU attention needs, the largest log-prob gap
 between an engine and the policy, and a few training steps that move every weight. Imports no vLLM itself."""
 

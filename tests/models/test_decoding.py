@@ -1,4 +1,4 @@
-"""Decoding that drops ended rows (``models.decoding``): the same draws as ``generate`` while no row has ended,
+"""Decoding that drops ended rows (``generation.hf.decoding``): the same draws as ``generate`` while no row has ended,
 the same greedy responses and stops, logits that are the model's own after rows are dropped, and ``generate``
 for models without a plain KV cache, on a matrix of real architectures."""
 
@@ -9,10 +9,11 @@ import torch
 from architectures import HYBRID, MATRIX, names, spec
 from transformers import StoppingCriteriaList
 
-import aitraining_pl.models.decoding as decoding
+import aitraining_pl.generation.hf.decoding as decoding
+from aitraining_pl.generation.backend import StopRule
+from aitraining_pl.generation.hf.decoding import decode, sample_responses
+from aitraining_pl.generation.hf.generate import ResponseStoppingCriteria, hf_generate, hf_generation_config
 from aitraining_pl.models import build_causal_lm, load_tokenizer
-from aitraining_pl.models.decoding import decode, sample_responses
-from aitraining_pl.models.generation import ResponseStoppingCriteria, StopRule, hf_generate, hf_generation_config
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine
 
 PLAIN = names(MATRIX, without=(HYBRID,))  # falcon_h1: a hybrid state-space cache

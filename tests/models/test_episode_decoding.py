@@ -1,7 +1,8 @@
-"""The episode decoder (``models.episode_decoding``) on the architecture matrix: the KV cache kept across turns draws
-what re-prefilling the whole history draws, and every token runs through the model once; architectures whose cache
-cannot hold padded parked rows (sliding windows, hybrid state-space layers) fall back to re-prefilling. And the
-decode loop's ``park`` hook (``models.decoding.sample_steps``), which the episode decoder keeps ended rows with."""
+"""The episode decoder (``generation.hf.episode_decoding``) on the architecture matrix: the KV cache kept across
+turns draws what re-prefilling the whole history draws, and every token runs through the model once; architectures
+whose cache cannot hold padded parked rows (sliding windows, hybrid state-space layers) fall back to re-prefilling.
+And the decode loop's ``park`` hook (``generation.hf.decoding.sample_steps``), which the episode decoder keeps ended
+rows with."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import pytest
 import torch
 from architectures import HYBRID, MATRIX, SLIDING, model_config, names
 
+from aitraining_pl.generation.hf.decoding import Forward, decode, prefill, sample_steps
+from aitraining_pl.generation.hf.episode_decoding import decode_episodes
+from aitraining_pl.generation.hf.generate import hf_generation_config
 from aitraining_pl.models import build_causal_lm
-from aitraining_pl.models.decoding import Forward, decode, prefill, sample_steps
-from aitraining_pl.models.episode_decoding import decode_episodes
-from aitraining_pl.models.generation import hf_generation_config
 from aitraining_pl.rollout import GenerationConfig
 
 ENDS = [5, 9, 11, 13]  # frequent enough that turns end at different steps, rare enough that some hit the limit

@@ -31,6 +31,30 @@ def test_a_missing_gguf_file_is_one_error_naming_it(tmp_path):
         SFTModule(model_name=missing)
 
 
+def test_a_model_in_a_gguf_file_loads_with_its_weights(tmp_path):
+    """A tiny Llama written as GGUF (``tiny_gguf``) loads through ``model_name`` with the weights it was written with
+    (the same logits), in training mode, and a module trains it."""
+    import torch
+    from conftest import TINY_LLAMA, quiet_trainer
+    from tiny_gguf import write_tiny_gguf
+
+    from aitraining_pl import SFTDataModule
+    from aitraining_pl.models import build_causal_lm
+
+    written = build_causal_lm({**TINY_LLAMA, "tie_word_embeddings": False}).eval()
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", written))
+    loaded = load_causal_lm(path)
+    assert loaded.training
+    ids = torch.randint(3, 300, (2, 7))
+    torch.testing.assert_close(loaded.eval()(ids).logits, written(ids).logits, rtol=0, atol=1e-5)
+    module = SFTModule(model_name=path, tokenizer_name="byte", learning_rate=1e-2)
+    rows = [{"prompt": "a", "completion": "bc"}, {"prompt": "d", "completion": "ef"}]
+    data = SFTDataModule(rows=rows, tokenizer=module.tokenizer, val_split=0, batch_size=2)
+    before = module.policy.lm_head.weight.detach().clone()
+    quiet_trainer(tmp_path, max_steps=1).fit(module, data)
+    assert not torch.equal(before, module.policy.lm_head.weight)
+
+
 @pytest.mark.real
 def test_smollm2_loads_from_its_gguf_file():
     found = smollm2_gguf()

@@ -135,7 +135,7 @@ def test_gradient_checkpointing_on_the_packed_path(lora):
 def test_unknown_logit_post_processing_falls_back_to_the_models_forward(monkeypatch, caplog):
     """A model whose forward changes logits in a way the head-only path does not know (Granite's scaling,
     with the explicit handling removed) is caught by the probe: its log-probs run through its own forward."""
-    monkeypatch.setattr(scoring, "head_logits", lambda head, config, hidden: head(hidden))
+    monkeypatch.setattr(lm_head, "head_logits", lambda head, config, hidden: head(hidden))
     monkeypatch.delitem(lm_head.LOGIT_SCALES, "granite")  # the chunked head's handling too
     model = build_sharpened("granite")
     with caplog.at_level("INFO", logger="aitraining_pl.models.scoring"):

@@ -86,8 +86,8 @@ def test_greedy_decoding_with_images_equals_the_models_forward(name):
     from aitraining_pl.datamodules.io import pad_sequences
     from aitraining_pl.datamodules.vision import encode_with_images, image_placeholder
     from aitraining_pl.generation.config import GenerationConfig
-    from aitraining_pl.models.vision import model_inputs
-    from aitraining_pl.models.vision_decoding import image_token_ids, sample_with_images
+    from aitraining_pl.generation.hf.vision_decoding import sample_with_images
+    from aitraining_pl.models.vision import image_token_ids, model_inputs
 
     model = load_vision_lm(model_config=name).eval()
     processor = load_processor(name)

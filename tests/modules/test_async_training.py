@@ -123,8 +123,8 @@ def test_free_schedule_trains_with_per_token_versions(tmp_path):
         module, data = grpo(served(port, max_staleness=1, async_schedule="free", max_new_tokens=12))
         before = {k: v.clone() for k, v in module.policy.state_dict().items()}
         rollouts = []
-        sample = module.scheduled_rollout
-        module.scheduled_rollout = lambda batch, seed: rollouts.append(sample(batch, seed)) or rollouts[-1]
+        experience = module.make_experience  # the rollouts trained on, sampled on the pipeline's worker
+        module.make_experience = lambda rollout: rollouts.append(rollout) or experience(rollout)
         quiet_trainer(tmp_path, max_steps=4, callbacks=[Versions()]).fit(module, data)
     assert seen and max(seen) <= 1.0
     assert any(not torch.equal(before[k], v) for k, v in module.policy.state_dict().items())
@@ -148,7 +148,7 @@ def test_a_server_killed_mid_run_stops_the_run_with_one_line(tmp_path):
     class KillServer(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, *args):
             if pl_module.pipeline.version == 1:
-                pl_module._launched[0].process.kill()
+                pl_module._launched[0].servers[0].process.kill()
 
     module, data = grpo({"server": "launch", "max_staleness": 1, "vllm": VLLMConfig(server_timeout=30)})
     with pytest.raises(GenerationServerError) as caught:

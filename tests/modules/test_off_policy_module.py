@@ -12,9 +12,9 @@ import torch
 from conftest import TINY_LLAMA, quiet_trainer
 
 from aitraining_pl.errors import ConfigError
+from aitraining_pl.generation.backend import SampledTokens
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.losses import PolicyLossConfig, clipped_policy_loss, decoupled_policy_loss
-from aitraining_pl.models.generation import SampledTokens
 from aitraining_pl.modules.critic_free import GRPOModule
 from aitraining_pl.modules.policy_loss import moved_correction
 from aitraining_pl.rollout import BACKEND_NAMES, BACKENDS
@@ -47,6 +47,9 @@ class OffPolicySampler:
 
     def close(self):
         pass
+
+    def stats(self):
+        return {}
 
 
 def grpo(monkeypatch, **policy_loss) -> GRPOModule:

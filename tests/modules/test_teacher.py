@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_LLAMA
-from server_fixtures import SPEC, ScoringEngine, serving
+from http_fixtures import SPEC, http_hf_server
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
 from aitraining_pl.models import build_causal_lm, load_tokenizer
@@ -41,39 +41,40 @@ def test_a_teachers_bad_logprobs_are_one_line_naming_it(scores, message):
     assert checked_logprobs(good, IDS, padding, 5, "teacher") is good
 
 
-class BrokenScoringEngine(ScoringEngine):
-    """A teacher server whose engine answers NaN for one row, or one column too few."""
-
-    def __init__(self, model, fault: str):
-        super().__init__(model)
-        self.fault = fault
-
-    def prompt_logprobs(self, input_ids, attention_mask, start):
-        scores = super().prompt_logprobs(input_ids, attention_mask, start)
-        if self.fault == "nan":
-            scores[1] = float("nan")
-            return scores
-        return scores[:, :-1]
-
-
 @pytest.mark.parametrize("fault", ["nan", "short"])
-def test_a_served_teachers_bad_answer_stops_the_step_in_one_line(fault):
-    """Through the real client, wire and server: the module's teacher pass refuses the answer, naming the server."""
+def test_a_served_teachers_bad_answer_stops_the_step_in_one_line(fault, monkeypatch):
+    """Through the real client and the HF server over HTTP (its answers then spoiled: one entry NaN, or one too
+    few): the module's teacher pass refuses the answer in one line naming the server."""
     teacher = build_causal_lm(SPEC, seed=3).float().eval()
-    with serving(BrokenScoringEngine(teacher, fault), teacher) as port:
+    with http_hf_server(SPEC, teacher=teacher) as port:
+        url = f"http://127.0.0.1:{port}"
         module = DistillationModule(
             model_config=SPEC,
             tokenizer_name="byte",
-            teacher_server={"port": port, "timeout": 10},
+            teacher_server={"url": url, "timeout": 10},
             mode="sampled",
             generation=GenerationConfig(max_new_tokens=4, temperature=1.0),
         )
+        replica = module.teacher.replica()
+        real = replica.call
+
+        def spoiled(method, route, doing, **kwargs):
+            out = real(method, route, doing, **kwargs)
+            if route == "/v1/completions":
+                entries, prompt = out["choices"][0]["prompt_logprobs"], kwargs["json"]["prompt"]
+                if fault == "nan":
+                    entries[-1][str(prompt[-1])]["logprob"] = float("nan")
+                else:
+                    entries.pop()
+            return out
+
+        monkeypatch.setattr(replica, "call", spoiled)
         with pytest.raises(GenerationServerError) as err:
             module.reference_logprobs(IDS, MASK, 5)
         module.teacher.close()
     line = str(err.value)
-    assert "\n" not in line and f"teacher server 127.0.0.1:{port}" in line, line
-    assert ("not finite" in line) if fault == "nan" else ("shape (2, 3) for 2 rows of 4" in line), line
+    assert "\n" not in line and f"teacher server {url}" in line, line
+    assert ("not finite" in line) if fault == "nan" else ("came back for" in line), line
 
 
 def test_a_teacher_with_padded_embedding_rows_is_the_same_tokenizer(tmp_path):

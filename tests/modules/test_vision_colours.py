@@ -9,8 +9,7 @@ import pytest
 from conftest import quiet_trainer
 
 from aitraining_pl.datamodules.colours import ColourSquaresDataModule, colour_rows
-from aitraining_pl.datamodules.prompt import PromptCollator, PromptDataset
-from aitraining_pl.datamodules.vision import encode_vision_prompt
+from aitraining_pl.datamodules.prompt import PromptCollator, PromptDataset, encode_vision_prompt
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.models.vision import processor_of
 from aitraining_pl.modules.critic_free import GRPOModule, RLOOModule

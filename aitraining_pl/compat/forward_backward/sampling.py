@@ -1,5 +1,5 @@
 """Sampling of one sequence for the forward/backward pipeline (through the rollout engine), returning per-token
-log-probs; ``filter_logits`` (``models.decoding``) is the top-k / top-p rule the engine applies."""
+log-probs; ``filter_logits`` (``generation.hf.decoding``) is the top-k / top-p rule the engine applies."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from aitraining_pl.models.decoding import filter_logits
+from aitraining_pl.generation.hf.decoding import filter_logits
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine
 
 __all__ = ["GREEDY_TEMPERATURE", "filter_logits", "sample_with_cache"]

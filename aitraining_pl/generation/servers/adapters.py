@@ -72,25 +72,35 @@ def write_adapter(folder: str | os.PathLike, adapter: AdapterWeights) -> Path:
     return folder
 
 
+def lora_scale(config: Any) -> tuple[float, int]:
+    """The scale and rank of an adapter's ``adapter_config.json`` (``lora_alpha / r``, ``/ sqrt(r)`` with
+    ``use_rslora``); ``PushRefused`` naming the field when the config is not an object or ``r`` is not a positive
+    integer or ``lora_alpha`` not a finite number."""
+    if not isinstance(config, dict):
+        raise PushRefused(f"the adapter's adapter_config.json is a JSON {type(config).__name__}, not an object")
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise PushRefused(f"the adapter's rank r is {rank!r}, not a positive integer")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise PushRefused(f"the adapter's lora_alpha is {alpha!r}, not a finite number")
+    return float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank), rank
+
+
 def merged(
     folder: str | os.PathLike, base: dict[str, torch.Tensor], specs: WeightSpecs
 ) -> list[tuple[str, torch.Tensor]]:
     """The weights to load for the adapter in ``folder`` over the unmerged ``base`` weights: each target
     ``base + scale * B @ A`` (the other weights unchanged), every matrix checked first (``PushRefused``)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     folder = Path(folder)
     try:
         config = json.loads((folder / "adapter_config.json").read_text())
         with safe_open(str(folder / "adapter_model.safetensors"), framework="pt") as file:
             tensors = {name: file.get_tensor(name) for name in file.keys()}
-    except (OSError, ValueError) as err:
-        raise PushRefused(f"the adapter cannot be read ({type(err).__name__}: {err})") from None
-    rank = int(config.get("r", 0))
-    if rank < 1:
-        raise PushRefused(f"the adapter's rank r is {config.get('r')!r}")
-    alpha = float(config.get("lora_alpha", rank))
-    scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    except (OSError, ValueError, SafetensorError) as err:
+        raise PushRefused(f"the adapter cannot be read ({type(err).__name__}: {str(err)[:200]})") from None
+    scale, rank = lora_scale(config)
     deltas: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         stem, _, kind = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")

@@ -1,5 +1,6 @@
-"""Nobody but the run gets in: the token every route of a server this project starts requires, and the watch that
-ends such a server when its trainer dies.
+"""Nobody but the run gets in: the token every route of a server this project starts requires, where a trainer and a
+server find it (``find_token``, ``token_path``, ``server_token``), the loopback check (``is_loopback``,
+``check_guarded``), and the watch that ends such a server when its trainer dies.
 
 vLLM's dev-mode routes (``/collective_rpc``, ``/update_weights``, ``/pause``, ...) take no key, and ``--api-key``
 guards only ``/v1/*``. ``TokenMiddleware`` is an ASGI middleware (vLLM's ``--middleware
@@ -21,16 +22,22 @@ from __future__ import annotations
 
 import ctypes
 import hmac
+import ipaddress
 import json
 import os
 import secrets
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+
+from aitraining_pl.errors import ConfigError
 
 #: the run's token itself (a server on another machine, a user-started ``vllm serve``)
 TOKEN_ENV = "AITRAINING_PL_SERVER_TOKEN"
@@ -76,6 +83,77 @@ def server_token() -> str:
             f"{TOKEN_ENV}); the server refuses to start without one"
         )
     return token
+
+
+def token_path(port: int) -> Path:
+    """The owner-only file where ``vllm-serve`` on loopback ``port`` writes the token it generated (and where a
+    trainer on this machine looks for it): under ``$XDG_RUNTIME_DIR/aitraining_pl`` (a per-user folder), else
+    ``~/.cache/aitraining_pl``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    folder = Path(runtime) if runtime else Path.home() / ".cache"
+    return folder / "aitraining_pl" / f"vllm-serve-{port}.token"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``, a name resolving there)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        except OSError:
+            return False
+
+
+def find_token(options: Any, setting: str = "generation.vllm.server_token_file") -> str | None:
+    """The run's token for a server (``options``: a ``VLLMConfig``): the file ``options.server_token_file`` (a
+    ``ConfigError`` naming ``setting`` when it cannot be read or is empty), else ``TOKEN_ENV``, else for a server on
+    this machine the file ``aitraining-pl vllm-serve`` wrote (``token_path``), else None (a server without the
+    middleware)."""
+    if options.server_token_file:
+        try:
+            token = open(options.server_token_file).read().strip()
+        except OSError as err:
+            raise ConfigError(setting, f"cannot read the server token {options.server_token_file} "
+                                       f"({err.strerror or err})") from None  # fmt: skip
+        if not token:
+            raise ConfigError(setting, f"the server token file {options.server_token_file} is empty")
+        return token
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    path = token_path(options.server_port)  # where ``aitraining-pl vllm-serve`` on this machine wrote its own
+    return path.read_text().strip() or None if is_loopback(options.server_host) and path.is_file() else None
+
+
+_warned_open: set[str] = set()
+
+
+def check_guarded(url: str, allow: bool, setting: str = "generation.vllm") -> None:
+    """Refuse a server at ``url`` that other machines can reach and that answers without a token (no
+    ``TokenMiddleware``), unless ``allow`` (``allow_unauthenticated``); then warn once per URL."""
+    if is_loopback(urlparse(url).hostname or ""):
+        return
+    import httpx
+
+    try:
+        open_door = httpx.get(f"{url}/collective_rpc", timeout=10.0).status_code != 401
+    except httpx.TransportError:
+        return  # unreachable: the first request says so
+    if not open_door:
+        return
+    if not allow:
+        raise ConfigError(
+            f"{setting}.server_host",
+            f"the server at {url} answers without a token and other machines can reach it: anyone there could push "
+            "weights. Start it with --middleware aitraining_pl.generation.servers.auth.TokenMiddleware "
+            f"and {TOKEN_ENV} (docs/vllm.md), or set {setting}.allow_unauthenticated: true",
+        )
+    if url not in _warned_open:
+        _warned_open.add(url)
+        warnings.warn(f"the generation server {url} takes requests without a token ({setting}.allow_unauthenticated)",
+                      UserWarning, stacklevel=3)  # fmt: skip
 
 
 class TokenMiddleware:

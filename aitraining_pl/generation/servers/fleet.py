@@ -1,6 +1,12 @@
-"""``Fleet``: one generation backend over N generation servers (``Replica``\\ s), with the server client's interface
-(``location = "server"``, ``sample``, ``sync``, ``push``, ``sleep``, ``close``), so the rollout engine and the
+"""``Fleet``: the generation backend of server mode (``location = "server"``, ``sample``, ``sync``, ``push``, ``sleep``,
+``close``) over N generation servers (``Replica``\\ s): a single URL is a fleet of one (``generation.server:
+connect`` / ``launch`` / a URL: one ``vllm serve``, a data-parallel ``vllm serve`` or a ``vllm-router`` that balance
+themselves, or this project's HF server), ``urls`` or ``launch: {count: N}`` a fleet of N. The rollout engine and the
 asynchronous pipeline use one server or many alike.
+
+**Connecting** (``connect``; ``from_context`` for the registry's ``<engine>-server``): each URL gets an
+``HTTPReplica`` with the run's token (``auth.find_token``); a server another machine can reach must require it
+(``auth.check_guarded``: one that answers without it is refused unless ``generation.vllm.allow_unauthenticated``).
 
 **Routing.** A ``sample`` call's prompts are split into runs of consecutive prompts, each sent to one server: a
 prompt that continues one served before (the next turn of a multi-turn episode, an agent's next call: its tokens
@@ -15,16 +21,22 @@ version some server lacks; a request goes only to a server holding its version (
 that version or a later one), so ``max_staleness`` holds across the fleet. An in-flight push (``async_schedule:
 free``) pauses each server between decode steps keeping its KV cache, pushes, and resumes it.
 
+**Pushes and rollouts.** A push that is not ``in_flight`` waits until the rollouts already being sampled are
+answered (each is sampled by the version it named); rank 0 pushes, the other ranks record the version.
+
 **Faults.** A server that cannot be reached, or does not answer by its deadline (``connect_timeout`` plus
 ``token_timeout`` per ``max_new_tokens``: a slow server does not hold up the others), is marked down with one
 warning; its requests are re-sent to the servers up (the same seed: the same samples from a deterministic
 server) and ``fleet/servers_up`` drops. At each push a server marked down is asked its health route and, when it
-answers, gets the push and rejoins. With none up, the call fails with one ``GenerationServerError`` line.
+answers, gets the push and rejoins. With none up (a fleet of one: its server down, nowhere else to send the
+request), the call fails with one ``GenerationServerError`` line naming the servers, what was being done and why.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import dataclasses
 import itertools
 import threading
 import time
@@ -36,51 +48,21 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import GenerationServerError
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampledTokens, SampleRequest
 from aitraining_pl.generation.servers.adapters import adapter_weights, supported
+from aitraining_pl.generation.servers.answers import vocab_of
+from aitraining_pl.generation.servers.auth import check_guarded, find_token
+from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.replica import PushReport, Replica, ReplicaDown
-from aitraining_pl.generation.servers.routing import PrefixAffinity, ReplicaRequest, joined, part
+from aitraining_pl.generation.servers.routing import Gate, Member, PrefixAffinity, ReplicaRequest, joined, part
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens
 from aitraining_pl.models.lora import is_peft_model, plain_weights
 from aitraining_pl.models.sharding import is_sharded
+from aitraining_pl.models.weights import policy_weights
 
 RESUME = "a run that had started resumes from its last checkpoint with --ckpt_path"
 #: seeds drawn for unseeded calls are offset by this per rank (every rank's global generator is the same)
 RANK_SEED_STRIDE = 1_000_003
-
-
-class _Member:
-    """One server of the fleet and what the fleet knows of it (its counters since the last ``stats``)."""
-
-    def __init__(self, index: int, replica: Replica):
-        self.index, self.replica, self.up = index, replica, True
-        self.version: WeightsVersion | None = None  #: the weights it holds (pushed by this fleet)
-        self.base_pushed = False  #: it holds a LoRA policy's base weights (its adapter then travels alone)
-        self.outstanding = 0  #: tokens asked for and not answered
-        self.running, self.busy_since = 0, 0.0
-        self.requests = self.tokens = self.push_bytes = 0
-        self.busy = self.push_seconds = 0.0
-
-    def enter(self, tokens: int) -> None:
-        self.outstanding += tokens
-        self.running += 1
-        if self.running == 1:
-            self.busy_since = time.perf_counter()
-
-    def leave(self, tokens: int) -> None:
-        self.outstanding -= tokens
-        self.running -= 1
-        if self.running == 0:
-            self.busy += time.perf_counter() - self.busy_since
-
-    def busy_seconds(self) -> float:
-        """Busy time since the last ``stats`` (the running stretch up to now included; restarted)."""
-        now, busy = time.perf_counter(), self.busy
-        if self.running:
-            busy, self.busy_since = busy + now - self.busy_since, now
-        self.busy = 0.0
-        return busy
 
 
 class Fleet:
@@ -99,6 +81,35 @@ class Fleet:
     location = "server"  #: a ``GenerationBackend`` in other processes
     kind = "generation fleet"
 
+    @classmethod
+    def from_context(cls, generation: Any, context: Any) -> Fleet:
+        """The fleet of the running servers ``generation.server`` names (``GenerationConfig.fleet``) for a
+        ``BackendContext`` (``registry.BACKENDS``' ``<engine>-server``). Servers to launch are started first
+        (``launcher.LaunchedFleet``), then ``connect`` is given their endpoints."""
+        servers = generation.fleet()
+        if servers is None or not servers.urls:
+            raise ValueError("Fleet.from_context needs running servers (urls); launched ones go through connect")
+        return cls.connect(servers, [(url, None) for url in servers.urls], generation, context)
+
+    @classmethod
+    def connect(cls, servers: Any, endpoints: Sequence[tuple[str, str | None]], generation: Any, context: Any) -> Fleet:
+        """The fleet of ``endpoints`` (``(url, token file or None)``, one per server) for ``generation.server``'s
+        ``servers`` (a ``ServerConfig``: the timeouts) and a ``BackendContext``: an ``HTTPReplica`` of each URL with
+        the run's token (the token file, else ``generation.vllm``'s, else ``AITRAINING_PL_SERVER_TOKEN``), checked
+        (``auth.check_guarded``)."""
+        options, replicas = generation.vllm, []
+        try:
+            for url, token_file in endpoints:
+                given = dataclasses.replace(options, server_token_file=token_file) if token_file else options
+                replicas.append(HTTPReplica(url, find_token(given), timeout=options.server_timeout))
+                check_guarded(replicas[-1].url, bool(options.allow_unauthenticated))
+        except BaseException:
+            for replica in replicas:
+                replica.close()
+            raise
+        return cls(replicas, policy_weights, context.rank, context.run, float(servers.connect_timeout),
+                   float(servers.token_timeout), bool(options.sync_weights))  # fmt: skip
+
     def __init__(
         self,
         replicas: Sequence[Replica],
@@ -111,7 +122,7 @@ class Fleet:
     ):
         if not replicas:
             raise ValueError("a fleet needs at least one replica")
-        self.members = [_Member(i, r) for i, r in enumerate(replicas)]
+        self.members = [Member(i, r) for i, r in enumerate(replicas)]
         self.weights, self.rank, self.run = weights, int(rank), run or uuid.uuid4().hex
         self.connect_timeout, self.token_timeout, self.sync_weights = connect_timeout, token_timeout, sync_weights
         self.at_least = False  #: requests take their version or any later one (the free schedule)
@@ -123,6 +134,8 @@ class Fleet:
         self.pushing = concurrent.futures.ThreadPoolExecutor(len(replicas), thread_name_prefix="fleet-push")
         self.sync_seconds = 0.0  #: wall time of the last push (all servers)
         self.cached_tokens = 0  #: prompt tokens of the last ``sample`` found in the servers' prefix caches
+        self.gate = Gate()  #: a push that is not in flight waits for the rollouts being sampled
+        self.vocab: int | None = None  #: the policy's head rows (``sync``): answers' token ids are checked below it
 
     @property
     def version(self) -> WeightsVersion | None:
@@ -140,19 +153,23 @@ class Fleet:
         return sum(m.up for m in self.members)
 
     def gone(self, doing: str) -> GenerationServerError:
-        """The one line for a fleet with no server left."""
-        n = len(self.members)
-        every = "the generation server" if n == 1 else f"all {n} generation servers"
+        """The one line for a fleet with no server left; a fleet of one names its server and why it is down."""
+        if len(self.members) == 1:
+            url, why = self.members[0].replica.url, self.members[0].error
+            what = str(why).removeprefix(f"{url}: ") if why is not None else f"down or unreachable while {doing}"
+            return GenerationServerError(f"generation server {url}", f"{what}; start it again; {RESUME}")
         return GenerationServerError(
-            self.kind, f"{every} ({self.urls()}) are down or unreachable while {doing}; start them again; {RESUME}"
+            self.kind,
+            f"all {len(self.members)} generation servers ({self.urls()}) are down or unreachable while {doing}; "
+            f"start them again; {RESUME}",
         )
 
-    def _down(self, member: _Member, err: BaseException, doing: str) -> None:
+    def _down(self, member: Member, err: BaseException, doing: str) -> None:
         with self.lock:
-            was, member.up = member.up, False
+            was, member.up, member.error = member.up, False, err
             member.base_pushed = False  # a restarted server holds no base weights
             up = self.up()
-        if was:
+        if was and len(self.members) > 1:  # a fleet of one: the error line says it (nowhere else to send)
             warnings.warn(
                 f"generation fleet: server {member.index} ({member.replica.url}) is down while {doing} ({err}); "
                 f"its requests go to the others ({up} of {len(self.members)} up; it rejoins at a push once it answers)",
@@ -161,21 +178,27 @@ class Fleet:
             )
 
     # ------------------------------------------------------------------ sampling
-    def _serving(self, version: WeightsVersion | None, newer: bool) -> list[_Member]:
+    def _serving(self, version: WeightsVersion | None, newer: bool) -> list[Member]:
+        """The servers up that may take a request for ``version``: on rank 0, those it pushed it to; on another rank
+        (which may not have walked the push: the asynchronous pipeline pushes from rank 0 only) every server up, which
+        holds the request until rank 0's push of ``version`` arrives (``Replica.sample``)."""
         with self.lock:
-            return [m for m in self.members if m.up and _serves(m, version, newer)]
+            return [m for m in self.members if m.up and (self.rank != 0 or _serves(m, version, newer))]
 
     def plan(self, prompts: list[list[int]], request: ReplicaRequest) -> list[int]:
-        """The member index for each prompt: the one whose earlier prompt it continues, else by load."""
+        """The member index for each prompt: the one whose earlier prompt it continues (``PrefixAffinity``) while
+        that one holds less than a fair share (this call's prompts over the servers) more than the least loaded, else
+        by load."""
         members = self._serving(request.version, request.newer)
         if not members:
             raise self.gone(f"sampling with the weights of step {_step(request.version)}")
         cost = int(request.num_samples) * int(request.generation.max_new_tokens)
         load = {m.index: m.outstanding for m in members}
         assigned: list[int | None] = [None] * len(prompts)
+        share = cost * -(-len(prompts) // len(members))  # load still weighs: a shared prefix pins no more than this
         for i, tokens in enumerate(prompts):
             index = self.affinity.lookup(tokens)
-            if index in load:
+            if index in load and load[index] - min(load.values()) < share:
                 assigned[i] = index
                 load[index] += cost
         free = [i for i, a in enumerate(assigned) if a is None]
@@ -200,24 +223,25 @@ class Fleet:
         request = ReplicaRequest.of(
             request, self.version, bool(self.at_least), prompt_ids=request.prompt_ids.cpu(),
             prompt_mask=request.prompt_mask.cpu(), end_ids=list(request.end_ids), pad_token_id=pad_token_id,
-            num_samples=int(request.num_samples), seed=int(seed),
+            num_samples=int(request.num_samples), seed=int(seed), vocab=self.vocab,
         )  # fmt: skip
         prompts = [row[m.bool()].tolist() for row, m in zip(request.prompt_ids, request.prompt_mask)]
-        assigned = self.plan(prompts, request)
-        runs = [(k, len(list(g))) for k, g in itertools.groupby(assigned)]
-        futures, start = [], 0
-        for index, length in runs:
-            piece = part(request, start, start + length)
-            futures.append(self.sampling.submit(self._serve, piece, self.members[index]))
-            start += length
-        answers = [f.result() for f in futures]
+        with self.gate.sample():
+            assigned = self.plan(prompts, request)
+            runs = [(k, len(list(g))) for k, g in itertools.groupby(assigned)]
+            futures, start = [], 0
+            for index, length in runs:
+                piece = part(request, start, start + length)
+                futures.append(self.sampling.submit(self._serve, piece, self.members[index]))
+                start += length
+            answers = [f.result() for f in futures]
         served = [index for (member, _), (_, length) in zip(answers, runs) for index in [member.index] * length]
         for tokens, index in zip(prompts, served):
             self.affinity.record(tokens, index)
         self.cached_tokens = sum(int(getattr(m.replica, "cached_tokens", 0) or 0) for m, _ in answers)
         return joined([out for _, out in answers], pad_token_id, device)
 
-    def _serve(self, request: ReplicaRequest, member: _Member) -> tuple[_Member, SampledTokens]:
+    def _serve(self, request: ReplicaRequest, member: Member) -> tuple[Member, SampledTokens]:
         """``request`` on ``member``, re-sent to the least loaded server up while the one asked is down."""
         while True:
             try:
@@ -229,7 +253,7 @@ class Fleet:
                     raise self.gone(f"sampling with the weights of step {_step(request.version)}") from None
                 member = min(members, key=lambda m: (m.outstanding, m.index))
 
-    def _call(self, member: _Member, request: ReplicaRequest) -> SampledTokens:
+    def _call(self, member: Member, request: ReplicaRequest) -> SampledTokens:
         tokens = request.tokens
         deadline = time.monotonic() + self.connect_timeout + self.token_timeout * int(request.generation.max_new_tokens)
         with self.lock:
@@ -252,6 +276,7 @@ class Fleet:
         (under FSDP2 they walk the gathers with rank 0). A LoRA policy whose adapter travels alone
         (``adapters.supported``) pushes its unmerged base weights once to each server (again to one that rejoins),
         then its adapter alone. Returns whether the weights changed."""
+        self.vocab = vocab_of(policy)
         if is_peft_model(policy) and not is_sharded(policy) and supported(policy):
             if self.rank != 0:
                 return self.push(iter(()), version)
@@ -285,7 +310,8 @@ class Fleet:
             weights = list(weights) if iter(weights) is weights else weights  # a stream, read once per server
             bare = [m for m in targets if not m.base_pushed]
             under = base() if base is not None and bare else None
-            list(self.pushing.map(lambda m: self._push_one(m, weights, key, in_flight, under), targets))
+            with self.gate.push() if not in_flight else contextlib.nullcontext():
+                list(self.pushing.map(lambda m: self._push_one(m, weights, key, in_flight, under), targets))
         for member in back:
             if member.up and self.rank == 0:
                 warnings.warn(
@@ -300,7 +326,7 @@ class Fleet:
         self._version = key
         return True
 
-    def _push_one(self, member: _Member, weights: Any, key: WeightsVersion, in_flight: bool, base=None) -> None:
+    def _push_one(self, member: Member, weights: Any, key: WeightsVersion, in_flight: bool, base=None) -> None:
         replica, paused, seconds, size = member.replica, False, 0.0, 0
         try:
             if in_flight:
@@ -323,7 +349,7 @@ class Fleet:
                 except ReplicaDown:
                     pass
         with self.lock:
-            member.version, member.up = key, True
+            member.version, member.up, member.error = key, True, None
             member.push_seconds += seconds + report.seconds
             member.push_bytes += size + report.bytes
 
@@ -361,7 +387,7 @@ class Fleet:
                 pass
 
 
-def _serves(member: _Member, version: WeightsVersion | None, newer: bool) -> bool:
+def _serves(member: Member, version: WeightsVersion | None, newer: bool) -> bool:
     return version is None or (member.version is not None and member.version.serves(version, newer))
 
 

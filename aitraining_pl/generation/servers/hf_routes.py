@@ -39,32 +39,39 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-import torch
-from pydantic import BaseModel, Field
+if __name__ == "__main__":  # a launched server: its trainer's death stops it from here on, before the heavy imports
+    from aitraining_pl.generation.servers.auth import watch_parent
 
-from aitraining_pl.generation.backend import SampleRequest
-from aitraining_pl.generation.config import GenerationConfig
-from aitraining_pl.generation.servers.adapters import merged
-from aitraining_pl.generation.servers.auth import TokenMiddleware
-from aitraining_pl.generation.servers.checks import PushGuard, PushRefused, WeightSpecs
-from aitraining_pl.generation.servers.vllm_worker import load_checked, push_file
-from aitraining_pl.models.generation import StopRule
+    watch_parent()
+
+import torch  # noqa: E402
+from pydantic import BaseModel, Field, ValidationError  # noqa: E402
+
+from aitraining_pl.generation.backend import SampleRequest, StopRule  # noqa: E402
+from aitraining_pl.generation.config import GenerationConfig  # noqa: E402
+from aitraining_pl.generation.servers import limits  # noqa: E402
+from aitraining_pl.generation.servers.adapters import merged  # noqa: E402
+from aitraining_pl.generation.servers.auth import TokenMiddleware  # noqa: E402
+from aitraining_pl.generation.servers.checks import PushGuard, PushRefused, WeightSpecs  # noqa: E402
+from aitraining_pl.generation.servers.vllm_worker import load_checked, push_file  # noqa: E402
+
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
 class Completion(BaseModel):
     """The ``/v1/completions`` fields this server reads (others are accepted and ignored)."""
 
-    model_config = {"extra": "allow"}
+    model_config = {"extra": "allow", "allow_inf_nan": False}
     prompt: list[int] | list[list[int]] = Field(min_length=1)  #: one prompt, or several decoded as one batch
     n: int = Field(1, ge=1, le=256)
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=1, lt=2**31)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, lt=2**31)
     seed: int | None = None
-    stop_token_ids: list[int] = []
+    stop_token_ids: list[TokenId] = []
     stop: list[str] | str | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=0)  #: 0: each prompt token's log-prob (a served teacher)
@@ -181,15 +188,20 @@ class Batcher:
 
 def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positions: int | None, token: str,
               fixed: bool = False, image_processor: Any = None, placeholder: int | None = None,
-              wait_s: float = 0.0) -> Any:  # fmt: skip
+              wait_s: float = 0.0, max_body_mb: float = limits.MAX_BODY_MB, max_prompts: int = limits.MAX_PROMPTS,
+              max_samples: int = limits.MAX_SAMPLES) -> Any:  # fmt: skip
     """The FastAPI app of the routes above around ``engine`` (an ``HFServerEngine``); ``name``: the model id
     ``/v1/models`` answers; ``positions``: the model's longest sequence; ``fixed``: the engine holds a teacher's
     weights (``--teacher``), and every push is refused; ``image_processor``: a VL model's, whose ``placeholder``
-    token ids ``/inference/v1/generate`` expands; ``wait_s``: ``Batcher``'s."""
+    token ids ``/inference/v1/generate`` expands; ``wait_s``: ``Batcher``'s; ``max_body_mb``, ``max_prompts``,
+    ``max_samples``: a request's bounds (``limits``)."""
     from fastapi import FastAPI, HTTPException
+    from fastapi.exceptions import RequestValidationError
 
     app = FastAPI(title="aitraining-pl HF server")
-    app.add_middleware(TokenMiddleware, token=token)
+    app.add_exception_handler(RequestValidationError, limits.invalid_request)
+    app.add_middleware(limits.BodyLimit, max_bytes=int(max_body_mb * (1 << 20)))
+    app.add_middleware(TokenMiddleware, token=token)  # the outermost: a stranger's body is never read
     guard, resumed, label = PushGuard(), threading.Event(), {"version": "default"}
     base: dict[str, torch.Tensor] = {}  #: the last full push (unmerged): what an adapter push applies to
     batcher = Batcher(engine.sample_many, wait_s)
@@ -216,7 +228,11 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
         except ValueError as err:
             raise HTTPException(400, str(err)) from None
         fields = {k: v for k, v in body.sampling_params.items() if k in Completion.model_fields}
-        answer = complete(Completion(prompt=ids, **fields), vision)
+        try:
+            asked = Completion(prompt=ids, **fields)
+        except ValidationError as err:  # checked here, not by FastAPI: the same 422 as /v1/completions
+            return limits.invalid_body(err.errors(), "sampling_params")
+        answer = complete(asked, vision)
         choices = [{"index": c["index"], "finish_reason": c["finish_reason"], "token_ids": c["token_ids"],
                     "logprobs": {"content": [{"token_id": t, "logprob": v} for t, v in
                                              zip(c["token_ids"], c["logprobs"]["token_logprobs"])]}}
@@ -230,6 +246,9 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
     def complete(body: Completion, vision: Any = None) -> dict:
         """A completion of ``body``'s prompt or prompts (with its images' ``VisionInputs``: ``generate``)."""
         prompts = body.prompt if isinstance(body.prompt[0], list) else [body.prompt]
+        too_many = limits.check_batch(len(prompts), body.n, max_prompts, max_samples)
+        if too_many:
+            raise HTTPException(400, too_many)
         for prompt in prompts:
             if positions is not None and len(prompt) + body.max_tokens > positions:
                 raise HTTPException(400, f"the prompt ({len(prompt)} tokens) and max_tokens ({body.max_tokens}) "
@@ -307,7 +326,7 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
                 base.update(staged)
             engine.stage(staged, str(parsed))
             guard.accept(owner, parsed)
-        except PushRefused as err:
+        except PushRefused as err:  # a corrupt file or adapter config too (``load_checked``, ``lora_scale``)
             return {"results": [{"ok": False, "error": str(err)}]}
         return {"results": [{"ok": True}]}
 
@@ -345,6 +364,10 @@ def parser() -> argparse.ArgumentParser:
     )
     teacher = "serve --model's own weights, read at start, as a distillation teacher (teacher_server: {url: ...}); "
     p.add_argument("--teacher", action="store_true", help=teacher + "pushes are refused")
+    bound = "(default %(default)s; larger gets "
+    p.add_argument("--max_body_mb", type=float, default=limits.MAX_BODY_MB, help=f"largest body {bound}413)")
+    p.add_argument("--max_prompts", type=int, default=limits.MAX_PROMPTS, help=f"most prompts {bound}400)")
+    p.add_argument("--max_samples", type=int, default=limits.MAX_SAMPLES, help=f"most prompts x n {bound}400)")
     return p
 
 
@@ -353,8 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from aitraining_pl.generation.servers.auth import server_token, watch_parent
-    from aitraining_pl.generation.servers.hf_server import HFServerEngine
-    from aitraining_pl.generation.servers.serve import load_teacher, meta_model
+    from aitraining_pl.generation.servers.hf_server import HFServerEngine, load_teacher, meta_model
     from aitraining_pl.models.loading import context_length_of, load_tokenizer
 
     watch_parent()  # a launched server stops with its trainer, even while it is still being built
@@ -377,7 +399,8 @@ def main(argv: list[str] | None = None) -> None:
         placeholder = getattr(policy.config, "image_token_id", None)
     app = build_app(engine, tokenizer, specs, args.model, positions, token, fixed=args.teacher,
                     image_processor=image_processor, placeholder=placeholder,
-                    wait_s=args.batch_wait_ms / 1e3)  # fmt: skip
+                    wait_s=args.batch_wait_ms / 1e3, max_body_mb=args.max_body_mb, max_prompts=args.max_prompts,
+                    max_samples=args.max_samples)  # fmt: skip
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

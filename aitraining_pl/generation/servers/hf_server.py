@@ -1,13 +1,13 @@
 """``HFServerEngine``: the generation server's engine that samples with this project's own KV-cache decoder
-(``aitraining-pl serve --engine hf``), so a server runs, and asynchronous training is tested, without vLLM (this
+(``hf_routes``: the HF server), so a server runs, and asynchronous training is tested, without vLLM (this
 module never imports it), and CPU users get one.
 
-**The model** is the policy's architecture (``serve.meta_model``: built on the meta device, then materialised on
+**The model** is the policy's architecture (``meta_model``: built on the meta device, then materialised on
 the GPU when there is one, else the CPU, by transformers' own ``init_weights``, which also computes the buffers no
 checkpoint carries, such as rotary frequencies, and ties the tied weights). Its weights come only from the
-trainer's pushes (``load``), by the names ``guards.WeightSpecs`` checks (the ``state_dict``'s, tied ones included).
+trainer's pushes (``load``), by the names ``checks.WeightSpecs`` checks (the ``state_dict``'s, tied ones included).
 
-**Sampling** is ``generation.backend.HFBackend``'s: ``models.decoding``'s prefill and sampling loop with
+**Sampling** is ``generation.hf.backend.HFBackend``'s: ``generation.hf.decoding``'s prefill and sampling loop with
 ``hf_generation_config(..., with_logprobs=True)`` (``generate`` where the model has no plain cache or
 ``drop_ended`` is off), a request's ``seed`` in a forked RNG (the same tokens as ``HFBackend.sample`` with that
 seed), an unseeded request a seed drawn from the engine's own generator (``--seed``). The answer's
@@ -34,15 +34,56 @@ from typing import Any
 
 import torch
 
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.errors import ConfigError
+from aitraining_pl.generation.backend import SampledTokens, SampleRequest
+from aitraining_pl.generation.hf.decoding import Forward, prefill, sample_responses, sample_steps
+from aitraining_pl.generation.hf.generate import hf_generation_config
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.losses import positions_from_mask, selective_log_softmax
-from aitraining_pl.models.decoding import Forward, prefill, sample_responses, sample_steps
-from aitraining_pl.models.generation import SampledTokens, hf_generation_config
+from aitraining_pl.models.loading import build_causal_lm, from_pretrained, one_line, resolve_dtype
+from aitraining_pl.models.presets import MODEL_PRESETS
 from aitraining_pl.models.rollout_scoring import response_logps
 from aitraining_pl.models.tokens import padded
 
 log = logging.getLogger(__name__)
+
+
+def is_inline(model: str) -> bool:
+    """Whether ``--model`` is a preset name or an inline JSON config (else a folder or a hub id)."""
+    return model in MODEL_PRESETS or model.lstrip().startswith("{")
+
+
+def meta_model(model: str, dtype: str | None) -> torch.nn.Module:
+    """The policy's architecture on the meta device (no memory, no weights): ``model`` is a folder with a
+    ``config.json``, a hub id, a preset name (``tiny-llama``) or an inline JSON config (``{"preset": ...}``)."""
+    import json
+
+    import transformers
+
+    torch_dtype = resolve_dtype(dtype)
+    if is_inline(model):
+        try:
+            spec = json.loads(model) if model.lstrip().startswith("{") else model
+            with torch.device("meta"):
+                return build_causal_lm(spec, dtype=torch_dtype)
+        except ValueError as err:
+            raise ConfigError(f"--model {model}", one_line(err)) from None
+    from aitraining_pl.models.vision import is_vision_model_type
+
+    config = from_pretrained(transformers.AutoConfig.from_pretrained, model, "model")
+    auto = "AutoModelForImageTextToText" if is_vision_model_type(config.model_type) else "AutoModelForCausalLM"
+    with torch.device("meta"):
+        return getattr(transformers, auto).from_config(
+            config, dtype=torch_dtype or getattr(config, "dtype", None) or torch.float32
+        )
+
+
+def load_teacher(engine: HFServerEngine, model: str) -> None:
+    """Load ``model``'s own weights (a folder or hub id) into ``engine`` as a teacher's fixed version."""
+    import transformers
+
+    teacher = from_pretrained(transformers.AutoModelForCausalLM.from_pretrained, model, "model")
+    engine.load(teacher.state_dict().items(), f"teacher {model}")
 
 
 def materialise(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -82,7 +123,7 @@ class HFServerEngine:
     ``prompt_logprobs``, ``version``, ``cached_each``, ``close``.
 
     Args:
-        model: the policy's architecture on the meta device (``serve.meta_model``).
+        model: the policy's architecture on the meta device (``meta_model``).
         seed: seeds the engine's generator, which gives the unseeded requests their seeds.
         device: where the model runs (default: ``cuda`` when available, else ``cpu``).
     """
@@ -210,9 +251,9 @@ class HFServerEngine:
 
     @torch.no_grad()
     def sample_images(self, request: SampleRequest, vision: Any) -> SampledTokens:
-        """A VL model's samples of prompts with their images (``models.vision_decoding``; ``vision``: the prompts'
-        ``VisionInputs``), by the held weights on every token (a push staged meanwhile waits for the end)."""
-        from aitraining_pl.models.vision_decoding import sample_with_images
+        """A VL model's samples of prompts with their images (``generation.hf.vision_decoding``; ``vision``: the
+        prompts' ``VisionInputs``), by the held weights on every token (a push staged meanwhile waits for the end)."""
+        from aitraining_pl.generation.hf.vision_decoding import sample_with_images
 
         ids, mask = request.prompt_ids.to(self.device), request.prompt_mask.to(self.device)
         sampled = sample_with_images(self.model, ids, mask, vision, request.generation, list(request.end_ids),

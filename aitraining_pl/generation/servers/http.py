@@ -25,7 +25,11 @@ key (``checks.PushGuard``), which no one else has.
 
 **Failures.** Nothing listening, a dropped connection or a passed deadline is ``ReplicaDown`` (a fleet re-sends the
 request elsewhere); a refused push, a 401 or any other answer that is not a success is one
-``GenerationServerError`` line naming the server's URL and what was being done (never the token or a run id).
+``GenerationServerError`` line naming the server's URL and what was being done (never the token or a run id). An
+answer that cannot be the request's (``answers``: an HTML or non-JSON page, more log-probs than tokens, more tokens
+than ``max_new_tokens``, ids outside the vocabulary, log-probs above 0, weights older than asked for) is
+``answers.BadAnswer``, a ``ReplicaDown``: a fleet re-sends the request elsewhere. Every call of a rollout, the first
+``/v1/models`` included, keeps to the rollout's deadline.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,12 +48,19 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import GenerationServerError
+from aitraining_pl.generation.backend import SampledTokens
 from aitraining_pl.generation.images import check_expanded, generate_body, generate_choices
 from aitraining_pl.generation.servers.adapters import AdapterWeights, write_adapter
+from aitraining_pl.generation.servers.answers import (
+    BadAnswer,
+    answer_object,
+    checked_rows,
+    choice_tokens,
+    padded_samples,
+)
 from aitraining_pl.generation.servers.replica import PushReport, ReplicaDown, ReplicaStats
 from aitraining_pl.generation.servers.vllm_worker import PUSH_PREFIX
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens
 
 #: seconds to open a connection (apart from a request's deadline, which scales with its tokens)
 CONNECT_TIMEOUT = 10.0
@@ -88,32 +99,6 @@ def completion_body(model: str, prompt: list, request: Any, n: int, seed: int | 
     if seed is not None:
         body["seed"] = int(seed)
     return body
-
-
-def choice_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float], list[int] | None]:
-    """The token ids, log-probs and (from the HF server, whose pushes may land mid-response) the weights step of
-    each token of one completion choice (``token_id:<id>`` tokens)."""
-    logprobs = choice.get("logprobs") or {}
-    tokens = [int(str(t).rpartition(":")[2]) for t in logprobs.get("tokens") or []]
-    values = [float(v) if v is not None else 0.0 for v in logprobs.get("token_logprobs") or []]
-    versions = choice.get("token_versions")
-    return tokens, values + [0.0] * (len(tokens) - len(values)), versions if isinstance(versions, list) else None
-
-
-def padded_samples(rows: Sequence[tuple[list[int], list[float], list[int] | None]], pad_token_id: int) -> SampledTokens:
-    """``rows`` of (ids, log-probs, steps) as ``SampledTokens`` right padded with ``pad_token_id`` (log-probs 0 and
-    steps -1 there; ``token_versions`` only when every row has its steps)."""
-    length = max((len(ids) for ids, _, _ in rows), default=0)
-    ids = torch.full((len(rows), length), int(pad_token_id), dtype=torch.long)
-    logps = torch.zeros(len(rows), length)
-    steps = torch.full((len(rows), length), -1, dtype=torch.long)
-    for row, (tokens, values, versions) in enumerate(rows):
-        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        logps[row, : len(tokens)] = torch.tensor(values, dtype=torch.float32)
-        if versions is not None:
-            steps[row, : len(versions)] = torch.tensor(versions, dtype=torch.long)
-    known = bool(rows) and all(versions is not None for _, _, versions in rows)
-    return SampledTokens(ids, sampling_logprobs=logps, token_versions=steps if known else None)
 
 
 class HTTPReplica:
@@ -174,11 +159,20 @@ class HTTPReplica:
         except ValueError:  # a plain-text success (vLLM's /v1/load_lora_adapter)
             return None
 
-    def model(self) -> str:
-        """The served model's name (``/v1/models``: what completions name)."""
+    def model(self, timeout: float | None = None) -> str:
+        """The served model's name (``/v1/models``: what completions name); ``timeout``: seconds to wait (None: the
+        client's)."""
         if self._model is None:
-            self._model = self.call("GET", "/v1/models", "listing the served model")["data"][0]["id"]
+            self._model = str(self.listed(timeout).get("id"))
         return self._model
+
+    def listed(self, timeout: float | None = None) -> dict[str, Any]:
+        """The served model's entry in ``/v1/models``; ``BadAnswer`` when the answer has none."""
+        answer = self.call("GET", "/v1/models", "listing the served model", timeout=timeout)
+        data = answer.get("data") if isinstance(answer, dict) else None
+        if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+            raise BadAnswer(f"{self.url}: its /v1/models answer lists no model")
+        return data[0]
 
     def alive(self) -> bool:
         try:
@@ -196,10 +190,10 @@ class HTTPReplica:
     def resume(self) -> None:
         self.call("POST", "/resume", "resuming generation")
 
-    def served_version(self) -> WeightsVersion | None:
-        """The weights version the server says it holds (``/weight_info``)."""
-        answer = self.call("GET", "/weight_info", "reading the served weights version") or {}
-        return WeightsVersion.parse(answer.get("weight_version"))
+    def served_version(self, timeout: float | None = None) -> WeightsVersion | None:
+        """The weights version the server says it holds (``/weight_info``); ``timeout`` as ``model``'s."""
+        answer = self.call("GET", "/weight_info", "reading the served weights version", timeout=timeout)
+        return WeightsVersion.parse(answer.get("weight_version") if isinstance(answer, dict) else None)
 
     # ------------------------------------------------------------------ sampling
     def sample(self, request: Any, deadline: float) -> SampledTokens:
@@ -210,19 +204,20 @@ class HTTPReplica:
         prompts = [ids[m.bool()].tolist() for ids, m in zip(request.prompt_ids, request.prompt_mask)]
         tokens = len(prompts) * n * int(generation.max_new_tokens)
         self._begin(tokens)
-        try:
-            model = LORA_NAME if self.lora is not None else self.model()
+        try:  # the deadline holds from the first call on (a server that hangs at /v1/models: issue 52)
+            model = LORA_NAME if self.lora is not None else self.model(deadline - time.monotonic())
             futures = []
-            if request.images is None and self.engine() == "hf":  # one request: the HF server decodes it as a batch
+            hf = self.engine(deadline - time.monotonic()) == "hf"
+            if request.images is None and hf:  # one request: the HF server decodes it as a batch
                 seed = None if request.seed is None else int(request.seed) % 2**31  # prompt i: seed + i * asked
                 body = completion_body(model, prompts, request, asked, seed)
-                futures.append(self.pool.submit(self._complete, body, deadline, None, prompts))
+                futures.append(self.pool.submit(self._complete, body, deadline, None, prompts, request))
             for i, prompt in enumerate(prompts if not futures else ()):
                 seed = None if request.seed is None else (int(request.seed) + i * asked) % 2**31
                 body = completion_body(model, prompt, request, asked, seed)
                 if request.images is not None:  # vLLM's tokens-in route, which takes the images (``images``)
                     body = generate_body(body, request.images, i)
-                futures.append(self.pool.submit(self._complete, body, deadline, i, prompt))
+                futures.append(self.pool.submit(self._complete, body, deadline, i, prompt, request))
             rows = []
             for future in futures:
                 choices = future.result()
@@ -238,26 +233,36 @@ class HTTPReplica:
         return SampledTokens(sampled.response_ids.to(device), sampling_logprobs=sampled.sampling_logprobs.to(device),
                              token_versions=versions)  # fmt: skip
 
-    def _complete(self, body: dict[str, Any], deadline: float, index: int | None, prompt: list) -> list[tuple]:
+    def _complete(self, body: dict[str, Any], deadline: float, index: int | None, prompt: list,
+                  request: Any) -> list[tuple]:  # fmt: skip
         """The choices of one request, ``n`` per prompt in prompt order: prompt ``index`` (``prompt``), or with
-        ``index`` None all of them (``prompt``: the list of prompts)."""
+        ``index`` None all of them (``prompt``: the list of prompts); each checked against ``request``
+        (``answers.checked_rows``: its ``max_new_tokens``, its ``vocab`` and ``version`` when it has them)."""
         images = "sampling_params" in body  # ``generate_body``: a prompt with images
         n = body["sampling_params"]["n"] if images else body["n"] * (len(prompt) if index is None else 1)
         doing = f"sampling {n} responses of " + ("the prompts" if index is None else f"prompt {index}")
         route = "/inference/v1/generate" if images else "/v1/completions"
-        answer = self.call("POST", route, doing, timeout=deadline - time.monotonic(), json=body)
+        answer = answer_object(self.call("POST", route, doing, timeout=deadline - time.monotonic(), json=body),
+                               self.url, doing)  # fmt: skip
         if images:
             check_expanded(prompt, answer.get("prompt_token_ids"), self.url, index)
-        choices = sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0))
-        if len(choices) != n:
-            raise GenerationServerError(self.url, f"{doing}: {len(choices)} choices came back for n={n}")
-        return generate_choices(answer) if images else [choice_tokens(c) for c in choices]
+        choices = answer["choices"]
+        if len(choices) != n or not all(isinstance(c, dict) for c in choices):
+            raise BadAnswer(f"{self.url}: {len(choices)} choices came back for n={n} while {doing}")
+        choices = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c.get("index"), int) else 0)
+        try:
+            rows = generate_choices(answer) if images else [choice_tokens(c) for c in choices]
+        except (TypeError, ValueError, AttributeError) as err:
+            raise BadAnswer(f"{self.url}: its answer while {doing} cannot be read ({type(err).__name__})") from None
+        wanted = WeightsVersion.parse(getattr(request, "version", None))
+        return checked_rows(rows, self.url, doing, int(request.generation.max_new_tokens),
+                            getattr(request, "vocab", None), None if wanted is None else wanted.step)  # fmt: skip
 
     def wait_for(self, wanted: WeightsVersion | None, deadline: float) -> None:
         """Return once the server serves ``wanted`` or a later step of its run (a version another process
         pushed); ``ReplicaDown`` at ``deadline``."""
         while wanted is not None and not (self.held is not None and self.held.serves(wanted, newer=True)):
-            self.held = self.served_version()
+            self.held = self.served_version(deadline - time.monotonic())
             if self.held is not None and self.held.serves(wanted, newer=True):
                 return
             if time.monotonic() >= deadline:
@@ -308,11 +313,10 @@ class HTTPReplica:
             self.stats.pushes.append(report)
         return report
 
-    def engine(self) -> str:
-        """``vllm`` or ``hf``: who serves (``/v1/models``' ``owned_by``)."""
+    def engine(self, timeout: float | None = None) -> str:
+        """``vllm`` or ``hf``: who serves (``/v1/models``' ``owned_by``); ``timeout`` as ``model``'s."""
         if self._engine is None:
-            data = self.call("GET", "/v1/models", "listing the served model")["data"][0]
-            self._engine = "hf" if data.get("owned_by") == "aitraining-pl" else "vllm"
+            self._engine = "hf" if self.listed(timeout).get("owned_by") == "aitraining-pl" else "vllm"
         return self._engine
 
     def push_adapter(self, adapter: AdapterWeights, version: WeightsVersion) -> int:

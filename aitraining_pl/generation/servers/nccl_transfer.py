@@ -12,16 +12,11 @@ this path the names and shapes are vLLM's to refuse. Not run in CI (no GPU there
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import torch
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+from aitraining_pl.generation.servers.start import free_port
 
 
 def send_weights(replica: Any, engine: Any, weights: list[tuple[str, torch.Tensor]], version: str) -> tuple[Any, int]:
@@ -62,7 +57,7 @@ def send_weights(replica: Any, engine: Any, weights: list[tuple[str, torch.Tenso
         world = int(replica.call("GET", "/get_world_size", "reading the server's world size")["world_size"])
         # rank 0's address as the server sees it: node 0's (``MASTER_ADDR`` of a multi-node run), else this machine
         address = os.environ.get("AITRAINING_PL_WEIGHT_ADDRESS") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        info = NCCLTrainerInitInfo(address, free_port(), 1 + world, rank=0)
+        info = NCCLTrainerInitInfo(address, free_port(""), 1 + world, rank=0)  # every interface
         engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=Client(), source=Source())
     engine.source = Source()
     engine.send_weights()  # ends with /finish_weight_update; the version is named by ``HTTPReplica.push``

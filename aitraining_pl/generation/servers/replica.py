@@ -16,8 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from aitraining_pl.generation.backend import SampledTokens
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens
 
 
 class ReplicaDown(ConnectionError):

@@ -1,20 +1,23 @@
 """How a fleet (``generation.servers.fleet``) splits a rollout over its servers and puts it back together: what one
 server is asked (``ReplicaRequest``: a run of consecutive prompts, seeded as they are in the whole, and the version
-that must sample them), which server an episode's next turn goes to (``PrefixAffinity``), and the answers joined in
-the prompts' order."""
+that must sample them), which server an episode's next turn goes to (``PrefixAffinity``), the answers joined in the
+prompts' order, and what the fleet knows of each server (``Member``: its version, its load in outstanding tokens,
+its counters), and the gate between its rollouts and a push (``Gate``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from aitraining_pl.generation.backend import SampleRequest
+from aitraining_pl.generation.backend import SampledTokens, SampleRequest
+from aitraining_pl.generation.servers.replica import Replica
 from aitraining_pl.generation.version import WeightsVersion
-from aitraining_pl.models.generation import SampledTokens
 
 
 @dataclasses.dataclass
@@ -25,6 +28,7 @@ class ReplicaRequest(SampleRequest):
 
     version: WeightsVersion | None = None
     newer: bool = False
+    vocab: int | None = None  #: the policy's head rows, when known: every answered token id is below it
 
     @classmethod
     def of(
@@ -40,15 +44,22 @@ class ReplicaRequest(SampleRequest):
         return int(self.prompt_ids.shape[0]) * int(self.num_samples) * int(self.generation.max_new_tokens)
 
 
+#: the shortest recorded prompt a later prompt is routed by: one block of vLLM's prefix cache (16 tokens, its
+#: default ``--block-size``); a shorter shared prefix saves no cached block and would only pin prompts to one server
+MIN_PREFIX_TOKENS = 16
+
+
 class PrefixAffinity:
     """Which server served each recent prompt, found again for a later prompt that strictly extends it (an
-    episode's next turn); a repeated prompt is not a continuation and is routed by load. Keys are rolling hashes of
-    the prompt's tokens; the oldest of ``capacity`` entries are forgotten."""
+    episode's next turn); a repeated prompt is not a continuation and is routed by load, and so is one whose longest
+    recorded prefix is shorter than ``min_tokens`` (``MIN_PREFIX_TOKENS``). Keys are rolling hashes of the prompt's
+    tokens; the oldest of ``capacity`` entries are forgotten."""
 
     MOD, BASE = (1 << 61) - 1, 1_000_003
 
-    def __init__(self, capacity: int = 65536):
+    def __init__(self, capacity: int = 65536, min_tokens: int = MIN_PREFIX_TOKENS):
         self.capacity, self.table, self.lock = capacity, OrderedDict(), threading.Lock()
+        self.min_tokens = max(1, int(min_tokens))
 
     def hashes(self, tokens: Sequence[int]) -> list[int]:
         out, h = [], 0
@@ -68,10 +79,11 @@ class PrefixAffinity:
                 self.table.popitem(last=False)
 
     def lookup(self, tokens: Sequence[int]) -> int | None:
-        """The server of the longest recorded prompt that ``tokens`` strictly extends, or None."""
+        """The server of the longest recorded prompt of at least ``min_tokens`` that ``tokens`` strictly extends, or
+        None."""
         hashes = self.hashes(tokens)
         with self.lock:
-            for length in range(len(tokens) - 1, 0, -1):
+            for length in range(len(tokens) - 1, self.min_tokens - 1, -1):
                 index = self.table.get((length, hashes[length - 1]))
                 if index is not None:
                     return index
@@ -103,3 +115,71 @@ def joined(parts: list[SampledTokens], pad: int, device: torch.device) -> Sample
         sampling_logprobs=cat([p.sampling_logprobs for p in parts], 0.0),
         token_versions=cat([p.token_versions for p in parts], -1),
     )
+
+
+class Member:
+    """One server of the fleet and what the fleet knows of it (its counters since the last ``stats``)."""
+
+    def __init__(self, index: int, replica: Replica):
+        self.index, self.replica, self.up = index, replica, True
+        self.error: BaseException | None = None  #: why it was last marked down
+        self.version: WeightsVersion | None = None  #: the weights it holds (pushed by this fleet)
+        self.base_pushed = False  #: it holds a LoRA policy's base weights (its adapter then travels alone)
+        self.outstanding = 0  #: tokens asked for and not answered
+        self.running, self.busy_since = 0, 0.0
+        self.requests = self.tokens = self.push_bytes = 0
+        self.busy = self.push_seconds = 0.0
+
+    def enter(self, tokens: int) -> None:
+        self.outstanding += tokens
+        self.running += 1
+        if self.running == 1:
+            self.busy_since = time.perf_counter()
+
+    def leave(self, tokens: int) -> None:
+        self.outstanding -= tokens
+        self.running -= 1
+        if self.running == 0:
+            self.busy += time.perf_counter() - self.busy_since
+
+    def busy_seconds(self) -> float:
+        """Busy time since the last ``stats`` (the running stretch up to now included; restarted)."""
+        now, busy = time.perf_counter(), self.busy
+        if self.running:
+            busy, self.busy_since = busy + now - self.busy_since, now
+        self.busy = 0.0
+        return busy
+
+
+class Gate:
+    """A fleet's rollouts in flight (many at once) against a push that is not in flight (alone, once they are
+    answered)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.sampling = 0
+        self.pushing = False
+
+    @contextlib.contextmanager
+    def sample(self) -> Iterator[None]:
+        with self.cond:
+            self.cond.wait_for(lambda: not self.pushing)
+            self.sampling += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.sampling -= 1
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def push(self) -> Iterator[None]:
+        with self.cond:
+            self.cond.wait_for(lambda: not self.pushing and self.sampling == 0)
+            self.pushing = True
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.pushing = False
+                self.cond.notify_all()

@@ -41,6 +41,11 @@ VLLM_FLAGS = (
     "--load-format", "dummy",  # no weights read: the trainer pushes them
     "--enable-scale-out",  # the tokens-in route /inference/v1/generate: prompts with images (``generation.images``)
 )  # fmt: skip
+#: a ``vllm serve`` on a CPU: vLLM 0.32's CPU generators have no offset, which a chunked prefill of a seeded request
+#: needs; and ``--gpu-memory-utilization`` is there the share of the machine's RAM vLLM reserves (its default 0.92
+#: fails on a machine that runs anything else; the KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB, ``CPU_KV_CACHE_GB``)
+CPU_FLAGS = ("--no-enable-chunked-prefill", "--gpu-memory-utilization", "0.1")
+CPU_KV_CACHE_GB = 1
 #: seconds a server has to exit after SIGTERM before it is killed
 STOP_TIMEOUT = 30.0
 
@@ -107,8 +112,8 @@ def vllm_command(folder: Path, host: str, port: int, dtype: str, seed: int, opti
     if gpu:
         argv += ["--gpu-memory-utilization", str(options.gpu_memory_utilization),
                  "--weight-transfer-config", json.dumps({"backend": "nccl"})]  # fmt: skip
-    else:  # vLLM 0.32's CPU generators have no offset, which a chunked prefill of a seeded request needs
-        argv += ["--no-enable-chunked-prefill", "--gpu-memory-utilization", "0.1"]
+    else:
+        argv += CPU_FLAGS
     return argv
 
 

@@ -29,9 +29,9 @@ import torch
 
 from aitraining_pl.errors import ConfigError, GenerationServerError
 from aitraining_pl.generation.config import VLLMConfig, check_url
+from aitraining_pl.generation.servers.auth import find_token
 from aitraining_pl.generation.servers.http import HTTPReplica
 from aitraining_pl.generation.servers.replica import ReplicaDown
-from aitraining_pl.generation.servers.served import find_token
 
 
 def prompt_logprobs_of(entries: Any, tokens: list[int], doing: str) -> list[float]:
@@ -145,7 +145,7 @@ class HTTPTeacher:
         deadline = time.monotonic() + self.timeout
         replica = self.replica()
         try:
-            model = replica.model()
+            model = replica.model(deadline - time.monotonic())  # the deadline from the first call on
             futures = [replica.pool.submit(self._score, model, tokens, i, deadline) for i, tokens in enumerate(rows)]
             scored = [future.result() for future in futures]
         except ReplicaDown as err:

@@ -56,10 +56,13 @@ def served_specs(hf_config: Any, dtype: torch.dtype) -> WeightSpecs:
 
 def load_checked(path: str, specs: WeightSpecs) -> list[tuple[str, torch.Tensor]]:
     """The tensors of the pushed file ``path``, checked and staged (``WeightSpecs.checked``)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(push_file(path)), framework="pt") as file:
-        return specs.checked((name, file.get_tensor(name)) for name in file.keys())
+    try:  # a corrupt or truncated file is a refusal, never the server's error (issue 52)
+        with safe_open(str(push_file(path)), framework="pt") as file:
+            return specs.checked((name, file.get_tensor(name)) for name in file.keys())
+    except (OSError, ValueError, SafetensorError) as err:
+        raise PushRefused(f"the pushed file cannot be read ({type(err).__name__}: {str(err)[:200]})") from None
 
 
 class PushedWeights:

@@ -1,0 +1,106 @@
+"""What a generation server's sampling answer must hold before ``HTTPReplica`` passes it on (issue 52): a JSON object
+with its choices, then in each choice as many log-probs as tokens, at most ``max_new_tokens`` tokens, token ids in
+the policy's vocabulary, log-probs finite and at most 0 (``LOGPROB_SLACK`` for float rounding), and weights steps no
+older than the version asked for. Anything else is ``BadAnswer`` (a ``ReplicaDown``: one line naming the server, and
+in a fleet the request goes to another server, as for a dead one). Also the rows of a completion answer
+(``choice_tokens``) and their ``SampledTokens`` (``padded_samples``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from aitraining_pl.generation.backend import SampledTokens
+from aitraining_pl.generation.servers.replica import ReplicaDown
+
+#: how far above 0 a log-prob may come back (float rounding of a log-softmax)
+LOGPROB_SLACK = 1e-4
+
+Row = tuple[list[int], list[float], "list[int] | None"]
+
+
+class BadAnswer(ReplicaDown):
+    """A server answered something that cannot be the answer to the request (see the module docstring)."""
+
+
+def answer_object(answer: Any, url: str, doing: str) -> dict[str, Any]:
+    """``answer`` when it is a JSON object with a ``choices`` list; else ``BadAnswer`` (an HTML page, plain text)."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
+        raise BadAnswer(f"{url}: its answer while {doing} is not a completion (no JSON object with choices)")
+    return answer
+
+
+def checked_rows(rows: Sequence[Any], url: str, doing: str, max_tokens: int, vocab: int | None,
+                 step: int | None) -> list[Row]:  # fmt: skip
+    """``rows`` of (token ids, log-probs, weights steps or None), each checked against the request (the module
+    docstring: ``max_tokens``, ``vocab`` when known, ``step``: the version asked for, when one was); ``BadAnswer``
+    naming the server, the choice and what is wrong."""
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            tokens, values, versions = row
+            tokens, values = [int(t) for t in tokens], [float(v) for v in values]
+            versions = None if versions is None else [int(v) for v in versions]
+        except (TypeError, ValueError) as err:
+            raise BadAnswer(f"{url}: choice {i} of its answer while {doing} cannot be read ({err})") from None
+        why = _wrong(tokens, values, versions, max_tokens, vocab, step)
+        if why:
+            raise BadAnswer(f"{url}: refused its answer while {doing}: choice {i} {why}")
+        out.append((tokens, values, versions))
+    return out
+
+
+def _wrong(tokens: list[int], values: list[float], versions: list[int] | None, max_tokens: int, vocab: int | None,
+           step: int | None) -> str | None:  # fmt: skip
+    if len(values) != len(tokens):
+        return f"has {len(values)} log-probs for {len(tokens)} tokens"
+    if len(tokens) > max_tokens:
+        return f"has {len(tokens)} tokens for max_new_tokens {max_tokens}"
+    if vocab is not None and any(not 0 <= t < vocab for t in tokens):
+        return f"has token id {next(t for t in tokens if not 0 <= t < vocab)} outside the vocabulary of {vocab}"
+    bad = [v for v in values if not (math.isfinite(v) and v <= LOGPROB_SLACK)]
+    if bad:
+        return f"has log-prob {bad[0]} (log-probs are finite and at most 0)"
+    if versions is not None and len(versions) != len(tokens):
+        return f"has {len(versions)} weights steps for {len(tokens)} tokens"
+    if versions is not None and step is not None and any(v < step for v in versions):
+        return f"was sampled by weights of step {min(versions)}, not the step {step} asked for"
+    return None
+
+
+def vocab_of(policy: Any) -> int | None:
+    """The rows of ``policy``'s output head: every sampled token id is below it (None when it has no head)."""
+    try:
+        head = policy.get_output_embeddings()
+        return int(head.weight.shape[0])
+    except (AttributeError, TypeError, IndexError):
+        return None
+
+
+def choice_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float], list[int] | None]:
+    """The token ids, log-probs and (from the HF server, whose pushes may land mid-response) the weights step of
+    each token of one completion choice (``token_id:<id>`` tokens)."""
+    logprobs = choice.get("logprobs") or {}
+    tokens = [int(str(t).rpartition(":")[2]) for t in logprobs.get("tokens") or []]
+    values = [float(v) if v is not None else 0.0 for v in logprobs.get("token_logprobs") or []]
+    versions = choice.get("token_versions")
+    return tokens, values, versions if isinstance(versions, list) else None
+
+
+def padded_samples(rows: Sequence[tuple[list[int], list[float], list[int] | None]], pad_token_id: int) -> SampledTokens:
+    """``rows`` of (ids, log-probs, steps) as ``SampledTokens`` right padded with ``pad_token_id`` (log-probs 0 and
+    steps -1 there; ``token_versions`` only when every row has its steps)."""
+    length = max((len(ids) for ids, _, _ in rows), default=0)
+    ids = torch.full((len(rows), length), int(pad_token_id), dtype=torch.long)
+    logps = torch.zeros(len(rows), length)
+    steps = torch.full((len(rows), length), -1, dtype=torch.long)
+    for row, (tokens, values, versions) in enumerate(rows):
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        logps[row, : len(tokens)] = torch.tensor(values, dtype=torch.float32)
+        if versions is not None:
+            steps[row, : len(versions)] = torch.tensor(versions, dtype=torch.long)
+    known = bool(rows) and all(versions is not None for _, _, versions in rows)
+    return SampledTokens(ids, sampling_logprobs=logps, token_versions=steps if known else None)
