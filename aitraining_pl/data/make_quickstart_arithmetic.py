@@ -1,5 +1,5 @@
-"""Regenerates ``quickstart_arithmetic.jsonl``: 256 sums and differences of small whole numbers for the real-model
-quickstart (``configs/quickstart/grpo_smollm2.yaml``), the ``real`` tests and ``benchmarks/real_vs_trl.py``.
+"""Regenerates ``quickstart_arithmetic.jsonl``: 256 sums and differences of small whole numbers for the
+``real`` tests and ``benchmarks/real_vs_trl.py``.
 
 Each row asks for the bare number (``"What is 14 + 7? Reply with just the number."``) and carries the ``answer``
 (for ``aitraining_pl.rewards:exact_answer_reward``), a ``completion`` (the bare number, for SFT), and a preference

@@ -36,3 +36,10 @@ def user_turn(row: dict) -> list[dict]:
 
 def assistant_turn(text: str) -> list[dict]:
     return [{"role": "assistant", "content": text}]
+
+
+def brevity_reward(prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
+    """1 - (characters of the stripped response, at most 24) / 24: a reward whose samples always differ within a GRPO
+    group (lengths vary), so a real model's GRPO test learns from every group; the arithmetic task's own reward gives
+    SmolLM2-135M's wrong worked sums 0 in every sample."""
+    return [1.0 - min(len(response.strip()), 24) / 24 for response in responses]
