@@ -83,6 +83,23 @@ def char_length_reward(prompts: list[str], responses: list[str], metadata: list[
     return [min(1.0, len(r) / float((m or {}).get("target_length") or 100)) for r, m in zip(responses, metadata)]
 
 
+def exact_answer_reward(prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
+    """1.0 when a response is exactly ``metadata["answer"]`` (surrounding spaces and a final full stop aside),
+    0.5 when its last number is the answer but other text surrounds it (``"14 + 7 = 21"``), else 0.0: the real-model
+    quickstart's task (``quickstart_arithmetic.jsonl``), answering with just the number."""
+    scores = []
+    for response, meta in zip(responses, metadata):
+        answer = float((meta or {})["answer"])
+        numbers = _NUMBER.findall(response)
+        text = response.strip().rstrip(".").strip()
+        exact = _NUMBER.fullmatch(text) is not None and float(text) == answer
+        scores.append(1.0 if exact else 0.5 if numbers and float(numbers[-1]) == answer else 0.0)
+    return scores
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Combinators and loaders
 

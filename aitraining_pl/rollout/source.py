@@ -71,6 +71,8 @@ class RolloutSource:
         self.pipeline: RolloutPipeline | None = None  #: the asynchronous schedule (``max_staleness``)
         self.sampling_seed: torch.Generator | None = None  #: the seeds of an asynchronous job's sampling calls
         self.last_episodes = None  #: ``EpisodeInfo`` of the last episode rollout (multi-turn episodes only)
+        #: times a named section (the module's ``modules.timing.Stopwatch``): sampling, or playing episodes, is ``gen``
+        self.timer: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
 
     @property
     def episodic(self) -> bool:
@@ -179,7 +181,7 @@ class RolloutSource:
 
     def _generate(self, policy, tokenizer, step, prompt_ids, prompt_mask, config, num_samples, vision) -> Rollout:
         engine = self.engine(policy, tokenizer, config)
-        with self.sampling(policy, step):
+        with self.timer("gen"), self.sampling(policy, step):
             return engine.sample(policy, prompt_ids, prompt_mask, num_samples, vision=vision)
 
     def seeded(self, seed: int, fn: Callable, *args: Any) -> Any:
@@ -257,7 +259,7 @@ class RolloutSource:
             play = functools.partial(play, version=self.pipeline.version if self.pipeline else step)
         play = play or self.play
         images = {"vision": batch["vision"]} if batch.get("vision") is not None else {}  # the prompts' images
-        with self.sampling(policy, step):
+        with self.timer("gen"), self.sampling(policy, step):
             rollout = play(
                 self.engine(policy, tokenizer),
                 policy,

@@ -1,0 +1,138 @@
+"""Each family learns on a real pretrained chat model (SmolLM2-135M-Instruct, tests marked ``real``): the task is
+``quickstart_arithmetic.jsonl``, sums and differences asked for as just the number, which the model answers by habit
+as a worked sum (``"14 + 7 = 21"``). Short rows through the model's own chat template, LoRA, a few CPU steps; the
+held-out metric is measured before and after training. Figures measured on the 2-core machine are in
+docs/real_models.md."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import quiet_trainer
+from real_model import arithmetic_rows, assistant_turn, brevity_reward, user_turn
+
+from aitraining_pl.datamodules.preference import PreferenceDataModule
+from aitraining_pl.datamodules.prompt import PromptDataModule
+from aitraining_pl.datamodules.sft import SFTDataModule
+from aitraining_pl.models.lora import LoRAConfig
+from aitraining_pl.rewards import exact_answer_reward
+from aitraining_pl.rollout import GenerationConfig
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
+LORA = LoRAConfig(r=8, alpha=16, dropout=0.0)
+
+
+def _pairs(rows: list[dict]) -> dict[str, list]:
+    """Preference columns of ``rows``: a user turn, the bare answer chosen, the habit's worked sum rejected."""
+    return {
+        "prompts": [user_turn(r) for r in rows],
+        "chosen": [assistant_turn(r["chosen"]) for r in rows],
+        "rejected": [assistant_turn(r["rejected"]) for r in rows],
+    }
+
+
+def _fit_and_compare(tmp_path, module, data, metric: str, steps: int) -> tuple[float, float]:
+    """``metric`` on the held-out rows before and after ``steps`` optimizer steps."""
+    trainer = quiet_trainer(tmp_path, max_steps=steps, num_sanity_val_steps=0, limit_val_batches=1.0)
+    before = trainer.validate(module, datamodule=data, verbose=False)[0][metric]
+    trainer.fit(module, datamodule=data)
+    after = trainer.validate(module, datamodule=data, verbose=False)[0][metric]
+    print(f"{type(module).__name__} {metric}: {before:.3f} -> {after:.3f} after {steps} steps")
+    return before, after
+
+
+def test_sft_lowers_the_held_out_loss_of_the_real_model(tmp_path, smollm2):
+    from aitraining_pl.modules.sft import SFTModule
+
+    pl.seed_everything(0)
+    train, held_out = arithmetic_rows(24, 8)
+    rows = [{"messages": user_turn(r) + assistant_turn(r["completion"])} for r in train + held_out]
+    module = SFTModule(model_name=smollm2, lora=LORA, learning_rate=2e-3, warmup_ratio=0.0, lr_schedule="constant")
+    data = SFTDataModule(rows=rows, tokenizer=module.tokenizer, val_split=len(held_out) / len(rows), batch_size=8)
+    before, after = _fit_and_compare(tmp_path, module, data, "val/loss", steps=3)
+    assert after < 0.5 * before
+
+
+def test_dpo_raises_the_held_out_preference_accuracy_of_the_real_model(tmp_path, smollm2):
+    from aitraining_pl.modules.dpo import DPOModule
+
+    pl.seed_everything(0)
+    train, held_out = arithmetic_rows(24, 8)
+    module = DPOModule(model_name=smollm2, lora=LORA, beta=0.1, learning_rate=2e-3, warmup_ratio=0.0)
+    data = PreferenceDataModule(**_pairs(train + held_out), tokenizer=module.tokenizer, val_split=0.25, batch_size=8)
+    before, after = _fit_and_compare(tmp_path, module, data, "val/rewards/accuracies", steps=3)
+    assert before == pytest.approx(0.5)  # policy == reference: every implicit reward is 0
+    assert after >= 0.9
+
+
+def test_reward_model_raises_its_held_out_accuracy_on_the_real_trunk(tmp_path, smollm2):
+    """The reward model learns to prefer the worked sum over the bare number (the pairs of the file reversed,
+    those with a wrong number left out): a freshly initialised head prefers the shorter bare number on every
+    held-out pair (measured: accuracy 1.0 on the file's order), so its accuracy on the reversed pairs starts low."""
+    from aitraining_pl.modules.reward import RewardModule
+
+    pl.seed_everything(0)
+    train, held_out = ([r for r in rows if "=" in r["rejected"]] for rows in arithmetic_rows(32, 12))
+    reverse = [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in train + held_out]
+    module = RewardModule(model_name=smollm2, lora=LORA, learning_rate=2e-3, warmup_ratio=0.0, disable_dropout=True)
+    data = PreferenceDataModule(
+        **_pairs(reverse), tokenizer=module.tokenizer, val_split=len(held_out) / len(reverse), batch_size=8
+    )
+    head = module.reward_model.head.weight.detach().clone()
+    before, after = _fit_and_compare(tmp_path, module, data, "val/rewards/accuracies", steps=3)
+    assert after >= 0.9 and after > before + 0.3
+    assert not torch.equal(module.reward_model.head.weight, head)
+
+
+def greedy_reward(
+    module, rows: list[dict], max_new_tokens: int = 12, reward=exact_answer_reward
+) -> tuple[float, list[str]]:
+    """Mean ``reward`` of the module's greedy answers to ``rows`` (through the chat template)."""
+    tokenizer = module.tokenizer
+    texts = [tokenizer.apply_chat_template(user_turn(r), tokenize=False, add_generation_prompt=True) for r in rows]
+    tokenizer.padding_side = "left"
+    try:
+        encoded = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+    finally:
+        tokenizer.padding_side = "right"
+    greedy = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False)
+    rollout = module.generate(encoded["input_ids"], encoded["attention_mask"], greedy)
+    scores = reward([r["prompt"] for r in rows], rollout.texts, rows)
+    return sum(scores) / len(scores), rollout.texts
+
+
+def test_grpo_raises_the_held_out_reward_of_the_real_model(tmp_path, smollm2):
+    """Shorter answers (``real_model.brevity_reward``: the model's habit is a worked sum, often wrong, so the
+    arithmetic task's reward is 0 in every sample of a group and GRPO has nothing to learn from): the greedy held-out
+    reward rises within a few steps of 2 prompts x 4 samples."""
+    from aitraining_pl.modules.critic_free import GRPOModule
+
+    pl.seed_everything(0)
+    train, held_out = arithmetic_rows(8, 8)
+    module = GRPOModule(
+        model_name=smollm2,
+        lora=LORA,
+        reward="real_model:brevity_reward",
+        generation={"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0},
+        num_generations=4,
+        mini_batch_size=8,
+        learning_rate=2e-3,
+        kl_coef=0.0,
+        lr_schedule="constant",
+    )
+    data = PromptDataModule(
+        prompts=[r["prompt"] for r in train],
+        metadata=[{"answer": r["answer"]} for r in train],
+        tokenizer=module.tokenizer,
+        use_chat_template=True,
+        batch_size=2,
+    )
+    before, answers_before = greedy_reward(module, held_out, reward=brevity_reward)
+    quiet_trainer(tmp_path, max_steps=4, limit_val_batches=0).fit(module, datamodule=data)
+    after, answers_after = greedy_reward(module, held_out, reward=brevity_reward)
+    logged = {k: round(float(v), 3) for k, v in module.trainer.callback_metrics.items() if "timing_s" in k}
+    print(f"GRPO greedy held-out reward {before:.3f} -> {after:.3f}; {answers_before[:2]} -> {answers_after[:2]}")
+    print(f"GRPO last step: {logged}")
+    assert after > before + 0.1
