@@ -334,7 +334,9 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
         replay = routes if routes is not None and self.generation.routing_replay else None
         aux = model.training and bool(getattr(getattr(model, "config", None), "output_router_logits", False))
         if replay is None and not aux:
-            return self.response_scores(model, input_ids, attention_mask, prompt_length, with_entropy, vision), {}
+            return self.response_scores(
+                model, input_ids, attention_mask, prompt_length, with_entropy, vision=vision
+            ), {}
         if replay is not None and group_size() > 1:
             raise ConfigError(
                 OPTION,

@@ -71,7 +71,7 @@ def script_sampler(monkeypatch, tokenizer, write):
     """Make the policy "write" ``write(prompt_text) -> str`` (encoded, the chat's end token appended by the
     caller): every sampler call (the endpoint's and the in-process ``reprefill`` path) returns those tokens."""
 
-    def sample(model, ids, mask, config, stop_rule=None, drop_ended=True, num_samples=1):
+    def sample(model, ids, mask, config, stop_rule=None, drop_ended=True, num_samples=1, record_routes=False):
         rows = []
         for row, m in zip(ids, mask):
             text = tokenizer.decode(row[m.bool()], skip_special_tokens=False)
