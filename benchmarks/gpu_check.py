@@ -99,7 +99,7 @@ def patched(owner, name: str, value):
 # ---------------------------------------------------------------------------------------------- (a) clip norm
 def clip_norms(setup: Setup, precision: str) -> list[float]:
     """The total norms ``clip_grad_norm_`` saw in one GRPO batch whose rollouts are fixed tokens."""
-    import aitraining_pl.generation.backend as backend
+    import aitraining_pl.generation.hf.backend as backend
     from aitraining_pl.datamodules import PromptDataModule
     from aitraining_pl.generation.backend import SampledTokens
     from aitraining_pl.models import load_tokenizer

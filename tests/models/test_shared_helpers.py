@@ -13,31 +13,34 @@ from aitraining_pl.models.training import eval_mode
 
 
 class _Tok:
-    def __init__(self, bos):
-        self.bos_token_id = bos
+    """A stand-in tokenizer: ``bos`` its declared BOS token; ``adds`` whether it puts it first itself when it encodes
+    with special tokens (Llama 3 does; SmolLM2 declares one and never adds it)."""
+
+    def __init__(self, bos, adds=True):
+        self.bos_token_id, self.eos_token_id, self.pad_token_id, self.adds = bos, 1, 0, adds
+
+    def __call__(self, text, add_special_tokens=True):
+        first = [self.bos_token_id] if add_special_tokens and self.adds and self.bos_token_id is not None else []
+        return {"input_ids": first + [ord(c) for c in text]}
 
 
-def test_with_bos_prepends_once_and_only_when_the_tokenizer_has_one():
-    assert with_bos([5, 6], _Tok(1)) == [1, 5, 6]
-    assert with_bos([1, 5, 6], _Tok(1)) == [1, 5, 6]  # a template that writes BOS itself
-    assert with_bos([], _Tok(1)) == [1]
+def test_with_bos_prepends_once_and_only_when_the_tokenizer_adds_it():
+    assert with_bos([5, 6], _Tok(2)) == [2, 5, 6]
+    assert with_bos([2, 5, 6], _Tok(2)) == [2, 5, 6]  # a template that writes BOS itself
+    assert with_bos([], _Tok(2)) == [2]
+    assert with_bos([5, 6], _Tok(2, adds=False)) == [5, 6]  # declared but never added (SmolLM2)
     assert with_bos([5, 6], _Tok(None)) == [5, 6]
     assert with_bos((5,), object()) == [5]  # no bos_token_id attribute at all
 
 
-def test_the_data_modules_and_the_reward_encoder_lay_out_bos_alike(byte_tokenizer):
+@pytest.mark.parametrize("adds", [True, False], ids=["adds-bos", "declares-bos-only"])
+def test_the_data_modules_and_the_reward_encoder_lay_out_bos_alike(byte_tokenizer, adds):
     from aitraining_pl.datamodules.prompt import PromptDataset
     from aitraining_pl.models.reward import encode_for_reward
 
-    class WithBos:
-        bos_token_id, eos_token_id, pad_token_id = 2, 1, 0
-
-        def __call__(self, text, add_special_tokens=False):
-            return {"input_ids": [ord(c) for c in text]}
-
-    tok = WithBos()
-    assert PromptDataset(["ab"], tok).input_ids == [[2, 97, 98]]
-    assert encode_for_reward(tok, "ab") == [2, 97, 98, 1]
+    tok, first = _Tok(2, adds=adds), [2] if adds else []
+    assert PromptDataset(["ab"], tok).input_ids == [first + [97, 98]]
+    assert encode_for_reward(tok, "ab") == first + [97, 98, 1]
     assert encode_for_reward(byte_tokenizer, "ab") == byte_tokenizer("ab", add_special_tokens=False)["input_ids"] + [1]
 
 
