@@ -10,7 +10,9 @@ import threading
 import pytest
 import torch
 
-tinker = pytest.importorskip("tinker")
+# tinker.types, not tinker: without the client, this folder itself imports as a namespace package named tinker
+pytest.importorskip("tinker.types")
+import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 from tinker_fixtures import KEYS, saved_model, tinker_server  # noqa: E402
 
