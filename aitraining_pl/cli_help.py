@@ -83,6 +83,7 @@ def overview() -> str:
         "usage: aitraining-pl {fit,validate,test} --config RECIPE.yaml [--model.init_args.NAME VALUE ...]",
         "       aitraining-pl fit --help | fit --model.help DPOModule | fit --model.lora.help | --version",
         "       aitraining-pl vllm-serve --model MODEL [--port 8000] [vLLM's options]   (a generation server)",
+        "       aitraining-pl tinker-serve --model MODEL [--port 8000]   (a server for the tinker client; --help)",
         "",
         "modules (--model CLASS; the short class name is enough):",
     ]

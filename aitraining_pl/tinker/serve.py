@@ -24,7 +24,7 @@ def parser() -> argparse.ArgumentParser:
     args = argparse.ArgumentParser("aitraining-pl tinker-serve", description=__doc__.split("\n\n")[0])
     args.add_argument("--model", required=True, help="folder or hub id of the base causal LM")
     args.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    args.add_argument("--port", type=int, default=8000)
+    args.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     args.add_argument("--precision", default="32-true", choices=sorted(DTYPES), help="weights' dtype")
     args.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: CUDA if available)")
     args.add_argument("--checkpoint-dir", default="tinker_checkpoints", help="save_state / sampler weights folder")
