@@ -7,11 +7,12 @@ answered with a future id; ``retrieve_future`` waits up to ``POLL`` seconds, the
 ``/api/v1/client/config`` turns the hosted JWT exchange off, so the client sends its ``tml-`` API key itself
 (``X-API-Key``) on every request.
 
-**Nobody else gets in.** ``KeyMiddleware`` refuses (401) every route without one of the server's API keys and
-(413) every body over ``max_body`` bytes. Sessions, training clients, checkpoints and sampler weights belong to the
-key that made them: another key gets "unknown" for them. Requests are checked before any work is queued (400 with
-one message naming the field: unknown model or loss, tensor shapes, NaN, token ids, sizes); a request that fails
-on the worker gets a failed future with its message; the server stays up."""
+**Nobody else gets in.** ``KeyMiddleware`` refuses (401) every route without one of the server's API keys, then
+``generation.servers.limits.BodyLimit`` (413) every body over ``max_body`` bytes. Sessions, training clients,
+checkpoints and sampler weights belong to the key that made them: another key gets "unknown" for them. Requests
+are checked before any work is queued (400 with one message naming the field: unknown model or loss, tensor shapes,
+NaN, token ids, sizes); a request that fails on the worker gets a failed future with its message; the server stays
+up."""
 
 import asyncio
 import hashlib
@@ -22,6 +23,7 @@ import logging
 import uuid
 from typing import Any
 
+from aitraining_pl.generation.servers.limits import BodyLimit, json_reply
 from aitraining_pl.tinker.engine import Engine, Lora, TrainedModel
 from aitraining_pl.tinker.sampler import Sampler, check_sample
 from aitraining_pl.tinker.wire import PROTO, BadRequest, read_forward_backward, write_forward_backward, write_sample
@@ -42,40 +44,20 @@ def owner_of(key: str) -> str:
 
 class KeyMiddleware:
     """ASGI middleware: ``X-API-Key`` must be one of ``keys`` (compared in constant time) on every HTTP route, else
-    401; a body over ``max_body`` bytes gets 413. The key's tenant goes into ``scope["state"]["owner"]``."""
+    401. The key's tenant goes into ``scope["state"]["owner"]``."""
 
-    def __init__(self, app: Any, keys: list[str], max_body: int):
-        self.app, self.keys, self.max_body = app, [k.encode() for k in keys], max_body
+    def __init__(self, app: Any, keys: list[str]):
+        self.app, self.keys = app, [k.encode() for k in keys]
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or ())
-        given = headers.get(b"x-api-key", b"")
+        given = dict(scope.get("headers") or ()).get(b"x-api-key", b"")
         match = [k for k in self.keys if hmac.compare_digest(given, k)]
         if not match:
-            return await _reply(send, 401, "unauthorized: this server requires one of its API keys (X-API-Key)")
-        if int(headers.get(b"content-length", b"0") or 0) > self.max_body:
-            return await _reply(send, 413, f"request body over this server's limit of {self.max_body} bytes")
+            return await json_reply(send, 401, "unauthorized: this server requires one of its API keys (X-API-Key)")
         scope.setdefault("state", {})["owner"] = owner_of(match[0].decode())
-        seen = 0
-
-        async def bounded() -> dict:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_body:
-                raise BadRequest(f"request body over this server's limit of {self.max_body} bytes")
-            return message
-
-        return await self.app(scope, bounded, send)
-
-
-async def _reply(send: Any, status: int, message: str) -> None:
-    body = json.dumps({"error": message}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+        return await self.app(scope, receive, send)
 
 
 class State:
@@ -136,7 +118,7 @@ def client_config(state: State) -> dict:
 
 
 def build_app(state: State, keys: list[str]):
-    """The FastAPI app with every route of the client, wrapped in ``KeyMiddleware``."""
+    """The FastAPI app with every route of the client, wrapped in ``KeyMiddleware`` and ``BodyLimit``."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
 
@@ -346,7 +328,8 @@ def build_app(state: State, keys: list[str]):
     async def cancel_future():
         return {}
 
-    return KeyMiddleware(app, keys, state.max_body)
+    # the key first (a stranger's body is never read), then the body's bound (413: generation.servers.limits)
+    return KeyMiddleware(BodyLimit(app, state.max_body, option="--max-body-mb"), keys)
 
 
 def _path(save, *args) -> dict:

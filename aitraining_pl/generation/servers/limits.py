@@ -17,7 +17,8 @@ MAX_PROMPTS = 1024
 MAX_SAMPLES = 4096
 
 
-async def _reply(send: Any, status: int, message: str) -> None:
+async def json_reply(send: Any, status: int, message: str) -> None:
+    """Answer an ASGI request with ``status`` and ``{"error": message}`` (a middleware's refusal)."""
     body = json.dumps({"error": message}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -28,16 +29,16 @@ class BodyLimit:
     """ASGI middleware: a request body longer than ``max_bytes`` gets 413 (from its ``Content-Length`` at once, else
     once that many bytes have come), before the app parses any of it; a shorter one is handed on whole."""
 
-    def __init__(self, app: Any, max_bytes: int = MAX_BODY_MB << 20):
-        self.app, self.max_bytes = app, int(max_bytes)
+    def __init__(self, app: Any, max_bytes: int = MAX_BODY_MB << 20, option: str = "--max_body_mb"):
+        self.app, self.max_bytes, self.option = app, int(max_bytes), option
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_long = f"the request body is more than {self.max_bytes} bytes (this server's --max_body_mb)"
+        too_long = f"the request body is more than {self.max_bytes} bytes (this server's {self.option})"
         declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            return await _reply(send, 413, too_long)
+            return await json_reply(send, 413, too_long)
         parts, size, more = [], 0, True
         while more:
             message = await receive()
@@ -46,7 +47,7 @@ class BodyLimit:
             parts.append(message.get("body", b""))
             size += len(parts[-1])
             if size > self.max_bytes:
-                return await _reply(send, 413, too_long)
+                return await json_reply(send, 413, too_long)
             more = message.get("more_body", False)
         body, given = b"".join(parts), False
 
