@@ -15,6 +15,15 @@ of a batch is the SUM of these over every token of every datum (its ``loss:sum``
   the log-likelihood gradient and is not differentiated.
 - ``dro``: ``-(log p * A - beta / 2 * (log p - log q)^2)`` (Richemond et al. 2024), ``beta`` from the config
   (default 0.05).
+- ``gspo``: GSPO-token (Zheng et al. 2025, §4.3; https://tinker-docs.thinkingmachines.ai/tinker/losses/gspo):
+  ``-min(s_t * A, clip(s_t, low, high) * A)`` with ``s_t = sg(s) * p / sg(p)``, where ``s = exp(mean over M of
+  (log p - log q))`` and ``M`` the tokens ``sequence_ratio_mask`` marks: every token carries the sequence ratio's
+  value and its own log-probability's gradient. The page we read gives the formula, not the config's defaults;
+  this server takes ``ppo``'s keys and defaults. A datum whose mask marks no token takes ``s = 1``.
+
+Named by the client's ``LossFnType`` and not here: ``stable_reinforce`` (its objective uses information the hosted
+sampler records, ``record_stability_info``, and Tinker's page does not publish its formula) and ``custom`` (a loss
+uploaded to the hosted server); ``UNSERVED_LOSSES`` says so in the server's refusal.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from aitraining_pl.losses.policy_options import clipped_surrogate
+from aitraining_pl.losses.policy_options import clipped_surrogate, sequence_log_ratio_mean
 
 TinkerLoss = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], torch.Tensor]
 
@@ -33,6 +42,12 @@ TINKER_LOSSES: dict[str, TinkerLoss] = {}
 TINKER_LOSS_INPUTS: dict[str, tuple[str, ...]] = {}
 #: name -> the ``loss_fn_config`` keys it reads, with their defaults
 TINKER_LOSS_CONFIG: dict[str, dict[str, float]] = {}
+#: losses the ``tinker`` client names (``types.LossFnType``) that this module does not define, with the reason
+UNSERVED_LOSSES = {
+    "stable_reinforce": "its objective needs the stability records the hosted sampler keeps (record_stability_info, "
+    "provenance spans) and Tinker does not publish its formula; use importance_sampling, cispo or gspo",
+    "custom": "server-side uploaded losses are not run here; use forward_backward_custom (a client-side loss)",
+}
 
 
 def _register(name: str, inputs: tuple[str, ...], config: dict[str, float] | None = None):
@@ -84,6 +99,18 @@ def dro(target_logprobs, inputs, config):
     """``-(log p * A - beta / 2 * (log p - log q)^2)`` per token."""
     penalty = (target_logprobs - inputs["logprobs"]) ** 2
     return -(target_logprobs * inputs["advantages"] - 0.5 * config["beta"] * penalty)
+
+
+@_register("gspo", ("logprobs", "advantages", "sequence_ratio_mask"), _CLIP)
+def gspo(target_logprobs, inputs, config):
+    """GSPO-token per token: ``-min(s_t * A, clip(s_t, low, high) * A)``, ``s_t = sg(s) * p / sg(p)``; the
+    sequence log-ratio is the core's ``sequence_log_ratio_mean`` over ``sequence_ratio_mask``, the clip the
+    core's ``clipped_surrogate``."""
+    detached = target_logprobs.detach()
+    log_s = sequence_log_ratio_mean(detached[None], inputs["logprobs"][None], inputs["sequence_ratio_mask"][None] != 0)
+    ratio = torch.exp(log_s[0] + target_logprobs - detached)
+    low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+    return clipped_surrogate(ratio, target_logprobs, inputs["advantages"], 1 - low, high - 1)
 
 
 def loss_config(name: str, given: Mapping[str, float] | None) -> dict[str, float]:

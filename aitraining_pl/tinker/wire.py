@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from aitraining_pl.losses.tinker import TINKER_LOSS_INPUTS, TINKER_LOSSES, loss_config
+from aitraining_pl.losses.tinker import TINKER_LOSS_INPUTS, TINKER_LOSSES, UNSERVED_LOSSES, loss_config
 
 PROTO = "application/x-protobuf"
 
@@ -65,6 +65,8 @@ def read_forward_backward(body: bytes, max_tokens: int, max_datums: int, vocab: 
         msg.ParseFromString(body)
     except Exception as error:  # noqa: BLE001 - protobuf raises its own DecodeError
         raise BadRequest(f"forward_backward: the body is not a ForwardBackwardRequest protobuf ({error})") from None
+    if msg.loss_fn in UNSERVED_LOSSES:
+        raise BadRequest(f"forward_backward: loss_fn {msg.loss_fn!r} is not served: {UNSERVED_LOSSES[msg.loss_fn]}")
     if msg.loss_fn not in TINKER_LOSSES:
         raise BadRequest(f"forward_backward: unknown loss_fn {msg.loss_fn!r}; built in: {', '.join(TINKER_LOSSES)}")
     given = {k: v.number for k, v in msg.loss_fn_config_v2.items()} or dict(msg.loss_fn_config)

@@ -82,6 +82,7 @@ N = len(TOKENS) - 1
 WEIGHTS = [0.0, 0.0, 1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 2.0, 1.0]
 ADV = [0.0, 0.0, 1.5, -1.0, 0.5, 2.0, -0.5, 1.0, -2.0, 0.7]
 ADV = ADV[:N]
+MASK = [0.0, 0.0] + [1.0] * (N - 2)  # gspo's sequence_ratio_mask: the "sampled" tokens
 
 
 def hand(name, q):
@@ -89,6 +90,8 @@ def hand(name, q):
 
     def loss(lp):
         total = 0
+        marked = [t for t in range(N) if MASK[t]]
+        s = torch.exp(sum(lp[t].detach() - q[t] for t in marked) / len(marked))  # gspo's sequence ratio, sg
         for t in range(N):
             r = torch.exp(lp[t] - q[t])
             if name == "cross_entropy":
@@ -97,6 +100,9 @@ def hand(name, q):
                 total = total - r * ADV[t]
             elif name == "ppo":
                 total = total - torch.min(r * ADV[t], torch.clamp(r, 0.7, 1.3) * ADV[t])
+            elif name == "gspo":  # the sequence ratio's value, the token's own gradient
+                s_t = s * torch.exp(lp[t] - lp[t].detach())
+                total = total - torch.min(s_t * ADV[t], torch.clamp(s_t, 0.7, 1.3) * ADV[t])
             elif name == "cispo":
                 total = total - torch.clamp(r, 0.7, 1.3).detach() * lp[t] * ADV[t]
             else:
@@ -106,7 +112,7 @@ def hand(name, q):
     return loss
 
 
-@pytest.mark.parametrize("name", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"])
+@pytest.mark.parametrize("name", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"])
 def test_loss_and_gradient_equal_hand_derived(service, served, name):
     _, state, _ = served
     client = new_client(service, served, seed=3)
@@ -116,8 +122,10 @@ def test_loss_and_gradient_equal_hand_derived(service, served, name):
     entry = adapter_of(state, client)
     q = (first.loss_fn_outputs[0]["logprobs"].to_torch() + torch.linspace(-0.4, 0.4, N)).tolist()
     clip = {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}
-    config = {"ppo": clip, "cispo": clip, "dro": {"beta": 0.1}}.get(name)
+    config = {"ppo": clip, "cispo": clip, "gspo": clip, "dro": {"beta": 0.1}}.get(name)
     inputs = {"weights": WEIGHTS} if name == "cross_entropy" else {"logprobs": q, "advantages": ADV}
+    if name == "gspo":
+        inputs["sequence_ratio_mask"] = MASK
     expected_loss, expected = reference_grads(state, entry, TOKENS, hand(name, torch.tensor(q)))
     out = client.forward_backward([datum(**inputs)], name, config).result()
     got = grads(state, entry)
@@ -244,6 +252,11 @@ def test_bad_requests_get_one_clear_error_and_the_server_stays_up(service, serve
     nan = datum(logprobs=[0.0] * N, advantages=[float("nan")] * N)
     with pytest.raises(Exception, match="NaN"):
         client.forward_backward([nan], "importance_sampling").result()
+    plain = datum(logprobs=[0.0] * N, advantages=[1.0] * N)
+    with pytest.raises(Exception, match="'stable_reinforce' is not served: its objective needs the stability"):
+        client.forward_backward([plain], "stable_reinforce").result()
+    with pytest.raises(Exception, match="needs 'sequence_ratio_mask' for loss_fn 'gspo'"):
+        client.forward_backward([plain], "gspo").result()
     huge = datum(list(range(2, 250)) * 300, weights=[1.0] * (248 * 300 - 1))
     with pytest.raises(Exception, match="413|over this server's limit"):
         client.forward_backward([huge], "cross_entropy").result()
