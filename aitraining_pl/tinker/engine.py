@@ -9,9 +9,12 @@ loss (``losses.tinker``) over every token of every datum to the adapter's gradie
 clipping the global gradient norm to ``grad_clip_norm`` (0: none), then zeroes them. The model stays in eval mode
 (no dropout), so a ``forward`` and a ``forward_backward`` on the same data give the same log-probabilities.
 
-Precision: ``32-true`` (float32 weights) or ``bf16-true`` (bfloat16 base weights; the adapters and their AdamW
-state stay float32, so small updates are not lost below a bf16 ulp); one process on one device. No
-Lightning strategy runs here (the protocol is a step at a time on one model; FSDP2 is not wired in)."""
+Precision is one of Lightning Fabric's precision plugins (``precision_plugin``): ``32-true``, ``bf16-true`` (the
+base weights in bfloat16), ``bf16-mixed`` / ``16-mixed`` (float32 weights, the forward under autocast; ``16-mixed``
+scales the loss with a ``GradScaler`` of each training client's own, unscaled before clipping, and skips a step
+whose gradients are not finite). The adapters and their AdamW state are float32 in every mode, so small updates are
+not lost below a bf16 ulp. ``replicas`` (``tinker.replicas``) runs the same operations on N data-parallel
+processes."""
 
 from __future__ import annotations
 
@@ -27,9 +30,11 @@ import torch
 
 from aitraining_pl.losses import selective_log_softmax
 from aitraining_pl.losses.tinker import TINKER_LOSSES
+from aitraining_pl.tinker.replicas import REPLICATED
 from aitraining_pl.tinker.wire import BadRequest, FwdBwd
 
-DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16}
+#: the ``--precision`` values: Lightning Fabric's precision plugins (``precision_plugin``)
+PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed")
 ADAPTER_FILE, OPTIMIZER_FILE, META_FILE = "adapter.safetensors", "optimizer.pt", "meta.json"
 
 
@@ -48,6 +53,7 @@ class TrainedModel:
     adapter: str
     lora: Lora
     optimizer: torch.optim.AdamW | None = None
+    precision: Any = None  #: its Lightning precision plugin (its own GradScaler under 16-mixed)
     step: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -76,28 +82,41 @@ def target_modules(layers: dict[str, str], lora: Lora) -> list[str]:
     return names
 
 
+def precision_plugin(precision: str, device: torch.device):
+    """Lightning Fabric's plugin for ``precision`` (one of ``PRECISIONS``) on ``device``."""
+    from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision {precision!r}: this server runs {', '.join(PRECISIONS)}")
+    if precision == "32-true":
+        return Precision()
+    return HalfPrecision(precision) if precision.endswith("-true") else MixedPrecision(precision, device.type)
+
+
 class Engine:
     """Training clients (LoRA adapters) on one base model. Methods named ``run_*`` run on the worker thread; call
     them through ``submit``.
 
     Args:
         model: a folder (or hub id) of a transformers causal LM.
-        precision: ``32-true`` or ``bf16-true``.
+        precision: one of ``PRECISIONS``.
         device: where the model runs (``None``: CUDA if available, else CPU).
         checkpoint_dir: where ``save_state`` and named sampler weights go (one folder per API key).
         max_lora_rank: the largest LoRA rank a client may ask for.
+        replicas: a ``tinker.replicas.Replicas`` (data parallelism over N processes), or ``None``: one process.
     """
 
     def __init__(self, model: str, precision: str = "32-true", device: str | None = None,
-                 checkpoint_dir: str = "tinker_checkpoints", max_lora_rank: int = 64):  # fmt: skip
+                 checkpoint_dir: str = "tinker_checkpoints", max_lora_rank: int = 64,
+                 replicas: Any = None):  # fmt: skip
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if precision not in DTYPES:
-            raise ValueError(f"--precision {precision!r}: this server runs {', '.join(DTYPES)}")
         self.name, self.checkpoint_dir, self.max_lora_rank = model, checkpoint_dir, max_lora_rank
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.precision, self.plugin, self.replicas = precision, precision_plugin(precision, self.device), replicas
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES[precision]).to(self.device).eval()
+        dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(self.device).eval()
         self.model.requires_grad_(False)
         self.vocab = self.model.get_output_embeddings().weight.shape[0]
         self.layers = linear_layers(self.model)
@@ -106,7 +125,14 @@ class Engine:
         self.lock = threading.Lock()  # guards self.models between the HTTP threads and the worker
 
     def submit(self, fn: Callable, *args: Any) -> Future:
-        return self.worker.submit(fn, *args)
+        """Queue ``fn(*args)`` on the worker; with replicas, an operation of ``REPLICATED`` runs on every rank
+        (a new training client's seed is drawn here first, so every replica draws the same adapter)."""
+        name = getattr(fn, "__name__", "")
+        if self.replicas is None or getattr(fn, "__self__", None) is not self or name not in REPLICATED:
+            return self.worker.submit(fn, *args)
+        if name == "run_create" and args[1] is None:
+            args = (args[0], int.from_bytes(os.urandom(4), "little"))
+        return self.worker.submit(self.replicas.lead, self, name, args)
 
     # ------------------------------------------------------------------ adapters
     def add_adapter(self, name: str, lora: Lora, seed: int | None) -> None:
@@ -159,6 +185,7 @@ class Engine:
     # ------------------------------------------------------------------ training
     def run_create(self, entry: TrainedModel, seed: int | None) -> dict:
         self.add_adapter(entry.adapter, entry.lora, seed)
+        entry.precision = self.plugin if self.precision != "16-mixed" else precision_plugin("16-mixed", self.device)
         with self.lock:
             self.models[entry.model_id] = entry
         return {"model_id": entry.model_id}
@@ -171,25 +198,30 @@ class Engine:
         for i, d in enumerate(data):
             n = len(d.tokens)
             ids[i, :n], targets[i, :n], mask[i, :n] = torch.tensor(d.tokens), d.inputs["target_tokens"], 1
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), self.plugin.forward_context():
             logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
             logprobs = selective_log_softmax(logits.logits.float(), targets.to(self.device))
         return [logprobs[i, : len(d.tokens)] for i, d in enumerate(data)]
 
     def run_forward_backward(self, entry: TrainedModel, request: FwdBwd) -> tuple[list[dict], dict]:
+        """With replicas, this rank's share of the datums (``Replicas.shard``); outputs gathered in order."""
         self.use(entry.adapter)
         loss_fn = TINKER_LOSSES[request.loss_fn]
-        logprobs = self.logprobs(request.data, grad=not request.forward_only)
-        total, outputs = 0.0, []
-        for d, lp in zip(request.data, logprobs):
+        data = self.replicas.shard(request.data) if self.replicas is not None else request.data
+        logprobs = self.logprobs(data, grad=not request.forward_only) if data else []
+        total, outputs = torch.zeros((), device=self.device), []
+        for d, lp in zip(data, logprobs):
             inputs = {k: v.to(self.device) for k, v in d.inputs.items()}
             elementwise = loss_fn(lp, inputs, request.config)
             total = total + elementwise.sum()
             outputs.append({"logprobs": lp.detach().float().cpu().numpy(),
                             "elementwise_loss": elementwise.detach().float().cpu().numpy()})  # fmt: skip
-        if not request.forward_only:
-            total.backward()
-        return outputs, {"loss:sum": float(total.detach())}
+        if data and not request.forward_only:
+            entry.precision.backward(total, self.model)
+        loss = float(total.detach())
+        if self.replicas is not None:
+            outputs, loss = self.replicas.gather(outputs, loss)
+        return outputs, {"loss:sum": loss}
 
     def run_optim_step(self, entry: TrainedModel, adam: dict) -> dict:
         params = self.adapter_params(entry.adapter)
@@ -198,10 +230,15 @@ class Engine:
         group = entry.optimizer.param_groups[0]
         group.update(lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
                      weight_decay=adam["weight_decay"])  # fmt: skip
+        if self.replicas is not None:
+            self.replicas.reduce_gradients(params)
         with_grad = [p for p in params if p.grad is not None]
-        clip = adam["grad_clip_norm"] if adam["grad_clip_norm"] > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(with_grad, clip) if with_grad else torch.tensor(0.0)
-        entry.optimizer.step()
+        norm = torch.tensor(0.0)
+        if with_grad:  # AdamW skips parameters without gradients: no gradient at all is no step
+            entry.precision.unscale_gradients(entry.optimizer)
+            clip = adam["grad_clip_norm"] if adam["grad_clip_norm"] > 0 else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(with_grad, clip)
+            entry.precision.optimizer_step(entry.optimizer)
         entry.optimizer.zero_grad(set_to_none=True)
         entry.step += 1
         return {"metrics": {"grad_norm:mean": float(norm), "step:max": float(entry.step)}}

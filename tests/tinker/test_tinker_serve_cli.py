@@ -32,25 +32,64 @@ def test_api_keys(tmp_path, monkeypatch, capsys):
         api_keys(str(tmp_path / "bad"), str(tmp_path))
 
 
-def test_bf16_base_with_fp32_adapters_trains(tmp_path):
-    """``--precision bf16-true``: the base in bfloat16, each adapter in float32; a step moves the adapter."""
+TOKENS = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]
+ADAM = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 1.0}
+
+
+def one_step(folder, checkpoints, precision):
+    """A training client on an engine in ``precision``: its adapter's dtypes and plugin, the first
+    forward_backward's loss and log-probs, and whether optim_step moved the adapter (``16-mixed``: within 12 rounds,
+    since the GradScaler skips the steps whose scaled gradients overflow float16 while it halves its scale)."""
     import torch
-    from tinker_fixtures import saved_model
 
     from aitraining_pl.tinker.engine import Engine, Lora, TrainedModel
     from aitraining_pl.tinker.wire import Datum, FwdBwd
 
-    engine = Engine(saved_model(tmp_path / "m"), "bf16-true", "cpu", str(tmp_path / "ck"))
+    engine = Engine(folder, precision, "cpu", str(checkpoints))
     entry = TrainedModel("s:train:0", "owner", "client0", Lora(4))
     engine.run_create(entry, 0)
     params = engine.adapter_params("client0")
-    assert params and all(p.dtype == torch.float32 for p in params)
-    assert next(engine.model.get_base_model().model.parameters()).dtype == torch.bfloat16
-    tokens = [72, 101, 108, 108, 111, 32]
-    data = [Datum(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:]), "weights": torch.ones(5)})]
+    data = [Datum(TOKENS[:-1], {"target_tokens": torch.tensor(TOKENS[1:]), "weights": torch.ones(len(TOKENS) - 1)})]
     before = [p.detach().clone() for p in params]
     outputs, metrics = engine.run_forward_backward(entry, FwdBwd("s:train:0", "cross_entropy", {}, data, False))
-    assert metrics["loss:sum"] > 0 and outputs[0]["logprobs"].shape == (5,)
-    engine.run_optim_step(entry, {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
-                                  "weight_decay": 0.0, "grad_clip_norm": 0.0})  # fmt: skip
-    assert any(not torch.equal(a, b) for a, b in zip(params, before))  # B moves first (A has no gradient at B = 0)
+    engine.run_optim_step(entry, ADAM)
+    moved = any(not torch.equal(a, b) for a, b in zip(params, before))  # B moves first (A: no gradient at B = 0)
+    for _ in range(11 if precision == "16-mixed" else 0):
+        if moved:
+            break
+        engine.run_forward_backward(entry, FwdBwd("s:train:0", "cross_entropy", {}, data, False))
+        engine.run_optim_step(entry, ADAM)
+        moved = any(not torch.equal(a, b) for a, b in zip(params, before))
+    base = next(engine.model.get_base_model().model.parameters()).dtype
+    return {p.dtype for p in params}, base, entry.precision, metrics["loss:sum"], outputs[0]["logprobs"], moved
+
+
+@pytest.fixture(scope="module")
+def fp32_step(tmp_path_factory):
+    from tinker_fixtures import saved_model
+
+    folder = saved_model(tmp_path_factory.mktemp("m"))
+    return folder, one_step(folder, tmp_path_factory.mktemp("ck"), "32-true")
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed", "16-mixed"])
+def test_each_precision_plugin_trains_fp32_adapters_close_to_fp32(fp32_step, tmp_path, precision):
+    """Lightning's precision plugins: ``bf16-true`` keeps the base in bfloat16, the mixed ones keep float32 weights
+    and run the forward under autocast (``16-mixed`` with a GradScaler of the client's own); every adapter stays
+    float32, the loss is finite and near the float32 one, and a step moves the adapter."""
+    import math
+
+    import numpy as np
+    import torch
+    from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
+
+    folder, (_, _, _, loss32, logprobs32, _) = fp32_step
+    dtypes, base, plugin, loss, logprobs, moved = one_step(folder, tmp_path, precision)
+    assert dtypes == {torch.float32} and moved and math.isfinite(loss)
+    assert base == (torch.bfloat16 if precision == "bf16-true" else torch.float32)
+    assert isinstance(plugin, HalfPrecision if precision == "bf16-true" else MixedPrecision)
+    assert (getattr(plugin, "scaler", None) is not None) == (precision == "16-mixed")
+    if precision == "16-mixed":  # Tinker's loss is a sum (here ~60): x 2^16 overflows float16, the scale backs off
+        assert plugin.scaler.get_scale() < 2.0**16
+    assert loss == pytest.approx(loss32, rel=2e-2)
+    assert np.abs(logprobs - logprobs32).max() < 0.1
