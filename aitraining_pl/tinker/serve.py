@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from aitraining_pl.generation.servers.auth import TOKEN_ENV, TOKEN_FILE_ENV, new_token, write_token
-from aitraining_pl.tinker.engine import DTYPES, Engine
+from aitraining_pl.tinker.engine import PRECISIONS, Engine
 from aitraining_pl.tinker.server import State, build_app
 
 
@@ -25,8 +25,13 @@ def parser() -> argparse.ArgumentParser:
     args.add_argument("--model", required=True, help="folder or hub id of the base causal LM")
     args.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     args.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    args.add_argument("--precision", default="32-true", choices=sorted(DTYPES), help="weights' dtype")
-    args.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: CUDA if available)")
+    args.add_argument("--precision", default="32-true", choices=PRECISIONS,
+                      help="Lightning precision plugin (adapters and AdamW state stay float32)")  # fmt: skip
+    args.add_argument("--device", default=None, help="one process: cuda, cuda:1, cpu (default: CUDA if available)")
+    args.add_argument("--strategy", default="auto", choices=("auto", "ddp", "fsdp2"),
+                      help="ddp: --devices data-parallel processes, rank 0 serves; fsdp2 is refused")  # fmt: skip
+    args.add_argument("--devices", type=int, default=1, help="processes under --strategy ddp (one device each)")
+    args.add_argument("--accelerator", default="auto", help="cpu, cuda or auto, under --strategy ddp")
     args.add_argument("--checkpoint-dir", default="tinker_checkpoints", help="save_state / sampler weights folder")
     args.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank a client may ask for")
     args.add_argument("--api-key-file", default=None, help="file of API keys (tml-...), one a line")
@@ -57,8 +62,9 @@ def api_keys(key_file: str | None, checkpoint_dir: str) -> list[str]:
 
 def make_state(model: str, precision: str = "32-true", device: str | None = None,
                checkpoint_dir: str = "tinker_checkpoints", max_lora_rank: int = 64, max_body: int = 64 << 20,
-               max_tokens: int = 65536, max_datums: int = 256, max_samples: int = 64) -> State:  # fmt: skip
-    engine = Engine(model, precision, device, checkpoint_dir, max_lora_rank)
+               max_tokens: int = 65536, max_datums: int = 256, max_samples: int = 64,
+               replicas=None) -> State:  # fmt: skip
+    engine = Engine(model, precision, device, checkpoint_dir, max_lora_rank, replicas)
     return State(engine, max_tokens, max_datums, max_samples, max_body)
 
 
@@ -79,16 +85,60 @@ def start_in_thread(app, host: str = "127.0.0.1", port: int = 0):
     return server, f"http://{host}:{port}"
 
 
+FSDP2_REFUSED = (
+    "aitraining-pl tinker-serve: --strategy fsdp2 is not served: every training client adds its own LoRA adapter to "
+    "the one model and the server swaps them per request, which a model sharded once by FSDP2 cannot take; use "
+    "--strategy ddp (each process holds the model; the batch is split by datum)"
+)
+
+
+def launch(strategy: str, devices: int, accelerator: str):
+    """Start the ``--devices`` processes of ``--strategy ddp`` with Lightning Fabric (it re-runs this command once
+    per extra rank); returns this rank's ``(tinker.replicas.Replicas, device)``, or ``(None, None)`` for one
+    process."""
+    if strategy == "fsdp2":
+        raise SystemExit(FSDP2_REFUSED)
+    if strategy == "auto" and devices == 1:
+        return None, None
+    if strategy != "ddp" or devices < 1:
+        raise SystemExit(f"aitraining-pl tinker-serve: --devices {devices} needs --strategy ddp")
+    from lightning.fabric import Fabric
+
+    from aitraining_pl.tinker.replicas import Replicas
+
+    fabric = Fabric(accelerator=accelerator, devices=devices, strategy="ddp")
+    fabric.launch()
+    return Replicas(fabric), str(fabric.device)
+
+
+def keep_alive(engine: Engine) -> None:
+    """Rank 0: a no-op to the other ranks every ``replicas.PING`` seconds (daemon thread)."""
+    from aitraining_pl.tinker.replicas import PING
+
+    while True:
+        time.sleep(PING)
+        engine.submit(engine.replicas.ping)
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     args = parser().parse_args(argv)
-    keys = api_keys(args.api_key_file, args.checkpoint_dir)
+    replicas, device = launch(args.strategy, args.devices, args.accelerator)
     body = int(args.max_body_mb * (1 << 20))
-    state = make_state(args.model, args.precision, args.device, args.checkpoint_dir, args.max_lora_rank, body,
-                       args.max_tokens, args.max_datums, args.max_samples)  # fmt: skip
+    state = make_state(args.model, args.precision, device or args.device, args.checkpoint_dir, args.max_lora_rank,
+                       body, args.max_tokens, args.max_datums, args.max_samples, replicas)  # fmt: skip
+    if replicas is not None and replicas.rank > 0:
+        return replicas.follow(state.engine)
+    keys = api_keys(args.api_key_file, args.checkpoint_dir)
+    if replicas is not None:
+        threading.Thread(target=keep_alive, args=(state.engine,), name="tinker-ping", daemon=True).start()
     print(f"aitraining-pl tinker-serve: {args.model} on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(build_app(state, keys), host=args.host, port=args.port, log_level="warning")
+    try:
+        uvicorn.run(build_app(state, keys), host=args.host, port=args.port, log_level="warning")
+    finally:
+        if replicas is not None:
+            state.engine.submit(replicas.stop).result()
 
 
 if __name__ == "__main__":
