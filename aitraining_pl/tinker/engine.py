@@ -30,7 +30,7 @@ import torch
 
 from aitraining_pl.losses import selective_log_softmax
 from aitraining_pl.losses.tinker import TINKER_LOSSES
-from aitraining_pl.tinker.replicas import REPLICATED
+from aitraining_pl.tinker.replicas import REPLICATED, Ref
 from aitraining_pl.tinker.wire import BadRequest, FwdBwd
 
 #: the ``--precision`` values: Lightning Fabric's precision plugins (``precision_plugin``)
@@ -132,7 +132,9 @@ class Engine:
             return self.worker.submit(fn, *args)
         if name == "run_create" and args[1] is None:
             args = (args[0], int.from_bytes(os.urandom(4), "little"))
-        return self.worker.submit(self.replicas.lead, self, name, args)
+        message = tuple(Ref(a.model_id) if isinstance(a, TrainedModel) and a.model_id in self.models else a
+                        for a in args)  # fmt: skip
+        return self.worker.submit(self.replicas.lead, self, name, args, message)
 
     # ------------------------------------------------------------------ adapters
     def add_adapter(self, name: str, lora: Lora, seed: int | None) -> None:

@@ -65,12 +65,9 @@ class Replicas:
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
 
-    def lead(self, engine: Any, name: str, args: tuple) -> Any:
-        """Rank 0: broadcast ``engine.name(*args)`` (a training client already known by id), then run it."""
-        from aitraining_pl.tinker.engine import TrainedModel
-
-        known = [isinstance(a, TrainedModel) and a.model_id in engine.models for a in args]
-        message = tuple(Ref(a.model_id) if k else a for a, k in zip(args, known))
+    def lead(self, engine: Any, name: str, args: tuple, message: tuple) -> Any:
+        """Rank 0: broadcast ``message`` (``args`` with each known training client as a ``Ref``), then run
+        ``engine.name(*args)``."""
         self.fabric.broadcast((name, message), src=0)
         return getattr(engine, name)(*args)
 
