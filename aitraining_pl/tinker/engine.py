@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,6 +38,8 @@ from aitraining_pl.tinker.wire import BadRequest, FwdBwd
 #: the ``--precision`` values: Lightning Fabric's precision plugins (``precision_plugin``)
 PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed")
 ADAPTER_FILE, OPTIMIZER_FILE, META_FILE = "adapter.safetensors", "optimizer.pt", "meta.json"
+#: the ``ttl_seconds`` a checkpoint may take, as the client documents it: 1 hour to 10 years
+TTL_RANGE = (3600, 10 * 365 * 86400)
 
 
 @dataclass(frozen=True)
@@ -249,7 +253,10 @@ class Engine:
     def folder(self, owner: str, run: str, kind: str, name: str) -> str:
         return os.path.join(self.checkpoint_dir, owner, run.replace(":", "_"), kind, name)
 
-    def run_save(self, entry: TrainedModel, name: str, kind: str, with_optimizer: bool) -> str:
+    def run_save(self, entry: TrainedModel, name: str, kind: str, with_optimizer: bool,
+                 ttl_seconds: int | None = None) -> str:  # fmt: skip
+        """Write the adapter (and AdamW state) to ``tinker://RUN/KIND/NAME``; past ``ttl_seconds`` (``None``: never)
+        the checkpoint is deleted (``expired``)."""
         from safetensors.torch import save_file
 
         path = self.folder(entry.owner, entry.model_id, kind, name)
@@ -257,7 +264,8 @@ class Engine:
         save_file(self.adapter_state(entry.adapter), os.path.join(path, ADAPTER_FILE))
         if with_optimizer and entry.optimizer is not None:
             torch.save(entry.optimizer.state_dict(), os.path.join(path, OPTIMIZER_FILE))
-        meta = {"base_model": self.name, "lora": entry.lora.__dict__, "step": entry.step, "model_id": entry.model_id}
+        meta = {"base_model": self.name, "lora": entry.lora.__dict__, "step": entry.step, "model_id": entry.model_id,
+                "expires_at": None if ttl_seconds is None else time.time() + ttl_seconds}  # fmt: skip
         with open(os.path.join(path, META_FILE), "w") as handle:
             json.dump(meta, handle)
         return f"tinker://{entry.model_id}/{kind}/{name}"
@@ -270,7 +278,16 @@ class Engine:
         folder = self.folder(owner, *parts)
         if not os.path.isfile(os.path.join(folder, META_FILE)):
             raise BadRequest(f"path {path!r}: no such checkpoint for this API key")
+        if self.expired(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            raise BadRequest(f"path {path!r}: the checkpoint expired (its ttl_seconds ran out) and was deleted")
         return folder
+
+    @staticmethod
+    def expired(folder: str) -> bool:
+        with open(os.path.join(folder, META_FILE)) as handle:
+            expires_at = json.load(handle).get("expires_at")
+        return expires_at is not None and time.time() >= expires_at
 
     def read_checkpoint(self, folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
         from safetensors.torch import load_file

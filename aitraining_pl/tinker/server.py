@@ -24,7 +24,7 @@ import uuid
 from typing import Any
 
 from aitraining_pl.generation.servers.limits import BodyLimit, json_reply
-from aitraining_pl.tinker.engine import Engine, Lora, TrainedModel
+from aitraining_pl.tinker.engine import TTL_RANGE, Engine, Lora, TrainedModel
 from aitraining_pl.tinker.sampler import Sampler, check_sample
 from aitraining_pl.tinker.wire import PROTO, BadRequest, read_forward_backward, write_forward_backward, write_sample
 
@@ -235,7 +235,8 @@ def build_app(state: State, keys: list[str]):
     async def save_weights(request: Request):
         data, who = await body(request), owner(request)
         entry = state.model(who, data.get("model_id"))
-        return state.future(who, _path, engine.run_save, entry, checkpoint_name(data), "weights", True)
+        name, ttl = checkpoint_name(data), ttl_seconds(data)
+        return state.future(who, _path, engine.run_save, entry, name, "weights", True, ttl)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request):
@@ -256,7 +257,8 @@ def build_app(state: State, keys: list[str]):
         data, who = await body(request), owner(request)
         entry = state.model(who, data.get("model_id"))
         if data.get("path"):
-            return state.future(who, _path, engine.run_save, entry, checkpoint_name(data), "sampler_weights", False)
+            name, ttl = checkpoint_name(data), ttl_seconds(data)
+            return state.future(who, _path, engine.run_save, entry, name, "sampler_weights", False, ttl)
         session_id = uuid.uuid4().hex
         key = f"tinker://{entry.model_id}/sampler_weights/{session_id}"
         state.sampling[session_id] = (who, key)
@@ -330,6 +332,14 @@ def build_app(state: State, keys: list[str]):
 
     # the key first (a stranger's body is never read), then the body's bound (413: generation.servers.limits)
     return KeyMiddleware(BodyLimit(app, state.max_body, option="--max-body-mb"), keys)
+
+
+def ttl_seconds(data: dict) -> int | None:
+    """A save's ``ttl_seconds``: ``None`` (never expires) or whole seconds within ``TTL_RANGE``."""
+    ttl, (low, high) = data.get("ttl_seconds"), TTL_RANGE
+    if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or not low <= ttl <= high):
+        raise BadRequest(f"ttl_seconds {ttl!r}: whole seconds from {low} (1 hour) to {high} (10 years)")
+    return ttl
 
 
 def _path(save, *args) -> dict:

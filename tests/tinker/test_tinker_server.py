@@ -301,3 +301,28 @@ def test_forward_backward_custom_is_a_forward_and_a_weighted_cross_entropy(servi
     assert out.metrics["loss:sum"] == pytest.approx(expected_loss, rel=1e-5)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5 * float(e.abs().max()) + 1e-7)
+
+
+def test_a_checkpoint_expires_after_its_ttl_seconds(service, served, monkeypatch):
+    """``save_state(name, ttl_seconds)``: loadable within its time; past it (the engine's clock moved on) refused as
+    expired and deleted, while a checkpoint without a ttl stays; a ttl outside 1 hour .. 10 years is refused."""
+    import os
+    import time
+    from types import SimpleNamespace
+
+    import aitraining_pl.tinker.engine as engine_module
+
+    _, state, _ = served
+    client = new_client(service, served, seed=12)
+    short = client.save_state("short-lived", ttl_seconds=3600).result().path
+    kept = client.save_state("kept").result().path
+    service.create_training_client_from_state(short).result()
+    folder = state.engine.folder(adapter_of(state, client).owner, client.model_id, "weights", "short-lived")
+    later = time.time() + 3601
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(time=lambda: later))
+    with pytest.raises(Exception, match="the checkpoint expired"):
+        service.create_training_client_from_state(short).result()
+    assert not os.path.exists(folder)
+    service.create_training_client_from_state(kept).result()
+    with pytest.raises(Exception, match=r"ttl_seconds 10: whole seconds from 3600 \(1 hour\)"):
+        client.save_state("too-short", ttl_seconds=10).result()
