@@ -98,10 +98,10 @@ def launch(strategy: str, devices: int, accelerator: str):
     process."""
     if strategy == "fsdp2":
         raise SystemExit(FSDP2_REFUSED)
-    if strategy == "auto" and devices == 1:
+    if devices < 1 or (devices > 1 and strategy != "ddp"):
+        raise SystemExit(f"aitraining-pl tinker-serve: --devices {devices}: one, or more under --strategy ddp")
+    if devices == 1:
         return None, None
-    if strategy != "ddp" or devices < 1:
-        raise SystemExit(f"aitraining-pl tinker-serve: --devices {devices} needs --strategy ddp")
     from lightning.fabric import Fabric
 
     from aitraining_pl.tinker.replicas import Replicas

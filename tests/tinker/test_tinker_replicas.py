@@ -104,3 +104,11 @@ def test_fsdp2_is_refused_with_one_line():
 
     with pytest.raises(SystemExit, match="--strategy fsdp2 is not served: every training client adds its own LoRA"):
         main(["--model", "unused", "--strategy", "fsdp2"])
+
+
+def test_devices_without_ddp_are_refused_and_one_device_is_one_process():
+    from aitraining_pl.tinker.serve import launch
+
+    with pytest.raises(SystemExit, match="--devices 2: one, or more under --strategy ddp"):
+        launch("auto", 2, "cpu")
+    assert launch("ddp", 1, "cpu") == (None, None)
