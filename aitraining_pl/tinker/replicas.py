@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from aitraining_pl.tinker.wire import BadRequest
+
 #: the engine's operations every rank runs
 REPLICATED = ("run_create", "run_release", "run_forward_backward", "run_optim_step", "run_load")
 #: seconds between rank 0's keep-alive no-ops (the process group's collectives time out after 30 minutes)
@@ -78,8 +80,9 @@ class Replicas:
         self.fabric.broadcast(None, src=0)
 
     def follow(self, engine: Any) -> None:
-        """Ranks other than 0: run what rank 0 broadcasts until it stops. A request that fails fails on every rank
-        alike (the checks are deterministic); rank 0 reports it, the others go on."""
+        """Ranks other than 0: run what rank 0 broadcasts until it stops. A refused request (``BadRequest``: the
+        checks are deterministic, so rank 0 refused it too, before any collective) is skipped; any other error ends
+        this rank, so rank 0's next collective fails with a message instead of waiting for it forever."""
         while (message := self.fabric.broadcast(None, src=0)) is not None:
             name, args = message
             if name == "ping":
@@ -87,5 +90,5 @@ class Replicas:
             args = tuple(engine.models.get(a.model_id) if isinstance(a, Ref) else a for a in args)
             try:
                 getattr(engine, name)(*args)
-            except Exception:  # noqa: BLE001 - rank 0 answers the client; this rank stays in step
+            except BadRequest:
                 continue

@@ -1,7 +1,8 @@
 """``tinker-serve --devices 2 --strategy ddp`` on two gloo CPU processes (Lightning Fabric's launcher) against one
 process on the same batch, through the official client: ``loss:sum``, the per-datum log-probs and the adapter after
-two forward_backward + optim_step rounds agree within float32 tolerance (rank 1's share of the batch is computed on
-its own replica, so the second round also shows the replicas stayed equal). ``--strategy fsdp2`` is refused with one
+two forward_backward + optim_step rounds, then a third on a training client loaded from the saved state, agree
+within float32 tolerance (rank 1's share of the batch is computed on its own replica, so the later rounds also show
+that the replicas stayed equal and that every rank loaded the state). ``--strategy fsdp2`` is refused with one
 line."""
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ def rounds(url, folder):
         losses.append(out.metrics["loss:sum"])
         logprobs.append([o["logprobs"].tolist() for o in out.loss_fn_outputs])
     path = client.save_state("after").result().path
+    resumed = service.create_training_client_from_state_with_optimizer(path).result()  # loaded on every rank
+    out = resumed.forward_backward(data(), "importance_sampling").result()
+    resumed.optim_step(types.AdamParams(learning_rate=0.05, grad_clip_norm=1.0)).result()
+    losses.append(out.metrics["loss:sum"])
+    path = resumed.save_state("resumed").result().path
     service.close("success").result()
     return losses, logprobs, path
 
