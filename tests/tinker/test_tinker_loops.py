@@ -63,7 +63,9 @@ def reward(tokens: list[int]) -> float:
     return sum(t < 128 for t in tokens) / len(tokens)
 
 
-def test_rl_loop_reward_rises(service):
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "gspo"])
+def test_rl_loop_reward_rises(service, loss_fn):
+    """As rl_loop.py with ``loss_fn`` (for ``gspo`` its ``sequence_ratio_mask``: 1 on the sampled tokens)."""
     service_client, folder = service
     client = service_client.create_lora_training_client(base_model=folder, rank=8, seed=1).result()
     prompt = types.ModelInput.from_ints([b + 3 for b in b"Say something:"])
@@ -82,19 +84,17 @@ def test_rl_loop_reward_rises(service):
             for seq, r in zip(sequences, rewards_g):
                 ob_len = prompt.length - 1
                 model_input = prompt.append(types.EncodedTextChunk(tokens=seq.tokens[:-1]))
-                datums.append(
-                    types.Datum(
-                        model_input=model_input,
-                        loss_fn_inputs={
-                            "target_tokens": torch.tensor([0] * ob_len + seq.tokens),
-                            "logprobs": torch.tensor([0.0] * ob_len + seq.logprobs),
-                            "advantages": torch.tensor([0.0] * ob_len + [r - mean] * (model_input.length - ob_len)),
-                        },
-                    )
-                )
+                inputs = {
+                    "target_tokens": torch.tensor([0] * ob_len + seq.tokens),
+                    "logprobs": torch.tensor([0.0] * ob_len + seq.logprobs),
+                    "advantages": torch.tensor([0.0] * ob_len + [r - mean] * (model_input.length - ob_len)),
+                }
+                if loss_fn == "gspo":
+                    inputs["sequence_ratio_mask"] = torch.tensor([0.0] * ob_len + [1.0] * len(seq.tokens))
+                datums.append(types.Datum(model_input=model_input, loss_fn_inputs=inputs))
         rewards.append(sum(batch_rewards) / len(batch_rewards))
-        client.forward_backward(datums, loss_fn="importance_sampling")
+        client.forward_backward(datums, loss_fn=loss_fn)
         client.optim_step(adam).result()
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    print(f"RL reward: first 3 steps {first:.3f}, last 3 steps {last:.3f}")
+    print(f"RL reward ({loss_fn}): first 3 steps {first:.3f}, last 3 steps {last:.3f}")
     assert last > first + 0.2
