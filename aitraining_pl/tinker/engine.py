@@ -18,6 +18,7 @@ processes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,14 +33,17 @@ import torch
 
 from aitraining_pl.losses import selective_log_softmax
 from aitraining_pl.losses.tinker import TINKER_LOSSES
+from aitraining_pl.models.sharding import as_forward, is_sharded, reshard
 from aitraining_pl.tinker.replicas import REPLICATED, Ref
-from aitraining_pl.tinker.wire import BadRequest, FwdBwd
+from aitraining_pl.tinker.wire import BadRequest, Datum, FwdBwd
 
 #: the ``--precision`` values: Lightning Fabric's precision plugins (``precision_plugin``)
 PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed")
 ADAPTER_FILE, OPTIMIZER_FILE, META_FILE = "adapter.safetensors", "optimizer.pt", "meta.json"
 #: the ``ttl_seconds`` a checkpoint may take, as the client documents it: 1 hour to 10 years
 TTL_RANGE = (3600, 10 * 365 * 86400)
+#: the one-token batch of a rank with nothing else to run when every rank must run a forward (fsdp2)
+IDLE = Datum([0], {"target_tokens": torch.zeros(1, dtype=torch.long)})
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,12 @@ class Engine:
         dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(self.device).eval()
         self.model.requires_grad_(False)
+        if replicas is not None:  # under fsdp2 the frozen base is sharded here, before any adapter
+            self.model = replicas.setup(self.model)
+        self.base, self.sharded = self.model, is_sharded(self.model)  # the plain model (peft wraps self.model)
+        if self.sharded:  # FSDP2 takes its root from the first forward: run one through the root on every rank
+            self.logprobs([IDLE], grad=False)
+            reshard(self.base)
         self.vocab = self.model.get_output_embeddings().weight.shape[0]
         self.layers = linear_layers(self.model)
         self.models: dict[str, TrainedModel] = {}
@@ -155,9 +165,16 @@ class Engine:
                 self.model.add_adapter(name, config)
             else:
                 self.model = get_peft_model(self.model, config, adapter_name=name)
-        self.model.to(self.device).eval()
+        if not self.sharded:  # peft put the adapter beside its base layer; sharded, ``to`` would reshard the base
+            self.model.to(self.device)
+        self.model.eval()
         for parameter in self.adapter_params(name):  # fp32 master weights under bf16-true (AdamW steps below an ulp)
             parameter.data = parameter.data.float()
+
+    def whole_base(self):
+        """A context in which rank 0 runs forwards on its own (sampling): under fsdp2 every rank first gathers the
+        whole base (``Replicas.whole_base``); otherwise nothing to do."""
+        return self.replicas.whole_base(self.base) if self.sharded else contextlib.nullcontext()
 
     def use(self, adapter: str | None) -> None:
         """Make ``adapter`` the active one (``None``: the base model, every adapter off)."""
@@ -205,16 +222,24 @@ class Engine:
             n = len(d.tokens)
             ids[i, :n], targets[i, :n], mask[i, :n] = torch.tensor(d.tokens), d.inputs["target_tokens"], 1
         with torch.set_grad_enabled(grad), self.plugin.forward_context():
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+            logits = as_forward(self.base, self.model, input_ids=ids.to(self.device),
+                                attention_mask=mask.to(self.device), use_cache=False)  # fmt: skip
             logprobs = selective_log_softmax(logits.logits.float(), targets.to(self.device))
         return [logprobs[i, : len(d.tokens)] for i, d in enumerate(data)]
 
     def run_forward_backward(self, entry: TrainedModel, request: FwdBwd) -> tuple[list[dict], dict]:
-        """With replicas, this rank's share of the datums (``Replicas.shard``); outputs gathered in order."""
+        """With replicas, this rank's share of the datums (``Replicas.shard``); outputs gathered in order. Under
+        fsdp2 every rank runs the forward (and backward) of every request, whose layers gather the sharded base: a
+        rank without a share runs one token with zero weight, and the base goes back to its shards afterwards on
+        every rank alike (a root left gathered on one rank only would skip an all-gather the others make)."""
         self.use(entry.adapter)
         loss_fn = TINKER_LOSSES[request.loss_fn]
         data = self.replicas.shard(request.data) if self.replicas is not None else request.data
         logprobs = self.logprobs(data, grad=not request.forward_only) if data else []
+        if self.sharded and not data:
+            idle = self.logprobs([IDLE], grad=not request.forward_only)[0]
+            if not request.forward_only:
+                entry.precision.backward(idle.sum() * 0.0, self.model)
         total, outputs = torch.zeros((), device=self.device), []
         for d, lp in zip(data, logprobs):
             inputs = {k: v.to(self.device) for k, v in d.inputs.items()}
@@ -224,6 +249,8 @@ class Engine:
                             "elementwise_loss": elementwise.detach().float().cpu().numpy()})  # fmt: skip
         if data and not request.forward_only:
             entry.precision.backward(total, self.model)
+        if self.sharded:
+            reshard(self.base)
         loss = float(total.detach())
         if self.replicas is not None:
             outputs, loss = self.replicas.gather(outputs, loss)

@@ -10,6 +10,7 @@ log-probs come from a forward pass over the prompt."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import astuple, dataclass
 
@@ -77,9 +78,10 @@ class Sampler:
                    last_n: int | None = None):  # fmt: skip
         engine = self.engine
         model = engine.model
-        context = model.disable_adapter() if key is None and hasattr(model, "disable_adapter") else _nothing()
-        self.activate(key)
-        with context, torch.no_grad():
+        off = key is None and hasattr(model, "disable_adapter")
+        context = model.disable_adapter() if off else contextlib.nullcontext()
+        self.activate(key)  # before gathering a sharded base: loading the snapshot puts FSDP's shards back
+        with context, torch.no_grad(), engine.whole_base():
             sequences = self._generate(prompt, params, num_samples)
             scored = None
             if prompt_logprobs:
@@ -121,14 +123,6 @@ class Sampler:
                 "stop_reason": "stop" if bool(rollout.ended[i]) else "length",
             })  # fmt: skip
         return sequences
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def check_sample(request: dict, vocab: int, max_tokens: int, max_samples: int) -> tuple[list[int], dict]:

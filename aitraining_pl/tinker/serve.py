@@ -29,9 +29,9 @@ def parser() -> argparse.ArgumentParser:
                       help="Lightning precision plugin (adapters and AdamW state stay float32)")  # fmt: skip
     args.add_argument("--device", default=None, help="one process: cuda, cuda:1, cpu (default: CUDA if available)")
     args.add_argument("--strategy", default="auto", choices=("auto", "ddp", "fsdp2"),
-                      help="ddp: --devices data-parallel processes, rank 0 serves; fsdp2 is refused")  # fmt: skip
-    args.add_argument("--devices", type=int, default=1, help="processes under --strategy ddp (one device each)")
-    args.add_argument("--accelerator", default="auto", help="cpu, cuda or auto, under --strategy ddp")
+                      help="--devices processes, rank 0 serves; ddp: each has the base; fsdp2: shards it")  # fmt: skip
+    args.add_argument("--devices", type=int, default=1, help="processes, one device each (ddp, fsdp2)")
+    args.add_argument("--accelerator", default="auto", help="cpu, cuda or auto, under --strategy ddp or fsdp2")
     args.add_argument("--checkpoint-dir", default="tinker_checkpoints", help="save_state / sampler weights folder")
     args.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank a client may ask for")
     args.add_argument("--api-key-file", default=None, help="file of API keys (tml-...), one a line")
@@ -85,28 +85,32 @@ def start_in_thread(app, host: str = "127.0.0.1", port: int = 0):
     return server, f"http://{host}:{port}"
 
 
-FSDP2_REFUSED = (
-    "aitraining-pl tinker-serve: --strategy fsdp2 is not served: every training client adds its own LoRA adapter to "
-    "the one model and the server swaps them per request, which a model sharded once by FSDP2 cannot take; use "
-    "--strategy ddp (each process holds the model; the batch is split by datum)"
-)
-
-
-def launch(strategy: str, devices: int, accelerator: str):
-    """Start the ``--devices`` processes of ``--strategy ddp`` with Lightning Fabric (it re-runs this command once
-    per extra rank); returns this rank's ``(tinker.replicas.Replicas, device)``, or ``(None, None)`` for one
-    process."""
-    if strategy == "fsdp2":
-        raise SystemExit(FSDP2_REFUSED)
-    if devices < 1 or (devices > 1 and strategy != "ddp"):
-        raise SystemExit(f"aitraining-pl tinker-serve: --devices {devices}: one, or more under --strategy ddp")
+def launch(strategy: str, devices: int, accelerator: str, precision: str = "32-true"):
+    """Start the ``--devices`` processes of ``--strategy ddp|fsdp2`` with Lightning Fabric (it re-runs this command
+    once per extra rank); returns this rank's ``(tinker.replicas.Replicas, device)``, or ``(None, None)`` for one
+    process. ``fsdp2`` is Fabric's ``ModelParallelStrategy`` on a data-parallel mesh of every rank, whose
+    ``parallelize_fn`` is the project's FSDP2 sharding (``models.sharding.shard``, with ``precision``'s policy)."""
+    if devices < 1 or (devices > 1 and strategy not in ("ddp", "fsdp2")):
+        raise SystemExit(f"aitraining-pl tinker-serve: --devices {devices}: one, or more under --strategy ddp or fsdp2")
     if devices == 1:
         return None, None
     from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from torch.distributed.device_mesh import init_device_mesh
 
+    from aitraining_pl.models.sharding import shard
+    from aitraining_pl.strategies import sharding_mesh
     from aitraining_pl.tinker.replicas import Replicas
 
-    fabric = Fabric(accelerator=accelerator, devices=devices, strategy="ddp")
+    def parallelize(model, mesh):
+        # the same ranks as a mesh named "fsdp": peft sizes an adapter added to a Linear whose weight is a DTensor
+        # by that weight's local shard (tensor parallelism) unless its mesh's only dimension is named "fsdp"
+        ranks = sharding_mesh(mesh)
+        return shard(model, init_device_mesh(ranks.device_type, (ranks.size(),), mesh_dim_names=("fsdp",)), precision)
+
+    kind = "ddp" if strategy == "ddp" else ModelParallelStrategy(parallelize, data_parallel_size=devices,
+                                                                  tensor_parallel_size=1)  # fmt: skip
+    fabric = Fabric(accelerator=accelerator, devices=devices, strategy=kind)
     fabric.launch()
     return Replicas(fabric), str(fabric.device)
 
@@ -124,10 +128,14 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     args = parser().parse_args(argv)
-    replicas, device = launch(args.strategy, args.devices, args.accelerator)
+    replicas, device = launch(args.strategy, args.devices, args.accelerator, args.precision)
     body = int(args.max_body_mb * (1 << 20))
     state = make_state(args.model, args.precision, device or args.device, args.checkpoint_dir, args.max_lora_rank,
                        body, args.max_tokens, args.max_datums, args.max_samples, replicas)  # fmt: skip
+    if replicas is not None and replicas.sharded:
+        held, whole = replicas.base_share(state.engine.base)
+        print(f"aitraining-pl tinker-serve: rank {replicas.rank} holds {held} of the base model's {whole} parameters "
+              "(fsdp2)", flush=True)  # fmt: skip
     if replicas is not None and replicas.rank > 0:
         return replicas.follow(state.engine)
     keys = api_keys(args.api_key_file, args.checkpoint_dir)
