@@ -1,5 +1,6 @@
 """A server speaking the protocol of Thinking Machines' ``tinker`` client (tested with ``tinker`` 0.38), on this
-project's model side (``tinker.engine``: LoRA adapters on one base model; ``tinker.sampler``: the HF decoder).
+project's model side (``tinker.engine``: LoRA adapters on one base model; ``tinker.sampler``: the HF decoder, or
+generation servers through ``tinker.served``).
 
 Routes are the client's (``/api/v1/...``): JSON bodies, except ``forward_backward`` (the client's protobuf) and the
 results of forward/backward and sampling, which ``/api/v1/retrieve_future`` returns as protobuf. Work is queued and
@@ -63,8 +64,9 @@ class KeyMiddleware:
 class State:
     """Sessions, training clients, sampling sessions and futures, each with its owner."""
 
-    def __init__(self, engine: Engine, max_tokens: int, max_datums: int, max_samples: int, max_body: int):
-        self.engine, self.sampler = engine, Sampler(engine)
+    def __init__(self, engine: Engine, max_tokens: int, max_datums: int, max_samples: int, max_body: int,
+                 served: Any = None):  # fmt: skip
+        self.engine, self.sampler = engine, Sampler(engine, served)  # served: ``tinker.served.ServedSampling``
         self.max_tokens, self.max_datums, self.max_samples, self.max_body = (
             max_tokens,
             max_datums,
