@@ -17,6 +17,7 @@ from pathlib import Path
 
 from aitraining_pl.generation.servers.auth import TOKEN_ENV, TOKEN_FILE_ENV, new_token, write_token
 from aitraining_pl.tinker.engine import DTYPES, Engine
+from aitraining_pl.tinker.served import sampler_generation
 from aitraining_pl.tinker.server import State, build_app
 
 
@@ -34,6 +35,22 @@ def parser() -> argparse.ArgumentParser:
     args.add_argument("--max-tokens", type=int, default=65536, help="most tokens in one request")
     args.add_argument("--max-datums", type=int, default=256, help="most datums in one forward_backward request")
     args.add_argument("--max-samples", type=int, default=64, help="most samples in one request")
+    args.add_argument(
+        "--sampler",
+        default="hf",
+        choices=("hf", "vllm"),
+        help="what samples: hf (this project's HF decoder) or vllm (a vllm serve; docs/tinker.md)",
+    )
+    args.add_argument("--sampler-server", default="none",
+                      help="where it samples: none (in this process; hf only), launch or launch:N (servers started "
+                      "on this machine: a fleet of N), or URL[,URL...] of running ones (aitraining-pl vllm-serve, "
+                      "the HF server)")  # fmt: skip
+    args.add_argument(
+        "--sampler-token-file",
+        default=None,
+        help="file holding the running servers' token (default: $AITRAINING_PL_SERVER_TOKEN)",
+    )
+    args.add_argument("--sampler-threads", type=int, default=1, help="CPU threads of each launched server")
     return args
 
 
@@ -57,9 +74,16 @@ def api_keys(key_file: str | None, checkpoint_dir: str) -> list[str]:
 
 def make_state(model: str, precision: str = "32-true", device: str | None = None,
                checkpoint_dir: str = "tinker_checkpoints", max_lora_rank: int = 64, max_body: int = 64 << 20,
-               max_tokens: int = 65536, max_datums: int = 256, max_samples: int = 64) -> State:  # fmt: skip
+               max_tokens: int = 65536, max_datums: int = 256, max_samples: int = 64,
+               generation=None) -> State:  # fmt: skip
+    """The server's state; ``generation``: where it samples (``tinker.served.sampler_generation``; None: here)."""
     engine = Engine(model, precision, device, checkpoint_dir, max_lora_rank)
-    return State(engine, max_tokens, max_datums, max_samples, max_body)
+    served = None
+    if generation is not None:
+        from aitraining_pl.tinker.served import ServedSampling
+
+        served = ServedSampling(engine.model, engine.tokenizer, generation, max_lora_rank, engine.device.type == "cuda")
+    return State(engine, max_tokens, max_datums, max_samples, max_body, served)
 
 
 def start_in_thread(app, host: str = "127.0.0.1", port: int = 0):
@@ -85,10 +109,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     keys = api_keys(args.api_key_file, args.checkpoint_dir)
     body = int(args.max_body_mb * (1 << 20))
+    generation = sampler_generation(args.sampler, args.sampler_server, args.sampler_token_file, args.sampler_threads)
     state = make_state(args.model, args.precision, args.device, args.checkpoint_dir, args.max_lora_rank, body,
-                       args.max_tokens, args.max_datums, args.max_samples)  # fmt: skip
+                       args.max_tokens, args.max_datums, args.max_samples, generation)  # fmt: skip
     print(f"aitraining-pl tinker-serve: {args.model} on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(build_app(state, keys), host=args.host, port=args.port, log_level="warning")
+    try:
+        uvicorn.run(build_app(state, keys), host=args.host, port=args.port, log_level="warning")
+    finally:
+        if state.sampler.served is not None:  # launched servers stop with this one
+            state.sampler.served.close()
 
 
 if __name__ == "__main__":
