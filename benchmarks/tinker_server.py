@@ -88,7 +88,7 @@ def main() -> None:
         def in_process_step() -> None:
             start = time.perf_counter()
             key = sampler.run_snapshot(local, f"local-{time.monotonic()}")
-            sequences, _ = sampler.run_sample(key, prompt, sampling.model_dump(), args.group, False)
+            sequences = sampler.run_sample(key, prompt, sampling.model_dump(), args.group, False)[0]
             phase["sample"] = time.perf_counter() - start
             data = []
             for i, seq in enumerate(sequences):

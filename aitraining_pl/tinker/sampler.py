@@ -22,12 +22,14 @@ import torch
 
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine
 from aitraining_pl.tinker.engine import Engine, Lora
-from aitraining_pl.tinker.wire import BadRequest, Datum
+from aitraining_pl.tinker.wire import MASK_LOGPROB, BadRequest, Datum
 
 #: temperatures at or below this sample greedily
 GREEDY = 1e-4
 #: sampler snapshots kept in memory (the oldest go first; named ones can be read back from disk)
 MAX_SNAPSHOTS = 64
+#: the most ``topk_prompt_logprobs`` a request may ask for
+MAX_TOPK = 64
 #: the key of the all-zero adapter a ``vllm serve`` samples the base model with (``Sampler.served_backend``)
 BASE_ADAPTER = "tinker://base-model"
 
@@ -104,7 +106,10 @@ class Sampler:
         return self.served.backend(engine.model, key, snapshot, config)
 
     def run_sample(self, key: str | None, prompt: list[int], params: dict, num_samples: int, prompt_logprobs: bool,
-                   last_n: int | None = None):  # fmt: skip
+                   last_n: int | None = None, topk: int = 0):  # fmt: skip
+        """``num_samples`` sequences of ``prompt`` by ``key``'s weights; the prompt's log-probs (``prompt_logprobs``)
+        and its ``topk`` most likely tokens at each position (``topk_prompt_logprobs``), both by the trainer's
+        forward, the last ``last_n`` positions only when given."""
         engine, backend = self.engine, None
         if self.served is not None:  # the servers get the weights they lack first
             backend = self.served_backend(key)
@@ -119,7 +124,24 @@ class Sampler:
                 scored = [float("nan")] + (engine.logprobs([datum], grad=False)[0].tolist() if len(prompt) > 1 else [])
                 if last_n:  # only the last N are asked for (prompt_logprobs_last_n)
                     scored[: len(scored) - last_n] = [float("nan")] * (len(scored) - last_n)
-        return sequences, scored
+            ranked = self._topk(prompt, topk, last_n) if topk else None
+        return sequences, scored, ranked
+
+    def _topk(self, prompt: list[int], k: int, last_n: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P, k) token ids and log-probs of the ``k`` most likely tokens at each prompt position (after the tokens
+        before it), most likely first; the first position, and those before the last ``last_n``, empty (id 0,
+        ``wire.MASK_LOGPROB``)."""
+        engine = self.engine
+        ids = torch.full((len(prompt), k), 0, dtype=torch.int32)
+        logprobs = torch.full((len(prompt), k), MASK_LOGPROB)
+        if len(prompt) > 1:
+            inputs = torch.tensor([prompt[:-1]], device=engine.device)
+            logits = engine.model(input_ids=inputs, attention_mask=torch.ones_like(inputs), use_cache=False).logits
+            top = torch.log_softmax(logits[0].float(), -1).topk(min(k, logits.shape[-1]), -1)
+            ids[1:, : top.indices.shape[1]], logprobs[1:, : top.values.shape[1]] = top.indices.cpu(), top.values.cpu()
+        if last_n:
+            ids[: len(prompt) - last_n], logprobs[: len(prompt) - last_n] = 0, MASK_LOGPROB
+        return ids, logprobs
 
     def _generate(self, prompt: list[int], params: dict, num_samples: int, backend=None) -> list[dict]:
         engine = self.engine
@@ -175,6 +197,10 @@ def check_sample(request: dict, vocab: int, max_tokens: int, max_samples: int) -
     last_n = request.get("prompt_logprobs_last_n")
     if last_n is not None and not 1 <= int(last_n) <= len(tokens) - 1:
         raise BadRequest(f"asample: prompt_logprobs_last_n must be 1 to {len(tokens) - 1}")
+    if not 0 <= int(request.get("topk_prompt_logprobs") or 0) <= MAX_TOPK:
+        raise BadRequest(f"asample: topk_prompt_logprobs must be 0 to {MAX_TOPK}")
+    if int(request.get("topk_sample_logprobs") or 0):
+        raise BadRequest("asample: topk_sample_logprobs is not served (topk_prompt_logprobs is)")
     if not 1 <= int(request.get("num_samples", 1)) <= max_samples:
         raise BadRequest(f"asample: num_samples must be 1 to {max_samples}")
     return tokens, params

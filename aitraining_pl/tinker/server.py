@@ -297,8 +297,8 @@ def build_app(state: State, keys: list[str]):
         n = int(data.get("num_samples", 1))
         ids = [uuid.uuid4().hex for _ in range(n)]
         logprobs = bool(data.get("prompt_logprobs"))
-        last_n = data.get("prompt_logprobs_last_n")
-        return state.future(who, sampler.run_sample, key, prompt, params, n, logprobs, last_n, kind="sample",
+        last_n, topk = data.get("prompt_logprobs_last_n"), int(data.get("topk_prompt_logprobs") or 0)
+        return state.future(who, sampler.run_sample, key, prompt, params, n, logprobs, last_n, topk, kind="sample",
                             sample_sequence_ids=ids)  # fmt: skip
 
     @app.post("/api/v1/retrieve_future")
