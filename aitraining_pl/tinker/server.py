@@ -21,11 +21,14 @@ import hmac
 import itertools
 import json
 import logging
+import os
 import uuid
 from typing import Any
 
 from aitraining_pl.generation.servers.limits import BodyLimit, json_reply
-from aitraining_pl.tinker.engine import Engine, Lora, TrainedModel
+from aitraining_pl.tinker.engine import META_FILE, Engine, Lora, TrainedModel
+from aitraining_pl.tinker.rest import add_routes as add_rest_routes
+from aitraining_pl.tinker.rest import record_run
 from aitraining_pl.tinker.sampler import Sampler, check_sample
 from aitraining_pl.tinker.wire import PROTO, BadRequest, read_forward_backward, write_forward_backward, write_sample
 
@@ -198,6 +201,7 @@ def build_app(state: State, keys: list[str]):
         if model_id in engine.models:
             raise BadRequest(f"create_model: model_seq_id {data.get('model_seq_id')} was already used in this session")
         entry = TrainedModel(model_id, who, f"client{next(state.counter)}", shape)
+        record_run(engine, who, model_id, shape.__dict__, data.get("user_metadata"))  # the REST routes' run
         return state.future(who, engine.run_create, entry, lora.get("seed"), model_id=model_id)
 
     @app.post("/api/v1/get_info")
@@ -249,6 +253,8 @@ def build_app(state: State, keys: list[str]):
             state.base_model(data.get("base_model"))
             entry = TrainedModel(f"{session_id}:train:{int(data.get('model_seq_id', 0))}", who,
                                  f"client{next(state.counter)}", Lora(1))  # fmt: skip
+            with open(os.path.join(folder, META_FILE)) as handle:
+                record_run(engine, who, entry.model_id, json.load(handle)["lora"], data.get("user_metadata"))
             return state.future(who, engine.run_load, entry, folder, with_optimizer, True, model_id=entry.model_id)
         entry = state.model(who, data.get("model_id"))
         return state.future(who, engine.run_load, entry, folder, with_optimizer, False)
@@ -300,6 +306,8 @@ def build_app(state: State, keys: list[str]):
         last_n, topk = data.get("prompt_logprobs_last_n"), int(data.get("topk_prompt_logprobs") or 0)
         return state.future(who, sampler.run_sample, key, prompt, params, n, logprobs, last_n, topk, kind="sample",
                             sample_sequence_ids=ids)  # fmt: skip
+
+    add_rest_routes(app, engine, owner)  # the run and checkpoint listing (tinker.rest)
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request):

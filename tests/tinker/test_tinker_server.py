@@ -319,3 +319,28 @@ def test_forward_backward_custom_is_a_forward_and_a_weighted_cross_entropy(servi
     assert out.metrics["loss:sum"] == pytest.approx(expected_loss, rel=1e-5)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5 * float(e.abs().max()) + 1e-7)
+
+
+def test_rest_routes_list_a_keys_runs_and_checkpoints(service, served):
+    """The ``RestClient`` calls tinker-cookbook's ``checkpoint_utils`` makes: a run's ``user_metadata`` (its
+    renderer) and latest checkpoints by tinker path, its checkpoint list, a checkpoint deleted; another key sees
+    none of it."""
+    url, _, folder = served
+    client = service.create_lora_training_client(base_model=folder, rank=4, seed=0,
+                                                 user_metadata={"renderer_name": "role_colon"}).result()  # fmt: skip
+    state_path = client.save_state("rest-a").result().path
+    sampler_path = client.save_weights_for_sampler("rest-s").result().path
+    rest = service.create_rest_client()
+    run = rest.get_training_run_by_tinker_path(sampler_path).result()
+    assert (run.training_run_id, run.base_model, run.lora_rank) == (client.model_id, folder, 4)
+    assert run.user_metadata == {"renderer_name": "role_colon"}
+    assert run.last_checkpoint.tinker_path == state_path and run.last_sampler_checkpoint.tinker_path == sampler_path
+    listed = rest.list_checkpoints(client.model_id).result().checkpoints
+    assert {c.tinker_path for c in listed} == {state_path, sampler_path}
+    assert client.model_id in [r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs]
+    rest.delete_checkpoint_from_tinker_path(state_path).result()
+    assert [c.tinker_path for c in rest.list_checkpoints(client.model_id).result().checkpoints] == [sampler_path]
+    stranger = tinker.ServiceClient(base_url=url, api_key=KEYS[1]).create_rest_client()
+    with pytest.raises(tinker.BadRequestError, match="unknown training run"):
+        stranger.get_training_run(client.model_id).result()
+    assert client.model_id not in [r.training_run_id for r in stranger.list_training_runs().result().training_runs]
