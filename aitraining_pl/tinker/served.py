@@ -3,8 +3,9 @@ server, one or a fleet (``generation.servers.fleet.Fleet``), launched on this ma
 or running at given URLs (``Fleet.connect``, the run's token as ``generation.vllm.server_token_file`` or
 ``AITRAINING_PL_SERVER_TOKEN``); the same options and code as a training run's ``generation.server``.
 
-The servers start with no weights: the base model's go once, at the first sample. Sampler weights are pushed as
-LoRA adapters (``servers.adapters.AdapterWeights``) when a request for them comes:
+The servers start with no weights: the base model's go with the first push to each (``Fleet.push``'s ``base``, again
+to a server that rejoins). Sampler weights are pushed as LoRA adapters (``servers.adapters.AdapterWeights``) when a
+request for them comes:
 
 - a ``vllm serve`` keeps each under its own name (one per sampler path: two tenants' sampling clients sample their
   own weights), loaded once and named by each request (``SampleRequest.adapter``); the oldest are unloaded past
@@ -29,6 +30,7 @@ from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.generation.servers.adapters import AdapterWeights, config_json
 from aitraining_pl.generation.servers.fleet import Fleet
 from aitraining_pl.generation.servers.launcher import LaunchedFleet
+from aitraining_pl.generation.servers.replica import ReplicaDown
 from aitraining_pl.models.lora import is_peft_model, plain_weights
 
 BASE = object()  #: the HF servers hold the base weights (no adapter merged)
@@ -113,16 +115,13 @@ class ServedSampling:
         self.engine = engines.pop()
         self.max_adapters = max_adapters
         self.named: OrderedDict[str, None] = OrderedDict()  #: adapters the vLLM servers hold, oldest first
-        self.holds: Any = None  #: what the servers' weights are: None (nothing yet), ``BASE`` or a snapshot key
+        self.holds: Any = None  #: the HF servers' weights: None (none yet), ``BASE`` or the snapshot key merged
 
     def backend(self, model: torch.nn.Module, key: str | None, snapshot: Any, config: Any) -> WithAdapter:
         """The backend that samples ``key``'s weights (``snapshot``: its ``Snapshot``; ``config``: the ``peft`` config
         of its LoRA shape; ``key`` None: the base model), pushing what the servers lack first."""
-        if self.holds is None:  # the first sample: the base weights (the servers started with none)
-            self.fleet.push(_base_weights(model))
-            self.holds = BASE
-        if key is None:
-            if self.engine == "hf" and self.holds is not BASE:
+        if key is None:  # the base weights themselves (the HF server; the vLLM sampler names an all-zero adapter)
+            if self.holds is not BASE:
                 self.fleet.push(_base_weights(model))
                 self.holds = BASE
             return WithAdapter(self.fleet, None)
@@ -133,7 +132,11 @@ class ServedSampling:
         if self.engine == "hf" and self.holds == key:
             return WithAdapter(self.fleet, None)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in snapshot.state.items()}
-        self.fleet.push(AdapterWeights(tensors, config_json(config), name if self.engine == "vllm" else None))
+        adapter = AdapterWeights(tensors, config_json(config), name if self.engine == "vllm" else None)
+        up = self.fleet.up()
+        self.fleet.push(adapter, base=lambda: _base_weights(model))  # the base first to a server without it
+        if self.fleet.up() > up:  # a server rejoined: it holds none of the named adapters, which go again when asked
+            self.named.clear()
         if self.engine == "hf":
             self.holds = key
             return WithAdapter(self.fleet, None)
@@ -141,7 +144,10 @@ class ServedSampling:
         while len(self.named) > self.max_adapters:
             old, _ = self.named.popitem(last=False)
             for member in self.fleet.members:
-                member.replica.unload_adapter(old)
+                try:
+                    member.replica.unload_adapter(old)
+                except ReplicaDown:  # a server down holds nothing: it gets the adapters it needs when it rejoins
+                    pass
         return WithAdapter(self.fleet, name)
 
     def close(self) -> None:
