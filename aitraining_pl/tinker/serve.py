@@ -5,7 +5,10 @@ It binds loopback unless told otherwise. Its API keys (each must start with ``tm
 from ``--api-key-file`` (one a line; one tenant each), else from the project's server token
 (``AITRAINING_PL_SERVER_TOKEN_FILE`` / ``AITRAINING_PL_SERVER_TOKEN``), else a new key is written to an owner-only
 file beside the checkpoints, whose path (never the key) is printed. Point the client at it with
-``TINKER_BASE_URL=http://127.0.0.1:PORT`` and ``TINKER_API_KEY=$(cat FILE)``."""
+``TINKER_BASE_URL=http://127.0.0.1:PORT`` and ``TINKER_API_KEY=$(cat FILE)``.
+
+It samples in process (``--sampler hf``), or on generation servers it launches or reaches (``--sampler hf|vllm
+--sampler-server launch|launch:N|URL[,URL...]``; ``tinker.served``), which it stops when it ends."""
 
 from __future__ import annotations
 
