@@ -21,6 +21,22 @@ TEXTS = ([72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100], [66, 121, 101, 3
 PROMPT = [72, 101, 108]
 
 
+def test_sampler_options_name_the_servers_or_refuse_with_one_line():
+    """``--sampler`` / ``--sampler-server`` become the generation options of a training run's servers."""
+    assert sampler_generation("hf", "none") is None
+    launched = sampler_generation("vllm", "launch:2", threads=2).fleet()
+    assert (launched.launch.count, launched.launch.engine) == (2, "vllm")
+    given = sampler_generation("hf", "http://127.0.0.1:8001, http://127.0.0.1:8002", token_file="t")
+    assert given.fleet().urls == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+    assert given.vllm.server_token_file == "t"
+    with pytest.raises(SystemExit, match="--sampler vllm: it samples as a server here"):
+        sampler_generation("vllm", "none")
+    with pytest.raises(SystemExit, match="launch:N needs a positive count"):
+        sampler_generation("hf", "launch:0")
+    with pytest.raises(SystemExit, match="is not a URL"):
+        sampler_generation("hf", "127.0.0.1:8000")
+
+
 @pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 def served(request, tmp_path_factory):
     if request.param == "vllm":
