@@ -127,7 +127,9 @@ class SampleRequest:
     non-negative int that makes the draw reproducible (None: the backend's own generator); ``images``: a VL prompt's
     images for a backend that encodes them itself (vLLM, a server; ``generation.images``), None for text prompts;
     ``vision``: the same prompts' encoded images (``models.vision.VisionInputs``, one entry per prompt: pixel values)
-    for a backend that runs the policy itself (``location`` ``policy``), None for text prompts."""
+    for a backend that runs the policy itself (``location`` ``policy``), None for text prompts; ``adapter``: the name
+    of a LoRA adapter a ``vllm serve`` holds (pushed under that name: ``servers.adapters.AdapterWeights.name``) to
+    sample with instead of the pushed weights (None: the pushed weights)."""
 
     prompt_ids: torch.Tensor
     prompt_mask: torch.Tensor
@@ -139,6 +141,7 @@ class SampleRequest:
     seed: int | None = None
     images: PromptImages | None = None
     vision: VisionInputs | None = None
+    adapter: str | None = None
 
 
 @runtime_checkable

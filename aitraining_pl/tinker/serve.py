@@ -5,7 +5,10 @@ It binds loopback unless told otherwise. Its API keys (each must start with ``tm
 from ``--api-key-file`` (one a line; one tenant each), else from the project's server token
 (``AITRAINING_PL_SERVER_TOKEN_FILE`` / ``AITRAINING_PL_SERVER_TOKEN``), else a new key is written to an owner-only
 file beside the checkpoints, whose path (never the key) is printed. Point the client at it with
-``TINKER_BASE_URL=http://127.0.0.1:PORT`` and ``TINKER_API_KEY=$(cat FILE)``."""
+``TINKER_BASE_URL=http://127.0.0.1:PORT`` and ``TINKER_API_KEY=$(cat FILE)``.
+
+It samples in process (``--sampler hf``), or on generation servers it launches or reaches (``--sampler hf|vllm
+--sampler-server launch|launch:N|URL[,URL...]``; ``tinker.served``), which it stops when it ends."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pathlib import Path
 
 from aitraining_pl.generation.servers.auth import TOKEN_ENV, TOKEN_FILE_ENV, new_token, write_token
 from aitraining_pl.tinker.engine import PRECISIONS, Engine
+from aitraining_pl.tinker.served import sampler_generation
 from aitraining_pl.tinker.server import State, build_app
 
 
@@ -39,6 +43,22 @@ def parser() -> argparse.ArgumentParser:
     args.add_argument("--max-tokens", type=int, default=65536, help="most tokens in one request")
     args.add_argument("--max-datums", type=int, default=256, help="most datums in one forward_backward request")
     args.add_argument("--max-samples", type=int, default=64, help="most samples in one request")
+    args.add_argument(
+        "--sampler",
+        default="hf",
+        choices=("hf", "vllm"),
+        help="what samples: hf (this project's HF decoder) or vllm (a vllm serve; docs/tinker.md)",
+    )
+    args.add_argument("--sampler-server", default="none",
+                      help="where it samples: none (in this process; hf only), launch or launch:N (servers started "
+                      "on this machine: a fleet of N), or URL[,URL...] of running ones (aitraining-pl vllm-serve, "
+                      "the HF server)")  # fmt: skip
+    args.add_argument(
+        "--sampler-token-file",
+        default=None,
+        help="file holding the running servers' token (default: $AITRAINING_PL_SERVER_TOKEN)",
+    )
+    args.add_argument("--sampler-threads", type=int, default=1, help="CPU threads of each launched server")
     return args
 
 
@@ -63,9 +83,16 @@ def api_keys(key_file: str | None, checkpoint_dir: str) -> list[str]:
 def make_state(model: str, precision: str = "32-true", device: str | None = None,
                checkpoint_dir: str = "tinker_checkpoints", max_lora_rank: int = 64, max_body: int = 64 << 20,
                max_tokens: int = 65536, max_datums: int = 256, max_samples: int = 64,
-               replicas=None) -> State:  # fmt: skip
+               replicas=None, generation=None) -> State:  # fmt: skip
+    """The server's state; ``replicas``: this rank's ``tinker.replicas.Replicas`` under ``--strategy ddp``;
+    ``generation``: where it samples (``tinker.served.sampler_generation``; None: here)."""
     engine = Engine(model, precision, device, checkpoint_dir, max_lora_rank, replicas)
-    return State(engine, max_tokens, max_datums, max_samples, max_body)
+    served = None
+    if generation is not None:
+        from aitraining_pl.tinker.served import ServedSampling
+
+        served = ServedSampling(engine.model, engine.tokenizer, generation, max_lora_rank, engine.device.type == "cuda")
+    return State(engine, max_tokens, max_datums, max_samples, max_body, served)
 
 
 def start_in_thread(app, host: str = "127.0.0.1", port: int = 0):
@@ -83,6 +110,13 @@ def start_in_thread(app, host: str = "127.0.0.1", port: int = 0):
         time.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
     return server, f"http://{host}:{port}"
+
+
+FSDP2_SERVERS = (
+    "aitraining-pl tinker-serve: --strategy fsdp2 samples in process only (--sampler-server none): generation "
+    "servers get the base model's weights from this process, where fsdp2 leaves each rank a shard of them; rank 0 "
+    "samples on the base gathered by every rank for each request"
+)
 
 
 def launch(strategy: str, devices: int, accelerator: str, precision: str = "32-true"):
@@ -128,10 +162,15 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     args = parser().parse_args(argv)
+    if args.strategy == "fsdp2" and args.devices > 1 and args.sampler_server != "none":
+        raise SystemExit(FSDP2_SERVERS)
     replicas, device = launch(args.strategy, args.devices, args.accelerator, args.precision)
     body = int(args.max_body_mb * (1 << 20))
+    generation = sampler_generation(args.sampler, args.sampler_server, args.sampler_token_file, args.sampler_threads)
+    if replicas is not None and replicas.rank > 0:  # sampling runs on rank 0 alone
+        generation = None
     state = make_state(args.model, args.precision, device or args.device, args.checkpoint_dir, args.max_lora_rank,
-                       body, args.max_tokens, args.max_datums, args.max_samples, replicas)  # fmt: skip
+                       body, args.max_tokens, args.max_datums, args.max_samples, replicas, generation)  # fmt: skip
     if replicas is not None and replicas.sharded:
         held, whole = replicas.base_share(state.engine.base)
         print(f"aitraining-pl tinker-serve: rank {replicas.rank} holds {held} of the base model's {whole} parameters "
@@ -147,6 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if replicas is not None:
             state.engine.submit(replicas.stop).result()
+        if state.sampler.served is not None:  # launched servers stop with this one
+            state.sampler.served.close()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """A server speaking the protocol of Thinking Machines' ``tinker`` client (tested with ``tinker`` 0.38), on this
-project's model side (``tinker.engine``: LoRA adapters on one base model; ``tinker.sampler``: the HF decoder).
+project's model side (``tinker.engine``: LoRA adapters on one base model; ``tinker.sampler``: the HF decoder, or
+generation servers through ``tinker.served``).
 
 Routes are the client's (``/api/v1/...``): JSON bodies, except ``forward_backward`` (the client's protobuf) and the
 results of forward/backward and sampling, which ``/api/v1/retrieve_future`` returns as protobuf. Work is queued and
@@ -20,11 +21,14 @@ import hmac
 import itertools
 import json
 import logging
+import os
 import uuid
 from typing import Any
 
 from aitraining_pl.generation.servers.limits import BodyLimit, json_reply
-from aitraining_pl.tinker.engine import TTL_RANGE, Engine, Lora, TrainedModel
+from aitraining_pl.tinker.engine import META_FILE, TTL_RANGE, Engine, Lora, TrainedModel
+from aitraining_pl.tinker.rest import add_routes as add_rest_routes
+from aitraining_pl.tinker.rest import record_run
 from aitraining_pl.tinker.sampler import Sampler, check_sample
 from aitraining_pl.tinker.wire import PROTO, BadRequest, read_forward_backward, write_forward_backward, write_sample
 
@@ -63,8 +67,9 @@ class KeyMiddleware:
 class State:
     """Sessions, training clients, sampling sessions and futures, each with its owner."""
 
-    def __init__(self, engine: Engine, max_tokens: int, max_datums: int, max_samples: int, max_body: int):
-        self.engine, self.sampler = engine, Sampler(engine)
+    def __init__(self, engine: Engine, max_tokens: int, max_datums: int, max_samples: int, max_body: int,
+                 served: Any = None):  # fmt: skip
+        self.engine, self.sampler = engine, Sampler(engine, served)  # served: ``tinker.served.ServedSampling``
         self.max_tokens, self.max_datums, self.max_samples, self.max_body = (
             max_tokens,
             max_datums,
@@ -196,6 +201,7 @@ def build_app(state: State, keys: list[str]):
         if model_id in engine.models:
             raise BadRequest(f"create_model: model_seq_id {data.get('model_seq_id')} was already used in this session")
         entry = TrainedModel(model_id, who, f"client{next(state.counter)}", shape)
+        record_run(engine, who, model_id, shape.__dict__, data.get("user_metadata"))  # the REST routes' run
         return state.future(who, engine.run_create, entry, lora.get("seed"), model_id=model_id)
 
     @app.post("/api/v1/get_info")
@@ -248,6 +254,8 @@ def build_app(state: State, keys: list[str]):
             state.base_model(data.get("base_model"))
             entry = TrainedModel(f"{session_id}:train:{int(data.get('model_seq_id', 0))}", who,
                                  f"client{next(state.counter)}", Lora(1))  # fmt: skip
+            with open(os.path.join(folder, META_FILE)) as handle:
+                record_run(engine, who, entry.model_id, json.load(handle)["lora"], data.get("user_metadata"))
             return state.future(who, engine.run_load, entry, folder, with_optimizer, True, model_id=entry.model_id)
         entry = state.model(who, data.get("model_id"))
         return state.future(who, engine.run_load, entry, folder, with_optimizer, False)
@@ -297,9 +305,11 @@ def build_app(state: State, keys: list[str]):
         n = int(data.get("num_samples", 1))
         ids = [uuid.uuid4().hex for _ in range(n)]
         logprobs = bool(data.get("prompt_logprobs"))
-        last_n = data.get("prompt_logprobs_last_n")
-        return state.future(who, sampler.run_sample, key, prompt, params, n, logprobs, last_n, kind="sample",
+        last_n, topk = data.get("prompt_logprobs_last_n"), int(data.get("topk_prompt_logprobs") or 0)
+        return state.future(who, sampler.run_sample, key, prompt, params, n, logprobs, last_n, topk, kind="sample",
                             sample_sequence_ids=ids)  # fmt: skip
+
+    add_rest_routes(app, engine, owner)  # the run and checkpoint listing (tinker.rest)
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request):

@@ -17,6 +17,8 @@ import torch
 from aitraining_pl.losses.tinker import TINKER_LOSS_INPUTS, TINKER_LOSSES, UNSERVED_LOSSES, loss_config
 
 PROTO = "application/x-protobuf"
+#: an empty cell of a ``TopkLogprobs`` matrix (the client's ``tinker.types.topk_logprobs.MASK_LOGPROB``)
+MASK_LOGPROB = -99999.0
 
 
 def pb():
@@ -143,9 +145,10 @@ def write_forward_backward(outputs: list[dict[str, np.ndarray]], metrics: dict[s
     return msg.SerializeToString()
 
 
-def write_sample(sequences: list[dict], prompt_logprobs: list[float] | None) -> bytes:
+def write_sample(sequences: list[dict], prompt_logprobs: list[float] | None, topk=None) -> bytes:
     """A ``SampleResponse``: per sequence its tokens (int32), log-probs (float32) and stop reason; prompt
-    log-probs as float32 with NaN where there is none (the first token)."""
+    log-probs as float32 with NaN where there is none (the first token); ``topk``: the prompt's top-k ``(ids,
+    logprobs)`` (P, k) as a ``TopkLogprobs`` (empty cells: id 0, ``MASK_LOGPROB``)."""
     p = pb()
     msg = p.SampleResponse()
     for seq in sequences:
@@ -157,4 +160,9 @@ def write_sample(sequences: list[dict], prompt_logprobs: list[float] | None) -> 
         )
     if prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    if topk is not None:
+        ids, logprobs = (np.ascontiguousarray(np.asarray(t)) for t in topk)
+        msg.topk_prompt_logprobs.CopyFrom(p.TopkLogprobs(
+            token_ids=ids.astype(np.int32).tobytes(), logprobs=logprobs.astype(np.float32).tobytes(),
+            k=int(ids.shape[1]), length=int(ids.shape[0])))  # fmt: skip
     return msg.SerializeToString()

@@ -38,3 +38,5 @@ def tinker_server(folder: str, checkpoint_dir: str, **limits):
     finally:
         server.should_exit = True
         state.engine.worker.shutdown(wait=False, cancel_futures=True)
+        if state.sampler.served is not None:  # its launched generation servers
+            state.sampler.served.close()

@@ -198,6 +198,13 @@ def test_fsdp2_adapters_added_after_sharding_are_plain_replicated_tensors(tmp_pa
     assert untrained == pytest.approx(first, rel=1e-6) and trained < first - 1.0
 
 
+def test_fsdp2_with_sampling_servers_is_refused_with_one_line():
+    from aitraining_pl.tinker.serve import main
+
+    with pytest.raises(SystemExit, match="--strategy fsdp2 samples in process only"):
+        main(["--model", "unused", "--strategy", "fsdp2", "--devices", "2", "--sampler-server", "launch"])
+
+
 def test_devices_without_ddp_or_fsdp2_are_refused_and_one_device_is_one_process():
     from aitraining_pl.tinker.serve import launch
 

@@ -223,6 +223,37 @@ def test_sampling_is_seeded_and_prompt_logprobs_equal_the_trainers(service, serv
         assert stopped.tokens[-1] == seq.tokens[1] and stopped.stop_reason == "stop"
 
 
+def test_topk_prompt_logprobs_are_the_trainers_most_likely_tokens(service, served):
+    """``topk_prompt_logprobs`` (what tinker-cookbook's off-policy distillation asks a teacher for): at each prompt
+    position the k most likely next tokens and their log-probs under the sampler's weights, from a softmax written
+    out here over the trainer's logits; none at the first position, and only the last N with ``last_n``."""
+    _, state, _ = served
+    client = new_client(service, served, seed=8)
+    train(client, 1, lr=0.05)
+    sampler = client.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(TOKENS)
+    out = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2), topk_prompt_logprobs=3).result()
+    entry = adapter_of(state, client)
+
+    def logits():
+        state.engine.use(entry.adapter)
+        return state.engine.model(input_ids=torch.tensor([TOKENS[:-1]]), use_cache=False).logits[0].float()
+
+    z = on_worker(state, logits)
+    expected = z - z.exp().sum(-1, keepdim=True).log()
+    top = expected.topk(3, -1)
+    got = out.topk_prompt_logprobs
+    assert got[0] is None and len(got) == len(TOKENS)
+    for i, row in enumerate(got[1:]):
+        assert [t for t, _ in row] == top.indices[i].tolist()
+        assert [v for _, v in row] == pytest.approx(top.values[i].tolist(), abs=1e-5)
+    last = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2), True, topk_prompt_logprobs=2,
+                          prompt_logprobs_last_n=2).result().topk_prompt_logprobs  # fmt: skip
+    assert last[:-2] == [None] * (len(TOKENS) - 2) and [t for t, _ in last[-1]] == top.indices[-1, :2].tolist()
+    with pytest.raises(tinker.BadRequestError, match="topk_sample_logprobs is not served"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2), topk_sample_logprobs=2).result()
+
+
 def test_two_training_clients_train_at_once_without_touching_each_other(service, served):
     _, state, _ = served
     alone = new_client(service, served, seed=7)
@@ -326,3 +357,28 @@ def test_a_checkpoint_expires_after_its_ttl_seconds(service, served, monkeypatch
     service.create_training_client_from_state(kept).result()
     with pytest.raises(Exception, match=r"ttl_seconds 10: whole seconds from 3600 \(1 hour\)"):
         client.save_state("too-short", ttl_seconds=10).result()
+
+
+def test_rest_routes_list_a_keys_runs_and_checkpoints(service, served):
+    """The ``RestClient`` calls tinker-cookbook's ``checkpoint_utils`` makes: a run's ``user_metadata`` (its
+    renderer) and latest checkpoints by tinker path, its checkpoint list, a checkpoint deleted; another key sees
+    none of it."""
+    url, _, folder = served
+    client = service.create_lora_training_client(base_model=folder, rank=4, seed=0,
+                                                 user_metadata={"renderer_name": "role_colon"}).result()  # fmt: skip
+    state_path = client.save_state("rest-a").result().path
+    sampler_path = client.save_weights_for_sampler("rest-s").result().path
+    rest = service.create_rest_client()
+    run = rest.get_training_run_by_tinker_path(sampler_path).result()
+    assert (run.training_run_id, run.base_model, run.lora_rank) == (client.model_id, folder, 4)
+    assert run.user_metadata == {"renderer_name": "role_colon"}
+    assert run.last_checkpoint.tinker_path == state_path and run.last_sampler_checkpoint.tinker_path == sampler_path
+    listed = rest.list_checkpoints(client.model_id).result().checkpoints
+    assert {c.tinker_path for c in listed} == {state_path, sampler_path}
+    assert client.model_id in [r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs]
+    rest.delete_checkpoint_from_tinker_path(state_path).result()
+    assert [c.tinker_path for c in rest.list_checkpoints(client.model_id).result().checkpoints] == [sampler_path]
+    stranger = tinker.ServiceClient(base_url=url, api_key=KEYS[1]).create_rest_client()
+    with pytest.raises(tinker.BadRequestError, match="unknown training run"):
+        stranger.get_training_run(client.model_id).result()
+    assert client.model_id not in [r.training_run_id for r in stranger.list_training_runs().result().training_runs]

@@ -4,7 +4,9 @@ written as a ``peft`` adapter folder (``adapter_config.json``, ``adapter_model.s
 
 - A ``vllm serve`` started with ``--enable-lora --max-lora-rank R`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` loads
   it as a dynamic LoRA adapter (``/v1/load_lora_adapter``, in place after the first), and the rollouts name it as
-  their ``model``.
+  their ``model``. A named adapter (``AdapterWeights.name``: ``tinker-serve``'s sampler weights, one per sampler
+  path) is kept beside the others under its name until ``HTTPReplica.unload_adapter``; a request naming it
+  (``SampleRequest.adapter``) samples with it.
 - The HF server applies it itself (``merged``): each target weight becomes the base weight plus ``scale * B @ A``
   (``scale``: ``lora_alpha / r``, ``/ sqrt(r)`` with rsLoRA), checked as any push (``checks.WeightSpecs``: the
   targets must be the served model's, the matrices' shapes must fit them, every value finite).
@@ -30,11 +32,14 @@ PEFT_PREFIX = "base_model.model."
 
 @dataclass
 class AdapterWeights:
-    """One LoRA adapter to push: ``tensors`` (``peft``'s names, ``...lora_A.weight`` / ``lora_B.weight``) and
-    ``config`` (its ``adapter_config.json``)."""
+    """One LoRA adapter to push: ``tensors`` (``peft``'s names, ``...lora_A.weight`` / ``lora_B.weight``),
+    ``config`` (its ``adapter_config.json``) and ``name``: None for the policy's adapter (the rollouts' weights), or a
+    name a ``vllm serve`` keeps it under beside the others, which a ``SampleRequest.adapter`` then names (the HF
+    server, which merges one adapter at a time, ignores it)."""
 
     tensors: dict[str, torch.Tensor]
     config: dict[str, Any]
+    name: str | None = None
 
     @property
     def bytes(self) -> int:
@@ -57,9 +62,13 @@ def adapter_weights(peft_model: torch.nn.Module) -> AdapterWeights:
 
     adapter = getattr(peft_model, "active_adapter", "default")
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
-    config = peft_model.peft_config[adapter].to_dict()
-    config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
-    return AdapterWeights(tensors, json.loads(json.dumps(config, default=str)))
+    return AdapterWeights(tensors, config_json(peft_model.peft_config[adapter]))
+
+
+def config_json(config: Any) -> dict[str, Any]:
+    """A ``peft`` adapter config as the JSON object of its ``adapter_config.json``."""
+    config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+    return json.loads(json.dumps(config, default=str))
 
 
 def write_adapter(folder: str | os.PathLike, adapter: AdapterWeights) -> Path:

@@ -128,6 +128,7 @@ class HTTPReplica:
         self._engine: str | None = None
         self.lora: Path | None = None  #: the folder of the LoRA adapter vLLM serves the rollouts with (None: none)
         self.lora_loaded = False  #: vLLM has an adapter under ``LORA_NAME`` (the next one loads in place)
+        self.adapters: dict[str, Path] = {}  #: named adapters vLLM holds (``AdapterWeights.name``) -> their folders
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         limits = httpx.Limits(max_connections=workers, max_keepalive_connections=workers)
         self.http = httpx.Client(base_url=self.url, headers=headers, limits=limits, timeout=self.timeout)
@@ -205,9 +206,11 @@ class HTTPReplica:
         tokens = len(prompts) * n * int(generation.max_new_tokens)
         self._begin(tokens)
         try:  # the deadline holds from the first call on (a server that hangs at /v1/models: issue 52)
-            model = LORA_NAME if self.lora is not None else self.model(deadline - time.monotonic())
-            futures = []
             hf = self.engine(deadline - time.monotonic()) == "hf"
+            model = LORA_NAME if self.lora is not None else self.model(deadline - time.monotonic())
+            if request.adapter is not None and not hf:  # a named adapter (the HF server merges the one pushed)
+                model = request.adapter
+            futures = []
             if request.images is None and hf:  # one request: the HF server decodes it as a batch
                 seed = None if request.seed is None else int(request.seed) % 2**31  # prompt i: seed + i * asked
                 body = completion_body(model, prompts, request, asked, seed)
@@ -327,10 +330,16 @@ class HTTPReplica:
         doing = f"pushing the LoRA adapter of weights version {version.step}"
         try:
             if self.engine() == "vllm":
-                body = {"lora_name": LORA_NAME, "lora_path": str(folder), "load_inplace": self.lora_loaded}
+                name = adapter.name or LORA_NAME
+                again = self.lora_loaded if adapter.name is None else name in self.adapters
+                body = {"lora_name": name, "lora_path": str(folder), "load_inplace": again}
                 self.call("POST", "/v1/load_lora_adapter", doing, json=body)
-                self.lora_loaded = True
-                folder, self.lora = self.lora, folder  # vLLM may read it again (its adapter cache): kept until the next
+                # vLLM may read it again (its adapter cache): kept until the next of that name
+                if adapter.name is None:
+                    self.lora_loaded = True
+                    folder, self.lora = self.lora, folder
+                else:
+                    folder, self.adapters[name] = self.adapters.get(name), folder
             else:
                 kwargs = {"path": str(folder), "version": str(version), "owner": self.owner}
                 answer = self.call("POST", "/collective_rpc", doing, json={"method": "aitraining_pl_load_adapter",
@@ -340,6 +349,17 @@ class HTTPReplica:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
         return adapter.bytes
+
+    def unload_adapter(self, name: str) -> None:
+        """Drop the named adapter ``name`` from a ``vllm serve`` (``/v1/unload_lora_adapter``) and its folder."""
+        folder = self.adapters.pop(name, None)
+        try:
+            if folder is not None:
+                self.call("POST", "/v1/unload_lora_adapter", f"unloading the LoRA adapter {name}",
+                          json={"lora_name": name})  # fmt: skip
+        finally:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
 
     def refused(self, answer: dict[str, Any], version: WeightsVersion) -> None:
         """Raise the first refusal in a ``/collective_rpc`` answer (one result per worker)."""
@@ -389,8 +409,9 @@ class HTTPReplica:
             pass
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
-        if self.lora is not None:
-            shutil.rmtree(self.lora, ignore_errors=True)
+        for folder in [self.lora, *self.adapters.values()]:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def _chained(first: tuple[str, torch.Tensor], rest: Iterable[tuple[str, torch.Tensor]]):

@@ -70,14 +70,16 @@ class LaunchedFleet:
             weights).
         seed: the servers' seed (requests carry their own).
         trainer_gpus: GPUs the trainer uses (a server's default devices are the ones after them).
+        adapter_rank: the largest LoRA rank of the adapters pushed to a ``vllm serve`` (default: the policy's own,
+            ``lora_rank``; a ``tinker-serve`` pushes its clients' adapters over a plain base model).
     """
 
     def __init__(self, launch: LaunchConfig, generation: Any, policy: torch.nn.Module, tokenizer: Any, seed: int = 0,
-                 trainer_gpus: int = 1):  # fmt: skip
+                 trainer_gpus: int = 1, adapter_rank: int | None = None):  # fmt: skip
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
         devices = [[int(i) for i in str(d).split(",")] for d in launch.devices or []] or spread(launch, trainer_gpus)
         options = dict(options=generation.vllm, dtype=dtype, seed=seed, threads=generation.server_threads,
-                       trainer_gpus=trainer_gpus, lora_rank=lora_rank(policy))  # fmt: skip
+                       trainer_gpus=trainer_gpus, lora_rank=adapter_rank or lora_rank(policy))  # fmt: skip
         self.servers: list[ServerProcess] = []
         atexit.register(self.stop)
         try:  # started from this thread (they die with it), then waited for together
