@@ -111,7 +111,8 @@ class Engine:
         device: where the model runs (``None``: CUDA if available, else CPU).
         checkpoint_dir: where ``save_state`` and named sampler weights go (one folder per API key).
         max_lora_rank: the largest LoRA rank a client may ask for.
-        replicas: a ``tinker.replicas.Replicas`` (data parallelism over N processes), or ``None``: one process.
+        replicas: a ``tinker.replicas.Replicas`` (data parallelism over N processes; under fsdp2 it shards the base
+            here), or ``None``: one process.
     """
 
     def __init__(self, model: str, precision: str = "32-true", device: str | None = None,

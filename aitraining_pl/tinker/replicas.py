@@ -104,7 +104,7 @@ class Replicas:
     @contextlib.contextmanager
     def whole_base(self, base: torch.nn.Module) -> Iterator[None]:
         """Rank 0 under fsdp2: every rank gathers the whole sharded ``base`` (``models.sharding.gathered``) and
-        the others release it at once; inside, rank 0 runs forwards without any collective (ranks 0's sampling)."""
+        the others release it at once; inside, rank 0 runs forwards without any collective (its sampling)."""
         from aitraining_pl.models.sharding import gathered
 
         self.fabric.broadcast(("gather", ()), src=0)
