@@ -35,6 +35,38 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
     return [m for m in base_model(model).modules() if type(m).__name__.endswith(names) and hasattr(m, "top_k")]
 
 
+def route_shape(model: nn.Module) -> tuple[int, int, int] | None:
+    """(layers, top_k, experts) of ``model``'s routes (``moe_routers``); None for a dense model."""
+    routers = moe_routers(model)
+    if not routers:
+        return None
+    return len(routers), int(routers[0].top_k), int(routers[0].weight.shape[0])
+
+
+def placed_routes(rows: list[torch.Tensor | None], prompt_mask: torch.Tensor, width: int) -> torch.Tensor | None:
+    """Each row's routes in the decoder's layout (the module docstring): ``rows`` hold, per response row, the
+    routes (T, layers, k) of its prompt's tokens (the ``prompt_mask`` (N, P) positions, in order) then of its fed-back
+    response tokens (a server's answer: ``generation.servers.answers``), placed in (N, P + ``width``, layers, k)
+    int16, -1 elsewhere. None when a row has none."""
+    if not rows or any(r is None for r in rows):
+        return None
+    n, prompt = prompt_mask.shape
+    out = torch.full((n, prompt + width, *rows[0].shape[1:]), -1, dtype=torch.int16)
+    for row, (routes, keep) in enumerate(zip(rows, prompt_mask.bool().cpu())):
+        length = int(keep.sum())
+        out[row, :prompt][keep] = routes[:length].to(torch.int16)
+        out[row, prompt : prompt + routes.shape[0] - length] = routes[length:].to(torch.int16)
+    return out
+
+
+def flat_routes(routes: torch.Tensor, prompt_mask: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+    """The inverse of ``placed_routes``: per row of ``routes`` (N, P + R, layers, k), those of its prompt's tokens
+    (``prompt_mask`` (N, P)) then of its first ``lengths - 1`` response tokens (the fed-back ones)."""
+    prompt = prompt_mask.shape[1]
+    return [torch.cat([row[:prompt][keep.bool()], row[prompt : prompt + max(int(length) - 1, 0)]])
+            for row, keep, length in zip(routes, prompt_mask, lengths)]  # fmt: skip
+
+
 def gate_weights(router: nn.Module, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """(T, k) float32 gate weights of experts ``index`` (T, k) from router logits (T, E), by the router's gating
     function (see the module docstring)."""
@@ -61,9 +93,18 @@ class RouteRecorder:
 
     def take(self) -> torch.Tensor:
         """(T, layers, k) experts of the tokens of the forward passes since the last ``take`` (in their order)."""
-        routes = torch.stack([torch.cat(calls) for calls in self.calls], 1)
+        return torch.cat(self.take_calls())
+
+    def take_calls(self) -> list[torch.Tensor]:
+        """The (T_i, layers, k) experts of each forward pass since the last ``take``, one tensor per pass."""
+        calls = [torch.stack(per_layer, 1) for per_layer in zip(*self.calls)]
         self.calls = [[] for _ in self.calls]
-        return routes
+        return calls
+
+    def give(self, routes: torch.Tensor) -> None:
+        """Make ``routes`` (T, layers, k) what the next ``take`` returns (a caller that ran a larger pass hands back
+        the tokens its caller expects)."""
+        self.calls = [[routes[:, layer]] for layer in range(len(self.calls))]
 
     def close(self) -> None:
         for hook in self.hooks:

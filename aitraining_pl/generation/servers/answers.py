@@ -3,10 +3,19 @@ with its choices, then in each choice as many log-probs as tokens, at most ``max
 the policy's vocabulary, log-probs finite and at most 0 (``LOGPROB_SLACK`` for float rounding), and weights steps no
 older than the version asked for. Anything else is ``BadAnswer`` (a ``ReplicaDown``: one line naming the server, and
 in a fleet the request goes to another server, as for a dead one). Also the rows of a completion answer
-(``choice_tokens``) and their ``SampledTokens`` (``padded_samples``)."""
+(``choice_tokens``) and their ``SampledTokens`` (``padded_samples``).
+
+**Routes** (an MoE policy's, for routing replay: ``models.routing_replay``) travel as vLLM's completion choices carry
+them (``routed_experts``, ``vllm serve --enable-return-routed-experts``): the base64 of a ``.npy`` array (T, layers,
+top_k) of unsigned ints, T the prompt's tokens plus the response's minus one (the last token is never fed back).
+``encode_routes`` writes it (the HF server), ``decoded_routes`` reads and checks it: at most the bytes that shape
+needs (read before decoding), exactly that shape, integer experts below the policy's count; else ``BadAnswer``."""
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -15,9 +24,12 @@ import torch
 
 from aitraining_pl.generation.backend import SampledTokens
 from aitraining_pl.generation.servers.replica import ReplicaDown
+from aitraining_pl.models.routing_replay import placed_routes
 
 #: how far above 0 a log-prob may come back (float rounding of a log-softmax)
 LOGPROB_SLACK = 1e-4
+#: bytes a ``.npy`` header may take beyond its array's (numpy pads it to 64 bytes; its dict is short)
+NPY_HEADER_BYTES = 1024
 
 Row = tuple[list[int], list[float], "list[int] | None"]
 
@@ -90,17 +102,57 @@ def choice_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float], list[
     return tokens, values, versions if isinstance(versions, list) else None
 
 
-def padded_samples(rows: Sequence[tuple[list[int], list[float], list[int] | None]], pad_token_id: int) -> SampledTokens:
-    """``rows`` of (ids, log-probs, steps) as ``SampledTokens`` right padded with ``pad_token_id`` (log-probs 0 and
-    steps -1 there; ``token_versions`` only when every row has its steps)."""
-    length = max((len(ids) for ids, _, _ in rows), default=0)
+def padded_samples(rows: Sequence[tuple], pad_token_id: int, prompt_mask: torch.Tensor | None = None) -> SampledTokens:
+    """``rows`` of (ids, log-probs, steps[, routes]) as ``SampledTokens`` right padded with ``pad_token_id`` (log-probs
+    0 and steps -1 there; ``token_versions`` only when every row has its steps); with ``prompt_mask`` (N, P), the
+    rows' prompts', their routes (``decoded_routes``) in the decoder's layout (``models.routing_replay.placed_routes``;
+    ``routes`` only when every row has them)."""
+    length = max((len(ids) for ids, *_ in rows), default=0)
     ids = torch.full((len(rows), length), int(pad_token_id), dtype=torch.long)
     logps = torch.zeros(len(rows), length)
     steps = torch.full((len(rows), length), -1, dtype=torch.long)
-    for row, (tokens, values, versions) in enumerate(rows):
+    for row, (tokens, values, versions, *_) in enumerate(rows):
         ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         logps[row, : len(tokens)] = torch.tensor(values, dtype=torch.float32)
         if versions is not None:
             steps[row, : len(versions)] = torch.tensor(versions, dtype=torch.long)
-    known = bool(rows) and all(versions is not None for _, _, versions in rows)
-    return SampledTokens(ids, sampling_logprobs=logps, token_versions=steps if known else None)
+    known = bool(rows) and all(row[2] is not None for row in rows)
+    routes = None
+    if prompt_mask is not None:
+        routes = placed_routes([row[3] if len(row) > 3 else None for row in rows], prompt_mask, length)
+    return SampledTokens(ids, sampling_logprobs=logps, token_versions=steps if known else None, routes=routes)
+
+
+def encode_routes(routes: torch.Tensor) -> str:
+    """(T, layers, top_k) experts (none below 0) as a choice's ``routed_experts`` (see the module docstring):
+    uint8 below 256 experts, else uint16, as vLLM writes them."""
+    import numpy as np
+
+    dtype = np.uint8 if routes.numel() == 0 or int(routes.max()) < 256 else np.uint16
+    with io.BytesIO() as buffer:
+        np.save(buffer, routes.cpu().numpy().astype(dtype), allow_pickle=False)
+        return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def decoded_routes(text: Any, tokens: int, shape: tuple[int, int, int], where: str) -> torch.Tensor:
+    """The (``tokens``, layers, top_k) int16 routes of a choice's ``routed_experts`` ``text``, ``shape`` the
+    policy's (layers, top_k, experts); ``BadAnswer`` starting with ``where`` (the server, the choice) naming what is
+    wrong."""
+    import numpy as np
+
+    layers, top_k, experts = shape
+    want = (tokens, layers, top_k)
+    limit = 4 * ((math.prod(want) * 8 + NPY_HEADER_BYTES) // 3 + 1)
+    if not isinstance(text, str) or len(text) > limit:
+        size = f"{len(text)} characters" if isinstance(text, str) else type(text).__name__
+        raise BadAnswer(f"{where} has routed_experts of {size}, not the base64 .npy of {want} (at most {limit})")
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
+    except (ValueError, OSError, EOFError, binascii.Error) as err:
+        raise BadAnswer(f"{where} has routed_experts that are not a base64 .npy array ({err})") from None
+    if array.shape != want or array.dtype.kind not in "iu":
+        raise BadAnswer(f"{where} has routed_experts of shape {array.shape} ({array.dtype}), not {want} of ints "
+                        "(prompt tokens + response tokens - 1, layers, top_k)")  # fmt: skip
+    if array.size and (int(array.min()) < 0 or int(array.max()) >= experts):
+        raise BadAnswer(f"{where} has expert {int(array.max())} or {int(array.min())} outside the {experts} experts")
+    return torch.from_numpy(array.astype(np.int16))

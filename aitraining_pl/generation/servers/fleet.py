@@ -57,6 +57,7 @@ from aitraining_pl.generation.servers.replica import PushReport, Replica, Replic
 from aitraining_pl.generation.servers.routing import Gate, Member, PrefixAffinity, ReplicaRequest, joined, part
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.lora import is_peft_model, plain_weights
+from aitraining_pl.models.routing_replay import route_shape
 from aitraining_pl.models.sharding import is_sharded
 from aitraining_pl.models.weights import policy_weights
 
@@ -136,6 +137,8 @@ class Fleet:
         self.cached_tokens = 0  #: prompt tokens of the last ``sample`` found in the servers' prefix caches
         self.gate = Gate()  #: a push that is not in flight waits for the rollouts being sampled
         self.vocab: int | None = None  #: the policy's head rows (``sync``): answers' token ids are checked below it
+        #: an MoE policy's (layers, top_k, experts) (``sync``): its routes are asked for and checked against it
+        self.route_shape: tuple[int, int, int] | None = None
 
     @property
     def version(self) -> WeightsVersion | None:
@@ -224,6 +227,7 @@ class Fleet:
             request, self.version, bool(self.at_least), prompt_ids=request.prompt_ids.cpu(),
             prompt_mask=request.prompt_mask.cpu(), end_ids=list(request.end_ids), pad_token_id=pad_token_id,
             num_samples=int(request.num_samples), seed=int(seed), vocab=self.vocab,
+            routes=self.route_shape if getattr(request.generation, "routing_replay", False) else None,
         )  # fmt: skip
         prompts = [row[m.bool()].tolist() for row, m in zip(request.prompt_ids, request.prompt_mask)]
         with self.gate.sample():
@@ -239,7 +243,7 @@ class Fleet:
         for tokens, index in zip(prompts, served):
             self.affinity.record(tokens, index)
         self.cached_tokens = sum(int(getattr(m.replica, "cached_tokens", 0) or 0) for m, _ in answers)
-        return joined([out for _, out in answers], pad_token_id, device)
+        return joined([out for _, out in answers], pad_token_id, device, int(request.prompt_ids.shape[1]))
 
     def _serve(self, request: ReplicaRequest, member: Member) -> tuple[Member, SampledTokens]:
         """``request`` on ``member``, re-sent to the least loaded server up while the one asked is down."""
@@ -276,7 +280,7 @@ class Fleet:
         (under FSDP2 they walk the gathers with rank 0). A LoRA policy whose adapter travels alone
         (``adapters.supported``) pushes its unmerged base weights once to each server (again to one that rejoins),
         then its adapter alone. Returns whether the weights changed."""
-        self.vocab = vocab_of(policy)
+        self.vocab, self.route_shape = vocab_of(policy), route_shape(policy)
         if is_peft_model(policy) and not is_sharded(policy) and supported(policy):
             if self.rank != 0:
                 return self.push(iter(()), version)

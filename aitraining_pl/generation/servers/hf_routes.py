@@ -11,7 +11,9 @@ with ``backend: hf``).
   use for, such as ``min_p: 0``, are accepted). A prompt that does not fit the model's positions with ``max_tokens``
   gets 400. ``prompt_logprobs: 0`` adds vLLM's ``prompt_logprobs`` to each choice (None, then ``{"<id>": {"logprob":
   ...}}`` of each given prompt token under the untruncated softmax at temperature 1: a served teacher's scores,
-  ``teacher.HTTPTeacher``); top-k prompt log-probs (above 0) are not served.
+  ``teacher.HTTPTeacher``); top-k prompt log-probs (above 0) are not served. ``return_routed_experts: true`` (an MoE
+  model: routing replay) adds each choice's ``routed_experts`` as vLLM writes them (``answers.encode_routes``: the
+  experts of the prompt's tokens and of every response token but the last).
 - ``/inference/v1/generate`` (vLLM's tokens-in route, a VL policy's prompts with images): ``token_ids`` with each
   image placeholder unexpanded, ``content_parts`` of ``image_url`` data URLs and ``sampling_params`` (the fields
   above); the placeholders are expanded with ``--model``'s image processor (``prompt_images``) and the answer holds
@@ -53,9 +55,11 @@ from aitraining_pl.generation.backend import SampleRequest, StopRule  # noqa: E4
 from aitraining_pl.generation.config import GenerationConfig  # noqa: E402
 from aitraining_pl.generation.servers import limits  # noqa: E402
 from aitraining_pl.generation.servers.adapters import merged  # noqa: E402
+from aitraining_pl.generation.servers.answers import encode_routes  # noqa: E402
 from aitraining_pl.generation.servers.auth import TokenMiddleware  # noqa: E402
 from aitraining_pl.generation.servers.checks import PushGuard, PushRefused, WeightSpecs  # noqa: E402
 from aitraining_pl.generation.servers.vllm_worker import load_checked, push_file  # noqa: E402
+from aitraining_pl.models.routing_replay import flat_routes  # noqa: E402
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
@@ -75,6 +79,7 @@ class Completion(BaseModel):
     stop: list[str] | str | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=0)  #: 0: each prompt token's log-prob (a served teacher)
+    return_routed_experts: bool = False  #: an MoE model's routes in each choice (``answers.encode_routes``)
 
 
 class Generate(BaseModel):
@@ -258,7 +263,7 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
         greedy = body.temperature == 0
         generation = GenerationConfig(
             max_new_tokens=body.max_tokens, temperature=body.temperature or 1.0, top_p=body.top_p,
-            top_k=max(0, body.top_k), do_sample=not greedy,
+            top_k=max(0, body.top_k), do_sample=not greedy, routing_replay=body.return_routed_experts and not vision,
         )  # fmt: skip
         stops = [body.stop] if isinstance(body.stop, str) else body.stop
         rule = StopRule(tokenizer if stops else None, stops, skip_special_tokens=body.skip_special_tokens)
@@ -275,8 +280,13 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
             ids = requests[0].prompt_ids
             scored = prompt_entries(engine.prompt_logprobs(ids, torch.ones_like(ids), 1)[0], prompts[0], tokenizer)
         choices = []
-        for sampled in batcher.submit(requests, vision):
-            for tokens, logps, versions in zip(sampled.response_ids, sampled.sampling_logprobs, sampled.token_versions):
+        for request, sampled in zip(requests, batcher.submit(requests, vision)):
+            lengths = (sampled.token_versions >= 0).sum(1)
+            routes = [None] * len(lengths)
+            if sampled.routes is not None:  # the prompt's tokens, then the fed-back response tokens
+                routes = flat_routes(sampled.routes, request.prompt_mask.repeat_interleave(body.n, 0), lengths)
+            for tokens, logps, versions, route in zip(sampled.response_ids, sampled.sampling_logprobs,
+                                                      sampled.token_versions, routes):  # fmt: skip
                 length = int((versions >= 0).sum())
                 kept = tokens[:length].tolist()
                 ended = bool(kept) and kept[-1] in body.stop_token_ids
@@ -286,6 +296,7 @@ def build_app(engine: Any, tokenizer: Any, specs: WeightSpecs, name: str, positi
                     "logprobs": {"tokens": [f"token_id:{t}" for t in kept], "token_logprobs": logps[:length].tolist()},
                     "token_versions": versions[:length].tolist(),  # the weights step of each token (in-flight pushes)
                     "prompt_logprobs": scored,
+                    "routed_experts": None if route is None else encode_routes(route),
                 })  # fmt: skip
         return {"object": "text_completion", "model": name, "choices": choices}
 

@@ -27,6 +27,7 @@ do: every column carries the step and its log-prob).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -36,13 +37,14 @@ import torch
 
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import SampledTokens, SampleRequest
-from aitraining_pl.generation.hf.decoding import Forward, prefill, sample_responses, sample_steps
+from aitraining_pl.generation.hf.decoding import Forward, joined_routes, prefill, sample_responses, sample_steps
 from aitraining_pl.generation.hf.generate import hf_generation_config
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.losses import positions_from_mask, selective_log_softmax
 from aitraining_pl.models.loading import build_causal_lm, from_pretrained, one_line, resolve_dtype
 from aitraining_pl.models.presets import MODEL_PRESETS
 from aitraining_pl.models.rollout_scoring import response_logps
+from aitraining_pl.models.routing_replay import RouteRecorder, flat_routes, placed_routes, recording
 from aitraining_pl.models.tokens import padded
 
 log = logging.getLogger(__name__)
@@ -214,21 +216,37 @@ class HFServerEngine:
         generation, n = first.generation, int(first.num_samples)
         prompts = [row[keep.bool()] for r in requests for row, keep in zip(r.prompt_ids, r.prompt_mask)]
         ids, mask = padded(prompts, int(first.pad_token_id), "left", width=1, device=self.device)
-        forward = _SwappingForward(self, ids, n)
-        batch = prefill(forward, ids, mask, n) if generation.drop_ended else None
+        record = bool(getattr(generation, "routing_replay", False))
+        with recording(self.model) if record else contextlib.nullcontext() as recorder:
+            forward = _SwappingForward(self, ids, n, recorder)
+            batch = prefill(forward, ids, mask, n) if generation.drop_ended else None
+            if batch is not None:
+                prompt_routes = recorder.take() if recorder is not None else None
+                config = hf_generation_config(generation, first.end_ids, first.pad_token_id)
+                sizes = [int(r.prompt_ids.shape[0]) * n for r in requests]
+                draw = SeededDraw(seeds, sizes, self.device) if config.do_sample else None
+                # the drawn tokens' log-probs only: never (N, R, vocab) on the server
+                drawn = sample_steps(forward, batch, config, first.stop_rule, forward.park, chosen_logprobs=True,
+                                     draw=draw, recorder=recorder)  # fmt: skip
         if batch is None:  # ``generate`` (no plain cache, or ``drop_ended`` off): one request at a time
             return [self.generated(request, seed) for request, seed in zip(requests, seeds)]
-        config = hf_generation_config(generation, first.end_ids, first.pad_token_id)
-        sizes = [int(r.prompt_ids.shape[0]) * n for r in requests]
-        draw = SeededDraw(seeds, sizes, self.device) if config.do_sample else None
-        # the drawn tokens' log-probs only: never (N, R, vocab) on the server
-        drawn = sample_steps(forward, batch, config, first.stop_rule, forward.park, chosen_logprobs=True, draw=draw)
+        routes = None
+        if recorder is not None and drawn.routes is not None:
+            routes = joined_routes(prompt_routes, mask, n, drawn.routes)
+            for rows, rerouted in forward.rerouted:  # a swap recomputed these rows' routes with the new weights
+                routes[rows, : rerouted.shape[1]] = rerouted
+            routes[:, : mask.shape[1]].masked_fill_(~mask.bool().repeat_interleave(n, 0)[..., None, None], -1)
         answers, begin = [], 0
         for request, size in zip(requests, sizes):
             rows = slice(begin, begin + size)
             width = int(drawn.lengths[rows].max()) if size else 0
-            answers.append(answered(drawn.tokens[rows, :width], drawn.chosen[rows, :width], drawn.lengths[rows],
-                                    forward.steps, request.prompt_ids.device))  # fmt: skip
+            answer = answered(drawn.tokens[rows, :width], drawn.chosen[rows, :width], drawn.lengths[rows],
+                              forward.steps, request.prompt_ids.device)  # fmt: skip
+            if routes is not None:  # in the request's own layout: its prompts' padding, then the response
+                flat = flat_routes(routes[rows], mask.repeat_interleave(n, 0)[rows], drawn.lengths[rows])
+                mine = placed_routes(flat, request.prompt_mask.repeat_interleave(n, 0), width)
+                answer = answer._replace(routes=mine.to(request.prompt_ids.device))
+            answers.append(answer)
             begin += size
         return answers
 
@@ -242,12 +260,14 @@ class HFServerEngine:
         config = hf_generation_config(generation, request.end_ids, request.pad_token_id, with_logprobs=True)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(seed)
-            sampled = sample_responses(self.model, ids, mask, config, request.stop_rule, False, n)
+            record = bool(getattr(generation, "routing_replay", False))
+            sampled = sample_responses(self.model, ids, mask, config, request.stop_rule, False, n, record)
         tokens = sampled.response_ids
         lengths = torch.full((tokens.shape[0],), tokens.shape[1])
-        return answered(
+        answer = answered(
             tokens, selective_log_softmax(sampled.scores, tokens), lengths, steps, request.prompt_ids.device
         )
+        return answer._replace(routes=None if sampled.routes is None else sampled.routes.to(answer.response_ids.device))
 
     @torch.no_grad()
     def sample_images(self, request: SampleRequest, vision: Any) -> SampledTokens:
@@ -331,12 +351,16 @@ class _SwappingForward(Forward):
     after a swap in a decode step it recomputes the KV cache of the rows still decoding under the new weights.
     It follows which rows those are (their tokens so far) through the sampling loop's ``park`` hook."""
 
-    def __init__(self, engine: HFServerEngine, prompt_ids: torch.Tensor, num_samples: int):
+    def __init__(self, engine: HFServerEngine, prompt_ids: torch.Tensor, num_samples: int,
+                 recorder: RouteRecorder | None = None):  # fmt: skip
         super().__init__(engine.model)
-        self.engine = engine
+        self.engine, self.recorder = engine, recorder
         self.steps: list[int] = []  #: the weights step of each forward
         self.ids = prompt_ids.repeat_interleave(num_samples, 0)  #: the decoding rows' tokens so far
+        self.rows = torch.arange(self.ids.shape[0], device=self.ids.device)  #: their response rows
         self.kept: torch.Tensor | None = None  #: the rows of the last batch still decoding (after a ``park``)
+        #: (response rows, their routes (rows, T, layers, k)) of each recomputed cache (an MoE model's, recorded)
+        self.rerouted: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def park(self, rows: torch.Tensor, done: torch.Tensor, batch: Any) -> None:
         """``sample_steps``' hook: rows ``done`` of the batch ended and leave it before the next forward."""
@@ -354,8 +378,15 @@ class _SwappingForward(Forward):
         if cache is None:  # the prefill
             return super().__call__(ids, mask, positions)
         if self.kept is not None:
-            self.ids, self.kept = self.ids[self.kept.to(self.ids.device)], None
+            kept, self.kept = self.kept.to(self.ids.device), None
+            self.ids, self.rows = self.ids[kept], self.rows[kept]
         self.ids = torch.cat([self.ids, ids], dim=1)
-        if swapped:  # the cache was computed by the old weights: recompute it for these rows
-            return super().__call__(self.ids, mask, positions_from_mask(mask))
-        return super().__call__(ids, mask, positions, cache)
+        if not swapped:
+            return super().__call__(ids, mask, positions, cache)
+        out = super().__call__(self.ids, mask, positions_from_mask(mask))  # the cache was the old weights': again
+        if self.recorder is not None:  # every token of these rows now routes by the new weights
+            routes = self.recorder.take()
+            routes = routes.reshape(*self.ids.shape, *routes.shape[1:])
+            self.rerouted.append((self.rows, routes.to(torch.int16)))
+            self.recorder.give(routes[:, -1])  # what the sampling loop records for this step
+        return out

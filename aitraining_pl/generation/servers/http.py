@@ -13,6 +13,10 @@ samples the seeds that follow): greedy and seeded rollouts are the colocated eng
 prompt is asked once (vLLM refuses ``n > 1`` at temperature 0) and its answer repeated. The HF server
 (``/v1/models`` owned by ``aitraining-pl``) gets one request with the list of prompts, which it decodes as one batch
 with the same per-prompt seeds: the same tokens, and the same batch whatever the timing (bit-reproducible runs).
+For an MoE policy with ``generation.routing_replay`` (the request's ``routes``) the body asks
+``return_routed_experts`` and each choice's ``routed_experts`` (``answers.decoded_routes``: checked against the
+policy's layers, top-k and experts) become ``SampledTokens.routes`` in the request's layout; a server that sends none
+(a ``vllm serve`` without ``--enable-return-routed-experts``) is warned about once and its rollouts carry none.
 
 **Weights** (``push``), chosen at the first push from where the first tensor lives (never in ``setup``, before
 Lightning has moved the policy): CPU tensors go as one safetensors file in a private folder of shared memory that
@@ -40,6 +44,7 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -56,6 +61,7 @@ from aitraining_pl.generation.servers.answers import (
     answer_object,
     checked_rows,
     choice_tokens,
+    decoded_routes,
     padded_samples,
 )
 from aitraining_pl.generation.servers.replica import PushReport, ReplicaDown, ReplicaStats
@@ -98,6 +104,8 @@ def completion_body(model: str, prompt: list, request: Any, n: int, seed: int | 
     }
     if seed is not None:
         body["seed"] = int(seed)
+    if getattr(request, "routes", None) is not None:  # an MoE policy's routes (the HF server; vLLM: a server flag)
+        body["return_routed_experts"] = True
     return body
 
 
@@ -129,6 +137,7 @@ class HTTPReplica:
         self.lora: Path | None = None  #: the folder of the LoRA adapter vLLM serves the rollouts with (None: none)
         self.lora_loaded = False  #: vLLM has an adapter under ``LORA_NAME`` (the next one loads in place)
         self.adapters: dict[str, Path] = {}  #: named adapters vLLM holds (``AdapterWeights.name``) -> their folders
+        self.routeless = False  #: routes were asked for and this server sent none (warned once)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         limits = httpx.Limits(max_connections=workers, max_keepalive_connections=workers)
         self.http = httpx.Client(base_url=self.url, headers=headers, limits=limits, timeout=self.timeout)
@@ -227,14 +236,18 @@ class HTTPReplica:
                 rows += choices if asked == n else [c for c in choices for _ in range(n)]
         finally:
             self._end(tokens)
-        sampled = padded_samples(rows, request.pad_token_id)
+        sampled = padded_samples(rows, request.pad_token_id, request.prompt_mask.repeat_interleave(n, 0))
         with self._lock:
             self.stats.requests += len(prompts)
-            self.stats.tokens += sum(len(ids) for ids, _, _ in rows)
+            self.stats.tokens += sum(len(ids) for ids, *_ in rows)
+        if getattr(request, "routes", None) is not None and sampled.routes is None and not self.routeless:
+            self.routeless = True
+            why = "no routing replay; a vllm serve needs --enable-return-routed-experts"
+            warnings.warn(f"{self.url} returns no routed_experts: the trainer routes its rollouts itself ({why})",
+                          stacklevel=2)  # fmt: skip
         device = request.prompt_ids.device
-        versions = None if sampled.token_versions is None else sampled.token_versions.to(device)
-        return SampledTokens(sampled.response_ids.to(device), sampling_logprobs=sampled.sampling_logprobs.to(device),
-                             token_versions=versions)  # fmt: skip
+        moved = {k: None if v is None else v.to(device) for k, v in sampled._asdict().items()}
+        return SampledTokens(**moved)
 
     def _complete(self, body: dict[str, Any], deadline: float, index: int | None, prompt: list,
                   request: Any) -> list[tuple]:  # fmt: skip
@@ -258,8 +271,18 @@ class HTTPReplica:
         except (TypeError, ValueError, AttributeError) as err:
             raise BadAnswer(f"{self.url}: its answer while {doing} cannot be read ({type(err).__name__})") from None
         wanted = WeightsVersion.parse(getattr(request, "version", None))
-        return checked_rows(rows, self.url, doing, int(request.generation.max_new_tokens),
+        rows = checked_rows(rows, self.url, doing, int(request.generation.max_new_tokens),
                             getattr(request, "vocab", None), None if wanted is None else wanted.step)  # fmt: skip
+        shape = getattr(request, "routes", None)
+        if shape is None or images:
+            return rows
+        owners = [prompt] * len(choices) if index is not None else [p for p in prompt for _ in range(body["n"])]
+        texts = [c.get("routed_experts") for c in choices]
+        if all(text is None for text in texts):
+            return rows  # a server that records none (``sample`` warns)
+        return [(*row, decoded_routes(text, len(owner) + len(row[0]) - 1, shape, f"{self.url}: choice {i} of its "
+                                      f"answer while {doing}"))
+                for i, (row, owner, text) in enumerate(zip(rows, owners, texts))]  # fmt: skip
 
     def wait_for(self, wanted: WeightsVersion | None, deadline: float) -> None:
         """Return once the server serves ``wanted`` or a later step of its run (a version another process

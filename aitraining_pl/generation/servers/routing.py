@@ -29,6 +29,8 @@ class ReplicaRequest(SampleRequest):
     version: WeightsVersion | None = None
     newer: bool = False
     vocab: int | None = None  #: the policy's head rows, when known: every answered token id is below it
+    #: an MoE policy's (layers, top_k, experts) when its routes are asked for (routing replay), else None
+    routes: tuple[int, int, int] | None = None
 
     @classmethod
     def of(
@@ -100,9 +102,16 @@ def part(request: ReplicaRequest, start: int, stop: int) -> ReplicaRequest:
     return dataclasses.replace(request, prompt_ids=ids, prompt_mask=mask[:, -width:], seed=seed, images=images)
 
 
-def joined(parts: list[SampledTokens], pad: int, device: torch.device) -> SampledTokens:
-    """The answers of consecutive runs of prompts as one, right padded to the longest response."""
+def joined(parts: list[SampledTokens], pad: int, device: torch.device, prompt_width: int = 0) -> SampledTokens:
+    """The answers of consecutive runs of prompts as one, right padded to the longest response; their routes (each
+    run's prompts without their common left padding: ``part``) left padded to ``prompt_width`` too."""
     width = max(p.response_ids.shape[1] for p in parts)
+    routes = None
+    if all(p.routes is not None for p in parts):
+        pads = [(prompt_width - (p.routes.shape[1] - p.response_ids.shape[1]), width - p.response_ids.shape[1])
+                for p in parts]  # fmt: skip
+        routes = torch.cat([torch.nn.functional.pad(p.routes, (0, 0, 0, 0, *pad), value=-1).to(device)
+                            for p, pad in zip(parts, pads)])  # fmt: skip
 
     def cat(tensors: list[torch.Tensor | None], value: float) -> torch.Tensor | None:
         if any(t is None for t in tensors):
@@ -114,6 +123,7 @@ def joined(parts: list[SampledTokens], pad: int, device: torch.device) -> Sample
         cat([p.response_ids for p in parts], pad),
         sampling_logprobs=cat([p.sampling_logprobs for p in parts], 0.0),
         token_versions=cat([p.token_versions for p in parts], -1),
+        routes=routes,
     )
 
 
