@@ -19,6 +19,7 @@ from aitraining_pl.environments.episode import AssistantTurn, EpisodeEnvironment
 from aitraining_pl.environments.episode_guard import guarded_reset, guarded_step
 from aitraining_pl.generation.hf.episode_decoding import EpisodeTokens, TurnSample, decode_episodes, decode_turns
 from aitraining_pl.generation.hf.generate import hf_generation_config
+from aitraining_pl.models.routing_replay import warn_unrecorded
 from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.models.vision import VisionInputs, merge_vision, processor_of
@@ -152,6 +153,7 @@ def sample_episodes(
             tokens = decode_episodes(
                 model, prompt_ids, prompt_mask, config, episodes, engine.stop_rule or None, num_samples, reprefill
             )
+    warn_unrecorded(model, "the multi-turn episode decoder", bool(getattr(engine.generation, "routing_replay", False)))
     rollout = _as_rollout(tokens, episodes, prompt_ids[group], prompt_mask[group], group, config.pad_token_id)
     if episodes.vision:
         rollout.vision = VisionInputs([merge_vision(images) for images in episodes.images])

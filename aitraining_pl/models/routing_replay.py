@@ -20,8 +20,11 @@ Routes are laid out as the decoder sees its tokens: (rows, columns, layers, top_
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
+import warnings
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -35,12 +38,41 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
     return [m for m in base_model(model).modules() if type(m).__name__.endswith(names) and hasattr(m, "top_k")]
 
 
-def route_shape(model: nn.Module) -> tuple[int, int, int] | None:
-    """(layers, top_k, experts) of ``model``'s routes (``moe_routers``); None for a dense model."""
-    routers = moe_routers(model)
+class RouteShape(NamedTuple):
+    """What an MoE policy's routes look like: the decoder layer of each router (``moe_routers``' order: a model
+    whose first layers are dense has fewer routers than layers), experts per token, and experts."""
+
+    layers: tuple[int, ...]
+    top_k: int
+    experts: int
+
+
+def route_shape(model: nn.Module) -> RouteShape | None:
+    """``model``'s ``RouteShape``; None for a dense model."""
+    wanted = set(moe_routers(model))
+    routers = [(name, m) for name, m in base_model(model).named_modules() if m in wanted]
     if not routers:
         return None
-    return len(routers), int(routers[0].top_k), int(routers[0].weight.shape[0])
+    found = [re.search(r"layers\.(\d+)\.", name) for name, _ in routers]
+    layers = tuple(int(m.group(1)) if m else i for i, m in enumerate(found))
+    return RouteShape(layers, int(routers[0][1].top_k), int(routers[0][1].weight.shape[0]))
+
+
+_WARNED: set[str] = set()
+
+
+def warn_unrecorded(model: nn.Module, sampler: str, asked: bool) -> None:
+    """Once per ``sampler``: a warning that it records no routes for ``model`` (an MoE policy) although routing replay
+    is on (``asked``), so the trainer routes those rollouts itself."""
+    if asked and sampler not in _WARNED and moe_routers(model):
+        _WARNED.add(sampler)
+        warnings.warn(
+            f"routing replay: {sampler} records no routes, so the trainer routes these rollouts of an MoE policy "
+            "itself (train/routing/flip_rate is not logged for them); set generation.routing_replay: false to "
+            "silence this",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def placed_routes(rows: list[torch.Tensor | None], prompt_mask: torch.Tensor, width: int) -> torch.Tensor | None:

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from architectures import MOE, build_sharpened, names
+from architectures import MOE, build_sharpened, model_config, names
 
 from aitraining_pl.generation.config import GenerationConfig
 from aitraining_pl.generation.hf.decoding import sample_responses
@@ -97,7 +97,6 @@ def test_router_aux_loss_is_the_models_own(name):
     """With ``output_router_logits`` the auxiliary loss from the replayed forward's router logits is
     ``router_aux_loss_coef`` x the model's own ``aux_loss`` (its ``forward`` on the same padded rows); None when
     the config does not ask for it."""
-    from architectures import model_config
 
     config = {**model_config(name), "output_router_logits": True, "router_aux_loss_coef": 0.3}
     model = build_causal_lm(config, seed=0)
@@ -110,3 +109,83 @@ def test_router_aux_loss_is_the_models_own(name):
     torch.testing.assert_close(router_aux_loss(model, replay.logits, mask), 0.3 * want)
     model.config.output_router_logits = False
     assert router_aux_loss(model, replay.logits, mask) is None
+
+
+def test_the_vision_decoder_records_the_routes_the_trainer_replays():
+    """A tiny Qwen3-VL-MoE (the ``tiny-qwen3-vl`` preset with 4 experts, 2 per token): the KV-cache decoder with
+    images (``sample_with_images`` with ``record_routes``) records the experts of every prompt token (image tokens
+    included) and fed-back response token; they are the ones the trainer's forward with the pixel values routes to
+    (``vision_token_scores``), so replaying them flips none."""
+    import transformers
+
+    from aitraining_pl.datamodules.io import pad_sequences
+    from aitraining_pl.datamodules.vision import encode_with_images, image_placeholder
+    from aitraining_pl.generation.hf.vision_decoding import sample_with_images
+    from aitraining_pl.models.routing_replay import recording
+    from aitraining_pl.models.vision import VisionInputs
+    from aitraining_pl.models.vision_presets import vision_preset
+    from aitraining_pl.models.vision_scoring import vision_token_scores
+
+    processor, config, _ = vision_preset("tiny-qwen3-vl")
+    config = copy.deepcopy(config)
+    config["text_config"].update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    torch.manual_seed(0)
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = transformers.AutoConfig.for_model("qwen3_vl_moe", **fields)
+    model = transformers.AutoModelForImageTextToText.from_config(hf_config).eval()
+    placeholder = image_placeholder(processor)
+    images = [torch.randint(0, 255, (32, 32, 3), dtype=torch.uint8).numpy() for _ in range(2)]
+    from PIL import Image
+
+    texts = [placeholder + t for t in ["a?", "bc?"]]
+    encoded = [encode_with_images(processor, t, [Image.fromarray(i)]) for t, i in zip(texts, images)]
+    ids = pad_sequences([e[0] for e in encoded], 0, side="left")
+    mask = pad_sequences([[1] * len(e[0]) for e in encoded], 0, side="left")
+    vision = VisionInputs([e[1] for e in encoded])
+    generation = GenerationConfig(max_new_tokens=5, temperature=1.0)
+    drawn = sample_with_images(model, ids, mask, vision, generation, [1], None, 0, 2, seed=3, record_routes=True)
+    response = drawn.response_ids
+    scored, _ = response_mask(response, [1], None)
+    full = torch.cat([ids.repeat_interleave(2, 0), response], 1)
+    attention = torch.cat([mask.repeat_interleave(2, 0), scored], 1)
+    assert drawn.routes is not None and drawn.routes.shape[:2] == full.shape
+    rows = vision.rows(torch.arange(4) // 2)
+    with torch.no_grad(), recording(model) as recorder:
+        vision_token_scores(model, full, attention, attention, rows)
+    own = recorder.take_calls()[-1].reshape(*full.shape, *drawn.routes.shape[2:])
+    have = drawn.routes[..., 0] >= 0
+    assert int(have[:, ids.shape[1] :].sum()) > 0 and not have[attention == 0].any()
+    assert torch.equal(drawn.routes[have].sort(-1).values.long(), own[have].sort(-1).values.long())
+    with torch.no_grad(), replaying(model, drawn.routes) as replay:
+        vision_token_scores(model, full, attention, attention, rows)
+    assert replay.flipped == 0 and replay.replayed == int(have.sum())  # (token, layer) pairs
+
+
+def test_multi_turn_episodes_say_once_that_they_record_no_routes(monkeypatch):
+    """The multi-turn episode decoder records no routes: with routing replay on, sampling episodes of an MoE policy
+    warns once (the trainer routes them itself) and the rollout carries none; a dense policy, or replay off, is
+    silent."""
+    import warnings
+
+    from episode_fixtures import prompt_tensors
+
+    from aitraining_pl.environments.episode_rollout import sample_episodes
+    from aitraining_pl.environments.multiturn import GuessingGame
+    from aitraining_pl.models import load_tokenizer, routing_replay
+    from aitraining_pl.rollout import RolloutEngine
+
+    monkeypatch.setattr(routing_replay, "_WARNED", set())
+    tokenizer = load_tokenizer("byte")
+    ids, mask = prompt_tensors(tokenizer, ["Guess 1-7:"])
+    moe = build_causal_lm({**model_config("qwen3_moe"), "vocab_size": 384, "eos_token_id": 1}, seed=0).eval()
+    dense = build_causal_lm({**model_config("llama"), "vocab_size": 384, "eos_token_id": 1}, seed=0).eval()
+
+    def episodes(model, replay: bool):
+        engine = RolloutEngine(tokenizer, GenerationConfig(max_new_tokens=3, routing_replay=replay))
+        return sample_episodes(engine, model, GuessingGame(max_turns=2), ["Guess 1-7:"], [{"secret": 3}], ids, mask, 2)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        episodes(moe, False), episodes(dense, True)
+    with pytest.warns(RuntimeWarning, match="the multi-turn episode decoder records no routes"):
+        assert episodes(moe, True).routes is None

@@ -38,9 +38,10 @@ class HFBackend:
 
     def sample(self, request: SampleRequest) -> SampledTokens:
         r = request
+        record = bool(getattr(r.generation, "routing_replay", False))
         if r.vision is not None:  # prompts with images: the VL decoder, with their pixel values
             args = r.generation, r.end_ids, r.stop_rule, r.pad_token_id, r.num_samples, r.seed, self.with_logprobs
-            return sample_with_images(self.model, r.prompt_ids, r.prompt_mask, r.vision, *args)
+            return sample_with_images(self.model, r.prompt_ids, r.prompt_mask, r.vision, *args, record_routes=record)
         config = hf_generation_config(r.generation, r.end_ids, r.pad_token_id, self.with_logprobs)
         devices = [r.prompt_ids.device] if r.prompt_ids.device.type == "cuda" else []
         seeded = torch.random.fork_rng(devices=devices) if r.seed is not None else contextlib.nullcontext()
@@ -55,7 +56,7 @@ class HFBackend:
                 r.stop_rule,
                 r.generation.drop_ended,
                 r.num_samples,
-                getattr(r.generation, "routing_replay", False),
+                record,
             )
 
     def sync(self, policy: torch.nn.Module, version: Any = None) -> bool:

@@ -18,10 +18,11 @@ from typing import Any
 import torch
 
 from aitraining_pl.generation.backend import SampledTokens, StopRule
-from aitraining_pl.generation.hf.decoding import DecodeBatch, Forward, plain_cache, sample_steps
+from aitraining_pl.generation.hf.decoding import DecodeBatch, Forward, joined_routes, plain_cache, sample_steps
 from aitraining_pl.generation.hf.generate import hf_generation_config
 from aitraining_pl.losses import positions_from_mask
 from aitraining_pl.models.lora import base_model
+from aitraining_pl.models.routing_replay import recording
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.models.vision import VisionInputs, image_token_ids, model_inputs, uses_mrope
 
@@ -80,18 +81,26 @@ def sample_with_images(
     seed: int | None = None,
     with_logprobs: bool = False,
     chosen_logprobs: bool = False,
+    record_routes: bool = False,
 ) -> SampledTokens:
     """``num_samples`` responses per left-padded prompt (B, P) with its images (``vision``, one entry per prompt)
     and ``generation`` (a ``GenerationConfig``), in eval mode, seeded by ``seed`` in a forked RNG when given; rows
     in ``repeat_interleave`` order, as the text backends return them (``generation.hf.backend.HFBackend.sample``);
     ``with_logprobs``: the logits kept (``Rollout.logprobs`` and ``sampling_logprobs``); ``chosen_logprobs``: the
-    drawn tokens' log-probs only (``sampling_logprobs``, a server's: never N x R x V)."""
+    drawn tokens' log-probs only (``sampling_logprobs``, a server's: never N x R x V); ``record_routes``: an MoE
+    language model's routes too (``SampledTokens.routes``, image tokens included: ``models.routing_replay``)."""
     config = hf_generation_config(generation, end_ids, pad_token_id, with_logprobs)
     devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
     seeded = torch.random.fork_rng(devices=devices) if seed is not None else contextlib.nullcontext()
     with seeded, eval_mode(model):
         if seed is not None:
             torch.manual_seed(seed)
-        forward, batch = _prefill(model, prompt_ids, prompt_mask, vision, num_samples)
-        drawn = sample_steps(forward, batch, config, stop_rule, chosen_logprobs=chosen_logprobs)
-    return SampledTokens(drawn.tokens, drawn.logits, drawn.scores, drawn.chosen if chosen_logprobs else None)
+        with recording(model) if record_routes else contextlib.nullcontext() as recorder:
+            forward, batch = _prefill(model, prompt_ids, prompt_mask, vision, num_samples)
+            prompt_routes = recorder.take() if recorder is not None else None
+            drawn = sample_steps(forward, batch, config, stop_rule, chosen_logprobs=chosen_logprobs, recorder=recorder)
+    routes = None
+    if recorder is not None and drawn.routes is not None:
+        routes = joined_routes(prompt_routes, prompt_mask, num_samples, drawn.routes)
+    chosen = drawn.chosen if chosen_logprobs else None
+    return SampledTokens(drawn.tokens, drawn.logits, drawn.scores, chosen, routes=routes)

@@ -24,7 +24,7 @@ import torch
 
 from aitraining_pl.generation.backend import SampledTokens
 from aitraining_pl.generation.servers.replica import ReplicaDown
-from aitraining_pl.models.routing_replay import placed_routes
+from aitraining_pl.models.routing_replay import RouteShape, placed_routes
 
 #: how far above 0 a log-prob may come back (float rounding of a log-softmax)
 LOGPROB_SLACK = 1e-4
@@ -134,15 +134,16 @@ def encode_routes(routes: torch.Tensor) -> str:
         return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def decoded_routes(text: Any, tokens: int, shape: tuple[int, int, int], where: str) -> torch.Tensor:
-    """The (``tokens``, layers, top_k) int16 routes of a choice's ``routed_experts`` ``text``, ``shape`` the
-    policy's (layers, top_k, experts); ``BadAnswer`` starting with ``where`` (the server, the choice) naming what is
-    wrong."""
+def decoded_routes(text: Any, tokens: int, shape: RouteShape, where: str) -> torch.Tensor:
+    """The (``tokens``, routers, top_k) int16 routes of a choice's ``routed_experts`` ``text`` for a policy of
+    ``shape`` (``models.routing_replay.RouteShape``): one entry per router, or one per decoder layer (vLLM's: every
+    layer, the dense ones too), of which the routers' layers are kept; ``BadAnswer`` starting with ``where`` (the
+    server, the choice) naming what is wrong."""
     import numpy as np
 
-    layers, top_k, experts = shape
-    want = (tokens, layers, top_k)
-    limit = 4 * ((math.prod(want) * 8 + NPY_HEADER_BYTES) // 3 + 1)
+    depth = max(shape.layers) + 1
+    want = (tokens, len(shape.layers), shape.top_k)
+    limit = 4 * ((tokens * max(depth, len(shape.layers)) * shape.top_k * 8 + NPY_HEADER_BYTES) // 3 + 1)
     if not isinstance(text, str) or len(text) > limit:
         size = f"{len(text)} characters" if isinstance(text, str) else type(text).__name__
         raise BadAnswer(f"{where} has routed_experts of {size}, not the base64 .npy of {want} (at most {limit})")
@@ -150,9 +151,13 @@ def decoded_routes(text: Any, tokens: int, shape: tuple[int, int, int], where: s
         array = np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
     except (ValueError, OSError, EOFError, binascii.Error) as err:
         raise BadAnswer(f"{where} has routed_experts that are not a base64 .npy array ({err})") from None
+    if array.shape == (tokens, depth, shape.top_k) and depth != len(shape.layers):
+        array = array[:, list(shape.layers)]  # every decoder layer's row: the routers' layers
     if array.shape != want or array.dtype.kind not in "iu":
         raise BadAnswer(f"{where} has routed_experts of shape {array.shape} ({array.dtype}), not {want} of ints "
-                        "(prompt tokens + response tokens - 1, layers, top_k)")  # fmt: skip
-    if array.size and (int(array.min()) < 0 or int(array.max()) >= experts):
-        raise BadAnswer(f"{where} has expert {int(array.max())} or {int(array.min())} outside the {experts} experts")
+                        "(prompt tokens + response tokens - 1, MoE layers, top_k)")  # fmt: skip
+    if array.size and (int(array.min()) < 0 or int(array.max()) >= shape.experts):
+        raise BadAnswer(
+            f"{where} has expert {int(array.max())} or {int(array.min())} outside the {shape.experts} experts"
+        )
     return torch.from_numpy(array.astype(np.int16))

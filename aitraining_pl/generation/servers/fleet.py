@@ -57,7 +57,7 @@ from aitraining_pl.generation.servers.replica import PushReport, Replica, Replic
 from aitraining_pl.generation.servers.routing import Gate, Member, PrefixAffinity, ReplicaRequest, joined, part
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.models.lora import is_peft_model, plain_weights
-from aitraining_pl.models.routing_replay import route_shape
+from aitraining_pl.models.routing_replay import RouteShape, route_shape
 from aitraining_pl.models.sharding import is_sharded
 from aitraining_pl.models.weights import policy_weights
 
@@ -137,8 +137,8 @@ class Fleet:
         self.cached_tokens = 0  #: prompt tokens of the last ``sample`` found in the servers' prefix caches
         self.gate = Gate()  #: a push that is not in flight waits for the rollouts being sampled
         self.vocab: int | None = None  #: the policy's head rows (``sync``): answers' token ids are checked below it
-        #: an MoE policy's (layers, top_k, experts) (``sync``): its routes are asked for and checked against it
-        self.route_shape: tuple[int, int, int] | None = None
+        #: an MoE policy's ``RouteShape`` (``sync``): its routes are asked for and checked against it
+        self.route_shape: RouteShape | None = None
 
     @property
     def version(self) -> WeightsVersion | None:

@@ -18,6 +18,7 @@ import torch
 from aitraining_pl.generation.backend import SampledTokens, SampleRequest
 from aitraining_pl.generation.servers.replica import Replica
 from aitraining_pl.generation.version import WeightsVersion
+from aitraining_pl.models.routing_replay import RouteShape
 
 
 @dataclasses.dataclass
@@ -29,8 +30,8 @@ class ReplicaRequest(SampleRequest):
     version: WeightsVersion | None = None
     newer: bool = False
     vocab: int | None = None  #: the policy's head rows, when known: every answered token id is below it
-    #: an MoE policy's (layers, top_k, experts) when its routes are asked for (routing replay), else None
-    routes: tuple[int, int, int] | None = None
+    #: an MoE policy's ``RouteShape`` when its routes are asked for (routing replay), else None
+    routes: RouteShape | None = None
 
     @classmethod
     def of(

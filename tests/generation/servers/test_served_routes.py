@@ -19,7 +19,7 @@ from test_hf_server import fleet_of_one, prompts
 from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.servers.answers import BadAnswer, decoded_routes, encode_routes
 from aitraining_pl.models.rollout_scoring import response_logps
-from aitraining_pl.models.routing_replay import flat_routes, recording, route_shape
+from aitraining_pl.models.routing_replay import RouteShape, flat_routes, recording, route_shape
 from aitraining_pl.rollout import GenerationConfig, HFBackend, StopRule
 
 SAMPLING = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=1.0)
@@ -52,7 +52,7 @@ def test_a_servers_routes_are_the_in_process_decoders(name):
     those the in-process decoder records for the same prompt, seed and tokens: the prompt's real tokens and every
     fed-back response token, -1 on the left padding and from the response's last token on."""
     policy, ids, mask, served, own = served_and_own(name)
-    layers, k, _ = route_shape(policy)
+    layers, k = len(route_shape(policy).layers), route_shape(policy).top_k
     assert served.routes is not None and served.routes.dtype == torch.int16
     assert served.routes.shape == (6, ids.shape[1] + served.response_ids.shape[1], layers, k)
     lengths = (served.token_versions >= 0).sum(1)
@@ -163,10 +163,14 @@ def test_grpo_through_an_hf_server_replays_the_servers_routes(tmp_path):
 def test_routes_of_the_wrong_shape_or_values_are_refused_naming_the_server():
     """``decoded_routes``: the right shape comes back as int16; a wrong token count, layer count, an expert outside
     the policy's, a negative one, text that is no base64 ``.npy`` and text longer than the shape needs are each one
-    ``BadAnswer`` naming the server and the choice."""
-    where, shape = "http://127.0.0.1:1: choice 0 of its answer", (2, 2, 4)
+    ``BadAnswer`` naming the server and the choice; an array of every decoder layer (vLLM's, dense layers
+    included) keeps the routers' layers."""
+    where, shape = "http://127.0.0.1:1: choice 0 of its answer", RouteShape((0, 1), 2, 4)
     routes = torch.randint(0, 4, (5, 2, 2))
     assert torch.equal(decoded_routes(encode_routes(routes), 5, shape, where), routes.to(torch.int16))
+    deep = RouteShape((1, 3), 2, 4)  # dense layers 0 and 2: an array of every layer (vLLM's) keeps layers 1 and 3
+    every = torch.randint(0, 4, (5, 4, 2))
+    assert torch.equal(decoded_routes(encode_routes(every), 5, deep, where), every[:, [1, 3]].to(torch.int16))
     import base64
     import io
 
