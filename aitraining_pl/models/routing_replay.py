@@ -58,6 +58,15 @@ def route_shape(model: nn.Module) -> RouteShape | None:
     return RouteShape(layers, int(routers[0][1].top_k), int(routers[0][1].weight.shape[0]))
 
 
+def router_rows(routes: torch.Tensor, shape: RouteShape) -> torch.Tensor:
+    """``routes`` (T, layers, k) of the routers only: given one row per decoder layer (vLLM's ``routed_experts``, the
+    dense layers' too) where the model has fewer routers than layers, the routers' layers; else as given."""
+    depth = max(shape.layers) + 1
+    if routes.ndim == 3 and routes.shape[1] == depth != len(shape.layers):
+        return routes[:, list(shape.layers)]
+    return routes
+
+
 _WARNED: set[str] = set()
 
 

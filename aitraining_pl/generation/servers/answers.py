@@ -24,7 +24,7 @@ import torch
 
 from aitraining_pl.generation.backend import SampledTokens
 from aitraining_pl.generation.servers.replica import ReplicaDown
-from aitraining_pl.models.routing_replay import RouteShape, placed_routes
+from aitraining_pl.models.routing_replay import RouteShape, placed_routes, router_rows
 
 #: how far above 0 a log-prob may come back (float rounding of a log-softmax)
 LOGPROB_SLACK = 1e-4
@@ -151,8 +151,8 @@ def decoded_routes(text: Any, tokens: int, shape: RouteShape, where: str) -> tor
         array = np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
     except (ValueError, OSError, EOFError, binascii.Error) as err:
         raise BadAnswer(f"{where} has routed_experts that are not a base64 .npy array ({err})") from None
-    if array.shape == (tokens, depth, shape.top_k) and depth != len(shape.layers):
-        array = array[:, list(shape.layers)]  # every decoder layer's row: the routers' layers
+    if array.ndim == 3 and array.dtype.kind in "iu":
+        array = router_rows(torch.from_numpy(array.astype(np.int32)), shape).numpy()
     if array.shape != want or array.dtype.kind not in "iu":
         raise BadAnswer(f"{where} has routed_experts of shape {array.shape} ({array.dtype}), not {want} of ints "
                         "(prompt tokens + response tokens - 1, MoE layers, top_k)")  # fmt: skip

@@ -104,7 +104,7 @@ def completion_body(model: str, prompt: list, request: Any, n: int, seed: int | 
     }
     if seed is not None:
         body["seed"] = int(seed)
-    if getattr(request, "routes", None) is not None:  # an MoE policy's routes (the HF server; vLLM: a server flag)
+    if getattr(request, "routes", None) is not None:  # an MoE policy's routes (the HF server's field)
         body["return_routed_experts"] = True
     return body
 
@@ -227,6 +227,8 @@ class HTTPReplica:
             for i, prompt in enumerate(prompts if not futures else ()):
                 seed = None if request.seed is None else (int(request.seed) + i * asked) % 2**31
                 body = completion_body(model, prompt, request, asked, seed)
+                if not hf:  # a vllm serve returns routes by its own flag (--enable-return-routed-experts)
+                    body.pop("return_routed_experts", None)
                 if request.images is not None:  # vLLM's tokens-in route, which takes the images (``images``)
                     body = generate_body(body, request.images, i)
                 futures.append(self.pool.submit(self._complete, body, deadline, i, prompt, request))

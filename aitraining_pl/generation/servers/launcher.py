@@ -26,6 +26,7 @@ from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.config import LaunchConfig
 from aitraining_pl.generation.images import save_model_files
 from aitraining_pl.generation.servers.start import ServerProcess, spawn
+from aitraining_pl.models.routing_replay import moe_routers
 
 #: seconds a launched server has to answer its health route (it imports torch and transformers or vLLM, builds the
 #: model)
@@ -78,8 +79,10 @@ class LaunchedFleet:
                  trainer_gpus: int = 1, adapter_rank: int | None = None):  # fmt: skip
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
         devices = [[int(i) for i in str(d).split(",")] for d in launch.devices or []] or spread(launch, trainer_gpus)
+        routes = bool(getattr(generation, "routing_replay", False)) and bool(moe_routers(policy))
         options = dict(options=generation.vllm, dtype=dtype, seed=seed, threads=generation.server_threads,
-                       trainer_gpus=trainer_gpus, lora_rank=adapter_rank or lora_rank(policy))  # fmt: skip
+                       trainer_gpus=trainer_gpus, lora_rank=adapter_rank or lora_rank(policy),
+                       routes=routes)  # fmt: skip
         self.servers: list[ServerProcess] = []
         atexit.register(self.stop)
         try:  # started from this thread (they die with it), then waited for together

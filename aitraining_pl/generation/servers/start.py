@@ -86,10 +86,14 @@ def server_devices(devices: Sequence[int] | None, trainer_gpus: int) -> str | No
 
 
 def vllm_command(folder: Path, host: str, port: int, dtype: str, seed: int, options: Any, gpu: bool,
-                 lora_rank: int | None = None, teacher: str | None = None) -> list[str]:  # fmt: skip
+                 lora_rank: int | None = None, teacher: str | None = None,
+                 routes: bool = False) -> list[str]:  # fmt: skip
     """The ``vllm serve`` command line for the launched server (``options``: the run's ``VLLMConfig``;
     ``lora_rank``: the policy's LoRA rank, whose adapters are then pushed alone; ``teacher``: a distillation
-    teacher's folder or hub id, served with its own weights and no pushes)."""
+    teacher's folder or hub id, served with its own weights and no pushes; ``routes``: an MoE policy's routes
+    returned with each choice, for routing replay: ``--enable-return-routed-experts`` on a GPU (vLLM 0.32 returns
+    them from its V2 model runner only, which needs Triton: never on the CPU build;
+    ``generation.registry.vllm_returns_routes``)."""
     flags = SERVE_FLAGS if teacher else VLLM_FLAGS
     argv = [sys.executable, "-m", "aitraining_pl.generation.servers.auth",  # watched from its first instant
             "vllm.entrypoints.openai.api_server", "--model", str(teacher or folder),
@@ -112,6 +116,7 @@ def vllm_command(folder: Path, host: str, port: int, dtype: str, seed: int, opti
     if gpu:
         argv += ["--gpu-memory-utilization", str(options.gpu_memory_utilization),
                  "--weight-transfer-config", json.dumps({"backend": "nccl"})]  # fmt: skip
+        argv += ["--enable-return-routed-experts"] if routes and not teacher else []
     else:
         argv += CPU_FLAGS
     return argv
@@ -205,13 +210,13 @@ def start(engine: str, folder: Path, *, options: Any, dtype: str = "auto", seed:
 
 def spawn(engine: str, folder: Path, *, options: Any, dtype: str = "auto", seed: int = 0, threads: int | None = None,
           host: str = "127.0.0.1", devices: Sequence[int] | None = None, trainer_gpus: int = 1,
-          lora_rank: int | None = None, teacher: str | None = None) -> ServerProcess:  # fmt: skip
+          lora_rank: int | None = None, teacher: str | None = None, routes: bool = False) -> ServerProcess:  # fmt: skip
     """``start`` without the wait (``ServerProcess.wait_ready``): call it from the thread that lives as long as the
     server (the kernel's parent-death signal follows the thread that started the child)."""
     visible = server_devices(devices, trainer_gpus)
     port = free_port(host)
     if engine == "vllm":
-        argv = vllm_command(folder, host, port, dtype, seed, options, visible is not None, lora_rank, teacher)
+        argv = vllm_command(folder, host, port, dtype, seed, options, visible is not None, lora_rank, teacher, routes)
         env = {} if visible is not None else {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(options.cpu_kv_cache_gb)))}
         if lora_rank:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
