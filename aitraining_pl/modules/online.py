@@ -325,18 +325,24 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
         vision: Any = None,
         routes: torch.Tensor | None = None,
     ) -> tuple[ResponseScores, dict[str, torch.Tensor]]:
-        """``response_scores`` of the policy, and the routing statistics of an MoE policy: with the sampler's
-        ``routes`` (N, P + R, layers, k) and ``generation.routing_replay``, the forward routes as the sampler did
-        (R3, ``models.routing_replay``; rows padded, not packed) and ``routing/flip_rate`` says how many (token,
-        layer) routes it replaced; in training mode the router's auxiliary loss where the config asks for it
-        (``routing/aux_loss``, for the caller to add to the loss)."""
+        """``response_scores`` of the policy and its routing statistics (``routed``)."""
+        temperature, model = self.generation.temperature, self.policy
+        score = lambda free: response_logps(  # noqa: E731
+            model, input_ids, attention_mask, prompt_length, temperature, free, with_entropy, vision=vision
+        )
+        return self.routed(score, attention_mask, routes)
+
+    def routed(self, score: Callable[[bool], Any], attention_mask: torch.Tensor, routes: torch.Tensor | None = None):
+        """``score(padding_free)`` (a pass of the policy over rows with ``attention_mask`` (N, L)) and the routing
+        statistics of an MoE policy: with the sampler's ``routes`` (N, L, layers, k) and ``generation.routing_replay``,
+        the pass routes as the sampler did (R3, ``models.routing_replay``; rows padded, not packed) and
+        ``routing/flip_rate`` says how many (token, layer) routes it replaced; in training mode the router's
+        auxiliary loss where the config asks for it (``routing/aux_loss``, for the caller to add to the loss)."""
         model = self.policy
         replay = routes if routes is not None and self.generation.routing_replay else None
         aux = model.training and bool(getattr(getattr(model, "config", None), "output_router_logits", False))
         if replay is None and not aux:
-            return self.response_scores(
-                model, input_ids, attention_mask, prompt_length, with_entropy, vision=vision
-            ), {}
+            return score(self.padding_free), {}
         if replay is not None and group_size() > 1:
             raise ConfigError(
                 OPTION,
@@ -345,9 +351,7 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
             )
         scoring_path(model)  # probed before the routers are hooked
         with replaying(model, replay, keep_logits=aux) as routed:
-            out = response_logps(
-                model, input_ids, attention_mask, prompt_length, self.generation.temperature, False, with_entropy
-            )
+            out = score(False)
         stats = {}
         if replay is not None:
             stats["routing/flip_rate"] = torch.tensor(routed.flipped / max(routed.replayed, 1))

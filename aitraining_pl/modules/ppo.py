@@ -50,6 +50,7 @@ class Experience:
     returns: torch.Tensor
     is_weights: torch.Tensor | None = None  #: truncated importance weights of a vLLM rollout (``sampler_correction``)
     vision: Any = None  #: each row's images (``models.vision.VisionInputs``) for a VL policy
+    routes: torch.Tensor | None = None  #: (B, P + R, layers, k) an MoE sampler's routes, replayed (``routed``)
 
 
 class PPOModule(OnlineRLModule):
@@ -200,19 +201,28 @@ class PPOModule(OnlineRLModule):
         """Response log-probs (temperature-scaled), entropies (``with_entropy``) and values, (B, R) each, from one
         decoder pass with the fused LM head (``PPOModel.score``: no (B, R, V) logits); ``vision``: the rows' images
         (a VL policy: the value head on its language model's hidden states)."""
+        return self.scores(input_ids, attention_mask, prompt_length, with_entropy, vision)[0]
+
+    def scores(self, input_ids, attention_mask, prompt_length: int, with_entropy: bool = False, vision: Any = None,
+               routes: torch.Tensor | None = None) -> tuple[PolicyValueScores, dict[str, torch.Tensor]]:  # fmt: skip
+        """``forward`` with an MoE policy's routing statistics: the sampler's ``routes`` replayed, the router's
+        auxiliary loss (``OnlineRLModule.routed``)."""
         temperature = self.generation.temperature
-        return self.model.score(input_ids, attention_mask, prompt_length, temperature, with_entropy, vision=vision)
+        score = lambda free: self.model.score(  # noqa: E731
+            input_ids, attention_mask, prompt_length, temperature, with_entropy, free, vision=vision
+        )
+        return self.routed(score, attention_mask, routes)
 
     @torch.no_grad()
-    def old_and_reference(self, input_ids, attention_mask, prompt_length: int, vision: Any = None):
+    def old_and_reference(self, input_ids, attention_mask, prompt_length: int, vision: Any = None, routes=None):
         """Log-probs and values of the policy (eval mode) and reference log-probs of the sampled responses,
         (B, R) each, computed a run of rows at a time (``row_chunks``; with their images, ``vision``, for a VL
-        policy)."""
+        policy; an MoE sampler's ``routes`` replayed by the policy)."""
 
         def rows(r: torch.Tensor):
             ids, mask, images = input_ids[r], attention_mask[r], self.vision_rows(vision, r)
             with eval_mode(self.model):
-                scores = self(ids, mask, prompt_length, vision=images)
+                scores, _ = self.scores(ids, mask, prompt_length, vision=images, routes=_rows(routes, r))
             return scores.logprobs, scores.values, self.reference_logprobs(ids, mask, prompt_length, images)
 
         return tuple(torch.cat(p) for p in zip(*self.in_minibatches(rows, input_ids.shape[0], attention_mask)))
@@ -222,7 +232,7 @@ class PPOModule(OnlineRLModule):
         """Old log-probs and values, reference log-probs, per-token KL-penalised rewards, whitened GAE."""
         hp, mask, P = self.hparams, rollout.mask, rollout.prompt_length
         old_logprobs, old_values, ref_logprobs = self.old_and_reference(
-            rollout.input_ids, rollout.attention_mask, P, rollout.vision
+            rollout.input_ids, rollout.attention_mask, P, rollout.vision, rollout.routes
         )
         # per-token rewards: -kl_coef * KL_t, plus the score on the last response token
         rewards, kl = token_rewards(
@@ -242,6 +252,7 @@ class PPOModule(OnlineRLModule):
             returns,
             weights,
             rollout.vision,
+            rollout.routes,
         )
         stats.update(kl=kl.sum(1).mean(), explained_variance=explained_variance(old_values, returns, mask))
         return experience, stats
@@ -252,7 +263,8 @@ class PPOModule(OnlineRLModule):
         hp = self.hparams
         mask = exp.mask[idx]
         images = self.vision_rows(exp.vision, idx)
-        out = self(exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_length, with_entropy=True, vision=images)
+        out, routing = self.scores(exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_length, True, images,
+                                   _rows(exp.routes, idx))  # fmt: skip
         is_weights = exp.is_weights[idx] if exp.is_weights is not None else None
         policy_loss, stats = self.policy_gradient_loss(
             out.logprobs, out.entropy, exp.logprobs[idx], exp.advantages[idx], mask, "token", None, is_weights
@@ -260,7 +272,10 @@ class PPOModule(OnlineRLModule):
         value_loss = ppo_value_loss(out.values, exp.values[idx], exp.returns[idx], mask, hp.value_clip)
         entropy = masked_mean(out.entropy, mask)
         loss = policy_loss + hp.value_coef * value_loss - hp.entropy_coef * entropy
+        if "routing/aux_loss" in routing:  # the config's router auxiliary loss (``output_router_logits``)
+            loss = loss + routing["routing/aux_loss"]
         return loss, {
+            **{k: v.detach() for k, v in routing.items()},
             "loss": loss.detach(),
             "policy_loss": policy_loss.detach(),
             "value_loss": value_loss.detach(),
@@ -277,3 +292,7 @@ class PPOModule(OnlineRLModule):
         super().save_pretrained(path, merge_lora=merge_lora)
         state = {k: v.detach().cpu().contiguous() for k, v in self.model.value_head.state_dict().items()}
         save_file(state, os.path.join(str(path), "value_head.safetensors"))
+
+
+def _rows(routes: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    return None if routes is None else routes[rows]

@@ -1,6 +1,6 @@
-"""GRPO on a mixture-of-experts policy (Qwen3-MoE, tiny, random) with routing replay (``models.routing_replay``):
-the sampler's routes reach the policy and proximal passes, the router's auxiliary loss follows the config, and the
-policy learns."""
+"""GRPO and PPO on a mixture-of-experts policy (Qwen3-MoE, tiny, random) with routing replay
+(``models.routing_replay``): the sampler's routes reach the policy and proximal (PPO: old log-prob and value) passes,
+the router's auxiliary loss follows the config, and the GRPO policy learns."""
 
 from __future__ import annotations
 
@@ -69,5 +69,36 @@ def test_grpo_learns_on_an_moe_policy_with_routing_replay(tmp_path):
     print(f"\nP(f | prompt): {float(before):.3f} before, {float(after):.3f} after")
     assert before < 0.2 and after > 0.5, (before, after)
     assert seen and all(r is not None and r.shape[2:] == (2, 2) for r in seen)
+    stats = module.update_history[-1]
+    assert stats["routing/flip_rate"] == 0 and stats["routing/aux_loss"] > 0
+
+
+def test_ppo_replays_the_samplers_routes_in_both_passes(tmp_path):
+    """PPO on the MoE policy: the old log-prob / value pass (eval mode) and each minibatch's pass get the rollout's
+    routes (the sampler's, recorded by the HF decoder) and replay them; the step logs ``routing/flip_rate`` 0 (the
+    sampler is the policy with the same weights) and ``routing/aux_loss`` (the config's load-balancing loss, added to
+    the loss)."""
+    from aitraining_pl.modules.ppo import PPOModule
+
+    pl.seed_everything(0)
+    folder = word_tokenizer(tmp_path / "tokenizer")
+    module = PPOModule(
+        model_config=POLICY,
+        tokenizer_name=folder,
+        reward=f_reward,
+        generation=GenerationConfig(max_new_tokens=3, temperature=1.0, top_p=1.0),
+        learning_rate=0.01,
+        mini_batch_size=4,
+        ppo_epochs=1,  # one minibatch, before the step: the policy is still the sampler
+    )
+    seen = []
+    scores = module.scores
+    routes_of = lambda args, kw: args[5] if len(args) > 5 else kw.get("routes")  # noqa: E731
+    module.scores = lambda *args, **kw: seen.append((module.model.training, routes_of(args, kw))) or scores(*args, **kw)
+    tokenizer = load_tokenizer(folder)
+    dm = PromptDataModule(prompts=["a"] * 8, tokenizer=tokenizer, batch_size=4)
+    quiet_trainer(tmp_path, max_steps=1).fit(module, dm)
+    assert {training for training, _ in seen} == {False, True}
+    assert all(routes is not None and routes.shape[2:] == (2, 2) for _, routes in seen)
     stats = module.update_history[-1]
     assert stats["routing/flip_rate"] == 0 and stats["routing/aux_loss"] > 0
