@@ -216,15 +216,67 @@ def replaying(model: nn.Module, routes: torch.Tensor | None, keep_logits: bool =
         replay.close()
 
 
-def router_aux_loss(model: nn.Module, logits: list[torch.Tensor], attention_mask: torch.Tensor) -> torch.Tensor | None:
-    """``router_aux_loss_coef`` x the model's own load-balancing loss (Switch Transformer, Fedus et al. 2021, eqs.
-    4-6, by the model's ``load_balancing_loss_func``) over the router ``logits`` of a forward on rows with
-    ``attention_mask`` (N, L); None unless the config asks for it (``output_router_logits`` and a coefficient)."""
+def _aux_settings(model: nn.Module) -> tuple[float, int, int, object] | None:
+    """(coefficient, experts, top_k, the model's ``load_balancing_loss_func``) where the config asks for the router's
+    auxiliary loss (``output_router_logits`` and a coefficient), else None."""
     lm = base_model(model)
     config = lm.config
     coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
     loss_fn = getattr(sys.modules[type(lm).__module__], "load_balancing_loss_func", None)
-    if not (getattr(config, "output_router_logits", False) and coef and logits and loss_fn is not None):
+    if not (getattr(config, "output_router_logits", False) and coef and loss_fn is not None):
         return None
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    return coef * loss_fn(tuple(logits), experts, config.num_experts_per_tok, attention_mask)
+    return coef, int(experts), int(config.num_experts_per_tok), loss_fn
+
+
+def router_aux_loss(model: nn.Module, logits: list[torch.Tensor], attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """``router_aux_loss_coef`` x the model's own load-balancing loss (Switch Transformer, Fedus et al. 2021, eqs.
+    4-6, by the model's ``load_balancing_loss_func``) over the router ``logits`` of a forward on rows with
+    ``attention_mask`` (N, L); None unless the config asks for it (``output_router_logits`` and a coefficient)."""
+    settings = _aux_settings(model)
+    if settings is None or not logits:
+        return None
+    coef, experts, top_k, loss_fn = settings
+    return coef * loss_fn(tuple(logits), experts, top_k, attention_mask)
+
+
+class RouterLoad:
+    r"""The load-balancing loss of a minibatch split into micro-batches (token budgets), exactly: the loss is
+    ``experts * sum_e (T_e / N) (S_e / N)`` (transformers' ``load_balancing_loss_func``: ``T_e`` the top-k picks of
+    expert ``e`` and ``S_e`` the sum of its router probabilities over the ``N`` real (token, layer) rows), linear in
+    ``S`` given the counts ``T`` and ``N``, which carry no gradient. A first, gradient-free pass over the micro-batches
+    ``add``\ s their counts; then each micro-batch's ``share`` is ``coef * experts * sum_e T_e S_e^micro / N^2`` with
+    the minibatch's ``T`` and ``N``: the shares add up to the one-pass loss, in value and gradient."""
+
+    def __init__(self) -> None:
+        self.counting = True
+        self.picks: torch.Tensor | float = 0.0
+        self.rows: torch.Tensor | float = 0.0
+
+    @staticmethod
+    def sums(logits: list[torch.Tensor], attention_mask: torch.Tensor, experts: int, top_k: int):
+        """(T (E,), S (E,), N) of ``logits`` (one (rows, E) tensor per layer) over the rows of ``attention_mask``."""
+        flat = attention_mask.reshape(-1).float()
+        picks = probs = 0.0
+        for layer in logits:
+            weights = layer.float().softmax(-1)
+            chosen = weights.topk(top_k, dim=-1).indices.reshape(-1)
+            zeros = torch.zeros(experts, device=layer.device)
+            picks = picks + zeros.scatter_add(0, chosen, flat.to(layer.device).repeat_interleave(top_k))
+            probs = probs + (weights * flat.to(layer.device)[:, None]).sum(0)
+        return picks, probs, flat.sum() * len(logits)
+
+    def add(self, model: nn.Module, logits: list[torch.Tensor], attention_mask: torch.Tensor) -> None:
+        settings = _aux_settings(model)
+        if settings is None or not logits:
+            return
+        picks, _, rows = self.sums([x.detach() for x in logits], attention_mask, settings[1], settings[2])
+        self.picks, self.rows = self.picks + picks, self.rows + rows
+
+    def share(self, model: nn.Module, logits: list[torch.Tensor], attention_mask: torch.Tensor) -> torch.Tensor | None:
+        settings = _aux_settings(model)
+        if settings is None or not logits:
+            return None
+        coef, experts, top_k, _ = settings
+        _, probs, _ = self.sums(logits, attention_mask, experts, top_k)
+        return coef * experts * (self.picks * probs).sum() / self.rows**2

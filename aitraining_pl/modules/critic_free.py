@@ -306,10 +306,8 @@ class CriticFreeModule(OnlineRLModule):
         loss, stats = self.policy_gradient_loss(
             out.logprobs, out.entropy, old, exp.advantages[idx], mask, hp.loss_aggregation, ref, is_weights
         )
-        if "routing/aux_loss" in routing:  # the config's router auxiliary loss (``output_router_logits``)
-            loss = loss + routing["routing/aux_loss"]
-        return loss, {
-            **{k: v.detach() for k, v in routing.items()},
+        return loss, {  # an MoE config's router auxiliary loss, ``routing/aux_loss``: added by ``minibatch_backward``
+            **routing,
             "loss": loss.detach(),
             "entropy": masked_mean(out.entropy.detach(), exp.response_mask[idx]),
             **stats,

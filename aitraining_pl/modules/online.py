@@ -337,7 +337,8 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
         statistics of an MoE policy: with the sampler's ``routes`` (N, L, layers, k) and ``generation.routing_replay``,
         the pass routes as the sampler did (R3, ``models.routing_replay``; rows padded, not packed) and
         ``routing/flip_rate`` says how many (token, layer) routes it replaced; in training mode the router's
-        auxiliary loss where the config asks for it (``routing/aux_loss``, for the caller to add to the loss)."""
+        auxiliary loss where the config asks for it (``routing/aux_loss``, which ``minibatch_backward`` adds to the
+        loss; a micro-batch's exact share of its minibatch's under a token budget: ``router_load``)."""
         model = self.policy
         replay = routes if routes is not None and self.generation.routing_replay else None
         aux = model.training and bool(getattr(getattr(model, "config", None), "output_router_logits", False))
@@ -355,7 +356,13 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
         stats = {}
         if replay is not None:
             stats["routing/flip_rate"] = torch.tensor(routed.flipped / max(routed.replayed, 1))
-        aux_loss = router_aux_loss(model, routed.logits, attention_mask) if aux else None
+        load = self.router_load  # a minibatch split by a token budget: its counts, then each micro-batch's share
+        aux_loss = None
+        if aux and load is not None and load.counting:
+            load.add(model, routed.logits, attention_mask)
+        elif aux:
+            share = load.share if load is not None else router_aux_loss
+            aux_loss = share(model, routed.logits, attention_mask)
         if aux_loss is not None:
             stats["routing/aux_loss"] = aux_loss
         return out, stats

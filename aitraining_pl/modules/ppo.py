@@ -272,10 +272,8 @@ class PPOModule(OnlineRLModule):
         value_loss = ppo_value_loss(out.values, exp.values[idx], exp.returns[idx], mask, hp.value_clip)
         entropy = masked_mean(out.entropy, mask)
         loss = policy_loss + hp.value_coef * value_loss - hp.entropy_coef * entropy
-        if "routing/aux_loss" in routing:  # the config's router auxiliary loss (``output_router_logits``)
-            loss = loss + routing["routing/aux_loss"]
-        return loss, {
-            **{k: v.detach() for k, v in routing.items()},
+        return loss, {  # an MoE config's router auxiliary loss, ``routing/aux_loss``: added by ``minibatch_backward``
+            **routing,
             "loss": loss.detach(),
             "policy_loss": policy_loss.detach(),
             "value_loss": value_loss.detach(),

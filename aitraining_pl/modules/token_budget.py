@@ -13,6 +13,7 @@ import torch
 
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.losses.micro_batches import contiguous_budget_split, loss_share, token_budget_partition
+from aitraining_pl.models.routing_replay import RouterLoad
 from aitraining_pl.models.sequence_parallel import group_size
 
 
@@ -29,6 +30,9 @@ def check_token_budget(owner: str, token_budget: int | None, top_entropy_quantil
 class TokenBudgetSteps:
     """Mixin of ``OnlineRLModule``: reads ``token_budget`` and ``mini_batch_size`` from ``hparams``; calls the
     module's ``minibatch_loss`` and ``manual_backward``."""
+
+    #: while a minibatch split into micro-batches runs, the counts of its MoE router load (``minibatch_backward``)
+    router_load: RouterLoad | None = None
 
     def row_chunks(self, n: int, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Consecutive runs of the ``n`` rows for a no-grad pass: ``mini_batch_size`` rows at a time, or with a
@@ -68,14 +72,33 @@ class TokenBudgetSteps:
     ) -> dict[str, torch.Tensor]:
         """``minibatch_loss`` on ``rows`` and its backward, divided by ``accum``; gradients synchronised across
         ranks after the last backward when ``sync``. With a ``token_budget``, one forward/backward per micro-batch
-        (``micro_batches``), each loss times its share: the sum is the minibatch's loss, and its gradient. Returns
-        the stats: ``loss`` that sum, the others the share-weighted means of the micro-batches'."""
+        (``micro_batches``), each loss times its share: the sum is the minibatch's loss, and its gradient. An MoE
+        policy's router auxiliary loss (``routing/aux_loss`` of the stats, added here) is the minibatch's too: split,
+        a gradient-free pass over the micro-batches first counts the router load
+        (``models.routing_replay.RouterLoad``), then each micro-batch adds its exact part. Returns the stats: ``loss``
+        that sum (the auxiliary loss included), ``routing/aux_loss`` the minibatch's, the others the share-weighted
+        means of the micro-batches'."""
         parts = self.micro_batches(experience, rows)
+        split = len(parts) > 1
+        if split and bool(getattr(getattr(self.policy, "config", None), "output_router_logits", False)):
+            self.router_load = RouterLoad()
+            with torch.no_grad():
+                for micro, _ in parts:
+                    self.minibatch_loss(experience, micro)
+            self.router_load.counting = False
         merged: dict[str, torch.Tensor] = {}
-        for k, (micro, share) in enumerate(parts):
-            with optimizer.toggle_model(sync_grad=sync and k == len(parts) - 1):
-                loss, stats = self.minibatch_loss(experience, micro)
-                self.manual_backward((loss * share) / accum if len(parts) > 1 else loss / accum)
-            for key, value in stats.items():
-                merged[key] = merged.get(key, 0.0) + value * share if len(parts) > 1 else value
-        return merged
+        try:
+            for k, (micro, share) in enumerate(parts):
+                with optimizer.toggle_model(sync_grad=sync and k == len(parts) - 1):
+                    loss, stats = self.minibatch_loss(experience, micro)
+                    aux = stats.get("routing/aux_loss")
+                    loss = loss * share if split else loss
+                    self.manual_backward((loss if aux is None else loss + aux) / accum)
+                for key, value in stats.items():
+                    whole = key == "routing/aux_loss"  # each micro-batch's part of the minibatch's: summed
+                    if whole:
+                        merged["loss"] = merged.get("loss", 0.0) + value.detach()
+                    merged[key] = merged.get(key, 0.0) + (value * share if split and not whole else value)
+        finally:
+            self.router_load = None
+        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in merged.items()}

@@ -244,6 +244,49 @@ def test_ppo():
     _check_online(module, experience, "PPO (policy + value + entropy)")
 
 
+#: a tiny Qwen3-MoE over the byte vocabulary whose config asks for the router's load-balancing loss
+MOE = {
+    "model_type": "qwen3_moe", "vocab_size": 384, "hidden_size": 32, "intermediate_size": 64,
+    "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "output_router_logits": True,
+    "router_aux_loss_coef": 0.5, "pad_token_id": 0, "eos_token_id": 1,
+}  # fmt: skip
+
+
+def _recorded_routes(module, ids, attention):
+    """The routes the policy itself takes on the rows (the sampler's, as the HF decoder records them)."""
+    from aitraining_pl.models.routing_replay import recording
+
+    with torch.no_grad(), recording(module.policy) as recorder:
+        module.policy(input_ids=ids, attention_mask=attention)
+    routes = recorder.take().reshape(*ids.shape, 2, 2).to(torch.int16)
+    return routes.masked_fill(attention[..., None, None] == 0, -1)
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_moe_router_aux_loss_is_the_minibatchs(replay):
+    """GRPO and PPO on an MoE policy whose config adds the router's load-balancing loss (not additive over
+    micro-batches: a product of two means over the minibatch's tokens): under the budget, a gradient-free pass counts
+    the minibatch's router load and each micro-batch adds its exact part (``RouterLoad``), so the loss (auxiliary
+    loss included) and every gradient, the routers' too, equal the one-pass step's; with and without the sampler's
+    routes replayed."""
+    ids, attention, mask, loss_mask, advantages, old, ref = _rollout_tensors(4)
+    grpo = CriticFreeModule(model_config=MOE, tokenizer_name="byte", reward=TOY_REWARD, kl_coef=0.1,
+                            generation=GenerationConfig(max_new_tokens=100), num_generations=2)  # fmt: skip
+    routes = _recorded_routes(grpo, ids, attention) if replay else None
+    experience = PolicyExperience(ids, attention, 4, loss_mask, advantages, old, ref, mask, routes=routes)
+    _check_online(grpo, experience, f"GRPO, MoE router aux loss, replay {replay}")
+    stats = grpo.minibatch_backward(_Optimizer(), experience, torch.arange(8), accum=1, sync=True)
+    assert stats["routing/aux_loss"] > 0 and ("routing/flip_rate" in stats) == replay
+
+    ppo = PPOModule(model_config=MOE, tokenizer_name="byte", reward=TOY_REWARD)
+    g = torch.Generator().manual_seed(9)
+    values, returns = torch.randn(8, mask.shape[1], generator=g) * mask, torch.randn(8, mask.shape[1], generator=g)
+    routes = _recorded_routes(ppo, ids, attention) if replay else None
+    experience = Experience(ids, attention, 4, loss_mask, old, values, advantages, returns * mask, routes=routes)
+    _check_online(ppo, experience, f"PPO, MoE router aux loss, replay {replay}")
+
+
 def test_distillation_full_divergence():
     module = DistillationModule(
         teacher_model_config={**TINY_LLAMA, "num_hidden_layers": 1}, model_config=TINY_LLAMA, tokenizer_name="byte"
