@@ -39,7 +39,7 @@ from aitraining_pl.models.training import eval_mode
 from aitraining_pl.modules.base import MODULE_RANGES, AlignmentModule
 from aitraining_pl.modules.policy_loss import POLICY_LOSS_RANGES, PolicyLossOptions, moved_correction
 from aitraining_pl.modules.timing import Stopwatch
-from aitraining_pl.modules.token_budget import TokenBudgetSteps, check_token_budget
+from aitraining_pl.modules.token_budget import TokenBudgetSteps, check_row_budget, check_token_budget
 from aitraining_pl.rewards import DEFAULT_REWARD_TIMEOUT, build_reward_source
 from aitraining_pl.rollout import (
     GenerationConfig,
@@ -189,6 +189,7 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
         """Set the rollout source up (``RolloutSource.setup``: the generation backend or fleet, launched servers,
         the asynchronous pipeline) for this process's rank."""
         seed = int(self.hparam("seed", 0))
+        check_row_budget(self, self.trainer, self.generation, self.source.episodic or self.rows_per_sample > 1)
         self.source.setup(self.policy, self.tokenizer, self.global_rank, self.trainer, seed, self.device)
         if self.pipeline is not None and group_size() > 1:  # its worker thread would run the group's collectives
             raise ConfigError(OPTION, "sequence parallelism runs synchronous rollouts (generation.max_staleness 0)")

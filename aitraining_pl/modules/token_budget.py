@@ -27,6 +27,28 @@ def check_token_budget(owner: str, token_budget: int | None, top_entropy_quantil
         )
 
 
+def check_row_budget(module: Any, trainer: Any, generation: Any, open_ended: bool) -> None:
+    """Before training: with a ``token_budget`` and no sequence parallelism, a row (a prompt of the training data and
+    ``generation.max_new_tokens``) that can be longer than the budget fits no micro-batch; refused here, naming the
+    option and the longest prompt, rather than at the step that samples it (``TokenBudgetError``, kept as the
+    backstop). Not checked for ``open_ended`` rows (episodes, agents' sequences: their length is the environment's)."""
+    budget = module.hparam("token_budget")
+    dataset = getattr(getattr(trainer, "datamodule", None), "train_dataset", None)
+    prompts = getattr(dataset, "input_ids", None)
+    if not budget or open_ended or group_size() > 1 or not prompts:
+        return
+    index = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    longest, new = len(prompts[index]), int(generation.max_new_tokens)
+    if longest + new > budget:
+        raise ConfigError(
+            f"{type(module).__name__}.token_budget",
+            f"{budget} tokens: prompt {index} of the training data has {longest} tokens, and with "
+            f"generation.max_new_tokens {new} its rows can have {longest + new}, which no micro-batch holds; raise "
+            "token_budget, lower max_new_tokens or the data module's max_prompt_length, or split rows with sequence "
+            "parallelism (docs/long_context.md)",
+        )
+
+
 class TokenBudgetSteps:
     """Mixin of ``OnlineRLModule``: reads ``token_budget`` and ``mini_batch_size`` from ``hparams``; calls the
     module's ``minibatch_loss`` and ``manual_backward``."""

@@ -359,3 +359,25 @@ def test_grpo_fit_with_a_budget_makes_the_same_update(tmp_path, monkeypatch):
     assert max(float((weights[0][n] - weights[1][n]).abs().max()) for n in weights[0]) < 1e-5
     initial = CriticFreeModule(model_config=TINY_LLAMA, tokenizer_name="byte", reward=TOY_REWARD).policy
     assert not torch.allclose(initial.lm_head.weight, weights[1]["lm_head.weight"])  # it trained
+
+
+def test_a_prompt_too_long_for_the_budget_is_refused_before_training(tmp_path):
+    """GRPO with ``token_budget: 20`` and ``max_new_tokens: 16``: the training data's 9-token prompt makes rows of up
+    to 25 tokens, which fit no micro-batch; ``fit`` stops at setup, before any rollout, with one line naming the
+    option, the prompt and the lengths. A budget of 25 passes the check."""
+    from conftest import quiet_trainer
+
+    from aitraining_pl.datamodules.prompt import PromptDataModule
+    from aitraining_pl.modules.critic_free import GRPOModule
+    from aitraining_pl.modules.token_budget import check_row_budget
+
+    module = GRPOModule(model_config=TINY_LLAMA, tokenizer_name="byte", reward=TOY_REWARD, num_generations=2,
+                        mini_batch_size=4, token_budget=20, generation=GenerationConfig(max_new_tokens=16))  # fmt: skip
+    module.generate_rollouts = lambda *a, **k: pytest.fail("sampled before the check")
+    data = PromptDataModule(prompts=["ab", "abcdefghi"], tokenizer=module.tokenizer, batch_size=2)
+    why = r"GRPOModule\.token_budget: 20 tokens: prompt 1 of the training data has 9 tokens, .* can have 25"
+    with pytest.raises(ConfigError, match=why):
+        quiet_trainer(tmp_path, max_steps=1).fit(module, data)
+    module.hparams["token_budget"] = 25
+    trainer = type("T", (), {"datamodule": data})()
+    check_row_budget(module, trainer, module.generation, False)  # no error
