@@ -121,6 +121,21 @@ class TextDataModule(pl.LightningDataModule):
         kwargs = trainer.distributed_sampler_kwargs
         return DistributedSampler(dataset, shuffle=False, **kwargs) if kwargs else None
 
+    def _sharded(self, sampler: Any) -> Any:
+        """A sampler's order (a seeded shuffle, ``RankBalancedSampler``'s) dealt to the data-parallel ranks as it is
+        (index ``j`` to rank ``j % ranks``; Lightning's ``DistributedSamplerWrapper`` with ``shuffle=False``) under a
+        distributed trainer: Lightning's own wrapper would permute it again with its seed, so that one process and
+        several ranks (sequence parallelism's single data rank above all) would read the rows in different orders."""
+        trainer = self.trainer
+        if isinstance(sampler, DistributedSampler) or trainer is None:
+            return sampler
+        kwargs = trainer.distributed_sampler_kwargs
+        if not kwargs or not getattr(trainer._accelerator_connector, "use_distributed_sampler", True):
+            return sampler
+        from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+        return DistributedSamplerWrapper(sampler, shuffle=False, **kwargs)
+
     def _loader(self, dataset: Any, batch_size: int | None = None, **kwargs: Any) -> DataLoader:
         """A loader over ``dataset`` (default batch size: ``eval_batch_size or batch_size``, in order).
 
@@ -133,6 +148,8 @@ class TextDataModule(pl.LightningDataModule):
             kwargs = self._rank_balanced(dataset, batch_size, kwargs)
         if "sampler" not in kwargs and not kwargs.get("shuffle"):
             kwargs["sampler"] = self._in_order_sampler(dataset)
+        elif kwargs.get("sampler") is not None:
+            kwargs["sampler"] = self._sharded(kwargs["sampler"])
         return ResumableDataLoader(
             dataset, batch_size, collate_fn=self.collate_fn, num_workers=hp.num_workers, **kwargs
         )

@@ -127,7 +127,7 @@ def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp_train")
     script = os.path.join(HELPERS, "fsdp_script.py")
     run(script, str(out), "sp", "dpo_step", "ppo_step", "grpo_step", "grpo_budget_step", "dpo_resume")
-    run(script, str(out), "single", "dpo_step", "ppo_step")
+    run(script, str(out), "single", "dpo_step", "ppo_step", "grpo_step")
     return lambda name: torch.load(out / f"{name}.pt", weights_only=False)
 
 
@@ -137,10 +137,12 @@ def max_difference(a: dict, b: dict) -> float:
 
 
 @pytest.mark.ddp
-@pytest.mark.parametrize("case", ["dpo_step", "ppo_step"])
+@pytest.mark.parametrize("case", ["dpo_step", "ppo_step", "grpo_step"])
 def test_training_with_sequence_parallel_2_equals_one_process(trained, case):
-    """DPO (packed pairs) and PPO (greedy rollouts, a value head on the gathered hidden states): the first step
-    with both ranks splitting every row equals one process's step on the same global batch."""
+    """DPO (packed pairs), PPO (greedy rollouts, a value head on the gathered hidden states) and GRPO (sampled
+    rollouts: the group's first rank reads the batch in one process's order and samples from the same random state,
+    so its rollout is one process's token for token): the first step with both ranks splitting every row equals one
+    process's step on the same global batch."""
     split, single = trained(f"{case}-sp"), trained(f"{case}-single")
     assert split["ulysses_calls"] > 0 and single["ulysses_calls"] == 0
     assert max_difference(split["state"], single["state"]) < 1e-5
