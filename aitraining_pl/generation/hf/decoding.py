@@ -50,7 +50,7 @@ from aitraining_pl.generation.backend import SampledTokens, StopRule
 from aitraining_pl.generation.hf.generate import ResponseStoppingCriteria, hf_generate
 from aitraining_pl.losses import positions_from_mask
 from aitraining_pl.models.lora import base_model
-from aitraining_pl.models.routing_replay import RouteRecorder, recording
+from aitraining_pl.models.routing_replay import RouteRecorder, generated_routes, joined_routes, recording
 
 try:  # recent transformers keep a cache as a list of layers; earlier ones as key and value lists
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -386,36 +386,6 @@ def decode(
     if recorder is not None and drawn.routes is not None:
         routes = joined_routes(prompt_routes, prompt_mask, num_samples, drawn.routes)
     return SampledTokens(drawn.tokens, drawn.logits, drawn.scores, routes=routes)
-
-
-def joined_routes(
-    prompt_routes: torch.Tensor, prompt_mask: torch.Tensor, num_samples: int, response_routes: torch.Tensor
-) -> torch.Tensor:
-    """``SampledTokens.routes`` (N, P + R, layers, k) int16 from the prefill's routes (B * P, layers, k) of the
-    left-padded prompts (``prompt_mask`` (B, P); -1 on the padding), repeated for their ``num_samples`` rows, and
-    the response tokens' (N, R, layers, k)."""
-    prompt_routes = prompt_routes.reshape(*prompt_mask.shape, *prompt_routes.shape[1:]).to(torch.int16)
-    prompt_routes = prompt_routes.masked_fill(~prompt_mask.bool()[..., None, None], -1)
-    return torch.cat([prompt_routes.repeat_interleave(num_samples, 0), response_routes.to(prompt_routes.device)], 1)
-
-
-def generated_routes(recorder: RouteRecorder, prompt_mask: torch.Tensor, width: int) -> torch.Tensor:
-    """``SampledTokens.routes`` of a ``generate`` call on the rows (N, P) that ``recorder`` watched: its first pass
-    is the prefill (N * P tokens), each later one feeds one token per row (its KV cache); a pass of any other size
-    is refused (no route can be placed)."""
-    calls = recorder.take_calls()
-    n, prompt = prompt_mask.shape
-    if not calls or calls[0].shape[0] != n * prompt or any(c.shape[0] != n for c in calls[1:]):
-        sizes = [c.shape[0] for c in calls]
-        raise NotImplementedError(
-            f"routing replay: transformers' generate ran passes of {sizes} tokens for {n} rows of {prompt} prompt "
-            "tokens (not one token per row per step), so the sampler's routes cannot be recorded; set "
-            "generation.routing_replay: false"
-        )
-    response = torch.full((n, width, *calls[0].shape[1:]), -1, dtype=torch.int16, device=calls[0].device)
-    if len(calls) > 1:
-        response[:, : len(calls) - 1] = torch.stack(calls[1:], 1)[:, :width].to(torch.int16)
-    return joined_routes(calls[0], prompt_mask, 1, response)
 
 
 def sample_responses(

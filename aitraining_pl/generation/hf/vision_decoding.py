@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from aitraining_pl.generation.backend import SampledTokens, StopRule
-from aitraining_pl.generation.hf.decoding import DecodeBatch, Forward, joined_routes, plain_cache, sample_steps
+from aitraining_pl.generation.hf.decoding import DecodeBatch, Forward, plain_cache, sample_steps
 from aitraining_pl.generation.hf.generate import hf_generation_config
 from aitraining_pl.losses import positions_from_mask
 from aitraining_pl.models.lora import base_model
-from aitraining_pl.models.routing_replay import recording
+from aitraining_pl.models.routing_replay import joined_routes, recording
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.models.vision import VisionInputs, image_token_ids, model_inputs, uses_mrope
 

@@ -37,14 +37,14 @@ import torch
 
 from aitraining_pl.errors import ConfigError
 from aitraining_pl.generation.backend import SampledTokens, SampleRequest
-from aitraining_pl.generation.hf.decoding import Forward, joined_routes, prefill, sample_responses, sample_steps
+from aitraining_pl.generation.hf.decoding import Forward, prefill, sample_responses, sample_steps
 from aitraining_pl.generation.hf.generate import hf_generation_config
 from aitraining_pl.generation.version import WeightsVersion
 from aitraining_pl.losses import positions_from_mask, selective_log_softmax
 from aitraining_pl.models.loading import build_causal_lm, from_pretrained, one_line, resolve_dtype
 from aitraining_pl.models.presets import MODEL_PRESETS
 from aitraining_pl.models.rollout_scoring import response_logps
-from aitraining_pl.models.routing_replay import RouteRecorder, flat_routes, placed_routes, recording
+from aitraining_pl.models.routing_replay import RouteRecorder, flat_routes, joined_routes, placed_routes, recording
 from aitraining_pl.models.tokens import padded
 
 log = logging.getLogger(__name__)
