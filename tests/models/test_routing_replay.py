@@ -189,3 +189,33 @@ def test_multi_turn_episodes_say_once_that_they_record_no_routes(monkeypatch):
         episodes(moe, False), episodes(dense, True)
     with pytest.warns(RuntimeWarning, match="the multi-turn episode decoder records no routes"):
         assert episodes(moe, True).routes is None
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_generates_fallback_records_the_routes_the_trainer_takes(name):
+    """``generate`` (``drop_ended`` off, or a model without a plain cache) records routes too (``generated_routes``:
+    the prefill's, then one token per row per step): they are the experts the trainer's forward routes the sampled
+    rows to (-1 on the padding and from each response's last token on), so replaying them flips none."""
+    model = _moe(name)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 96, (2, P))
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0
+    config = hf_generation_config(GenerationConfig(max_new_tokens=8, temperature=1.0), [END], 0, True)
+    sampled = sample_responses(model, ids, mask, config, None, False, SAMPLES, True)  # drop_ended off: generate
+    response = sampled.response_ids
+    scored, _ = response_mask(response, [END], None)
+    full = torch.cat([ids.repeat_interleave(SAMPLES, 0), response], 1)
+    attention = torch.cat([mask.repeat_interleave(SAMPLES, 0), scored], 1)
+    routes = sampled.routes
+    assert routes is not None and routes.shape[:2] == full.shape
+    from aitraining_pl.models.routing_replay import recording
+
+    with torch.no_grad(), recording(model) as recorder:
+        response_logps(model, full, attention, P, 1.0, padding_free=False)
+    own = recorder.take_calls()[-1].reshape(*full.shape, *routes.shape[2:])
+    inside = routes[..., 0] >= 0
+    inside &= attention.bool()[..., None]  # generate feeds every row until the longest ends: past an end is padding
+    assert not (routes[:, :P][..., 0] >= 0)[mask.repeat_interleave(SAMPLES, 0) == 0].any()
+    assert int(inside[:, P:].sum()) > 0
+    assert torch.equal(routes[inside].sort(-1).values.long(), own[inside].sort(-1).values.long())
