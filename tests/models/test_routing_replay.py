@@ -161,10 +161,12 @@ def test_the_vision_decoder_records_the_routes_the_trainer_replays():
     assert replay.flipped == 0 and replay.replayed == int(have.sum())  # (token, layer) pairs
 
 
-def test_multi_turn_episodes_say_once_that_they_record_no_routes(monkeypatch):
-    """The multi-turn episode decoder records no routes: with routing replay on, sampling episodes of an MoE policy
-    warns once (the trainer routes them itself) and the rollout carries none; a dense policy, or replay off, is
-    silent."""
+def test_multi_turn_episodes_record_the_routes_the_trainer_takes(monkeypatch):
+    """The KV-cache episode decoder records the experts of the prompt, of every sampled token fed back, and of the
+    environment's replies (prefilled with the turn's last token on the parked cache): over two-turn guessing games
+    of a Qwen3-MoE they are the experts the trainer's forward routes the whole rows to (its attention: every real
+    token), so replaying them flips none. The re-prefilling path (``reprefill``) records none and warns once;
+    ``routing_replay: false`` records none, silently."""
     import warnings
 
     from episode_fixtures import prompt_tensors
@@ -176,19 +178,31 @@ def test_multi_turn_episodes_say_once_that_they_record_no_routes(monkeypatch):
 
     monkeypatch.setattr(routing_replay, "_WARNED", set())
     tokenizer = load_tokenizer("byte")
-    ids, mask = prompt_tensors(tokenizer, ["Guess 1-7:"])
+    texts = ["Guess 1-7:", "Go"]
+    ids, mask = prompt_tensors(tokenizer, texts)
     moe = build_causal_lm({**model_config("qwen3_moe"), "vocab_size": 384, "eos_token_id": 1}, seed=0).eval()
-    dense = build_causal_lm({**model_config("llama"), "vocab_size": 384, "eos_token_id": 1}, seed=0).eval()
 
-    def episodes(model, replay: bool):
-        engine = RolloutEngine(tokenizer, GenerationConfig(max_new_tokens=3, routing_replay=replay))
-        return sample_episodes(engine, model, GuessingGame(max_turns=2), ["Guess 1-7:"], [{"secret": 3}], ids, mask, 2)
+    def episodes(replay: bool, **kw):
+        engine = RolloutEngine(tokenizer, GenerationConfig(max_new_tokens=4, routing_replay=replay))
+        game = GuessingGame(max_turns=2)
+        return sample_episodes(engine, moe, game, texts, [{"secret": 3}, {"secret": 5}], ids, mask, 2, **kw)
 
+    rollout = episodes(True)
+    routes, full, attention = rollout.routes, rollout.input_ids, rollout.attention_mask
+    assert routes is not None and routes.shape[:2] == full.shape
+    with torch.no_grad(), routing_replay.recording(moe) as recorder:
+        response_logps(moe, full, attention, ids.shape[1], 1.0, padding_free=False)
+    own = recorder.take_calls()[-1].reshape(*full.shape, *routes.shape[2:])
+    have = routes[..., 0] >= 0
+    replies = rollout.episodes.response_attention.bool() & ~rollout.response_mask.bool()  # the environment's tokens
+    assert bool(have[:, ids.shape[1] :][replies].all()) and not have[attention == 0].any()
+    assert (attention.sum(1) - have[..., 0].sum(1)).tolist() == [1] * len(full)  # every real token but the last
+    assert torch.equal(routes[have].sort(-1).values.long(), own[have].sort(-1).values.long())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        episodes(moe, False), episodes(dense, True)
-    with pytest.warns(RuntimeWarning, match="the multi-turn episode decoder records no routes"):
-        assert episodes(moe, True).routes is None
+        assert episodes(False).routes is None
+    with pytest.warns(RuntimeWarning, match="this multi-turn episode sampler .* records no routes"):
+        assert episodes(True, reprefill=True).routes is None
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])

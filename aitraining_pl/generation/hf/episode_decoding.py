@@ -23,6 +23,7 @@ backend is one (its prefix cache keeps the earlier turns' KV, so only the new to
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
@@ -41,6 +42,7 @@ from aitraining_pl.generation.hf.decoding import (
     sample_responses,
     sample_steps,
 )
+from aitraining_pl.models.routing_replay import recording
 from aitraining_pl.models.tokens import padded
 
 #: ``respond(turn, rows, turn_tokens, turn_ended)`` -> per row the tokens to append, or None: episode over
@@ -59,6 +61,9 @@ class EpisodeTokens:
     sampled: list[int] = field(default_factory=list)  #: tokens sampled in each turn
     #: per row, the sampler's log-prob of each token (0 on the environment's), when the sampler gives them (vLLM)
     sampling_logprobs: list[list[float]] | None = None
+    #: per row, the experts (T, layers, k) of its prompt's real tokens then of every token fed to the model after it,
+    #: in order (an MoE model's, ``decode_episodes`` with ``record_routes``): ``routing_replay.placed_routes``' rows
+    routes: list[list[torch.Tensor]] | None = None
 
     @classmethod
     def empty(cls, n: int) -> EpisodeTokens:
@@ -165,33 +170,50 @@ def decode_episodes(
     stop_rule: StopRule | None = None,
     num_samples: int = 1,
     reprefill: bool = False,
+    record_routes: bool = False,
 ) -> EpisodeTokens:
     """Decode episodes of ``num_samples`` rows per left-padded prompt (B, P) (rows in ``repeat_interleave``
     order), ``config.max_new_tokens`` tokens per turn at most, until ``respond`` ends every episode (see the
-    module docstring)."""
+    module docstring). ``record_routes``: an MoE model's routes (``EpisodeTokens.routes``; not on the ``generate``
+    path, ``reprefill``)."""
     forward = Forward(model)
-    batch = None if reprefill else prefill(forward, prompt_ids, prompt_mask, num_samples, sliding=False)
-    if batch is None:
-        sample = hf_turn_sampler(model, config, stop_rule)
-        return decode_turns(sample, prompt_ids, prompt_mask, int(config.pad_token_id), respond, num_samples)
-    rows = list(range(prompt_ids.shape[0] * num_samples))
-    out = EpisodeTokens.empty(len(rows))
-    out.prefilled.append(int(prompt_mask.sum()))
-    for turn in count():
-        parked = _Parked(rows)
-        drawn = sample_steps(forward, batch, config, stop_rule, parked.add)
-        tokens = [row[:n] for row, n in zip(drawn.tokens.tolist(), drawn.lengths.tolist())]
-        ended = drawn.ended.tolist()
-        out.sampled.append(sum(map(len, tokens)))
-        replies = respond(turn, rows, tokens, ended)
-        for r, turn_tokens, turn_ended, reply in zip(rows, tokens, ended, replies):
-            out.add_turn(r, turn_tokens, turn_ended, reply)
-        going = [(r, [t[-1], *reply]) for r, t, reply in zip(rows, tokens, replies) if reply is not None]
-        if not going:
-            return out
-        out.prefilled.append(sum(len(chunk) for _, chunk in going))
-        batch = parked.resume(forward, going, int(config.pad_token_id), config.max_new_tokens)
-        rows = [r for r, _ in going]
+    with recording(model) if record_routes and not reprefill else contextlib.nullcontext() as recorder:
+        batch = None if reprefill else prefill(forward, prompt_ids, prompt_mask, num_samples, sliding=False)
+        if batch is None:
+            sample = hf_turn_sampler(model, config, stop_rule)
+            return decode_turns(sample, prompt_ids, prompt_mask, int(config.pad_token_id), respond, num_samples)
+        rows = list(range(prompt_ids.shape[0] * num_samples))
+        out = EpisodeTokens.empty(len(rows))
+        routes = None
+        if recorder is not None:  # each prompt's real tokens, for each of its rows
+            first = recorder.take()
+            first = first.reshape(*prompt_ids.shape, *first.shape[1:])
+            keep = prompt_mask.bool()
+            routes = out.routes = [[first[b][keep[b]]] for b in range(len(keep)) for _ in range(num_samples)]
+        out.prefilled.append(int(prompt_mask.sum()))
+        for turn in count():
+            parked = _Parked(rows)
+            drawn = sample_steps(forward, batch, config, stop_rule, parked.add, recorder=recorder)
+            tokens = [row[:n] for row, n in zip(drawn.tokens.tolist(), drawn.lengths.tolist())]
+            ended = drawn.ended.tolist()
+            out.sampled.append(sum(map(len, tokens)))
+            replies = respond(turn, rows, tokens, ended)
+            for r, turn_tokens, turn_ended, reply in zip(rows, tokens, ended, replies):
+                out.add_turn(r, turn_tokens, turn_ended, reply)
+            if routes is not None and drawn.routes is not None:  # the turn's tokens fed back within it
+                for i, (r, n) in enumerate(zip(rows, drawn.lengths.tolist())):
+                    routes[r].append(drawn.routes[i, : n - 1])
+            going = [(r, [t[-1], *reply]) for r, t, reply in zip(rows, tokens, replies) if reply is not None]
+            if not going:
+                return out
+            out.prefilled.append(sum(len(chunk) for _, chunk in going))
+            batch = parked.resume(forward, going, int(config.pad_token_id), config.max_new_tokens)
+            rows = [r for r, _ in going]
+            if routes is not None:  # the turn's last token and the reply (left padded in that pass)
+                fed = recorder.take()
+                fed = fed.reshape(len(going), -1, *fed.shape[1:])
+                for i, (r, chunk) in enumerate(going):
+                    routes[r].append(fed[i, fed.shape[1] - len(chunk) :].to(torch.int16))
 
 
 def hf_turn_sampler(model, config: HFGenerationConfig, stop_rule: StopRule | None) -> TurnSampler:
