@@ -303,16 +303,17 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
         prompt_length: int,
         with_entropy: bool = False,
         vision: Any = None,
+        padding_free: bool | None = None,
     ) -> ResponseScores:
-        """``response_logps`` of ``model`` at the sampling temperature (fused head, packed where it pays; with the
-        rows' images, ``vision``, for a VL model)."""
+        """``response_logps`` of ``model`` at the sampling temperature (fused head, packed where it pays unless
+        ``padding_free`` is False; with the rows' images, ``vision``, for a VL model)."""
         return response_logps(
             model,
             input_ids,
             attention_mask,
             prompt_length,
             self.generation.temperature,
-            self.padding_free,
+            self.padding_free if padding_free is None else padding_free,
             with_entropy,
             vision=vision,
         )
@@ -327,9 +328,8 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
         routes: torch.Tensor | None = None,
     ) -> tuple[ResponseScores, dict[str, torch.Tensor]]:
         """``response_scores`` of the policy and its routing statistics (``routed``)."""
-        temperature, model = self.generation.temperature, self.policy
-        score = lambda free: response_logps(  # noqa: E731
-            model, input_ids, attention_mask, prompt_length, temperature, free, with_entropy, vision=vision
+        score = lambda free: self.response_scores(  # noqa: E731
+            self.policy, input_ids, attention_mask, prompt_length, with_entropy, vision=vision, padding_free=free
         )
         return self.routed(score, attention_mask, routes)
 
