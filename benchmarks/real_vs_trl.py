@@ -7,8 +7,9 @@ settings and seeds (``--seeds``), in processes of their own, alternated (TRL, ou
 
 - **GRPO**: the arithmetic prompts of ``aitraining_pl/data/quickstart_arithmetic.jsonl`` through the chat template
   (``"What is 14 + 7? Reply with just the number."``), ``--num-prompts`` per step in file order, G =
-  ``--num-generations`` samples each, up to ``--max-new-tokens`` tokens at temperature 1, reward
-  ``aitraining_pl.rewards:exact_answer_reward`` (1 for the bare number, 0.5 for a worked sum), no KL term (TRL's
+  ``--num-generations`` samples each, up to ``--max-new-tokens`` tokens at temperature 1, reward ``brevity`` (this
+  file's: 1 - characters of the stripped answer, at most 24, / 24; the same function on both sides; the arithmetic
+  task's own ``exact_answer_reward`` gives SmolLM2-135M's answers 0 in every sample, no signal), no KL term (TRL's
   default ``beta: 0``: neither side loads a reference), one optimizer step per generation, learning rate
   ``--grpo-lr``. Held-out metric: the mean reward of greedy answers to the file's last ``--held-out`` prompts.
 - **DPO**: the same file's pairs (the bare number chosen, the worked sum or a wrong number rejected) as
@@ -61,18 +62,11 @@ def user(row: dict) -> list[dict]:
     return [{"role": "user", "content": row["prompt"]}]
 
 
-def exact_answer(responses: list[str], held: list[dict]) -> list[float]:
-    """``aitraining_pl.rewards.exact_answer_reward``: TRL's side runs in its own venv, without this package."""
-    import re
-
-    scores = []
-    for response, row in zip(responses, held):
-        numbers = re.findall(r"-?\d+(?:\.\d+)?", response)
-        last = float(numbers[-1]) if numbers else None
-        text = response.strip().rstrip(".").strip()
-        exact = re.fullmatch(r"-?\d+(?:\.\d+)?", text) is not None and float(text) == row["answer"]
-        scores.append(1.0 if exact else 0.5 if last == row["answer"] else 0.0)
-    return scores
+def brevity(prompts: list, responses: list[str], metadata: list | None = None) -> list[float]:
+    """1 - (characters of the stripped response, at most 24) / 24: the GRPO reward of both sides (TRL's runs in its
+    own venv, without this package; ``tests/helpers/real_model.py::brevity_reward``'s task): samples of a group
+    always differ in length, so every group has signal."""
+    return [1.0 - min(len(response.strip()), 24) / 24 for response in responses]
 
 
 def greedy_reward(model, tokenizer, held: list[dict], max_new_tokens: int) -> float:
@@ -92,7 +86,7 @@ def greedy_reward(model, tokenizer, held: list[dict], max_new_tokens: int) -> fl
         )
     model.train(was_training)
     answers = tokenizer.batch_decode(out[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
-    return sum(exact_answer(answers, held)) / len(held)
+    return sum(brevity([], answers)) / len(held)
 
 
 def completion_logps(model, tokenizer, held: list[dict]) -> list[tuple[float, float]]:
@@ -154,7 +148,7 @@ def run_ours(args) -> dict:
 
         module = GRPOModule(
             model_name=args.model_path,
-            reward="aitraining_pl.rewards:exact_answer_reward",
+            reward=brevity,
             generation={"max_new_tokens": args.max_new_tokens, "temperature": 1.0, "top_p": 1.0},
             num_generations=args.num_generations,
             mini_batch_size=args.num_prompts * args.num_generations,
@@ -235,8 +229,8 @@ def run_trl(args) -> dict:
         if args.algorithm == "grpo":
             from trl import GRPOConfig, GRPOTrainer
 
-            def reward(prompts, completions, answer, **kwargs):
-                return exact_answer([c[0]["content"] for c in completions], [{"answer": a} for a in answer])
+            def reward(prompts, completions, **kwargs):
+                return brevity(prompts, [c[0]["content"] for c in completions])
 
             dataset = Dataset.from_list([{"prompt": user(r), "answer": r["answer"]} for r in train])
             cfg = GRPOConfig(

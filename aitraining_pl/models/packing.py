@@ -460,6 +460,8 @@ def pack_rows(batch: dict[str, torch.Tensor], shared_prefix: int = 0) -> PackedB
 PACKING_THRESHOLD = 0.75
 
 
-def packing_pays(attention_mask: torch.Tensor, threshold: float = PACKING_THRESHOLD) -> bool:
-    """Whether the rows' real tokens are fewer than ``threshold`` times the padded tokens (``PACKING_THRESHOLD``)."""
-    return float(attention_mask.sum()) < threshold * attention_mask.numel()
+def packing_pays(attention_mask: torch.Tensor, threshold: float = PACKING_THRESHOLD, real: int | None = None) -> bool:
+    """Whether the packed tokens (``real``, default the rows' real tokens) are fewer than ``threshold`` times the
+    padded tokens (``PACKING_THRESHOLD``)."""
+    real = float(attention_mask.sum()) if real is None else real
+    return real < threshold * attention_mask.numel()

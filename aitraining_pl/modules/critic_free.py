@@ -100,8 +100,9 @@ class CriticFreeModule(OnlineRLModule):
         missing_eos_penalty: subtracted from the score of responses that end without EOS or stop string.
         reward_timeout: seconds one call of the reward source may take; a call that does not return by then
             stops the run with a ``RewardError`` naming the source (``None``: no limit).
-        padding_free: run the old, reference and policy forward passes on the packed real tokens when at least a
-            quarter of the padded batch is padding (``models.packing.PACKING_THRESHOLD``).
+        padding_free: run the old, reference and policy forward passes on the packed real tokens, each group's
+            prompt held once, when that holds at most three quarters of the padded batch's tokens
+            (``models.packing.PACKING_THRESHOLD``, ``models.rollout_scoring.will_pack``).
         warmup_ratio: share of optimizer steps with linear warmup.
         seed: weight-initialisation seed of an inline ``model_config`` and of the minibatch order.
         dtype: dtype the models are loaded in (default: the checkpoint's).

@@ -10,7 +10,7 @@ from conftest import TINY_LLAMA, saved_for_backward
 import aitraining_pl.models.rollout_scoring as rollout_scoring
 from aitraining_pl.models import PPOModel, build_causal_lm
 from aitraining_pl.models.packing import pack_rows
-from aitraining_pl.models.rollout_scoring import response_logps, will_pack
+from aitraining_pl.models.rollout_scoring import packed_tokens, response_logps, will_pack
 from aitraining_pl.models.scoring import PACKING_THRESHOLD, packing_pays
 from aitraining_pl.modules.critic_free import GRPOModule
 from aitraining_pl.modules.online import RolloutBatch
@@ -110,6 +110,31 @@ def test_packing_only_where_padding_pays(monkeypatch):
         padded = response_logps(model, _ids(), attention, P, TEMPERATURE, padding_free=False, with_entropy=True)
         torch.testing.assert_close(chosen.logprobs, padded.logprobs, rtol=0, atol=1e-5)
         torch.testing.assert_close(chosen.entropy, padded.entropy, rtol=0, atol=1e-5)
+
+
+def test_a_group_without_padding_packs_its_prompt_once(monkeypatch):
+    """No padding at all, but the four rows answer one prompt (a GRPO group of short responses to a long chat
+    prompt): packed, the prompt counted once (4 + 4 x 6 = 28 tokens of 40; two prompts would be 32 of 40, which runs
+    padded), and equal to the padded rows in log-probs, entropies and gradients."""
+    full = torch.ones(4, 10, dtype=torch.long)
+    group = _ids()
+    group[:, :P] = group[0, :P]
+    assert packed_tokens(group, full, P) == 28 and packed_tokens(_ids(), full, P) == 32
+    model = build_causal_lm(TINY_LLAMA, seed=0)
+    assert will_pack(model, full, P, input_ids=group) and not will_pack(model, full, P, input_ids=_ids())
+    assert not will_pack(model, full, P)  # without the ids: every token counted, no padding to drop
+    calls = []
+    monkeypatch.setattr(rollout_scoring, "pack_rows", lambda *a, **k: calls.append(1) or pack_rows(*a, **k))
+    weights = torch.linspace(-1, 1, 4 * (10 - P)).view(4, -1)
+    scores = {}
+    for padding_free in (True, False):
+        out = response_logps(model, group, full, P, TEMPERATURE, padding_free=padding_free, with_entropy=True)
+        grads = _grads(model, (out.logprobs * weights).sum() + out.entropy.sum())
+        scores[padding_free] = (out.logprobs.detach(), out.entropy.detach(), grads)
+    assert calls == [1]
+    torch.testing.assert_close(scores[True][0], scores[False][0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(scores[True][1], scores[False][1], rtol=0, atol=1e-5)
+    _assert_grads_close(scores[True][2], scores[False][2])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
