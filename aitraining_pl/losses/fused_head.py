@@ -73,7 +73,8 @@ def _logsumexp_(y: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_stats(y: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
-    """(logps, logsumexp, entropy or None) of one chunk's post-processed logits ``y`` (C, V), which it overwrites.
+    """(logps, logsumexp, entropy or None) of one chunk's post-processed logits ``y`` (C, V), which it overwrites:
+    with the entropy ``y`` holds the chunk's log-probabilities ``log_softmax`` afterwards.
 
     One (C, V) buffer, ``y`` itself, without the entropy; a second one with it."""
     target = y.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -92,13 +93,14 @@ def _entropy_(log_p: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return p.mul_(log_p).sum(-1).neg_()
 
 
-def _grad_raw(y, z, targets, lse, entropy, g_logp, g_ent, scale, softcap, temperature):
+def _grad_raw(y, z, targets, lse, entropy, g_logp, g_ent, scale, softcap, temperature, normalized=False):
     """d(loss)/dz of one chunk: chain rule through log-softmax / entropy, temperature, soft-cap and scale.
 
     ``entropy`` (C,) is the forward's (used only with ``g_ent``). Works in place: the gradient is written over
     ``y`` (C, V), a second buffer holds the probabilities when the entropy has a gradient, and the soft-cap's
-    derivative is written over ``z`` (a tensor of its own then)."""
-    log_p = y.sub_(lse.unsqueeze(-1))
+    derivative is written over ``z`` (a tensor of its own then). ``normalized``: ``y`` already holds the
+    log-probabilities (the forward's, kept for a single chunk)."""
+    log_p = y if normalized else y.sub_(lse.unsqueeze(-1))
     if g_ent is None:  # dlogp_t/dl = onehot(t) - p, times g_logp
         grad = log_p.exp_().mul_(-g_logp.unsqueeze(-1)) if g_logp is not None else log_p.zero_()
     else:  # dH/dl = -p * (log p + H): grad = -p * (g_logp + g_ent * (log p + H)) + onehot(t) * g_logp
@@ -140,10 +142,16 @@ def _accumulate(grad_w: torch.Tensor, grad: torch.Tensor, low: torch.Tensor | No
 
 
 class _FusedHeadLogps(torch.autograd.Function):
+    """The forward keeps the log-probabilities of a single chunk (all positions within ``chunk``, with the entropy,
+    no soft-cap) for the backward, which then does not run the head again: the buffer the backward would have
+    recomputed, held from the forward instead (within the one chunk's budget). More chunks are recomputed."""
+
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, scale, softcap, temperature, chunk, with_entropy):
         logps, lses, entropies = [], [], []
         compute_dtype = hidden.dtype
+        keep = hidden.shape[0] <= chunk and with_entropy and not softcap and any(ctx.needs_input_grad[:3])
+        ctx.log_p = None
         for start in range(0, hidden.shape[0], chunk):
             raw = F.linear(hidden[start : start + chunk], weight, bias)  # autocast picks the matmul dtype
             compute_dtype = raw.dtype
@@ -153,6 +161,8 @@ class _FusedHeadLogps(torch.autograd.Function):
                 _logits(z, scale, softcap, temperature, keep_z=False), targets[start : start + chunk], with_entropy
             )
             logps.append(lp), lses.append(lse), entropies.append(ent)
+            if keep:
+                ctx.log_p = z  # the chunk's log-probabilities (``_chunk_stats``)
             del z  # before the next chunk's buffer is allocated
         acc = torch.promote_types(hidden.dtype, torch.float32)
         logps = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=acc)
@@ -173,15 +183,19 @@ class _FusedHeadLogps(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = torch.promote_types(weight.dtype, torch.float32)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_w = None  # the first chunk's product, or zeros where it cannot be (``_accumulate``)
+        saved, ctx.log_p = ctx.log_p, None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
             for start in range(0, hidden.shape[0], chunk):
                 rows = slice(start, start + chunk)
                 h = hidden[rows].to(dtype)
-                z = F.linear(h, w, b).to(torch.promote_types(dtype, torch.float32))
-                y = _logits(z, scale, softcap, temperature, keep_z=bool(softcap))
+                if saved is None:
+                    z = F.linear(h, w, b).to(torch.promote_types(dtype, torch.float32))
+                    y = _logits(z, scale, softcap, temperature, keep_z=bool(softcap))
+                else:  # the forward's log-probabilities of the only chunk
+                    z, y, saved = None, saved, None
                 grad = _grad_raw(
                     y,
                     z,
@@ -193,16 +207,23 @@ class _FusedHeadLogps(torch.autograd.Function):
                     scale,
                     softcap,
                     temperature,
+                    normalized=z is None,
                 )
                 del y, z
                 low = grad.to(dtype) if need_h or (need_w and h.is_cuda) else None  # the compute dtype's copy
                 if need_h:
                     grad_h[rows] = low @ w
-                if need_w:
+                if need_w and grad_w is None and h.dtype == acc:  # straight into a new buffer, not zeros + it
+                    grad_w = grad.t() @ h
+                elif need_w:
+                    if grad_w is None:
+                        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
                     _accumulate(grad_w, grad, low, h)
                 if need_b:
                     grad_b += grad.sum(0).to(acc)
                 del grad, low  # before the next chunk's buffer is allocated
+        if need_w and grad_w is None:  # no positions
+            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None, None, None

@@ -321,3 +321,39 @@ def test_each_chunk_is_worked_on_in_place(with_entropy, buffers):
     with _LiveBuffers(vocab) as unchunked:  # the counter sees the (M, V) logits and their softmax temporaries
         reference(hidden, weight, targets)[0].sum().backward()
     assert unchunked.peak > buffers
+
+
+@pytest.mark.parametrize("post", ["plain", "temperature", "gemma_softcap"])
+def test_a_single_chunk_keeps_its_log_probs_for_backward(post, monkeypatch):
+    """All positions in one chunk, with the entropy: the backward uses the forward's log-probabilities instead of
+    running the head again (one head matmul in all, against two with more chunks or a soft-cap, whose derivative
+    needs the raw logits), with the same values and gradients as the unchunked computation, and no more (chunk, V)
+    buffers alive at once than before (two; three with the soft-cap)."""
+    scale, softcap, temperature = POST[post]
+    hidden, weight, bias, targets, upstream = _inputs()
+    calls = []
+    linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a, **k: calls.append(1) or linear(*a, **k))
+
+    def fused(chunk):
+        return lambda: fused_head_logps(
+            hidden, weight, targets, bias, scale=scale, softcap=softcap, temperature=temperature, with_entropy=True,
+            chunk_size=chunk,
+        )  # fmt: skip
+
+    leaves = (hidden, weight, bias)
+    values, grads = _values_and_grads(fused(M), leaves, upstream)
+    assert len(calls) == (2 if softcap else 1)
+    calls.clear()
+    _values_and_grads(fused(M - 1), leaves, upstream)
+    assert len(calls) == 4  # two chunks, each run again in backward
+    monkeypatch.setattr(F, "linear", linear)
+    ref_values, ref_grads = _values_and_grads(
+        lambda: reference(*leaves[:2], targets, bias, *POST[post]), leaves, upstream
+    )
+    _assert_close(values, ref_values)
+    _assert_close(grads, ref_grads)
+    with _LiveBuffers(V) as counter:
+        out = fused(M)()
+        (out.logps.sum() + out.entropy.sum()).backward()
+    assert counter.peak == _TEMPORARIES + bool(softcap)  # the soft-cap's raw logits: a third, as before
