@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from aitraining_pl.models.shared_prefix import prefix_holders
+
 PACKED_ATTENTION = "aitraining_pl_packed"
 
 #: ((start, end) key ranges of the packed row, number of queries): the queries are the last ``queries``
@@ -396,47 +398,56 @@ def pack_rows(batch: dict[str, torch.Tensor], shared_prefix: int = 0) -> PackedB
     ``pack_batch``, which scores one contiguous completion per row and needs a non-empty prompt. Rows may be
     any number (not pairs). ``sequences`` holds each scored token's row, ``columns`` its padded column.
 
-    With ``shared_prefix`` = P, rows whose first P columns are equal (tokens and mask: the ``G`` samples of one
-    prompt in a rollout) hold those tokens once, in the first such row. The others attend to it and to their own
-    tokens, their positions continue from it, and a token right after the prefix is predicted from the prefix's
-    last position, so every token sees what it sees in its own padded row (the prefix's hidden states are the
-    same in every such row). Tokens in the first P columns of the other rows cannot be scored.
+    With ``shared_prefix`` = P, the real tokens of the first P columns are held as a prefix tree
+    (``models.shared_prefix.prefix_holders``): rows with the same prompt (the ``G`` samples of one prompt in a
+    rollout) hold it once, in the first such row, and prompts that begin alike (a chat template's system turn) hold
+    their common beginning once. The others attend to the rows holding their prefix and to their own tokens,
+    their positions continue from it, and a token right after a shared prefix is predicted from the prefix's last
+    position, so every token sees what it sees in its own padded row (a prefix's hidden states are the same in
+    every row that has it). Tokens in the first P columns that a row does not hold cannot be scored.
     """
     ids, real = batch["input_ids"], batch["attention_mask"].bool()
     n, device = ids.shape[0], ids.device
     first = real.long().argmax(1)  # first real column of each row
-    leader = torch.arange(n, device=device)  # the row holding each row's prefix (itself without sharing)
-    kept = real
-    if shared_prefix:
-        prefix = torch.cat([ids[:, :shared_prefix] * real[:, :shared_prefix], real[:, :shared_prefix].long()], 1)
-        _, kind = torch.unique(prefix, dim=0, return_inverse=True)
-        leader = torch.full((n,), n, device=device).scatter_reduce(0, kind, leader, "amin")[kind]  # kind < n
+    kept, holders = real, None
+    if shared_prefix:  # (N, P) the row holding each prompt token
+        holders = prefix_holders(ids, real, shared_prefix)
         kept = real.clone()
-        kept[leader != torch.arange(n, device=device), :shared_prefix] = False
+        kept[:, :shared_prefix] &= holders == torch.arange(n, device=device)[:, None]
     lengths = kept.sum(1)
     emitted = kept.long().argmax(1)  # first kept column of each row
+    held_from = emitted - first  # position of each row's first held token
     starts = torch.cumsum(lengths, 0) - lengths
     rows, cols = torch.nonzero(kept, as_tuple=True)  # row-major: the rows' kept tokens end to end
     scored_rows, scored_cols = torch.nonzero(batch["completion_mask"].bool()[:, 1:] & real[:, 1:], as_tuple=True)
     scored_cols = scored_cols + 1  # the scored token's column; it is predicted from the column before
 
     def at(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-        """Packed position of (row, col): the row's own token, or its leader's where the row does not hold it."""
-        row = torch.where(kept[row, col], row, leader[row])
-        return starts[row] + col - emitted[row]
+        """Packed position of (row, col): the row's own token, or that of the row holding it."""
+        depth = col - first[row]
+        if holders is not None:
+            shared = holders[row, col.clamp(max=shared_prefix - 1)]
+            row = torch.where(kept[row, col] | (col >= shared_prefix), row, shared)
+        return starts[row] + depth - held_from[row]
 
     if not bool(kept[scored_rows, scored_cols].all()):
         raise ValueError(f"pack_rows: a scored token lies in the first {shared_prefix} (shared) columns")
-    prefix_held = real[:, :shared_prefix].sum(1) if shared_prefix else torch.zeros_like(lengths)
     # one host transfer for the plan (not one per row: each is a device sync on an accelerator)
-    starts_, lengths_, leader_, held_ = torch.stack([starts, lengths, leader, prefix_held]).tolist()
+    starts_, lengths_, first_, held_from_ = torch.stack([starts, lengths, first, held_from]).tolist()
+    holders_ = holders.tolist() if holders is not None else None
     blocks = []
-    for row, (s, length, lead) in enumerate(zip(starts_, lengths_, leader_)):
-        held = held_[lead]
-        if length and (lead == row or not held):
-            blocks.append((((s, s + length),), length))
-        elif length:
-            blocks.append((((starts_[lead], starts_[lead] + held), (s, s + length)), length))
+    for row, (s, length) in enumerate(zip(starts_, lengths_)):
+        if not length:
+            continue
+        ranges, depth = [], 0
+        while depth < held_from_[row]:  # the shared prefix, a run of positions per row holding them
+            holder, end = holders_[row][first_[row] + depth], depth + 1
+            while end < held_from_[row] and holders_[row][first_[row] + end] == holder:
+                end += 1
+            base = starts_[holder] - held_from_[holder]
+            ranges.append((base + depth, base + end))
+            depth = end
+        blocks.append(((*ranges, (s, s + length)), length))
     targets_at = at(scored_rows, scored_cols)
     packed = ids[rows, cols].unsqueeze(0)
     return PackedBatch(

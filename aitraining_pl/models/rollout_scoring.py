@@ -20,6 +20,7 @@ from torch import nn
 from aitraining_pl.losses import positions_from_mask
 from aitraining_pl.models.packing import pack_rows, packing_pays
 from aitraining_pl.models.scoring import scoring_path, token_scores
+from aitraining_pl.models.shared_prefix import prefix_holders
 from aitraining_pl.models.vision import VisionInputs
 
 
@@ -30,11 +31,13 @@ class ResponseScores(NamedTuple):
 
 
 def packed_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> int:
-    """Tokens of the packed row ``pack_rows(..., shared_prefix=prompt_length)`` makes of these rows: each distinct
-    prompt once (the ``G`` samples of a GRPO group share theirs), and every row's real response tokens."""
-    real = attention_mask[:, :prompt_length].bool()
-    prompts = torch.unique(torch.cat([input_ids[:, :prompt_length] * real, real.long()], 1), dim=0)
-    return int(prompts[:, prompt_length:].sum()) + int(attention_mask[:, prompt_length:].sum())
+    """Tokens of the packed row ``pack_rows(..., shared_prefix=prompt_length)`` makes of these rows: each prompt
+    prefix once (``models.shared_prefix.prefix_holders``: the ``G`` samples of a GRPO group share their prompt, and
+    prompts that begin alike their common beginning), and every row's real response tokens."""
+    real = attention_mask.bool()
+    holders = prefix_holders(input_ids, real, prompt_length)
+    own = holders == torch.arange(len(holders), device=holders.device)[:, None]
+    return int(own.sum()) + int(attention_mask[:, prompt_length:].sum())
 
 
 def will_pack(
