@@ -37,7 +37,7 @@ from aitraining_pl.models.lora import (
     is_peft_model,
     plain_state_dict,
 )
-from aitraining_pl.models.tokens import with_bos
+from aitraining_pl.models.tokens import ends_turn, with_bos
 from aitraining_pl.models.training import eval_mode
 from aitraining_pl.models.trunk_positions import POSITION_MODES, choose_position_mode, trunk_hidden
 from aitraining_pl.validation import replaced
@@ -143,11 +143,14 @@ SEED_LORA_FIELDS = {
 
 def encode_for_reward(tokenizer, text: str, max_length: int | None = None) -> list[int]:
     """Token ids of one scored sequence, laid out as the preference data module lays out prompt +
-    completion: BOS (when the tokenizer has one), the text, then EOS, so ``last`` pooling reads the EOS
-    position at training and at scoring time alike. Over ``max_length`` the end is kept."""
+    completion: BOS (when the tokenizer adds it itself), the text, then EOS, unless the text ends with the end of an
+    assistant turn of the tokenizer's own chat template (``models.tokens.ends_turn``; a conversation, whose turn the
+    template closed, as TRL's reward trainer adds no EOS to a conversational row), so ``last`` pooling reads the same
+    position at training and at scoring time (``models.tokens.closed_turn`` renders a rollout's turn so). Over
+    ``max_length`` the end is kept."""
     ids = with_bos(tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer)
     eos = tokenizer.eos_token_id
-    if eos is not None:
+    if eos is not None and not ends_turn(tokenizer, ids):
         ids.append(eos)
     return ids[-max_length:] if max_length else ids
 
@@ -245,7 +248,7 @@ class RewardModel(nn.Module):
         self, texts: Sequence[str], tokenizer=None, batch_size: int = 8, max_length: int | None = None
     ) -> list[float]:
         """Rewards of raw texts, in eval mode, ``batch_size`` texts per forward pass. Each text is tokenised
-        as in training (``encode_for_reward``: BOS if the tokenizer has one, the text, EOS).
+        as in training (``encode_for_reward``: BOS if the tokenizer adds it, the text, EOS unless a chat turn ended).
 
         Args:
             texts: the sequences to score (prompt and response already joined).

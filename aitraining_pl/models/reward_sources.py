@@ -14,13 +14,16 @@ from aitraining_pl.models.lora import is_peft_model
 from aitraining_pl.models.quantization import QuantizationConfig, as_quantization_config, load_quantized
 from aitraining_pl.models.reward import REWARD_CONFIG_FILE, load_reward_model
 from aitraining_pl.models.sequence_classifier import SequenceClassifierReward
+from aitraining_pl.models.tokens import closed_turn
 
 __all__ = ["RewardModelSource", "SequenceClassifierReward", "load_reward_source"]
 
 
 class RewardModelSource:
     """Scores ``prompt + separator + response`` with a reward-model folder saved by the reward module
-    (``aitraining_pl.models.reward``; its own tokenizer is in the folder), in eval mode (dropout off).
+    (``aitraining_pl.models.reward``; its own tokenizer is in the folder), in eval mode (dropout off). A prompt
+    rendered by that tokenizer's chat template with the generation prompt has the response's turn closed by the
+    template (``models.tokens.closed_turn``), as the conversational pairs it was trained on were.
 
     The model is held by this object, not by the LightningModule, so it never lands in a checkpoint;
     ``PPOModule`` moves it to its device in ``on_fit_start``.
@@ -60,7 +63,8 @@ class RewardModelSource:
         return self
 
     def __call__(self, prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
-        texts = [p + self.separator + r for p, r in zip(prompts, responses)]
+        tokenizer = self.model.get_tokenizer()
+        texts = [closed_turn(tokenizer, p, r, self.separator) for p, r in zip(prompts, responses)]
         return [float(x) for x in self.model.predict_rewards(texts, None, self.batch_size, self.max_length)]
 
 

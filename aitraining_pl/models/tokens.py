@@ -41,6 +41,61 @@ def with_bos(ids: Sequence[int], tokenizer: Any) -> list[int]:
     return ids
 
 
+#: ``assistant_turn_markup`` per tokenizer object (asked once: it renders three probe conversations)
+_TURN_MARKUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PROBE_USER, _PROBE_ASSISTANT = "\x00user probe\x00", "\x00assistant probe\x00"
+
+
+def assistant_turn_markup(tokenizer: Any) -> tuple[str, str, str] | None:
+    """What the tokenizer's own chat template writes around an assistant message that answers a user: ``(opening,
+    lead, end)``, the text from the end of the user's message to the end of the generation prompt, the text between
+    that and the message, and the text after it. ChatML (Qwen2.5, SmolLM2): ``("<|im_end|>\\n<|im_start|>assistant
+    \\n", "", "<|im_end|>\\n")``; Mistral: ``("[/INST]", " ", "</s>")``. ``None`` without a chat template or where the
+    template does not render an assistant message after its generation prompt (nothing is then assumed)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        return _TURN_MARKUP[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    user = [{"role": "user", "content": _PROBE_USER}]
+    try:
+        opened = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+        answer = [{"role": "assistant", "content": _PROBE_ASSISTANT}]
+        full = tokenizer.apply_chat_template(user + answer, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe: no markup is assumed
+        full = opened = ""
+    markup = None
+    if _PROBE_USER in opened and full.startswith(opened) and _PROBE_ASSISTANT in full[len(opened) :]:
+        lead, _, end = full[len(opened) :].partition(_PROBE_ASSISTANT)
+        markup = (opened[opened.index(_PROBE_USER) + len(_PROBE_USER) :], lead, end)
+    with contextlib.suppress(TypeError):
+        _TURN_MARKUP[tokenizer] = markup
+    return markup
+
+
+def closed_turn(tokenizer: Any, prompt: str, response: str, separator: str = "") -> str:
+    """``prompt + separator + response`` as the text a reward model scores. A prompt that opened an assistant turn
+    with the tokenizer's own chat template (it ends as the template's generation prompt ends) gets the response as the
+    template renders an assistant message (its lead, unless the response starts with it, and its end of turn), so the
+    text is the template's rendering of the conversation, as a conversational preference pair is laid out for
+    training (``datamodules.preference.encode_pair``)."""
+    markup = assistant_turn_markup(tokenizer) if not separator else None
+    if markup is not None and markup[0] and markup[2] and prompt.endswith(markup[0]):
+        opening, lead, end = markup
+        return prompt + ("" if response.startswith(lead) else lead) + response + end
+    return prompt + separator + response
+
+
+def ends_turn(tokenizer: Any, ids: Sequence[int]) -> bool:
+    """Whether token ``ids`` end with the end of an assistant turn of the tokenizer's own chat template."""
+    markup = assistant_turn_markup(tokenizer)
+    if markup is None or not markup[2]:
+        return False
+    end = list(tokenizer(markup[2], add_special_tokens=False)["input_ids"])
+    return bool(end) and list(ids[-len(end) :]) == end
+
+
 def padded(
     rows: Sequence[Sequence[int] | Sequence[float] | torch.Tensor],
     pad: int | float,

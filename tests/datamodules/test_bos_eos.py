@@ -106,6 +106,24 @@ def test_preference_pairs_as_trl(tokenizer, conversational):
     assert (encoded["prompt_ids"], encoded["chosen_ids"], encoded["rejected_ids"]) == expected
 
 
+@pytest.mark.parametrize("conversational", [True, False])
+def test_a_reward_model_scores_a_rollout_as_it_was_trained(tokenizer, conversational):
+    """A rollout scored by a reward model (``RewardModelSource``: ``closed_turn``, then ``encode_for_reward``) is the
+    token sequence of the pair it was trained on (``encode_pair``: prompt and chosen ids), so ``last`` pooling reads
+    the same position: a prompt rendered with the generation prompt gets the template's end of turn and no EOS after
+    it; a plain-text prompt gets EOS."""
+    from aitraining_pl.models.reward import encode_for_reward
+    from aitraining_pl.models.tokens import closed_turn
+
+    row = (USER, ANSWER, OTHER) if conversational else ("Name a colour.", " Blue.", " A cat.")
+    trained = encode_pair(tokenizer, *row, max_length=4096, max_prompt_length=4096)
+    dm = PromptDataModule(prompts=[row[0]], tokenizer=tokenizer, batch_size=1, val_split=0)
+    dm.setup()
+    prompt, response = dm.train_dataset[0]["prompt"], ANSWER[0]["content"] if conversational else " Blue."
+    scored = encode_for_reward(tokenizer, closed_turn(tokenizer, prompt, response))
+    assert scored == trained["prompt_ids"] + trained["chosen_ids"]
+
+
 def test_prompts_as_trl(tokenizer):
     """GRPO's prompts: ``apply_chat_template(..., add_generation_prompt=True)`` or ``tokenizer(text)``."""
     dm = PromptDataModule(prompts=[USER, "Name a colour."], tokenizer=tokenizer, batch_size=2, val_split=0)
