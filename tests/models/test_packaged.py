@@ -44,3 +44,17 @@ def test_without_the_wheel_the_error_names_the_install(tmp_path, monkeypatch):
         packaged.smollm2_folder(tmp_path)
     monkeypatch.setenv("AITRAINING_PL_CACHE", str(tmp_path / "cache"))
     assert packaged.cache_root() == tmp_path / "cache"
+
+
+def test_the_command_prints_the_folder_or_one_line_and_status_1(tmp_path, monkeypatch, capsys):
+    """``python -m aitraining_pl.models.packaged``, as the real-model quickstart's command substitutes it."""
+    monkeypatch.setenv("AITRAINING_PL_CACHE", str(tmp_path))
+    (tmp_path / packaged.SMOLLM2_FOLDER).mkdir()
+    (tmp_path / packaged.SMOLLM2_FOLDER / "config.json").write_text("{}")
+    packaged.main()
+    assert capsys.readouterr().out == f"{tmp_path / packaged.SMOLLM2_FOLDER}\n"
+    monkeypatch.setenv("AITRAINING_PL_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setattr(packaged, "smollm2_gguf", lambda: None)
+    with pytest.raises(SystemExit) as info:
+        packaged.main()
+    assert str(info.value.code).startswith("aitraining_pl.models.packaged: SmolLM2-135M-Instruct needs `pip install")
