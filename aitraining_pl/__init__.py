@@ -43,6 +43,7 @@ _EXPORTS: dict[str, str] = {
     "HFExportCallback": "aitraining_pl.callbacks.export",
     "NonFiniteGuard": "aitraining_pl.callbacks.guard",
     "SamplingCallback": "aitraining_pl.callbacks.sampling",
+    "GreedyEvalCallback": "aitraining_pl.callbacks.greedy_eval",
     "SyncReferenceCallback": "aitraining_pl.callbacks.reference_sync",
     "CompletionLogCallback": "aitraining_pl.callbacks.completions",
     # strategy (FSDP2)

@@ -100,6 +100,33 @@ def exact_answer_reward(prompts: list[str], responses: list[str], metadata: list
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+def short_answer_reward(prompts: list[str], responses: list[str], metadata: list[dict]) -> list[float]:
+    """The share of a response's words that are ``metadata["answer"]``: 1.0 for just the answer (``"Paris."``),
+    ``k / n`` for an ``n``-word response holding the ``k``-word answer (``"The capital of France is Paris."``: 1/6),
+    0.0 without it. Words are split on whitespace, compared case-insensitively, with punctuation at their edges
+    dropped (a hyphen kept: ``"-3"``) and tokens without a letter or digit (``"="``, ``"-"``) not counted.
+
+    The real-model quickstart's reward (``configs/quickstart/grpo_smollm2.yaml``, ``quickstart_capitals.jsonl``):
+    answer with one word. Graded, so a chat model that answers in sentences gets a signal from every shorter
+    sample that keeps the answer, and a right answer outranks a short wrong one (0)."""
+    scores = []
+    for response, meta in zip(responses, metadata):
+        answer, words = _words(str((meta or {})["answer"])), _words(response)
+        k = len(answer)
+        found = k > 0 and any(words[i : i + k] == answer for i in range(len(words) - k + 1))
+        scores.append(k / len(words) if found else 0.0)
+    return scores
+
+
+_EDGE_PUNCTUATION = ".,;:!?\"'`()[]{}*_"
+
+
+def _words(text: str) -> list[str]:
+    """``text``'s words for ``short_answer_reward``: casefolded, edge punctuation dropped, letterless ones out."""
+    words = (w.strip(_EDGE_PUNCTUATION).casefold() for w in text.split())
+    return [w for w in words if any(c.isalnum() for c in w)]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Combinators and loaders
 

@@ -15,7 +15,7 @@ TOP_LEVEL = {
     "GRPOModule", "RLOOModule", "KTOModule", "ORPOModule", "CPOModule", "DistillationModule",
     "SFTDataModule", "PreferenceDataModule", "KTODataModule", "ScoresDataModule", "PromptDataModule",
     "AdaptiveKLCallback", "ExactResumeCallback", "HFExportCallback", "NonFiniteGuard", "SamplingCallback",
-    "SyncReferenceCallback", "CompletionLogCallback",
+    "GreedyEvalCallback", "SyncReferenceCallback", "CompletionLogCallback",
     "FSDP2Strategy", "LoRAConfig", "QuantizationConfig", "GenerationConfig", "AlignmentCLI", "main",
 }  # fmt: skip
 
