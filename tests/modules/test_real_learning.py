@@ -103,6 +103,31 @@ def greedy_reward(
     return sum(scores) / len(scores), rollout.texts
 
 
+BREVITY = {"reward": "real_model:brevity_reward", "learning_rate": 2e-3, "kl_coef": 0.0, "lr_schedule": "constant",
+           "generation": {"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0}}  # fmt: skip
+
+
+def brevity_fit(tmp_path, module, train: int, batch_size: int, steps: int) -> tuple[float, float]:
+    """The greedy held-out ``brevity_reward`` (8 held-out prompts) before and after ``steps`` steps of ``module`` on
+    the first ``train`` arithmetic prompts, ``batch_size`` a step (printed with two answers and the step's timing)."""
+    train_rows, held_out = arithmetic_rows(train, 8)
+    data = PromptDataModule(
+        prompts=[r["prompt"] for r in train_rows],
+        metadata=[{"answer": r["answer"]} for r in train_rows],
+        tokenizer=module.tokenizer,
+        use_chat_template=True,
+        batch_size=batch_size,
+    )
+    before, answers_before = greedy_reward(module, held_out, reward=brevity_reward)
+    quiet_trainer(tmp_path, max_steps=steps, limit_val_batches=0).fit(module, datamodule=data)
+    after, answers_after = greedy_reward(module, held_out, reward=brevity_reward)
+    logged = {k: round(float(v), 3) for k, v in module.trainer.callback_metrics.items() if "timing_s" in k}
+    name = type(module).__name__
+    print(f"{name} greedy held-out reward {before:.3f} -> {after:.3f}; {answers_before[:2]} -> {answers_after[:2]}")
+    print(f"{name} last step: {logged}")
+    return before, after
+
+
 def test_grpo_raises_the_held_out_reward_of_the_real_model(tmp_path, smollm2):
     """Shorter answers (``real_model.brevity_reward``: the model's habit is a worked sum, often wrong, so the
     arithmetic task's reward is 0 in every sample of a group and GRPO has nothing to learn from): the greedy held-out
@@ -110,64 +135,21 @@ def test_grpo_raises_the_held_out_reward_of_the_real_model(tmp_path, smollm2):
     from aitraining_pl.modules.critic_free import GRPOModule
 
     pl.seed_everything(0)
-    train, held_out = arithmetic_rows(8, 8)
-    module = GRPOModule(
-        model_name=smollm2,
-        lora=LORA,
-        reward="real_model:brevity_reward",
-        generation={"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0},
-        num_generations=4,
-        mini_batch_size=8,
-        learning_rate=2e-3,
-        kl_coef=0.0,
-        lr_schedule="constant",
-    )
-    data = PromptDataModule(
-        prompts=[r["prompt"] for r in train],
-        metadata=[{"answer": r["answer"]} for r in train],
-        tokenizer=module.tokenizer,
-        use_chat_template=True,
-        batch_size=2,
-    )
-    before, answers_before = greedy_reward(module, held_out, reward=brevity_reward)
-    quiet_trainer(tmp_path, max_steps=4, limit_val_batches=0).fit(module, datamodule=data)
-    after, answers_after = greedy_reward(module, held_out, reward=brevity_reward)
-    logged = {k: round(float(v), 3) for k, v in module.trainer.callback_metrics.items() if "timing_s" in k}
-    print(f"GRPO greedy held-out reward {before:.3f} -> {after:.3f}; {answers_before[:2]} -> {answers_after[:2]}")
-    print(f"GRPO last step: {logged}")
+    module = GRPOModule(model_name=smollm2, lora=LORA, num_generations=4, mini_batch_size=8, **BREVITY)
+    before, after = brevity_fit(tmp_path, module, train=8, batch_size=2, steps=4)
     assert after > before + 0.1
 
 
 def test_ppo_raises_the_held_out_reward_of_the_real_model(tmp_path, smollm2):
     """PPO with a value head on the real model, on GRPO's task (``real_model.brevity_reward``): one sample per
-    prompt, advantages from GAE on the value head; the greedy held-out reward rises within 8 steps."""
+    prompt, advantages from GAE on the value head; the greedy held-out reward rises within 8 steps of 8 prompts and
+    the value head trains."""
     from aitraining_pl.modules.ppo import PPOModule
 
     pl.seed_everything(0)
-    train, held_out = arithmetic_rows(64, 8)
-    module = PPOModule(
-        model_name=smollm2,
-        lora=LORA,
-        reward="real_model:brevity_reward",
-        generation={"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0},
-        mini_batch_size=8,
-        num_iterations=2,
-        learning_rate=2e-3,
-        kl_coef=0.0,
-        lr_schedule="constant",
-    )
-    data = PromptDataModule(
-        prompts=[r["prompt"] for r in train],
-        metadata=[{"answer": r["answer"]} for r in train],
-        tokenizer=module.tokenizer,
-        use_chat_template=True,
-        batch_size=8,
-    )
+    module = PPOModule(model_name=smollm2, lora=LORA, mini_batch_size=8, num_iterations=2, **BREVITY)
     head = [p.detach().clone() for p in module.model.value_head.parameters()]
-    before, answers_before = greedy_reward(module, held_out, reward=brevity_reward)
-    quiet_trainer(tmp_path, max_steps=8, limit_val_batches=0).fit(module, datamodule=data)
-    after, answers_after = greedy_reward(module, held_out, reward=brevity_reward)
-    print(f"PPO greedy held-out reward {before:.3f} -> {after:.3f}; {answers_before[:2]} -> {answers_after[:2]}")
+    before, after = brevity_fit(tmp_path, module, train=64, batch_size=8, steps=8)
     assert any(not torch.equal(a, b.detach()) for a, b in zip(head, module.model.value_head.parameters()))
     assert after > before + 0.1
 

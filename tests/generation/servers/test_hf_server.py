@@ -35,6 +35,27 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, (ids != 0).long()
 
 
+def decoder_hold(at: int, paused: threading.Event, resume: threading.Event, engines: list | None = None):
+    """An ``on_engine`` hook of ``http_hf_server`` that holds the server's decoder before column ``at`` (ahead of the
+    server's own ``/pause`` hook): sets ``paused`` there and waits for ``resume``; collects the engines in
+    ``engines``."""
+
+    def hold(engine) -> None:
+        if engines is not None:
+            engines.append(engine)
+        served = engine.before_forward
+
+        def before(column: int) -> None:
+            if column == at and not paused.is_set():
+                paused.set()
+                assert resume.wait(60), "the test never resumed the decoder"
+            served(column)
+
+        engine.before_forward = before
+
+    return hold
+
+
 def engine_for(name: str) -> HFServerEngine:
     return HFServerEngine(meta_model(json.dumps(model_config(name)), None), seed=0)
 
@@ -107,18 +128,7 @@ def test_a_push_in_flight_splits_a_response_between_two_versions():
     (teacher forcing; the KV cache is recomputed at the swap)."""
     old, new = (build_causal_lm(model_config("llama"), seed=s).eval() for s in (0, 1))
     paused, resume, at, engines = threading.Event(), threading.Event(), 10, []
-
-    def hold(engine) -> None:  # before the server's own hook (``/pause``): hold the decoder at column ``at``
-        engines.append(engine)
-        served = engine.before_forward
-
-        def before(column: int) -> None:
-            if column == at and not paused.is_set():
-                paused.set()
-                assert resume.wait(60), "the test never resumed the decoder"
-            served(column)
-
-        engine.before_forward = before
+    hold = decoder_hold(at, paused, resume, engines)
 
     ids, mask = prompts()
     generation = dataclasses.replace(SAMPLING, max_new_tokens=32, temperature=1.0)

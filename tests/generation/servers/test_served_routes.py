@@ -14,7 +14,7 @@ import pytest
 import torch
 from architectures import build_sharpened, model_config
 from http_fixtures import http_hf_server
-from test_hf_server import fleet_of_one, prompts
+from test_hf_server import decoder_hold, fleet_of_one, prompts
 
 from aitraining_pl.generation.backend import SampleRequest
 from aitraining_pl.generation.servers.answers import BadAnswer, decoded_routes, encode_routes
@@ -82,18 +82,8 @@ def test_a_push_in_flight_re_records_the_routes_of_the_recomputed_rows():
     of the new weights over the whole row gives them), while the rows' tokens were drawn by both."""
     name = "qwen3_moe"
     old, new = build_sharpened(name, seed=0).eval(), build_sharpened(name, seed=1).eval()
-    paused, resume, at = threading.Event(), threading.Event(), 4
-
-    def hold(engine) -> None:
-        served = engine.before_forward
-
-        def before(column: int) -> None:
-            if column == at and not paused.is_set():
-                paused.set()
-                assert resume.wait(60), "the test never resumed the decoder"
-            served(column)
-
-        engine.before_forward = before
+    paused, resume = threading.Event(), threading.Event()
+    hold = decoder_hold(4, paused, resume)
 
     ids, mask = prompts()
     generation = dataclasses.replace(SAMPLING, max_new_tokens=12)
