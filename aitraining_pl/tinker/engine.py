@@ -214,6 +214,13 @@ class Engine:
             self.models[entry.model_id] = entry
         return {"model_id": entry.model_id}
 
+    def logits(self, ids: torch.Tensor, mask: torch.Tensor, grad: bool) -> torch.Tensor:
+        """(N, L, V) float32 logits of a padded batch, through the precision plugin's forward."""
+        with torch.set_grad_enabled(grad), self.plugin.forward_context():
+            out = as_forward(self.base, self.model, input_ids=ids.to(self.device),
+                             attention_mask=mask.to(self.device), use_cache=False)  # fmt: skip
+            return out.logits.float()
+
     def logprobs(self, data: list, grad: bool) -> list[torch.Tensor]:
         """Log-probabilities of each datum's ``target_tokens`` after each of its tokens (one padded batch)."""
         longest = max(len(d.tokens) for d in data)
@@ -222,10 +229,8 @@ class Engine:
         for i, d in enumerate(data):
             n = len(d.tokens)
             ids[i, :n], targets[i, :n], mask[i, :n] = torch.tensor(d.tokens), d.inputs["target_tokens"], 1
-        with torch.set_grad_enabled(grad), self.plugin.forward_context():
-            logits = as_forward(self.base, self.model, input_ids=ids.to(self.device),
-                                attention_mask=mask.to(self.device), use_cache=False)  # fmt: skip
-            logprobs = selective_log_softmax(logits.logits.float(), targets.to(self.device))
+        with torch.set_grad_enabled(grad):
+            logprobs = selective_log_softmax(self.logits(ids, mask, grad), targets.to(self.device))
         return [logprobs[i, : len(d.tokens)] for i, d in enumerate(data)]
 
     def run_forward_backward(self, entry: TrainedModel, request: FwdBwd) -> tuple[list[dict], dict]:

@@ -20,9 +20,10 @@ from dataclasses import astuple, dataclass
 
 import torch
 
+from aitraining_pl.losses import selective_log_softmax
 from aitraining_pl.rollout import GenerationConfig, RolloutEngine
 from aitraining_pl.tinker.engine import Engine, Lora
-from aitraining_pl.tinker.wire import MASK_LOGPROB, BadRequest, Datum
+from aitraining_pl.tinker.wire import MASK_LOGPROB, BadRequest
 
 #: temperatures at or below this sample greedily
 GREEDY = 1e-4
@@ -118,26 +119,35 @@ class Sampler:
         self.activate(key)  # before gathering a sharded base: loading the snapshot puts FSDP's shards back
         with context, torch.no_grad(), engine.whole_base():
             sequences = self._generate(prompt, params, num_samples, backend)
-            scored = None
-            if prompt_logprobs:
-                datum = Datum(prompt[:-1], {"target_tokens": torch.tensor(prompt[1:])})
-                scored = [float("nan")] + (engine.logprobs([datum], grad=False)[0].tolist() if len(prompt) > 1 else [])
-                if last_n:  # only the last N are asked for (prompt_logprobs_last_n)
-                    scored[: len(scored) - last_n] = [float("nan")] * (len(scored) - last_n)
-            ranked = self._topk(prompt, topk, last_n) if topk else None
+            logits = None  # one forward of the prompt serves its log-probs and its top-k
+            if (prompt_logprobs or topk) and len(prompt) > 1:
+                row = torch.tensor([prompt[:-1]])
+                logits = engine.logits(row, torch.ones_like(row), grad=False)[0]
+            scored = self._scored(prompt, logits, last_n) if prompt_logprobs else None
+            ranked = self._topk(prompt, logits, topk, last_n) if topk else None
         return sequences, scored, ranked
 
-    def _topk(self, prompt: list[int], k: int, last_n: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _scored(prompt: list[int], logits: torch.Tensor | None, last_n: int | None) -> list[float]:
+        """The log-prob of each prompt token after the tokens before it (``logits``: the (P - 1, V) logits of all but
+        the last); NaN for the first, and for those before the last ``last_n``."""
+        scored = [float("nan")]
+        if logits is not None:
+            targets = torch.tensor(prompt[1:], device=logits.device)
+            scored += selective_log_softmax(logits, targets).tolist()
+        if last_n:  # only the last N are asked for (prompt_logprobs_last_n)
+            scored[: len(scored) - last_n] = [float("nan")] * (len(scored) - last_n)
+        return scored
+
+    @staticmethod
+    def _topk(prompt: list[int], logits: torch.Tensor | None, k: int, last_n: int | None):
         """(P, k) token ids and log-probs of the ``k`` most likely tokens at each prompt position (after the tokens
-        before it), most likely first; the first position, and those before the last ``last_n``, empty (id 0,
-        ``wire.MASK_LOGPROB``)."""
-        engine = self.engine
+        before it; ``logits`` as for ``_scored``), most likely first; the first position, and those before the last
+        ``last_n``, empty (id 0, ``wire.MASK_LOGPROB``)."""
         ids = torch.full((len(prompt), k), 0, dtype=torch.int32)
         logprobs = torch.full((len(prompt), k), MASK_LOGPROB)
-        if len(prompt) > 1:
-            inputs = torch.tensor([prompt[:-1]], device=engine.device)
-            logits = engine.model(input_ids=inputs, attention_mask=torch.ones_like(inputs), use_cache=False).logits
-            top = torch.log_softmax(logits[0].float(), -1).topk(min(k, logits.shape[-1]), -1)
+        if logits is not None:
+            top = torch.log_softmax(logits, -1).topk(min(k, logits.shape[-1]), -1)
             ids[1:, : top.indices.shape[1]], logprobs[1:, : top.values.shape[1]] = top.indices.cpu(), top.values.cpu()
         if last_n:
             ids[: len(prompt) - last_n], logprobs[: len(prompt) - last_n] = 0, MASK_LOGPROB
