@@ -153,13 +153,15 @@ def _plain_key(key: str, adapter: str) -> str | None:
 
 
 def plain_weights(peft_model: nn.Module, merged: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` of ``peft_model``'s base model under their plain names, one at a time, as ``unload()``
-    (``merged=False``) or ``merge_and_unload()`` (``merged=True``) would leave them, without copying or changing
-    the model: a LoRA layer's ``base_layer`` weight (plus ``get_delta_weight`` of the active adapter when
-    ``merged``, computed when that weight is reached, so at most one merged matrix exists at a time), the trained
-    copy of a ``modules_to_save`` module in place of its original, no adapter weights. Works on a model sharded
-    with FSDP2 inside ``models.sharding.full_weights`` (which cannot be deep-copied), and feeds a generation
-    engine's ``load_weights`` (``aitraining_pl.generation.vllm``)."""
+    """``(name, tensor)`` of ``peft_model``'s base model under their plain names, one at a time, as
+    ``merge_and_unload()`` would leave them (``merged=True``) or with the LoRA layers not merged (``merged=False``),
+    without copying or changing the model: a LoRA layer's ``base_layer`` weight (plus ``get_delta_weight`` of the
+    active adapter when ``merged``, computed when that weight is reached, so at most one merged matrix exists at a
+    time), and in both cases the trained copy of a ``modules_to_save`` module in place of its original (what the
+    policy computes with), no adapter weights. ``merged=False`` is what peft's ``unload()`` left before peft 0.22;
+    from 0.22 on ``unload()`` puts a ``modules_to_save`` module's untrained original back instead. Works on a
+    model sharded with FSDP2 inside ``models.sharding.full_weights`` (which cannot be deep-copied), and feeds a
+    generation engine's ``load_weights`` (``aitraining_pl.generation.vllm``)."""
     base = peft_model.get_base_model()
     adapter = getattr(peft_model, "active_adapter", "default")
     lora_layers = {}
