@@ -19,7 +19,7 @@ from torch import nn
 
 from aitraining_pl.errors import ModelLoadError
 from aitraining_pl.models.presets import resolve_model_config
-from aitraining_pl.validation import looks_like_path
+from aitraining_pl.validation import hub_gguf_file, looks_like_path
 
 #: The tokenizer name meaning "a byte-level tokenizer that needs no files" (``ByT5Tokenizer``).
 BYTE_TOKENIZER = "byte"
@@ -160,15 +160,18 @@ def _load(auto_class, model_name, model_config, dtype, attn_implementation, trus
 
 
 def gguf_source(name: str) -> tuple[str, dict[str, str]]:
-    """``(folder, {"gguf_file": file name})`` for a ``.gguf`` file (a model that exists only in llama.cpp's format:
-    transformers reads its config, tokenizer and weights, dequantised, with ``from_pretrained(folder,
-    gguf_file=...)``; needs the ``gguf`` package), else ``(name, {})``."""
+    """``(folder or repo id, {"gguf_file": file name})`` for a ``.gguf`` file, a local one or one in a hub repo
+    spelled ``org/repo/file.gguf`` (``validation.hub_gguf_file``): a model that exists only in llama.cpp's
+    format, whose config, tokenizer and weights transformers reads, dequantised, with ``from_pretrained(folder,
+    gguf_file=...)`` (needs the ``gguf`` package); else ``(name, {})``."""
     if not str(name).lower().endswith(".gguf"):
         return name, {}
     path = os.path.expanduser(name)
-    if not os.path.isfile(path):
-        raise ModelLoadError(name, "GGUF file not found")
-    return os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
+    if os.path.isfile(path):
+        return os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
+    if (hub := hub_gguf_file(name)) is not None:
+        return hub[0], {"gguf_file": hub[1]}
+    raise ModelLoadError(name, "GGUF file not found")
 
 
 def from_pretrained(load: Callable[..., Any], name: str, kind: str, **kwargs: Any) -> Any:

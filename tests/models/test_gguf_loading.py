@@ -68,3 +68,36 @@ def test_smollm2_loads_from_its_gguf_file():
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.eval().generate(ids["input_ids"], max_new_tokens=10, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1] :])
+
+
+def test_a_gguf_file_in_a_hub_repo_is_spelled_org_repo_file(tmp_path, monkeypatch):
+    """``org/repo/file.gguf`` that is not a local file is the file in that hub repo (``gguf_file=file``), and a model
+    and its module load it through the hub's cache (offline here: a cache laid out as ``huggingface_hub`` lays it
+    out, holding the tiny GGUF file); local spellings stay local, and a missing local file is still one error."""
+    import huggingface_hub.constants
+    import torch
+    from conftest import TINY_LLAMA
+    from tiny_gguf import write_tiny_gguf
+
+    from aitraining_pl.models import build_causal_lm
+
+    assert gguf_source("Org/tiny-GGUF/tiny.Q8_0.gguf") == ("Org/tiny-GGUF", {"gguf_file": "tiny.Q8_0.gguf"})
+    assert gguf_source("Org/tiny-GGUF/q8/tiny.gguf") == ("Org/tiny-GGUF", {"gguf_file": "q8/tiny.gguf"})
+    for local in ("./a/b/c.gguf", "~/a/b.gguf", "/a/b/c.gguf", "a/b.gguf", "b.gguf"):
+        with pytest.raises(ModelLoadError, match="GGUF file not found"):
+            gguf_source(local)
+    snapshot = tmp_path / "hub" / "models--Org--tiny-GGUF" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    written = build_causal_lm({**TINY_LLAMA, "tie_word_embeddings": False}).eval()
+    write_tiny_gguf(snapshot / "tiny.Q8_0.gguf", written)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    loaded = load_causal_lm("Org/tiny-GGUF/tiny.Q8_0.gguf")
+    ids = torch.randint(3, 300, (2, 7))
+    torch.testing.assert_close(loaded.eval()(ids).logits, written(ids).logits, rtol=0, atol=1e-5)
+    module = SFTModule(model_name="Org/tiny-GGUF/tiny.Q8_0.gguf", tokenizer_name="byte")
+    assert module.policy.training
+    with pytest.raises(ModelLoadError, match="Org/tiny-GGUF.*cannot load the model"):
+        load_causal_lm("Org/tiny-GGUF/other.gguf")
