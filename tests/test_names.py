@@ -99,6 +99,7 @@ def test_peft_lora_config_is_accepted():
         "dropout": 0.0,
         "target_modules": ["q_proj", "v_proj"],
         "modules_to_save": None,
+        "checkpoint_base": False,
     }
     assert module.hparams_initial["lora"]["r"] == 4  # logged (hparams.yaml, W&B, TensorBoard), not only stored
     with pytest.warns(UserWarning, match="use_rslora"):  # a peft field this project does not carry is named

@@ -51,6 +51,10 @@ class LoRAConfig:
     """Module names to adapt, or ``all-linear`` for every linear layer except the output head."""
     modules_to_save: list[str] | None = field(default=None)
     """Extra modules trained in full and saved with the adapters."""
+    checkpoint_base: bool = False
+    """Whether checkpoints also hold the frozen base model. Off, a checkpoint holds only what trains (the
+    adapters, ``modules_to_save``), and a resume rebuilds the base from ``model_name`` / ``model_config``, which
+    must then still give the same weights."""
 
 
 #: ``peft.LoraConfig`` field -> ``LoRAConfig`` field (the fields this project's adapters carry).

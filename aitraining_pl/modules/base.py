@@ -317,9 +317,13 @@ class AlignmentModule(pl.LightningModule):
                 self.log(key, value, on_step=True, on_epoch=False, batch_size=batch_size, prog_bar=name in prog_bar)
 
     # ------------------------------------------------------------------ checkpoints and export
-    #: whether checkpoints hold the frozen base of a LoRA network too (off: only what trains; the base is rebuilt
-    #: from its source, ``model_name`` or ``model_config``, when the module is built for a resume)
-    checkpoint_frozen_base: bool = False
+    @property
+    def checkpoint_frozen_base(self) -> bool:
+        """Whether checkpoints hold the frozen base of a LoRA network too (``lora.checkpoint_base``; off: only
+        what trains, and the base is rebuilt from its source, ``model_name`` or ``model_config``, when the module
+        is built for a resume)."""
+        lora = as_lora_config(self.hparam("lora"))
+        return lora is not None and lora.checkpoint_base
 
     def state_dict(self, *args, **kwargs):
         """Module state without torchmetrics accumulators (they hold no learnt state) and, under LoRA, without the

@@ -154,8 +154,11 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path, determ
     assert sum(v.numel() for v in state.values()) < base / 5
     assert first.batches[:3] + b.batches == a.batches
     _assert_same_weights(full.policy, resumed.policy)
-    full.checkpoint_frozen_base = True  # asked for: the whole model
-    assert set(full.state_dict()) == {f"policy.{k}" for k in full.policy.state_dict()}
+    whole = DPOModule(  # asked for (``lora.checkpoint_base``, also ``--model.init_args.lora.checkpoint_base true``)
+        model_config=TINY_LLAMA, tokenizer_name="byte", lora=LoRAConfig(r=4, dropout=0.0, checkpoint_base=True)
+    )
+    assert whole.checkpoint_frozen_base and not full.checkpoint_frozen_base
+    assert set(whole.state_dict()) == {f"policy.{k}" for k in whole.policy.state_dict()}  # the whole model
 
 
 def test_dpo_resume_with_precomputed_reference_and_length_grouping(tmp_path, deterministic):

@@ -37,7 +37,14 @@ def test_peft_spellings_still_work_with_a_warning():
     make = dict(model_config=TINY, tokenizer_name="byte", reference_free=True)
     with pytest.warns(RenamedArgumentWarning, match=r"DPOModule.lora: a peft.LoraConfig is replaced by LoRAConfig"):
         module = DPOModule(**make, lora=peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj"]))
-    expected = {"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["q_proj"], "modules_to_save": None}
+    expected = {
+        "r": 2,
+        "alpha": 4,
+        "dropout": 0.0,
+        "target_modules": ["q_proj"],
+        "modules_to_save": None,
+        "checkpoint_base": False,
+    }
     assert module.hparams.lora == expected
     with pytest.warns(RenamedArgumentWarning, match=r"peft's field names \(lora_alpha, lora_dropout\)"):
         module = DPOModule(**make, lora={"r": 2, "lora_alpha": 4, "lora_dropout": 0.0, "target_modules": ["q_proj"]})
