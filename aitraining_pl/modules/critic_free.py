@@ -84,6 +84,10 @@ class CriticFreeModule(OnlineRLModule):
             ``ppo_max_token_len_per_gpu``): each minibatch of ``mini_batch_size`` rows is split into balanced
             micro-batches within it with the minibatch's loss and gradients (docs/
             long_context.md); a longer row is an error. ``null``: one pass per minibatch.
+        balance_ranks: under data parallelism, deal each step's prompt groups to the ranks by their real tokens
+            after sampling (verl's ``balance_batch``: Karmarkar-Karp, as many groups on every rank), so that no
+            rank's update waits on another's longer rows; the rows move with ``all_to_all`` (docs/long_context.md).
+            Not for multi-turn episodes, per-row images or sequence parallelism.
         num_iterations: passes over each rollout batch (old log-probs are computed only when > 1).
         epsilon: lower clip range of the ratio (``1 - epsilon``).
         epsilon_high: upper clip range (``1 + epsilon_high``; default ``epsilon``; DAPO's clip-higher: 0.28).
@@ -140,6 +144,7 @@ class CriticFreeModule(OnlineRLModule):
         mini_batch_size: int = 8,
         gradient_accumulation_steps: int = 1,
         token_budget: int | None = None,
+        balance_ranks: bool = False,
         num_iterations: int = 1,
         epsilon: float = 0.2,
         epsilon_high: float | None = None,

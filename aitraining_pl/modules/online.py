@@ -49,6 +49,7 @@ from aitraining_pl.rollout import (
 )
 from aitraining_pl.rollout.asynchronous import RolloutPipeline, staleness
 from aitraining_pl.rollout.batch import RolloutBatch
+from aitraining_pl.rollout.rank_balance import balance_across_ranks
 from aitraining_pl.rollout.source import RolloutSource
 from aitraining_pl.validation import rules
 
@@ -438,6 +439,9 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
                 return
             batch, rollout = ready.batch, self.on_device(ready.job.result)
             pipelined = {**staleness(pipeline.version, ready.version, rollout), **pipeline.stats()}
+        if self.hparam("balance_ranks") and self.trainer.world_size > 1:
+            rollout, batch, balance = self.balance_ranks(rollout, batch)
+            pipelined.update(balance)
         # 3. old / reference log-probs, values, advantages
         with torch.no_grad(), watch("experience"):
             experience, stats = self.make_experience(rollout)
@@ -453,6 +457,18 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
         stats.update(self.rollout_stats(rollout), **pipelined, **backend)
         stats.update({k: torch.tensor(v) for k, v in watch.online_step(int(rollout.attention_mask.sum())).items()})
         self.log_iteration(stats, n=rollout.input_ids.shape[0])
+
+    def balance_ranks(
+        self, rollout: RolloutBatch, batch: dict[str, Any]
+    ) -> tuple[RolloutBatch, dict[str, Any], dict[str, torch.Tensor]]:
+        """This rank's share of the ranks' prompt groups dealt by real tokens (``balance_ranks``;
+        ``rollout.rank_balance``), the batch with their prompts, and the ranks' token imbalance before and after."""
+        owner = type(self).__name__
+        if group_size() > 1:
+            raise ConfigError(f"{owner}.balance_ranks", "not with sequence parallelism: set one of them only")
+        pad = getattr(self.tokenizer, "pad_token_id", None) or 0
+        rollout, prompts, stats = balance_across_ranks(rollout, list(batch["prompts"]), pad, owner)
+        return rollout, {**batch, "prompts": prompts}, stats
 
     def on_device(self, rollout: RolloutBatch | dict[str, Any]) -> RolloutBatch:
         """``rollout`` (or its plain form from a checkpoint) with its tensors on this module's device."""

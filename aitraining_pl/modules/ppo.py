@@ -81,6 +81,10 @@ class PPOModule(OnlineRLModule):
             ``ppo_max_token_len_per_gpu``): each minibatch of ``mini_batch_size`` rows is split into balanced
             micro-batches within it with the minibatch's loss and gradients (docs/
             long_context.md); a longer row is an error. ``null``: one pass per minibatch.
+        balance_ranks: under data parallelism, deal each step's prompt groups to the ranks by their real tokens
+            after sampling (verl's ``balance_batch``: Karmarkar-Karp, as many groups on every rank), so that no
+            rank's update waits on another's longer rows; the rows move with ``all_to_all`` (docs/long_context.md).
+            Not for multi-turn episodes, per-row images or sequence parallelism.
         num_iterations: passes over each rollout batch (TRL's ``num_ppo_epochs``; the seed's ``ppo_epochs``).
         gamma: discount factor of GAE.
         lam: lambda of GAE.
@@ -143,6 +147,7 @@ class PPOModule(OnlineRLModule):
         mini_batch_size: int = 4,
         gradient_accumulation_steps: int = 1,
         token_budget: int | None = None,
+        balance_ranks: bool = False,
         num_iterations: int = 4,
         gamma: float = 0.99,
         lam: float = 0.95,

@@ -2,7 +2,8 @@
 With ``episodes`` as the second argument the reward is the multi-turn ``GuessingGame`` (episodes of different
 lengths and turn counts on the two ranks); with ``async``, asynchronous training (``max_staleness`` 1) on a generation
 server rank 0 starts (``server: launch``), for two epochs; with ``budget``, micro-batches within a ``token_budget``
-(the ranks' longer and shorter responses need different counts: each makes the most either needs).
+(the ranks' longer and shorter responses need different counts: each makes the most either needs); with
+``balance``, ``balance_ranks`` (the ranks' prompt groups dealt by real tokens after sampling).
 
 The ranks are given different ``max_new_tokens`` (ragged rollouts across ranks); the reward function records the
 prompt of every row it scores, so the test can check that each prompt's G samples stayed on one rank, together.
@@ -63,6 +64,7 @@ def main(out: str, mode: str = "responses") -> None:
         num_iterations=2,
         kl_coef=0.04,
         token_budget=20 if mode == "budget" else None,  # rows of 9 to 15 tokens: 3 or 4 micro-batches of 4 rows
+        balance_ranks=mode == "balance",
     )
     metadata = [{"secret": 1 + i % 7} for i in range(8)] if episodes else None
     data = PromptDataModule(

@@ -98,3 +98,33 @@ def test_two_rank_grpo_with_a_token_budget_ends_with_identical_weights(tmp_path)
     assert r0["global_step"] == r1["global_step"] == 4
     for name, tensor in r0["state"].items():
         assert torch.equal(tensor, r1["state"][name]), name
+
+
+@pytest.mark.ddp
+def test_two_rank_grpo_with_balanced_ranks_trains_as_without(tmp_path):
+    """``balance_ranks`` under two DDP ranks whose responses differ in length (3 and 7 tokens at most): each rank's
+    prompt groups are dealt by real tokens after sampling, so the ranks' token counts even out, and since GRPO's
+    ``sequence`` loss averages the same 16 rows over both ranks (every optimizer step takes all 8 rows of a rank), the
+    weights end as without balancing, to float32 rounding; the two ranks end identical."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    runs = {}
+    for mode in ("responses", "balance"):
+        out = tmp_path / mode
+        out.mkdir()
+        proc = subprocess.run(
+            [sys.executable, SCRIPT, str(out), mode], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[mode] = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    r0, r1 = runs["balance"]
+    before, after = (
+        r0["metrics"]["train/rank_tokens/imbalance_before"],
+        r0["metrics"]["train/rank_tokens/imbalance_after"],
+    )
+    assert before > 0.05 and after < before / 2, (before, after)
+    assert r0["global_step"] == r1["global_step"] == 4
+    for name, tensor in r0["state"].items():
+        assert torch.equal(tensor, r1["state"][name]), name
+        torch.testing.assert_close(tensor, runs["responses"][0]["state"][name], rtol=1e-4, atol=1e-5, msg=name)
+    # the same responses were sampled and scored: the logged reward is the same
+    assert r0["metrics"]["train/reward_mean"] == pytest.approx(runs["responses"][0]["metrics"]["train/reward_mean"])
