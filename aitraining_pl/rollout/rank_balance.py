@@ -126,13 +126,14 @@ def balance_across_ranks(
     lists = [None] * world
     components = {k: [v[i] for i in order] for k, v in padded.components.items()}
     dist.all_gather_object(lists, ([padded.texts[i] for i in order], components, list(prompts)))
-    texts, parts, sources = [], {k: [] for k in padded.components}, []
+    keys = sorted({k for _, sent, _ in lists for k in sent})  # a component one rank lacks: None on its rows
+    texts, parts, sources = [], {k: [] for k in keys}, []
     for source in range(world):
         sent_texts, sent_components, _ = lists[source]
         start = sum(int(sizes[source][k]) for k in range(rank))
         texts += sent_texts[start : start + receive[source]]
         for k in parts:
-            parts[k] += sent_components[k][start : start + receive[source]]
+            parts[k] += sent_components.get(k, [None] * len(sent_texts))[start : start + receive[source]]
         sources += [source] * receive[source]
     # renumber: group j of this rank is the j-th (rank, group) pair of its part
     number = {pair: j for j, pair in enumerate(dealt[rank])}
