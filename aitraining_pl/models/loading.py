@@ -156,7 +156,20 @@ def _load(auto_class, model_name, model_config, dtype, attn_implementation, trus
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     model = from_pretrained(getattr(transformers, auto_class).from_pretrained, model_name, "model", **kwargs)
+    if gguf:
+        _drop_gguf_marks(model)
     return model.train()  # from_pretrained returns eval mode; the caller trains it (a frozen copy calls .eval())
+
+
+def _drop_gguf_marks(model: nn.Module) -> None:
+    """A model transformers read from a GGUF file holds dequantised float weights, but keeps the GGUF quantizer's
+    marks (``hf_quantizer``, ``is_quantized``, ``config.quantization_config``), for which ``save_pretrained``
+    refuses it ("quantized with gguf and is not serializable"): removed, so it exports like any model."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.quantization_method = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 def gguf_source(name: str) -> tuple[str, dict[str, str]]:

@@ -224,14 +224,15 @@ def save_adapter_base(
     ``base_model_name_or_path``, so ``peft.AutoPeftModelForCausalLM.from_pretrained(folder)`` works offline.
 
     The base is ``model_name`` (a hub id as given; a local folder as its absolute path), or, for a model built
-    from an inline config (no folder, no hub id), its base weights (adapters removed, not merged) and
+    from an inline config (no folder, no hub id) or read from a GGUF file (which peft cannot load as a base), its
+    base weights (adapters removed, not merged; a GGUF's dequantised) and
     ``tokenizer`` written to ``<folder>/base/`` and named by that folder's absolute path: peft resolves a
     relative ``base_model_name_or_path`` against the current directory, not the adapter folder. ``full_base``
     (a QLoRA policy's full-precision base) is written there instead of the peft model's own base weights. After
     moving the export, ``link_adapter_base(new_folder)`` points it at its ``base/`` again. Returns the name
     written."""
     folder = Path(folder)
-    if model_name is not None:
+    if model_name is not None and not str(model_name).lower().endswith(".gguf"):  # ``loading.gguf_source``'s rule
         base = str(Path(model_name).resolve()) if Path(model_name).is_dir() else model_name
     else:
         if full_base is not None:

@@ -101,3 +101,33 @@ def test_a_gguf_file_in_a_hub_repo_is_spelled_org_repo_file(tmp_path, monkeypatc
     assert module.policy.training
     with pytest.raises(ModelLoadError, match="Org/tiny-GGUF.*cannot load the model"):
         load_causal_lm("Org/tiny-GGUF/other.gguf")
+
+
+def test_a_lora_export_of_a_gguf_model_loads_with_peft(tmp_path):
+    """A LoRA policy loaded from a GGUF file exports (transformers marks a GGUF-read model as quantized and would
+    refuse to save it; ``loading`` drops the marks, the weights being dequantised floats): its adapters with the
+    dequantised base written beside them (``<export>/base``, as for an inline config: peft cannot load a ``.gguf``
+    as ``base_model_name_or_path``), which ``AutoPeftModelForCausalLM.from_pretrained(export)`` loads offline, and
+    the merged weights, which transformers loads; both give the trained policy's logits."""
+    import torch
+    from conftest import TINY_LLAMA
+    from peft import AutoPeftModelForCausalLM
+    from tiny_gguf import write_tiny_gguf
+    from transformers import AutoModelForCausalLM
+
+    from aitraining_pl.models import LoRAConfig, build_causal_lm
+
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", build_causal_lm({**TINY_LLAMA, "tie_word_embeddings": False})))
+    module = SFTModule(model_name=path, tokenizer_name="byte", lora=LoRAConfig(r=4, dropout=0.0))
+    with torch.no_grad():  # adapters that change the model (lora_B starts at zero)
+        for name, param in module.policy.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.1)
+    module.save_pretrained(tmp_path / "export")
+    module.save_pretrained(tmp_path / "merged", merge_lora=True)
+    ids = torch.randint(3, 300, (2, 7))
+    with torch.no_grad():
+        want = module.policy.eval()(ids).logits
+        for loaded in (AutoPeftModelForCausalLM.from_pretrained(tmp_path / "export"),
+                       AutoModelForCausalLM.from_pretrained(tmp_path / "merged")):  # fmt: skip
+            torch.testing.assert_close(loaded.eval()(ids).logits, want)
