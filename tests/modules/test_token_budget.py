@@ -361,6 +361,37 @@ def test_grpo_fit_with_a_budget_makes_the_same_update(tmp_path, monkeypatch):
     assert not torch.allclose(initial.lm_head.weight, weights[1]["lm_head.weight"])  # it trained
 
 
+@pytest.mark.slow
+def test_vision_language_grpo_with_a_budget_makes_the_same_update(tmp_path):
+    """Rows that carry images (a tiny Qwen2-VL on the colour-squares task, 19 tokens a row with the image's): with a
+    budget of 40 tokens the minibatch of 8 rows runs as 4 micro-batches, each with its rows' images, and one step
+    moves the weights as the one pass over the minibatch does."""
+    import lightning.pytorch as pl
+    from conftest import quiet_trainer
+
+    from aitraining_pl.datamodules.colours import ColourSquaresDataModule
+    from aitraining_pl.modules.critic_free import GRPOModule
+
+    weights, splits = [], []
+    for budget in (None, 40):
+        pl.seed_everything(0)
+        module = GRPOModule(
+            model_config={"preset": "tiny-qwen2-vl"}, tokenizer_name="tiny-qwen2-vl",
+            reward=lambda prompts, responses, metadata: [float(len(r) % 3) for r in responses],
+            generation={"max_new_tokens": 6, "temperature": 1.0}, num_generations=4, learning_rate=1e-2,
+            mini_batch_size=8, kl_coef=0.0, max_grad_norm=0.0, token_budget=budget,
+        )  # fmt: skip
+        data = ColourSquaresDataModule(num_prompts=2, num_val_prompts=0, tokenizer=module.tokenizer, batch_size=2)
+        split = module.micro_batches
+        module.micro_batches = lambda experience, rows: splits.append(split(experience, rows)) or splits[-1]
+        quiet_trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(module, data)
+        weights.append({n: p.detach().clone() for n, p in module.policy.named_parameters()})
+    assert [len(parts) for parts in splits] == [1, 4]
+    assert max(float((weights[0][n] - weights[1][n]).abs().max()) for n in weights[0]) < 1e-5
+    start = GRPOModule(model_config={"preset": "tiny-qwen2-vl"}, tokenizer_name="tiny-qwen2-vl", reward=TOY_REWARD)
+    assert not torch.allclose(start.policy.lm_head.weight, weights[1]["lm_head.weight"])  # it trained
+
+
 def test_a_prompt_too_long_for_the_budget_is_refused_before_training(tmp_path):
     """GRPO with ``token_budget: 20`` and ``max_new_tokens: 16``: the training data's 9-token prompt makes rows of up
     to 25 tokens, which fit no micro-batch; ``fit`` stops at setup, before any rollout, with one line naming the
