@@ -168,24 +168,24 @@ def balance_ranks(lengths: Sequence[int], ranks: int) -> list[list[int]]:
     return karmarkar_karp(lengths, ranks, equal_size=True)
 
 
+def normaliser(aggregation: str, mask: torch.Tensor) -> float:
+    """What a loss of ``aggregation`` divides by on rows with the loss mask ``mask`` (n, R): ``token`` (a token mean:
+    PPO, DAPO, SFT, distillation) the tokens in the loss, ``sequence`` (GRPO's mean of response means over the rows
+    with a token) such rows, ``constant`` (Dr. GRPO's sum over rows x a constant) the rows."""
+    if aggregation == "token":
+        return float(mask.sum())
+    if aggregation == "sequence":
+        return float((mask.sum(1) > 0).sum())
+    if aggregation == "constant":
+        return float(mask.shape[0])
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; known: token, sequence, constant")
+
+
 def loss_share(aggregation: str, micro_mask: torch.Tensor, batch_mask: torch.Tensor) -> float:
     """The weight of a micro-batch's loss, computed with its own normaliser, in the batch's loss: the micro-batch's
-    normaliser over the batch's, so that the weighted losses of the micro-batches sum to the batch's loss.
-
-    Args:
-        aggregation: ``token`` (a token mean: PPO, DAPO, SFT, distillation; tokens of ``micro_mask`` over those of
-            ``batch_mask``), ``sequence`` (GRPO's mean of response means over the rows with a token: such rows over
-            such rows) or ``constant`` (Dr. GRPO's sum over rows x a constant: rows over rows).
-        micro_mask: (n, R) the micro-batch's loss mask. batch_mask: (N, R) the batch's.
-    """
-    if aggregation == "token":
-        micro, batch = float(micro_mask.sum()), float(batch_mask.sum())
-    elif aggregation == "sequence":
-        micro, batch = float((micro_mask.sum(1) > 0).sum()), float((batch_mask.sum(1) > 0).sum())
-    elif aggregation == "constant":
-        micro, batch = float(micro_mask.shape[0]), float(batch_mask.shape[0])
-    else:
-        raise ValueError(f"unknown loss aggregation {aggregation!r}; known: token, sequence, constant")
+    ``normaliser`` over the batch's, so that the weighted losses of the micro-batches sum to the batch's loss.
+    ``micro_mask``: (n, R) the micro-batch's loss mask; ``batch_mask``: (N, R) the batch's."""
+    micro, batch = normaliser(aggregation, micro_mask), normaliser(aggregation, batch_mask)
     if batch == 0:  # no token in the batch's loss: each micro-batch's loss is 0 (or its plain sum, 0 as well)
         return micro_mask.shape[0] / max(1, batch_mask.shape[0])
     return micro / batch

@@ -3,7 +3,12 @@ minibatch of ``mini_batch_size`` rows is split into micro-batches of at most ``t
 (``losses.micro_batches``), one forward and backward each. Each micro-batch's loss, with its own normaliser, is
 weighted by its ``loss_share`` (its normaliser over the minibatch's), so the minibatch's loss and gradient are the
 same as in one pass for every ``loss_aggregation``, with no second forward; the peak holds one micro-batch's
-activations. The no-grad passes (old, reference, teacher) run in consecutive runs within the budget."""
+activations. The no-grad passes (old, reference, teacher) run in consecutive runs within the budget.
+
+Under data parallelism the same holds across ranks (``rank_share``): each rank's loss is weighted by its normaliser
+over the ranks' mean, so the ranks' average, which DDP's and FSDP's gradient reduction takes, is the loss of all
+their rows with one normaliser (a token mean over every rank's tokens, as TRL's ``dapo`` loss and verl's global
+token mean), not a mean of per-rank means."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from typing import Any
 import torch
 
 from aitraining_pl.errors import ConfigError
-from aitraining_pl.losses.micro_batches import contiguous_budget_split, loss_share, token_budget_partition
+from aitraining_pl.losses.micro_batches import contiguous_budget_split, loss_share, normaliser, token_budget_partition
 from aitraining_pl.models.routing_replay import RouterLoad
 from aitraining_pl.models.sequence_parallel import group_size
 
@@ -89,6 +94,17 @@ class TokenBudgetSteps:
         mask, aggregation = experience.mask, self.share_aggregation()
         return [(rows[g], loss_share(aggregation, mask[rows[g]], mask[rows])) for g in groups]
 
+    def rank_share(self, experience: Any, rows: torch.Tensor) -> float:
+        """This rank's weight in the data-parallel minibatch's loss: its ``normaliser`` (of ``share_aggregation``)
+        times the ranks over the sum of all ranks' normalisers (one all-reduce), so that the ranks' average of
+        their weighted losses is the loss of all their rows with one normaliser; 1 in one process, or when no rank
+        has a token in the loss. (Sequence-parallel ranks hold the same rows: their counts scale both sides.)"""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return 1.0
+        local = normaliser(self.share_aggregation(), experience.mask[rows])
+        total = float(self.trainer.strategy.reduce(torch.tensor(local, device=self.device), reduce_op="sum"))
+        return local * self.trainer.world_size / total if total else 1.0
+
     def minibatch_backward(
         self, optimizer: Any, experience: Any, rows: torch.Tensor, accum: int, sync: bool
     ) -> dict[str, torch.Tensor]:
@@ -99,9 +115,10 @@ class TokenBudgetSteps:
         a gradient-free pass over the micro-batches first counts the router load
         (``models.routing_replay.RouterLoad``), then each micro-batch adds its exact part. Returns the stats: ``loss``
         that sum (the auxiliary loss included), ``routing/aux_loss`` the minibatch's, the others the share-weighted
-        means of the micro-batches'."""
+        means of the micro-batches'. Under data parallelism the loss is also weighted by ``rank_share`` (the
+        returned stats are not: they stay this rank's)."""
         parts = self.micro_batches(experience, rows)
-        split = len(parts) > 1
+        split, scale = len(parts) > 1, self.rank_share(experience, rows)
         if split and bool(getattr(getattr(self.policy, "config", None), "output_router_logits", False)):
             self.router_load = RouterLoad()
             with torch.no_grad():
@@ -114,7 +131,8 @@ class TokenBudgetSteps:
                 with optimizer.toggle_model(sync_grad=sync and k == len(parts) - 1):
                     loss, stats = self.minibatch_loss(experience, micro)
                     aux = stats.get("routing/aux_loss")
-                    loss = loss * share if split else loss
+                    weight = (share if split else 1.0) * scale
+                    loss = loss * weight if split or scale != 1.0 else loss
                     self.manual_backward((loss if aux is None else loss + aux) / accum)
                 for key, value in stats.items():
                     whole = key == "routing/aux_loss"  # each micro-batch's part of the minibatch's: summed

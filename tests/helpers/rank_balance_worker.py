@@ -1,6 +1,6 @@
-"""Run by tests/rollout/test_online_rank_balance.py in 2 gloo processes (``torch.multiprocessing.spawn``): each rank builds a
-rollout of 2 prompt groups x 2 samples with its own prompt and response lengths and row lengths, balances it
-(``rollout.rank_balance.balance_across_ranks``) and saves what it got to OUT/rank<r>.pt."""
+"""Run by tests/rollout/test_online_rank_balance.py in 2 gloo processes (``torch.multiprocessing.spawn``): each rank
+builds a rollout of 2 prompt groups x 2 samples with its own prompt and response lengths and row lengths, balances
+it (``rollout.rank_balance.balance_across_ranks``) and saves what it got to OUT/rank<r>.pt."""
 
 import os
 

@@ -101,18 +101,23 @@ def test_two_rank_grpo_with_a_token_budget_ends_with_identical_weights(tmp_path)
 
 
 @pytest.mark.ddp
-def test_two_rank_grpo_with_balanced_ranks_trains_as_without(tmp_path):
+@pytest.mark.parametrize("aggregation", ["sequence", "token"])
+def test_two_rank_grpo_with_balanced_ranks_trains_as_without(tmp_path, aggregation):
     """``balance_ranks`` under two DDP ranks whose responses differ in length (3 and 7 tokens at most): each rank's
-    prompt groups are dealt by real tokens after sampling, so the ranks' token counts even out, and since GRPO's
-    ``sequence`` loss averages the same 16 rows over both ranks (every optimizer step takes all 8 rows of a rank), the
-    weights end as without balancing, to float32 rounding; the two ranks end identical."""
+    prompt groups are dealt by real tokens after sampling, so the ranks' token counts even out, and the weights end
+    as without balancing, to float32 rounding; the two ranks end identical. Every optimizer step takes all 8 rows of
+    a rank, and each rank's loss is weighted by its normaliser over the ranks' (``rank_share``), so the step's loss
+    is that of all 16 rows with one normaliser wherever the rows are: GRPO's ``sequence`` mean (over 2 accumulated
+    minibatches of 4 rows a rank, each with 8 rows over the ranks) and DAPO's ``token`` mean (one minibatch of 8
+    rows a rank: a token mean's normaliser is its minibatch's). With a mean of per-rank token means (``rank_share``
+    returning 1), the ``token`` case fails here: moving rows changes their weights."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     runs = {}
     for mode in ("responses", "balance"):
         out = tmp_path / mode
         out.mkdir()
         proc = subprocess.run(
-            [sys.executable, SCRIPT, str(out), mode], env=env, capture_output=True, text=True, timeout=600
+            [sys.executable, SCRIPT, str(out), mode, aggregation], env=env, capture_output=True, text=True, timeout=600
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs[mode] = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
