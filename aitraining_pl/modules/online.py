@@ -520,7 +520,8 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
 
     def update(self, experience: Any, n: int) -> dict[str, torch.Tensor]:
         """``num_iterations`` passes over shuffled minibatches of the ``n`` rollouts with gradient accumulation
-        and clipping; every rank makes the same number of (synchronised) optimizer steps. Returns the
+        and clipping; every rank makes the same number of (synchronised) optimizer steps, each the loss of all its
+        rows (every accumulated minibatch, every rank) with one normaliser (``step_share``). Returns the
         minibatch-mean stats."""
         hp = self.hparams
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
@@ -528,16 +529,22 @@ class OnlineRLModule(TokenBudgetSteps, PolicyLossOptions, AlignmentModule):
         self.updates_per_iteration(n // (self.num_generations * self.rows_per_sample))  # validates the batch split
         generator = torch.Generator().manual_seed(hp.seed * 1_000_003 + self.global_step)
         history: list[dict[str, torch.Tensor]] = []
-        for _ in range(self.num_iterations):
-            order = torch.randperm(n, generator=generator).to(self.device)
-            for i, start in enumerate(range(0, n, hp.mini_batch_size)):
-                last_micro = (i + 1) % accum == 0
-                rows = order[start : start + hp.mini_batch_size]
-                history.append(self.minibatch_backward(optimizer, experience, rows, accum, sync=last_micro))
-                if last_micro:
-                    optimizer.step()  # clips first (``on_before_optimizer_step``)
-                    optimizer.zero_grad(set_to_none=True)
-                    scheduler.step()
+        try:
+            for _ in range(self.num_iterations):
+                order = torch.randperm(n, generator=generator).to(self.device)
+                for i, start in enumerate(range(0, n, hp.mini_batch_size)):
+                    last_micro = (i + 1) % accum == 0
+                    rows = order[start : start + hp.mini_batch_size]
+                    if i % accum == 0:  # the optimizer step's rows: one normaliser for them all
+                        step_rows = order[start : start + accum * hp.mini_batch_size]
+                        self.step_normaliser = self.normaliser_over_ranks(experience, step_rows)
+                    history.append(self.minibatch_backward(optimizer, experience, rows, accum, sync=last_micro))
+                    if last_micro:
+                        optimizer.step()  # clips first (``on_before_optimizer_step``)
+                        optimizer.zero_grad(set_to_none=True)
+                        scheduler.step()
+        finally:
+            self.step_normaliser = None
         self.update_history = history  # per-minibatch stats of the last iteration (tests, debugging)
         return {k: torch.stack([h[k] for h in history]).mean() for k in history[0]}
 

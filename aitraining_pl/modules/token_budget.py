@@ -5,10 +5,12 @@ weighted by its ``loss_share`` (its normaliser over the minibatch's), so the min
 same as in one pass for every ``loss_aggregation``, with no second forward; the peak holds one micro-batch's
 activations. The no-grad passes (old, reference, teacher) run in consecutive runs within the budget.
 
-Under data parallelism the same holds across ranks (``rank_share``): each rank's loss is weighted by its normaliser
-over the ranks' mean, so the ranks' average, which DDP's and FSDP's gradient reduction takes, is the loss of all
-their rows with one normaliser (a token mean over every rank's tokens, as TRL's ``dapo`` loss and verl's global
-token mean), not a mean of per-rank means."""
+The same holds for an optimizer step over accumulated minibatches and data-parallel ranks (``step_share``): each
+minibatch's loss is weighted by its normaliser over the mean of the step's, so the ranks' average of the
+accumulated gradients (DDP's and FSDP's reduction) is the gradient of the loss of all the step's rows with one
+normaliser (for ``token``, a token mean over the whole accumulated batch of every rank, as TRL's ``dapo`` loss,
+verl's global token mean and transformers' ``num_items_in_batch`` fix of gradient accumulation), not a mean of
+per-minibatch or per-rank means."""
 
 from __future__ import annotations
 
@@ -94,16 +96,28 @@ class TokenBudgetSteps:
         mask, aggregation = experience.mask, self.share_aggregation()
         return [(rows[g], loss_share(aggregation, mask[rows[g]], mask[rows])) for g in groups]
 
-    def rank_share(self, experience: Any, rows: torch.Tensor) -> float:
-        """This rank's weight in the data-parallel minibatch's loss: its ``normaliser`` (of ``share_aggregation``)
-        times the ranks over the sum of all ranks' normalisers (one all-reduce), so that the ranks' average of
-        their weighted losses is the loss of all their rows with one normaliser; 1 in one process, or when no rank
-        has a token in the loss. (Sequence-parallel ranks hold the same rows: their counts scale both sides.)"""
-        if self._trainer is None or self.trainer.world_size == 1:
-            return 1.0
+    #: the normaliser of the current optimizer step's rows over every rank (``normaliser_over_ranks``), set by the
+    #: update loop at each step's first minibatch; None: each minibatch is its own step (direct calls)
+    step_normaliser: float | None = None
+
+    def normaliser_over_ranks(self, experience: Any, rows: torch.Tensor) -> float:
+        """``losses.micro_batches.normaliser`` (of ``share_aggregation``) of ``rows`` summed over the ranks (one
+        all-reduce of a number; none in one process)."""
         local = normaliser(self.share_aggregation(), experience.mask[rows])
-        total = float(self.trainer.strategy.reduce(torch.tensor(local, device=self.device), reduce_op="sum"))
-        return local * self.trainer.world_size / total if total else 1.0
+        if self._trainer is None or self.trainer.world_size == 1:
+            return local
+        return float(self.trainer.strategy.reduce(torch.tensor(local, device=self.device), reduce_op="sum"))
+
+    def step_share(self, experience: Any, rows: torch.Tensor, accum: int) -> float:
+        """The weight of minibatch ``rows``'s loss (computed with its own normaliser, then divided by ``accum``) in
+        its optimizer step's: its normaliser times ``accum`` times the ranks over ``step_normaliser``, so that the
+        ranks' average of the accumulated gradients is that of all the step's rows under one normaliser. 1 without
+        a step normaliser, when the step has no token in the loss, and for one minibatch in one process.
+        (Sequence-parallel ranks hold the same rows: their counts scale both sides.)"""
+        if not self.step_normaliser:
+            return 1.0
+        ranks = 1 if self._trainer is None else self.trainer.world_size
+        return normaliser(self.share_aggregation(), experience.mask[rows]) * accum * ranks / self.step_normaliser
 
     def minibatch_backward(
         self, optimizer: Any, experience: Any, rows: torch.Tensor, accum: int, sync: bool
@@ -115,10 +129,10 @@ class TokenBudgetSteps:
         a gradient-free pass over the micro-batches first counts the router load
         (``models.routing_replay.RouterLoad``), then each micro-batch adds its exact part. Returns the stats: ``loss``
         that sum (the auxiliary loss included), ``routing/aux_loss`` the minibatch's, the others the share-weighted
-        means of the micro-batches'. Under data parallelism the loss is also weighted by ``rank_share`` (the
-        returned stats are not: they stay this rank's)."""
+        means of the micro-batches'. The loss is also weighted by ``step_share`` (the returned stats are not: they
+        stay this minibatch's)."""
         parts = self.micro_batches(experience, rows)
-        split, scale = len(parts) > 1, self.rank_share(experience, rows)
+        split, scale = len(parts) > 1, self.step_share(experience, rows, accum)
         if split and bool(getattr(getattr(self.policy, "config", None), "output_router_logits", False)):
             self.router_load = RouterLoad()
             with torch.no_grad():

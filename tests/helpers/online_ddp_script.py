@@ -4,8 +4,7 @@ lengths and turn counts on the two ranks); with ``async``, asynchronous training
 server rank 0 starts (``server: launch``), for two epochs; with ``budget``, micro-batches within a ``token_budget``
 (the ranks' longer and shorter responses need different counts: each makes the most either needs); with
 ``balance``, ``balance_ranks`` (the ranks' prompt groups dealt by real tokens after sampling). A third argument
-sets ``loss_aggregation`` (default GRPO's ``sequence``; with ``token``, one minibatch of all 8 rows per optimizer
-step).
+sets ``loss_aggregation`` (default GRPO's ``sequence``).
 
 The ranks are given different ``max_new_tokens`` (ragged rollouts across ranks); the reward function records the
 prompt of every row it scores, so the test can check that each prompt's G samples stayed on one rank, together.
@@ -61,8 +60,8 @@ def main(out: str, mode: str = "responses", aggregation: str = "sequence") -> No
             max_new_tokens=4, temperature=1.0, **({"server": "launch", "max_staleness": 1} if mode == "async" else {})
         ),
         learning_rate=1e-3,
-        mini_batch_size=8 if aggregation == "token" else 4,  # a token mean's normaliser is its minibatch's
-        gradient_accumulation_steps=1 if aggregation == "token" else 2,
+        mini_batch_size=4,
+        gradient_accumulation_steps=2,
         num_iterations=2,
         kl_coef=0.04,
         token_budget=20 if mode == "budget" else None,  # rows of 9 to 15 tokens: 3 or 4 micro-batches of 4 rows

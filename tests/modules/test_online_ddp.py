@@ -106,11 +106,10 @@ def test_two_rank_grpo_with_balanced_ranks_trains_as_without(tmp_path, aggregati
     """``balance_ranks`` under two DDP ranks whose responses differ in length (3 and 7 tokens at most): each rank's
     prompt groups are dealt by real tokens after sampling, so the ranks' token counts even out, and the weights end
     as without balancing, to float32 rounding; the two ranks end identical. Every optimizer step takes all 8 rows of
-    a rank, and each rank's loss is weighted by its normaliser over the ranks' (``rank_share``), so the step's loss
-    is that of all 16 rows with one normaliser wherever the rows are: GRPO's ``sequence`` mean (over 2 accumulated
-    minibatches of 4 rows a rank, each with 8 rows over the ranks) and DAPO's ``token`` mean (one minibatch of 8
-    rows a rank: a token mean's normaliser is its minibatch's). With a mean of per-rank token means (``rank_share``
-    returning 1), the ``token`` case fails here: moving rows changes their weights."""
+    a rank (2 accumulated minibatches of 4), and each minibatch's loss is weighted by its normaliser over the mean of
+    its step's over the ranks (``step_share``), so the step's loss is that of all 16 rows with one normaliser
+    wherever the rows are and however the minibatches are drawn: GRPO's ``sequence`` mean and DAPO's ``token`` mean.
+    With ``step_share`` returning 1 (a mean of per-minibatch, per-rank token means), the ``token`` case fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     runs = {}
     for mode in ("responses", "balance"):

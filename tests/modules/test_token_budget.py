@@ -226,6 +226,32 @@ def test_grpo_family(grpo, aggregation):
     _check_online(grpo, experience, f"GRPO family, loss_aggregation {aggregation}")
 
 
+@pytest.mark.parametrize("aggregation", ["sequence", "token", "constant"])
+def test_accumulated_minibatches_make_the_gradient_of_one(grpo, aggregation):
+    """An optimizer step over 2 accumulated minibatches of 4 rows (``step_normaliser`` set for the step's 8 rows, as
+    the update loop sets it) has the gradient of one minibatch of the 8 rows, for every aggregation: each
+    minibatch's loss weighted by ``step_share`` (its normaliser over the mean of the step's), not a mean of
+    per-minibatch means (which differ here for ``token`` and ``sequence``: the halves hold 108 and 38 tokens in the
+    loss, and 4 and 3 rows with a token)."""
+    grpo.hparams["loss_aggregation"] = aggregation
+    grpo.hparams["token_budget"] = None
+    ids, attention, mask, loss_mask, advantages, old, ref = _rollout_tensors()
+    experience = PolicyExperience(ids, attention, 4, loss_mask, advantages, old, ref, mask)
+    grpo.manual_backward = lambda loss: loss.backward()
+    rows = torch.arange(8)
+    grpo.zero_grad(set_to_none=True)
+    grpo.minibatch_backward(_Optimizer(), experience, rows, accum=1, sync=True)
+    want = _grads(grpo)
+    grpo.zero_grad(set_to_none=True)
+    grpo.step_normaliser = grpo.normaliser_over_ranks(experience, rows)
+    try:
+        for half in rows.split(4):
+            grpo.minibatch_backward(_Optimizer(), experience, half, accum=2, sync=True)
+    finally:
+        grpo.step_normaliser = None
+    assert _max_diff(_grads(grpo), want) < ATOL
+
+
 def test_gspo_sequence_ratio():
     module = CriticFreeModule(
         model_config=TINY_LLAMA, tokenizer_name="byte", reward=TOY_REWARD, kl_coef=0.0, num_generations=2,
