@@ -312,12 +312,17 @@ def looks_like_path(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
 
 
+def names_gguf(name: Any) -> bool:
+    """Whether a model or tokenizer name is a GGUF file (local, or ``org/repo/file.gguf`` on the hub): its suffix."""
+    return str(name).lower().endswith(".gguf")
+
+
 def hub_gguf_file(name: str) -> tuple[str, str] | None:
     """``(repo id, file in the repo)`` for a ``.gguf`` name spelled ``org/repo/file.gguf`` (or
     ``org/repo/folder/file.gguf``) that is not a local file: a GGUF file in a hub repo, which transformers reads
     with ``from_pretrained(repo, gguf_file=file)``. None for any other name; one that starts with ``/``, ``.`` or
     ``~`` is a local path."""
-    if not name.lower().endswith(".gguf") or name.startswith(("/", ".", "~")) or os.path.isfile(name):
+    if not names_gguf(name) or name.startswith(("/", ".", "~")) or os.path.isfile(name):
         return None
     parts = name.split("/")
     if len(parts) < 3 or not all(parts) or (os.sep != "/" and os.sep in name):
@@ -331,7 +336,7 @@ def _check_paths(hparams: Mapping[str, Any], owner: str) -> None:
     for name, error in (("model_name", ModelLoadError), ("tokenizer_name", ModelLoadError), ("reward", RewardError)):
         value = hparams.get(name)
         if isinstance(value, str) and looks_like_path(value) and not os.path.isdir(os.path.expanduser(value)):
-            if value.lower().endswith(".gguf") and name != "reward":
+            if names_gguf(value) and name != "reward":
                 if not os.path.isfile(os.path.expanduser(value)) and hub_gguf_file(value) is None:
                     raise error(f"{owner}.{name}", f"GGUF file {value!r} not found")
                 continue

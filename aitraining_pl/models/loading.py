@@ -19,7 +19,7 @@ from torch import nn
 
 from aitraining_pl.errors import ModelLoadError
 from aitraining_pl.models.presets import resolve_model_config
-from aitraining_pl.validation import hub_gguf_file, looks_like_path
+from aitraining_pl.validation import hub_gguf_file, looks_like_path, names_gguf
 
 #: The tokenizer name meaning "a byte-level tokenizer that needs no files" (``ByT5Tokenizer``).
 BYTE_TOKENIZER = "byte"
@@ -177,7 +177,7 @@ def gguf_source(name: str) -> tuple[str, dict[str, str]]:
     spelled ``org/repo/file.gguf`` (``validation.hub_gguf_file``): a model that exists only in llama.cpp's
     format, whose config, tokenizer and weights transformers reads, dequantised, with ``from_pretrained(folder,
     gguf_file=...)`` (needs the ``gguf`` package); else ``(name, {})``."""
-    if not str(name).lower().endswith(".gguf"):
+    if not names_gguf(name):
         return name, {}
     path = os.path.expanduser(name)
     if os.path.isfile(path):

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from aitraining_pl.validation import Ranges, replaced, rules
+from aitraining_pl.validation import Ranges, names_gguf, replaced, rules
 
 
 class _KernelsNotice(logging.Filter):
@@ -232,7 +232,7 @@ def save_adapter_base(
     moving the export, ``link_adapter_base(new_folder)`` points it at its ``base/`` again. Returns the name
     written."""
     folder = Path(folder)
-    if model_name is not None and not str(model_name).lower().endswith(".gguf"):  # ``loading.gguf_source``'s rule
+    if model_name is not None and not names_gguf(model_name):
         base = str(Path(model_name).resolve()) if Path(model_name).is_dir() else model_name
     else:
         if full_base is not None:
