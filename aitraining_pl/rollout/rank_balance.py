@@ -90,14 +90,14 @@ def balance_across_ranks(
     groups = len(prompts)
     group = rollout.group.long()
     row_tokens = rollout.attention_mask.sum(1).long()
-    mine = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, group, row_tokens)
     shapes = torch.tensor([rollout.prompt_length, rollout.mask.shape[1], groups], device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine)
     dims = [torch.empty_like(shapes) for _ in range(world)]
-    dist.all_gather(dims, shapes)
+    dist.all_gather(dims, shapes)  # first: the token counts' gather needs one length on every rank
     if len({int(d[2]) for d in dims}) != 1:
         raise ValueError(f"{owner}.balance_ranks: the ranks sampled different numbers of prompts")
+    mine = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, group, row_tokens)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
     tokens = [t.tolist() for t in gathered]
     dealt = deal_groups(tokens)
     before = imbalance([sum(t) for t in tokens])
